@@ -1,1 +1,162 @@
-fn main(){}
+//! The benchmark runner behind `cargo xtask bench`.
+//!
+//! Runs suites of problems × implementations on one backend, prints a markdown table, and
+//! writes `<out>/<date>-<device>.json`, `.md` and an SVG chart per suite.
+
+mod harness;
+mod report;
+mod suites;
+
+use burn::tensor::backend::Backend;
+use burn_cce::CceBackend;
+use clap::{Parser, ValueEnum};
+use std::path::PathBuf;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum BackendKind {
+    Cuda,
+    Vulkan,
+}
+
+#[derive(Debug, Parser)]
+#[command(about = "burn-kernels benchmarks: problems × implementations against a baseline")]
+struct Args {
+    /// Runtime to measure on.
+    #[arg(long, value_enum, default_value = "cuda")]
+    backend: BackendKind,
+    /// Suites to run (repeatable), or `all`.
+    #[arg(long = "suite", default_value = "all")]
+    suites: Vec<String>,
+    /// Fewer sizes and shorter timing, for a smoke test.
+    #[arg(long)]
+    quick: bool,
+    /// Folder for the JSON, markdown and SVG results.
+    #[arg(long, default_value = "bench/results")]
+    out: PathBuf,
+    /// Device memory (GB) an implementation may use; larger problems are skipped for it.
+    #[arg(long, default_value_t = 40.0)]
+    max_mem_gb: f64,
+    /// Device name for the results (default: nvidia-smi's name on CUDA, else the backend's).
+    #[arg(long)]
+    device_name: Option<String>,
+    /// Commit the binary was built from (default: `git rev-parse`, else the COMMIT file
+    /// next to the executable, written by `cargo xtask device-build`).
+    #[arg(long)]
+    commit: Option<String>,
+    /// List the suites and exit.
+    #[arg(long)]
+    list: bool,
+}
+
+fn main() {
+    let args = Args::parse();
+    if args.list {
+        for s in suites::ALL {
+            println!("{s}");
+        }
+        return;
+    }
+    let result = match args.backend {
+        BackendKind::Cuda => run_cuda(&args),
+        BackendKind::Vulkan => run_vulkan(&args),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn run_cuda(args: &Args) -> Result<(), String> {
+    type B = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
+    run::<B>(args, &Default::default(), "cuda")
+}
+
+#[cfg(not(feature = "cuda"))]
+fn run_cuda(_: &Args) -> Result<(), String> {
+    Err("this binary was built without the `cuda` feature (cargo xtask bench --backend cuda builds it with)".into())
+}
+
+#[cfg(feature = "vulkan")]
+fn run_vulkan(args: &Args) -> Result<(), String> {
+    type B = burn_cubecl::CubeBackend<burn::backend::wgpu::WgpuRuntime, f32, i32, u32>;
+    run::<B>(args, &Default::default(), "vulkan")
+}
+
+#[cfg(not(feature = "vulkan"))]
+fn run_vulkan(_: &Args) -> Result<(), String> {
+    Err("this binary was built without the `vulkan` feature (cargo xtask bench --backend vulkan builds it with)".into())
+}
+
+fn device_name<B: Backend>(args: &Args, device: &B::Device, backend: &str) -> String {
+    if let Some(n) = &args.device_name {
+        return n.clone();
+    }
+    if backend == "cuda"
+        && let Ok(out) = std::process::Command::new("nvidia-smi")
+            .args(["--query-gpu=name", "--format=csv,noheader"])
+            .output()
+        && out.status.success()
+        && let Some(line) = String::from_utf8_lossy(&out.stdout).lines().next()
+    {
+        return line.trim().to_string();
+    }
+    B::name(device)
+}
+
+fn commit(args: &Args) -> String {
+    if let Some(c) = &args.commit {
+        return c.clone();
+    }
+    let git = std::process::Command::new("git")
+        .args(["rev-parse", "--short", "HEAD"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string());
+    git.or_else(|| {
+        let exe = std::env::current_exe().ok()?;
+        std::fs::read_to_string(exe.parent()?.join("COMMIT"))
+            .ok()
+            .map(|s| s.trim().to_string())
+    })
+    .unwrap_or_else(|| "unknown".into())
+}
+
+fn run<B: Backend + CceBackend>(args: &Args, device: &B::Device, backend: &str) -> Result<(), String> {
+    let names: Vec<String> = if args.suites.iter().any(|s| s == "all") {
+        suites::ALL.iter().map(|s| s.to_string()).collect()
+    } else {
+        args.suites.clone()
+    };
+    let opts = suites::SuiteOptions {
+        quick: args.quick,
+        max_mem_bytes: args.max_mem_gb * 1e9,
+    };
+    let mut built = Vec::new();
+    for n in &names {
+        let suite = suites::build::<B>(n, opts)
+            .ok_or_else(|| format!("unknown suite `{n}`; known: {}", suites::ALL.join(", ")))?;
+        built.push(suite);
+    }
+    let device_label = device_name::<B>(args, device, backend);
+    eprintln!("device: {device_label} ({backend}), suites: {}", names.join(", "));
+    let timing = harness::Timing::new(args.quick);
+    let results = built
+        .into_iter()
+        .map(|s| harness::run_suite::<B>(s, device, timing))
+        .collect();
+    let report = report::Report {
+        date: report::today(),
+        device: device_label,
+        backend: backend.to_string(),
+        commit: commit(args),
+        suites: results,
+    };
+    println!("{}", report::markdown(&report));
+    let written = report::write(&args.out, report).map_err(|e| format!("writing results: {e}"))?;
+    for p in written {
+        eprintln!("wrote {}", p.display());
+    }
+    Ok(())
+}

@@ -10,7 +10,7 @@ use burn::tensor::{DType, Tensor, TensorCreationOptions, backend::Backend};
 
 /// Generates `#[test]` functions for every enabled runtime. See the module docs.
 ///
-/// ```ignore
+/// ```text
 /// fn forward_matches_reference<B: MyBackend>(device: &B::Device) { /* ... */ }
 /// fn grads_match_reference<B: MyBackend + AutodiffBackend>(device: &B::Device) { /* ... */ }
 /// burn_kernels_testing::testgen! {

@@ -1,0 +1,222 @@
+//! Problems × implementations, warm-up, synchronized timing and medians.
+
+use burn::tensor::backend::Backend;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::time::{Duration, Instant};
+
+/// One implementation of a problem, ready to run: its closure enqueues the work once.
+pub struct Candidate<'a> {
+    pub name: &'static str,
+    /// `Err(reason)` when this implementation is skipped for the problem (e.g. too much memory).
+    pub run: Result<Box<dyn FnMut() + 'a>, String>,
+}
+
+/// One problem of a suite. `setup` allocates its inputs and returns the candidates; they are
+/// dropped (freeing device memory) before the next problem is set up.
+pub struct Problem<B: Backend> {
+    pub label: String,
+    pub params: BTreeMap<String, serde_json::Value>,
+    /// Floating-point operations of one run, where meaningful.
+    pub flops: Option<f64>,
+    /// Fewest bytes one run must move through device memory, where meaningful.
+    pub bytes: Option<f64>,
+    #[allow(clippy::type_complexity)]
+    pub setup: Box<dyn Fn(&B::Device) -> Vec<Candidate<'static>>>,
+}
+
+/// How a suite's results are drawn: `y` against the numeric parameter `x` (log2 axis), one line
+/// per implementation and combination of the `series` parameters.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PlotSpec {
+    pub x: String,
+    pub series: Vec<String>,
+    /// `"tflops"`, `"gbps"` or `"median_ms"`.
+    pub y: String,
+}
+
+/// A suite: problems × implementations, one of them the baseline for the speed-up ratios.
+pub struct Suite<B: Backend> {
+    pub name: &'static str,
+    pub description: &'static str,
+    pub baseline: &'static str,
+    pub problems: Vec<Problem<B>>,
+    pub plot: Option<PlotSpec>,
+}
+
+/// One measured (or skipped) implementation on one problem.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Record {
+    pub problem: String,
+    pub params: BTreeMap<String, serde_json::Value>,
+    pub implementation: String,
+    pub median_ms: Option<f64>,
+    pub min_ms: Option<f64>,
+    pub p90_ms: Option<f64>,
+    pub reps: usize,
+    pub tflops: Option<f64>,
+    pub gbps: Option<f64>,
+    /// Baseline median / this median, both measured in this run.
+    pub speedup_vs_baseline: Option<f64>,
+    pub skipped: Option<String>,
+}
+
+/// The results of one suite.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SuiteResult {
+    pub suite: String,
+    pub description: String,
+    pub baseline: String,
+    pub records: Vec<Record>,
+    pub plot: Option<PlotSpec>,
+}
+
+/// Timing knobs.
+#[derive(Debug, Clone, Copy)]
+pub struct Timing {
+    /// Warm-up time after the first (compiling, autotuning) call.
+    pub warmup: Duration,
+    /// Target time of the timed repetitions.
+    pub measure: Duration,
+    pub min_reps: usize,
+    pub max_reps: usize,
+}
+
+impl Timing {
+    pub fn new(quick: bool) -> Self {
+        if quick {
+            Timing {
+                warmup: Duration::from_millis(200),
+                measure: Duration::from_millis(500),
+                min_reps: 3,
+                max_reps: 20,
+            }
+        } else {
+            Timing {
+                warmup: Duration::from_millis(1000),
+                measure: Duration::from_secs(2),
+                min_reps: 5,
+                max_reps: 100,
+            }
+        }
+    }
+}
+
+fn sync<B: Backend>(device: &B::Device) {
+    B::sync(device).expect("device synchronization failed");
+}
+
+/// Times `run`: the first call (JIT compilation, autotune) and a warm-up are discarded, then
+/// each repetition is timed from enqueue to device synchronization. Returns sorted times in ms.
+fn time_candidate<B: Backend>(device: &B::Device, run: &mut dyn FnMut(), t: Timing) -> Vec<f64> {
+    run();
+    sync::<B>(device);
+    let start = Instant::now();
+    let mut warm = 0;
+    while warm < 2 || (start.elapsed() < t.warmup && warm < 50) {
+        run();
+        sync::<B>(device);
+        warm += 1;
+    }
+    let per_call = start.elapsed().as_secs_f64() / warm as f64;
+    let reps = ((t.measure.as_secs_f64() / per_call.max(1e-6)) as usize).clamp(t.min_reps, t.max_reps);
+    let mut times: Vec<f64> = (0..reps)
+        .map(|_| {
+            let t0 = Instant::now();
+            run();
+            sync::<B>(device);
+            t0.elapsed().as_secs_f64() * 1e3
+        })
+        .collect();
+    times.sort_by(f64::total_cmp);
+    times
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    let i = ((sorted.len() - 1) as f64 * p).round() as usize;
+    sorted[i]
+}
+
+/// Runs every problem × implementation of `suite` with a progress bar.
+pub fn run_suite<B: Backend>(suite: Suite<B>, device: &B::Device, timing: Timing) -> SuiteResult {
+    let bar = ProgressBar::new(suite.problems.len() as u64);
+    bar.set_style(
+        ProgressStyle::with_template("{prefix:>20} [{bar:30}] {pos}/{len} {elapsed_precise} {msg}")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    bar.set_prefix(suite.name);
+    let mut records = Vec::new();
+    for problem in &suite.problems {
+        bar.set_message(problem.label.clone());
+        let candidates = (problem.setup)(device);
+        let mut rows: Vec<Record> = Vec::new();
+        for cand in candidates {
+            let mut rec = Record {
+                problem: problem.label.clone(),
+                params: problem.params.clone(),
+                implementation: cand.name.to_string(),
+                median_ms: None,
+                min_ms: None,
+                p90_ms: None,
+                reps: 0,
+                tflops: None,
+                gbps: None,
+                speedup_vs_baseline: None,
+                skipped: None,
+            };
+            match cand.run {
+                Err(reason) => rec.skipped = Some(reason),
+                Ok(mut run) => {
+                    let res = catch_unwind(AssertUnwindSafe(|| {
+                        time_candidate::<B>(device, &mut *run, timing)
+                    }));
+                    match res {
+                        Ok(times) => {
+                            let median = percentile(&times, 0.5);
+                            rec.median_ms = Some(median);
+                            rec.min_ms = Some(times[0]);
+                            rec.p90_ms = Some(percentile(&times, 0.9));
+                            rec.reps = times.len();
+                            rec.tflops = problem.flops.map(|f| f / (median * 1e-3) / 1e12);
+                            rec.gbps = problem.bytes.map(|b| b / (median * 1e-3) / 1e9);
+                        }
+                        Err(e) => {
+                            let msg = e
+                                .downcast_ref::<String>()
+                                .cloned()
+                                .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
+                                .unwrap_or_else(|| "panicked".into());
+                            rec.skipped = Some(format!("failed: {msg}"));
+                        }
+                    }
+                }
+            }
+            rows.push(rec);
+        }
+        let base = rows
+            .iter()
+            .find(|r| r.implementation == suite.baseline)
+            .and_then(|r| r.median_ms);
+        for r in &mut rows {
+            r.speedup_vs_baseline = base.zip(r.median_ms).map(|(b, m)| b / m);
+        }
+        records.extend(rows);
+        bar.inc(1);
+    }
+    bar.finish_with_message("done");
+    SuiteResult {
+        suite: suite.name.to_string(),
+        description: suite.description.to_string(),
+        baseline: suite.baseline.to_string(),
+        records,
+        plot: suite.plot,
+    }
+}
+
+/// Builds a parameter map from `(name, value)` pairs.
+pub fn params<const N: usize>(pairs: [(&str, serde_json::Value); N]) -> BTreeMap<String, serde_json::Value> {
+    pairs.into_iter().map(|(k, v)| (k.to_string(), v)).collect()
+}

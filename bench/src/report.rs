@@ -1,0 +1,199 @@
+//! Result files: `<date>-<device>.json` (merged across runs of the same day and device),
+//! a markdown table, and an SVG chart per suite.
+
+use plotters::prelude::*;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use crate::harness::{Record, SuiteResult};
+
+/// Everything one results file holds.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Report {
+    pub date: String,
+    pub device: String,
+    pub backend: String,
+    pub commit: String,
+    pub suites: Vec<SuiteResult>,
+}
+
+/// Today's date (UTC) as `YYYY-MM-DD`.
+pub fn today() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = (secs / 86_400) as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!("{y:04}-{m:02}-{d:02}")
+}
+
+fn slug(s: &str) -> String {
+    let mut out = String::new();
+    for c in s.chars() {
+        if c.is_ascii_alphanumeric() {
+            out.push(c.to_ascii_lowercase());
+        } else if !out.ends_with('-') {
+            out.push('-');
+        }
+    }
+    out.trim_matches('-').to_string()
+}
+
+/// Writes (merging with an existing file of the same day and device) the JSON, markdown and
+/// plots; returns the paths written.
+pub fn write(dir: &Path, mut report: Report) -> std::io::Result<Vec<PathBuf>> {
+    std::fs::create_dir_all(dir)?;
+    let stem = format!("{}-{}", report.date, slug(&report.device));
+    let json_path = dir.join(format!("{stem}.json"));
+    if let Ok(old) = std::fs::read_to_string(&json_path)
+        && let Ok(old) = serde_json::from_str::<Report>(&old)
+        && old.backend == report.backend
+    {
+        let mut merged: Vec<SuiteResult> = old
+            .suites
+            .into_iter()
+            .filter(|s| !report.suites.iter().any(|n| n.suite == s.suite))
+            .collect();
+        merged.append(&mut report.suites);
+        report.suites = merged;
+    }
+    let mut written = vec![json_path.clone()];
+    std::fs::write(&json_path, serde_json::to_string_pretty(&report)?)?;
+    let md_path = dir.join(format!("{stem}.md"));
+    let mut md = markdown(&report);
+    for s in &report.suites {
+        if let Some(svg) = plot(dir, &stem, &report, s)? {
+            let name = svg.file_name().unwrap().to_string_lossy().to_string();
+            let _ = writeln!(md, "\n![{}]({name})", s.suite);
+            written.push(svg);
+        }
+    }
+    std::fs::write(&md_path, md)?;
+    written.push(md_path);
+    Ok(written)
+}
+
+fn fmt_opt(v: Option<f64>, digits: usize) -> String {
+    v.map_or("–".to_string(), |v| format!("{v:.digits$}"))
+}
+
+/// A markdown table per suite.
+pub fn markdown(report: &Report) -> String {
+    let mut md = format!(
+        "# Benchmarks: {} ({}), {}\n\ncommit `{}`. Times are medians of synchronized repetitions \
+         after warm-up; speed-up = baseline median / median, both from this run.\n",
+        report.device, report.backend, report.date, report.commit
+    );
+    for s in &report.suites {
+        let _ = write!(
+            md,
+            "\n## {}\n\n{}. Baseline: `{}`.\n\n| problem | implementation | median ms | p90 ms | TFLOP/s | GB/s | speed-up | note |\n|---|---|---:|---:|---:|---:|---:|---|\n",
+            s.suite, s.description, s.baseline
+        );
+        for r in &s.records {
+            let _ = writeln!(
+                md,
+                "| {} | {} | {} | {} | {} | {} | {} | {} |",
+                r.problem,
+                r.implementation,
+                fmt_opt(r.median_ms, 3),
+                fmt_opt(r.p90_ms, 3),
+                fmt_opt(r.tflops, 1),
+                fmt_opt(r.gbps, 0),
+                r.speedup_vs_baseline.map_or("–".into(), |v| format!("{v:.2}×")),
+                r.skipped.clone().unwrap_or_default(),
+            );
+        }
+    }
+    md
+}
+
+fn metric(r: &Record, y: &str) -> Option<f64> {
+    match y {
+        "tflops" => r.tflops,
+        "gbps" => r.gbps,
+        _ => r.median_ms,
+    }
+}
+
+/// Draws `s` as an SVG line chart when the suite asks for one.
+fn plot(dir: &Path, stem: &str, report: &Report, s: &SuiteResult) -> std::io::Result<Option<PathBuf>> {
+    let Some(spec) = &s.plot else { return Ok(None) };
+    let mut series: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
+    for r in &s.records {
+        let (Some(x), Some(y)) = (r.params.get(&spec.x).and_then(|v| v.as_f64()), metric(r, &spec.y))
+        else {
+            continue;
+        };
+        let mut key = r.implementation.clone();
+        for p in &spec.series {
+            if let Some(v) = r.params.get(p) {
+                let _ = write!(key, " {p}={v}");
+            }
+        }
+        series.entry(key).or_default().push((x, y));
+    }
+    if series.is_empty() {
+        return Ok(None);
+    }
+    let path = dir.join(format!("{stem}-{}.svg", s.suite));
+    let (xmin, xmax, ymax) = series.values().flatten().fold(
+        (f64::INFINITY, 0f64, 0f64),
+        |(a, b, c), &(x, y)| (a.min(x), b.max(x), c.max(y)),
+    );
+    let y_label = match spec.y.as_str() {
+        "tflops" => "TFLOP/s",
+        "gbps" => "GB/s",
+        _ => "median ms",
+    };
+    let draw = || -> Result<(), Box<dyn std::error::Error>> {
+        let root = SVGBackend::new(&path, (900, 560)).into_drawing_area();
+        root.fill(&WHITE)?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(
+                format!("{} — {} ({})", s.suite, report.device, report.date),
+                ("sans-serif", 20),
+            )
+            .margin(15)
+            .x_label_area_size(45)
+            .y_label_area_size(70)
+            .build_cartesian_2d((xmin * 0.9..xmax * 1.1).log_scale(), 0f64..ymax * 1.1)?;
+        chart
+            .configure_mesh()
+            .x_desc(spec.x.as_str())
+            .y_desc(y_label)
+            .x_label_formatter(&|v| format!("{v:.0}"))
+            .draw()?;
+        for (i, (name, mut pts)) in series.into_iter().enumerate() {
+            pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+            let color = Palette99::pick(i).to_rgba();
+            let style = ShapeStyle::from(color).stroke_width(2);
+            chart
+                .draw_series(LineSeries::new(pts.clone(), style))?
+                .label(name)
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], style));
+            chart.draw_series(pts.into_iter().map(|p| Circle::new(p, 3, style.filled())))?;
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperLeft)
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .draw()?;
+        root.present()?;
+        Ok(())
+    };
+    draw().map_err(|e| std::io::Error::other(e.to_string()))?;
+    Ok(Some(path))
+}

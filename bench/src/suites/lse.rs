@@ -1,0 +1,63 @@
+//! Row-wise log-sum-exp (burn-cce's first kernel) against the same math in Burn tensor ops.
+//!
+//! Memory-bound: the fewest bytes are one read of the `rows × cols` input and one write of
+//! `rows` outputs.
+
+use burn::tensor::{DType, backend::Backend};
+use burn_cce::{CceBackend, reference};
+use burn_kernels_testing::{Dist, random_tensor};
+use serde_json::json;
+
+use super::SuiteOptions;
+use crate::harness::{Candidate, PlotSpec, Problem, Suite, params};
+
+pub fn suite<B: Backend + CceBackend>(opts: SuiteOptions) -> Suite<B> {
+    let vocab: &[usize] = if opts.quick {
+        &[4096, 32768]
+    } else {
+        &[4096, 32768, 131072, 262144]
+    };
+    let rows = if opts.quick { 256 } else { 2048 };
+    let problems = vocab
+        .iter()
+        .map(|&cols| problem::<B>(rows, cols))
+        .collect();
+    Suite {
+        name: "lse",
+        description: "row-wise log-sum-exp of f32 logits: CubeCL kernel vs Burn tensor ops",
+        baseline: "burn-tensor-ops",
+        problems,
+        plot: Some(PlotSpec {
+            x: "cols".into(),
+            series: vec![],
+            y: "gbps".into(),
+        }),
+    }
+}
+
+fn problem<B: Backend + CceBackend>(rows: usize, cols: usize) -> Problem<B> {
+    Problem {
+        label: format!("{rows}x{cols}"),
+        params: params([("rows", json!(rows)), ("cols", json!(cols)), ("dtype", json!("f32"))]),
+        flops: None,
+        bytes: Some(((rows * cols + rows) * 4) as f64),
+        setup: Box::new(move |device| {
+            let x = random_tensor::<B, 2>([rows, cols], Dist::PEAKY, 1, DType::F32, device);
+            let x2 = x.clone();
+            vec![
+                Candidate {
+                    name: "cubecl-kernel",
+                    run: Ok(Box::new(move || {
+                        let _ = B::logsumexp_rows(x.clone().into_primitive().tensor(), None);
+                    })),
+                },
+                Candidate {
+                    name: "burn-tensor-ops",
+                    run: Ok(Box::new(move || {
+                        let _ = reference::logsumexp(x2.clone(), 1, None);
+                    })),
+                },
+            ]
+        }),
+    }
+}
