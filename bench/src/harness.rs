@@ -67,6 +67,9 @@ pub struct Record {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct SuiteResult {
     pub suite: String,
+    /// The commit this suite was measured at (suites of one file may come from several runs).
+    #[serde(default)]
+    pub commit: String,
     pub description: String,
     pub baseline: String,
     pub records: Vec<Record>,
@@ -209,6 +212,7 @@ pub fn run_suite<B: Backend>(suite: Suite<B>, device: &B::Device, timing: Timing
     bar.finish_with_message("done");
     SuiteResult {
         suite: suite.name.to_string(),
+        commit: String::new(),
         description: suite.description.to_string(),
         baseline: suite.baseline.to_string(),
         records,

@@ -142,15 +142,19 @@ fn run<B: Backend + CceBackend>(args: &Args, device: &B::Device, backend: &str) 
     let device_label = device_name::<B>(args, device, backend);
     eprintln!("device: {device_label} ({backend}), suites: {}", names.join(", "));
     let timing = harness::Timing::new(args.quick);
+    let commit = commit(args);
     let results = built
         .into_iter()
-        .map(|s| harness::run_suite::<B>(s, device, timing))
+        .map(|s| harness::SuiteResult {
+            commit: commit.clone(),
+            ..harness::run_suite::<B>(s, device, timing)
+        })
         .collect();
     let report = report::Report {
         date: report::today(),
         device: device_label,
         backend: backend.to_string(),
-        commit: commit(args),
+        commit,
         suites: results,
     };
     println!("{}", report::markdown(&report));

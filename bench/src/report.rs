@@ -84,6 +84,16 @@ pub fn write(dir: &Path, mut report: Report) -> std::io::Result<Vec<PathBuf>> {
     Ok(written)
 }
 
+/// A skip or failure reason fit for one table cell: its first line, at most 160 characters.
+fn note(reason: Option<&str>) -> String {
+    let line = reason.and_then(|r| r.lines().next()).unwrap_or("");
+    let mut cell: String = line.chars().take(160).collect();
+    if cell.len() < line.len() {
+        cell.push('…');
+    }
+    cell.replace('|', "\\|")
+}
+
 fn fmt_opt(v: Option<f64>, digits: usize) -> String {
     v.map_or("–".to_string(), |v| format!("{v:.digits$}"))
 }
@@ -91,15 +101,15 @@ fn fmt_opt(v: Option<f64>, digits: usize) -> String {
 /// A markdown table per suite.
 pub fn markdown(report: &Report) -> String {
     let mut md = format!(
-        "# Benchmarks: {} ({}), {}\n\ncommit `{}`. Times are medians of synchronized repetitions \
+        "# Benchmarks: {} ({}), {}\n\nLatest run at commit `{}`. Times are medians of synchronized repetitions \
          after warm-up; speed-up = baseline median / median, both from this run.\n",
         report.device, report.backend, report.date, report.commit
     );
     for s in &report.suites {
         let _ = write!(
             md,
-            "\n## {}\n\n{}. Baseline: `{}`.\n\n| problem | implementation | median ms | p90 ms | TFLOP/s | GB/s | speed-up | note |\n|---|---|---:|---:|---:|---:|---:|---|\n",
-            s.suite, s.description, s.baseline
+            "\n## {}\n\n{}. Baseline: `{}`. Commit `{}`.\n\n| problem | implementation | median ms | p90 ms | TFLOP/s | GB/s | speed-up | note |\n|---|---|---:|---:|---:|---:|---:|---|\n",
+            s.suite, s.description, s.baseline, s.commit
         );
         for r in &s.records {
             let _ = writeln!(
@@ -112,7 +122,7 @@ pub fn markdown(report: &Report) -> String {
                 fmt_opt(r.tflops, 1),
                 fmt_opt(r.gbps, 0),
                 r.speedup_vs_baseline.map_or("–".into(), |v| format!("{v:.2}×")),
-                r.skipped.clone().unwrap_or_default(),
+                note(r.skipped.as_deref()),
             );
         }
     }

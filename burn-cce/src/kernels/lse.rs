@@ -6,12 +6,20 @@ use burn_cubecl::{
 };
 use cubecl::prelude::*;
 
-/// Merges two partial `(max, Σ exp(x − max))` pairs.
+/// Merges two partial `(max, Σ exp(x − max))` pairs; `s = 0` marks an empty partial.
+///
+/// No infinity literal appears: CUDA's NVRTC has no `inf` identifier. Infinite inputs still
+/// work: `-inf` entries add `exp(-inf) = 0`, and a row max of `±inf` gives `±inf + ln(s)`.
 #[cube]
 fn merge(m1: f32, s1: f32, m2: f32, s2: f32) -> (f32, f32) {
     let mut m = m1;
     let mut s = s1 + s2;
-    if m2 > m1 {
+    if s1 == 0.0 {
+        m = m2;
+        s = s2;
+    } else if s2 == 0.0 {
+        s = s1;
+    } else if m2 > m1 {
         m = m2;
         s = s1 * f32::exp(m1 - m2) + s2;
     } else if m1 > m2 {
@@ -42,7 +50,7 @@ fn logsumexp_rows_kernel<F: Float>(
     let base = row * cols;
     let stride = CUBE_DIM_X as usize;
 
-    let mut m = f32::new(f32::NEG_INFINITY);
+    let mut m = f32::new(0.0);
     let mut s = f32::new(0.0);
     let mut col = UNIT_POS_X as usize;
     while col < cols {
@@ -80,13 +88,8 @@ fn logsumexp_rows_kernel<F: Float>(
     }
 
     if unit == 0 {
-        let m = shared_m[0];
-        let s = shared_s[0];
-        let mut lse = m;
-        // -inf rows keep -inf; +inf and NaN pass through.
-        if m > f32::NEG_INFINITY && m < f32::INFINITY {
-            lse = m + f32::ln(s);
-        }
+        // Every row has at least one element, so s ≥ 1 here.
+        let lse = shared_m[0] + f32::ln(shared_s[0]);
         output[row] = F::cast_from(lse);
     }
 }
