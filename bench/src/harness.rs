@@ -124,7 +124,8 @@ fn time_candidate<B: Backend>(device: &B::Device, run: &mut dyn FnMut(), t: Timi
         warm += 1;
     }
     let per_call = start.elapsed().as_secs_f64() / warm as f64;
-    let reps = ((t.measure.as_secs_f64() / per_call.max(1e-6)) as usize).clamp(t.min_reps, t.max_reps);
+    let reps =
+        ((t.measure.as_secs_f64() / per_call.max(1e-6)) as usize).clamp(t.min_reps, t.max_reps);
     let mut times: Vec<f64> = (0..reps)
         .map(|_| {
             let t0 = Instant::now();
@@ -221,6 +222,8 @@ pub fn run_suite<B: Backend>(suite: Suite<B>, device: &B::Device, timing: Timing
 }
 
 /// Builds a parameter map from `(name, value)` pairs.
-pub fn params<const N: usize>(pairs: [(&str, serde_json::Value); N]) -> BTreeMap<String, serde_json::Value> {
+pub fn params<const N: usize>(
+    pairs: [(&str, serde_json::Value); N],
+) -> BTreeMap<String, serde_json::Value> {
     pairs.into_iter().map(|(k, v)| (k.to_string(), v)).collect()
 }

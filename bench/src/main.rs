@@ -46,6 +46,9 @@ struct Args {
     /// List the suites and exit.
     #[arg(long)]
     list: bool,
+    /// Re-render the markdown and charts of an existing results JSON, running nothing.
+    #[arg(long, value_name = "JSON")]
+    render: Option<PathBuf>,
 }
 
 fn main() {
@@ -53,6 +56,13 @@ fn main() {
     if args.list {
         for s in suites::ALL {
             println!("{s}");
+        }
+        return;
+    }
+    if let Some(path) = &args.render {
+        if let Err(e) = render(path) {
+            eprintln!("error: {e}");
+            std::process::exit(1);
         }
         return;
     }
@@ -86,6 +96,17 @@ fn run_vulkan(args: &Args) -> Result<(), String> {
 #[cfg(not(feature = "vulkan"))]
 fn run_vulkan(_: &Args) -> Result<(), String> {
     Err("this binary was built without the `vulkan` feature (cargo xtask bench --backend vulkan builds it with)".into())
+}
+
+fn render(path: &std::path::Path) -> Result<(), String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let report: report::Report =
+        serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    let dir = path.parent().unwrap_or(std::path::Path::new("."));
+    for p in report::write(dir, report).map_err(|e| format!("writing results: {e}"))? {
+        eprintln!("wrote {}", p.display());
+    }
+    Ok(())
 }
 
 fn device_name<B: Backend>(args: &Args, device: &B::Device, backend: &str) -> String {
@@ -123,7 +144,11 @@ fn commit(args: &Args) -> String {
     .unwrap_or_else(|| "unknown".into())
 }
 
-fn run<B: Backend + CceBackend>(args: &Args, device: &B::Device, backend: &str) -> Result<(), String> {
+fn run<B: Backend + CceBackend>(
+    args: &Args,
+    device: &B::Device,
+    backend: &str,
+) -> Result<(), String> {
     let names: Vec<String> = if args.suites.iter().any(|s| s == "all") {
         suites::ALL.iter().map(|s| s.to_string()).collect()
     } else {
@@ -140,7 +165,10 @@ fn run<B: Backend + CceBackend>(args: &Args, device: &B::Device, backend: &str) 
         built.push(suite);
     }
     let device_label = device_name::<B>(args, device, backend);
-    eprintln!("device: {device_label} ({backend}), suites: {}", names.join(", "));
+    eprintln!(
+        "device: {device_label} ({backend}), suites: {}",
+        names.join(", ")
+    );
     let timing = harness::Timing::new(args.quick);
     let commit = commit(args);
     let results = built

@@ -121,7 +121,8 @@ pub fn markdown(report: &Report) -> String {
                 fmt_opt(r.p90_ms, 3),
                 fmt_opt(r.tflops, 1),
                 fmt_opt(r.gbps, 0),
-                r.speedup_vs_baseline.map_or("–".into(), |v| format!("{v:.2}×")),
+                r.speedup_vs_baseline
+                    .map_or("–".into(), |v| format!("{v:.2}×")),
                 note(r.skipped.as_deref()),
             );
         }
@@ -138,12 +139,19 @@ fn metric(r: &Record, y: &str) -> Option<f64> {
 }
 
 /// Draws `s` as an SVG line chart when the suite asks for one.
-fn plot(dir: &Path, stem: &str, report: &Report, s: &SuiteResult) -> std::io::Result<Option<PathBuf>> {
+fn plot(
+    dir: &Path,
+    stem: &str,
+    report: &Report,
+    s: &SuiteResult,
+) -> std::io::Result<Option<PathBuf>> {
     let Some(spec) = &s.plot else { return Ok(None) };
     let mut series: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
     for r in &s.records {
-        let (Some(x), Some(y)) = (r.params.get(&spec.x).and_then(|v| v.as_f64()), metric(r, &spec.y))
-        else {
+        let (Some(x), Some(y)) = (
+            r.params.get(&spec.x).and_then(|v| v.as_f64()),
+            metric(r, &spec.y),
+        ) else {
             continue;
         };
         let mut key = r.implementation.clone();
@@ -152,16 +160,22 @@ fn plot(dir: &Path, stem: &str, report: &Report, s: &SuiteResult) -> std::io::Re
                 let _ = write!(key, " {p}={v}");
             }
         }
-        series.entry(key).or_default().push((x, y));
+        // Sizes usually double from one problem to the next: plot them evenly, on log2.
+        series
+            .entry(key)
+            .or_default()
+            .push((x.max(f64::MIN_POSITIVE).log2(), y));
     }
     if series.is_empty() {
         return Ok(None);
     }
     let path = dir.join(format!("{stem}-{}.svg", s.suite));
-    let (xmin, xmax, ymax) = series.values().flatten().fold(
-        (f64::INFINITY, 0f64, 0f64),
-        |(a, b, c), &(x, y)| (a.min(x), b.max(x), c.max(y)),
-    );
+    let (xmin, xmax, ymax) = series
+        .values()
+        .flatten()
+        .fold((f64::INFINITY, 0f64, 0f64), |(a, b, c), &(x, y)| {
+            (a.min(x), b.max(x), c.max(y))
+        });
     let y_label = match spec.y.as_str() {
         "tflops" => "TFLOP/s",
         "gbps" => "GB/s",
@@ -178,12 +192,14 @@ fn plot(dir: &Path, stem: &str, report: &Report, s: &SuiteResult) -> std::io::Re
             .margin(15)
             .x_label_area_size(45)
             .y_label_area_size(70)
-            .build_cartesian_2d((xmin * 0.9..xmax * 1.1).log_scale(), 0f64..ymax * 1.1)?;
+            .build_cartesian_2d(xmin - 0.25..xmax + 0.25, 0f64..ymax * 1.5)?;
         chart
             .configure_mesh()
             .x_desc(spec.x.as_str())
             .y_desc(y_label)
-            .x_label_formatter(&|v| format!("{v:.0}"))
+            .x_labels(((xmax - xmin).round() as usize + 1).max(2))
+            .x_label_formatter(&|v| format!("{:.0}", v.exp2()))
+            .light_line_style(WHITE)
             .draw()?;
         for (i, (name, mut pts)) in series.into_iter().enumerate() {
             pts.sort_by(|a, b| a.0.total_cmp(&b.0));

@@ -31,8 +31,7 @@ impl<B: CceBackend, C: CheckpointStrategy> CceBackend for Autodiff<B, C> {
                 if let Some(node) = node {
                     let f2 = |t| Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(t));
                     let f1 = |t| Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(t));
-                    let dx =
-                        reference::logsumexp_rows_backward(f2(x), f1(lse), f1(grad), softcap);
+                    let dx = reference::logsumexp_rows_backward(f2(x), f1(lse), f1(grad), softcap);
                     grads.register::<B>(node.id, dx.into_primitive().tensor());
                 }
             }

@@ -1,7 +1,9 @@
 //! The CPU backend uses the reference ops (the trait's default methods).
 
 use burn::backend::NdArray;
-use burn::backend::ndarray::{FloatNdArrayElement, IntNdArrayElement, NdArrayTensor, QuantElement, SharedArray};
+use burn::backend::ndarray::{
+    FloatNdArrayElement, IntNdArrayElement, NdArrayTensor, QuantElement, SharedArray,
+};
 
 impl<E: FloatNdArrayElement, I: IntNdArrayElement, Q: QuantElement> crate::CceBackend
     for NdArray<E, I, Q>

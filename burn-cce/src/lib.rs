@@ -86,7 +86,10 @@ pub fn logsumexp<B: CceBackend, const D: usize>(
     }
     let dims = x.dims();
     if dims[dim] == 0 {
-        return Err(CceError::EmptyDimension { dim, shape: dims.to_vec() });
+        return Err(CceError::EmptyDimension {
+            dim,
+            shape: dims.to_vec(),
+        });
     }
     if let Some(c) = options.softcap
         && !(c.is_finite() && c > 0.0)
@@ -96,7 +99,11 @@ pub fn logsumexp<B: CceBackend, const D: usize>(
 
     // The kernel reduces the last dimension of a [rows, cols] matrix.
     let last = D - 1;
-    let x = if dim == last { x } else { x.swap_dims(dim, last) };
+    let x = if dim == last {
+        x
+    } else {
+        x.swap_dims(dim, last)
+    };
     let moved = x.dims();
     let cols = moved[last];
     let rows = moved[..last].iter().product::<usize>();
@@ -108,5 +115,9 @@ pub fn logsumexp<B: CceBackend, const D: usize>(
     let mut kept = moved;
     kept[last] = 1;
     let out = out.reshape(kept);
-    Ok(if dim == last { out } else { out.swap_dims(dim, last) })
+    Ok(if dim == last {
+        out
+    } else {
+        out.swap_dims(dim, last)
+    })
 }

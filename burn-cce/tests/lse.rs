@@ -5,8 +5,8 @@ use burn::backend::NdArray;
 use burn::tensor::{DType, Tensor, TensorData, backend::AutodiffBackend};
 use burn_cce::{CceBackend, CceError, LseOptions, logsumexp, reference};
 use burn_kernels_testing::{
-    Dist, Tolerance, assert_close, assert_close_data, compare::to_f32, float_dtypes,
-    poison_memory, random_tensor, random_values, testgen,
+    Dist, Tolerance, assert_close, assert_close_data, compare::to_f32, float_dtypes, poison_memory,
+    random_tensor, random_values, testgen,
 };
 
 type Cpu = NdArray<f32>;
@@ -73,9 +73,33 @@ fn dyn_case<B: CceBackend>(
     seed: u64,
 ) {
     match shape.len() {
-        2 => run_case::<B, 2>(device, shape.try_into().unwrap(), dim, dtype, dist, cap, seed),
-        3 => run_case::<B, 3>(device, shape.try_into().unwrap(), dim, dtype, dist, cap, seed),
-        4 => run_case::<B, 4>(device, shape.try_into().unwrap(), dim, dtype, dist, cap, seed),
+        2 => run_case::<B, 2>(
+            device,
+            shape.try_into().unwrap(),
+            dim,
+            dtype,
+            dist,
+            cap,
+            seed,
+        ),
+        3 => run_case::<B, 3>(
+            device,
+            shape.try_into().unwrap(),
+            dim,
+            dtype,
+            dist,
+            cap,
+            seed,
+        ),
+        4 => run_case::<B, 4>(
+            device,
+            shape.try_into().unwrap(),
+            dim,
+            dtype,
+            dist,
+            cap,
+            seed,
+        ),
         n => panic!("no case of rank {n}"),
     }
 }
@@ -96,7 +120,10 @@ fn forward_matches_reference<B: CceBackend>(device: &B::Device) {
 }
 
 fn softcap_matches_reference<B: CceBackend>(device: &B::Device) {
-    let big = Dist::Uniform { lo: -80.0, hi: 80.0 };
+    let big = Dist::Uniform {
+        lo: -80.0,
+        hi: 80.0,
+    };
     for dtype in float_dtypes::<B>(device) {
         for (i, &(shape, dim)) in CASES.iter().enumerate().take(6) {
             dyn_case::<B>(device, shape, dim, dtype, big, Some(30.0), 100 + i as u64);
@@ -106,12 +133,27 @@ fn softcap_matches_reference<B: CceBackend>(device: &B::Device) {
 
 fn large_magnitudes_stay_finite<B: CceBackend>(device: &B::Device) {
     // f32 values near 1e30 overflow a naive Σexp; the shifted sum must not.
-    let values = random_values(4 * 300, Dist::Uniform { lo: -1e30, hi: 1e30 }, 7);
+    let values = random_values(
+        4 * 300,
+        Dist::Uniform {
+            lo: -1e30,
+            hi: 1e30,
+        },
+        7,
+    );
     let x = Tensor::<B, 2>::from_data(TensorData::new(values.clone(), [4, 300]), device);
     let out = to_f32(logsumexp(x, 1, LseOptions::default()).unwrap().into_data());
     let expected = host_lse(&values, 4, 300, None);
-    assert!(out.iter().all(|v| v.is_finite()), "non-finite output {out:?}");
-    assert_close("large magnitudes", &out, &expected, Tolerance::for_dtype(DType::F32));
+    assert!(
+        out.iter().all(|v| v.is_finite()),
+        "non-finite output {out:?}"
+    );
+    assert_close(
+        "large magnitudes",
+        &out,
+        &expected,
+        Tolerance::for_dtype(DType::F32),
+    );
 }
 
 fn special_values<B: CceBackend>(device: &B::Device) {
@@ -125,7 +167,12 @@ fn special_values<B: CceBackend>(device: &B::Device) {
     let x = Tensor::<B, 2>::from_data(rows, device);
     let out = to_f32(logsumexp(x, 1, LseOptions::default()).unwrap().into_data());
     let expected = [-inf, 2f32.ln(), inf, 3.0 + 4f32.ln()];
-    assert_close("special values", &out, &expected, Tolerance::for_dtype(DType::F32));
+    assert_close(
+        "special values",
+        &out,
+        &expected,
+        Tolerance::for_dtype(DType::F32),
+    );
 }
 
 fn grads_match_reference<B: CceBackend + AutodiffBackend>(device: &B::Device) {
@@ -173,7 +220,10 @@ fn bad_input_gives_typed_errors<B: CceBackend>(device: &B::Device) {
     let empty = Tensor::<B, 2>::empty([3, 0], device);
     assert_eq!(
         logsumexp(empty, 1, LseOptions::default()).unwrap_err(),
-        CceError::EmptyDimension { dim: 1, shape: vec![3, 0] }
+        CceError::EmptyDimension {
+            dim: 1,
+            shape: vec![3, 0]
+        }
     );
 }
 
@@ -214,4 +264,3 @@ fn cpu_backend_runs_the_public_api() {
     bad_input_gives_typed_errors::<Cpu>(&device);
     grads_match_reference::<burn::backend::Autodiff<Cpu>>(&device);
 }
-

@@ -23,7 +23,10 @@ pub enum Dist {
 
 impl Dist {
     /// Standard normal.
-    pub const STANDARD: Dist = Dist::Normal { mean: 0.0, std: 1.0 };
+    pub const STANDARD: Dist = Dist::Normal {
+        mean: 0.0,
+        std: 1.0,
+    };
     /// Peaky default: 1% of entries 20x larger.
     pub const PEAKY: Dist = Dist::Peaky {
         std: 1.0,

@@ -79,7 +79,15 @@ fn main() {
 
 fn bench(backend: &str, suites: &[String], quick: bool, rest: &[String]) {
     let mut c = cargo();
-    c.args(["run", "--release", "-p", "burn-kernels-bench", "--features", backend, "--"]);
+    c.args([
+        "run",
+        "--release",
+        "-p",
+        "burn-kernels-bench",
+        "--features",
+        backend,
+        "--",
+    ]);
     c.args(["--backend", backend]);
     for s in suites {
         c.args(["--suite", s]);
@@ -123,7 +131,14 @@ fn cuda_test_binaries() -> Vec<PathBuf> {
 fn device_build(dir: &Path) {
     check(
         cargo()
-            .args(["build", "--release", "-p", "burn-kernels-bench", "--features", "cuda"])
+            .args([
+                "build",
+                "--release",
+                "-p",
+                "burn-kernels-bench",
+                "--features",
+                "cuda",
+            ])
             .status(),
         "building the bench runner",
     );
@@ -143,7 +158,11 @@ fn device_build(dir: &Path) {
     };
     copy(&bench, &stage.join("burn-kernels-bench"));
     for t in &tests {
-        let name = t.file_name().expect("file name").to_string_lossy().to_string();
+        let name = t
+            .file_name()
+            .expect("file name")
+            .to_string_lossy()
+            .to_string();
         copy(t, &stage.join("tests").join(name));
     }
     let commit = Command::new("git")
@@ -168,7 +187,9 @@ fn device_build(dir: &Path) {
     );
     let _ = std::fs::remove_dir_all(&stage);
     std::fs::write(dir.join("run.sh"), RUN_SH).expect("write run.sh");
-    let mut perms = std::fs::metadata(dir.join("run.sh")).expect("run.sh").permissions();
+    let mut perms = std::fs::metadata(dir.join("run.sh"))
+        .expect("run.sh")
+        .permissions();
     std::os::unix::fs::PermissionsExt::set_mode(&mut perms, 0o755);
     std::fs::set_permissions(dir.join("run.sh"), perms).expect("chmod run.sh");
 

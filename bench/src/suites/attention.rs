@@ -84,12 +84,19 @@ fn problem<B: Backend>(n: usize, d: usize, causal: bool, max_mem: f64) -> Proble
                 ))
             } else {
                 Ok(Box::new(move || {
-                    let _ = attention_fallback(q2.clone(), k2.clone(), v2.clone(), None, None, options);
+                    let _ =
+                        attention_fallback(q2.clone(), k2.clone(), v2.clone(), None, None, options);
                 }) as Box<dyn FnMut()>)
             };
             vec![
-                Candidate { name: "burn-fused", run: Ok(fused) },
-                Candidate { name: "burn-fallback", run: fallback },
+                Candidate {
+                    name: "burn-fused",
+                    run: Ok(fused),
+                },
+                Candidate {
+                    name: "burn-fallback",
+                    run: fallback,
+                },
             ]
         }),
     }

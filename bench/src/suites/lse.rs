@@ -18,10 +18,7 @@ pub fn suite<B: Backend + CceBackend>(opts: SuiteOptions) -> Suite<B> {
         &[4096, 32768, 131072, 262144]
     };
     let rows = if opts.quick { 256 } else { 2048 };
-    let problems = vocab
-        .iter()
-        .map(|&cols| problem::<B>(rows, cols))
-        .collect();
+    let problems = vocab.iter().map(|&cols| problem::<B>(rows, cols)).collect();
     Suite {
         name: "lse",
         description: "row-wise log-sum-exp of f32 logits: CubeCL kernel vs Burn tensor ops",
@@ -38,7 +35,11 @@ pub fn suite<B: Backend + CceBackend>(opts: SuiteOptions) -> Suite<B> {
 fn problem<B: Backend + CceBackend>(rows: usize, cols: usize) -> Problem<B> {
     Problem {
         label: format!("{rows}x{cols}"),
-        params: params([("rows", json!(rows)), ("cols", json!(cols)), ("dtype", json!("f32"))]),
+        params: params([
+            ("rows", json!(rows)),
+            ("cols", json!(cols)),
+            ("dtype", json!("f32")),
+        ]),
         flops: None,
         bytes: Some(((rows * cols + rows) * 4) as f64),
         setup: Box::new(move |device| {

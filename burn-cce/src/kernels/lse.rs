@@ -116,7 +116,9 @@ pub fn logsumexp_rows<R: CubeRuntime>(input: CubeTensor<R>, softcap: Option<f32>
 
     // A power of two so the tree merge halves evenly; small rows get a small cube.
     let max_units = client.properties().hardware.max_cube_dim.0.min(256);
-    let units = (cols as u32).next_power_of_two().clamp(32, max_units.max(32));
+    let units = (cols as u32)
+        .next_power_of_two()
+        .clamp(32, max_units.max(32));
     let max_x = client.properties().hardware.max_cube_count.0.min(65_535) as usize;
     let cubes_x = rows.min(max_x);
     let cubes_y = rows.div_ceil(cubes_x);
