@@ -20,3 +20,5 @@ if ! command -v cargo >/dev/null; then
 fi
 echo "setup: Vulkan devices:"
 vulkaninfo --summary 2>/dev/null | grep -E "deviceName|driverName|apiVersion" || true
+# The SmolLM2-135M GGUF the llama example and its tests load (skipped when already cached).
+cargo xtask fetch-model

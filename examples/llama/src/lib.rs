@@ -1,2 +1,15 @@
-//! Llama-style model for the burn-kernels examples: the model, weights loading and generation
-//! land with the Llama issue; this crate builds as a workspace member until then.
+//! # burn-llama: a Llama-architecture model for the burn-kernels examples
+//!
+//! Loads real weights (GGUF with F32/F16/Q8_0/Q4_0/Q4_1 dequantized on load, or an HF
+//! safetensors directory), builds the tokenizer, and generates with a KV cache. Attention,
+//! the KV cache and sampling are plug-in points from `burn-kernels-core`, which the paper
+//! crates implement.
+
+pub mod config;
+pub mod generate;
+pub mod loader;
+pub mod model;
+pub mod tokenizer;
+
+pub use config::{Llama3RopeScaling, LlamaConfig};
+pub use model::Llama;

@@ -1,0 +1,180 @@
+//! The attention interface and its two plain implementations.
+
+use burn::tensor::module::attention;
+use burn::tensor::ops::AttentionModuleOptions;
+use burn::tensor::{Bool, DType, Tensor, TensorData, activation, backend::Backend};
+
+/// What every attention call gets besides Q, K and V.
+#[derive(Debug, Clone)]
+pub struct AttnOptions<B: Backend> {
+    /// Causal masking aligned bottom-right: query `i` of `sq` sees keys `j ≤ i + (skv − sq)`,
+    /// so decoding with `sq < skv` works.
+    pub causal: bool,
+    /// Softmax scale, usually `1/√head_dim`.
+    pub scale: f32,
+    /// `[batch, skv]`, `true` for keys no query may see (left padding of batched prompts).
+    pub key_padding: Option<Tensor<B, 2, Bool>>,
+}
+
+/// An attention implementation.
+///
+/// # Shapes
+/// - `q`: `[batch, q_heads, sq, head_dim]`
+/// - `k`, `v`: `[batch, kv_heads, skv, head_dim]`, `q_heads` a multiple of `kv_heads` (GQA)
+/// - returns `[batch, q_heads, sq, head_dim]`
+///
+/// `layer` lets an implementation hold one choice per layer (e.g. INT4 or INT8 for Sage).
+/// Query rows whose keys are all masked (padding positions) return finite, meaningless values.
+pub trait AttentionImpl<B: Backend>: Send + Sync + std::fmt::Debug {
+    /// A short name for logs and benchmark tables.
+    fn name(&self) -> String;
+    fn attend(
+        &self,
+        layer: usize,
+        q: Tensor<B, 4>,
+        k: Tensor<B, 4>,
+        v: Tensor<B, 4>,
+        opts: &AttnOptions<B>,
+    ) -> Tensor<B, 4>;
+}
+
+/// The built-in implementations, by name (for CLIs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttentionKind {
+    Reference,
+    BurnFused,
+}
+
+impl AttentionKind {
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "reference" => Some(Self::Reference),
+            "burn" | "burn-fused" => Some(Self::BurnFused),
+            _ => None,
+        }
+    }
+
+    pub fn build<B: Backend>(self) -> Box<dyn AttentionImpl<B>> {
+        match self {
+            Self::Reference => Box::new(ReferenceAttention),
+            Self::BurnFused => Box::new(BurnAttention),
+        }
+    }
+}
+
+/// Repeats each KV head `group` times so that K/V have as many heads as Q.
+pub fn repeat_kv<B: Backend>(x: Tensor<B, 4>, group: usize) -> Tensor<B, 4> {
+    if group == 1 {
+        return x;
+    }
+    let [b, h, s, d] = x.dims();
+    x.unsqueeze_dim::<5>(2)
+        .expand([b, h, group, s, d])
+        .reshape([b, h * group, s, d])
+}
+
+/// `[batch, 1, sq, skv]` mask (`true` = hidden) combining the bottom-right causal mask and the
+/// key padding; `None` when nothing is masked.
+pub fn build_mask<B: Backend>(
+    batch: usize,
+    sq: usize,
+    skv: usize,
+    opts: &AttnOptions<B>,
+    device: &B::Device,
+) -> Option<Tensor<B, 4, Bool>> {
+    let causal = (opts.causal && sq > 1).then(|| {
+        let offset = skv - sq;
+        let data: Vec<bool> = (0..sq)
+            .flat_map(|i| (0..skv).map(move |j| j > i + offset))
+            .collect();
+        Tensor::<B, 2, Bool>::from_data(TensorData::new(data, [sq, skv]), device)
+            .reshape([1, 1, sq, skv])
+            .expand([batch, 1, sq, skv])
+    });
+    let padding = opts
+        .key_padding
+        .clone()
+        .map(|p| p.reshape([batch, 1, 1, skv]).expand([batch, 1, sq, skv]));
+    match (causal, padding) {
+        (Some(c), Some(p)) => Some(c.bool_or(p)),
+        (c, p) => c.or(p),
+    }
+}
+
+/// Plain tensor ops in f32: scores, masks, softmax, weighted sum. The oracle for every other
+/// implementation.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ReferenceAttention;
+
+impl<B: Backend> AttentionImpl<B> for ReferenceAttention {
+    fn name(&self) -> String {
+        "reference".into()
+    }
+
+    fn attend(
+        &self,
+        _layer: usize,
+        q: Tensor<B, 4>,
+        k: Tensor<B, 4>,
+        v: Tensor<B, 4>,
+        opts: &AttnOptions<B>,
+    ) -> Tensor<B, 4> {
+        let dtype = q.dtype();
+        let [b, hq, sq, _] = q.dims();
+        let [_, hkv, skv, _] = k.dims();
+        let group = hq / hkv;
+        let k = repeat_kv(k.cast(DType::F32), group);
+        let v = repeat_kv(v.cast(DType::F32), group);
+        let scores = q.cast(DType::F32).matmul(k.swap_dims(2, 3)) * opts.scale;
+        let scores = match build_mask(b, sq, skv, opts, &scores.device()) {
+            // A large finite value rather than -inf keeps fully masked rows finite.
+            Some(mask) => scores.mask_fill(mask.expand([b, hq, sq, skv]), -1.0e30),
+            None => scores,
+        };
+        activation::softmax(scores, 3).matmul(v).cast(dtype)
+    }
+}
+
+/// Burn's `attention` op (the fused flash kernel on `CubeBackend` where Burn picks it).
+/// KV heads are repeated for GQA since Burn's op needs equal head counts.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct BurnAttention;
+
+impl<B: Backend> AttentionImpl<B> for BurnAttention {
+    fn name(&self) -> String {
+        "burn-fused".into()
+    }
+
+    fn attend(
+        &self,
+        _layer: usize,
+        q: Tensor<B, 4>,
+        k: Tensor<B, 4>,
+        v: Tensor<B, 4>,
+        opts: &AttnOptions<B>,
+    ) -> Tensor<B, 4> {
+        let [b, hq, sq, _] = q.dims();
+        let [_, hkv, skv, _] = k.dims();
+        let k = repeat_kv(k, hq / hkv);
+        let v = repeat_kv(v, hq / hkv);
+        let head_dim = q.dims()[3] as f32;
+        // A custom scale makes Burn take its unfused fallback: pass the default as `None`.
+        let default_scale = (opts.scale - head_dim.sqrt().recip()).abs() <= 1e-6 * opts.scale;
+        let options = AttentionModuleOptions {
+            scale: (!default_scale).then_some(opts.scale as f64),
+            softcap: None,
+            is_causal: false,
+        };
+        // Burn's own causal flag is top-left aligned; with no padding and a square problem the
+        // two agree and the flag lets the kernel skip tiles.
+        if opts.causal && sq == skv && opts.key_padding.is_none() {
+            let options = AttentionModuleOptions {
+                is_causal: true,
+                ..options
+            };
+            return attention(q, k, v, None, None, options);
+        }
+        let mask = build_mask(b, sq, skv, opts, &q.device()).map(|m| m.expand([b, hq, sq, skv]));
+        attention(q, k, v, mask, None, options)
+    }
+}

@@ -1,0 +1,108 @@
+//! The per-layer KV cache interface and the full (uncompressed) cache.
+
+use burn::tensor::{Tensor, backend::Backend};
+
+use crate::attention::{AttentionImpl, AttnOptions};
+
+/// A KV cache over all layers of a model, which also runs attention over what it holds, so
+/// that compressed caches (sparse retrieval, cross-layer merging, quantization) decide what
+/// the attention reads.
+///
+/// # Shapes
+/// - `q`: `[batch, q_heads, s_new, head_dim]` (RoPE applied)
+/// - `k`, `v`: `[batch, kv_heads, s_new, head_dim]` for the `s_new` new positions (keys with
+///   RoPE applied)
+/// - returns `[batch, q_heads, s_new, head_dim]`
+///
+/// `opts.key_padding`, when present, covers all `seq_len() + s_new` positions.
+pub trait KvCache<B: Backend>: Send {
+    /// Appends the new keys and values of `layer` and attends `q` over every cached position.
+    fn attend(
+        &mut self,
+        layer: usize,
+        q: Tensor<B, 4>,
+        k: Tensor<B, 4>,
+        v: Tensor<B, 4>,
+        attention: &dyn AttentionImpl<B>,
+        opts: &AttnOptions<B>,
+    ) -> Tensor<B, 4>;
+
+    /// Positions cached (in the last layer written).
+    fn seq_len(&self) -> usize;
+
+    /// Drops every position from `len` on, in every layer (rejected speculative tokens).
+    fn truncate(&mut self, len: usize);
+
+    /// Bytes of device and host memory the cache holds.
+    fn bytes_held(&self) -> usize;
+
+    /// A short name for logs and reports.
+    fn name(&self) -> String;
+}
+
+/// Every key and value of every layer, uncompressed.
+#[derive(Debug)]
+pub struct FullKvCache<B: Backend> {
+    layers: Vec<Option<(Tensor<B, 4>, Tensor<B, 4>)>>,
+}
+
+impl<B: Backend> FullKvCache<B> {
+    pub fn new(num_layers: usize) -> Self {
+        Self {
+            layers: vec![None; num_layers],
+        }
+    }
+}
+
+impl<B: Backend> KvCache<B> for FullKvCache<B> {
+    fn attend(
+        &mut self,
+        layer: usize,
+        q: Tensor<B, 4>,
+        k: Tensor<B, 4>,
+        v: Tensor<B, 4>,
+        attention: &dyn AttentionImpl<B>,
+        opts: &AttnOptions<B>,
+    ) -> Tensor<B, 4> {
+        let (k, v) = match self.layers[layer].take() {
+            Some((k0, v0)) => (Tensor::cat(vec![k0, k], 2), Tensor::cat(vec![v0, v], 2)),
+            None => (k, v),
+        };
+        self.layers[layer] = Some((k.clone(), v.clone()));
+        attention.attend(layer, q, k, v, opts)
+    }
+
+    fn seq_len(&self) -> usize {
+        self.layers
+            .iter()
+            .flatten()
+            .map(|(k, _)| k.dims()[2])
+            .last()
+            .unwrap_or(0)
+    }
+
+    fn truncate(&mut self, len: usize) {
+        for (k, v) in self.layers.iter_mut().flatten() {
+            let [b, h, s, d] = k.dims();
+            if len < s {
+                *k = k.clone().slice([0..b, 0..h, 0..len, 0..d]);
+                *v = v.clone().slice([0..b, 0..h, 0..len, 0..d]);
+            }
+        }
+    }
+
+    fn bytes_held(&self) -> usize {
+        self.layers
+            .iter()
+            .flatten()
+            .map(|(k, v)| {
+                let n = k.shape().num_elements() + v.shape().num_elements();
+                n * k.dtype().size()
+            })
+            .sum()
+    }
+
+    fn name(&self) -> String {
+        "full".into()
+    }
+}

@@ -1,0 +1,20 @@
+//! # burn-kernels-core: the model pieces the paper crates plug into
+//!
+//! Defined once here and shared by the Llama example and the paper crates:
+//! - [`attention::AttentionImpl`]: how `softmax(q·kᵀ)·v` is computed (reference, Burn's fused
+//!   kernel, SageAttention later), with GQA and bottom-right-aligned causal masks;
+//! - [`cache::KvCache`]: a per-layer KV cache that also runs the attention over what it holds
+//!   (the full cache here; ShadowKV, MiniCache and quantized caches later);
+//! - [`rope::Rope`]: rotary embeddings (HF rotate-half, Llama-3 frequency scaling);
+//! - [`sampling::Sampler`]: next-token distributions and draws (greedy, temperature, top-k,
+//!   top-p), which speculative decoding builds on.
+
+pub mod attention;
+pub mod cache;
+pub mod rope;
+pub mod sampling;
+
+pub use attention::{AttentionImpl, AttentionKind, AttnOptions, BurnAttention, ReferenceAttention};
+pub use cache::{FullKvCache, KvCache};
+pub use rope::{Rope, RopeScaling};
+pub use sampling::{Greedy, Sampler, SamplingConfig, TopKTopP};

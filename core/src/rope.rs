@@ -1,0 +1,113 @@
+//! Rotary position embeddings, HF "rotate-half" layout, with Llama-3 frequency scaling.
+
+use burn::module::Module;
+use burn::tensor::{Int, Tensor, TensorData, backend::Backend};
+
+/// Llama-3 frequency scaling parameters (HF `rope_scaling` with `rope_type = "llama3"`).
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct RopeScaling {
+    pub factor: f32,
+    pub low_freq_factor: f32,
+    pub high_freq_factor: f32,
+    pub original_max_position_embeddings: usize,
+}
+
+/// Precomputed cos/sin tables for positions `0..max_positions` (constant tensors: a module
+/// with no parameters, so a model can hold it).
+#[derive(Module, Debug)]
+pub struct Rope<B: Backend> {
+    cos: Tensor<B, 2>,
+    sin: Tensor<B, 2>,
+    head_dim: usize,
+}
+
+/// The inverse frequencies `θ^(−2i/d)`, scaled as Llama-3 does when `scaling` is given.
+pub fn inverse_frequencies(head_dim: usize, theta: f32, scaling: Option<RopeScaling>) -> Vec<f64> {
+    let half = head_dim / 2;
+    (0..half)
+        .map(|i| {
+            let f = (theta as f64).powf(-((2 * i) as f64) / head_dim as f64);
+            let Some(s) = scaling else { return f };
+            let old = s.original_max_position_embeddings as f64;
+            let low_wavelen = old / s.low_freq_factor as f64;
+            let high_wavelen = old / s.high_freq_factor as f64;
+            let wavelen = 2.0 * std::f64::consts::PI / f;
+            if wavelen < high_wavelen {
+                f
+            } else if wavelen > low_wavelen {
+                f / s.factor as f64
+            } else {
+                let smooth = (old / wavelen - s.low_freq_factor as f64)
+                    / (s.high_freq_factor as f64 - s.low_freq_factor as f64);
+                (1.0 - smooth) * f / s.factor as f64 + smooth * f
+            }
+        })
+        .collect()
+}
+
+impl<B: Backend> Rope<B> {
+    /// Tables for `head_dim` (even) and positions `0..max_positions`.
+    pub fn new(
+        head_dim: usize,
+        max_positions: usize,
+        theta: f32,
+        scaling: Option<RopeScaling>,
+        device: &B::Device,
+    ) -> Self {
+        assert!(
+            head_dim.is_multiple_of(2),
+            "RoPE needs an even head_dim, got {head_dim}"
+        );
+        let inv = inverse_frequencies(head_dim, theta, scaling);
+        let half = head_dim / 2;
+        let mut cos = Vec::with_capacity(max_positions * half);
+        let mut sin = Vec::with_capacity(max_positions * half);
+        for p in 0..max_positions {
+            for &f in &inv {
+                let a = p as f64 * f;
+                cos.push(a.cos() as f32);
+                sin.push(a.sin() as f32);
+            }
+        }
+        let shape = [max_positions, half];
+        Self {
+            cos: Tensor::from_data(TensorData::new(cos, shape), device),
+            sin: Tensor::from_data(TensorData::new(sin, shape), device),
+            head_dim,
+        }
+    }
+
+    /// Positions the tables cover.
+    pub fn max_positions(&self) -> usize {
+        self.cos.dims()[0]
+    }
+
+    /// Rotates `x` by the angles of `positions`.
+    ///
+    /// # Shapes
+    /// - `x`: `[batch, heads, seq, head_dim]`
+    /// - `positions`: `[batch, seq]`, each `< max_positions()`
+    pub fn apply(&self, x: Tensor<B, 4>, positions: Tensor<B, 2, Int>) -> Tensor<B, 4> {
+        let [b, h, s, d] = x.dims();
+        debug_assert_eq!(d, self.head_dim);
+        let half = d / 2;
+        let idx = positions.reshape([b * s]);
+        let dtype = x.dtype();
+        let gather = |t: &Tensor<B, 2>| {
+            t.clone()
+                .select(0, idx.clone())
+                .reshape([b, 1, s, half])
+                .cast(dtype)
+        };
+        let (cos, sin) = (gather(&self.cos), gather(&self.sin));
+        let x1 = x.clone().slice([0..b, 0..h, 0..s, 0..half]);
+        let x2 = x.slice([0..b, 0..h, 0..s, half..d]);
+        Tensor::cat(
+            vec![
+                x1.clone() * cos.clone() - x2.clone() * sin.clone(),
+                x2 * cos + x1 * sin,
+            ],
+            3,
+        )
+    }
+}

@@ -1,0 +1,264 @@
+//! `llama generate` and `llama perplexity` on CPU, Vulkan or CUDA.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use burn::tensor::{DType, backend::Backend};
+use burn_kernels_core::{AttentionKind, FullKvCache, SamplingConfig};
+use burn_llama::generate::{GenerateOptions, generate, perplexity};
+use burn_llama::loader::{default_model_path, load};
+use burn_llama::model::Llama;
+use burn_llama::tokenizer::Tokenizer;
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum BackendArg {
+    Cpu,
+    Vulkan,
+    Cuda,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum DTypeArg {
+    F32,
+    F16,
+    Bf16,
+}
+
+#[derive(Debug, Args)]
+struct Common {
+    /// A .gguf file or an HF directory (config.json, model.safetensors, tokenizer.json).
+    /// Default: the SmolLM2-135M-Instruct GGUF that `cargo xtask fetch-model` caches.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Where to run: cpu (Burn's NdArray), vulkan or cuda.
+    #[arg(long, value_enum, default_value = "cpu")]
+    backend: BackendArg,
+    /// Weight and activation dtype (f16/bf16 on GPUs).
+    #[arg(long, value_enum, default_value = "f32")]
+    dtype: DTypeArg,
+    /// Attention implementation: reference | burn-fused.
+    #[arg(long, default_value = "reference")]
+    attention: String,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Generate a continuation (or a chat answer) and stream it to stdout.
+    Generate {
+        #[command(flatten)]
+        common: Common,
+        #[arg(long)]
+        prompt: String,
+        /// Wrap the prompt in the model's chat template.
+        #[arg(long)]
+        chat: bool,
+        #[arg(long, default_value_t = 64)]
+        max_new_tokens: usize,
+        /// 0 = greedy.
+        #[arg(long, default_value_t = 0.0)]
+        temperature: f32,
+        #[arg(long)]
+        top_k: Option<usize>,
+        #[arg(long)]
+        top_p: Option<f32>,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+    },
+    /// Perplexity of a text file.
+    Perplexity {
+        #[command(flatten)]
+        common: Common,
+        #[arg(long)]
+        text: PathBuf,
+    },
+}
+
+#[derive(Debug, Parser)]
+#[command(about = "Llama-architecture inference with Burn")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let common = match &cli.cmd {
+        Cmd::Generate { common, .. } | Cmd::Perplexity { common, .. } => common,
+    };
+    let result = match common.backend {
+        BackendArg::Cpu => run::<burn::backend::NdArray<f32>>(&cli, &Default::default()),
+        BackendArg::Vulkan => run_vulkan(&cli),
+        BackendArg::Cuda => run_cuda(&cli),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
+}
+
+#[cfg(feature = "vulkan")]
+fn run_vulkan(cli: &Cli) -> Result<(), String> {
+    type B = burn_cubecl::CubeBackend<burn::backend::wgpu::WgpuRuntime, f32, i32, u32>;
+    run::<B>(cli, &Default::default())
+}
+
+#[cfg(not(feature = "vulkan"))]
+fn run_vulkan(_: &Cli) -> Result<(), String> {
+    Err(
+        "built without the `vulkan` feature: cargo run --release -p burn-llama --features vulkan"
+            .into(),
+    )
+}
+
+#[cfg(feature = "cuda")]
+fn run_cuda(cli: &Cli) -> Result<(), String> {
+    type B = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
+    run::<B>(cli, &Default::default())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn run_cuda(_: &Cli) -> Result<(), String> {
+    Err(
+        "built without the `cuda` feature: cargo run --release -p burn-llama --features cuda"
+            .into(),
+    )
+}
+
+fn run<B: Backend>(cli: &Cli, device: &B::Device) -> Result<(), String> {
+    let common = match &cli.cmd {
+        Cmd::Generate { common, .. } | Cmd::Perplexity { common, .. } => common,
+    };
+    let path = common.model.clone().unwrap_or_else(default_model_path);
+    let attention = AttentionKind::parse(&common.attention)
+        .ok_or_else(|| {
+            format!(
+                "unknown attention `{}` (reference, burn-fused)",
+                common.attention
+            )
+        })?
+        .build::<B>();
+    let dtype = match common.dtype {
+        DTypeArg::F32 => DType::F32,
+        DTypeArg::F16 => DType::F16,
+        DTypeArg::Bf16 => DType::BF16,
+    };
+    eprintln!("loading {} ...", path.display());
+    let t = std::time::Instant::now();
+    let ckpt = load(&path).map_err(|e| e.to_string())?;
+    let model = Llama::<B>::from_checkpoint(&ckpt, device, dtype).map_err(|e| e.to_string())?;
+    let tokenizer = &ckpt.tokenizer;
+    eprintln!(
+        "loaded {} layers, hidden {}, vocab {} in {:.1}s on {} ({:?}, attention {})",
+        ckpt.config.num_layers,
+        ckpt.config.hidden_size,
+        ckpt.config.vocab_size,
+        t.elapsed().as_secs_f64(),
+        B::name(device),
+        dtype,
+        attention.name()
+    );
+    match &cli.cmd {
+        Cmd::Generate {
+            prompt,
+            chat,
+            max_new_tokens,
+            temperature,
+            top_k,
+            top_p,
+            seed,
+            ..
+        } => {
+            let text = if *chat {
+                tokenizer.chat_prompt(&[("user", prompt.as_str())], true)
+            } else {
+                prompt.clone()
+            };
+            let ids = tokenizer.encode(&text).map_err(|e| e.to_string())?;
+            let mut sampler = SamplingConfig {
+                temperature: *temperature,
+                top_k: *top_k,
+                top_p: *top_p,
+                seed: *seed,
+            }
+            .build();
+            let mut cache = FullKvCache::new(model.config.num_layers);
+            let opts = GenerateOptions {
+                max_new_tokens: *max_new_tokens,
+                stop_tokens: tokenizer.eos_token_ids().to_vec(),
+            };
+            print!(
+                "{}",
+                if *chat {
+                    prompt.as_str()
+                } else {
+                    text.as_str()
+                }
+            );
+            if *chat {
+                println!();
+            }
+            let mut stream = StreamPrinter::new(tokenizer);
+            let g = generate(
+                &model,
+                &[ids],
+                &mut cache,
+                attention.as_ref(),
+                sampler.as_mut(),
+                &opts,
+                &mut |_, tok| stream.push(tok),
+            );
+            println!();
+            eprintln!(
+                "prefill {} tokens at {:.1} tok/s, decode {} tokens at {:.1} tok/s, KV cache {:.1} MB",
+                g.prefill_tokens,
+                g.prefill_tokens_per_sec(),
+                g.tokens[0].len(),
+                g.decode_tokens_per_sec(),
+                g.cache_bytes as f64 / 1e6
+            );
+        }
+        Cmd::Perplexity { text, .. } => {
+            let body =
+                std::fs::read_to_string(text).map_err(|e| format!("{}: {e}", text.display()))?;
+            let ids = tokenizer.encode(&body).map_err(|e| e.to_string())?;
+            if ids.len() < 2 {
+                return Err(format!("{}: needs at least two tokens", text.display()));
+            }
+            let ppl = perplexity(&model, &ids, attention.as_ref());
+            println!("perplexity {ppl:.4} over {} tokens", ids.len());
+        }
+    }
+    Ok(())
+}
+
+/// Prints the text of the generated tokens as it grows (decoding the whole sequence each
+/// time, so multi-byte characters split across tokens come out whole).
+struct StreamPrinter<'a> {
+    tokenizer: &'a Tokenizer,
+    tokens: Vec<u32>,
+    printed: usize,
+}
+
+impl<'a> StreamPrinter<'a> {
+    fn new(tokenizer: &'a Tokenizer) -> Self {
+        Self {
+            tokenizer,
+            tokens: Vec::new(),
+            printed: 0,
+        }
+    }
+
+    fn push(&mut self, token: u32) {
+        self.tokens.push(token);
+        if let Ok(text) = self.tokenizer.decode(&self.tokens)
+            && text.len() > self.printed
+            && text.is_char_boundary(self.printed)
+            && !text.ends_with('\u{FFFD}')
+        {
+            print!("{}", &text[self.printed..]);
+            let _ = std::io::stdout().flush();
+            self.printed = text.len();
+        }
+    }
+}

@@ -1,0 +1,143 @@
+//! Prefill + decode with a KV cache, batched prompts of different lengths, sampling, stop
+//! tokens, streaming, and perplexity.
+
+use std::time::Instant;
+
+use burn::tensor::{Int, Tensor, TensorData, activation, backend::Backend};
+use burn_kernels_core::{AttentionImpl, FullKvCache, KvCache, Sampler};
+
+use crate::model::Llama;
+
+/// Options of [`generate`].
+#[derive(Debug, Clone)]
+pub struct GenerateOptions {
+    pub max_new_tokens: usize,
+    /// Generation of a sequence stops after it emits one of these.
+    pub stop_tokens: Vec<u32>,
+}
+
+/// What [`generate`] produced and how fast.
+#[derive(Debug, Clone)]
+pub struct Generation {
+    /// The new tokens of each prompt (a stop token, if hit, is the last one).
+    pub tokens: Vec<Vec<u32>>,
+    pub prefill_tokens: usize,
+    pub prefill_secs: f64,
+    pub decode_steps: usize,
+    pub decode_secs: f64,
+    /// KV-cache bytes held at the end.
+    pub cache_bytes: usize,
+}
+
+impl Generation {
+    /// Prompt tokens processed per second (all sequences).
+    pub fn prefill_tokens_per_sec(&self) -> f64 {
+        self.prefill_tokens as f64 / self.prefill_secs.max(1e-9)
+    }
+
+    /// New tokens per second over the decode steps (all sequences).
+    pub fn decode_tokens_per_sec(&self) -> f64 {
+        (self.decode_steps * self.tokens.len()) as f64 / self.decode_secs.max(1e-9)
+    }
+}
+
+/// The last position's logits of every row, on the host.
+fn last_logits<B: Backend>(model: &Llama<B>, hidden: Tensor<B, 3>) -> Vec<Vec<f32>> {
+    let [b, s, h] = hidden.dims();
+    let last = hidden.slice([0..b, s - 1..s, 0..h]);
+    let logits = model.logits(last);
+    let vocab = logits.dims()[2];
+    let data = logits.into_data().to_vec::<f32>().expect("f32 logits");
+    data.chunks(vocab).map(|c| c.to_vec()).collect()
+}
+
+/// Generates a continuation of every prompt.
+///
+/// Prompts of different lengths are left-padded into one batch (padding is masked and RoPE
+/// positions start at each prompt's first token), so each gets the tokens it would get alone.
+/// `on_token(i, token)` is called as each token of prompt `i` is produced.
+pub fn generate<B: Backend>(
+    model: &Llama<B>,
+    prompts: &[Vec<u32>],
+    cache: &mut dyn KvCache<B>,
+    attention: &dyn AttentionImpl<B>,
+    sampler: &mut dyn Sampler,
+    opts: &GenerateOptions,
+    on_token: &mut dyn FnMut(usize, u32),
+) -> Generation {
+    assert!(
+        prompts.iter().all(|p| !p.is_empty()),
+        "every prompt needs at least one token"
+    );
+    let device = model.embed.device();
+    let b = prompts.len();
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    let pad: Vec<usize> = prompts.iter().map(|p| longest - p.len()).collect();
+    let ids: Vec<i64> = prompts
+        .iter()
+        .zip(&pad)
+        .flat_map(|(p, &n)| std::iter::repeat_n(p[0] as i64, n).chain(p.iter().map(|&t| t as i64)))
+        .collect();
+    let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [b, longest]), &device);
+
+    let t0 = Instant::now();
+    let hidden = model.forward(tokens, &pad, cache, attention);
+    let mut logits = last_logits(model, hidden);
+    let prefill_secs = t0.elapsed().as_secs_f64();
+
+    let mut out: Vec<Vec<u32>> = vec![Vec::new(); b];
+    let mut done = vec![opts.max_new_tokens == 0; b];
+    let t1 = Instant::now();
+    let mut steps = 0;
+    loop {
+        let mut next = Vec::with_capacity(b);
+        for i in 0..b {
+            let tok = sampler.sample(&logits[i]);
+            if !done[i] {
+                out[i].push(tok);
+                on_token(i, tok);
+                done[i] = opts.stop_tokens.contains(&tok) || out[i].len() >= opts.max_new_tokens;
+            }
+            next.push(tok as i64);
+        }
+        if done.iter().all(|&d| d) {
+            break;
+        }
+        let step = Tensor::<B, 2, Int>::from_data(TensorData::new(next, [b, 1]), &device);
+        let hidden = model.forward(step, &pad, cache, attention);
+        logits = last_logits(model, hidden);
+        steps += 1;
+    }
+    Generation {
+        tokens: out,
+        prefill_tokens: prompts.iter().map(Vec::len).sum(),
+        prefill_secs,
+        decode_steps: steps,
+        decode_secs: t1.elapsed().as_secs_f64(),
+        cache_bytes: cache.bytes_held(),
+    }
+}
+
+/// Perplexity of `tokens` under the model: `exp(mean −log p(tᵢ | t<ᵢ))` over positions 1.., in
+/// one forward pass with a full cache.
+pub fn perplexity<B: Backend>(
+    model: &Llama<B>,
+    tokens: &[u32],
+    attention: &dyn AttentionImpl<B>,
+) -> f64 {
+    assert!(tokens.len() >= 2, "perplexity needs at least two tokens");
+    let device = model.embed.device();
+    let n = tokens.len();
+    let ids: Vec<i64> = tokens.iter().map(|&t| t as i64).collect();
+    let input = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, n]), &device);
+    let mut cache = FullKvCache::new(model.config.num_layers);
+    let hidden = model.forward(input, &[], &mut cache, attention);
+    let [_, _, h] = hidden.dims();
+    let logits = model.logits(hidden.slice([0..1, 0..n - 1, 0..h]));
+    let log_probs = activation::log_softmax(logits, 2);
+    let targets: Vec<i64> = tokens[1..].iter().map(|&t| t as i64).collect();
+    let targets = Tensor::<B, 3, Int>::from_data(TensorData::new(targets, [1, n - 1, 1]), &device);
+    let nll = log_probs.gather(2, targets).neg().mean();
+    let nll = nll.into_data().to_vec::<f32>().expect("f32")[0] as f64;
+    nll.exp()
+}

@@ -1,0 +1,283 @@
+//! The Llama architecture: token embedding, RMSNorm, RoPE, grouped-query attention, SwiGLU MLP,
+//! tied or untied LM head. Attention and the KV cache are plug-ins from `burn-kernels-core`.
+
+use burn::module::{Module, Param};
+use burn::nn::RmsNorm;
+use burn::tensor::{
+    DType, Distribution, Int, Tensor, TensorCreationOptions, TensorData, activation,
+    backend::Backend,
+};
+use burn_kernels_core::{AttentionImpl, AttnOptions, KvCache, Rope};
+
+use crate::config::LlamaConfig;
+use crate::loader::{Checkpoint, HostTensor, LoadError};
+
+/// One transformer block. Projection weights are stored `[in, out]`.
+#[derive(Module, Debug)]
+pub struct Block<B: Backend> {
+    pub attn_norm: RmsNorm<B>,
+    pub wq: Param<Tensor<B, 2>>,
+    pub wk: Param<Tensor<B, 2>>,
+    pub wv: Param<Tensor<B, 2>>,
+    pub wo: Param<Tensor<B, 2>>,
+    pub mlp_norm: RmsNorm<B>,
+    pub w_gate: Param<Tensor<B, 2>>,
+    pub w_up: Param<Tensor<B, 2>>,
+    pub w_down: Param<Tensor<B, 2>>,
+}
+
+/// A Llama-architecture causal language model.
+#[derive(Module, Debug)]
+pub struct Llama<B: Backend> {
+    /// `[vocab, hidden]`.
+    pub embed: Param<Tensor<B, 2>>,
+    pub layers: Vec<Block<B>>,
+    pub norm: RmsNorm<B>,
+    /// `[hidden, vocab]`; `None` when tied to the embedding.
+    pub lm_head: Option<Param<Tensor<B, 2>>>,
+    #[module(skip)]
+    pub config: LlamaConfig,
+    pub rope: Rope<B>,
+}
+
+fn linear<B: Backend>(x: Tensor<B, 3>, w: &Param<Tensor<B, 2>>) -> Tensor<B, 3> {
+    x.matmul(w.val().unsqueeze())
+}
+
+fn norm<B: Backend>(gamma: Tensor<B, 1>, eps: f32) -> RmsNorm<B> {
+    RmsNorm {
+        gamma: Param::from_tensor(gamma),
+        epsilon: eps as f64,
+    }
+}
+
+/// Positions beyond this are not precomputed unless the model's context is shorter.
+const MAX_ROPE_POSITIONS: usize = 32_768;
+
+impl<B: Backend> Block<B> {
+    #[allow(clippy::too_many_arguments)]
+    fn forward(
+        &self,
+        layer: usize,
+        x: Tensor<B, 3>,
+        cfg: &LlamaConfig,
+        rope: &Rope<B>,
+        positions: &Tensor<B, 2, Int>,
+        cache: &mut dyn KvCache<B>,
+        attention: &dyn AttentionImpl<B>,
+        opts: &AttnOptions<B>,
+    ) -> Tensor<B, 3> {
+        let [b, s, _] = x.dims();
+        let (hq, hkv, d) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+        let h = self.attn_norm.forward(x.clone());
+        let heads = |t: Tensor<B, 3>, n: usize| t.reshape([b, s, n, d]).swap_dims(1, 2);
+        let q = rope.apply(heads(linear(h.clone(), &self.wq), hq), positions.clone());
+        let k = rope.apply(heads(linear(h.clone(), &self.wk), hkv), positions.clone());
+        let v = heads(linear(h, &self.wv), hkv);
+        let o = cache.attend(layer, q, k, v, attention, opts);
+        let o = o.swap_dims(1, 2).reshape([b, s, hq * d]);
+        let x = x + linear(o, &self.wo);
+        let h = self.mlp_norm.forward(x.clone());
+        let gate = activation::silu(linear(h.clone(), &self.w_gate));
+        x + linear(gate * linear(h, &self.w_up), &self.w_down)
+    }
+}
+
+impl<B: Backend> Llama<B> {
+    /// Runs `tokens` through the model after what `cache` holds and returns the final hidden
+    /// states (after the last norm).
+    ///
+    /// # Shapes
+    /// - `tokens`: `[batch, seq]`; `left_pad[i]` leading entries of row `i` are padding (masked
+    ///   as keys, RoPE positions start after them); an empty slice means no padding
+    /// - returns `[batch, seq, hidden]`
+    pub fn forward(
+        &self,
+        tokens: Tensor<B, 2, Int>,
+        left_pad: &[usize],
+        cache: &mut dyn KvCache<B>,
+        attention: &dyn AttentionImpl<B>,
+    ) -> Tensor<B, 3> {
+        let [b, s] = tokens.dims();
+        let device = tokens.device();
+        let start = cache.seq_len();
+        let pad = |i: usize| left_pad.get(i).copied().unwrap_or(0);
+        let positions: Vec<i64> = (0..b)
+            .flat_map(|i| (0..s).map(move |t| (start + t).saturating_sub(pad(i)) as i64))
+            .collect();
+        let positions = Tensor::<B, 2, Int>::from_data(TensorData::new(positions, [b, s]), &device);
+        let key_padding = left_pad.iter().any(|&p| p > 0).then(|| {
+            let total = start + s;
+            let data: Vec<bool> = (0..b)
+                .flat_map(|i| (0..total).map(move |j| j < pad(i)))
+                .collect();
+            Tensor::from_data(TensorData::new(data, [b, total]), &device)
+        });
+        let opts = AttnOptions {
+            causal: true,
+            scale: (self.config.head_dim as f32).sqrt().recip(),
+            key_padding,
+        };
+        let [_, hidden] = self.embed.dims();
+        let mut x = self
+            .embed
+            .val()
+            .select(0, tokens.reshape([b * s]))
+            .reshape([b, s, hidden]);
+        for (layer, block) in self.layers.iter().enumerate() {
+            x = block.forward(
+                layer,
+                x,
+                &self.config,
+                &self.rope,
+                &positions,
+                cache,
+                attention,
+                &opts,
+            );
+        }
+        self.norm.forward(x)
+    }
+
+    /// Logits of hidden states, in f32.
+    ///
+    /// # Shapes
+    /// - `hidden`: `[batch, seq, hidden]`; returns `[batch, seq, vocab]`
+    pub fn logits(&self, hidden: Tensor<B, 3>) -> Tensor<B, 3> {
+        let logits = match &self.lm_head {
+            Some(w) => hidden.matmul(w.val().unsqueeze()),
+            // Tied: E·hᵀ reads the [vocab, hidden] embedding in its own layout instead of
+            // transposing all of it on every call.
+            None => self
+                .embed
+                .val()
+                .unsqueeze::<3>()
+                .matmul(hidden.swap_dims(1, 2))
+                .swap_dims(1, 2),
+        };
+        logits.cast(DType::F32)
+    }
+
+    /// Builds the model from loaded weights, stored as `dtype` on `device`.
+    pub fn from_checkpoint(
+        ckpt: &Checkpoint,
+        device: &B::Device,
+        dtype: DType,
+    ) -> Result<Self, LoadError> {
+        crate::loader::validate(&ckpt.config, &ckpt.tensors)?;
+        let cfg = &ckpt.config;
+        let get = |name: &str| -> Result<&HostTensor, LoadError> {
+            ckpt.tensors
+                .get(name)
+                .ok_or_else(|| LoadError::MissingTensor {
+                    name: name.to_string(),
+                })
+        };
+        let opts = TensorCreationOptions::new(device.clone()).with_dtype(dtype);
+        let tensor = |t: &HostTensor, transpose: bool| -> Tensor<B, 2> {
+            let (rows, cols) = (t.shape[0], t.shape.get(1).copied().unwrap_or(1));
+            let (data, shape) = if transpose {
+                let mut out = vec![0f32; t.data.len()];
+                for r in 0..rows {
+                    for c in 0..cols {
+                        out[c * rows + r] = t.data[r * cols + c];
+                    }
+                }
+                (out, [cols, rows])
+            } else {
+                (t.data.clone(), [rows, cols])
+            };
+            Tensor::from_data(
+                TensorData::new(data, shape).convert_dtype(dtype),
+                opts.clone(),
+            )
+        };
+        let vector = |t: &HostTensor| -> Tensor<B, 1> {
+            Tensor::from_data(
+                TensorData::new(t.data.clone(), [t.data.len()]).convert_dtype(dtype),
+                opts.clone(),
+            )
+        };
+        let proj = |name: String| -> Result<Param<Tensor<B, 2>>, LoadError> {
+            Ok(Param::from_tensor(tensor(get(&name)?, true)))
+        };
+        let mut layers = Vec::with_capacity(cfg.num_layers);
+        for i in 0..cfg.num_layers {
+            let p = format!("model.layers.{i}");
+            layers.push(Block {
+                attn_norm: norm(
+                    vector(get(&format!("{p}.input_layernorm.weight"))?),
+                    cfg.rms_norm_eps,
+                ),
+                wq: proj(format!("{p}.self_attn.q_proj.weight"))?,
+                wk: proj(format!("{p}.self_attn.k_proj.weight"))?,
+                wv: proj(format!("{p}.self_attn.v_proj.weight"))?,
+                wo: proj(format!("{p}.self_attn.o_proj.weight"))?,
+                mlp_norm: norm(
+                    vector(get(&format!("{p}.post_attention_layernorm.weight"))?),
+                    cfg.rms_norm_eps,
+                ),
+                w_gate: proj(format!("{p}.mlp.gate_proj.weight"))?,
+                w_up: proj(format!("{p}.mlp.up_proj.weight"))?,
+                w_down: proj(format!("{p}.mlp.down_proj.weight"))?,
+            });
+        }
+        let lm_head = if cfg.tie_word_embeddings {
+            None
+        } else {
+            Some(proj("lm_head.weight".into())?)
+        };
+        Ok(Self {
+            embed: Param::from_tensor(tensor(get("model.embed_tokens.weight")?, false)),
+            layers,
+            norm: norm(vector(get("model.norm.weight")?), cfg.rms_norm_eps),
+            lm_head,
+            rope: Self::rope(cfg, device),
+            config: cfg.clone(),
+        })
+    }
+
+    /// A model of `cfg`'s shape with random weights (N(0, 0.02), norms 1), for benchmarks.
+    pub fn random(cfg: &LlamaConfig, device: &B::Device, dtype: DType) -> Self {
+        let opts = TensorCreationOptions::new(device.clone()).with_dtype(dtype);
+        let w = |rows: usize, cols: usize| {
+            Param::from_tensor(
+                Tensor::<B, 2>::random([rows, cols], Distribution::Normal(0.0, 0.02), device)
+                    .cast(dtype),
+            )
+        };
+        let ones = |n: usize| norm(Tensor::<B, 1>::ones([n], opts.clone()), cfg.rms_norm_eps);
+        let (h, d) = (cfg.hidden_size, cfg.head_dim);
+        let layers = (0..cfg.num_layers)
+            .map(|_| Block {
+                attn_norm: ones(h),
+                wq: w(h, cfg.num_heads * d),
+                wk: w(h, cfg.num_kv_heads * d),
+                wv: w(h, cfg.num_kv_heads * d),
+                wo: w(cfg.num_heads * d, h),
+                mlp_norm: ones(h),
+                w_gate: w(h, cfg.intermediate_size),
+                w_up: w(h, cfg.intermediate_size),
+                w_down: w(cfg.intermediate_size, h),
+            })
+            .collect();
+        Self {
+            embed: w(cfg.vocab_size, h),
+            layers,
+            norm: ones(h),
+            lm_head: (!cfg.tie_word_embeddings).then(|| w(h, cfg.vocab_size)),
+            rope: Self::rope(cfg, device),
+            config: cfg.clone(),
+        }
+    }
+
+    fn rope(cfg: &LlamaConfig, device: &B::Device) -> Rope<B> {
+        Rope::new(
+            cfg.head_dim,
+            cfg.max_seq_len.min(MAX_ROPE_POSITIONS),
+            cfg.rope_theta,
+            cfg.rope_scaling,
+            device,
+        )
+    }
+}

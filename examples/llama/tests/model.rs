@@ -1,0 +1,152 @@
+//! The model on the real SmolLM2-135M-Instruct weights (fetched by `./scripts/setup.sh`).
+
+use std::sync::OnceLock;
+
+use burn::backend::NdArray;
+use burn::tensor::{DType, backend::Backend};
+use burn_kernels_core::{AttentionImpl, BurnAttention, FullKvCache, Greedy, ReferenceAttention};
+use burn_llama::generate::{GenerateOptions, generate, perplexity};
+use burn_llama::loader::{Checkpoint, default_model_path, load};
+use burn_llama::model::Llama;
+
+type Cpu = NdArray<f32>;
+
+fn checkpoint() -> &'static Checkpoint {
+    static CKPT: OnceLock<Checkpoint> = OnceLock::new();
+    CKPT.get_or_init(|| {
+        let path = default_model_path();
+        load(&path).unwrap_or_else(|e| {
+            panic!("{e}\n(the SmolLM2 weights come from `./scripts/setup.sh`, or `cargo xtask fetch-model`)")
+        })
+    })
+}
+
+fn model<B: Backend>(device: &B::Device) -> Llama<B> {
+    Llama::from_checkpoint(checkpoint(), device, DType::F32).expect("valid checkpoint")
+}
+
+fn greedy<B: Backend>(
+    model: &Llama<B>,
+    prompts: &[Vec<u32>],
+    max_new_tokens: usize,
+    attention: &dyn AttentionImpl<B>,
+) -> Vec<Vec<u32>> {
+    let mut cache = FullKvCache::new(model.config.num_layers);
+    let opts = GenerateOptions {
+        max_new_tokens,
+        stop_tokens: checkpoint().tokenizer.eos_token_ids().to_vec(),
+    };
+    generate(
+        model,
+        prompts,
+        &mut cache,
+        attention,
+        &mut Greedy,
+        &opts,
+        &mut |_, _| {},
+    )
+    .tokens
+}
+
+#[test]
+fn greedy_capital_of_france_is_paris() {
+    let tok = &checkpoint().tokenizer;
+    let model = model::<Cpu>(&Default::default());
+    let prompt = tok.encode("The capital of France is").unwrap();
+    let out = greedy(&model, &[prompt], 8, &ReferenceAttention);
+    let text = tok.decode(&out[0]).unwrap();
+    println!("The capital of France is|{text}");
+    assert!(text.contains("Paris"), "continuation: {text:?}");
+}
+
+#[test]
+fn chat_prompt_gets_an_english_answer() {
+    let tok = &checkpoint().tokenizer;
+    let model = model::<Cpu>(&Default::default());
+    let prompt = tok.chat_prompt(&[("user", "What is the capital of France?")], true);
+    let out = greedy(
+        &model,
+        &[tok.encode(&prompt).unwrap()],
+        40,
+        &ReferenceAttention,
+    );
+    let text = tok.decode(&out[0]).unwrap();
+    println!("chat answer: {text}");
+    let words: Vec<&str> = text.split_whitespace().collect();
+    assert!(words.len() >= 3, "answer too short: {text:?}");
+    assert!(text.is_ascii(), "expected plain English: {text:?}");
+    assert!(text.contains("Paris"), "answer: {text:?}");
+}
+
+#[test]
+fn batched_generation_matches_one_prompt_at_a_time() {
+    let tok = &checkpoint().tokenizer;
+    let model = model::<Cpu>(&Default::default());
+    let prompts: Vec<Vec<u32>> = [
+        "The capital of France is",
+        "Once upon a time, in a small village by the sea, there lived",
+        "Water boils at",
+    ]
+    .iter()
+    .map(|p| tok.encode(p).unwrap())
+    .collect();
+    let lens: Vec<usize> = prompts.iter().map(Vec::len).collect();
+    assert!(
+        lens[0] != lens[1] && lens[1] != lens[2],
+        "prompt lengths {lens:?}"
+    );
+    let batched = greedy(&model, &prompts, 12, &ReferenceAttention);
+    for (i, p) in prompts.iter().enumerate() {
+        let alone = greedy(&model, std::slice::from_ref(p), 12, &ReferenceAttention);
+        println!("[{i}] {}", tok.decode(&batched[i]).unwrap());
+        assert_eq!(batched[i], alone[0], "prompt {i}: batched vs alone");
+    }
+}
+
+fn paragraph_tokens() -> Vec<u32> {
+    let text = include_str!("../data/paragraph.txt");
+    checkpoint().tokenizer.encode(text).unwrap()
+}
+
+#[test]
+fn perplexity_of_the_committed_paragraph_is_low() {
+    let ids = paragraph_tokens();
+    let model = model::<Cpu>(&Default::default());
+    let ppl = perplexity(&model, &ids, &ReferenceAttention);
+    println!(
+        "perplexity (cpu, reference attention) {ppl:.4} over {} tokens",
+        ids.len()
+    );
+    assert!(ids.len() >= 200, "paragraph has {} tokens", ids.len());
+    assert!(ppl < 30.0, "perplexity {ppl}");
+    let ppl_fused = perplexity(&model, &ids, &BurnAttention);
+    assert!(
+        ((ppl_fused - ppl) / ppl).abs() < 1e-3,
+        "burn-fused {ppl_fused} vs reference {ppl}"
+    );
+}
+
+#[cfg(feature = "vulkan")]
+#[test]
+fn perplexity_is_the_same_on_vulkan() {
+    type Vk = burn_cubecl::CubeBackend<burn::backend::wgpu::WgpuRuntime, f32, i32, u32>;
+    let ids = paragraph_tokens();
+    let cpu = perplexity(
+        &model::<Cpu>(&Default::default()),
+        &ids,
+        &ReferenceAttention,
+    );
+    let device = Default::default();
+    let vk_model = model::<Vk>(&device);
+    for attention in [
+        &ReferenceAttention as &dyn AttentionImpl<Vk>,
+        &BurnAttention,
+    ] {
+        let vk = perplexity(&vk_model, &ids, attention);
+        println!(
+            "perplexity cpu {cpu:.5}, vulkan/{} {vk:.5}",
+            attention.name()
+        );
+        assert!(((vk - cpu) / cpu).abs() < 1e-3, "vulkan {vk} vs cpu {cpu}");
+    }
+}
