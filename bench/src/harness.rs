@@ -7,11 +7,38 @@ use std::collections::BTreeMap;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::time::{Duration, Instant};
 
-/// One implementation of a problem, ready to run: its closure enqueues the work once.
+/// How a candidate runs.
+pub enum Runner<'a> {
+    /// Enqueues the work once; the harness warms up, synchronizes and times it.
+    InProcess(Box<dyn FnMut() + 'a>),
+    /// A peer timed outside this process (e.g. PyTorch on the same GPU in the same run): returns
+    /// its own per-repetition times in ms, or why it could not run.
+    Timed(Box<dyn FnOnce() -> Result<Vec<f64>, String> + 'a>),
+}
+
+/// One implementation of a problem, ready to run.
 pub struct Candidate<'a> {
     pub name: &'static str,
     /// `Err(reason)` when this implementation is skipped for the problem (e.g. too much memory).
-    pub run: Result<Box<dyn FnMut() + 'a>, String>,
+    pub run: Result<Runner<'a>, String>,
+}
+
+impl<'a> Candidate<'a> {
+    /// A candidate the harness times in this process.
+    pub fn timed_here(name: &'static str, run: impl FnMut() + 'a) -> Self {
+        Candidate {
+            name,
+            run: Ok(Runner::InProcess(Box::new(run))),
+        }
+    }
+
+    /// A skipped candidate.
+    pub fn skipped(name: &'static str, reason: String) -> Self {
+        Candidate {
+            name,
+            run: Err(reason),
+        }
+    }
 }
 
 /// One problem of a suite. `setup` allocates its inputs and returns the candidates; they are
@@ -23,6 +50,8 @@ pub struct Problem<B: Backend> {
     pub flops: Option<f64>,
     /// Fewest bytes one run must move through device memory, where meaningful.
     pub bytes: Option<f64>,
+    /// Tokens one run processes, where meaningful (reported as tokens/s).
+    pub tokens: Option<f64>,
     #[allow(clippy::type_complexity)]
     pub setup: Box<dyn Fn(&B::Device) -> Vec<Candidate<'static>>>,
 }
@@ -58,6 +87,8 @@ pub struct Record {
     pub reps: usize,
     pub tflops: Option<f64>,
     pub gbps: Option<f64>,
+    #[serde(default)]
+    pub tokens_per_sec: Option<f64>,
     /// Baseline median / this median, both measured in this run.
     pub speedup_vs_baseline: Option<f64>,
     pub skipped: Option<String>,
@@ -168,15 +199,30 @@ pub fn run_suite<B: Backend>(suite: Suite<B>, device: &B::Device, timing: Timing
                 reps: 0,
                 tflops: None,
                 gbps: None,
+                tokens_per_sec: None,
                 speedup_vs_baseline: None,
                 skipped: None,
             };
             match cand.run {
                 Err(reason) => rec.skipped = Some(reason),
-                Ok(mut run) => {
-                    let res = catch_unwind(AssertUnwindSafe(|| {
-                        time_candidate::<B>(device, &mut *run, timing)
+                Ok(runner) => {
+                    let res = catch_unwind(AssertUnwindSafe(|| match runner {
+                        Runner::InProcess(mut run) => {
+                            Ok(time_candidate::<B>(device, &mut *run, timing))
+                        }
+                        Runner::Timed(run) => run().map(|mut t| {
+                            t.sort_by(f64::total_cmp);
+                            t
+                        }),
                     }));
+                    let res = match res {
+                        Ok(Ok(times)) if !times.is_empty() => Ok(times),
+                        Ok(Ok(_)) => {
+                            Err(Box::new("no timings".to_string()) as Box<dyn std::any::Any + Send>)
+                        }
+                        Ok(Err(msg)) => Err(Box::new(msg) as Box<dyn std::any::Any + Send>),
+                        Err(e) => Err(e),
+                    };
                     match res {
                         Ok(times) => {
                             let median = percentile(&times, 0.5);
@@ -186,6 +232,7 @@ pub fn run_suite<B: Backend>(suite: Suite<B>, device: &B::Device, timing: Timing
                             rec.reps = times.len();
                             rec.tflops = problem.flops.map(|f| f / (median * 1e-3) / 1e12);
                             rec.gbps = problem.bytes.map(|b| b / (median * 1e-3) / 1e9);
+                            rec.tokens_per_sec = problem.tokens.map(|n| n / (median * 1e-3));
                         }
                         Err(e) => {
                             let msg = e

@@ -43,6 +43,9 @@ struct Args {
     /// next to the executable, written by `cargo xtask device-build`).
     #[arg(long)]
     commit: Option<String>,
+    /// Folder of the peer scripts (PyTorch), relative to the working directory.
+    #[arg(long, default_value = "bench/peers")]
+    peers_dir: PathBuf,
     /// List the suites and exit.
     #[arg(long)]
     list: bool,
@@ -157,10 +160,11 @@ fn run<B: Backend + CceBackend>(
     let opts = suites::SuiteOptions {
         quick: args.quick,
         max_mem_bytes: args.max_mem_gb * 1e9,
+        peers_dir: args.peers_dir.clone(),
     };
     let mut built = Vec::new();
     for n in &names {
-        let suite = suites::build::<B>(n, opts)
+        let suite = suites::build::<B>(n, opts.clone())
             .ok_or_else(|| format!("unknown suite `{n}`; known: {}", suites::ALL.join(", ")))?;
         built.push(suite);
     }

@@ -108,19 +108,20 @@ pub fn markdown(report: &Report) -> String {
     for s in &report.suites {
         let _ = write!(
             md,
-            "\n## {}\n\n{}. Baseline: `{}`. Commit `{}`.\n\n| problem | implementation | median ms | p90 ms | TFLOP/s | GB/s | speed-up | note |\n|---|---|---:|---:|---:|---:|---:|---|\n",
+            "\n## {}\n\n{}. Baseline: `{}`. Commit `{}`.\n\n| problem | implementation | median ms | p90 ms | TFLOP/s | GB/s | tokens/s | speed-up | note |\n|---|---|---:|---:|---:|---:|---:|---:|---|\n",
             s.suite, s.description, s.baseline, s.commit
         );
         for r in &s.records {
             let _ = writeln!(
                 md,
-                "| {} | {} | {} | {} | {} | {} | {} | {} |",
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} |",
                 r.problem,
                 r.implementation,
                 fmt_opt(r.median_ms, 3),
                 fmt_opt(r.p90_ms, 3),
                 fmt_opt(r.tflops, 1),
                 fmt_opt(r.gbps, 0),
+                fmt_opt(r.tokens_per_sec, 1),
                 r.speedup_vs_baseline
                     .map_or("–".into(), |v| format!("{v:.2}×")),
                 note(r.skipped.as_deref()),
@@ -134,6 +135,7 @@ fn metric(r: &Record, y: &str) -> Option<f64> {
     match y {
         "tflops" => r.tflops,
         "gbps" => r.gbps,
+        "tokens_per_sec" => r.tokens_per_sec,
         _ => r.median_ms,
     }
 }

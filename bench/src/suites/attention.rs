@@ -62,6 +62,7 @@ fn problem<B: Backend>(n: usize, d: usize, causal: bool, max_mem: f64) -> Proble
         ]),
         flops: Some(flops),
         bytes: Some(4.0 * qkv * elem),
+        tokens: None,
         setup: Box::new(move |device| {
             let shape = [BATCH, HEADS, n, d];
             let q = random_tensor::<B, 4>(shape, Dist::STANDARD, 1, DType::F16, device);
@@ -73,31 +74,25 @@ fn problem<B: Backend>(n: usize, d: usize, causal: bool, max_mem: f64) -> Proble
                 is_causal: causal,
             };
             let (q2, k2, v2) = (q.clone(), k.clone(), v.clone());
-            let fused: Box<dyn FnMut()> = Box::new(move || {
+            let fused = Candidate::timed_here("burn-fused", move || {
                 let _ = attention(q.clone(), k.clone(), v.clone(), None, None, options);
             });
             let fallback = if fallback_bytes > max_mem {
-                Err(format!(
-                    "needs ~{:.0} GB for the score matrices (limit {:.0} GB)",
-                    fallback_bytes / 1e9,
-                    max_mem / 1e9
-                ))
+                Candidate::skipped(
+                    "burn-fallback",
+                    format!(
+                        "needs ~{:.0} GB for the score matrices (limit {:.0} GB)",
+                        fallback_bytes / 1e9,
+                        max_mem / 1e9
+                    ),
+                )
             } else {
-                Ok(Box::new(move || {
+                Candidate::timed_here("burn-fallback", move || {
                     let _ =
                         attention_fallback(q2.clone(), k2.clone(), v2.clone(), None, None, options);
-                }) as Box<dyn FnMut()>)
+                })
             };
-            vec![
-                Candidate {
-                    name: "burn-fused",
-                    run: Ok(fused),
-                },
-                Candidate {
-                    name: "burn-fallback",
-                    run: fallback,
-                },
-            ]
+            vec![fused, fallback]
         }),
     }
 }

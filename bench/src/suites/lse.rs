@@ -42,22 +42,17 @@ fn problem<B: Backend + CceBackend>(rows: usize, cols: usize) -> Problem<B> {
         ]),
         flops: None,
         bytes: Some(((rows * cols + rows) * 4) as f64),
+        tokens: None,
         setup: Box::new(move |device| {
             let x = random_tensor::<B, 2>([rows, cols], Dist::PEAKY, 1, DType::F32, device);
             let x2 = x.clone();
             vec![
-                Candidate {
-                    name: "cubecl-kernel",
-                    run: Ok(Box::new(move || {
-                        let _ = B::logsumexp_rows(x.clone().into_primitive().tensor(), None);
-                    })),
-                },
-                Candidate {
-                    name: "burn-tensor-ops",
-                    run: Ok(Box::new(move || {
-                        let _ = reference::logsumexp(x2.clone(), 1, None);
-                    })),
-                },
+                Candidate::timed_here("cubecl-kernel", move || {
+                    let _ = B::logsumexp_rows(x.clone().into_primitive().tensor(), None);
+                }),
+                Candidate::timed_here("burn-tensor-ops", move || {
+                    let _ = reference::logsumexp(x2.clone(), 1, None);
+                }),
             ]
         }),
     }

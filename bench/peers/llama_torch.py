@@ -1,0 +1,74 @@
+"""PyTorch peer for the `llama` bench suite: a random-weight Hugging Face Llama of the same shape,
+timed on the same GPU in the same run. Prints one JSON line: {"times_ms": [...]} or {"error": ...}.
+
+prefill: one forward over `--len` tokens (batch `--batch`) plus the last position's logits.
+decode: one token per sequence after a cached context of `--len` tokens (the cache is cropped
+back to `--len` after every step, as the Burn side truncates its cache).
+"""
+import argparse
+import json
+import sys
+import time
+
+SHAPES = {
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0, tie_word_embeddings=True),
+    "llama-3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0, tie_word_embeddings=True),
+    "llama-3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0, tie_word_embeddings=False),
+}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", required=True, choices=sorted(SHAPES))
+    ap.add_argument("--phase", required=True, choices=["prefill", "decode"])
+    ap.add_argument("--len", type=int, required=True)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    args = ap.parse_args()
+    try:
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except Exception as e:  # the peer is optional: say why it did not run
+        print(json.dumps({"error": f"import failed: {e}"}))
+        return
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.float16)
+    cfg = LlamaConfig(**SHAPES[args.shape], rms_norm_eps=1e-5, max_position_embeddings=8192)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, cfg.vocab_size, (args.batch, args.len), device="cuda")
+    step = torch.randint(0, cfg.vocab_size, (args.batch, 1), device="cuda")
+
+    with torch.inference_mode():
+        if args.phase == "prefill":
+            def run():
+                model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        else:
+            past = model(input_ids=ids, use_cache=True, logits_to_keep=1).past_key_values
+
+            def run():
+                model(input_ids=step, past_key_values=past, use_cache=True, logits_to_keep=1)
+                past.crop(args.len)
+
+        for _ in range(args.warmup):
+            run()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(args.reps):
+            t0 = time.perf_counter()
+            run()
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0) * 1e3)
+    print(json.dumps({"times_ms": times, "torch": torch.__version__}))
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except Exception as e:
+        print(json.dumps({"error": f"{type(e).__name__}: {e}"}))
+        sys.exit(0)
