@@ -8,7 +8,7 @@ use burn_kernels_core::{
     Rope, RopeScaling, Sampler, SamplingConfig, TopKTopP,
 };
 use burn_kernels_testing::{
-    Dist, Tolerance, assert_close, compare::to_f32, random_values, testgen,
+    Dist, Tolerance, assert_close, assert_matmul_close, compare::to_f32, random_values, testgen,
 };
 
 fn host<B: Backend, const D: usize>(
@@ -193,11 +193,12 @@ fn full_cache_decode_equals_one_shot<B: Backend>(device: &B::Device) {
     assert_eq!(cache.seq_len(), s);
     assert_eq!(cache.bytes_held(), 2 * 2 * b * hkv * s * d * 4);
     let steps = Tensor::cat(parts, 2);
-    assert_close(
+    assert_matmul_close::<B>(
         "cache decode",
         &to_f32(steps.into_data()),
         &to_f32(one_shot.into_data()),
-        Tolerance::for_reduction(DType::F32, s * d),
+        s * d,
+        device,
     );
     cache.truncate(7);
     assert_eq!(cache.seq_len(), 7);

@@ -12,6 +12,8 @@ pub struct Metrics {
     /// `Σ|a − e| / Σ|e|`.
     pub rel_l1: f64,
     pub rmse: f64,
+    /// `‖a − e‖₂ / ‖e‖₂`.
+    pub rel_l2: f64,
     pub cos_sim: f64,
     /// Positions where one side is NaN or the two disagree on an infinity.
     pub non_finite_mismatches: usize,
@@ -23,11 +25,12 @@ impl fmt::Display for Metrics {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "n={} max_abs={:.3e} max_rel={:.3e} rel_l1={:.3e} rmse={:.3e} cos_sim={:.7} non_finite_mismatches={}",
+            "n={} max_abs={:.3e} max_rel={:.3e} rel_l1={:.3e} rel_l2={:.3e} rmse={:.3e} cos_sim={:.7} non_finite_mismatches={}",
             self.len,
             self.max_abs,
             self.max_rel,
             self.rel_l1,
+            self.rel_l2,
             self.rmse,
             self.cos_sim,
             self.non_finite_mismatches
@@ -90,6 +93,11 @@ pub fn metrics(actual: &[f32], expected: &[f32]) -> Metrics {
         max_rel,
         rel_l1: if l1_ref > 0.0 { l1 / l1_ref } else { l1 },
         rmse: (sq / n).sqrt(),
+        rel_l2: if ne > 0.0 {
+            (sq / ne).sqrt()
+        } else {
+            sq.sqrt()
+        },
         cos_sim,
         non_finite_mismatches: mismatches,
         worst_index: worst.0,
@@ -180,6 +188,42 @@ pub fn assert_close(name: &str, actual: &[f32], expected: &[f32], tol: Tolerance
             expected[i],
         );
     }
+}
+
+/// `‖out − ref‖₂ / ‖ref‖₂` expected of an f32 matrix product on the matrix units in TF32
+/// (10-bit mantissa, as on CUDA): well under 1e-3 (see the device library's METHOD.md).
+pub const TF32_REL_L2: f64 = 1e-3;
+
+/// Whether f32 matrix products on this backend run in TF32 (CUDA's matrix units) rather than in
+/// full f32, which decides how closely their results can match an f64 oracle.
+pub fn f32_matmul_is_tf32<B: burn::tensor::backend::Backend>(device: &B::Device) -> bool {
+    B::name(device).to_lowercase().contains("cuda")
+}
+
+/// Checks an output of f32 matrix products: element-wise within the f32 reduction tolerance
+/// where the backend computes in f32, by relative L2 error within [`TF32_REL_L2`] where it
+/// computes in TF32. Non-finite values must agree either way.
+pub fn assert_matmul_close<B: burn::tensor::backend::Backend>(
+    name: &str,
+    actual: &[f32],
+    expected: &[f32],
+    reduction_len: usize,
+    device: &B::Device,
+) {
+    if !f32_matmul_is_tf32::<B>(device) {
+        return assert_close(
+            name,
+            actual,
+            expected,
+            Tolerance::for_reduction(DType::F32, reduction_len),
+        );
+    }
+    let m = metrics(actual, expected);
+    assert!(
+        m.non_finite_mismatches == 0 && m.rel_l2 <= TF32_REL_L2,
+        "{name}: relative L2 error {:.3e} above the TF32 bound {TF32_REL_L2:.0e}\n  metrics: {m}",
+        m.rel_l2
+    );
 }
 
 /// [`assert_close`] on two [`TensorData`] of the same shape, of any float dtype.

@@ -10,6 +10,9 @@ pub mod compare;
 pub mod random;
 pub mod runtimes;
 
-pub use compare::{Metrics, Tolerance, assert_close, assert_close_data, metrics};
+pub use compare::{
+    Metrics, TF32_REL_L2, Tolerance, assert_close, assert_close_data, assert_matmul_close,
+    f32_matmul_is_tf32, metrics,
+};
 pub use random::{Dist, random_tensor, random_values};
 pub use runtimes::{float_dtypes, poison_memory};
