@@ -154,14 +154,15 @@ fn attention_matches_host<B: Backend>(device: &B::Device) {
                     }
                 }
             }
-            assert_close(
+            assert_matmul_close::<B>(
                 &format!(
                     "{} sq={sq} skv={skv} causal={causal} pad={pad:?}",
                     imp.name()
                 ),
                 &out,
                 &exp,
-                Tolerance::for_reduction(DType::F32, skv * d),
+                skv * d,
+                device,
             );
         }
     }

@@ -126,27 +126,37 @@ fn perplexity_of_the_committed_paragraph_is_low() {
     );
 }
 
-#[cfg(feature = "vulkan")]
-#[test]
-fn perplexity_is_the_same_on_vulkan() {
-    type Vk = burn_cubecl::CubeBackend<burn::backend::wgpu::WgpuRuntime, f32, i32, u32>;
+/// The CPU's perplexity comes out on `B` too, with both attention implementations.
+#[allow(dead_code)]
+fn perplexity_matches_cpu<B: Backend>(device: &B::Device) {
     let ids = paragraph_tokens();
     let cpu = perplexity(
         &model::<Cpu>(&Default::default()),
         &ids,
         &ReferenceAttention,
     );
-    let device = Default::default();
-    let vk_model = model::<Vk>(&device);
-    for attention in [
-        &ReferenceAttention as &dyn AttentionImpl<Vk>,
-        &BurnAttention,
-    ] {
-        let vk = perplexity(&vk_model, &ids, attention);
+    let gpu_model = model::<B>(device);
+    for attention in [&ReferenceAttention as &dyn AttentionImpl<B>, &BurnAttention] {
+        let other = perplexity(&gpu_model, &ids, attention);
         println!(
-            "perplexity cpu {cpu:.5}, vulkan/{} {vk:.5}",
+            "perplexity cpu {cpu:.5}, {}/{} {other:.5}",
+            B::name(device),
             attention.name()
         );
-        assert!(((vk - cpu) / cpu).abs() < 1e-3, "vulkan {vk} vs cpu {cpu}");
+        assert!(((other - cpu) / cpu).abs() < 1e-3, "{other} vs cpu {cpu}");
     }
+}
+
+#[cfg(feature = "vulkan")]
+#[test]
+fn perplexity_is_the_same_on_vulkan() {
+    type Vk = burn_cubecl::CubeBackend<burn::backend::wgpu::WgpuRuntime, f32, i32, u32>;
+    perplexity_matches_cpu::<Vk>(&Default::default());
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn perplexity_is_the_same_on_cuda() {
+    type Cuda = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
+    perplexity_matches_cpu::<Cuda>(&Default::default());
 }
