@@ -32,6 +32,17 @@ impl<'a> Candidate<'a> {
         }
     }
 
+    /// A peer that times itself outside this process.
+    pub fn timed_elsewhere(
+        name: &'static str,
+        run: impl FnOnce() -> Result<Vec<f64>, String> + 'a,
+    ) -> Self {
+        Candidate {
+            name,
+            run: Ok(Runner::Timed(Box::new(run))),
+        }
+    }
+
     /// A skipped candidate.
     pub fn skipped(name: &'static str, reason: String) -> Self {
         Candidate {

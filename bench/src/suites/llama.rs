@@ -14,7 +14,7 @@ use burn_llama::{Llama, LlamaConfig};
 use serde_json::json;
 
 use super::SuiteOptions;
-use crate::harness::{Candidate, Problem, Runner, Suite, params};
+use crate::harness::{Candidate, Problem, Suite, params};
 
 pub fn suite<B: Backend>(opts: SuiteOptions) -> Suite<B> {
     let shapes: &[&str] = if opts.quick {
@@ -93,12 +93,9 @@ fn problem<B: Backend>(
                 }
             };
             let peers = peers.clone();
-            let peer = Candidate {
-                name: "pytorch",
-                run: Ok(Runner::Timed(Box::new(move || {
-                    torch_peer(&peers, shape, phase, len)
-                }))),
-            };
+            let peer = Candidate::timed_elsewhere("pytorch", move || {
+                torch_peer(&peers, shape, phase, len)
+            });
             vec![burn, peer]
         }),
     }
