@@ -3,9 +3,32 @@
 //! Cut Cross-Entropy (Wijmans et al., 2024) computes the cross-entropy loss of a linear
 //! classifier and its gradients without materializing the `N × V` logit matrix.
 //!
-//! This first release provides the row-wise log-sum-exp op the loss is built on: a CubeCL
-//! kernel with f32 accumulation and optional softcap, its plain tensor-op reference, and a
-//! backward pass registered with Burn's autodiff.
+//! - [`linear_cross_entropy`]: loss of `softmax(E·Cᵀ + b)` against targets, with ignore
+//!   index, softcap, reductions, next-token shift, gradient filtering and vocabulary sorting,
+//!   differentiable by Burn's autodiff with respect to `E`, `C` and `b`. On `CubeBackend` the
+//!   vocabulary is processed in chunks (see the `chunked` module docs): the `N × V` logit
+//!   matrix is never held; other backends run the plain reference.
+//! - [`LinearCrossEntropyLoss`]: the same as a loss object for a model's training step.
+//! - [`logsumexp`]: the row-wise log-sum-exp the loss is built on.
+//!
+//! ```
+//! use burn::backend::{Autodiff, NdArray};
+//! use burn::tensor::{Int, Tensor};
+//! use burn_cce::{CceOptions, linear_cross_entropy};
+//!
+//! type B = Autodiff<NdArray>;
+//! let device = Default::default();
+//! let hidden = Tensor::<B, 3>::ones([2, 3, 4], &device).require_grad(); // [batch, seq, D]
+//! let classifier = Tensor::<B, 2>::ones([10, 4], &device).require_grad(); // [V, D]
+//! let targets = Tensor::<B, 2, Int>::from_ints([[1, 2, -100], [3, 4, 5]], &device);
+//! let out = linear_cross_entropy(hidden.clone(), classifier, targets, None, &CceOptions::default())
+//!     .unwrap();
+//! // Equal logits: the loss is ln(10) for each of the 5 scored tokens.
+//! let loss = out.loss.clone().into_scalar();
+//! assert!((loss - 10f32.ln()).abs() < 1e-5);
+//! let grads = out.loss.backward();
+//! assert_eq!(hidden.grad(&grads).unwrap().dims(), [2, 3, 4]);
+//! ```
 //!
 //! ```
 //! use burn::backend::NdArray;
@@ -20,15 +43,27 @@
 //! ```
 
 mod backward;
+pub mod chunked;
 mod cpu;
 mod error;
 mod forward;
 pub mod kernels;
+mod loss;
+mod options;
 pub mod reference;
 
 pub use error::CceError;
+pub use loss::{CceOutput, LinearCrossEntropyLoss, linear_cross_entropy};
+pub use options::{CceOptions, FilterEps, LceParams, Reduction};
 
-use burn::tensor::{Tensor, TensorPrimitive, backend::Backend, ops::FloatTensor};
+use burn::tensor::{
+    Int, Tensor, TensorPrimitive,
+    backend::Backend,
+    ops::{FloatTensor, IntTensor},
+};
+
+/// Gradients of the linear cross-entropy: `(dE, dC, db)`.
+pub type LceGrads<B> = (FloatTensor<B>, FloatTensor<B>, Option<FloatTensor<B>>);
 
 /// Backends that run the Cut Cross-Entropy ops.
 ///
@@ -51,6 +86,90 @@ pub trait CceBackend: Backend {
             .into_primitive()
             .tensor()
     }
+
+    /// Linear cross-entropy forward on valid tokens: the per-token log-sum-exp of the
+    /// (soft-capped) logits `E·Cᵀ + b` and the (soft-capped) logit of each target, in f32.
+    /// The loss of token `i` is `lse[i] − target_logit[i]`.
+    ///
+    /// # Shapes
+    /// - `e`: `[n, D]`, `c`: `[V, D]`, `bias`: `[V]` (all one float dtype)
+    /// - `targets`: `[n]`, every value in `[0, V)` (ignored tokens are already removed)
+    /// - returns `(lse [n], target_logit [n])`, f32
+    fn linear_ce_forward(
+        e: FloatTensor<Self>,
+        c: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+        targets: IntTensor<Self>,
+        params: &LceParams,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (lse, target) = reference::linear_ce_forward(
+            f2::<Self>(e),
+            f2::<Self>(c),
+            bias.map(f1::<Self>),
+            Tensor::<Self, 1, Int>::from_primitive(targets),
+            params.softcap,
+        );
+        (
+            lse.into_primitive().tensor(),
+            target.into_primitive().tensor(),
+        )
+    }
+
+    /// Gradients of `Σᵢ dout[i]·lossᵢ` with respect to `e`, `c` and `bias`.
+    ///
+    /// # Shapes
+    /// - `e`, `c`, `bias`, `targets` as in [`CceBackend::linear_ce_forward`]
+    /// - `lse`, `dout`: `[n]` f32
+    /// - returns `(dE [n, D], dC [V, D], db [V])` in the input dtype
+    ///
+    /// The reference ignores `filter_eps` (it is the exact gradient).
+    fn linear_ce_backward(
+        e: FloatTensor<Self>,
+        c: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+        targets: IntTensor<Self>,
+        lse: FloatTensor<Self>,
+        dout: FloatTensor<Self>,
+        params: &LceParams,
+    ) -> LceGrads<Self> {
+        let (de, dc, db) = reference::linear_ce_backward(
+            f2::<Self>(e),
+            f2::<Self>(c),
+            bias.map(f1::<Self>),
+            Tensor::<Self, 1, Int>::from_primitive(targets),
+            f1::<Self>(lse),
+            f1::<Self>(dout),
+            params.softcap,
+        );
+        (
+            de.into_primitive().tensor(),
+            dc.into_primitive().tensor(),
+            db.map(|db| db.into_primitive().tensor()),
+        )
+    }
+
+    /// Per-token losses `lse − target_logit` and the log-sum-exp, both `[n]` f32. Autodiff
+    /// backends register [`CceBackend::linear_ce_backward`] as the gradient of the loss; the
+    /// log-sum-exp is not differentiable.
+    fn linear_ce_loss(
+        e: FloatTensor<Self>,
+        c: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+        targets: IntTensor<Self>,
+        params: &LceParams,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (lse, target) = Self::linear_ce_forward(e, c, bias, targets, params);
+        let loss = f1::<Self>(lse.clone()) - f1::<Self>(target);
+        (loss.into_primitive().tensor(), lse)
+    }
+}
+
+fn f1<B: Backend>(t: FloatTensor<B>) -> Tensor<B, 1> {
+    Tensor::from_primitive(TensorPrimitive::Float(t))
+}
+
+fn f2<B: Backend>(t: FloatTensor<B>) -> Tensor<B, 2> {
+    Tensor::from_primitive(TensorPrimitive::Float(t))
 }
 
 /// Autodiff backends running the Cut Cross-Entropy ops.

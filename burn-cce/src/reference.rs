@@ -1,6 +1,11 @@
 //! Plain tensor-op references: the test oracle and the path for backends without kernels.
 
-use burn::tensor::{DType, Tensor, backend::Backend};
+use burn::tensor::{
+    DType, IndexingUpdateOp, Int, Tensor, activation::log_softmax, backend::Backend,
+    cast::ToElement,
+};
+
+use crate::Reduction;
 
 /// `c·tanh(x / c)` when `softcap = Some(c)`, else `x`.
 pub fn softcap<B: Backend, const D: usize>(x: Tensor<B, D>, softcap: Option<f32>) -> Tensor<B, D> {
@@ -55,4 +60,130 @@ pub fn logsumexp_rows_backward<B: Backend>(
         None => dx,
     };
     dx.cast(dtype)
+}
+
+/// Classifier logits `E·Cᵀ (+ b)` in f32, soft-capped, and the raw (pre-cap) logits.
+///
+/// # Shapes
+/// - `e`: `[n, D]`, `c`: `[V, D]`, `bias`: `[V]`; returns two `[n, V]` tensors
+fn logits_f32<B: Backend>(
+    e: Tensor<B, 2>,
+    c: Tensor<B, 2>,
+    bias: Option<Tensor<B, 1>>,
+    cap: Option<f32>,
+) -> (Tensor<B, 2>, Tensor<B, 2>) {
+    let raw = e.cast(DType::F32).matmul(c.cast(DType::F32).transpose());
+    let raw = match bias {
+        Some(b) => raw + b.cast(DType::F32).unsqueeze_dim::<2>(0),
+        None => raw,
+    };
+    (softcap(raw.clone(), cap), raw)
+}
+
+/// Forward of the linear cross-entropy on valid tokens, in f32: the per-token log-sum-exp of
+/// the (soft-capped) logits and the (soft-capped) logit of each target. The loss is their
+/// difference. Materializes `n × V`: this is the oracle, not the fast path.
+///
+/// # Shapes
+/// - `e`: `[n, D]`, `c`: `[V, D]`, `bias`: `[V]`, `targets`: `[n]` in `[0, V)`
+/// - returns `(lse [n], target_logit [n])`, both f32
+pub fn linear_ce_forward<B: Backend>(
+    e: Tensor<B, 2>,
+    c: Tensor<B, 2>,
+    bias: Option<Tensor<B, 1>>,
+    targets: Tensor<B, 1, Int>,
+    cap: Option<f32>,
+) -> (Tensor<B, 1>, Tensor<B, 1>) {
+    let (logits, _) = logits_f32(e, c, bias, cap);
+    let lse = logsumexp(logits.clone(), 1, None).squeeze_dim::<1>(1);
+    let target = logits
+        .gather(1, targets.unsqueeze_dim::<2>(1))
+        .squeeze_dim::<1>(1);
+    (lse, target)
+}
+
+/// Gradients of `Σᵢ gradᵢ · lossᵢ` with `lossᵢ = lseᵢ − logitᵢ[targetᵢ]`, without filtering:
+/// `G = (softmax − onehot) · grad · cap'`, `dE = G·C`, `dC = Gᵀ·E`, `db = Σᵢ G`.
+///
+/// # Shapes
+/// - `e`: `[n, D]`, `c`: `[V, D]`, `bias`: `[V]`, `targets`: `[n]`, `lse`, `grad`: `[n]` f32
+/// - returns `(dE [n, D], dC [V, D], db [V])` in the dtypes of `e`, `c` and `bias`
+pub fn linear_ce_backward<B: Backend>(
+    e: Tensor<B, 2>,
+    c: Tensor<B, 2>,
+    bias: Option<Tensor<B, 1>>,
+    targets: Tensor<B, 1, Int>,
+    lse: Tensor<B, 1>,
+    grad: Tensor<B, 1>,
+    cap: Option<f32>,
+) -> (Tensor<B, 2>, Tensor<B, 2>, Option<Tensor<B, 1>>) {
+    let [n, _] = e.dims();
+    let [vocab, _] = c.dims();
+    let (e_dtype, c_dtype) = (e.dtype(), c.dtype());
+    let bias_dtype = bias.as_ref().map(|b| b.dtype());
+    let device = e.device();
+    let (logits, raw) = logits_f32(e.clone(), c.clone(), bias, cap);
+    let softmax = (logits - lse.cast(DType::F32).unsqueeze_dim::<2>(1)).exp();
+    let onehot = Tensor::<B, 2>::zeros([n, vocab], &device).scatter(
+        1,
+        targets.unsqueeze_dim::<2>(1),
+        Tensor::ones([n, 1], &device),
+        IndexingUpdateOp::Add,
+    );
+    let mut g = (softmax - onehot) * grad.cast(DType::F32).unsqueeze_dim::<2>(1);
+    if let Some(cap) = cap {
+        let t = (raw / cap).tanh();
+        g = g * (t.clone() * t).neg().add_scalar(1.0);
+    }
+    let de = g.clone().matmul(c.cast(DType::F32)).cast(e_dtype);
+    let dbias = bias_dtype.map(|dt| g.clone().sum_dim(0).reshape([vocab]).cast(dt));
+    let dc = g.transpose().matmul(e.cast(DType::F32)).cast(c_dtype);
+    (de, dc, dbias)
+}
+
+/// Burn's plain cross-entropy path: logits in the input dtype, log-softmax, gather, masked
+/// reduction, all differentiable by autodiff. The baseline in benchmarks and, run in f32, the
+/// ground truth in tests. Materializes `N × V` several times over.
+///
+/// # Shapes
+/// - `e`: `[N, D]`, `c`: `[V, D]`, `bias`: `[V]`, `targets`: `[N]` (values in `[0, V)` or
+///   `ignore_index`)
+/// - returns `[1]` for `Mean`/`Sum`, `[N]` for `None` (0 at ignored tokens), in f32
+pub fn plain_linear_cross_entropy<B: Backend>(
+    e: Tensor<B, 2>,
+    c: Tensor<B, 2>,
+    bias: Option<Tensor<B, 1>>,
+    targets: Tensor<B, 1, Int>,
+    ignore_index: i64,
+    cap: Option<f32>,
+    reduction: Reduction,
+) -> Tensor<B, 1> {
+    let logits = e.matmul(c.transpose());
+    let logits = match bias {
+        Some(b) => logits + b.unsqueeze_dim::<2>(0),
+        None => logits,
+    };
+    let logp = log_softmax(softcap(logits, cap), 1);
+    let ignored = targets.clone().equal_elem(ignore_index);
+    let safe = targets.mask_fill(ignored.clone(), 0);
+    let nll = logp
+        .gather(1, safe.unsqueeze_dim::<2>(1))
+        .squeeze_dim::<1>(1)
+        .cast(DType::F32)
+        .neg()
+        .mask_fill(ignored.clone(), 0.0);
+    match reduction {
+        Reduction::None => nll,
+        Reduction::Sum => nll.sum(),
+        Reduction::Mean => {
+            let valid = ignored
+                .bool_not()
+                .int()
+                .sum()
+                .into_scalar()
+                .to_f64()
+                .max(1.0);
+            nll.sum() / valid
+        }
+    }
 }

@@ -6,30 +6,8 @@ use burn_cubecl::{
 };
 use cubecl::prelude::*;
 
-/// Merges two partial `(max, Σ exp(x − max))` pairs; `s = 0` marks an empty partial.
-///
-/// No infinity literal appears: CUDA's NVRTC has no `inf` identifier. Infinite inputs still
-/// work: `-inf` entries add `exp(-inf) = 0`, and a row max of `±inf` gives `±inf + ln(s)`.
-#[cube]
-fn merge(m1: f32, s1: f32, m2: f32, s2: f32) -> (f32, f32) {
-    let mut m = m1;
-    let mut s = s1 + s2;
-    if s1 == 0.0 {
-        m = m2;
-        s = s2;
-    } else if s2 == 0.0 {
-        s = s1;
-    } else if m2 > m1 {
-        m = m2;
-        s = s1 * f32::exp(m1 - m2) + s2;
-    } else if m1 > m2 {
-        s = s1 + s2 * f32::exp(m2 - m1);
-    } else if m1 != m2 {
-        // One side is NaN: propagate it.
-        m = m1 + m2;
-    }
-    (m, s)
-}
+use super::reduce::{cube_merge_lse, merge};
+use super::{row_grid, row_units};
 
 #[cube(launch)]
 fn logsumexp_rows_kernel<F: Float>(
@@ -64,32 +42,12 @@ fn logsumexp_rows_kernel<F: Float>(
         col += stride;
     }
 
-    let mut shared_m = SharedMemory::<f32>::new(units);
-    let mut shared_s = SharedMemory::<f32>::new(units);
+    let (m, s) = cube_merge_lse(m, s, units);
     let unit = UNIT_POS_X as usize;
-    shared_m[unit] = m;
-    shared_s[unit] = s;
-    sync_cube();
-
-    let mut half = stride / 2;
-    while half > 0 {
-        if unit < half {
-            let (m2, s2) = merge(
-                shared_m[unit],
-                shared_s[unit],
-                shared_m[unit + half],
-                shared_s[unit + half],
-            );
-            shared_m[unit] = m2;
-            shared_s[unit] = s2;
-        }
-        sync_cube();
-        half /= 2;
-    }
 
     if unit == 0 {
         // Every row has at least one element, so s ≥ 1 here.
-        let lse = shared_m[0] + f32::ln(shared_s[0]);
+        let lse = m + f32::ln(s);
         output[row] = F::cast_from(lse);
     }
 }
@@ -114,18 +72,10 @@ pub fn logsumexp_rows<R: CubeRuntime>(input: CubeTensor<R>, softcap: Option<f32>
         return output;
     }
 
-    // A power of two so the tree merge halves evenly; small rows get a small cube.
-    let max_units = client.properties().hardware.max_cube_dim.0.min(256);
-    let units = (cols as u32)
-        .next_power_of_two()
-        .clamp(32, max_units.max(32));
-    let max_x = client.properties().hardware.max_cube_count.0.min(65_535) as usize;
-    let cubes_x = rows.min(max_x);
-    let cubes_y = rows.div_ceil(cubes_x);
-
+    let units = row_units(&client, cols);
     logsumexp_rows_kernel::launch::<R>(
         &client,
-        CubeCount::Static(cubes_x as u32, cubes_y as u32, 1),
+        row_grid(&client, rows),
         CubeDim::new_1d(units),
         input.into_tensor_arg(),
         output.clone().into_tensor_arg(),

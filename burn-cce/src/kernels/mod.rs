@@ -1,3 +1,32 @@
 //! CubeCL kernels, one file per stage; each is generic over the runtime.
+//!
+//! The linear cross-entropy kernels work on one chunk of logits at a time (`n × chunk`, f32,
+//! produced by the matmul): [`lse_chunk`] folds a chunk into running per-token log-sum-exp
+//! state, [`score`] finds the vocabulary entries whose gradient passes the filter, [`grad`]
+//! forms `(softmax − onehot)·dout` for a chunk, and [`indexed_dot`] computes the target logits
+//! without any logits at all.
 
+pub mod grad;
+pub mod indexed_dot;
 pub mod lse;
+pub mod lse_chunk;
+mod reduce;
+pub mod score;
+
+use cubecl::prelude::*;
+
+/// Units for a one-cube-per-row reduction over `cols` values: a power of two (the tree merges
+/// halve evenly), 32 to 256.
+pub(crate) fn row_units<R: Runtime>(client: &ComputeClient<R>, cols: usize) -> u32 {
+    let max_units = client.properties().hardware.max_cube_dim.0.min(256);
+    (cols as u32)
+        .next_power_of_two()
+        .clamp(32, max_units.max(32))
+}
+
+/// A grid with one cube per row; rows beyond one grid dimension spill into the second.
+pub(crate) fn row_grid<R: Runtime>(client: &ComputeClient<R>, rows: usize) -> CubeCount {
+    let max_x = client.properties().hardware.max_cube_count.0.min(65_535) as usize;
+    let cubes_x = rows.clamp(1, max_x);
+    CubeCount::Static(cubes_x as u32, rows.div_ceil(cubes_x) as u32, 1)
+}

@@ -1,0 +1,119 @@
+//! Options of [`crate::linear_cross_entropy`] and the resolved parameters the backends see.
+
+use burn::tensor::DType;
+
+/// How per-token losses are combined.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Reduction {
+    /// Mean over the tokens that are not ignored; 0 when every token is ignored.
+    #[default]
+    Mean,
+    /// Sum over the tokens that are not ignored.
+    Sum,
+    /// One loss per token, 0 at ignored tokens, in the targets' flattened order.
+    None,
+}
+
+/// Gradient filtering: vocabulary entries whose `|softmax − onehot|` stays below the threshold
+/// for every token are left out of the backward pass (their contribution is below the
+/// precision of the gradient's dtype).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub enum FilterEps {
+    /// `eps(dtype) / 32`, as in the paper: 2⁻¹² for bf16, 2⁻¹⁵ for f16, 2⁻²⁸ for f32.
+    #[default]
+    Auto,
+    /// An explicit threshold (finite, ≥ 0; 0 filters nothing).
+    Value(f32),
+    /// No filtering: the gradient is exact within the dtype's rounding.
+    Off,
+}
+
+impl FilterEps {
+    /// The threshold for inputs of `dtype`, `None` when filtering is off.
+    pub fn resolve(self, dtype: DType) -> Option<f32> {
+        match self {
+            FilterEps::Auto => Some(dtype_epsilon(dtype) / 32.0),
+            FilterEps::Value(v) if v > 0.0 => Some(v),
+            FilterEps::Value(_) | FilterEps::Off => None,
+        }
+    }
+}
+
+/// Machine epsilon of a float dtype (f32's for anything else).
+fn dtype_epsilon(dtype: DType) -> f32 {
+    match dtype {
+        DType::BF16 => 2f32.powi(-7),
+        DType::F16 => 2f32.powi(-10),
+        DType::F64 => f64::EPSILON as f32,
+        _ => f32::EPSILON,
+    }
+}
+
+/// Options of [`crate::linear_cross_entropy`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CceOptions {
+    /// Targets equal to this value are ignored (no loss, no gradient). Default −100.
+    pub ignore_index: i64,
+    /// Gemma-2 style logit soft-capping `c·tanh(x / c)`, `c > 0`.
+    pub softcap: Option<f32>,
+    /// How per-token losses are combined.
+    pub reduction: Reduction,
+    /// Next-token targets from the same sequence: position `t` is scored against target
+    /// `t + 1` of its sequence, and the last position of each sequence is ignored.
+    pub shift: bool,
+    /// Gradient filtering threshold.
+    pub filter_eps: FilterEps,
+    /// Process the vocabulary entries that pass the filter gathered together (dense chunks),
+    /// instead of skipping only whole chunks of the natural order that are entirely filtered.
+    pub sort_vocab: bool,
+    /// Accumulate dE across vocabulary chunks in f32 (default; `2·N·D·4` bytes of working
+    /// memory) instead of the input dtype (`N·D·2` bytes, but one rounding to f16/bf16 per
+    /// processed chunk, so the error of dE grows with the number of chunks). dC needs no
+    /// cross-chunk accumulation: each chunk's rows come from one GEMM with f32 accumulators.
+    pub accum_fp32: bool,
+    /// Also return the per-token log-sum-exp (f32, not differentiable).
+    pub return_lse: bool,
+    /// Working memory for one chunk of logits (`N × chunk` f32 values); the vocabulary is
+    /// processed in chunks of this size, so `N × V` is never held. Default 32 MiB.
+    pub chunk_bytes: usize,
+}
+
+impl Default for CceOptions {
+    fn default() -> Self {
+        Self {
+            ignore_index: -100,
+            softcap: None,
+            reduction: Reduction::Mean,
+            shift: false,
+            filter_eps: FilterEps::Auto,
+            sort_vocab: true,
+            accum_fp32: true,
+            return_lse: false,
+            chunk_bytes: 32 << 20,
+        }
+    }
+}
+
+/// The parameters the backend ops receive, after validation.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LceParams {
+    /// Soft-capping constant.
+    pub softcap: Option<f32>,
+    /// Resolved gradient filter threshold, `None` when off.
+    pub filter_eps: Option<f32>,
+    /// See [`CceOptions::sort_vocab`].
+    pub sort_vocab: bool,
+    /// See [`CceOptions::accum_fp32`].
+    pub accum_fp32: bool,
+    /// See [`CceOptions::chunk_bytes`].
+    pub chunk_bytes: usize,
+}
+
+impl LceParams {
+    /// Vocabulary entries per chunk for `rows` tokens: as many as fit the chunk budget, a
+    /// multiple of 32, at least 32, at most `vocab`.
+    pub fn chunk_len(&self, rows: usize, vocab: usize) -> usize {
+        let fit = self.chunk_bytes / (rows.max(1) * 4);
+        (fit / 32 * 32).max(32).min(vocab.max(1))
+    }
+}

@@ -1,0 +1,870 @@
+//! Cut Cross-Entropy on every enabled runtime, in the style of the official suite: an f32
+//! ground truth (the plain path on the CPU), the same plain path in the input dtype on the
+//! backend under test ("ref"), and CCE; CCE must be no further from the ground truth than ref
+//! is, for the loss, dE, dC and db. Plus direct checks of the backend ops against the tensor-op
+//! reference (forward, exact backward, filtered backward and its plan) and typed errors.
+
+use burn::backend::{Autodiff, NdArray};
+use burn::tensor::{DType, Int, Tensor, TensorData, backend::AutodiffBackend};
+use burn_cce::{
+    CceAutodiffBackend, CceBackend, CceError, CceOptions, FilterEps, LceParams, Reduction,
+    chunked::last_backward_plan, linear_cross_entropy, reference,
+};
+use burn_kernels_testing::{
+    Dist, Tolerance, assert_close, compare::metrics, compare::to_f32, float_dtypes, poison_memory,
+    random_values, testgen,
+};
+
+type Cpu = NdArray<f32>;
+type Gt = Autodiff<Cpu>;
+
+const IGNORE: i64 = -100;
+
+#[derive(Debug, Clone)]
+struct Case {
+    /// `[batch, seq]` leading dims of the embeddings.
+    lead: [usize; 2],
+    d: usize,
+    v: usize,
+    /// Fraction of targets set to the ignore index.
+    ignore: f32,
+    softcap: Option<f32>,
+    bias: bool,
+    shift: bool,
+    reduction: Reduction,
+    filter: FilterEps,
+    sort: bool,
+    accum: bool,
+    /// Vocabulary entries per chunk the case asks for (via `chunk_bytes`).
+    chunk: usize,
+    seed: u64,
+}
+
+impl Case {
+    fn new(lead: [usize; 2], d: usize, v: usize, seed: u64) -> Self {
+        Self {
+            lead,
+            d,
+            v,
+            ignore: 0.0,
+            softcap: None,
+            bias: false,
+            shift: false,
+            reduction: Reduction::Mean,
+            filter: FilterEps::Auto,
+            sort: true,
+            accum: true,
+            chunk: 96,
+            seed,
+        }
+    }
+
+    fn tokens(&self) -> usize {
+        self.lead[0] * self.lead[1]
+    }
+
+    fn options(&self) -> CceOptions {
+        CceOptions {
+            ignore_index: IGNORE,
+            softcap: self.softcap,
+            reduction: self.reduction,
+            shift: self.shift,
+            filter_eps: self.filter,
+            sort_vocab: self.sort,
+            accum_fp32: self.accum,
+            return_lse: true,
+            chunk_bytes: self.tokens() * 4 * self.chunk,
+        }
+    }
+}
+
+/// Host inputs: embeddings that lean towards their target's classifier row (so softmax is
+/// peaky, as in a trained model, and filtering has something to skip), targets with a
+/// fraction ignored, optional bias, and per-token loss weights.
+struct Inputs {
+    e: Vec<f32>,
+    c: Vec<f32>,
+    bias: Option<Vec<f32>>,
+    targets: Vec<i64>,
+    weights: Vec<f32>,
+}
+
+fn inputs(case: &Case) -> Inputs {
+    let (n, d, v) = (case.tokens(), case.d, case.v);
+    let c = random_values(v * d, Dist::STANDARD, case.seed);
+    let picks = random_values(n, Dist::Uniform { lo: 0.0, hi: 1.0 }, case.seed + 1);
+    let drop = random_values(n, Dist::Uniform { lo: 0.0, hi: 1.0 }, case.seed + 2);
+    let targets: Vec<i64> = picks
+        .iter()
+        .zip(&drop)
+        .map(|(&u, &r)| {
+            if r < case.ignore {
+                IGNORE
+            } else {
+                ((u * v as f32) as i64).min(v as i64 - 1)
+            }
+        })
+        .collect();
+    let noise = random_values(
+        n * d,
+        Dist::Normal {
+            mean: 0.0,
+            std: 2.0 / (d as f32).sqrt(),
+        },
+        case.seed + 3,
+    );
+    // Row i leans towards c[target of i] (or of the next position when shifted): logit ≈ +5.
+    let lean = 5.0 / d as f32;
+    let mut e = noise;
+    for i in 0..n {
+        let t = if case.shift {
+            targets.get(i + 1)
+        } else {
+            targets.get(i)
+        };
+        if let Some(&t) = t
+            && t >= 0
+        {
+            for k in 0..d {
+                e[i * d + k] += lean * c[t as usize * d + k];
+            }
+        }
+    }
+    let bias = case
+        .bias
+        .then(|| random_values(v, Dist::STANDARD, case.seed + 4));
+    let weights = random_values(n, Dist::Uniform { lo: 0.5, hi: 1.5 }, case.seed + 5);
+    Inputs {
+        e,
+        c,
+        bias,
+        targets,
+        weights,
+    }
+}
+
+/// Targets after the shift: position t takes target t + 1 of its sequence; the last position
+/// of each sequence is ignored.
+fn shifted(targets: &[i64], seq: usize) -> Vec<i64> {
+    (0..targets.len())
+        .map(|p| {
+            if p % seq + 1 < seq {
+                targets[p + 1]
+            } else {
+                IGNORE
+            }
+        })
+        .collect()
+}
+
+/// Loss values and gradients, all as f32 host vectors.
+#[derive(Debug)]
+struct Outcome {
+    loss: Vec<f32>,
+    de: Vec<f32>,
+    dc: Vec<f32>,
+    db: Option<Vec<f32>>,
+}
+
+fn tensor<B: burn::tensor::backend::Backend, const D: usize>(
+    values: &[f32],
+    shape: [usize; D],
+    dtype: DType,
+    device: &B::Device,
+) -> Tensor<B, D> {
+    let data = TensorData::new(values.to_vec(), shape).convert_dtype(dtype);
+    Tensor::from_data(data, (device, dtype))
+}
+
+/// Values as the device holds them in `dtype`, back in f32 (the oracle sees rounded inputs).
+fn rounded(values: &[f32], dtype: DType) -> Vec<f32> {
+    to_f32(TensorData::new(values.to_vec(), [values.len()]).convert_dtype(dtype))
+}
+
+fn grads_of<B: AutodiffBackend>(
+    loss: Tensor<B, 1>,
+    weights: &[f32],
+    e: &Tensor<B, 3>,
+    c: &Tensor<B, 2>,
+    b: &Option<Tensor<B, 1>>,
+) -> Outcome {
+    let device = loss.device();
+    let len = loss.dims()[0];
+    let w = if len == 1 {
+        Tensor::<B, 1>::ones([1], &device)
+    } else {
+        Tensor::from_data(TensorData::new(weights.to_vec(), [len]), &device)
+    };
+    let grads = (loss.clone() * w).sum().backward();
+    let host = |t: Tensor<B::InnerBackend, 2>| to_f32(t.into_data());
+    Outcome {
+        loss: to_f32(loss.into_data()),
+        de: to_f32(e.grad(&grads).expect("dE").into_data()),
+        dc: host(c.grad(&grads).expect("dC")),
+        db: b
+            .as_ref()
+            .map(|b| to_f32(b.grad(&grads).expect("db").into_data())),
+    }
+}
+
+/// The plain path on backend `B` in `dtype`.
+fn plain<B: AutodiffBackend>(case: &Case, x: &Inputs, dtype: DType, device: &B::Device) -> Outcome {
+    let [bs, s] = case.lead;
+    let e = tensor::<B, 3>(&x.e, [bs, s, case.d], dtype, device).require_grad();
+    let c = tensor::<B, 2>(&x.c, [case.v, case.d], dtype, device).require_grad();
+    let b = x
+        .bias
+        .as_ref()
+        .map(|b| tensor::<B, 1>(b, [case.v], dtype, device).require_grad());
+    let targets = if case.shift {
+        shifted(&x.targets, s)
+    } else {
+        x.targets.clone()
+    };
+    let n = case.tokens();
+    let t = Tensor::<B, 1, Int>::from_data(TensorData::new(targets, [n]), device);
+    let loss = reference::plain_linear_cross_entropy(
+        e.clone().reshape([n, case.d]),
+        c.clone(),
+        b.clone(),
+        t,
+        IGNORE,
+        case.softcap,
+        case.reduction,
+    );
+    grads_of(loss, &x.weights, &e, &c, &b)
+}
+
+fn cce<B: CceAutodiffBackend>(
+    case: &Case,
+    x: &Inputs,
+    dtype: DType,
+    device: &B::Device,
+) -> (Outcome, Vec<f32>) {
+    let [bs, s] = case.lead;
+    let e = tensor::<B, 3>(&x.e, [bs, s, case.d], dtype, device).require_grad();
+    let c = tensor::<B, 2>(&x.c, [case.v, case.d], dtype, device).require_grad();
+    let b = x
+        .bias
+        .as_ref()
+        .map(|b| tensor::<B, 1>(b, [case.v], dtype, device).require_grad());
+    let t = Tensor::<B, 2, Int>::from_data(TensorData::new(x.targets.clone(), [bs, s]), device);
+    // Stale NaNs in the pool make any element the kernels fail to write visible.
+    poison_memory::<B>(device, case.tokens() * case.v.max(case.d) * 2, DType::F32);
+    let out = linear_cross_entropy(e.clone(), c.clone(), t, b.clone(), &case.options())
+        .expect("valid input");
+    let lse = to_f32(out.lse.expect("return_lse").into_data());
+    (grads_of(out.loss, &x.weights, &e, &c, &b), lse)
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f64 {
+    a.iter()
+        .zip(b)
+        .map(|(&x, &y)| (x as f64 - y as f64).abs())
+        .fold(
+            0.0,
+            |m, d| if d.is_nan() { f64::INFINITY } else { m.max(d) },
+        )
+}
+
+/// `max|gt − cce| ≤ max|gt − ref| + tol`, with `tol` one rounding in `dtype` of the largest
+/// ground-truth value, times `1 + extra` where CCE rounds `extra` more times than ref (dE
+/// accumulated in the input dtype over that many chunks).
+fn assert_no_worse(name: &str, gt: &[f32], cce: &[f32], reff: &[f32], dtype: DType, extra: usize) {
+    assert_eq!(gt.len(), cce.len(), "{name}: length");
+    assert!(
+        cce.iter().all(|x| x.is_finite()),
+        "{name}: non-finite values in the CCE result"
+    );
+    let scale = gt.iter().fold(0f64, |m, &x| m.max((x as f64).abs()));
+    let tol = Tolerance::for_dtype(dtype);
+    let err_cce = max_abs_diff(gt, cce);
+    let err_ref = max_abs_diff(gt, reff);
+    let bound = err_ref + (1 + extra) as f64 * (tol.atol + tol.rtol * scale);
+    assert!(
+        err_cce <= bound,
+        "{name}: max|gt − cce| = {err_cce:.3e} > max|gt − ref| = {err_ref:.3e} + tol \
+         (bound {bound:.3e}, scale {scale:.3e}); cce vs gt: {}",
+        metrics(cce, gt)
+    );
+}
+
+fn run<B: CceAutodiffBackend>(device: &B::Device, case: &Case, dtype: DType) {
+    let x = inputs(case);
+    let host = Inputs {
+        e: rounded(&x.e, dtype),
+        c: rounded(&x.c, dtype),
+        bias: x.bias.as_ref().map(|b| rounded(b, dtype)),
+        targets: x.targets.clone(),
+        weights: x.weights.clone(),
+    };
+    let gt = plain::<Gt>(case, &host, DType::F32, &Default::default());
+    let reff = plain::<B>(case, &x, dtype, device);
+    let (got, lse) = cce::<B>(case, &x, dtype, device);
+    let name = format!("{case:?} {dtype:?}");
+    let de_extra = de_roundings(case, dtype);
+    assert_no_worse(
+        &format!("loss {name}"),
+        &gt.loss,
+        &got.loss,
+        &reff.loss,
+        dtype,
+        0,
+    );
+    assert_no_worse(
+        &format!("dE {name}"),
+        &gt.de,
+        &got.de,
+        &reff.de,
+        dtype,
+        de_extra,
+    );
+    assert_no_worse(&format!("dC {name}"), &gt.dc, &got.dc, &reff.dc, dtype, 0);
+    if let (Some(g), Some(c), Some(r)) = (&gt.db, &got.db, &reff.db) {
+        assert_no_worse(&format!("db {name}"), g, c, r, dtype, 0);
+    }
+    assert_eq!(lse.len(), case.tokens(), "lse covers every token");
+    assert!(lse.iter().all(|x| x.is_finite()), "lse is finite: {name}");
+}
+
+/// Extra roundings of dE when it is accumulated in a 16-bit dtype: one per vocabulary chunk.
+fn de_roundings(case: &Case, dtype: DType) -> usize {
+    if case.accum || dtype == DType::F32 {
+        return 0;
+    }
+    let chunk = params(case, None).chunk_len(case.tokens(), case.v);
+    case.v.div_ceil(chunk)
+}
+
+fn cases() -> Vec<Case> {
+    let base = Case::new([4, 63], 123, 507, 11);
+    vec![
+        base.clone(),
+        Case {
+            ignore: 0.2,
+            ..base.clone()
+        },
+        Case {
+            softcap: Some(4.0),
+            bias: true,
+            ..base.clone()
+        },
+        Case {
+            shift: true,
+            ignore: 0.2,
+            reduction: Reduction::Sum,
+            ..base.clone()
+        },
+        Case {
+            reduction: Reduction::None,
+            ignore: 0.2,
+            bias: true,
+            ..base.clone()
+        },
+        Case {
+            sort: false,
+            filter: FilterEps::Value(1e-3),
+            ..base.clone()
+        },
+        Case {
+            accum: false,
+            chunk: 32,
+            ..base.clone()
+        },
+        Case {
+            filter: FilterEps::Off,
+            ..base.clone()
+        },
+        Case::new([1, 1], 64, 33, 12),
+        Case {
+            chunk: 32,
+            bias: true,
+            ..Case::new([3, 17], 1, 1009, 13)
+        },
+        Case {
+            shift: true,
+            ..Case::new([2, 5], 16, 40, 14)
+        },
+    ]
+}
+
+fn loss_and_gradients<B: CceAutodiffBackend>(device: &B::Device) {
+    for dtype in float_dtypes::<B>(device) {
+        for case in cases() {
+            run::<B>(device, &case, dtype);
+        }
+    }
+}
+
+/// Backend ops against the tensor-op reference on the same rounded inputs.
+struct OpInputs<B: burn::tensor::backend::Backend> {
+    e: Tensor<B, 2>,
+    c: Tensor<B, 2>,
+    bias: Option<Tensor<B, 1>>,
+    targets: Tensor<B, 1, Int>,
+}
+
+fn op_inputs<B: burn::tensor::backend::Backend>(
+    case: &Case,
+    dtype: DType,
+    device: &B::Device,
+) -> (OpInputs<B>, OpInputs<Cpu>) {
+    let x = inputs(case);
+    let n = case.tokens();
+    let targets: Vec<i64> = x.targets.iter().map(|&t| t.max(0)).collect();
+    let make = |e: &[f32], c: &[f32], b: &Option<Vec<f32>>| (e.to_vec(), c.to_vec(), b.clone());
+    let (e, c, b) = make(&x.e, &x.c, &x.bias);
+    let dev = OpInputs {
+        e: tensor::<B, 2>(&e, [n, case.d], dtype, device),
+        c: tensor::<B, 2>(&c, [case.v, case.d], dtype, device),
+        bias: b
+            .as_ref()
+            .map(|b| tensor::<B, 1>(b, [case.v], dtype, device)),
+        targets: Tensor::from_data(TensorData::new(targets.clone(), [n]), device),
+    };
+    let cpu_dev = Default::default();
+    let cpu = OpInputs {
+        e: tensor::<Cpu, 2>(&rounded(&e, dtype), [n, case.d], DType::F32, &cpu_dev),
+        c: tensor::<Cpu, 2>(&rounded(&c, dtype), [case.v, case.d], DType::F32, &cpu_dev),
+        bias: b
+            .as_ref()
+            .map(|b| tensor::<Cpu, 1>(&rounded(b, dtype), [case.v], DType::F32, &cpu_dev)),
+        targets: Tensor::from_data(TensorData::new(targets, [n]), &cpu_dev),
+    };
+    (dev, cpu)
+}
+
+fn params(case: &Case, filter_eps: Option<f32>) -> LceParams {
+    LceParams {
+        softcap: case.softcap,
+        filter_eps,
+        sort_vocab: case.sort,
+        accum_fp32: case.accum,
+        chunk_bytes: case.tokens() * 4 * case.chunk,
+    }
+}
+
+fn prim<B: burn::tensor::backend::Backend, const D: usize>(
+    t: Tensor<B, D>,
+) -> burn::tensor::ops::FloatTensor<B> {
+    t.into_primitive().tensor()
+}
+
+fn host<B: burn::tensor::backend::Backend, const D: usize>(
+    t: burn::tensor::ops::FloatTensor<B>,
+) -> Vec<f32> {
+    to_f32(Tensor::<B, D>::from_primitive(burn::tensor::TensorPrimitive::Float(t)).into_data())
+}
+
+/// Output of an f32-accumulated product whose inputs and output are stored in `dtype`:
+/// element-wise for f32 (TF32 bound on CUDA), relative L2 within the dtype's rounding otherwise.
+/// `extra` further roundings (a dE accumulated in the dtype) widen the relative-L2 bound like a
+/// random walk.
+fn assert_product_close<B: burn::tensor::backend::Backend>(
+    name: &str,
+    actual: &[f32],
+    expected: &[f32],
+    len: usize,
+    (dtype, extra): (DType, usize),
+    device: &B::Device,
+) {
+    if dtype == DType::F32 {
+        burn_kernels_testing::assert_matmul_close::<B>(name, actual, expected, len, device);
+    } else {
+        let m = metrics(actual, expected);
+        let bound = Tolerance::for_dtype(dtype).rtol * ((1 + extra) as f64).sqrt();
+        assert!(
+            m.non_finite_mismatches == 0 && m.rel_l2 <= bound,
+            "{name}: relative L2 {:.3e} above the {dtype:?} rounding {bound:.1e}\n  {m}",
+            m.rel_l2
+        );
+    }
+}
+
+fn forward_matches_reference<B: CceBackend>(device: &B::Device) {
+    for dtype in float_dtypes::<B>(device) {
+        for case in cases() {
+            let (dev, cpu) = op_inputs::<B>(&case, dtype, device);
+            let p = params(&case, None);
+            poison_memory::<B>(device, case.tokens() * case.v * 2, DType::F32);
+            let (lse, tl) = B::linear_ce_forward(
+                prim(dev.e),
+                prim(dev.c),
+                dev.bias.map(prim),
+                dev.targets.into_primitive(),
+                &p,
+            );
+            let (lse_ref, tl_ref) =
+                reference::linear_ce_forward(cpu.e, cpu.c, cpu.bias, cpu.targets, case.softcap);
+            let name = format!("{case:?} {dtype:?}");
+            let (lse, tl) = (host::<B, 1>(lse), host::<B, 1>(tl));
+            burn_kernels_testing::assert_matmul_close::<B>(
+                &format!("lse {name}"),
+                &lse,
+                &to_f32(lse_ref.into_data()),
+                case.d * case.v,
+                device,
+            );
+            burn_kernels_testing::assert_matmul_close::<B>(
+                &format!("target logit {name}"),
+                &tl,
+                &to_f32(tl_ref.into_data()),
+                case.d,
+                device,
+            );
+        }
+    }
+}
+
+/// Reference scores: max over tokens of |softmax − onehot| per vocabulary entry, and the
+/// reference lse, on the CPU.
+fn host_scores(cpu: &OpInputs<Cpu>, cap: Option<f32>) -> (Vec<f32>, Tensor<Cpu, 1>) {
+    let (lse, _) = reference::linear_ce_forward(
+        cpu.e.clone(),
+        cpu.c.clone(),
+        cpu.bias.clone(),
+        cpu.targets.clone(),
+        cap,
+    );
+    let logits = cpu.e.clone().matmul(cpu.c.clone().transpose());
+    let logits = match &cpu.bias {
+        Some(b) => logits + b.clone().unsqueeze_dim::<2>(0),
+        None => logits,
+    };
+    let p = (reference::softcap(logits, cap) - lse.clone().unsqueeze_dim::<2>(1)).exp();
+    let [n, v] = p.dims();
+    let p = to_f32(p.into_data());
+    let t = cpu
+        .targets
+        .to_data()
+        .convert::<i64>()
+        .into_vec::<i64>()
+        .unwrap();
+    let mut score = vec![0f32; v];
+    for i in 0..n {
+        for j in 0..v {
+            let g = if t[i] == j as i64 {
+                (p[i * v + j] - 1.0).abs()
+            } else {
+                p[i * v + j]
+            };
+            score[j] = score[j].max(g);
+        }
+    }
+    (score, lse)
+}
+
+/// An eps in the widest gap of the scores (on a log scale) between 1e-5 and 1e-1, so that no
+/// entry sits on the boundary where rounding could flip it.
+fn eps_in_gap(scores: &[f32]) -> f32 {
+    let mut s: Vec<f32> = scores
+        .iter()
+        .copied()
+        .filter(|&x| x > 1e-5 && x < 1e-1)
+        .collect();
+    s.sort_by(f32::total_cmp);
+    s.windows(2)
+        .max_by(|a, b| (a[1] / a[0]).total_cmp(&(b[1] / b[0])))
+        .map(|w| (w[0] * w[1]).sqrt())
+        .unwrap_or(1e-3)
+}
+
+fn backward_matches_reference<B: CceBackend>(device: &B::Device) {
+    for dtype in float_dtypes::<B>(device) {
+        for (k, case) in cases().into_iter().enumerate() {
+            let (dev, cpu) = op_inputs::<B>(&case, dtype, device);
+            let n = case.tokens();
+            let (scores, lse_ref) = host_scores(&cpu, case.softcap);
+            let dout = random_values(n, Dist::Uniform { lo: 0.5, hi: 1.5 }, case.seed + 9);
+            // Odd cases filter at an eps between score levels: the kernels must drop exactly
+            // the entries (sorted) or chunks (unsorted) the host scores say, and nothing else.
+            let eps = (k % 2 == 1).then(|| eps_in_gap(&scores));
+            let chunk = params(&case, eps).chunk_len(n, case.v);
+            let keep: Vec<bool> = match eps {
+                None => vec![true; case.v],
+                Some(eps) if case.sort => scores.iter().map(|&s| s >= eps).collect(),
+                Some(eps) => {
+                    let mut keep = vec![false; case.v];
+                    for v0 in (0..case.v).step_by(chunk) {
+                        let v1 = (v0 + chunk).min(case.v);
+                        let any = scores[v0..v1].iter().any(|&s| s >= eps);
+                        keep[v0..v1].iter_mut().for_each(|x| *x = any);
+                    }
+                    keep
+                }
+            };
+            let lse_dev = Tensor::<B, 1>::from_data(lse_ref.to_data(), (device, DType::F32));
+            let dout_dev =
+                Tensor::<B, 1>::from_data(TensorData::new(dout.clone(), [n]), (device, DType::F32));
+            poison_memory::<B>(device, n * case.v * 2, DType::F32);
+            let (de, dc, db) = B::linear_ce_backward(
+                prim(dev.e),
+                prim(dev.c),
+                dev.bias.map(prim),
+                dev.targets.into_primitive(),
+                prim(lse_dev),
+                prim(dout_dev),
+                &p_with(&case, eps),
+            );
+            if eps.is_some() {
+                let stats = last_backward_plan().expect("a plan was recorded");
+                assert_eq!(
+                    stats.entries,
+                    keep.iter().filter(|&&k| k).count(),
+                    "{case:?} {dtype:?}: entries processed at eps {eps:?}"
+                );
+            }
+            // The reference with the dropped vocabulary columns' gradient removed: dC rows
+            // and db entries of dropped entries are 0, dE lacks their contribution.
+            let mask = Tensor::<Cpu, 1>::from_data(
+                TensorData::new(keep.iter().map(|&k| k as u8 as f32).collect(), [case.v]),
+                &Default::default(),
+            );
+            let (de_ref, dc_ref, db_ref) =
+                masked_reference_backward(&cpu, lse_ref, &dout, &mask, case.softcap);
+            let name = format!("{case:?} {dtype:?} eps={eps:?}");
+            let de_extra = de_roundings(&case, dtype);
+            let (de, dc) = (host::<B, 2>(de), host::<B, 2>(dc));
+            assert_product_close::<B>(
+                &format!("dE {name}"),
+                &de,
+                &de_ref,
+                case.v,
+                (dtype, de_extra),
+                device,
+            );
+            assert_product_close::<B>(&format!("dC {name}"), &dc, &dc_ref, n, (dtype, 0), device);
+            if let (Some(db), Some(db_ref)) = (db, db_ref) {
+                let db = host::<B, 1>(db);
+                assert_product_close::<B>(
+                    &format!("db {name}"),
+                    &db,
+                    &db_ref,
+                    n,
+                    (dtype, 0),
+                    device,
+                );
+            }
+        }
+    }
+}
+
+fn p_with(case: &Case, eps: Option<f32>) -> LceParams {
+    params(case, eps)
+}
+
+/// The exact reference gradient with the logit-gradient columns outside `mask` zeroed.
+fn masked_reference_backward(
+    cpu: &OpInputs<Cpu>,
+    lse: Tensor<Cpu, 1>,
+    dout: &[f32],
+    mask: &Tensor<Cpu, 1>,
+    cap: Option<f32>,
+) -> (Vec<f32>, Vec<f32>, Option<Vec<f32>>) {
+    let n = dout.len();
+    let dout =
+        Tensor::<Cpu, 1>::from_data(TensorData::new(dout.to_vec(), [n]), &Default::default());
+    // G = dL/dlogits from the reference formula, so that dropped columns can be zeroed.
+    let logits = cpu.e.clone().matmul(cpu.c.clone().transpose());
+    let raw = match &cpu.bias {
+        Some(b) => logits + b.clone().unsqueeze_dim::<2>(0),
+        None => logits,
+    };
+    let p = (reference::softcap(raw.clone(), cap) - lse.unsqueeze_dim::<2>(1)).exp();
+    let [_, v] = p.dims();
+    let onehot = Tensor::<Cpu, 2>::zeros([n, v], &Default::default()).scatter(
+        1,
+        cpu.targets.clone().unsqueeze_dim::<2>(1),
+        Tensor::ones([n, 1], &Default::default()),
+        burn::tensor::IndexingUpdateOp::Add,
+    );
+    let mut g = (p - onehot) * dout.unsqueeze_dim::<2>(1);
+    if let Some(cap) = cap {
+        let t = (raw / cap).tanh();
+        g = g * (t.clone() * t).neg().add_scalar(1.0);
+    }
+    let g = g * mask.clone().unsqueeze_dim::<2>(0);
+    let de = to_f32(g.clone().matmul(cpu.c.clone()).into_data());
+    let dc = to_f32(g.clone().transpose().matmul(cpu.e.clone()).into_data());
+    let db = cpu
+        .bias
+        .as_ref()
+        .map(|_| to_f32(g.sum_dim(0).reshape([v]).into_data()));
+    (de, dc, db)
+}
+
+fn all_ignored<B: CceAutodiffBackend>(device: &B::Device) {
+    for reduction in [Reduction::Mean, Reduction::Sum, Reduction::None] {
+        let e = Tensor::<B, 3>::ones([2, 5, 8], device).require_grad();
+        let c = Tensor::<B, 2>::ones([11, 8], device).require_grad();
+        let t = Tensor::<B, 2, Int>::full([2, 5], IGNORE, device);
+        let opts = CceOptions {
+            reduction,
+            ..Default::default()
+        };
+        let loss = linear_cross_entropy(e, c, t, None, &opts).unwrap().loss;
+        let v = to_f32(loss.into_data());
+        let len = if reduction == Reduction::None { 10 } else { 1 };
+        assert_eq!(
+            v,
+            vec![0.0; len],
+            "{reduction:?}: every token ignored gives 0"
+        );
+    }
+    // With shift and one position per sequence, every target falls off the end.
+    let e = Tensor::<B, 3>::ones([3, 1, 8], device);
+    let c = Tensor::<B, 2>::ones([11, 8], device);
+    let t = Tensor::<B, 2, Int>::from_ints([[1], [2], [3]], device);
+    let opts = CceOptions {
+        shift: true,
+        ..Default::default()
+    };
+    let loss = linear_cross_entropy(e, c, t, None, &opts).unwrap().loss;
+    assert_eq!(to_f32(loss.into_data()), vec![0.0]);
+}
+
+fn typed_errors<B: CceBackend>(device: &B::Device) {
+    let e = || Tensor::<B, 3>::ones([2, 3, 8], device);
+    let c = || Tensor::<B, 2>::ones([10, 8], device);
+    let t = |v: i64| {
+        Tensor::<B, 2, Int>::from_data(TensorData::new(vec![1, 2, 3, 4, v, 5], [2, 3]), device)
+    };
+    let o = CceOptions::default();
+    let err = |r: Result<_, CceError>| r.expect_err("an error");
+    assert_eq!(
+        err(linear_cross_entropy(e(), c(), t(10), None, &o)),
+        CceError::TargetOutOfRange {
+            position: 4,
+            value: 10,
+            vocab: 10
+        }
+    );
+    assert_eq!(
+        err(linear_cross_entropy(e(), c(), t(-1), None, &o)),
+        CceError::TargetOutOfRange {
+            position: 4,
+            value: -1,
+            vocab: 10
+        }
+    );
+    assert_eq!(
+        err(linear_cross_entropy(
+            e(),
+            Tensor::<B, 2>::ones([10, 7], device),
+            t(0),
+            None,
+            &o
+        )),
+        CceError::HiddenSizeMismatch {
+            embeddings: 8,
+            classifier: 7
+        }
+    );
+    assert!(matches!(
+        err(linear_cross_entropy(
+            e(),
+            c(),
+            Tensor::<B, 2, Int>::zeros([3, 2], device),
+            None,
+            &o
+        )),
+        CceError::TargetShapeMismatch { .. }
+    ));
+    assert!(matches!(
+        err(linear_cross_entropy(
+            e(),
+            c(),
+            t(0),
+            Some(Tensor::<B, 1>::ones([9], device)),
+            &o
+        )),
+        CceError::BiasShapeMismatch { .. }
+    ));
+    let bad_cap = CceOptions {
+        softcap: Some(0.0),
+        ..o
+    };
+    assert_eq!(
+        err(linear_cross_entropy(e(), c(), t(0), None, &bad_cap)),
+        CceError::InvalidSoftcap(0.0)
+    );
+    let bad_eps = CceOptions {
+        filter_eps: FilterEps::Value(f32::NAN),
+        ..o
+    };
+    assert!(matches!(
+        err(linear_cross_entropy(e(), c(), t(0), None, &bad_eps)),
+        CceError::InvalidFilterEps(_)
+    ));
+    assert_eq!(
+        err(linear_cross_entropy(
+            e(),
+            Tensor::<B, 2>::ones([0, 8], device),
+            t(0),
+            None,
+            &o
+        )),
+        CceError::EmptyVocabulary
+    );
+}
+
+/// The CPU reference path (NdArray) runs the same checks without a GPU runtime.
+#[test]
+fn cpu_loss_and_gradients() {
+    let device = Default::default();
+    for case in cases() {
+        run::<Gt>(&device, &case, DType::F32);
+    }
+}
+
+#[test]
+fn cpu_all_ignored_and_errors() {
+    all_ignored::<Gt>(&Default::default());
+    typed_errors::<Cpu>(&Default::default());
+}
+
+#[test]
+fn plain_ce_matches_host_f64() {
+    // The oracle itself against a direct f64 computation on a tiny case.
+    let case = Case {
+        softcap: Some(3.0),
+        bias: true,
+        ignore: 0.3,
+        ..Case::new([2, 3], 5, 7, 21)
+    };
+    let x = inputs(&case);
+    let out = plain::<Gt>(&case, &x, DType::F32, &Default::default());
+    let (n, d, v) = (case.tokens(), case.d, case.v);
+    let mut total = 0f64;
+    let mut valid = 0usize;
+    for i in 0..n {
+        if x.targets[i] == IGNORE {
+            continue;
+        }
+        let logits: Vec<f64> = (0..v)
+            .map(|j| {
+                let dot: f64 = (0..d)
+                    .map(|k| x.e[i * d + k] as f64 * x.c[j * d + k] as f64)
+                    .sum();
+                let raw = dot + x.bias.as_ref().unwrap()[j] as f64;
+                3.0 * (raw / 3.0).tanh()
+            })
+            .collect();
+        let m = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let lse = m + logits.iter().map(|l| (l - m).exp()).sum::<f64>().ln();
+        total += lse - logits[x.targets[i] as usize];
+        valid += 1;
+    }
+    let expected = (total / valid as f64) as f32;
+    assert_close(
+        "plain CE vs f64",
+        &out.loss,
+        &[expected],
+        Tolerance::for_reduction(DType::F32, v),
+    );
+}
+
+testgen! {
+    backend: [forward_matches_reference, backward_matches_reference, typed_errors],
+    autodiff: [loss_and_gradients, all_ignored],
+}
