@@ -1,0 +1,426 @@
+//! The acceptance-maximising coupling for K drafts as a linear program.
+//!
+//! # Formulation
+//! A scheme is a conditional law of the output `Y` given the drafted tuple `x = (x_1..x_K)`,
+//! `x_k ~ q_k` independently, with `P(Y = y) = p(y)`. Its acceptance probability is
+//! `P(Y in {x_1..x_K})`. Only the *set* `S = {x_1..x_K}` matters for which outputs count as
+//! accepted, so (splitting any flow in proportion to the tuple probabilities) an optimal scheme
+//! can be written with variables `f(S, y) >= 0` for `y in S` -- the probability of drafting set
+//! `S` and accepting `y`:
+//!
+//! ```text
+//! maximise    sum_{S, y in S} f(S, y)
+//! subject to  sum_{y in S} f(S, y) <= P(S)    for every set S   (draft marginal)
+//!             sum_{S contains y} f(S, y) <= p(y)   for every y   (target marginal)
+//! ```
+//!
+//! This is a bipartite max-flow. Completing it to a coupling is always possible: given set `S`,
+//! accept `y` with probability `f(S, y) / P(S)`, and otherwise sample the residual
+//! `norm(p - inflow)`, where `inflow(y) = sum_S f(S, y)`. The output law is
+//! `inflow + (1 - F) * (p - inflow) / (1 - F) = p` (with `F = sum f`) for *any* feasible `f`, so
+//! exactness never depends on the LP solver's accuracy; optimality does, up to its tolerance.
+//! By max-flow/min-cut the optimum equals
+//! `min_{T} [ p(T^c) + 1 - prod_k (1 - q_k(T)) ]` ([`crate::optimal_acceptance_bound`]); for two
+//! identical drafts this is the paper's closed form
+//! `min_S { sum_{s in S} p_s + (sum_{s in S^c} q_s)^2 + 2 (sum_{s in S} q_s)(sum_{s in S^c} q_s) }`.
+//! The same flow is the paper's canonical two-step scheme: selecting `y` with probability
+//! `f(S, y) / P(S)` (and any draft otherwise) is an importance-weighted selection whose law `q~`
+//! dominates `inflow`, and single-draft SD against it accepts `sum min(p, q~) = F`.
+//!
+//! # Truncation
+//! The number of sets grows like `C(V, K)`. Following the paper's alphabet and LP-size
+//! truncations:
+//! - only tokens with `p(y) > 0` and some `q_k(y) > 0` can ever be accepted; they are ranked by
+//!   `p(y) + mean_k q_k(y)` (ties by index) and the top `m` form the LP alphabet;
+//! - the other acceptable tokens (the *tail*) are lumped into one symbol `R` with
+//!   `p(R) = sum_tail p` and `q_k(R) = sum_tail q_k`; drafted tokens that cannot be accepted
+//!   (`p = 0`) count as "no symbol";
+//! - `m` is the largest value `<= max_alphabet` whose worst-case variable count
+//!   `sum_{j <= K} j C(m + [tail non-empty], j)` is at most `max_variables`.
+//!
+//! When the coupling accepts `R` for a drafted set `S`, the token is decided by single-draft SD
+//! *inside the tail*: with `k*` the first draft that drafted a tail token, accept `x_{k*}` with
+//! probability `min(1, p_R(x)/q_{k*,R}(x))` for the conditionals `p_R = p(.|tail)`,
+//! `q_{k,R} = q_k(.|tail)`, else sample `norm(max(p_R - q_{k*,R}, 0))`. Given `S` (and `k*`),
+//! `x_{k*} ~ q_{k*,R}` (the set only records that some draft hit the tail), so this outputs exactly
+//! `p_R`, and it accepts with probability `gamma_{k*} = sum_t min(p_R(t), q_{k*,R}(t))`. Each
+//! unit of flow into `R` from `S` is therefore worth `g(S) = E[gamma_{k*} | S]` accepted tokens,
+//! which is the LP's objective coefficient for those variables (computed exactly by tracking
+//! `k*` in the set-mass recursion). The top-level residual emits tail tokens in proportion to
+//! `p`, so the symbol-level argument above still gives exactly `p`: truncation costs acceptance,
+//! never exactness. The optimal scheme then compares the LP coupling's acceptance with the
+//! importance-sampling scheme's and uses the better one (unless
+//! [`LpTruncation::fallback_to_importance_sampling`] is off); IS is also the fallback when no
+//! alphabet fits the budget (`max_variables = 0`).
+
+use std::collections::{BTreeMap, HashMap};
+
+use microlp::{ComparisonOp, OptimizationDirection, Problem};
+
+use crate::error::{Result, SpecDecError};
+use crate::prob::normalised_or;
+
+/// Alphabet and size limits of the optimal-coupling LP.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct LpTruncation {
+    /// Largest number of tokens the LP handles individually (at most 62: sets are `u64` bit
+    /// masks, one bit is the lumped tail).
+    pub max_alphabet: usize,
+    /// Budget on the worst-case number of LP variables; 0 disables the LP.
+    pub max_variables: usize,
+    /// Use the importance-sampling plan when it accepts more than the (truncated) LP coupling.
+    /// Turning this off keeps the LP coupling whenever the LP is enabled, e.g. to study the
+    /// truncation itself (the paper's Table 2); it is exact either way.
+    pub fallback_to_importance_sampling: bool,
+}
+
+impl LpTruncation {
+    /// The paper's best alphabet truncation (40 tokens) with a 4096-variable budget: exact (no
+    /// truncation) for `V <= 40, K = 2`; smaller alphabets for larger K.
+    pub const DEFAULT: Self = Self {
+        max_alphabet: 40,
+        max_variables: 4096,
+        fallback_to_importance_sampling: true,
+    };
+}
+
+impl Default for LpTruncation {
+    fn default() -> Self {
+        Self::DEFAULT
+    }
+}
+
+/// What the optimal scheme's LP did for one `(p, q_1..q_K)`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LpInfo {
+    /// Tokens the LP handles individually, by rank.
+    pub alphabet: Vec<usize>,
+    /// Number of acceptable tokens lumped into the tail symbol (0: no truncation).
+    pub tail_tokens: usize,
+    /// Number of drafted-set patterns with positive probability.
+    pub sets: usize,
+    /// Number of LP variables.
+    pub variables: usize,
+    /// Acceptance probability of the LP coupling (0 if the LP was disabled).
+    pub lp_acceptance: f64,
+    /// Whether the importance-sampling plan was used instead (it accepted more, or the LP was
+    /// disabled).
+    pub fell_back_to_importance_sampling: bool,
+}
+
+impl LpInfo {
+    /// Whether some acceptable token was lumped into the tail.
+    pub fn truncated(&self) -> bool {
+        self.tail_tokens > 0
+    }
+}
+
+/// An output symbol of the coupling.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Symbol {
+    /// A token of the LP alphabet.
+    Token(usize),
+    /// The lumped tail.
+    Tail,
+}
+
+/// A solved (and repaired) flow, with everything the per-token decision needs.
+#[derive(Clone, Debug)]
+pub(crate) struct Flow {
+    /// `bit_of[token]`: alphabet tokens have their own bit, tail tokens share `tail_bit`.
+    pub bit_of: Vec<Option<u32>>,
+    pub tail_bit: Option<u32>,
+    /// Set mask -> `(symbol, f(S, symbol) / P(S))`, in bit order.
+    pub table: HashMap<u64, Vec<(Symbol, f64)>>,
+    /// `tail_accept[k][t] = min(1, p_R(t) / q_{k,R}(t))` (0 outside the tail).
+    pub tail_accept: Vec<Vec<f64>>,
+    /// `norm(max(p_R - q_{k,R}, 0))`, or `p_R` if empty.
+    pub tail_residual: Vec<Vec<f64>>,
+    /// Normalised law of the output on the reject branch.
+    pub residual: Vec<f64>,
+    pub acceptance: f64,
+    pub info: LpInfo,
+}
+
+/// Tokens that can be accepted at all, best first.
+pub(crate) fn acceptable_tokens(p: &[f64], qs: &[Vec<f64>]) -> Vec<usize> {
+    let k = qs.len() as f64;
+    let score = |y: usize| p[y] + qs.iter().map(|q| q[y]).sum::<f64>() / k;
+    let mut tokens: Vec<usize> = (0..p.len())
+        .filter(|&y| p[y] > 0.0 && qs.iter().any(|q| q[y] > 0.0))
+        .collect();
+    tokens.sort_by(|&a, &b| score(b).total_cmp(&score(a)).then(a.cmp(&b)));
+    tokens
+}
+
+/// Worst-case number of flow variables for `symbols` symbols and `k` drafts.
+pub(crate) fn variable_bound(symbols: usize, k: usize) -> u128 {
+    let mut total: u128 = 0;
+    let mut binom: u128 = 1;
+    for j in 1..=k.min(symbols) {
+        binom = binom * (symbols - j + 1) as u128 / j as u128;
+        total = total.saturating_add(binom.saturating_mul(j as u128));
+    }
+    total
+}
+
+/// Splits the acceptable tokens into the LP alphabet and the tail; `None` if the LP is disabled.
+pub(crate) fn choose_alphabet(
+    p: &[f64],
+    qs: &[Vec<f64>],
+    trunc: LpTruncation,
+) -> Option<(Vec<usize>, Vec<usize>)> {
+    let mut tokens = acceptable_tokens(p, qs);
+    let mut m = tokens.len().min(trunc.max_alphabet).min(62);
+    loop {
+        let symbols = m + usize::from(m < tokens.len());
+        if variable_bound(symbols, qs.len()) <= trunc.max_variables as u128 {
+            break;
+        }
+        if m == 0 {
+            return None;
+        }
+        m -= 1;
+    }
+    let tail = tokens.split_off(m);
+    Some((tokens, tail))
+}
+
+/// `P(S, k*)` for every drafted symbol-set mask `S` and first tail draft `k*` (`K` if none), by
+/// dynamic programming over the drafts. Mask 0 collects tuples with no acceptable symbol.
+fn pattern_masses(
+    bit_of: &[Option<u32>],
+    tail_bit: Option<u32>,
+    qs: &[Vec<f64>],
+) -> BTreeMap<(u64, usize), f64> {
+    let k_drafts = qs.len();
+    let mut masses = BTreeMap::from([((0_u64, k_drafts), 1.0)]);
+    for (k, q) in qs.iter().enumerate() {
+        // Mass of q_k per own bit, lumped tail and "no symbol", summed directly (no `1 - sum`).
+        let mut per_bit: BTreeMap<u32, f64> = BTreeMap::new();
+        let mut none = 0.0;
+        for (y, &qy) in q.iter().enumerate() {
+            match bit_of[y] {
+                Some(b) if qy > 0.0 => *per_bit.entry(b).or_insert(0.0) += qy,
+                Some(_) => {}
+                None => none += qy,
+            }
+        }
+        let mut next = BTreeMap::new();
+        for (&(mask, first), &w) in &masses {
+            if none > 0.0 {
+                *next.entry((mask, first)).or_insert(0.0) += w * none;
+            }
+            for (&b, &qb) in &per_bit {
+                let first = if Some(b) == tail_bit && first == k_drafts {
+                    k
+                } else {
+                    first
+                };
+                *next.entry((mask | (1 << b), first)).or_insert(0.0) += w * qb;
+            }
+        }
+        masses = next;
+    }
+    masses.retain(|_, w| *w > 0.0);
+    masses
+}
+
+/// Capacities are multiplied by this before solving: the solver's feasibility tolerance is
+/// absolute (1e-7), and probabilities are at most 1.
+const SCALE: f64 = 1.0e6;
+
+/// One LP variable: flow from a set into a symbol (an alphabet index, or `m` for the tail).
+struct Var {
+    set: usize,
+    symbol: usize,
+    var: microlp::Variable,
+}
+
+/// Builds and solves the (truncated) flow LP, repairs round-off so that the flow is exactly
+/// feasible, and assembles the coupling.
+pub(crate) fn solve(
+    p: &[f64],
+    qs: &[Vec<f64>],
+    alphabet: Vec<usize>,
+    tail: Vec<usize>,
+) -> Result<Flow> {
+    let v = p.len();
+    let k_drafts = qs.len();
+    let m = alphabet.len();
+    let mut bit_of = vec![None; v];
+    for (bit, &y) in alphabet.iter().enumerate() {
+        bit_of[y] = Some(bit as u32);
+    }
+    let tail_bit = (!tail.is_empty()).then_some(m as u32);
+    for &t in &tail {
+        bit_of[t] = tail_bit;
+    }
+
+    // Tail conditionals and the in-tail single-draft SD of each draft.
+    let p_tail_mass: f64 = tail.iter().map(|&t| p[t]).sum();
+    let mut p_tail = vec![0.0; v];
+    for &t in &tail {
+        p_tail[t] = p[t] / p_tail_mass;
+    }
+    let mut tail_accept = vec![vec![0.0; v]; k_drafts];
+    let mut tail_residual = vec![p_tail.clone(); k_drafts];
+    let mut gamma = vec![0.0; k_drafts];
+    for (k, q) in qs.iter().enumerate() {
+        let q_tail_mass: f64 = tail.iter().map(|&t| q[t]).sum();
+        if q_tail_mass <= 0.0 {
+            continue;
+        }
+        let mut rest = vec![0.0; v];
+        for &t in &tail {
+            let qt = q[t] / q_tail_mass;
+            if qt > 0.0 {
+                tail_accept[k][t] = (p_tail[t] / qt).min(1.0);
+            }
+            gamma[k] += p_tail[t].min(qt);
+            rest[t] = (p_tail[t] - qt).max(0.0);
+        }
+        tail_residual[k] = normalised_or(rest, &p_tail);
+    }
+
+    // Set masses P(S) and tail values g(S) = E[gamma_{k*} | S].
+    let mut sets: BTreeMap<u64, (f64, f64)> = BTreeMap::new();
+    for ((mask, first), w) in pattern_masses(&bit_of, tail_bit, qs) {
+        if mask == 0 {
+            continue;
+        }
+        let entry = sets.entry(mask).or_insert((0.0, 0.0));
+        entry.0 += w;
+        if first < k_drafts {
+            entry.1 += w * gamma[first];
+        }
+    }
+    let sets: Vec<(u64, f64, f64)> = sets
+        .into_iter()
+        .map(|(mask, (mass, g))| (mask, mass, g / mass))
+        .collect();
+
+    let capacity = |symbol: usize| {
+        if symbol == m {
+            p_tail_mass
+        } else {
+            p[alphabet[symbol]]
+        }
+    };
+    let mut problem = Problem::new(OptimizationDirection::Maximize);
+    let mut vars = Vec::new();
+    let mut by_set = vec![Vec::new(); sets.len()];
+    let mut by_symbol = vec![Vec::new(); m + 1];
+    for (set, &(mask, mass, g)) in sets.iter().enumerate() {
+        for (symbol, symbol_vars) in by_symbol.iter_mut().enumerate() {
+            if mask & (1 << symbol) == 0 {
+                continue;
+            }
+            let value = if symbol == m { g } else { 1.0 };
+            // A tail flow worth nothing would only use up capacity.
+            if value <= 0.0 {
+                continue;
+            }
+            let var = problem.add_var(value, (0.0, SCALE * mass.min(capacity(symbol))));
+            by_set[set].push(var);
+            symbol_vars.push(var);
+            vars.push(Var { set, symbol, var });
+        }
+    }
+    for (set, terms) in by_set.iter().enumerate() {
+        if terms.len() > 1 {
+            let terms: Vec<_> = terms.iter().map(|&v| (v, 1.0)).collect();
+            problem.add_constraint(terms.as_slice(), ComparisonOp::Le, SCALE * sets[set].1);
+        }
+    }
+    for (symbol, terms) in by_symbol.iter().enumerate() {
+        if terms.len() > 1 {
+            let terms: Vec<_> = terms.iter().map(|&v| (v, 1.0)).collect();
+            problem.add_constraint(terms.as_slice(), ComparisonOp::Le, SCALE * capacity(symbol));
+        }
+    }
+    let mut flows: Vec<f64> = if vars.is_empty() {
+        Vec::new()
+    } else {
+        let solution = problem
+            .solve()
+            .map_err(|e| SpecDecError::Lp(format!("{e:?}")))?
+            .into_solution()
+            .map_err(|e| SpecDecError::Lp(format!("{e:?}")))?;
+        vars.iter()
+            .map(|x| {
+                let bound = sets[x.set].1.min(capacity(x.symbol));
+                (solution.var_value(x.var) / SCALE).clamp(0.0, bound)
+            })
+            .collect()
+    };
+
+    // Repair: scale each set's outflow down to P(S), then each symbol's inflow down to capacity.
+    let mut out_of = vec![0.0; sets.len()];
+    for (x, f) in vars.iter().zip(&flows) {
+        out_of[x.set] += f;
+    }
+    for (x, f) in vars.iter().zip(flows.iter_mut()) {
+        if out_of[x.set] > sets[x.set].1 {
+            *f *= sets[x.set].1 / out_of[x.set];
+        }
+    }
+    let mut into = vec![0.0; m + 1];
+    for (x, f) in vars.iter().zip(&flows) {
+        into[x.symbol] += f;
+    }
+    for (x, f) in vars.iter().zip(flows.iter_mut()) {
+        if into[x.symbol] > capacity(x.symbol) {
+            *f *= capacity(x.symbol) / into[x.symbol];
+        }
+    }
+
+    let mut table: HashMap<u64, Vec<(Symbol, f64)>> = HashMap::new();
+    let mut inflow = vec![0.0; m + 1];
+    let mut acceptance = 0.0;
+    for (x, &f) in vars.iter().zip(&flows) {
+        if f <= 0.0 {
+            continue;
+        }
+        let (mask, mass, g) = sets[x.set];
+        let conditional = f / mass;
+        let flow = mass * conditional;
+        let symbol = if x.symbol == m {
+            acceptance += flow * g;
+            Symbol::Tail
+        } else {
+            acceptance += flow;
+            Symbol::Token(alphabet[x.symbol])
+        };
+        inflow[x.symbol] += flow;
+        table.entry(mask).or_default().push((symbol, conditional));
+    }
+
+    // Reject branch: what the accepted symbols leave of p; tail tokens in proportion to p.
+    let mut residual = p.to_vec();
+    for (bit, &y) in alphabet.iter().enumerate() {
+        residual[y] = (p[y] - inflow[bit]).max(0.0);
+    }
+    let tail_left = (p_tail_mass - inflow[m]).max(0.0);
+    for &t in &tail {
+        residual[t] = tail_left * p_tail[t];
+    }
+    let info = LpInfo {
+        tail_tokens: tail.len(),
+        alphabet,
+        sets: sets.len(),
+        variables: vars.len(),
+        lp_acceptance: acceptance,
+        fell_back_to_importance_sampling: false,
+    };
+    Ok(Flow {
+        bit_of,
+        tail_bit,
+        table,
+        tail_accept,
+        tail_residual,
+        residual: normalised_or(residual, p),
+        acceptance,
+        info,
+    })
+}
