@@ -10,6 +10,7 @@ pub mod generate;
 pub mod loader;
 pub mod model;
 pub mod tokenizer;
+pub mod train;
 
 pub use config::{Llama3RopeScaling, LlamaConfig};
 pub use model::Llama;

@@ -139,6 +139,15 @@ impl<B: Backend> Llama<B> {
         self.norm.forward(x)
     }
 
+    /// The output classifier as `[vocab, hidden]`: the embedding when tied, else the LM head
+    /// transposed (a view, no copy). This is the `C` of a linear cross-entropy.
+    pub fn classifier(&self) -> Tensor<B, 2> {
+        match &self.lm_head {
+            Some(w) => w.val().transpose(),
+            None => self.embed.val(),
+        }
+    }
+
     /// Logits of hidden states, in f32.
     ///
     /// # Shapes

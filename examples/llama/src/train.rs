@@ -1,0 +1,90 @@
+//! The language-modelling loss of a training step, with Cut Cross-Entropy or Burn's plain
+//! cross-entropy on the same model.
+
+use burn::tensor::{Int, Tensor};
+use burn_cce::{CceBackend, CceError, CceOptions, LinearCrossEntropyLoss, Reduction, reference};
+use burn_kernels_core::{AttentionImpl, FullKvCache};
+
+use crate::model::Llama;
+
+/// How the next-token loss is computed.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum LossKind {
+    /// burn-cce's linear cross-entropy: the logits are never materialized.
+    Cce(CceOptions),
+    /// Logits `[batch, seq, vocab]` in the model dtype, log-softmax, gather: Burn's plain path.
+    Plain,
+}
+
+impl LossKind {
+    /// CCE with default options (mean over tokens, filtering, sorting, f32 dE accumulation).
+    pub fn cce() -> Self {
+        LossKind::Cce(CceOptions::default())
+    }
+}
+
+/// Mean next-token cross-entropy of `tokens` under `model`: position `t` predicts token
+/// `t + 1`.
+///
+/// # Shapes
+/// - `tokens`: `[batch, seq]`, `seq ≥ 2`; returns `[1]` (f32)
+///
+/// # Errors
+/// The loss's typed errors (token ids outside the vocabulary, …).
+pub fn next_token_loss<B: CceBackend>(
+    model: &Llama<B>,
+    tokens: Tensor<B, 2, Int>,
+    attention: &dyn AttentionImpl<B>,
+    kind: LossKind,
+    ignore_index: i64,
+) -> Result<Tensor<B, 1>, CceError> {
+    next_token_loss_with_targets(model, tokens.clone(), tokens, attention, kind, ignore_index)
+}
+
+/// [`next_token_loss`] with targets given apart from the model inputs, so that padding can be
+/// marked with `ignore_index` in `targets` while `tokens` holds valid ids: position `t` of
+/// `tokens` is scored against `targets[t + 1]`.
+///
+/// # Shapes
+/// - `tokens`, `targets`: `[batch, seq]`, `seq ≥ 2`; returns `[1]` (f32)
+///
+/// # Errors
+/// The loss's typed errors (target ids outside the vocabulary, …).
+pub fn next_token_loss_with_targets<B: CceBackend>(
+    model: &Llama<B>,
+    tokens: Tensor<B, 2, Int>,
+    targets: Tensor<B, 2, Int>,
+    attention: &dyn AttentionImpl<B>,
+    kind: LossKind,
+    ignore_index: i64,
+) -> Result<Tensor<B, 1>, CceError> {
+    let mut cache = FullKvCache::new(model.config.num_layers);
+    let hidden = model.forward(tokens, &[], &mut cache, attention);
+    match kind {
+        LossKind::Cce(options) => {
+            let options = CceOptions {
+                shift: true,
+                ignore_index,
+                reduction: Reduction::Mean,
+                ..options
+            };
+            LinearCrossEntropyLoss::new(options).forward(hidden, model.classifier(), targets)
+        }
+        LossKind::Plain => {
+            let [b, s, h] = hidden.dims();
+            let inputs = hidden
+                .slice([0..b, 0..s - 1, 0..h])
+                .reshape([b * (s - 1), h]);
+            let targets = targets.slice([0..b, 1..s]).reshape([b * (s - 1)]);
+            Ok(reference::plain_linear_cross_entropy(
+                inputs,
+                model.classifier(),
+                None,
+                targets,
+                ignore_index,
+                None,
+                Reduction::Mean,
+            ))
+        }
+    }
+}

@@ -1,0 +1,163 @@
+//! A training step of SmolLM2-135M (real weights) with Cut Cross-Entropy gives the same loss and
+//! gradients as with Burn's plain cross-entropy, on the CPU and on every enabled runtime.
+
+use std::sync::OnceLock;
+
+use burn::backend::{Autodiff, NdArray};
+use burn::tensor::{DType, Int, Tensor, TensorData, backend::AutodiffBackend};
+use burn_cce::CceBackend;
+use burn_kernels_core::ReferenceAttention;
+use burn_kernels_testing::{Tolerance, assert_close, compare::to_f32};
+use burn_llama::loader::{Checkpoint, default_model_path, load};
+use burn_llama::model::Llama;
+use burn_llama::train::{LossKind, next_token_loss};
+
+fn checkpoint() -> &'static Checkpoint {
+    static CKPT: OnceLock<Checkpoint> = OnceLock::new();
+    CKPT.get_or_init(|| {
+        load(&default_model_path()).unwrap_or_else(|e| {
+            panic!("{e}\n(the SmolLM2 weights come from `./scripts/setup.sh`, or `cargo xtask fetch-model`)")
+        })
+    })
+}
+
+/// Two rows of 24 tokens of the committed text; the second row's last 4 targets are
+/// padding (ignored).
+fn batch() -> (Vec<i64>, [usize; 2]) {
+    const PAD: i64 = -100;
+    let text = include_str!("../data/paragraph.txt");
+    let ids = checkpoint().tokenizer.encode(text).expect("tokenizes");
+    let mut rows: Vec<i64> = ids[..48].iter().map(|&t| t as i64).collect();
+    for t in &mut rows[44..] {
+        *t = PAD;
+    }
+    (rows, [2, 24])
+}
+
+struct Step {
+    loss: Vec<f32>,
+    /// (name, gradient, reduction length) of the parameters compared.
+    grads: Vec<(&'static str, Vec<f32>, usize)>,
+}
+
+fn step<B: AutodiffBackend + CceBackend>(device: &B::Device, kind: LossKind) -> Step {
+    let model = Llama::<B>::from_checkpoint(checkpoint(), device, DType::F32).expect("checkpoint");
+    let (ids, shape) = batch();
+    // The embedding lookup cannot take the ignore index: padded positions read token 0, and
+    // their targets are ignored by the loss.
+    let inputs: Vec<i64> = ids.iter().map(|&t| t.max(0)).collect();
+    let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(inputs, shape), device);
+    let targets = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, shape), device);
+    let loss = loss_with_targets(&model, tokens, targets, kind);
+    let grads = loss.backward();
+    let vocab = model.config.vocab_size;
+    let last = model.layers.len() - 1;
+    let host = |t: Tensor<B::InnerBackend, 2>| to_f32(t.into_data());
+    Step {
+        loss: to_f32(loss.into_data()),
+        grads: vec![
+            (
+                "embed (tied classifier)",
+                host(model.embed.grad(&grads).expect("embed grad")),
+                vocab,
+            ),
+            (
+                "layers[last].w_down",
+                host(model.layers[last].w_down.grad(&grads).expect("w_down")),
+                vocab,
+            ),
+            (
+                "layers[0].wq",
+                host(model.layers[0].wq.grad(&grads).expect("wq")),
+                vocab,
+            ),
+        ],
+    }
+}
+
+/// The loss with inputs and targets given separately (targets carry the ignore index).
+fn loss_with_targets<B: AutodiffBackend + CceBackend>(
+    model: &Llama<B>,
+    tokens: Tensor<B, 2, Int>,
+    targets: Tensor<B, 2, Int>,
+    kind: LossKind,
+) -> Tensor<B, 1> {
+    burn_llama::train::next_token_loss_with_targets(
+        model,
+        tokens,
+        targets,
+        &ReferenceAttention,
+        kind,
+        -100,
+    )
+    .expect("valid batch")
+}
+
+fn cce_matches_plain<B: AutodiffBackend + CceBackend>(device: &B::Device) {
+    let plain = step::<B>(device, LossKind::Plain);
+    let cce = step::<B>(device, LossKind::cce());
+    let vocab = checkpoint().config.vocab_size;
+    println!("loss: plain {:?} cce {:?}", plain.loss, cce.loss);
+    assert!(
+        plain.loss[0].is_finite() && plain.loss[0] > 0.5,
+        "a real loss"
+    );
+    assert_close(
+        "loss",
+        &cce.loss,
+        &plain.loss,
+        Tolerance::for_reduction(DType::F32, vocab),
+    );
+    for ((name, p, len), (_, c, _)) in plain.grads.iter().zip(&cce.grads) {
+        assert!(
+            p.iter().any(|&x| x != 0.0),
+            "{name}: the gradient is not all zero"
+        );
+        burn_kernels_testing::assert_matmul_close::<B>(name, c, p, *len, device);
+    }
+}
+
+#[test]
+fn cpu_cce_training_step_matches_plain() {
+    cce_matches_plain::<Autodiff<NdArray<f32>>>(&Default::default());
+}
+
+#[test]
+fn next_token_loss_shifts() {
+    // The public helper that shifts one token tensor agrees with explicit targets.
+    type B = Autodiff<NdArray<f32>>;
+    let device = Default::default();
+    let model = Llama::<B>::from_checkpoint(checkpoint(), &device, DType::F32).expect("checkpoint");
+    let (ids, _) = batch();
+    let row: Vec<i64> = ids[..16].to_vec();
+    let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(row.clone(), [1, 16]), &device);
+    let a = next_token_loss(
+        &model,
+        tokens.clone(),
+        &ReferenceAttention,
+        LossKind::cce(),
+        -100,
+    )
+    .unwrap();
+    let b = next_token_loss(&model, tokens, &ReferenceAttention, LossKind::Plain, -100).unwrap();
+    assert_close(
+        "shifted loss",
+        &to_f32(a.into_data()),
+        &to_f32(b.into_data()),
+        Tolerance::for_reduction(DType::F32, 49152),
+    );
+}
+
+#[cfg(feature = "vulkan")]
+#[test]
+fn vulkan_cce_training_step_matches_plain() {
+    type B = Autodiff<burn_cubecl::CubeBackend<burn::backend::wgpu::WgpuRuntime, f32, i32, u32>>;
+    cce_matches_plain::<B>(&Default::default());
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_cce_training_step_matches_plain() {
+    type B = Autodiff<burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>>;
+    cce_matches_plain::<B>(&Default::default());
+}
