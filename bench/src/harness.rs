@@ -12,9 +12,32 @@ pub enum Runner<'a> {
     /// Enqueues the work once; the harness warms up, synchronizes and times it.
     InProcess(Box<dyn FnMut() + 'a>),
     /// A peer timed outside this process (e.g. PyTorch on the same GPU in the same run): returns
-    /// its own per-repetition times in ms, or why it could not run.
-    Timed(Box<dyn FnOnce() -> Result<Vec<f64>, String> + 'a>),
+    /// its own per-repetition times (and peak memory, if it measures it), or why it could not
+    /// run.
+    Timed(Box<dyn FnOnce() -> Result<PeerRun, String> + 'a>),
 }
+
+/// What an out-of-process peer measured.
+#[derive(Debug, Clone, Default)]
+pub struct PeerRun {
+    pub times_ms: Vec<f64>,
+    /// Peak device memory of one call beyond its inputs, MB (10⁶ bytes).
+    pub peak_mem_mb: Option<f64>,
+}
+
+impl From<Vec<f64>> for PeerRun {
+    fn from(times_ms: Vec<f64>) -> Self {
+        PeerRun {
+            times_ms,
+            peak_mem_mb: None,
+        }
+    }
+}
+
+/// Reads the runtime's memory pool: bytes reserved on the device, after freeing unused pages
+/// first when asked. The difference around one call is the call's peak working set as the pool
+/// saw it (its watermark), rounded up to the pool's page sizes.
+pub type MemoryProbe = std::sync::Arc<dyn Fn(bool) -> Option<u64> + Send + Sync>;
 
 /// One implementation of a problem, ready to run.
 pub struct Candidate<'a> {
@@ -35,7 +58,7 @@ impl<'a> Candidate<'a> {
     /// A peer that times itself outside this process.
     pub fn timed_elsewhere(
         name: &'static str,
-        run: impl FnOnce() -> Result<Vec<f64>, String> + 'a,
+        run: impl FnOnce() -> Result<PeerRun, String> + 'a,
     ) -> Self {
         Candidate {
             name,
@@ -84,6 +107,8 @@ pub struct Suite<B: Backend> {
     pub baseline: &'static str,
     pub problems: Vec<Problem<B>>,
     pub plot: Option<PlotSpec>,
+    /// Also record each in-process candidate's peak memory (one extra call each).
+    pub measure_memory: bool,
 }
 
 /// One measured (or skipped) implementation on one problem.
@@ -100,6 +125,9 @@ pub struct Record {
     pub gbps: Option<f64>,
     #[serde(default)]
     pub tokens_per_sec: Option<f64>,
+    /// Peak device memory of one call beyond its inputs, MB (10⁶ bytes), where measured.
+    #[serde(default)]
+    pub peak_mem_mb: Option<f64>,
     /// Baseline median / this median, both measured in this run.
     pub speedup_vs_baseline: Option<f64>,
     pub skipped: Option<String>,
@@ -155,6 +183,21 @@ fn sync<B: Backend>(device: &B::Device) {
 
 /// Times `run`: the first call (JIT compilation, autotune) and a warm-up are discarded, then
 /// each repetition is timed from enqueue to device synchronization. Returns sorted times in ms.
+/// Pool growth over one synchronized call, after freeing unused pages (so that the call has to
+/// reserve what it needs), in MB.
+fn measure_memory<B: Backend>(
+    device: &B::Device,
+    run: &mut dyn FnMut(),
+    probe: &MemoryProbe,
+) -> Option<f64> {
+    sync::<B>(device);
+    let before = probe(true)?;
+    run();
+    sync::<B>(device);
+    let after = probe(false)?;
+    Some(after.saturating_sub(before) as f64 / 1e6)
+}
+
 fn time_candidate<B: Backend>(device: &B::Device, run: &mut dyn FnMut(), t: Timing) -> Vec<f64> {
     run();
     sync::<B>(device);
@@ -186,7 +229,12 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 }
 
 /// Runs every problem × implementation of `suite` with a progress bar.
-pub fn run_suite<B: Backend>(suite: Suite<B>, device: &B::Device, timing: Timing) -> SuiteResult {
+pub fn run_suite<B: Backend>(
+    suite: Suite<B>,
+    device: &B::Device,
+    timing: Timing,
+    probe: Option<&MemoryProbe>,
+) -> SuiteResult {
     let bar = ProgressBar::new(suite.problems.len() as u64);
     bar.set_style(
         ProgressStyle::with_template("{prefix:>20} [{bar:30}] {pos}/{len} {elapsed_precise} {msg}")
@@ -211,21 +259,32 @@ pub fn run_suite<B: Backend>(suite: Suite<B>, device: &B::Device, timing: Timing
                 tflops: None,
                 gbps: None,
                 tokens_per_sec: None,
+                peak_mem_mb: None,
                 speedup_vs_baseline: None,
                 skipped: None,
             };
             match cand.run {
                 Err(reason) => rec.skipped = Some(reason),
                 Ok(runner) => {
+                    let mut peak = None;
                     let res = catch_unwind(AssertUnwindSafe(|| match runner {
                         Runner::InProcess(mut run) => {
-                            Ok(time_candidate::<B>(device, &mut *run, timing))
+                            let times = time_candidate::<B>(device, &mut *run, timing);
+                            // After warm-up, so autotuning's trial buffers are not counted.
+                            if suite.measure_memory {
+                                peak =
+                                    probe.and_then(|p| measure_memory::<B>(device, &mut *run, p));
+                            }
+                            Ok(times)
                         }
-                        Runner::Timed(run) => run().map(|mut t| {
+                        Runner::Timed(run) => run().map(|r| {
+                            peak = r.peak_mem_mb;
+                            let mut t = r.times_ms;
                             t.sort_by(f64::total_cmp);
                             t
                         }),
                     }));
+                    rec.peak_mem_mb = peak;
                     let res = match res {
                         Ok(Ok(times)) if !times.is_empty() => Ok(times),
                         Ok(Ok(_)) => {

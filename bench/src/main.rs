@@ -47,6 +47,9 @@ struct Args {
     #[arg(long, default_value = "bench/peers")]
     peers_dir: PathBuf,
     /// List the suites and exit.
+    /// Run only the problems whose label contains every one of these substrings.
+    #[arg(long = "filter")]
+    filters: Vec<String>,
     #[arg(long)]
     list: bool,
     /// Re-render the markdown and charts of an existing results JSON, running nothing.
@@ -81,8 +84,10 @@ fn main() {
 
 #[cfg(feature = "cuda")]
 fn run_cuda(args: &Args) -> Result<(), String> {
-    type B = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
-    run::<B>(args, &Default::default(), "cuda")
+    type R = cubecl::cuda::CudaRuntime;
+    type B = burn_cubecl::CubeBackend<R, f32, i32, u8>;
+    let device = Default::default();
+    run::<B>(args, &device, "cuda", Some(memory_probe::<R>(&device)))
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -92,13 +97,27 @@ fn run_cuda(_: &Args) -> Result<(), String> {
 
 #[cfg(feature = "vulkan")]
 fn run_vulkan(args: &Args) -> Result<(), String> {
-    type B = burn_cubecl::CubeBackend<burn::backend::wgpu::WgpuRuntime, f32, i32, u32>;
-    run::<B>(args, &Default::default(), "vulkan")
+    type R = burn::backend::wgpu::WgpuRuntime;
+    type B = burn_cubecl::CubeBackend<R, f32, i32, u32>;
+    let device = Default::default();
+    run::<B>(args, &device, "vulkan", Some(memory_probe::<R>(&device)))
 }
 
 #[cfg(not(feature = "vulkan"))]
 fn run_vulkan(_: &Args) -> Result<(), String> {
     Err("this binary was built without the `vulkan` feature (cargo xtask bench --backend vulkan builds it with)".into())
+}
+
+/// The runtime's memory-pool reading for `device` (see [`harness::MemoryProbe`]).
+#[cfg(any(feature = "cuda", feature = "vulkan"))]
+fn memory_probe<R: cubecl::Runtime>(device: &R::Device) -> harness::MemoryProbe {
+    let client = R::client(device);
+    std::sync::Arc::new(move |cleanup| {
+        if cleanup {
+            client.memory_cleanup();
+        }
+        client.memory_usage().ok().map(|u| u.bytes_reserved)
+    })
 }
 
 fn render(path: &std::path::Path) -> Result<(), String> {
@@ -151,6 +170,7 @@ fn run<B: Backend + CceBackend>(
     args: &Args,
     device: &B::Device,
     backend: &str,
+    probe: Option<harness::MemoryProbe>,
 ) -> Result<(), String> {
     let names: Vec<String> = if args.suites.iter().any(|s| s == "all") {
         suites::ALL.iter().map(|s| s.to_string()).collect()
@@ -164,8 +184,11 @@ fn run<B: Backend + CceBackend>(
     };
     let mut built = Vec::new();
     for n in &names {
-        let suite = suites::build::<B>(n, opts.clone())
+        let mut suite = suites::build::<B>(n, opts.clone())
             .ok_or_else(|| format!("unknown suite `{n}`; known: {}", suites::ALL.join(", ")))?;
+        suite
+            .problems
+            .retain(|p| args.filters.iter().all(|f| p.label.contains(f.as_str())));
         built.push(suite);
     }
     let device_label = device_name::<B>(args, device, backend);
@@ -179,7 +202,7 @@ fn run<B: Backend + CceBackend>(
         .into_iter()
         .map(|s| harness::SuiteResult {
             commit: commit.clone(),
-            ..harness::run_suite::<B>(s, device, timing)
+            ..harness::run_suite::<B>(s, device, timing, probe.as_ref())
         })
         .collect();
     let report = report::Report {

@@ -106,15 +106,27 @@ pub fn markdown(report: &Report) -> String {
         report.device, report.backend, report.date, report.commit
     );
     for s in &report.suites {
+        // The memory column only where a suite measured memory.
+        let mem = s.records.iter().any(|r| r.peak_mem_mb.is_some());
+        let (mem_head, mem_rule) = if mem {
+            (" peak MB |", "---:|")
+        } else {
+            ("", "")
+        };
         let _ = write!(
             md,
-            "\n## {}\n\n{}. Baseline: `{}`. Commit `{}`.\n\n| problem | implementation | median ms | p90 ms | TFLOP/s | GB/s | tokens/s | speed-up | note |\n|---|---|---:|---:|---:|---:|---:|---:|---|\n",
+            "\n## {}\n\n{}. Baseline: `{}`. Commit `{}`.\n\n| problem | implementation | median ms | p90 ms | TFLOP/s | GB/s | tokens/s |{mem_head} speed-up | note |\n|---|---|---:|---:|---:|---:|---:|{mem_rule}---:|---|\n",
             s.suite, s.description, s.baseline, s.commit
         );
         for r in &s.records {
+            let mem_cell = if mem {
+                format!(" {} |", fmt_opt(r.peak_mem_mb, 0))
+            } else {
+                String::new()
+            };
             let _ = writeln!(
                 md,
-                "| {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                "| {} | {} | {} | {} | {} | {} | {} |{mem_cell} {} | {} |",
                 r.problem,
                 r.implementation,
                 fmt_opt(r.median_ms, 3),

@@ -196,6 +196,7 @@ fn device_build(dir: &Path) {
         "packing the bundle",
     );
     let _ = std::fs::remove_dir_all(&stage);
+    fetch_peer_wheels(&dir.join("wheels"));
     std::fs::write(dir.join("run.sh"), RUN_SH).expect("write run.sh");
     let mut perms = std::fs::metadata(dir.join("run.sh"))
         .expect("run.sh")
@@ -212,6 +213,35 @@ fn device_build(dir: &Path) {
     );
     if size > 60 << 20 {
         eprintln!("xtask: warning: the bundle is close to the 64 MiB a device call can carry");
+    }
+}
+
+/// The PyTorch peers of the benchmarks that are not on the device (pure-Python wheels).
+const PEER_WHEELS: &[&str] = &["cut-cross-entropy==25.1.1", "liger-kernel==0.8.5"];
+
+/// Downloads the peer wheels next to the bundle (once); the device installs them offline.
+fn fetch_peer_wheels(dir: &Path) {
+    let have = std::fs::read_dir(dir)
+        .map(|d| {
+            d.filter_map(Result::ok)
+                .filter(|e| e.path().extension().is_some_and(|x| x == "whl"))
+                .count()
+        })
+        .unwrap_or(0);
+    if have >= PEER_WHEELS.len() {
+        return;
+    }
+    let ok = Command::new("python3")
+        .args(["-m", "pip", "download", "--quiet", "--no-deps", "-d"])
+        .arg(dir)
+        .args(PEER_WHEELS)
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        eprintln!(
+            "warning: could not download the peer wheels ({}); the bench will report those peers as skipped",
+            PEER_WHEELS.join(", ")
+        );
     }
 }
 
@@ -235,7 +265,13 @@ case "$what" in
       "$t" "$@" || status=1
     done
     exit $status ;;
-  bench) exec "$dest/burn-kernels-bench" "$@" ;;
+  bench)
+    # Peer wheels (pure Python; torch and triton are on the device) install from the bundle.
+    if compgen -G "$here/wheels/*.whl" > /dev/null; then
+      python3 -m pip install --quiet --no-deps --no-index --target "$dest/py" "$here"/wheels/*.whl \
+        && export PYTHONPATH="$dest/py${PYTHONPATH:+:$PYTHONPATH}"
+    fi
+    exec "$dest/burn-kernels-bench" "$@" ;;
   *) echo "usage: $0 tests|bench [args]" >&2; exit 2 ;;
 esac
 "#;

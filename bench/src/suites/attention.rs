@@ -35,6 +35,7 @@ pub fn suite<B: Backend>(opts: SuiteOptions) -> Suite<B> {
         description: "Burn attention, f16, B=4 H=32: fused flash kernel vs unfused fallback",
         baseline: "burn-fused",
         problems,
+        measure_memory: false,
         plot: Some(PlotSpec {
             x: "seq_len".into(),
             series: vec!["head_dim".into(), "causal".into()],

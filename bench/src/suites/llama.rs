@@ -6,15 +6,14 @@
 //! the context after each step so every repetition does the same work.
 
 use std::path::PathBuf;
-use std::process::Command;
 
 use burn::tensor::{DType, Int, Tensor, TensorData, backend::Backend};
 use burn_kernels_core::{BurnAttention, FullKvCache, KvCache};
 use burn_llama::{Llama, LlamaConfig};
 use serde_json::json;
 
-use super::SuiteOptions;
-use crate::harness::{Candidate, Problem, Suite, params};
+use super::{SuiteOptions, run_python_peer};
+use crate::harness::{Candidate, PeerRun, Problem, Suite, params};
 
 pub fn suite<B: Backend>(opts: SuiteOptions) -> Suite<B> {
     let shapes: &[&str] = if opts.quick {
@@ -41,6 +40,7 @@ pub fn suite<B: Backend>(opts: SuiteOptions) -> Suite<B> {
                       steps after it; Burn (burn-fused attention) vs PyTorch/transformers",
         baseline: "pytorch",
         problems,
+        measure_memory: false,
         plot: None,
     }
 }
@@ -107,40 +107,10 @@ fn torch_peer(
     shape: &str,
     phase: &str,
     len: usize,
-) -> Result<Vec<f64>, String> {
-    let script = peers.join("llama_torch.py");
-    if !script.exists() {
-        return Err(format!("peer script {} not found", script.display()));
-    }
-    let out = Command::new("python3")
-        .arg(&script)
-        .args([
-            "--shape",
-            shape,
-            "--phase",
-            phase,
-            "--len",
-            &len.to_string(),
-        ])
-        .output()
-        .map_err(|e| format!("python3: {e}"))?;
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let line = stdout
-        .lines()
-        .rev()
-        .find(|l| l.starts_with('{'))
-        .ok_or_else(|| {
-            format!(
-                "peer printed no result: {}",
-                String::from_utf8_lossy(&out.stderr)
-            )
-        })?;
-    let v: serde_json::Value = serde_json::from_str(line).map_err(|e| e.to_string())?;
-    if let Some(e) = v.get("error") {
-        return Err(format!("peer: {e}"));
-    }
-    v["times_ms"]
-        .as_array()
-        .map(|a| a.iter().filter_map(|x| x.as_f64()).collect())
-        .ok_or_else(|| "peer gave no times".to_string())
+) -> Result<PeerRun, String> {
+    let len = len.to_string();
+    run_python_peer(
+        &peers.join("llama_torch.py"),
+        &["--shape", shape, "--phase", phase, "--len", &len],
+    )
 }

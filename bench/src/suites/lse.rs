@@ -24,6 +24,7 @@ pub fn suite<B: Backend + CceBackend>(opts: SuiteOptions) -> Suite<B> {
         description: "row-wise log-sum-exp of f32 logits: CubeCL kernel vs Burn tensor ops",
         baseline: "burn-tensor-ops",
         problems,
+        measure_memory: false,
         plot: Some(PlotSpec {
             x: "cols".into(),
             series: vec![],

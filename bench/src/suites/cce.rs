@@ -1,0 +1,302 @@
+//! Cut Cross-Entropy against Burn's plain cross-entropy path and the PyTorch peers, at the
+//! paper's Gemma-2 shape (N=8192, V=256000, D=2304) and SmolLM2's (N=8192, V=49152, D=576),
+//! bf16, on synthetic peaky logits: a Zipf log-frequency prior over a shuffled vocabulary (one
+//! hidden dimension), targets drawn from the prior, each token leaning +10 towards its target,
+//! bulk logits ~ N(0, 1.5²). Time and peak memory (the pool's growth over one call) for the loss,
+//! the gradient, and both.
+//!
+//! FLOPs: the forward is one `N·V·D` GEMM (2NVD); the backward recomputes it and runs two more
+//! (6NVD without filtering, less with it).
+
+use burn::backend::Autodiff;
+use burn::tensor::DType;
+use burn::tensor::{Distribution, Int, Tensor, TensorData, backend::Backend};
+use burn_cce::{
+    CceBackend, CceOptions, FilterEps, LceParams, chunked, linear_cross_entropy, reference,
+};
+use rand::{Rng, SeedableRng, rngs::StdRng, seq::SliceRandom};
+use serde_json::json;
+
+use super::{SuiteOptions, run_python_peer};
+use crate::harness::{Candidate, Problem, Suite, params};
+
+const SHAPES: &[(&str, usize, usize, usize)] = &[
+    ("gemma", 8192, 256_000, 2304),
+    ("smollm2", 8192, 49_152, 576),
+];
+const QUICK_SHAPES: &[(&str, usize, usize, usize)] = &[("tiny", 256, 8192, 128)];
+
+/// CCE option sets that matter: the default, and each optimization switched off.
+fn variants() -> Vec<(&'static str, CceOptions)> {
+    let d = CceOptions::default();
+    vec![
+        ("cce", d),
+        (
+            "cce (no vocab sorting)",
+            CceOptions {
+                sort_vocab: false,
+                ..d
+            },
+        ),
+        (
+            "cce (no grad filter)",
+            CceOptions {
+                filter_eps: FilterEps::Off,
+                ..d
+            },
+        ),
+        (
+            "cce (bf16 dE accumulation)",
+            CceOptions {
+                accum_fp32: false,
+                ..d
+            },
+        ),
+    ]
+}
+
+pub fn suite<B: Backend + CceBackend>(opts: SuiteOptions) -> Suite<B> {
+    let shapes = if opts.quick { QUICK_SHAPES } else { SHAPES };
+    let mut problems = Vec::new();
+    for &(name, n, v, d) in shapes {
+        for mode in ["loss", "grad", "both"] {
+            problems.push(problem::<B>(name, n, v, d, mode, &opts));
+        }
+    }
+    Suite {
+        name: "cce",
+        description: "linear cross-entropy, bf16, synthetic peaky logits (Zipf prior, target +10): \
+                      burn-cce vs Burn's plain path (matmul → log-softmax → gather, autodiff) and \
+                      the PyTorch peers; peak MB = memory-pool growth over one call beyond the inputs",
+        baseline: "burn-plain",
+        problems,
+        measure_memory: true,
+        plot: None,
+    }
+}
+
+/// The synthetic inputs (see the module docs), generated on the device.
+struct Inputs<B: Backend> {
+    e: Tensor<B, 2>,
+    c: Tensor<B, 2>,
+    targets: Tensor<B, 1, Int>,
+}
+
+fn inputs<B: Backend>(n: usize, v: usize, d: usize, dtype: DType, device: &B::Device) -> Inputs<B> {
+    let mut rng = StdRng::seed_from_u64(7);
+    let mut rank: Vec<usize> = (1..=v).collect();
+    rank.shuffle(&mut rng);
+    let prior: Vec<f32> = rank.iter().map(|&r| -(r as f32).ln()).collect();
+    // Targets from the prior: p(v) ∝ 1/rank(v), sampled by inverse CDF over ranks.
+    let harmonic: Vec<f64> = (1..=v)
+        .scan(0.0, |s, r| {
+            *s += 1.0 / r as f64;
+            Some(*s)
+        })
+        .collect();
+    let mut by_rank = vec![0usize; v];
+    for (id, &r) in rank.iter().enumerate() {
+        by_rank[r - 1] = id;
+    }
+    let targets: Vec<i64> = (0..n)
+        .map(|_| {
+            let u = rng.random::<f64>() * harmonic[v - 1];
+            let r = harmonic.partition_point(|&h| h < u).min(v - 1);
+            by_rank[r] as i64
+        })
+        .collect();
+
+    let targets = Tensor::<B, 1, Int>::from_data(TensorData::new(targets, [n]), device);
+    let prior = Tensor::<B, 2>::from_data(TensorData::new(prior, [v, 1]), device);
+    let c = Tensor::<B, 2>::random([v, d - 1], Distribution::Normal(0.0, 1.0), device);
+    let lean = c.clone().select(0, targets.clone()) * (10.0 / (d - 1) as f32);
+    let noise = Tensor::<B, 2>::random(
+        [n, d - 1],
+        Distribution::Normal(0.0, 1.5 / ((d - 1) as f64).sqrt()),
+        device,
+    );
+    let e = Tensor::cat(vec![Tensor::ones([n, 1], device), noise + lean], 1);
+    let c = Tensor::cat(vec![prior, c], 1);
+    Inputs {
+        e: e.cast(dtype),
+        c: c.cast(dtype),
+        targets,
+    }
+}
+
+fn problem<B: Backend + CceBackend>(
+    shape: &'static str,
+    n: usize,
+    v: usize,
+    d: usize,
+    mode: &'static str,
+    opts: &SuiteOptions,
+) -> Problem<B> {
+    let gemm = 2.0 * (n * v * d) as f64;
+    let flops = match mode {
+        "loss" => gemm,
+        "grad" => 3.0 * gemm,
+        _ => 4.0 * gemm,
+    };
+    // Burn's plain path holds several N×V buffers (bf16 logits, f32 log-probabilities, their
+    // gradient, ...): skip it where that cannot fit.
+    let plain_bytes = 6.0 * (n * v) as f64 * 4.0;
+    let max_mem = opts.max_mem_bytes;
+    let peers = opts.peers_dir.clone();
+    Problem {
+        label: format!("{shape} N={n} V={v} D={d} {mode}"),
+        params: params([
+            ("shape", json!(shape)),
+            ("n", json!(n)),
+            ("v", json!(v)),
+            ("d", json!(d)),
+            ("mode", json!(mode)),
+            ("dtype", json!("bf16 (f16 where the runtime lacks bf16)")),
+        ]),
+        flops: Some(flops),
+        bytes: None,
+        tokens: Some(n as f64),
+        setup: Box::new(move |device| {
+            // bf16 as in the paper; f16 where the runtime lacks bf16 (lavapipe smoke runs).
+            let dtype = if B::supports_dtype(device, DType::BF16) {
+                DType::BF16
+            } else {
+                DType::F16
+            };
+            let x = inputs::<B>(n, v, d, dtype, device);
+            let mut cands = Vec::new();
+            match mode {
+                "loss" => {
+                    let (e, c, t) = (x.e.clone(), x.c.clone(), x.targets.clone());
+                    cands.push(Candidate::timed_here("cce", move || {
+                        let opts = CceOptions::default();
+                        let _ = linear_cross_entropy(e.clone(), c.clone(), t.clone(), None, &opts)
+                            .expect("valid input");
+                    }));
+                }
+                "grad" => {
+                    for (name, o) in variants() {
+                        let p = LceParams {
+                            softcap: None,
+                            filter_eps: o.filter_eps.resolve(dtype),
+                            sort_vocab: o.sort_vocab,
+                            accum_fp32: o.accum_fp32,
+                            chunk_bytes: o.chunk_bytes,
+                        };
+                        let (lse, _) = B::linear_ce_forward(
+                            x.e.clone().into_primitive().tensor(),
+                            x.c.clone().into_primitive().tensor(),
+                            None,
+                            x.targets.clone().into_primitive(),
+                            &p,
+                        );
+                        let dout = Tensor::<B, 1>::full([n], 1.0 / n as f32, (device, DType::F32));
+                        let (e, c, t) = (x.e.clone(), x.c.clone(), x.targets.clone());
+                        let mut reported = false;
+                        cands.push(Candidate::timed_here(name, move || {
+                            let _ = B::linear_ce_backward(
+                                e.clone().into_primitive().tensor(),
+                                c.clone().into_primitive().tensor(),
+                                None,
+                                t.clone().into_primitive(),
+                                lse.clone(),
+                                dout.clone().into_primitive().tensor(),
+                                &p,
+                            );
+                            if !reported {
+                                reported = true;
+                                if let Some(plan) = chunked::last_backward_plan() {
+                                    eprintln!(
+                                        "  {name}: gradient computed for {} of {v} vocabulary entries in {} chunks",
+                                        plan.entries, plan.chunks
+                                    );
+                                }
+                            }
+                        }));
+                    }
+                    cands.push(Candidate::skipped(
+                        "burn-plain",
+                        "autodiff runs the backward only after its forward: see loss+gradient"
+                            .into(),
+                    ));
+                }
+                _ => {
+                    for (name, o) in variants() {
+                        let (e, c, t) = (x.e.clone(), x.c.clone(), x.targets.clone());
+                        cands.push(Candidate::timed_here(name, move || {
+                            autodiff_step::<B>(&e, &c, &t, Some(o));
+                        }));
+                    }
+                }
+            }
+            if mode != "grad" {
+                if plain_bytes > max_mem {
+                    cands.push(Candidate::skipped(
+                        "burn-plain",
+                        format!("needs ~{:.0} GB", plain_bytes / 1e9),
+                    ));
+                } else {
+                    let (e, c, t) = (x.e.clone(), x.c.clone(), x.targets.clone());
+                    let both = mode == "both";
+                    cands.push(Candidate::timed_here("burn-plain", move || {
+                        if both {
+                            autodiff_step::<B>(&e, &c, &t, None);
+                        } else {
+                            let _ = reference::plain_linear_cross_entropy(
+                                e.clone(),
+                                c.clone(),
+                                None,
+                                t.clone(),
+                                -100,
+                                None,
+                                burn_cce::Reduction::Mean,
+                            );
+                        }
+                    }));
+                }
+            }
+            for (peer, label) in [
+                ("cce", "cut-cross-entropy (torch)"),
+                ("liger", "liger-kernel (torch)"),
+                ("torch", "pytorch-plain"),
+            ] {
+                let script = peers.join("cce_torch.py");
+                cands.push(Candidate::timed_elsewhere(label, move || {
+                    run_python_peer(&script, &["--impl", peer, "--shape", shape, "--mode", mode])
+                }));
+            }
+            cands
+        }),
+    }
+}
+
+/// One training-style step on `Autodiff<B>`: the loss (CCE with `options`, or the plain path)
+/// and its gradients with respect to E and C.
+fn autodiff_step<B: Backend + CceBackend>(
+    e: &Tensor<B, 2>,
+    c: &Tensor<B, 2>,
+    t: &Tensor<B, 1, Int>,
+    options: Option<CceOptions>,
+) {
+    let e = Tensor::<Autodiff<B>, 2>::from_inner(e.clone()).require_grad();
+    let c = Tensor::<Autodiff<B>, 2>::from_inner(c.clone()).require_grad();
+    let t = Tensor::<Autodiff<B>, 1, Int>::from_inner(t.clone());
+    let loss = match options {
+        Some(o) => {
+            linear_cross_entropy(e.clone(), c.clone(), t, None, &o)
+                .expect("valid input")
+                .loss
+        }
+        None => reference::plain_linear_cross_entropy(
+            e.clone(),
+            c.clone(),
+            None,
+            t,
+            -100,
+            None,
+            burn_cce::Reduction::Mean,
+        ),
+    };
+    let grads = loss.backward();
+    let _ = (e.grad(&grads), c.grad(&grads));
+}
