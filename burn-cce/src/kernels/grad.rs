@@ -4,9 +4,10 @@
 
 use burn::tensor::{DType, Shape};
 use burn_cubecl::{
-    CubeRuntime, kernel::into_contiguous, ops::numeric::empty_device_dtype, tensor::CubeTensor,
+    CubeRuntime, kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype,
+    tensor::CubeTensor,
 };
-use cubecl::prelude::*;
+use cubecl::{calculate_cube_count_elemwise, prelude::*};
 
 const UNITS: u32 = 256;
 
@@ -26,38 +27,35 @@ fn grad_kernel<F: Float, I: Numeric>(
     #[comptime] gathered: bool,
     #[define(F, I)] _dtypes: [StorageType; 2],
 ) {
-    let cols = logits.shape(1);
-    let col = ABSOLUTE_POS_X as usize;
-    if col >= cols {
+    // One unit per element, linear index: the plainest launch shape, which every runtime
+    // handles alike.
+    let idx = ABSOLUTE_POS;
+    if idx >= logits.len() {
         terminate!();
     }
+    let cols = logits.shape(1);
+    let row = idx / cols;
+    let col = idx % cols;
     let mut vocab_id = v0 + col;
     if gathered {
         vocab_id = usize::cast_from(vocab_ids[col]);
     }
-    let mut b = f32::new(0.0);
+    let mut raw = logits[idx];
     if has_bias {
-        b = f32::cast_from(bias[vocab_id]);
+        raw += f32::cast_from(bias[vocab_id]);
     }
-    // Rows beyond the grid's second dimension are taken in further passes.
-    let mut row = CUBE_POS_Y as usize;
-    while row < logits.shape(0) {
-        let idx = row * cols + col;
-        let raw = logits[idx] + b;
-        let mut x = raw;
-        let mut slope = f32::new(1.0);
-        if has_softcap {
-            let t = f32::tanh(raw / softcap);
-            x = softcap * t;
-            slope = 1.0 - t * t;
-        }
-        let mut g = f32::exp(x - lse[row]);
-        if usize::cast_from(targets[row]) == vocab_id {
-            g -= 1.0;
-        }
-        out[idx] = F::cast_from(g * dout[row] * slope);
-        row += CUBE_COUNT_Y as usize;
+    let mut x = raw;
+    let mut slope = f32::new(1.0);
+    if has_softcap {
+        let t = f32::tanh(raw / softcap);
+        x = softcap * t;
+        slope = 1.0 - t * t;
     }
+    let mut g = f32::exp(x - lse[row]);
+    if usize::cast_from(targets[row]) == vocab_id {
+        g -= 1.0;
+    }
+    out[idx] = F::cast_from(g * dout[row] * slope);
 }
 
 /// `G` for one chunk. Entries are `v0 + j` for column `j`, or `vocab_ids[j]` when given (a
@@ -82,7 +80,7 @@ pub fn grad_chunk<R: CubeRuntime>(
     let logits = into_contiguous(logits);
     let [n, chunk] = logits.meta.shape().dims::<2>();
     let client = logits.client.clone();
-    let out = empty_device_dtype::<R>(
+    let out = empty_device_contiguous_dtype::<R>(
         client.clone(),
         logits.device.clone(),
         Shape::new([n, chunk]),
@@ -92,23 +90,29 @@ pub fn grad_chunk<R: CubeRuntime>(
         return out;
     }
     let has_bias = bias.is_some();
-    let bias = bias.map(into_contiguous).unwrap_or_else(|| out.clone());
+    // Without a bias the kernel still needs a tensor of the output dtype; a separate one-element
+    // buffer, since binding the written output twice is not allowed on every runtime.
+    let bias = bias.map(into_contiguous).unwrap_or_else(|| {
+        empty_device_contiguous_dtype::<R>(
+            client.clone(),
+            logits.device.clone(),
+            Shape::new([1]),
+            dtype,
+        )
+    });
     let gathered = vocab_ids.is_some();
     let targets = into_contiguous(targets);
     let vocab_ids = vocab_ids
         .map(into_contiguous)
         .unwrap_or_else(|| targets.clone());
     let dtypes = [dtype.into(), targets.dtype.into()];
-    let max_y = client.properties().hardware.max_cube_count.1.min(65_535) as usize;
+    let cube_dim = CubeDim::new_1d(UNITS);
+    let cube_count = calculate_cube_count_elemwise(&client, n * chunk, cube_dim);
 
     grad_kernel::launch::<R>(
         &client,
-        CubeCount::Static(
-            chunk.div_ceil(UNITS as usize) as u32,
-            n.min(max_y) as u32,
-            1,
-        ),
-        CubeDim::new_1d(UNITS),
+        cube_count,
+        cube_dim,
         logits.into_tensor_arg(),
         bias.into_tensor_arg(),
         into_contiguous(lse).into_tensor_arg(),

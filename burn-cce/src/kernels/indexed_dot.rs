@@ -3,7 +3,8 @@
 
 use burn::tensor::{DType, Shape};
 use burn_cubecl::{
-    CubeRuntime, kernel::into_contiguous, ops::numeric::empty_device_dtype, tensor::CubeTensor,
+    CubeRuntime, kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype,
+    tensor::CubeTensor,
 };
 use cubecl::prelude::*;
 
@@ -70,7 +71,7 @@ pub fn indexed_dot<R: CubeRuntime>(
     let targets = into_contiguous(targets);
     let [n, d] = e.meta.shape().dims::<2>();
     let client = e.client.clone();
-    let out = empty_device_dtype::<R>(
+    let out = empty_device_contiguous_dtype::<R>(
         client.clone(),
         e.device.clone(),
         Shape::new([n]),

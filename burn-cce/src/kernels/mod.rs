@@ -5,6 +5,9 @@
 //! state, [`score`] finds the vocabulary entries whose gradient passes the filter, [`grad`]
 //! forms `(softmax − onehot)·dout` for a chunk, and [`indexed_dot`] computes the target logits
 //! without any logits at all.
+//!
+//! Outputs are allocated with `empty_device_contiguous_dtype`: the kernels index them linearly,
+//! and CubeCL's CUDA runtime may pitch (row-pad) a plain 2-D allocation.
 
 pub mod grad;
 pub mod indexed_dot;

@@ -4,7 +4,8 @@
 
 use burn::tensor::{DType, Shape};
 use burn_cubecl::{
-    CubeRuntime, kernel::into_contiguous, ops::numeric::empty_device_dtype, tensor::CubeTensor,
+    CubeRuntime, kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype,
+    tensor::CubeTensor,
 };
 use cubecl::prelude::*;
 
@@ -26,13 +27,18 @@ fn score_kernel<F: Float, I: Numeric>(
     #[comptime] rows_per_slice: usize,
     #[define(F, I)] _dtypes: [StorageType; 2],
 ) {
-    let col = ABSOLUTE_POS_X as usize;
+    // Cube c covers column block c % blocks and row slice c / blocks; the grid is linear
+    // (spilling into its second dimension), as in the row kernels.
+    let cube = (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize;
     let cols = logits.shape(1);
-    if col >= cols {
+    let dim = CUBE_DIM_X as usize;
+    let blocks = (cols + dim - 1) / dim;
+    let slice = cube / blocks;
+    let col = (cube % blocks) * dim + UNIT_POS_X as usize;
+    let rows = logits.shape(0);
+    if col >= cols || slice * rows_per_slice >= rows {
         terminate!();
     }
-    let rows = logits.shape(0);
-    let slice = CUBE_POS_Y as usize;
     let start = slice * rows_per_slice;
     let end = min(start + rows_per_slice, rows);
     let vocab_id = v0 + col;
@@ -83,7 +89,7 @@ pub fn score_chunk<R: CubeRuntime>(
     let [n, chunk] = logits.meta.shape().dims::<2>();
     let client = logits.client.clone();
     let slices = n.div_ceil(ROWS_PER_SLICE).max(1);
-    let partial = empty_device_dtype::<R>(
+    let partial = empty_device_contiguous_dtype::<R>(
         client.clone(),
         logits.device.clone(),
         Shape::new([slices, chunk]),
@@ -95,7 +101,7 @@ pub fn score_chunk<R: CubeRuntime>(
 
     score_kernel::launch::<R>(
         &client,
-        CubeCount::Static(chunk.div_ceil(UNITS as usize) as u32, slices as u32, 1),
+        super::row_grid(&client, chunk.div_ceil(UNITS as usize) * slices),
         CubeDim::new_1d(UNITS),
         logits.into_tensor_arg(),
         bias.into_tensor_arg(),
