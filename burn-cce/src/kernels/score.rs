@@ -13,6 +13,8 @@ use cubecl::prelude::*;
 const ROWS_PER_SLICE: usize = 128;
 const UNITS: u32 = 256;
 
+// `div_ceil` is not available inside kernels.
+#[allow(clippy::manual_div_ceil)]
 #[cube(launch)]
 fn score_kernel<F: Float, I: Numeric>(
     logits: &Tensor<f32>,
