@@ -115,6 +115,16 @@ pub enum SpecDecError {
         /// The number of drafts given.
         drafts: usize,
     },
+    /// The drafts of a block do not all have the same length.
+    #[error("draft {draft} has {found} tokens, draft 0 has {expected}")]
+    DraftLengthMismatch {
+        /// Draft index k.
+        draft: usize,
+        /// Length of draft 0.
+        expected: usize,
+        /// Length of draft k.
+        found: usize,
+    },
     /// The LP solver failed on the (truncated) optimal-coupling program.
     #[error("the optimal-coupling linear program failed: {0}")]
     Lp(String),

@@ -38,6 +38,13 @@
 //! # Ok::<(), burn_specdec::SpecDecError>(())
 //! ```
 //!
+//! ## Blocks of drafted tokens
+//! [`verify_block`] applies a scheme along K drafted continuations of length L (SpecInfer/SpecTr
+//! token-tree verification): at each position the drafts still consistent with the accepted
+//! tokens compete, a rejected draft drops out, a residual token ends the block, and a bonus
+//! token follows L accepted positions. The derivation is in [`block`]; the generation loop on a
+//! real model is `burn_llama::spec` (in `examples/llama`).
+//!
 //! ## Randomness consumption
 //! Every scheme consumes exactly `K + 2` uniforms `u[0..K+2]` in `[0, 1)` per token, so that a
 //! batched device kernel (batch × draft length × (K + 2) uniforms) given the same uniforms makes
@@ -89,6 +96,7 @@
 //! exact arithmetic (e.g. `q = p`).
 
 mod analytic;
+pub mod block;
 mod error;
 pub mod lp;
 mod prob;
@@ -98,6 +106,7 @@ pub use analytic::{
     ENUMERATION_LIMIT, Figure2Row, acceptance_probability, acceptance_probability_enumerated,
     figure2_markdown, figure2_row, optimal_acceptance_bound, output_law_enumerated,
 };
+pub use block::{BlockOutcome, verify_block};
 pub use error::{DistributionId, Result, SpecDecError};
 pub use lp::{LpInfo, LpTruncation};
 pub use prob::inverse_cdf;

@@ -9,6 +9,7 @@ pub mod config;
 pub mod generate;
 pub mod loader;
 pub mod model;
+pub mod spec;
 pub mod tokenizer;
 pub mod train;
 

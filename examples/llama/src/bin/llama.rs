@@ -8,7 +8,9 @@ use burn_kernels_core::{AttentionKind, FullKvCache, SamplingConfig};
 use burn_llama::generate::{GenerateOptions, generate, perplexity};
 use burn_llama::loader::{default_model_path, load};
 use burn_llama::model::Llama;
+use burn_llama::spec::{Draft, SpecOptions, speculative_generate, truncated_draft};
 use burn_llama::tokenizer::Tokenizer;
+use burn_specdec::Scheme;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -42,6 +44,54 @@ struct Common {
     attention: String,
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum SpecScheme {
+    /// Single-draft speculative sampling (K = 1).
+    Sd,
+    Specinfer,
+    Spectr,
+    /// Importance-sampling selection, then single-draft SD.
+    Is,
+    /// LP-optimal coupling (default truncation).
+    Optimal,
+}
+
+impl SpecScheme {
+    fn scheme(self) -> Scheme {
+        match self {
+            Self::Sd => Scheme::SingleDraft,
+            Self::Specinfer => Scheme::SpecInfer,
+            Self::Spectr => Scheme::SpecTr,
+            Self::Is => Scheme::ImportanceSampling,
+            Self::Optimal => Scheme::OPTIMAL,
+        }
+    }
+}
+
+/// Speculative decoding (off unless --spec is given).
+#[derive(Debug, Args)]
+struct SpecArgs {
+    /// Verification scheme; enables speculative decoding.
+    #[arg(long, value_enum)]
+    spec: Option<SpecScheme>,
+    /// Number of drafts K per step.
+    #[arg(long, default_value_t = 1)]
+    drafts: usize,
+    /// Draft length L (tokens per draft per step).
+    #[arg(long, default_value_t = 4)]
+    draft_len: usize,
+    /// A separate draft model (same tokenizer); default: the first --draft-layers layers of
+    /// the target.
+    #[arg(long)]
+    draft_model: Option<PathBuf>,
+    /// Layers of the truncated-layer draft (without --draft-model).
+    #[arg(long, default_value_t = 8)]
+    draft_layers: usize,
+    /// Draft sampling temperature: one value for all drafts, or one per draft (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "1.0")]
+    draft_temperature: Vec<f32>,
+}
+
 #[derive(Debug, Subcommand)]
 enum Cmd {
     /// Generate a continuation (or a chat answer) and stream it to stdout.
@@ -64,6 +114,8 @@ enum Cmd {
         top_p: Option<f32>,
         #[arg(long, default_value_t = 0)]
         seed: u64,
+        #[command(flatten)]
+        spec: SpecArgs,
     },
     /// Perplexity of a text file.
     Perplexity {
@@ -167,6 +219,7 @@ fn run<B: Backend>(cli: &Cli, device: &B::Device) -> Result<(), String> {
             top_k,
             top_p,
             seed,
+            spec,
             ..
         } => {
             let text = if *chat {
@@ -175,13 +228,13 @@ fn run<B: Backend>(cli: &Cli, device: &B::Device) -> Result<(), String> {
                 prompt.clone()
             };
             let ids = tokenizer.encode(&text).map_err(|e| e.to_string())?;
-            let mut sampler = SamplingConfig {
+            let sampling = SamplingConfig {
                 temperature: *temperature,
                 top_k: *top_k,
                 top_p: *top_p,
                 seed: *seed,
-            }
-            .build();
+            };
+            let mut sampler = sampling.build();
             let mut cache = FullKvCache::new(model.config.num_layers);
             let opts = GenerateOptions {
                 max_new_tokens: *max_new_tokens,
@@ -199,6 +252,25 @@ fn run<B: Backend>(cli: &Cli, device: &B::Device) -> Result<(), String> {
                 println!();
             }
             let mut stream = StreamPrinter::new(tokenizer);
+            if let Some(scheme) = spec.spec {
+                return run_speculative::<B>(
+                    &model,
+                    spec,
+                    SpecOptions {
+                        scheme: scheme.scheme(),
+                        draft_len: spec.draft_len,
+                        target_sampling: sampling,
+                        max_new_tokens: opts.max_new_tokens,
+                        stop_tokens: opts.stop_tokens,
+                        seed: *seed,
+                    },
+                    &ids,
+                    device,
+                    dtype,
+                    attention.as_ref(),
+                    &mut stream,
+                );
+            }
             let g = generate(
                 &model,
                 &[ids],
@@ -229,6 +301,84 @@ fn run<B: Backend>(cli: &Cli, device: &B::Device) -> Result<(), String> {
             println!("perplexity {ppl:.4} over {} tokens", ids.len());
         }
     }
+    Ok(())
+}
+
+/// `llama generate --spec ...`: speculative decoding of one prompt, streamed, then its metrics.
+#[allow(clippy::too_many_arguments)]
+fn run_speculative<B: Backend>(
+    target: &Llama<B>,
+    args: &SpecArgs,
+    opts: SpecOptions,
+    ids: &[u32],
+    device: &B::Device,
+    dtype: DType,
+    attention: &dyn burn_kernels_core::AttentionImpl<B>,
+    stream: &mut StreamPrinter<'_>,
+) -> Result<(), String> {
+    let draft_model = match &args.draft_model {
+        Some(path) => {
+            eprintln!("loading draft {} ...", path.display());
+            let ckpt = load(path).map_err(|e| e.to_string())?;
+            Llama::<B>::from_checkpoint(&ckpt, device, dtype).map_err(|e| e.to_string())?
+        }
+        None => truncated_draft(target, args.draft_layers).map_err(|e| e.to_string())?,
+    };
+    let temperatures = match args.draft_temperature.as_slice() {
+        [t] => vec![*t; args.drafts],
+        ts if ts.len() == args.drafts => ts.to_vec(),
+        ts => {
+            return Err(format!(
+                "--draft-temperature: give 1 or --drafts = {} values, got {}",
+                args.drafts,
+                ts.len()
+            ));
+        }
+    };
+    let drafts: Vec<Draft<'_, B>> = temperatures
+        .iter()
+        .map(|&temperature| Draft {
+            model: &draft_model,
+            sampling: SamplingConfig {
+                temperature,
+                ..SamplingConfig::default()
+            },
+        })
+        .collect();
+    let g = speculative_generate(
+        target,
+        &drafts,
+        &[ids.to_vec()],
+        attention,
+        &opts,
+        &mut |_, tok| stream.push(tok),
+    )
+    .map_err(|e| e.to_string())?;
+    println!();
+    let s = &g.stats;
+    let rates: Vec<String> = s
+        .acceptance_rate_per_position()
+        .iter()
+        .map(|r| format!("{r:.2}"))
+        .collect();
+    eprintln!(
+        "{} K={} L={} (draft: {} layers): block efficiency {:.2}, acceptance per position [{}], \
+         {} target calls, {} draft calls, decode {} tokens at {:.1} tok/s \
+         (draft {:.1}s, target {:.1}s, verify {:.1}s)",
+        opts.scheme.name(),
+        s.num_drafts,
+        s.draft_len,
+        draft_model.layers.len(),
+        s.block_efficiency(),
+        rates.join(", "),
+        s.target_calls,
+        s.draft_calls,
+        s.emitted,
+        s.tokens_per_sec(),
+        s.draft_secs,
+        s.target_secs,
+        s.verify_secs
+    );
     Ok(())
 }
 

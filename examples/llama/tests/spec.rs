@@ -1,0 +1,513 @@
+//! Speculative decoding on the real SmolLM2-135M-Instruct weights (fetched by
+//! `./scripts/setup.sh` or `cargo xtask fetch-model`), CPU backend, truncated-layer drafts.
+
+use std::sync::OnceLock;
+use std::time::Instant;
+
+use burn::backend::NdArray;
+use burn::tensor::{DType, Int, Tensor, TensorData};
+use burn_kernels_core::{FullKvCache, Greedy, ReferenceAttention, SamplingConfig};
+use burn_llama::generate::{GenerateOptions, generate};
+use burn_llama::loader::{Checkpoint, default_model_path, load};
+use burn_llama::model::Llama;
+use burn_llama::spec::{
+    BranchKvCache, Draft, SpecError, SpecOptions, forward_rows, speculative_generate,
+    truncated_draft,
+};
+use burn_specdec::Scheme;
+
+type Cpu = NdArray<f32>;
+
+const DRAFT_LAYERS: usize = 8;
+
+fn checkpoint() -> &'static Checkpoint {
+    static CKPT: OnceLock<Checkpoint> = OnceLock::new();
+    CKPT.get_or_init(|| {
+        let path = default_model_path();
+        load(&path).unwrap_or_else(|e| {
+            panic!("{e}\n(the SmolLM2 weights come from `./scripts/setup.sh`, or `cargo xtask fetch-model`)")
+        })
+    })
+}
+
+fn target() -> Llama<Cpu> {
+    Llama::from_checkpoint(checkpoint(), &Default::default(), DType::F32).expect("valid checkpoint")
+}
+
+fn prompts() -> Vec<Vec<u32>> {
+    let tok = &checkpoint().tokenizer;
+    let p: Vec<Vec<u32>> = [
+        "The capital of France is",
+        "Once upon a time, in a small village by the sea, there lived",
+    ]
+    .iter()
+    .map(|p| tok.encode(p).unwrap())
+    .collect();
+    assert_ne!(p[0].len(), p[1].len(), "prompts of different lengths");
+    p
+}
+
+fn eos() -> Vec<u32> {
+    checkpoint().tokenizer.eos_token_ids().to_vec()
+}
+
+fn plain_greedy(model: &Llama<Cpu>, prompts: &[Vec<u32>], n: usize, stop: &[u32]) -> Vec<Vec<u32>> {
+    let mut cache = FullKvCache::new(model.config.num_layers);
+    let opts = GenerateOptions {
+        max_new_tokens: n,
+        stop_tokens: stop.to_vec(),
+    };
+    generate(
+        model,
+        prompts,
+        &mut cache,
+        &ReferenceAttention,
+        &mut Greedy,
+        &opts,
+        &mut |_, _| {},
+    )
+    .tokens
+}
+
+fn sampling(temperature: f32) -> SamplingConfig {
+    SamplingConfig {
+        temperature,
+        ..SamplingConfig::default()
+    }
+}
+
+fn options(scheme: Scheme, draft_len: usize, target_temperature: f32, n: usize) -> SpecOptions {
+    SpecOptions {
+        scheme,
+        draft_len,
+        target_sampling: sampling(target_temperature),
+        max_new_tokens: n,
+        stop_tokens: eos(),
+        seed: 7,
+    }
+}
+
+fn identical<'a>(model: &'a Llama<Cpu>, k: usize, temperature: f32) -> Vec<Draft<'a, Cpu>> {
+    vec![
+        Draft {
+            model,
+            sampling: sampling(temperature),
+        };
+        k
+    ]
+}
+
+/// Layers of the draft in the exactness tests: SmolLM2's truncated-layer drafts are not trained
+/// to exit early, so shallow ones (8 layers) almost never agree with the target's argmax; 24
+/// layers agree ~40% of the time, which exercises accepted runs and bonus tokens too.
+const EXACTNESS_DRAFT_LAYERS: usize = 24;
+
+/// (a) With a greedy target `scheme` reproduces plain greedy decoding, for K = 1..3 drafts
+/// (sampled at temperature 0.7) and L = 1..4, on a batch of two prompts of different lengths.
+fn greedy_matches_plain_greedy(scheme: Scheme) {
+    let model = target();
+    let draft = truncated_draft(&model, EXACTNESS_DRAFT_LAYERS).unwrap();
+    let prompts = prompts();
+    const N: usize = 16;
+    // The five scheme tests share the reference.
+    static PLAIN: OnceLock<Vec<Vec<u32>>> = OnceLock::new();
+    let plain = PLAIN.get_or_init(|| plain_greedy(&model, &prompts, N, &eos()));
+    let t = Instant::now();
+    let ks = if scheme == Scheme::SingleDraft {
+        1..=1
+    } else {
+        1..=3
+    };
+    for k in ks {
+        for len in 1..=4 {
+            let drafts = identical(&draft, k, 0.7);
+            let g = speculative_generate(
+                &model,
+                &drafts,
+                &prompts,
+                &ReferenceAttention,
+                &options(scheme, len, 0.0, N),
+                &mut |_, _| {},
+            )
+            .unwrap();
+            let s = &g.stats;
+            println!(
+                "{:16} K={k} L={len}: block efficiency {:.2}, {} target calls, {:.1}s",
+                scheme.name(),
+                s.block_efficiency(),
+                s.target_calls,
+                s.prefill_secs + s.decode_secs
+            );
+            assert_eq!(&g.tokens, plain, "{} K={k} L={len}", scheme.name());
+        }
+    }
+    println!("{}: {:.1}s", scheme.name(), t.elapsed().as_secs_f64());
+}
+
+#[test]
+fn greedy_single_draft_matches_plain_greedy() {
+    greedy_matches_plain_greedy(Scheme::SingleDraft);
+}
+
+#[test]
+fn greedy_specinfer_matches_plain_greedy() {
+    greedy_matches_plain_greedy(Scheme::SpecInfer);
+}
+
+#[test]
+fn greedy_spectr_matches_plain_greedy() {
+    greedy_matches_plain_greedy(Scheme::SpecTr);
+}
+
+#[test]
+fn greedy_importance_sampling_matches_plain_greedy() {
+    greedy_matches_plain_greedy(Scheme::ImportanceSampling);
+}
+
+#[test]
+fn greedy_optimal_matches_plain_greedy() {
+    greedy_matches_plain_greedy(Scheme::OPTIMAL);
+}
+
+/// Greedy speculation stops exactly where plain greedy decoding does when a stop token is hit
+/// inside an accepted block.
+#[test]
+fn greedy_speculation_stops_at_stop_tokens() {
+    let model = target();
+    // A full-depth draft at a low temperature gets most blocks accepted, so the stop token
+    // falls inside accepted runs.
+    let draft = truncated_draft(&model, model.config.num_layers).unwrap();
+    let prompts = prompts();
+    let free = plain_greedy(&model, &prompts, 12, &eos());
+    // Stop at the 4th token of the first continuation (wherever it occurs in either).
+    let stop = vec![free[0][3]];
+    let plain = plain_greedy(&model, &prompts, 12, &stop);
+    assert!(plain[0].len() <= 4);
+    for scheme in [Scheme::SpecInfer, Scheme::ImportanceSampling] {
+        let mut opts = options(scheme, 4, 0.0, 12);
+        opts.stop_tokens = stop.clone();
+        let g = speculative_generate(
+            &model,
+            &identical(&draft, 2, 0.5),
+            &prompts,
+            &ReferenceAttention,
+            &opts,
+            &mut |_, _| {},
+        )
+        .unwrap();
+        assert_eq!(g.tokens, plain, "{}", scheme.name());
+    }
+}
+
+/// (b) Sampled generation (temperature 1) completes, respects `max_new_tokens` and stop tokens
+/// (EOS only for single-draft SD, so it runs to the limit; punctuation for the others), streams
+/// every token, and reports consistent metrics.
+#[test]
+fn sampled_speculation_respects_limits_and_reports_metrics() {
+    let model = target();
+    let draft = truncated_draft(&model, DRAFT_LAYERS).unwrap();
+    let tok = &checkpoint().tokenizer;
+    let prompts = prompts();
+    let mut stop = eos();
+    stop.extend([".", ",", " and"].iter().map(|s| tok.encode(s).unwrap()[0]));
+    const N: usize = 24;
+    const L: usize = 3;
+    for (scheme, k) in [
+        (Scheme::SingleDraft, 1),
+        (Scheme::SpecTr, 3),
+        (Scheme::ImportanceSampling, 3),
+    ] {
+        let mut opts = options(scheme, L, 1.0, N);
+        if k > 1 {
+            opts.stop_tokens = stop.clone();
+        }
+        let mut streamed = vec![Vec::new(); prompts.len()];
+        let g = speculative_generate(
+            &model,
+            &identical(&draft, k, 1.2),
+            &prompts,
+            &ReferenceAttention,
+            &opts,
+            &mut |i, t| streamed[i].push(t),
+        )
+        .unwrap();
+        let s = &g.stats;
+        println!(
+            "{} K={k}: {:?} | block efficiency {:.3}, acceptance per position {:?}, {} target calls, {:.1} tok/s",
+            scheme.name(),
+            g.tokens
+                .iter()
+                .map(|t| tok.decode(t).unwrap())
+                .collect::<Vec<_>>(),
+            s.block_efficiency(),
+            s.acceptance_rate_per_position(),
+            s.target_calls,
+            s.tokens_per_sec()
+        );
+        assert_eq!(streamed, g.tokens);
+        for out in &g.tokens {
+            assert!(!out.is_empty() && out.len() <= N);
+            let first_stop = out.iter().position(|t| opts.stop_tokens.contains(t));
+            if let Some(i) = first_stop {
+                assert_eq!(i, out.len() - 1, "nothing after a stop token: {out:?}");
+            } else {
+                assert_eq!(out.len(), N, "stopped early without a stop token: {out:?}");
+            }
+        }
+        let be = s.block_efficiency();
+        assert!(
+            (1.0..=(L + 1) as f64).contains(&be),
+            "block efficiency {be}"
+        );
+        let rates = s.acceptance_rate_per_position();
+        assert_eq!(rates.len(), L);
+        assert!(rates.windows(2).all(|w| w[0] >= w[1]), "{rates:?}");
+        assert_eq!(s.emitted, g.tokens.iter().map(Vec::len).sum::<usize>());
+        assert!(s.emitted <= s.blocks + s.accepted);
+        assert!(s.target_calls <= s.blocks && s.blocks <= prompts.len() * s.target_calls);
+        assert_eq!(s.draft_calls, L * s.target_calls);
+    }
+}
+
+/// Last-position logits of `rows` continued from `cache`, `[rows][vocab]`.
+fn continue_from(
+    model: &Llama<Cpu>,
+    cache: &mut BranchKvCache<Cpu>,
+    rows: &[Vec<u32>],
+) -> Vec<Vec<f32>> {
+    let hidden = forward_rows(model, cache, rows, &ReferenceAttention);
+    let [b, s, h] = hidden.dims();
+    let logits = model.logits(hidden.slice([0..b, s - 1..s, 0..h]));
+    let vocab = logits.dims()[2];
+    let data = logits.into_data().to_vec::<f32>().unwrap();
+    data.chunks(vocab).map(<[f32]>::to_vec).collect()
+}
+
+/// Last-position logits of `tokens` from scratch.
+fn fresh(model: &Llama<Cpu>, tokens: &[u32]) -> Vec<f32> {
+    let n = tokens.len();
+    let ids: Vec<i64> = tokens.iter().map(|&t| t as i64).collect();
+    let input = Tensor::<Cpu, 2, Int>::from_data(TensorData::new(ids, [1, n]), &Default::default());
+    let mut cache = FullKvCache::new(model.config.num_layers);
+    let hidden = model.forward(input, &[], &mut cache, &ReferenceAttention);
+    let h = hidden.dims()[2];
+    let logits = model.logits(hidden.slice([0..1, n - 1..n, 0..h]));
+    logits.into_data().to_vec::<f32>().unwrap()
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+/// (c) Rollback: after a sampled run the target cache holds exactly prompt + generated − 1
+/// tokens per sequence (the last emitted token is fed by the next call, as in plain
+/// generation), and continuing every cache (target and both draft models) gives the logits of a
+/// fresh forward pass over the same tokens.
+#[test]
+fn caches_hold_exactly_the_emitted_tokens_after_rollback() {
+    let model = target();
+    // A full-depth copy of the target (q = p at the target's temperature) accepts most drafts,
+    // a 16-layer one few, so sequences and caches advance by different amounts.
+    let deep = truncated_draft(&model, model.config.num_layers).unwrap();
+    let shallow = truncated_draft(&model, 16).unwrap();
+    let prompts = prompts();
+    let drafts = [
+        Draft {
+            model: &deep,
+            sampling: sampling(1.3),
+        },
+        Draft {
+            model: &shallow,
+            sampling: sampling(1.0),
+        },
+        Draft {
+            model: &deep,
+            sampling: sampling(1.0),
+        },
+    ];
+    let g = speculative_generate(
+        &model,
+        &drafts,
+        &prompts,
+        &ReferenceAttention,
+        &options(Scheme::SpecInfer, 3, 1.0, 20),
+        &mut |_, _| {},
+    )
+    .unwrap();
+    println!(
+        "block efficiency {:.2}, acceptance per position {:?}",
+        g.stats.block_efficiency(),
+        g.stats.acceptance_rate_per_position()
+    );
+    assert!(
+        g.stats.accepted_at[2] > 0,
+        "some block accepted all L drafts"
+    );
+    let seqs: Vec<Vec<u32>> = prompts
+        .iter()
+        .zip(&g.tokens)
+        .map(|(p, t)| [p.as_slice(), t].concat())
+        .collect();
+    let mut target_cache = g.target_cache;
+    for (b, (prompt, new)) in prompts.iter().zip(&g.tokens).enumerate() {
+        assert_eq!(
+            target_cache.sequence_len(b),
+            prompt.len() + new.len() - 1,
+            "sequence {b}"
+        );
+    }
+    let check = |name: &str, model: &Llama<Cpu>, cache: &mut BranchKvCache<Cpu>| {
+        let rows: Vec<Vec<u32>> = seqs
+            .iter()
+            .enumerate()
+            .map(|(b, s)| {
+                let held = cache.sequence_len(b);
+                assert!(held < s.len(), "{name}: {held} cached of {}", s.len());
+                s[held..].to_vec()
+            })
+            .collect();
+        let cont = continue_from(model, cache, &rows);
+        for (b, s) in seqs.iter().enumerate() {
+            let diff = max_abs_diff(&cont[b], &fresh(model, s));
+            println!(
+                "{name} sequence {b}: pending {}, max |Δlogit| {diff:.2e}",
+                rows[b].len()
+            );
+            assert!(diff < 1e-3, "{name} sequence {b}: max |Δlogit| {diff}");
+        }
+    };
+    check("target", &model, &mut target_cache);
+    let mut caches = g.draft_caches;
+    assert_eq!(caches.len(), 2);
+    check("draft (30 layers)", &deep, &mut caches[0]);
+    check("draft (16 layers)", &shallow, &mut caches[1]);
+}
+
+#[test]
+fn bad_configurations_are_typed_errors() {
+    let model = target();
+    let draft = truncated_draft(&model, 2).unwrap();
+    let prompts = prompts();
+    let run = |drafts: &[Draft<'_, Cpu>], prompts: &[Vec<u32>], opts: &SpecOptions| {
+        speculative_generate(
+            &model,
+            drafts,
+            prompts,
+            &ReferenceAttention,
+            opts,
+            &mut |_, _| {},
+        )
+        .unwrap_err()
+    };
+    let opts = options(Scheme::SpecInfer, 2, 0.0, 4);
+    assert_eq!(run(&[], &prompts, &opts), SpecError::NoDrafts);
+    assert_eq!(
+        run(
+            &identical(&draft, 2, 1.0),
+            &prompts,
+            &options(Scheme::SpecInfer, 0, 0.0, 4)
+        ),
+        SpecError::ZeroDraftLength
+    );
+    assert_eq!(
+        run(
+            &identical(&draft, 2, 1.0),
+            &prompts,
+            &options(Scheme::SingleDraft, 2, 0.0, 4)
+        ),
+        SpecError::SingleDraftNeedsOneDraft { drafts: 2 }
+    );
+    let mut other_vocab = draft.clone();
+    other_vocab.config.vocab_size = 1000;
+    let drafts = [
+        Draft {
+            model: &draft,
+            sampling: sampling(1.0),
+        },
+        Draft {
+            model: &other_vocab,
+            sampling: sampling(1.0),
+        },
+    ];
+    assert_eq!(
+        run(&drafts, &prompts, &opts),
+        SpecError::VocabularyMismatch {
+            draft: 1,
+            expected: model.config.vocab_size,
+            found: 1000
+        }
+    );
+    assert_eq!(
+        run(&identical(&draft, 1, 1.0), &[], &opts),
+        SpecError::NoPrompts
+    );
+    assert_eq!(
+        run(&identical(&draft, 1, 1.0), &[vec![1], vec![]], &opts),
+        SpecError::EmptyPrompt { index: 1 }
+    );
+    for layers in [0, model.config.num_layers + 1] {
+        assert_eq!(
+            truncated_draft(&model, layers).unwrap_err(),
+            SpecError::DraftLayers {
+                requested: layers,
+                available: model.config.num_layers
+            }
+        );
+    }
+}
+
+/// A one-token prompt (nothing to prefill) next to a longer one, and `max_new_tokens = 0`.
+#[test]
+fn one_token_prompts_and_zero_new_tokens() {
+    let model = target();
+    let draft = truncated_draft(&model, DRAFT_LAYERS).unwrap();
+    let tok = &checkpoint().tokenizer;
+    let prompts = vec![
+        tok.encode("Hello").unwrap(),
+        tok.encode("The sky is").unwrap(),
+    ];
+    assert_eq!(prompts[0].len(), 1);
+    let plain = plain_greedy(&model, &prompts, 6, &eos());
+    let run = |n: usize| {
+        speculative_generate(
+            &model,
+            &identical(&draft, 2, 1.0),
+            &prompts,
+            &ReferenceAttention,
+            &options(Scheme::SpecTr, 3, 0.0, n),
+            &mut |_, _| {},
+        )
+        .unwrap()
+    };
+    assert_eq!(run(6).tokens, plain);
+    let none = run(0);
+    assert_eq!(none.tokens, vec![Vec::<u32>::new(); 2]);
+    assert_eq!(none.stats.target_calls, 0);
+}
+
+/// A truncated-layer draft is the target's first layers, final norm and (tied) head.
+#[test]
+fn truncated_draft_shares_the_target_weights() {
+    let model = target();
+    let draft = truncated_draft(&model, 3).unwrap();
+    assert_eq!(draft.layers.len(), 3);
+    assert_eq!(draft.config.num_layers, 3);
+    let full = model.embed.val().into_data();
+    assert_eq!(draft.embed.val().into_data(), full);
+    for (a, b) in draft.layers.iter().zip(&model.layers) {
+        assert_eq!(a.wq.val().into_data(), b.wq.val().into_data());
+        assert_eq!(a.w_down.val().into_data(), b.w_down.val().into_data());
+    }
+    assert_eq!(
+        draft.norm.gamma.val().into_data(),
+        model.norm.gamma.val().into_data()
+    );
+    let ids = checkpoint()
+        .tokenizer
+        .encode("The capital of France is")
+        .unwrap();
+    assert!(fresh(&draft, &ids).iter().all(|x| x.is_finite()));
+}
