@@ -64,11 +64,8 @@ impl<B: Backend> KvCache<B> for FullKvCache<B> {
         attention: &dyn AttentionImpl<B>,
         opts: &AttnOptions<B>,
     ) -> Tensor<B, 4> {
-        let (k, v) = match self.layers[layer].take() {
-            Some((k0, v0)) => (Tensor::cat(vec![k0, k], 2), Tensor::cat(vec![v0, v], 2)),
-            None => (k, v),
-        };
-        self.layers[layer] = Some((k.clone(), v.clone()));
+        append_kv(&mut self.layers[layer], k, v);
+        let (k, v) = self.layers[layer].clone().expect("just appended");
         attention.attend(layer, q, k, v, opts)
     }
 
@@ -105,4 +102,23 @@ impl<B: Backend> KvCache<B> for FullKvCache<B> {
     fn name(&self) -> String {
         "full".into()
     }
+}
+
+/// Appends `k`, `v` along the sequence dimension to one layer's slot (starting it when empty)
+/// and returns the slot's sequence length: the storage step every concatenating cache shares.
+///
+/// # Shapes
+/// - slot tensors and `k`, `v`: `[batch, kv_heads, seq, head_dim]`
+pub fn append_kv<B: Backend>(
+    slot: &mut Option<(Tensor<B, 4>, Tensor<B, 4>)>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+) -> usize {
+    let (k, v) = match slot.take() {
+        Some((k0, v0)) => (Tensor::cat(vec![k0, k], 2), Tensor::cat(vec![v0, v], 2)),
+        None => (k, v),
+    };
+    let len = k.dims()[2];
+    *slot = Some((k, v));
+    len
 }

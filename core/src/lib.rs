@@ -15,6 +15,6 @@ pub mod rope;
 pub mod sampling;
 
 pub use attention::{AttentionImpl, AttentionKind, AttnOptions, BurnAttention, ReferenceAttention};
-pub use cache::{FullKvCache, KvCache};
+pub use cache::{FullKvCache, KvCache, append_kv};
 pub use rope::{Rope, RopeScaling};
 pub use sampling::{Greedy, Sampler, SamplingConfig, TopKTopP};

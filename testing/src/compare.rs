@@ -136,6 +136,15 @@ impl Tolerance {
         }
     }
 
+    /// One rounding to TF32 (10 explicit mantissa bits), the precision of f32 matrix products on
+    /// CUDA tensor cores.
+    pub fn tf32() -> Self {
+        Tolerance {
+            atol: 1e-5,
+            rtol: 2f64.powi(-11),
+        }
+    }
+
     /// The tolerance for a value computed by a reduction over `len` terms whose inputs are stored
     /// in `dtype` and whose accumulation is in f32 on both sides: rounding errors of the
     /// two summation orders add like a random walk, so both bounds grow with `sqrt(len)`, on top

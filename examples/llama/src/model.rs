@@ -153,18 +153,18 @@ impl<B: Backend> Llama<B> {
     /// # Shapes
     /// - `hidden`: `[batch, seq, hidden]`; returns `[batch, seq, vocab]`
     pub fn logits(&self, hidden: Tensor<B, 3>) -> Tensor<B, 3> {
+        // One 2-D product over all rows: broadcasting the weight over the batch makes some
+        // backends (NdArray) copy it per row.
+        let [b, s, h] = hidden.dims();
+        let x = hidden.reshape([b * s, h]);
         let logits = match &self.lm_head {
-            Some(w) => hidden.matmul(w.val().unsqueeze()),
+            Some(w) => x.matmul(w.val()),
             // Tied: E·hᵀ reads the [vocab, hidden] embedding in its own layout instead of
             // transposing all of it on every call.
-            None => self
-                .embed
-                .val()
-                .unsqueeze::<3>()
-                .matmul(hidden.swap_dims(1, 2))
-                .swap_dims(1, 2),
+            None => self.embed.val().matmul(x.transpose()).transpose(),
         };
-        logits.cast(DType::F32)
+        let vocab = logits.dims()[1];
+        logits.reshape([b, s, vocab]).cast(DType::F32)
     }
 
     /// Builds the model from loaded weights, stored as `dtype` on `device`.

@@ -1,25 +1,15 @@
 //! The model on the real SmolLM2-135M-Instruct weights (fetched by `./scripts/setup.sh`).
 
-use std::sync::OnceLock;
+mod common;
+use common::checkpoint;
 
 use burn::backend::NdArray;
 use burn::tensor::{DType, backend::Backend};
 use burn_kernels_core::{AttentionImpl, BurnAttention, FullKvCache, Greedy, ReferenceAttention};
 use burn_llama::generate::{GenerateOptions, generate, perplexity};
-use burn_llama::loader::{Checkpoint, default_model_path, load};
 use burn_llama::model::Llama;
 
 type Cpu = NdArray<f32>;
-
-fn checkpoint() -> &'static Checkpoint {
-    static CKPT: OnceLock<Checkpoint> = OnceLock::new();
-    CKPT.get_or_init(|| {
-        let path = default_model_path();
-        load(&path).unwrap_or_else(|e| {
-            panic!("{e}\n(the SmolLM2 weights come from `./scripts/setup.sh`, or `cargo xtask fetch-model`)")
-        })
-    })
-}
 
 fn model<B: Backend>(device: &B::Device) -> Llama<B> {
     Llama::from_checkpoint(checkpoint(), device, DType::F32).expect("valid checkpoint")

@@ -1,6 +1,9 @@
 //! Speculative decoding on the real SmolLM2-135M-Instruct weights (fetched by
 //! `./scripts/setup.sh` or `cargo xtask fetch-model`), CPU backend, truncated-layer drafts.
 
+mod common;
+use common::checkpoint;
+
 use std::sync::OnceLock;
 use std::time::Instant;
 
@@ -8,7 +11,6 @@ use burn::backend::NdArray;
 use burn::tensor::{DType, Int, Tensor, TensorData};
 use burn_kernels_core::{FullKvCache, Greedy, ReferenceAttention, SamplingConfig};
 use burn_llama::generate::{GenerateOptions, generate};
-use burn_llama::loader::{Checkpoint, default_model_path, load};
 use burn_llama::model::Llama;
 use burn_llama::spec::{
     BranchKvCache, Draft, SpecError, SpecOptions, forward_rows, speculative_generate,
@@ -19,16 +21,6 @@ use burn_specdec::Scheme;
 type Cpu = NdArray<f32>;
 
 const DRAFT_LAYERS: usize = 8;
-
-fn checkpoint() -> &'static Checkpoint {
-    static CKPT: OnceLock<Checkpoint> = OnceLock::new();
-    CKPT.get_or_init(|| {
-        let path = default_model_path();
-        load(&path).unwrap_or_else(|e| {
-            panic!("{e}\n(the SmolLM2 weights come from `./scripts/setup.sh`, or `cargo xtask fetch-model`)")
-        })
-    })
-}
 
 fn target() -> Llama<Cpu> {
     Llama::from_checkpoint(checkpoint(), &Default::default(), DType::F32).expect("valid checkpoint")

@@ -1,25 +1,16 @@
 //! A training step of SmolLM2-135M (real weights) with Cut Cross-Entropy gives the same loss and
 //! gradients as with Burn's plain cross-entropy, on the CPU and on every enabled runtime.
 
-use std::sync::OnceLock;
+mod common;
+use common::checkpoint;
 
 use burn::backend::{Autodiff, NdArray};
 use burn::tensor::{DType, Int, Tensor, TensorData, backend::AutodiffBackend};
 use burn_cce::CceBackend;
 use burn_kernels_core::ReferenceAttention;
 use burn_kernels_testing::{Tolerance, assert_close, compare::to_f32};
-use burn_llama::loader::{Checkpoint, default_model_path, load};
 use burn_llama::model::Llama;
 use burn_llama::train::{LossKind, next_token_loss};
-
-fn checkpoint() -> &'static Checkpoint {
-    static CKPT: OnceLock<Checkpoint> = OnceLock::new();
-    CKPT.get_or_init(|| {
-        load(&default_model_path()).unwrap_or_else(|e| {
-            panic!("{e}\n(the SmolLM2 weights come from `./scripts/setup.sh`, or `cargo xtask fetch-model`)")
-        })
-    })
-}
 
 /// Two rows of 24 tokens of the committed text; the second row's last 4 targets are
 /// padding (ignored).
