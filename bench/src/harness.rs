@@ -315,6 +315,24 @@ pub fn run_suite<B: Backend>(
                     }
                 }
             }
+            let line = format!(
+                "  {} | {}: {}{}",
+                problem.label,
+                rec.implementation,
+                rec.median_ms.map_or_else(
+                    || rec.skipped.clone().unwrap_or_default(),
+                    |m| format!("{m:.3} ms")
+                ),
+                rec.peak_mem_mb
+                    .map_or(String::new(), |m| format!(", peak {m:.0} MB"))
+            );
+            // A log file gets one line per implementation, so a run cut short still says what
+            // it measured; a terminal sees them above the bar.
+            if bar.is_hidden() {
+                eprintln!("{line}");
+            } else {
+                bar.println(line);
+            }
             rows.push(rec);
         }
         let base = rows

@@ -19,18 +19,32 @@
 //! round trip through memory per chunk, and filtering skips work at entry/chunk granularity.
 
 use burn::tensor::{
-    DType, IndexingUpdateOp, Int, Tensor, TensorData, TensorPrimitive, ops::FloatTensor,
+    DType, IndexingUpdateOp, Int, Shape, Tensor, TensorData, TensorPrimitive, ops::FloatTensor,
     ops::IntTensor,
 };
 use burn_cubecl::{
     BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement,
     kernel::matmul::{MatmulStrategy, matmul},
+    ops::numeric::empty_device_contiguous_dtype,
+    tensor::CubeTensor,
+};
+use cubek::{
+    matmul::{
+        components::tile::TileMatmulKind,
+        definition::{MatmulElems, MatmulGlobalElems},
+        launch::{Strategy, launch_ref},
+        routines::{
+            BlueprintStrategy, TileSizeSelection, double_buffering::DoubleBufferingArgs,
+            simple_unit::SimpleUnitSelectionArgs,
+        },
+    },
+    std::InputBinding,
 };
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use crate::LceParams;
 use crate::kernels::{grad::grad_chunk, indexed_dot::indexed_dot, lse_chunk::lse_chunk, score};
+use crate::{GemmStrategy, LceParams};
 
 type Cb<R, F, I, BT> = CubeBackend<R, F, I, BT>;
 type Pair<B> = (FloatTensor<B>, FloatTensor<B>);
@@ -45,12 +59,14 @@ where
     Tensor::from_primitive(TensorPrimitive::Float(t))
 }
 
-/// `lhs · rhs` with the output in `dtype` (f32 accumulation inside the GEMM). Falls back to
-/// casting the inputs when the runtime's matmul rejects the mixed-precision setup.
+/// `lhs · rhs` with the output in `dtype` (f32 accumulation inside the GEMM), by the kernel
+/// `strategy` selects. Falls back to casting the inputs when the runtime's matmul rejects the
+/// mixed-precision setup.
 fn matmul_to<R, F, I, BT>(
     lhs: Tensor<Cb<R, F, I, BT>, 2>,
     rhs: Tensor<Cb<R, F, I, BT>, 2>,
     dtype: DType,
+    strategy: GemmStrategy,
 ) -> Tensor<Cb<R, F, I, BT>, 2>
 where
     R: CubeRuntime,
@@ -63,6 +79,11 @@ where
         lhs.clone().into_primitive().tensor(),
         rhs.clone().into_primitive().tensor(),
     );
+    if strategy == GemmStrategy::Fixed
+        && let Some(out) = fixed_gemm(l.clone(), r.clone(), dtype)
+    {
+        return float(out);
+    }
     match matmul(l, r, None, MatmulStrategy::default(), dtype) {
         Ok(out) => float(out),
         Err(err) => {
@@ -74,6 +95,59 @@ where
             lhs.cast(dtype).matmul(rhs.cast(dtype))
         }
     }
+}
+
+/// The [`GemmStrategy::Fixed`] kernel for `lhs · rhs`, or `None` where the runtime cannot run
+/// it (checked at setup, before anything is launched); the caller then autotunes.
+fn fixed_gemm<R: CubeRuntime>(
+    lhs: CubeTensor<R>,
+    rhs: CubeTensor<R>,
+    dtype: DType,
+) -> Option<CubeTensor<R>> {
+    let [m, k] = lhs.meta.shape().dims::<2>();
+    let [_, n] = rhs.meta.shape().dims::<2>();
+    let in_dtype = lhs.dtype;
+    // Tensor-core tiles only where they are the point: half-precision inputs (f32 would run
+    // as TF32) and no dimension smaller than a tile.
+    let tensor_cores = matches!(in_dtype, DType::F16 | DType::BF16) && m.min(n).min(k) >= 16;
+    let unit = Strategy::SimpleUnit(BlueprintStrategy::Inferred(SimpleUnitSelectionArgs {
+        tile_size: TileSizeSelection::MinTileSize,
+    }));
+    let mma = Strategy::DoubleCyclicMma(BlueprintStrategy::Inferred(DoubleBufferingArgs {
+        specialized: false,
+        tile_matmul: TileMatmulKind::Mma,
+    }));
+    let candidates = if tensor_cores {
+        vec![mma, unit]
+    } else {
+        vec![unit]
+    };
+    let out = empty_device_contiguous_dtype(
+        lhs.client.clone(),
+        lhs.device.clone(),
+        Shape::new([m, n]),
+        dtype,
+    );
+    let client = lhs.client.clone();
+    for strategy in candidates {
+        let mut elems = MatmulElems::from_globals(&MatmulGlobalElems {
+            lhs: in_dtype.into(),
+            rhs: in_dtype.into(),
+            out: dtype.into(),
+        });
+        match launch_ref(
+            &strategy,
+            &client,
+            InputBinding::new(lhs.clone().binding(), in_dtype.into()),
+            InputBinding::new(rhs.clone().binding(), in_dtype.into()),
+            out.clone().binding(),
+            &mut elems,
+        ) {
+            Ok(()) => return Some(out),
+            Err(err) => log::debug!("burn-cce: {strategy} unavailable here ({err:?})"),
+        }
+    }
+    None
 }
 
 fn chunks(vocab: usize, chunk: usize) -> impl Iterator<Item = Range<usize>> {
@@ -109,7 +183,12 @@ where
     );
     for range in chunks(vocab, params.chunk_len(n, vocab)) {
         let v0 = range.start;
-        let logits = matmul_to(e.clone(), c.clone().slice(range).transpose(), DType::F32);
+        let logits = matmul_to(
+            e.clone(),
+            c.clone().slice(range).transpose(),
+            DType::F32,
+            params.gemm,
+        );
         lse_chunk(
             logits.into_primitive().tensor(),
             bias.clone(),
@@ -149,6 +228,7 @@ fn scores<R, F, I, BT>(
     lse: &FloatTensor<Cb<R, F, I, BT>>,
     chunk: usize,
     softcap: Option<f32>,
+    gemm: GemmStrategy,
 ) -> Vec<f32>
 where
     R: CubeRuntime,
@@ -162,7 +242,12 @@ where
         .map(|range| {
             let v0 = range.start;
             let len = range.len();
-            let logits = matmul_to(e.clone(), c.clone().slice(range).transpose(), DType::F32);
+            let logits = matmul_to(
+                e.clone(),
+                c.clone().slice(range).transpose(),
+                DType::F32,
+                gemm,
+            );
             let partial = score::score_chunk(
                 logits.into_primitive().tensor(),
                 bias.clone(),
@@ -247,7 +332,16 @@ where
 
     let scored = params.filter_eps.map(|eps| {
         (
-            scores(&e, &c, &bias, &targets, &lse, chunk, params.softcap),
+            scores(
+                &e,
+                &c,
+                &bias,
+                &targets,
+                &lse,
+                chunk,
+                params.softcap,
+                params.gemm,
+            ),
             eps,
         )
     });
@@ -292,7 +386,12 @@ where
                 (c.clone().select(0, ids.clone()), Some(ids), 0)
             }
         };
-        let logits = matmul_to(e.clone(), c_chunk.clone().transpose(), DType::F32);
+        let logits = matmul_to(
+            e.clone(),
+            c_chunk.clone().transpose(),
+            DType::F32,
+            params.gemm,
+        );
         let g = float::<R, F, I, BT, 2>(grad_chunk(
             logits.into_primitive().tensor(),
             bias.clone(),
@@ -304,8 +403,8 @@ where
             params.softcap,
             e_dtype,
         ));
-        de = de + matmul_to(g.clone(), c_chunk, acc_dtype);
-        let dc_chunk = matmul_to(g.clone().transpose(), e.clone(), c_dtype);
+        de = de + matmul_to(g.clone(), c_chunk, acc_dtype, params.gemm);
+        let dc_chunk = matmul_to(g.clone().transpose(), e.clone(), c_dtype, params.gemm);
         let db_chunk = db.as_ref().map(|_| {
             let len = g.dims()[1];
             g.clone().cast(DType::F32).sum_dim(0).reshape([len])

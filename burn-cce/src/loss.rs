@@ -2,7 +2,7 @@
 
 use burn::tensor::{DType, IndexingUpdateOp, Int, Tensor, TensorData, TensorPrimitive};
 
-use crate::{CceBackend, CceError, CceOptions, LceParams, Reduction};
+use crate::{CceBackend, CceError, CceOptions, Reduction};
 
 /// The result of [`linear_cross_entropy`].
 #[derive(Debug, Clone)]
@@ -147,13 +147,7 @@ pub fn linear_cross_entropy<B: CceBackend, const DE: usize, const DT: usize>(
     };
     let bias = bias.map(|b| if b.dtype() == dtype { b } else { b.cast(dtype) });
     let targets = Tensor::<B, 1, Int>::from_data(TensorData::new(valid_targets, [n]), &device);
-    let params = LceParams {
-        softcap: options.softcap,
-        filter_eps: options.filter_eps.resolve(dtype),
-        sort_vocab: options.sort_vocab,
-        accum_fp32: options.accum_fp32,
-        chunk_bytes: options.chunk_bytes,
-    };
+    let params = options.params(dtype);
 
     let (loss, lse) = B::linear_ce_loss(
         e.into_primitive().tensor(),

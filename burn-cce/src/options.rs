@@ -76,6 +76,27 @@ pub struct CceOptions {
     /// Working memory for one chunk of logits (`N × chunk` f32 values); the vocabulary is
     /// processed in chunks of this size, so `N × V` is never held. Default 32 MiB.
     pub chunk_bytes: usize,
+    /// How the chunk GEMMs pick their kernel.
+    pub gemm: GemmStrategy,
+}
+
+/// Kernel selection for the GEMMs that recompute and consume logit chunks.
+///
+/// Measured on an NVIDIA H100 (2026-11-22, bf16, N=8192): at the Gemma-2 shape (V=256000,
+/// D=2304) loss + gradient takes 172 ms with [`GemmStrategy::Fixed`] and 138 ms with
+/// [`GemmStrategy::Autotune`] once tuned; but tuning benchmarks ~30 candidate kernels for every
+/// new GEMM shape, each compiled by the runtime (seconds apiece on CUDA), and the backward meets
+/// new shapes as the filtered vocabulary changes: at the SmolLM2 shape the first tuned gradient
+/// calls did not finish within minutes. Hence the fixed default.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GemmStrategy {
+    /// No autotuning: one double-buffered tensor-core kernel (cubek `DoubleCyclicMma`) for
+    /// f16/bf16 GEMMs whose dimensions are all ≥ 16, a unit (CUDA-core) kernel otherwise —
+    /// exact f32, no TF32 — and Burn's autotuned matmul where neither can run.
+    #[default]
+    Fixed,
+    /// Burn's autotuned matmul (cubek) for every GEMM: faster at steady state, slow to warm up.
+    Autotune,
 }
 
 impl Default for CceOptions {
@@ -90,6 +111,7 @@ impl Default for CceOptions {
             accum_fp32: true,
             return_lse: false,
             chunk_bytes: 32 << 20,
+            gemm: GemmStrategy::Fixed,
         }
     }
 }
@@ -107,6 +129,22 @@ pub struct LceParams {
     pub accum_fp32: bool,
     /// See [`CceOptions::chunk_bytes`].
     pub chunk_bytes: usize,
+    /// See [`CceOptions::gemm`].
+    pub gemm: GemmStrategy,
+}
+
+impl CceOptions {
+    /// The backend-op parameters these options give for inputs of `dtype`.
+    pub fn params(&self, dtype: DType) -> LceParams {
+        LceParams {
+            softcap: self.softcap,
+            filter_eps: self.filter_eps.resolve(dtype),
+            sort_vocab: self.sort_vocab,
+            accum_fp32: self.accum_fp32,
+            chunk_bytes: self.chunk_bytes,
+            gemm: self.gemm,
+        }
+    }
 }
 
 impl LceParams {

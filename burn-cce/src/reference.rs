@@ -66,7 +66,7 @@ pub fn logsumexp_rows_backward<B: Backend>(
 ///
 /// # Shapes
 /// - `e`: `[n, D]`, `c`: `[V, D]`, `bias`: `[V]`; returns two `[n, V]` tensors
-fn logits_f32<B: Backend>(
+pub fn logits_f32<B: Backend>(
     e: Tensor<B, 2>,
     c: Tensor<B, 2>,
     bias: Option<Tensor<B, 1>>,
@@ -117,12 +117,34 @@ pub fn linear_ce_backward<B: Backend>(
     grad: Tensor<B, 1>,
     cap: Option<f32>,
 ) -> (Tensor<B, 2>, Tensor<B, 2>, Option<Tensor<B, 1>>) {
-    let [n, _] = e.dims();
     let [vocab, _] = c.dims();
     let (e_dtype, c_dtype) = (e.dtype(), c.dtype());
     let bias_dtype = bias.as_ref().map(|b| b.dtype());
+    let g = logit_grad(e.clone(), c.clone(), bias, targets, lse, grad, cap);
+    let de = g.clone().matmul(c.cast(DType::F32)).cast(e_dtype);
+    let dbias = bias_dtype.map(|dt| g.clone().sum_dim(0).reshape([vocab]).cast(dt));
+    let dc = g.transpose().matmul(e.cast(DType::F32)).cast(c_dtype);
+    (de, dc, dbias)
+}
+
+/// The gradient of `Σᵢ gradᵢ · lossᵢ` with respect to the raw logits, in f32:
+/// `G = (softmax − onehot) · grad · cap'`.
+///
+/// # Shapes
+/// - as [`linear_ce_backward`]; returns `[n, V]`
+pub fn logit_grad<B: Backend>(
+    e: Tensor<B, 2>,
+    c: Tensor<B, 2>,
+    bias: Option<Tensor<B, 1>>,
+    targets: Tensor<B, 1, Int>,
+    lse: Tensor<B, 1>,
+    grad: Tensor<B, 1>,
+    cap: Option<f32>,
+) -> Tensor<B, 2> {
+    let [n, _] = e.dims();
+    let [vocab, _] = c.dims();
     let device = e.device();
-    let (logits, raw) = logits_f32(e.clone(), c.clone(), bias, cap);
+    let (logits, raw) = logits_f32(e, c, bias, cap);
     let softmax = (logits - lse.cast(DType::F32).unsqueeze_dim::<2>(1)).exp();
     let onehot = Tensor::<B, 2>::zeros([n, vocab], &device).scatter(
         1,
@@ -130,15 +152,14 @@ pub fn linear_ce_backward<B: Backend>(
         Tensor::ones([n, 1], &device),
         IndexingUpdateOp::Add,
     );
-    let mut g = (softmax - onehot) * grad.cast(DType::F32).unsqueeze_dim::<2>(1);
-    if let Some(cap) = cap {
-        let t = (raw / cap).tanh();
-        g = g * (t.clone() * t).neg().add_scalar(1.0);
+    let g = (softmax - onehot) * grad.cast(DType::F32).unsqueeze_dim::<2>(1);
+    match cap {
+        Some(cap) => {
+            let t = (raw / cap).tanh();
+            g * (t.clone() * t).neg().add_scalar(1.0)
+        }
+        None => g,
     }
-    let de = g.clone().matmul(c.cast(DType::F32)).cast(e_dtype);
-    let dbias = bias_dtype.map(|dt| g.clone().sum_dim(0).reshape([vocab]).cast(dt));
-    let dc = g.transpose().matmul(e.cast(DType::F32)).cast(c_dtype);
-    (de, dc, dbias)
 }
 
 /// Burn's plain cross-entropy path: logits in the input dtype, log-softmax, gather, masked

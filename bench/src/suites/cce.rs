@@ -12,7 +12,7 @@ use burn::backend::Autodiff;
 use burn::tensor::DType;
 use burn::tensor::{Distribution, Int, Tensor, TensorData, backend::Backend};
 use burn_cce::{
-    CceBackend, CceOptions, FilterEps, LceParams, chunked, linear_cross_entropy, reference,
+    CceBackend, CceOptions, FilterEps, GemmStrategy, chunked, linear_cross_entropy, reference,
 };
 use rand::{Rng, SeedableRng, rngs::StdRng, seq::SliceRandom};
 use serde_json::json;
@@ -42,6 +42,13 @@ fn variants() -> Vec<(&'static str, CceOptions)> {
             "cce (no grad filter)",
             CceOptions {
                 filter_eps: FilterEps::Off,
+                ..d
+            },
+        ),
+        (
+            "cce (autotuned GEMM)",
+            CceOptions {
+                gemm: GemmStrategy::Autotune,
                 ..d
             },
         ),
@@ -176,13 +183,7 @@ fn problem<B: Backend + CceBackend>(
                 }
                 "grad" => {
                     for (name, o) in variants() {
-                        let p = LceParams {
-                            softcap: None,
-                            filter_eps: o.filter_eps.resolve(dtype),
-                            sort_vocab: o.sort_vocab,
-                            accum_fp32: o.accum_fp32,
-                            chunk_bytes: o.chunk_bytes,
-                        };
+                        let p = o.params(dtype);
                         let (lse, _) = B::linear_ce_forward(
                             x.e.clone().into_primitive().tensor(),
                             x.c.clone().into_primitive().tensor(),
