@@ -128,6 +128,39 @@ pub enum SpecDecError {
     /// The LP solver failed on the (truncated) optimal-coupling program.
     #[error("the optimal-coupling linear program failed: {0}")]
     Lp(String),
+    /// The scheme has no device kernel (the LP-optimal scheme is host-only); verify on the host
+    /// with [`crate::verify_block`] instead.
+    #[error("the {} scheme has no device kernel; verify it on the host", .scheme.name())]
+    UnsupportedOnDevice {
+        /// The requested scheme.
+        scheme: crate::Scheme,
+    },
+    /// The scheme's device kernel is not trusted at this vocabulary size (importance sampling
+    /// above [`crate::device::IS_MAX_VOCAB`]: wrong tokens were observed on lavapipe at larger
+    /// V and the cause is not understood); verify on the host with [`crate::verify_block`].
+    #[error(
+        "the {} device kernel supports vocabularies up to {max} (got {vocab}); verify it on the host",
+        .scheme.name()
+    )]
+    DeviceVocabTooLarge {
+        /// The requested scheme.
+        scheme: crate::Scheme,
+        /// V.
+        vocab: usize,
+        /// The largest V the kernel runs.
+        max: usize,
+    },
+    /// A tensor given to [`crate::device::verify_blocks`] does not have the shape the other
+    /// inputs imply.
+    #[error("{tensor} has shape {found:?}, expected {expected:?}")]
+    ShapeMismatch {
+        /// Which input.
+        tensor: &'static str,
+        /// The shape implied by `target_probs` and `drafts`.
+        expected: Vec<usize>,
+        /// The given shape.
+        found: Vec<usize>,
+    },
     /// An exact enumeration (draft tuples, alphabet subsets) would be too large.
     #[error("exact {what} would visit {needed} items, more than the limit {limit}")]
     TooLarge {

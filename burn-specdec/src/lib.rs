@@ -45,6 +45,12 @@
 //! token follows L accepted positions. The derivation is in [`block`]; the generation loop on a
 //! real model is `burn_llama::spec` (in `examples/llama`).
 //!
+//! ## On the device
+//! [`device::verify_blocks`] verifies a whole batch of blocks in one CubeCL kernel on a Burn
+//! `CubeBackend` (CUDA, wgpu/Vulkan), with the same uniforms as the host giving the same tokens
+//! up to `f32` rounding at thresholds; [`Scheme::Optimal`] is host-only
+//! ([`SpecDecError::UnsupportedOnDevice`]).
+//!
 //! ## Randomness consumption
 //! Every scheme consumes exactly `K + 2` uniforms `u[0..K+2]` in `[0, 1)` per token, so that a
 //! batched device kernel (batch × draft length × (K + 2) uniforms) given the same uniforms makes
@@ -97,6 +103,7 @@
 
 mod analytic;
 pub mod block;
+pub mod device;
 mod error;
 pub mod lp;
 mod prob;
