@@ -1,6 +1,317 @@
 //! # burn-kvcache: KV-cache compression for Burn
 //!
-//! ShadowKV (low-rank pre-RoPE keys on the device, values offloaded to host memory, sparse
-//! chunk retrieval) and MiniCache (cross-layer SLERP merging), composed with KIVI-style
-//! quantized KV. The API lands with the burn-kvcache issues; this crate builds as a workspace
-//! member until then.
+//! Two compressions of the KV cache and their composition, each a
+//! [`KvCache`](burn_kernels_core::KvCache) the Llama example can run with:
+//!
+//! - [`MiniCacheKv`]: MiniCache (Liu et al., 2024, arXiv 2405.14366) cross-layer merging:
+//!   adjacent layers from a start layer on share one direction per token, each keeping its own
+//!   magnitude; tokens whose two directions are too far apart are retained unmerged.
+//! - [`QuantKv`]: KIVI-style quantization (keys per channel, values per token, 2 or 4 bits,
+//!   asymmetric min/scale, codes packed into `u32` words, the most recent tokens in full
+//!   precision).
+//! - [`MiniCacheKv::with_quant`]: both; the shared directions, the unmerged layers and the
+//!   retained tokens are quantized, the magnitudes stay in the model dtype.
+//!
+//! The four ops they are built on are public, validated, and run as CubeCL kernels on
+//! `CubeBackend` ([`kernels`]) or as plain tensor ops elsewhere ([`reference`]):
+//! [`merge`], [`restore`], [`quantize`], [`dequantize`].
+//!
+//! ## MiniCache: the choices made here (no official code exists)
+//!
+//! - **Vectors.** A "state" is one token's key (post-RoPE) or value in one KV head, a
+//!   `head_dim` vector: magnitudes and directions are per `(batch, kv_head, token)`, and keys
+//!   and values are merged (and retained) independently.
+//! - **Pairs.** From `start_layer` on, layers `(l, l+1)` for `l = start, start+2, …` are
+//!   merged; an odd last layer and the layers below `start_layer` are stored unmerged. The
+//!   paper merges from the middle of the model; `start_layer` defaults to `num_layers / 2`.
+//! - **Direction.** `u = x_l / ‖x_l‖`, `w = x_{l+1} / ‖x_{l+1}‖`, `θ = 2·atan2(‖u − w‖,
+//!   ‖u + w‖)` (the angle between them, accurate near 0 and π), and the shared direction is
+//!   `SLERP(u, w; t) = [sin((1−t)θ)·u + sin(tθ)·w] / sin θ`, renormalized; when `sin θ < 1e-6`
+//!   it is the normalized linear interpolation. As in the paper's `SLERP(x_{l−1}, x_l; t)`,
+//!   `t` weights the deeper layer; the default `t = 0.6` is the paper's setting (the repo's
+//!   paper summary does not list `t`; 0.6 is the value the paper's experiments use).
+//! - **Retention.** The angular distance is `θ / π ∈ [0, 1]` (the paper's
+//!   `arccos(cos)/π`). A token is retained when `θ / π > γ`, an absolute threshold: `γ = 0`
+//!   retains every token whose directions differ at all (exactly lossless up to rounding),
+//!   `γ ≥ 1` retains none. The paper states its threshold relative to the batch's min/max
+//!   distance; an absolute one makes a token's fate independent of the other tokens merged
+//!   with it, which incremental (decode-time) merging needs. Default `γ = 0.05`, the paper's
+//!   best trade-off.
+//! - **Storage of a pair.** The shared direction `[b, h, s, d]`, both magnitudes `[b, h, s]`,
+//!   a slot map `[b, h, s]` (0 = merged, `r + 1` = retained row `r`, i32) and the retained rows
+//!   `[r, d]`. For a retained token the direction slot holds layer `l`'s own direction, so
+//!   `‖x_l‖·u = x_l` is restored exactly and only layer `l+1`'s vector is stored apart: both
+//!   full vectors are kept at the cost of one extra row, not two.
+//! - **Restore.** `x̂_l = ‖x_l‖·dir`; `x̂_{l+1} = ‖x_{l+1}‖·dir`, or the retained row.
+//! - **Decode.** Layer `l` attends before layer `l+1` has produced its K/V for the same
+//!   positions, so new positions are held in full precision for both layers (the pending
+//!   window) and merged in one batch once layer `l+1` holds `window` pending positions
+//!   (default 16): each merge is one launch and one small device→host read (the retained
+//!   count). Attention of a call always sees that call's new tokens exactly; compression
+//!   happens after it (as the paper compresses after prefill).
+//! - **Truncate.** Positions still pending are dropped directly; cutting into the merged part
+//!   restores it, cuts, and re-merges (restored merged tokens share a direction, so
+//!   re-merging them is idempotent up to rounding).
+//!
+//! ## Quantization (KIVI-style)
+//!
+//! Keys are quantized per channel: each channel of a block of `group_size` consecutive tokens
+//! has its own min and scale. Values are quantized per token: each group of `group_size`
+//! channels of a token has its own. Codes `round((x − min)/scale)` with `scale = (max −
+//! min)/(2^bits − 1)` are packed `32/bits` to a `u32` word, little end first. The most recent
+//! tokens stay in full precision: after each append, once `residual + group_size` or more
+//! tokens are unquantized, the oldest whole groups of `group_size` tokens are quantized,
+//! leaving between `residual` and `residual + group_size − 1` in full precision (KIVI's `R`
+//! and `G`; defaults 32 and 32). The error of a dequantized element is at most `scale / 2`.
+//!
+//! ## Composition
+//!
+//! [`MiniCacheKv::with_quant`] stores every sequence the cache holds through the same
+//! quantized store: unmerged layers as in [`QuantKv`], the merged directions as keys/values
+//! of their own (per channel / per token), the retained rows per token (groups along
+//! channels, no residual window). Magnitudes and slot maps are not quantized (2 scalars and
+//! one i32 per token and pair, against `head_dim` elements).
+//!
+//! ## Bytes
+//!
+//! `bytes_held` counts every tensor a cache holds at its real element size: packed words (4
+//! bytes), scales and mins, magnitudes, slot maps, retained rows, pending and residual
+//! windows.
+
+pub mod cache;
+mod cpu;
+mod cube;
+mod error;
+pub mod kernels;
+pub mod reference;
+mod store;
+
+pub use cache::{MergeStats, MiniCacheConfig, MiniCacheKv, QuantConfig, QuantKv};
+pub use error::KvCacheError;
+
+use burn::tensor::{Int, Tensor, backend::Backend};
+
+/// The shared direction, both magnitudes and the angular distance of merged row pairs.
+#[derive(Debug, Clone)]
+pub struct Merged<B: Backend> {
+    /// `[n, d]`, input dtype; layer `a`'s own direction for retained rows.
+    pub dir: Tensor<B, 2>,
+    /// `[n]`, input dtype: `‖a_i‖`.
+    pub mag_a: Tensor<B, 1>,
+    /// `[n]`, input dtype: `‖b_i‖`.
+    pub mag_b: Tensor<B, 1>,
+    /// `[n]`, f32: `θ_i / π`; row `i` is retained when it is above `gamma`.
+    pub dist: Tensor<B, 1>,
+}
+
+/// Packed quantization codes with their per-group scale and min.
+#[derive(Debug, Clone)]
+pub struct Packed<B: Backend> {
+    /// `[rows, groups · words_per_group]`, u32.
+    pub words: Tensor<B, 2, Int>,
+    /// `[rows, groups]`, the dtype of the quantized tensor.
+    pub scale: Tensor<B, 2>,
+    /// `[rows, groups]`, the dtype of the quantized tensor.
+    pub min: Tensor<B, 2>,
+}
+
+impl<B: Backend> Packed<B> {
+    /// Bytes of the words, scales and mins.
+    pub fn bytes(&self) -> usize {
+        bytes_of(&self.scale) + bytes_of(&self.min) + bytes_of_int(&self.words)
+    }
+}
+
+pub(crate) fn bytes_of<B: Backend, const D: usize>(t: &Tensor<B, D>) -> usize {
+    t.shape().num_elements() * t.dtype().size()
+}
+
+pub(crate) fn bytes_of_int<B: Backend, const D: usize>(t: &Tensor<B, D, Int>) -> usize {
+    t.shape().num_elements() * t.dtype().size()
+}
+
+/// How rows of `cols` values are grouped and packed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QuantLayout {
+    /// 2 or 4.
+    pub bits: u32,
+    /// Columns per group (the last group of a row may be shorter).
+    pub group: usize,
+    /// Columns per row.
+    pub cols: usize,
+}
+
+impl QuantLayout {
+    /// A validated layout.
+    ///
+    /// # Errors
+    /// [`KvCacheError::InvalidBits`] unless `bits` is 2 or 4, [`KvCacheError::ZeroGroupSize`]
+    /// for `group == 0`.
+    pub fn new(bits: u32, group: usize, cols: usize) -> Result<Self, KvCacheError> {
+        if bits != 2 && bits != 4 {
+            return Err(KvCacheError::InvalidBits(bits));
+        }
+        if group == 0 {
+            return Err(KvCacheError::ZeroGroupSize);
+        }
+        Ok(Self { bits, group, cols })
+    }
+
+    /// Columns of a full group: `min(group, cols)`.
+    pub fn group_len(&self) -> usize {
+        self.group.min(self.cols).max(1)
+    }
+
+    /// Groups per row.
+    pub fn groups(&self) -> usize {
+        self.cols.div_ceil(self.group_len())
+    }
+
+    pub fn codes_per_word(&self) -> usize {
+        (32 / self.bits) as usize
+    }
+
+    pub fn words_per_group(&self) -> usize {
+        self.group_len().div_ceil(self.codes_per_word())
+    }
+
+    /// The largest code, `2^bits − 1`.
+    pub fn levels(&self) -> u32 {
+        (1 << self.bits) - 1
+    }
+}
+
+/// Backends that run the MiniCache and quantization ops.
+///
+/// `CubeBackend` runs the CubeCL kernels; the CPU reference backend (`NdArray`) uses the
+/// default methods, which are the tensor ops in [`reference`]. Another backend can opt in
+/// with an empty `impl`. Callers go through [`merge`], [`restore`], [`quantize`] and
+/// [`dequantize`], which validate the arguments.
+pub trait KvBackend: Backend {
+    /// # Shapes
+    /// See [`merge`].
+    fn minicache_merge(a: Tensor<Self, 2>, b: Tensor<Self, 2>, t: f32, gamma: f32) -> Merged<Self> {
+        reference::merge(a, b, t, gamma)
+    }
+
+    /// # Shapes
+    /// See [`restore`].
+    fn minicache_restore(
+        dir: Tensor<Self, 2>,
+        mag: Tensor<Self, 1>,
+        retained: Option<(Tensor<Self, 1, Int>, Tensor<Self, 2>)>,
+    ) -> Tensor<Self, 2> {
+        reference::restore(dir, mag, retained)
+    }
+
+    /// # Shapes
+    /// See [`quantize`].
+    fn kv_quantize(x: Tensor<Self, 2>, layout: QuantLayout) -> Packed<Self> {
+        reference::quantize(x, layout)
+    }
+
+    /// # Shapes
+    /// See [`dequantize`].
+    fn kv_dequantize(packed: &Packed<Self>, layout: QuantLayout) -> Tensor<Self, 2> {
+        reference::dequantize(packed, layout)
+    }
+}
+
+pub(crate) fn check_t_gamma(t: f32, gamma: f32) -> Result<(), KvCacheError> {
+    if !(0.0..=1.0).contains(&t) {
+        return Err(KvCacheError::InvalidInterpolation(t));
+    }
+    if !gamma.is_finite() || gamma < 0.0 {
+        return Err(KvCacheError::InvalidGamma(gamma));
+    }
+    Ok(())
+}
+
+/// Merges row `i` of `a` (layer `l`) with row `i` of `b` (layer `l+1`): magnitudes, the SLERP
+/// of their directions with weight `t` on `b`, and the normalized angle `θ/π` between them.
+/// Rows with `θ/π > gamma` are retained: their `dir` is `a`'s own direction. See the crate
+/// docs for the exact math.
+///
+/// # Shapes
+/// - `a`, `b`: `[n, d]`, one float dtype
+/// - returns [`Merged`]: `dir [n, d]`, `mag_a`, `mag_b` `[n]`, `dist [n]` (f32)
+///
+/// # Errors
+/// [`KvCacheError::InvalidInterpolation`], [`KvCacheError::InvalidGamma`],
+/// [`KvCacheError::ShapeMismatch`].
+pub fn merge<B: KvBackend>(
+    a: Tensor<B, 2>,
+    b: Tensor<B, 2>,
+    t: f32,
+    gamma: f32,
+) -> Result<Merged<B>, KvCacheError> {
+    check_t_gamma(t, gamma)?;
+    if a.dims() != b.dims() {
+        return Err(KvCacheError::ShapeMismatch {
+            left: a.dims().to_vec(),
+            right: b.dims().to_vec(),
+        });
+    }
+    Ok(B::minicache_merge(a, b, t, gamma))
+}
+
+/// Restores one layer of merged rows: `mag_i · dir_i`, or retained row `slot_i − 1` where
+/// `slot_i > 0`.
+///
+/// # Shapes
+/// - `dir`: `[n, d]`, `mag`: `[n]`, `retained`: `(slot [n], rows [r, d])` with every slot in
+///   `[0, r]`
+/// - returns `[n, d]` in the dtype of `dir`
+///
+/// # Errors
+/// [`KvCacheError::ShapeMismatch`] when the shapes disagree.
+pub fn restore<B: KvBackend>(
+    dir: Tensor<B, 2>,
+    mag: Tensor<B, 1>,
+    retained: Option<(Tensor<B, 1, Int>, Tensor<B, 2>)>,
+) -> Result<Tensor<B, 2>, KvCacheError> {
+    let [n, d] = dir.dims();
+    let mismatch = |right: Vec<usize>| KvCacheError::ShapeMismatch {
+        left: vec![n, d],
+        right,
+    };
+    if mag.dims() != [n] {
+        return Err(mismatch(mag.dims().to_vec()));
+    }
+    if let Some((slot, rows)) = &retained {
+        if slot.dims() != [n] {
+            return Err(mismatch(slot.dims().to_vec()));
+        }
+        if rows.dims()[1] != d {
+            return Err(mismatch(rows.dims().to_vec()));
+        }
+    }
+    Ok(B::minicache_restore(dir, mag, retained))
+}
+
+/// Quantizes each row in groups of `group` columns: per group `min`, `scale = (max −
+/// min)/(2^bits − 1)`, codes `round((x − min)/scale)` packed into `u32` words.
+///
+/// # Shapes
+/// - `x`: `[rows, cols]`
+/// - returns [`Packed`]: words `[rows, groups · words_per_group]`, scale and min `[rows,
+///   groups]` (see [`QuantLayout`])
+///
+/// # Errors
+/// [`KvCacheError::InvalidBits`], [`KvCacheError::ZeroGroupSize`].
+pub fn quantize<B: KvBackend>(
+    x: Tensor<B, 2>,
+    bits: u32,
+    group: usize,
+) -> Result<(Packed<B>, QuantLayout), KvCacheError> {
+    let layout = QuantLayout::new(bits, group, x.dims()[1])?;
+    Ok((B::kv_quantize(x, layout), layout))
+}
+
+/// The inverse of [`quantize`]: `min + code·scale`.
+///
+/// # Shapes
+/// - `packed` as returned with `layout`; returns `[rows, layout.cols]`
+pub fn dequantize<B: KvBackend>(packed: &Packed<B>, layout: QuantLayout) -> Tensor<B, 2> {
+    B::kv_dequantize(packed, layout)
+}

@@ -6,6 +6,7 @@
 //! crates implement.
 
 pub mod config;
+pub mod eval;
 pub mod generate;
 pub mod loader;
 pub mod model;

@@ -4,7 +4,9 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use burn::tensor::{DType, backend::Backend};
-use burn_kernels_core::{AttentionKind, FullKvCache, SamplingConfig};
+use burn_kernels_core::{AttentionKind, SamplingConfig};
+use burn_kvcache::{KvBackend, MiniCacheConfig, QuantConfig};
+use burn_llama::eval::{CacheKind, CacheSpec, full_kv_bytes, perplexity_with_cache};
 use burn_llama::generate::{GenerateOptions, generate, perplexity};
 use burn_llama::loader::{default_model_path, load};
 use burn_llama::model::Llama;
@@ -42,6 +44,62 @@ struct Common {
     /// Attention implementation: reference | burn-fused.
     #[arg(long, default_value = "reference")]
     attention: String,
+}
+
+/// KV-cache compression (burn-kvcache).
+#[derive(Debug, Args)]
+struct KvArgs {
+    /// KV cache: full, minicache, quant4, quant2, minicache+quant4. For `perplexity`, giving
+    /// it scores the second half of the text in decode steps through that cache.
+    #[arg(long)]
+    kv_cache: Option<String>,
+    /// MiniCache: first merged layer (default: num_layers / 2).
+    #[arg(long)]
+    kv_start_layer: Option<usize>,
+    /// MiniCache: SLERP interpolation t in [0, 1].
+    #[arg(long, default_value_t = 0.6)]
+    kv_t: f32,
+    /// MiniCache: retention threshold on the normalized angle θ/π.
+    #[arg(long, default_value_t = 0.05)]
+    kv_gamma: f32,
+    /// MiniCache: positions held full before a merge.
+    #[arg(long, default_value_t = 16)]
+    kv_window: usize,
+    /// Quantization bits (2 or 4), overriding the cache name's.
+    #[arg(long)]
+    kv_bits: Option<u32>,
+    /// Quantization group size.
+    #[arg(long, default_value_t = 32)]
+    kv_group: usize,
+    /// Most recent tokens kept in full precision by the quantized caches.
+    #[arg(long, default_value_t = 32)]
+    kv_residual: usize,
+    /// perplexity --kv-cache: tokens prefilled before scoring (default: half the text).
+    #[arg(long)]
+    kv_prefix: Option<usize>,
+}
+
+impl KvArgs {
+    fn spec(&self) -> Result<CacheSpec, String> {
+        let name = self.kv_cache.as_deref().unwrap_or("full");
+        let kind = CacheKind::parse(name)
+            .ok_or_else(|| format!("unknown --kv-cache `{name}` ({})", CacheKind::NAMES))?;
+        Ok(CacheSpec {
+            kind,
+            minicache: MiniCacheConfig {
+                start_layer: self.kv_start_layer,
+                t: self.kv_t,
+                gamma: self.kv_gamma,
+                window: self.kv_window,
+            },
+            quant: QuantConfig {
+                bits: 4,
+                group_size: self.kv_group,
+                residual: self.kv_residual,
+            },
+            bits_override: self.kv_bits,
+        })
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -116,6 +174,8 @@ enum Cmd {
         seed: u64,
         #[command(flatten)]
         spec: SpecArgs,
+        #[command(flatten)]
+        kv: KvArgs,
     },
     /// Perplexity of a text file.
     Perplexity {
@@ -123,6 +183,8 @@ enum Cmd {
         common: Common,
         #[arg(long)]
         text: PathBuf,
+        #[command(flatten)]
+        kv: KvArgs,
     },
 }
 
@@ -177,7 +239,7 @@ fn run_cuda(_: &Cli) -> Result<(), String> {
     )
 }
 
-fn run<B: Backend>(cli: &Cli, device: &B::Device) -> Result<(), String> {
+fn run<B: KvBackend>(cli: &Cli, device: &B::Device) -> Result<(), String> {
     let common = match &cli.cmd {
         Cmd::Generate { common, .. } | Cmd::Perplexity { common, .. } => common,
     };
@@ -220,6 +282,7 @@ fn run<B: Backend>(cli: &Cli, device: &B::Device) -> Result<(), String> {
             top_p,
             seed,
             spec,
+            kv,
             ..
         } => {
             let text = if *chat {
@@ -235,7 +298,10 @@ fn run<B: Backend>(cli: &Cli, device: &B::Device) -> Result<(), String> {
                 seed: *seed,
             };
             let mut sampler = sampling.build();
-            let mut cache = FullKvCache::new(model.config.num_layers);
+            let mut cache = kv
+                .spec()?
+                .build::<B>(model.config.num_layers)
+                .map_err(|e| e.to_string())?;
             let opts = GenerateOptions {
                 max_new_tokens: *max_new_tokens,
                 stop_tokens: tokenizer.eos_token_ids().to_vec(),
@@ -274,7 +340,7 @@ fn run<B: Backend>(cli: &Cli, device: &B::Device) -> Result<(), String> {
             let g = generate(
                 &model,
                 &[ids],
-                &mut cache,
+                cache.as_mut(),
                 attention.as_ref(),
                 sampler.as_mut(),
                 &opts,
@@ -289,16 +355,51 @@ fn run<B: Backend>(cli: &Cli, device: &B::Device) -> Result<(), String> {
                 g.decode_tokens_per_sec(),
                 g.cache_bytes as f64 / 1e6
             );
+            let full = full_kv_bytes(
+                &model.config,
+                1,
+                cache.seq_len(),
+                model.embed.val().dtype().size(),
+            );
+            eprintln!(
+                "KV cache {}: {} bytes held vs {} full ({:.2}x)",
+                cache.name(),
+                g.cache_bytes,
+                full,
+                full as f64 / g.cache_bytes.max(1) as f64
+            );
         }
-        Cmd::Perplexity { text, .. } => {
+        Cmd::Perplexity { text, kv, .. } => {
             let body =
                 std::fs::read_to_string(text).map_err(|e| format!("{}: {e}", text.display()))?;
             let ids = tokenizer.encode(&body).map_err(|e| e.to_string())?;
             if ids.len() < 2 {
                 return Err(format!("{}: needs at least two tokens", text.display()));
             }
-            let ppl = perplexity(&model, &ids, attention.as_ref());
-            println!("perplexity {ppl:.4} over {} tokens", ids.len());
+            if kv.kv_cache.is_none() {
+                let ppl = perplexity(&model, &ids, attention.as_ref());
+                println!("perplexity {ppl:.4} over {} tokens", ids.len());
+                return Ok(());
+            }
+            let mut cache = kv
+                .spec()?
+                .build::<B>(model.config.num_layers)
+                .map_err(|e| e.to_string())?;
+            let prefix = kv
+                .kv_prefix
+                .unwrap_or(ids.len() / 2)
+                .clamp(1, ids.len() - 1);
+            let e = perplexity_with_cache(&model, &ids, prefix, cache.as_mut(), attention.as_ref());
+            println!(
+                "perplexity {:.4} over tokens {prefix}..{} (prefix {prefix} prefilled) with KV \
+                 cache {}: {} bytes held vs {} full ({:.2}x)",
+                e.perplexity,
+                ids.len(),
+                e.cache,
+                e.bytes_held,
+                e.full_bytes,
+                e.compression()
+            );
         }
     }
     Ok(())

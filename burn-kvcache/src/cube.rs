@@ -1,0 +1,69 @@
+//! `CubeBackend` runs the CubeCL kernels.
+
+use burn::tensor::{Int, Tensor, TensorPrimitive};
+use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+
+use crate::{KvBackend, Merged, Packed, QuantLayout, kernels};
+
+type Cb<R, F, I, BT> = CubeBackend<R, F, I, BT>;
+
+fn float<R, F, I, BT, const D: usize>(
+    t: burn_cubecl::tensor::CubeTensor<R>,
+) -> Tensor<Cb<R, F, I, BT>, D>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    Tensor::from_primitive(TensorPrimitive::Float(t))
+}
+
+impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> KvBackend
+    for CubeBackend<R, F, I, BT>
+{
+    fn minicache_merge(a: Tensor<Self, 2>, b: Tensor<Self, 2>, t: f32, gamma: f32) -> Merged<Self> {
+        let (dir, mag_a, mag_b, dist) = kernels::merge::merge(
+            a.into_primitive().tensor(),
+            b.into_primitive().tensor(),
+            t,
+            gamma,
+        );
+        Merged {
+            dir: float(dir),
+            mag_a: float(mag_a),
+            mag_b: float(mag_b),
+            dist: float(dist),
+        }
+    }
+
+    fn minicache_restore(
+        dir: Tensor<Self, 2>,
+        mag: Tensor<Self, 1>,
+        retained: Option<(Tensor<Self, 1, Int>, Tensor<Self, 2>)>,
+    ) -> Tensor<Self, 2> {
+        float(kernels::restore::restore(
+            dir.into_primitive().tensor(),
+            mag.into_primitive().tensor(),
+            retained.map(|(slot, rows)| (slot.into_primitive(), rows.into_primitive().tensor())),
+        ))
+    }
+
+    fn kv_quantize(x: Tensor<Self, 2>, layout: QuantLayout) -> Packed<Self> {
+        let (words, scale, min) = kernels::quantize::quantize(x.into_primitive().tensor(), layout);
+        Packed {
+            words: Tensor::from_primitive(words),
+            scale: float(scale),
+            min: float(min),
+        }
+    }
+
+    fn kv_dequantize(packed: &Packed<Self>, layout: QuantLayout) -> Tensor<Self, 2> {
+        float(kernels::dequantize::dequantize(
+            packed.words.clone().into_primitive(),
+            packed.scale.clone().into_primitive().tensor(),
+            packed.min.clone().into_primitive().tensor(),
+            layout,
+        ))
+    }
+}

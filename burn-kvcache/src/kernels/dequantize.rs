@@ -1,0 +1,85 @@
+//! Unpacking and dequantization, `min + code·scale`: one unit per output element.
+
+use burn::tensor::Shape;
+use burn_cubecl::{
+    CubeRuntime, kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype,
+    tensor::CubeTensor,
+};
+use cubecl::{calculate_cube_count_elemwise, prelude::*};
+
+use super::UNITS;
+use crate::QuantLayout;
+
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+fn dequantize_kernel<F: Float>(
+    words: &Tensor<u32>,
+    scale: &Tensor<F>,
+    min: &Tensor<F>,
+    out: &mut Tensor<F>,
+    group: usize,
+    groups: usize,
+    words_per_group: usize,
+    bits: u32,
+    #[define(F)] _dtype: StorageType,
+) {
+    let idx = ABSOLUTE_POS;
+    if idx >= out.len() {
+        terminate!();
+    }
+    let cols = out.shape(1);
+    let row = idx / cols;
+    let col = idx % cols;
+    let g = col / group;
+    let i = col % group;
+    let per_word = (32 / bits) as usize;
+    let gid = row * groups + g;
+    let word = words[gid * words_per_group + i / per_word];
+    let code = (word >> ((i % per_word) as u32 * bits)) & ((1u32 << bits) - 1);
+    let x = f32::cast_from(min[gid]) + f32::cast_from(code) * f32::cast_from(scale[gid]);
+    out[idx] = F::cast_from(x);
+}
+
+/// Launches the dequantization.
+///
+/// # Shapes
+/// - `words`: `[rows, groups · words_per_group]` u32, `scale`, `min`: `[rows, groups]`
+/// - returns `[rows, layout.cols]` in the dtype of `scale`
+pub fn dequantize<R: CubeRuntime>(
+    words: CubeTensor<R>,
+    scale: CubeTensor<R>,
+    min: CubeTensor<R>,
+    layout: QuantLayout,
+) -> CubeTensor<R> {
+    let scale = into_contiguous(scale);
+    let rows = scale.meta.shape().dims::<2>()[0];
+    let cols = layout.cols;
+    let client = scale.client.clone();
+    let dtype = scale.dtype;
+    let out = empty_device_contiguous_dtype::<R>(
+        client.clone(),
+        scale.device.clone(),
+        Shape::new([rows, cols]),
+        dtype,
+    );
+    if rows * cols == 0 {
+        return out;
+    }
+    let cube_dim = CubeDim::new_1d(UNITS);
+    let cube_count = calculate_cube_count_elemwise(&client, rows * cols, cube_dim);
+    dequantize_kernel::launch::<R>(
+        &client,
+        cube_count,
+        cube_dim,
+        into_contiguous(words).into_tensor_arg(),
+        scale.into_tensor_arg(),
+        into_contiguous(min).into_tensor_arg(),
+        out.clone().into_tensor_arg(),
+        layout.group_len(),
+        layout.groups(),
+        layout.words_per_group(),
+        layout.bits,
+        dtype.into(),
+    );
+    out
+}

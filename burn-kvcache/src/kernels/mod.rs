@@ -1,0 +1,18 @@
+//! CubeCL kernels, one file per op; each is generic over the runtime and the float dtype
+//! (math in f32).
+//!
+//! - [`merge`]: one unit per row pair (norms, angle, SLERP, retention);
+//! - [`restore`]: one unit per output element;
+//! - [`quantize`]: one unit per group (min/max, codes, its packed words);
+//! - [`dequantize`]: one unit per output element.
+//!
+//! Outputs are allocated with `empty_device_contiguous_dtype`: the kernels index them linearly,
+//! and CubeCL's CUDA runtime may pitch (row-pad) a plain 2-D allocation.
+
+pub mod dequantize;
+pub mod merge;
+pub mod quantize;
+pub mod restore;
+
+/// Units per cube of the element-wise launches.
+pub(crate) const UNITS: u32 = 256;

@@ -1,0 +1,188 @@
+//! The ops in plain tensor operations: the oracle the kernels are tested against, and the
+//! implementation on backends without kernels (`NdArray`). Math in f32, outputs in the input
+//! dtype (distances in f32).
+
+use burn::tensor::{DType, ElementConversion, Int, IntDType, Tensor, TensorData, backend::Backend};
+
+use crate::{Merged, Packed, QuantLayout};
+
+/// Below this a norm counts as zero (the direction of a zero vector is the zero vector).
+pub const NORM_EPS: f32 = 1e-12;
+/// Below this `sin θ` the SLERP weights fall back to linear interpolation (the two directions
+/// are parallel or antiparallel, where SLERP's formula divides by ~0).
+pub const SIN_EPS: f32 = 1e-6;
+
+/// MiniCache merge of row pairs. See [`crate::merge`].
+///
+/// # Shapes
+/// - `a`, `b`: `[n, d]`; returns `dir [n, d]`, `mag_a`, `mag_b` `[n]` (input dtype), `dist [n]`
+///   (f32)
+pub fn merge<B: Backend>(a: Tensor<B, 2>, b: Tensor<B, 2>, t: f32, gamma: f32) -> Merged<B> {
+    let dtype = a.dtype();
+    let a = a.cast(DType::F32);
+    let b = b.cast(DType::F32);
+    let na = a.clone().powi_scalar(2).sum_dim(1).sqrt();
+    let nb = b.clone().powi_scalar(2).sum_dim(1).sqrt();
+    let u = a / na.clone().clamp_min(NORM_EPS);
+    let w = b / nb.clone().clamp_min(NORM_EPS);
+    let diff = (u.clone() - w.clone()).powi_scalar(2).sum_dim(1).sqrt();
+    let sum = (u.clone() + w.clone()).powi_scalar(2).sum_dim(1).sqrt();
+    // 2·atan2(|u − w|, |u + w|) is accurate near 0 and π, unlike acos(u·w).
+    let theta = diff.atan2(sum) * 2.0;
+    let dist = theta.clone() * std::f32::consts::FRAC_1_PI;
+    let sin = theta.clone().sin();
+    let small = sin.clone().lower_elem(SIN_EPS);
+    let ca = (theta.clone() * (1.0 - t))
+        .sin()
+        .div(sin.clone().clamp_min(SIN_EPS))
+        .mask_fill(small.clone(), 1.0 - t);
+    let cb = (theta * t)
+        .sin()
+        .div(sin.clamp_min(SIN_EPS))
+        .mask_fill(small, t);
+    let m = u.clone() * ca + w * cb;
+    let nm = m.clone().powi_scalar(2).sum_dim(1).sqrt();
+    let m = m / nm.clamp_min(NORM_EPS);
+    let [n, d] = u.dims();
+    let retain = dist.clone().greater_elem(gamma).expand([n, d]);
+    let dir = m.mask_where(retain, u);
+    Merged {
+        dir: dir.cast(dtype),
+        mag_a: na.reshape([n]).cast(dtype),
+        mag_b: nb.reshape([n]).cast(dtype),
+        dist: dist.reshape([n]),
+    }
+}
+
+/// MiniCache restore of one layer. See [`crate::restore`].
+///
+/// # Shapes
+/// - `dir`: `[n, d]`, `mag`: `[n]`, `slot`: `[n]`, `retained`: `[r, d]`; returns `[n, d]`
+pub fn restore<B: Backend>(
+    dir: Tensor<B, 2>,
+    mag: Tensor<B, 1>,
+    retained: Option<(Tensor<B, 1, Int>, Tensor<B, 2>)>,
+) -> Tensor<B, 2> {
+    let dtype = dir.dtype();
+    let [n, d] = dir.dims();
+    let out = dir.cast(DType::F32) * mag.cast(DType::F32).reshape([n, 1]);
+    let out = match retained {
+        Some((slot, rows)) if rows.dims()[0] > 0 => {
+            let keep = slot.clone().greater_elem(0).reshape([n, 1]).expand([n, d]);
+            let idx = (slot - 1).clamp_min(0);
+            out.mask_where(keep, rows.cast(DType::F32).select(0, idx))
+        }
+        _ => out,
+    };
+    out.cast(dtype)
+}
+
+/// Asymmetric min/scale quantization of groups of columns, codes packed into `u32` words. See
+/// [`crate::quantize`].
+///
+/// # Shapes
+/// - `x`: `[rows, cols]`; returns words `[rows, groups·words_per_group]` (u32), scale and min
+///   `[rows, groups]` (input dtype)
+pub fn quantize<B: Backend>(x: Tensor<B, 2>, layout: QuantLayout) -> Packed<B> {
+    let dtype = x.dtype();
+    let device = x.device();
+    let [rows, cols] = x.dims();
+    let (g, ng, wpg, pw) = (
+        layout.group_len(),
+        layout.groups(),
+        layout.words_per_group(),
+        layout.codes_per_word(),
+    );
+    let x = x.cast(DType::F32);
+    let padded = ng * g;
+    // The ragged last group is padded with copies of its last column, which leave its min and
+    // max unchanged; their codes are zeroed before packing, as the kernel leaves them.
+    let x = if padded > cols {
+        let last = x.clone().slice([0..rows, cols - 1..cols]);
+        Tensor::cat(vec![x, last.expand([rows, padded - cols])], 1)
+    } else {
+        x
+    };
+    let xg = x.reshape([rows, ng, g]);
+    let mn = xg.clone().min_dim(2);
+    let mx = xg.clone().max_dim(2);
+    let levels = layout.levels() as f32;
+    // The stored (dtype-rounded) scale and min are what dequantization uses, so the codes are
+    // computed from them.
+    let scale = ((mx - mn.clone()) / levels).cast(dtype).cast(DType::F32);
+    let mn = mn.cast(dtype).cast(DType::F32);
+    let zero = scale.clone().lower_equal_elem(0.0);
+    let inv = scale
+        .clone()
+        .clamp_min(f32::MIN_POSITIVE)
+        .recip()
+        .mask_fill(zero, 0.0);
+    let codes = ((xg - mn.clone()) * inv)
+        .round()
+        .clamp(0.0, levels)
+        .int()
+        .cast(IntDType::I64);
+    let valid: Vec<i64> = (0..padded).map(|c| i64::from(c < cols)).collect();
+    let valid = Tensor::<B, 1, Int>::from_data(TensorData::new(valid, [padded]), &device)
+        .cast(IntDType::I64)
+        .reshape([1, ng, g]);
+    let codes = codes * valid;
+    let slots = wpg * pw;
+    let codes = if slots > g {
+        let zeros = Tensor::<B, 3, Int>::zeros([rows, ng, slots - g], &device).cast(IntDType::I64);
+        Tensor::cat(vec![codes, zeros], 2)
+    } else {
+        codes
+    };
+    let shifts: Vec<i64> = (0..pw).map(|j| 1i64 << (j as u32 * layout.bits)).collect();
+    let shifts = Tensor::<B, 1, Int>::from_data(TensorData::new(shifts, [pw]), &device)
+        .cast(IntDType::I64)
+        .reshape([1, 1, 1, pw]);
+    let words = (codes.reshape([rows, ng, wpg, pw]) * shifts)
+        .sum_dim(3)
+        .reshape([rows, ng * wpg])
+        .cast(IntDType::U32);
+    Packed {
+        words,
+        scale: scale.reshape([rows, ng]).cast(dtype),
+        min: mn.reshape([rows, ng]).cast(dtype),
+    }
+}
+
+/// Unpacks and dequantizes, `min + code·scale`. See [`crate::dequantize`].
+///
+/// # Shapes
+/// - as returned by [`quantize`]; returns `[rows, layout.cols]` in the dtype of `scale`
+pub fn dequantize<B: Backend>(packed: &Packed<B>, layout: QuantLayout) -> Tensor<B, 2> {
+    let dtype = packed.scale.dtype();
+    let device = packed.scale.device();
+    let [rows, _] = packed.scale.dims();
+    let (g, ng, wpg, pw) = (
+        layout.group_len(),
+        layout.groups(),
+        layout.words_per_group(),
+        layout.codes_per_word(),
+    );
+    let shifts: Vec<i64> = (0..pw).map(|j| (j as u32 * layout.bits) as i64).collect();
+    let shifts = Tensor::<B, 1, Int>::from_data(TensorData::new(shifts, [pw]), &device)
+        .cast(IntDType::I64)
+        .reshape([1, 1, 1, pw])
+        .expand([rows, ng, wpg, pw]);
+    let words = packed
+        .words
+        .clone()
+        .cast(IntDType::I64)
+        .reshape([rows, ng, wpg, 1])
+        .expand([rows, ng, wpg, pw]);
+    let codes = words
+        .bitwise_right_shift(shifts)
+        .bitwise_and_scalar((layout.levels() as i64).elem())
+        .reshape([rows, ng, wpg * pw])
+        .slice([0..rows, 0..ng, 0..g])
+        .float()
+        .cast(DType::F32);
+    let scale = packed.scale.clone().cast(DType::F32).reshape([rows, ng, 1]);
+    let mn = packed.min.clone().cast(DType::F32).reshape([rows, ng, 1]);
+    let out = (codes * scale + mn).reshape([rows, ng * g]);
+    out.slice([0..rows, 0..layout.cols]).cast(dtype)
+}

@@ -1,0 +1,316 @@
+//! Storage of one growing sequence `[batch, heads, seq, head_dim]` (full or KIVI-quantized)
+//! and of a growing list of rows `[rows, head_dim]` (full or quantized per row).
+
+use burn::tensor::{Int, Tensor};
+
+use crate::{KvBackend, Packed, QuantLayout, bytes_of, bytes_of_int, cache::QuantConfig};
+
+/// Which way a quantized sequence is grouped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Axis {
+    /// Keys: a min/scale per channel and block of `group_size` tokens.
+    PerChannel,
+    /// Values: a min/scale per token and group of `group_size` channels.
+    PerToken,
+}
+
+fn cat4<B: KvBackend>(a: Option<Tensor<B, 4>>, b: Tensor<B, 4>) -> Tensor<B, 4> {
+    match a {
+        Some(a) => Tensor::cat(vec![a, b], 2),
+        None => b,
+    }
+}
+
+fn slice_seq<B: KvBackend>(x: Tensor<B, 4>, from: usize, to: usize) -> Tensor<B, 4> {
+    let [b, h, _, d] = x.dims();
+    x.slice([0..b, 0..h, from..to, 0..d])
+}
+
+/// Quantized blocks of a sequence, each tensor `[b, h, blocks, ·]`.
+#[derive(Debug, Clone)]
+struct Blocks<B: KvBackend> {
+    words: Tensor<B, 4, Int>,
+    scale: Tensor<B, 4>,
+    min: Tensor<B, 4>,
+}
+
+#[derive(Debug)]
+pub(crate) struct QuantSeq<B: KvBackend> {
+    cfg: QuantConfig,
+    axis: Axis,
+    blocks: Option<Blocks<B>>,
+    /// Tokens in `blocks`.
+    qlen: usize,
+    residual: Option<Tensor<B, 4>>,
+    /// `[b, h, d]` of the sequence, known from the first append.
+    dims: Option<[usize; 3]>,
+}
+
+impl<B: KvBackend> QuantSeq<B> {
+    fn new(cfg: QuantConfig, axis: Axis) -> Self {
+        Self {
+            cfg,
+            axis,
+            blocks: None,
+            qlen: 0,
+            residual: None,
+            dims: None,
+        }
+    }
+
+    fn layout(&self, d: usize) -> QuantLayout {
+        let g = self.cfg.group_size;
+        let cols = match self.axis {
+            Axis::PerChannel => g,
+            Axis::PerToken => d,
+        };
+        QuantLayout::new(self.cfg.bits, g, cols).expect("validated config")
+    }
+
+    fn residual_len(&self) -> usize {
+        self.residual.as_ref().map_or(0, |r| r.dims()[2])
+    }
+
+    fn append(&mut self, x: Tensor<B, 4>) {
+        let [b, h, _, d] = x.dims();
+        self.dims = Some([b, h, d]);
+        let res = cat4(self.residual.take(), x);
+        let n = res.dims()[2];
+        let g = self.cfg.group_size;
+        if n < self.cfg.residual + g {
+            self.residual = Some(res);
+            return;
+        }
+        let nq = (n - self.cfg.residual) / g * g;
+        self.quantize_block(slice_seq(res.clone(), 0, nq));
+        self.residual = (nq < n).then(|| slice_seq(res, nq, n));
+    }
+
+    /// Quantizes `x` (`n` a multiple of the group size) onto the end of the blocks.
+    fn quantize_block(&mut self, x: Tensor<B, 4>) {
+        let [b, h, n, d] = x.dims();
+        let layout = self.layout(d);
+        let g = self.cfg.group_size;
+        let (rows, nb) = match self.axis {
+            Axis::PerToken => (x.reshape([b * h * n, d]), n),
+            Axis::PerChannel => {
+                let nb = n / g;
+                let t = x.reshape([b, h, nb, g, d]).swap_dims(3, 4);
+                (t.reshape([b * h * nb * d, g]), nb)
+            }
+        };
+        let p = B::kv_quantize(rows, layout);
+        let per = |t: usize| match self.axis {
+            Axis::PerToken => t,
+            Axis::PerChannel => t * d,
+        };
+        let (wc, sc) = (
+            per(layout.groups() * layout.words_per_group()),
+            per(layout.groups()),
+        );
+        let new = Blocks {
+            words: p.words.reshape([b, h, nb, wc]),
+            scale: p.scale.reshape([b, h, nb, sc]),
+            min: p.min.reshape([b, h, nb, sc]),
+        };
+        self.blocks = Some(match self.blocks.take() {
+            Some(old) => Blocks {
+                words: Tensor::cat(vec![old.words, new.words], 2),
+                scale: Tensor::cat(vec![old.scale, new.scale], 2),
+                min: Tensor::cat(vec![old.min, new.min], 2),
+            },
+            None => new,
+        });
+        self.qlen += n;
+    }
+
+    fn dequantized(&self) -> Option<Tensor<B, 4>> {
+        let blocks = self.blocks.as_ref()?;
+        let [b, h, d] = self.dims.expect("set with the blocks");
+        let layout = self.layout(d);
+        let nb = blocks.words.dims()[2];
+        let g = self.cfg.group_size;
+        let rows = match self.axis {
+            Axis::PerToken => b * h * nb,
+            Axis::PerChannel => b * h * nb * d,
+        };
+        let packed = Packed {
+            words: blocks
+                .words
+                .clone()
+                .reshape([rows, layout.groups() * layout.words_per_group()]),
+            scale: blocks.scale.clone().reshape([rows, layout.groups()]),
+            min: blocks.min.clone().reshape([rows, layout.groups()]),
+        };
+        let x = B::kv_dequantize(&packed, layout);
+        Some(match self.axis {
+            Axis::PerToken => x.reshape([b, h, nb, d]),
+            Axis::PerChannel => {
+                x.reshape([b, h, nb, d, g])
+                    .swap_dims(3, 4)
+                    .reshape([b, h, nb * g, d])
+            }
+        })
+    }
+
+    fn read(&self) -> Option<Tensor<B, 4>> {
+        match (self.dequantized(), self.residual.clone()) {
+            (Some(q), Some(r)) => Some(Tensor::cat(vec![q, r], 2)),
+            (q, r) => q.or(r),
+        }
+    }
+
+    fn truncate(&mut self, len: usize) {
+        if len >= self.qlen {
+            let keep = len - self.qlen;
+            if keep < self.residual_len() {
+                self.residual = (keep > 0)
+                    .then(|| slice_seq(self.residual.take().expect("non-empty"), 0, keep));
+            }
+            return;
+        }
+        // Cutting into the quantized blocks: dequantize, cut, and quantize again.
+        let all = self.read().expect("len < qlen, so blocks exist");
+        *self = Self::new(self.cfg, self.axis);
+        if len > 0 {
+            self.append(slice_seq(all, 0, len));
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        let blocks = self.blocks.as_ref().map_or(0, |b| {
+            bytes_of_int(&b.words) + bytes_of(&b.scale) + bytes_of(&b.min)
+        });
+        blocks + self.residual.as_ref().map_or(0, bytes_of)
+    }
+}
+
+/// One growing sequence `[b, h, seq, d]`.
+#[derive(Debug)]
+pub(crate) enum SeqStore<B: KvBackend> {
+    Full(Option<Tensor<B, 4>>),
+    Quant(QuantSeq<B>),
+}
+
+impl<B: KvBackend> SeqStore<B> {
+    pub(crate) fn new(quant: Option<QuantConfig>, axis: Axis) -> Self {
+        match quant {
+            Some(cfg) => Self::Quant(QuantSeq::new(cfg, axis)),
+            None => Self::Full(None),
+        }
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            Self::Full(x) => x.as_ref().map_or(0, |x| x.dims()[2]),
+            Self::Quant(q) => q.qlen + q.residual_len(),
+        }
+    }
+
+    pub(crate) fn append(&mut self, x: Tensor<B, 4>) {
+        match self {
+            Self::Full(slot) => *slot = Some(cat4(slot.take(), x)),
+            Self::Quant(q) => q.append(x),
+        }
+    }
+
+    /// Everything held, dequantized.
+    pub(crate) fn read(&self) -> Option<Tensor<B, 4>> {
+        match self {
+            Self::Full(x) => x.clone(),
+            Self::Quant(q) => q.read(),
+        }
+    }
+
+    /// Everything held followed by `new` (not stored).
+    pub(crate) fn read_with(&self, new: Tensor<B, 4>) -> Tensor<B, 4> {
+        cat4(self.read(), new)
+    }
+
+    pub(crate) fn truncate(&mut self, len: usize) {
+        match self {
+            Self::Full(slot) => {
+                if let Some(x) = slot.take() {
+                    let s = x.dims()[2];
+                    *slot = (len > 0).then(|| slice_seq(x, 0, len.min(s)));
+                }
+            }
+            Self::Quant(q) => q.truncate(len),
+        }
+    }
+
+    pub(crate) fn bytes(&self) -> usize {
+        match self {
+            Self::Full(x) => x.as_ref().map_or(0, bytes_of),
+            Self::Quant(q) => q.bytes(),
+        }
+    }
+}
+
+/// A growing list of rows `[rows, d]`: full, or quantized per row in groups of channels.
+#[derive(Debug)]
+pub(crate) enum RowStore<B: KvBackend> {
+    Full(Option<Tensor<B, 2>>),
+    Quant {
+        cfg: QuantConfig,
+        packed: Option<(Packed<B>, QuantLayout)>,
+    },
+}
+
+impl<B: KvBackend> RowStore<B> {
+    pub(crate) fn new(quant: Option<QuantConfig>) -> Self {
+        match quant {
+            Some(cfg) => Self::Quant { cfg, packed: None },
+            None => Self::Full(None),
+        }
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            Self::Full(x) => x.as_ref().map_or(0, |x| x.dims()[0]),
+            Self::Quant { packed, .. } => packed.as_ref().map_or(0, |(p, _)| p.scale.dims()[0]),
+        }
+    }
+
+    pub(crate) fn append(&mut self, rows: Tensor<B, 2>) {
+        if rows.dims()[0] == 0 {
+            return;
+        }
+        match self {
+            Self::Full(slot) => {
+                *slot = Some(match slot.take() {
+                    Some(old) => Tensor::cat(vec![old, rows], 0),
+                    None => rows,
+                })
+            }
+            Self::Quant { cfg, packed } => {
+                let layout =
+                    QuantLayout::new(cfg.bits, cfg.group_size, rows.dims()[1]).expect("validated");
+                let new = B::kv_quantize(rows, layout);
+                let merged = match packed.take() {
+                    Some((old, _)) => Packed {
+                        words: Tensor::cat(vec![old.words, new.words], 0),
+                        scale: Tensor::cat(vec![old.scale, new.scale], 0),
+                        min: Tensor::cat(vec![old.min, new.min], 0),
+                    },
+                    None => new,
+                };
+                *packed = Some((merged, layout));
+            }
+        }
+    }
+
+    pub(crate) fn read(&self) -> Option<Tensor<B, 2>> {
+        match self {
+            Self::Full(x) => x.clone(),
+            Self::Quant { packed, .. } => packed.as_ref().map(|(p, l)| B::kv_dequantize(p, *l)),
+        }
+    }
+
+    pub(crate) fn bytes(&self) -> usize {
+        match self {
+            Self::Full(x) => x.as_ref().map_or(0, bytes_of),
+            Self::Quant { packed, .. } => packed.as_ref().map_or(0, |(p, _)| p.bytes()),
+        }
+    }
+}

@@ -1,0 +1,366 @@
+//! The caches against the full cache through `KvCache::attend`: γ = 0 and identical adjacent
+//! layers are lossless, quantized caches stay close, truncation, and exact byte accounting.
+
+use burn::backend::NdArray;
+use burn::tensor::{DType, Tensor};
+use burn_kernels_core::{AttnOptions, FullKvCache, KvCache, ReferenceAttention};
+use burn_kernels_testing::{
+    Dist, Tolerance, assert_close, compare::metrics, compare::to_f32, random_tensor,
+};
+use burn_kvcache::{KvBackend, KvCacheError, MiniCacheConfig, MiniCacheKv, QuantConfig, QuantKv};
+
+type Cpu = NdArray<f32>;
+
+const LAYERS: usize = 7;
+const HEADS: usize = 2;
+const Q_HEADS: usize = 4;
+
+/// Feeds both caches the same per-layer Q/K/V for each chunk of `steps` (`dup` makes layer
+/// `2i+1`'s K/V a copy of layer `2i`'s) and truncates to `cut` before the chunk at index
+/// `cut_at`; returns every attention output of both, flattened.
+#[allow(clippy::too_many_arguments)]
+fn drive<B: KvBackend>(
+    a: &mut dyn KvCache<B>,
+    b: &mut dyn KvCache<B>,
+    steps: &[usize],
+    d: usize,
+    dup: bool,
+    cut: Option<(usize, usize)>,
+    seed: u64,
+    device: &B::Device,
+) -> (Vec<f32>, Vec<f32>) {
+    let opts = AttnOptions {
+        causal: true,
+        scale: (d as f32).sqrt().recip(),
+        key_padding: None,
+    };
+    let (mut oa, mut ob) = (Vec::new(), Vec::new());
+    for (i, &s) in steps.iter().enumerate() {
+        if let Some((at, len)) = cut
+            && at == i
+        {
+            a.truncate(len);
+            b.truncate(len);
+            assert_eq!(a.seq_len(), len);
+            assert_eq!(b.seq_len(), len);
+        }
+        let mut prev: Option<(Tensor<B, 4>, Tensor<B, 4>)> = None;
+        for layer in 0..LAYERS {
+            let sd = seed + (i * LAYERS + layer) as u64 * 3;
+            let q =
+                random_tensor::<B, 4>([1, Q_HEADS, s, d], Dist::STANDARD, sd, DType::F32, device);
+            let (k, v) = match (&prev, dup && layer % 2 == 1) {
+                (Some(kv), true) => kv.clone(),
+                _ => (
+                    random_tensor::<B, 4>(
+                        [1, HEADS, s, d],
+                        Dist::PEAKY,
+                        sd + 1,
+                        DType::F32,
+                        device,
+                    ),
+                    random_tensor::<B, 4>(
+                        [1, HEADS, s, d],
+                        Dist::STANDARD,
+                        sd + 2,
+                        DType::F32,
+                        device,
+                    ),
+                ),
+            };
+            prev = Some((k.clone(), v.clone()));
+            let att = ReferenceAttention;
+            let ya = a.attend(layer, q.clone(), k.clone(), v.clone(), &att, &opts);
+            let yb = b.attend(layer, q, k, v, &att, &opts);
+            oa.extend(to_f32(ya.into_data()));
+            ob.extend(to_f32(yb.into_data()));
+        }
+        assert_eq!(a.seq_len(), b.seq_len());
+    }
+    (oa, ob)
+}
+
+const STEPS: &[usize] = &[19, 1, 1, 1, 1, 5, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 3];
+const TIGHT: Tolerance = Tolerance {
+    atol: 1e-4,
+    rtol: 1e-4,
+};
+
+fn full_bytes(layers: usize, seq: usize, d: usize) -> usize {
+    layers * 2 * HEADS * seq * d * 4
+}
+
+/// γ = 0 retains every token whose layers differ, so attention equals the full cache's, from
+/// the start layer 0 or the middle, before and after truncation into merged positions.
+fn gamma_zero_matches_full<B: KvBackend>(device: &B::Device) {
+    for d in [64, 33] {
+        for start in [Some(0), None] {
+            let cfg = MiniCacheConfig {
+                start_layer: start,
+                gamma: 0.0,
+                window: 4,
+                ..Default::default()
+            };
+            let mut mc = MiniCacheKv::<B>::new(LAYERS, cfg).unwrap();
+            let mut full = FullKvCache::<B>::new(LAYERS);
+            let (y, e) = drive(
+                &mut mc,
+                &mut full,
+                STEPS,
+                d,
+                false,
+                Some((10, 17)),
+                10,
+                device,
+            );
+            assert_close(&format!("γ=0 d={d} start={start:?}"), &y, &e, TIGHT);
+            let s = mc.stats();
+            assert!(s.merged > 0 && s.retained == s.merged, "{s:?}");
+        }
+    }
+}
+
+/// Identical adjacent layers merge with nothing retained and restore exactly, at a fraction
+/// of the bytes.
+fn identical_layers_lossless<B: KvBackend>(device: &B::Device) {
+    let d = 64;
+    let cfg = MiniCacheConfig {
+        start_layer: Some(0),
+        window: 4,
+        ..Default::default()
+    };
+    let mut mc = MiniCacheKv::<B>::new(LAYERS, cfg).unwrap();
+    let mut full = FullKvCache::<B>::new(LAYERS);
+    let (y, e) = drive(
+        &mut mc,
+        &mut full,
+        STEPS,
+        d,
+        true,
+        Some((7, 21)),
+        20,
+        device,
+    );
+    assert_close("identical layers", &y, &e, TIGHT);
+    let s = mc.stats();
+    assert!(s.merged > 0 && s.retained == 0, "{s:?}");
+    let seq = mc.seq_len();
+    assert!(mc.bytes_held() < full.bytes_held());
+    assert_eq!(full.bytes_held(), full_bytes(LAYERS, seq, d));
+}
+
+/// Quantized caches stay close to the full cache (4 bits closer than 2), through truncation.
+fn quantized_close_to_full<B: KvBackend>(device: &B::Device) {
+    let d = 64;
+    let steps: Vec<usize> = [70].into_iter().chain([1; 24]).collect();
+    let mut prev_err = 0.0;
+    for bits in [4, 2] {
+        let q = QuantConfig {
+            bits,
+            group_size: 32,
+            residual: 16,
+        };
+        let mut qkv = QuantKv::<B>::new(LAYERS, q).unwrap();
+        let mut full = FullKvCache::<B>::new(LAYERS);
+        let (y, e) = drive(
+            &mut qkv,
+            &mut full,
+            &steps,
+            d,
+            false,
+            Some((25, 60)),
+            30,
+            device,
+        );
+        let m = metrics(&y, &e);
+        let min_cos = if bits == 4 { 0.99 } else { 0.95 };
+        assert!(m.cos_sim > min_cos, "quant{bits}: {m:?}");
+        assert!(m.rel_l1 > prev_err, "2 bits are worse than 4: {m:?}");
+        prev_err = m.rel_l1;
+        assert!(qkv.bytes_held() < full.bytes_held());
+
+        let mut mcq = MiniCacheKv::<B>::with_quant(LAYERS, MiniCacheConfig::default(), q).unwrap();
+        let mut full = FullKvCache::<B>::new(LAYERS);
+        let (y, e) = drive(
+            &mut mcq,
+            &mut full,
+            &steps,
+            d,
+            true,
+            Some((25, 60)),
+            40,
+            device,
+        );
+        let m = metrics(&y, &e);
+        assert!(m.cos_sim > min_cos, "minicache+quant{bits}: {m:?}");
+        assert!(mcq.bytes_held() < qkv.bytes_held());
+    }
+}
+
+macro_rules! on_all {
+    ($($f:ident),* $(,)?) => {
+        mod cpu {
+            $( #[test] fn $f() { super::$f::<super::Cpu>(&Default::default()); } )*
+        }
+        burn_kernels_testing::testgen! { backend: [$($f),*], autodiff: [] }
+    };
+}
+
+on_all!(
+    gamma_zero_matches_full,
+    identical_layers_lossless,
+    quantized_close_to_full,
+);
+
+/// Every tensor counted at its size: for one layer, 100 tokens, 4 bits, group 32, residual 32,
+/// 64 tokens are quantized and 36 stay in f32.
+#[test]
+fn quant_bytes_are_exact() {
+    let device = Default::default();
+    let (h, d, s) = (HEADS, 64, 100);
+    let mut c = QuantKv::<Cpu>::new(1, QuantConfig::default()).unwrap();
+    let mut full = FullKvCache::<Cpu>::new(1);
+    drive_one(&mut c, &mut full, s, d, &device);
+    let words_k = h * 2 * d * 4; // blocks × channels × 4 words (32 codes / 8 per word)
+    let stats_k = h * 2 * d * 2; // scale + min per block and channel
+    let words_v = h * 64 * 2 * 4; // tokens × groups × 4 words
+    let stats_v = h * 64 * 2 * 2;
+    let residual = 2 * h * 36 * d;
+    assert_eq!(
+        c.bytes_held(),
+        4 * (words_k + stats_k + words_v + stats_v + residual)
+    );
+}
+
+/// MiniCache bytes with identical layers (nothing retained): one pair, window 16, chunks of
+/// 20 (merged), 12 (pending) and 8 (pending reaches 20: merged), next to one unmerged layer.
+#[test]
+fn minicache_bytes_are_exact() {
+    let device = Default::default();
+    let (h, d) = (HEADS, 64);
+    let cfg = MiniCacheConfig {
+        start_layer: Some(0),
+        ..Default::default()
+    };
+    let mut c = MiniCacheKv::<Cpu>::new(3, cfg).unwrap();
+    assert_eq!(c.num_pairs(), 1);
+    let opts = AttnOptions {
+        causal: true,
+        scale: 0.125,
+        key_padding: None,
+    };
+    for s in [20, 12, 8] {
+        let k =
+            random_tensor::<Cpu, 4>([1, h, s, d], Dist::STANDARD, s as u64, DType::F32, &device);
+        let v = random_tensor::<Cpu, 4>(
+            [1, h, s, d],
+            Dist::STANDARD,
+            7 + s as u64,
+            DType::F32,
+            &device,
+        );
+        let q = random_tensor::<Cpu, 4>([1, h, s, d], Dist::STANDARD, 9, DType::F32, &device);
+        for layer in 0..3 {
+            c.attend(
+                layer,
+                q.clone(),
+                k.clone(),
+                v.clone(),
+                &ReferenceAttention,
+                &opts,
+            );
+        }
+    }
+    assert_eq!(c.seq_len(), 40);
+    assert_eq!(c.stats().retained, 0);
+    assert_eq!(c.stats().merged, 2 * h * 40);
+    let per_seq = h * 40 * d + 2 * h * 40 + h * 40; // dir, mags, slots
+    let unmerged = 2 * h * 40 * d;
+    assert_eq!(c.bytes_held(), 4 * (2 * per_seq + unmerged));
+}
+
+fn drive_one(
+    a: &mut dyn KvCache<Cpu>,
+    b: &mut dyn KvCache<Cpu>,
+    s: usize,
+    d: usize,
+    device: &burn::backend::ndarray::NdArrayDevice,
+) {
+    let opts = AttnOptions {
+        causal: true,
+        scale: 0.125,
+        key_padding: None,
+    };
+    let k = random_tensor::<Cpu, 4>([1, HEADS, s, d], Dist::STANDARD, 1, DType::F32, device);
+    let v = random_tensor::<Cpu, 4>([1, HEADS, s, d], Dist::STANDARD, 2, DType::F32, device);
+    let q = random_tensor::<Cpu, 4>([1, HEADS, s, d], Dist::STANDARD, 3, DType::F32, device);
+    a.attend(
+        0,
+        q.clone(),
+        k.clone(),
+        v.clone(),
+        &ReferenceAttention,
+        &opts,
+    );
+    b.attend(0, q, k, v, &ReferenceAttention, &opts);
+}
+
+#[test]
+fn cache_config_errors() {
+    let mc =
+        |cfg: MiniCacheConfig, layers: usize| MiniCacheKv::<Cpu>::new(layers, cfg).unwrap_err();
+    let base = MiniCacheConfig::default();
+    assert_eq!(
+        mc(
+            MiniCacheConfig {
+                start_layer: Some(30),
+                ..base
+            },
+            30
+        ),
+        KvCacheError::StartLayerOutOfRange {
+            start_layer: 30,
+            num_layers: 30
+        }
+    );
+    assert_eq!(
+        mc(MiniCacheConfig { t: 1.01, ..base }, 30),
+        KvCacheError::InvalidInterpolation(1.01)
+    );
+    assert_eq!(
+        mc(
+            MiniCacheConfig {
+                gamma: -1.0,
+                ..base
+            },
+            30
+        ),
+        KvCacheError::InvalidGamma(-1.0)
+    );
+    assert_eq!(
+        mc(MiniCacheConfig { window: 0, ..base }, 30),
+        KvCacheError::ZeroMergeWindow
+    );
+    assert_eq!(mc(base, 0), KvCacheError::NoLayers);
+    let q = |bits: u32, group_size: usize| QuantConfig {
+        bits,
+        group_size,
+        residual: 32,
+    };
+    assert_eq!(
+        QuantKv::<Cpu>::new(4, q(3, 32)).unwrap_err(),
+        KvCacheError::InvalidBits(3)
+    );
+    assert_eq!(
+        QuantKv::<Cpu>::new(4, q(4, 0)).unwrap_err(),
+        KvCacheError::ZeroGroupSize
+    );
+    assert_eq!(
+        QuantKv::<Cpu>::new(0, q(4, 32)).unwrap_err(),
+        KvCacheError::NoLayers
+    );
+    assert_eq!(
+        MiniCacheKv::<Cpu>::with_quant(30, base, q(8, 32)).unwrap_err(),
+        KvCacheError::InvalidBits(8)
+    );
+}

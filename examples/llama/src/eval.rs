@@ -1,0 +1,209 @@
+//! Perplexity read through a (compressed) KV cache, and the KV-cache choices of the CLI and
+//! the `kv_table` example.
+//!
+//! [`perplexity_with_cache`] prefills the first `prefix_len` tokens into the cache, then
+//! scores the rest teacher-forced in decode steps of a few tokens, each step attending over
+//! what the cache holds (compressed) plus its own new tokens. Its perplexity covers the
+//! positions `prefix_len..n` only: the prefill is computed exactly by every cache here
+//! (compression happens after a call's attention), so scoring it would dilute the
+//! difference between caches.
+
+use burn::tensor::{Int, Tensor, TensorData, activation, backend::Backend};
+use burn_kernels_core::{AttentionImpl, FullKvCache, KvCache};
+use burn_kvcache::{KvBackend, KvCacheError, MiniCacheConfig, MiniCacheKv, QuantConfig, QuantKv};
+
+use crate::config::LlamaConfig;
+use crate::model::Llama;
+
+/// Tokens per teacher-forced decode step of [`perplexity_with_cache`].
+pub const DEFAULT_CHUNK: usize = 4;
+
+/// What [`perplexity_with_cache`] measured.
+#[derive(Debug, Clone)]
+pub struct CacheEval {
+    /// The cache's name.
+    pub cache: String,
+    /// `exp(mean −log p)` over the scored positions.
+    pub perplexity: f64,
+    /// Positions scored (`tokens.len() − prefix_len`).
+    pub scored: usize,
+    /// Positions cached at the end.
+    pub cached: usize,
+    /// `KvCache::bytes_held` at the end.
+    pub bytes_held: usize,
+    /// What a full cache holds for the same positions.
+    pub full_bytes: usize,
+}
+
+impl CacheEval {
+    /// `full_bytes / bytes_held`.
+    pub fn compression(&self) -> f64 {
+        self.full_bytes as f64 / self.bytes_held.max(1) as f64
+    }
+}
+
+/// Bytes of an uncompressed cache of `seq` positions of `batch` sequences.
+pub fn full_kv_bytes(config: &LlamaConfig, batch: usize, seq: usize, dtype_size: usize) -> usize {
+    config.num_layers * 2 * batch * config.num_kv_heads * seq * config.head_dim * dtype_size
+}
+
+/// [`perplexity_with_cache_chunked`] with steps of [`DEFAULT_CHUNK`] tokens.
+pub fn perplexity_with_cache<B: Backend>(
+    model: &Llama<B>,
+    tokens: &[u32],
+    prefix_len: usize,
+    cache: &mut dyn KvCache<B>,
+    attention: &dyn AttentionImpl<B>,
+) -> CacheEval {
+    perplexity_with_cache_chunked(model, tokens, prefix_len, cache, attention, DEFAULT_CHUNK)
+}
+
+/// Prefills `tokens[..prefix_len]` into `cache` (which must be empty), then feeds the rest in
+/// steps of `chunk` tokens and scores every token from `prefix_len` on by the logits of the
+/// position before it. The last token is scored but never fed.
+///
+/// # Panics
+/// Unless `1 ≤ prefix_len < tokens.len()` and `chunk ≥ 1`.
+pub fn perplexity_with_cache_chunked<B: Backend>(
+    model: &Llama<B>,
+    tokens: &[u32],
+    prefix_len: usize,
+    cache: &mut dyn KvCache<B>,
+    attention: &dyn AttentionImpl<B>,
+    chunk: usize,
+) -> CacheEval {
+    let n = tokens.len();
+    assert!(
+        prefix_len >= 1 && prefix_len < n && chunk >= 1,
+        "need 1 ≤ prefix_len < tokens.len() and chunk ≥ 1"
+    );
+    assert_eq!(cache.seq_len(), 0, "the cache must start empty");
+    let device = model.embed.device();
+    let dtype_size = model.embed.val().dtype().size();
+    let run = |cache: &mut dyn KvCache<B>, from: usize, to: usize| -> f64 {
+        // Feeds tokens[from..to] and scores tokens[from + 1..=to] (to ≤ n − 1).
+        let ids: Vec<i64> = tokens[from..to].iter().map(|&t| t as i64).collect();
+        let len = to - from;
+        let input = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, len]), &device);
+        let hidden = model.forward(input, &[], cache, attention);
+        let log_probs = activation::log_softmax(model.logits(hidden), 2);
+        let targets: Vec<i64> = tokens[from + 1..=to].iter().map(|&t| t as i64).collect();
+        let targets =
+            Tensor::<B, 3, Int>::from_data(TensorData::new(targets, [1, len, 1]), &device);
+        let nll = log_probs.gather(2, targets).neg().sum();
+        nll.into_data()
+            .convert::<f64>()
+            .to_vec::<f64>()
+            .expect("float")[0]
+    };
+    // The prefill's last position scores tokens[prefix_len]; only that one is kept.
+    let ids: Vec<i64> = tokens[..prefix_len].iter().map(|&t| t as i64).collect();
+    let input = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, prefix_len]), &device);
+    let hidden = model.forward(input, &[], cache, attention);
+    let [_, _, h] = hidden.dims();
+    let last = hidden.slice([0..1, prefix_len - 1..prefix_len, 0..h]);
+    let log_probs = activation::log_softmax(model.logits(last), 2);
+    let target = Tensor::<B, 3, Int>::from_data(
+        TensorData::new(vec![tokens[prefix_len] as i64], [1, 1, 1]),
+        &device,
+    );
+    let mut nll = log_probs
+        .gather(2, target)
+        .neg()
+        .sum()
+        .into_data()
+        .convert::<f64>()
+        .to_vec::<f64>()
+        .expect("float")[0];
+    let mut from = prefix_len;
+    while from < n - 1 {
+        let to = (from + chunk).min(n - 1);
+        nll += run(cache, from, to);
+        from = to;
+    }
+    let scored = n - prefix_len;
+    let cached = cache.seq_len();
+    CacheEval {
+        cache: cache.name(),
+        perplexity: (nll / scored as f64).exp(),
+        scored,
+        cached,
+        bytes_held: cache.bytes_held(),
+        full_bytes: full_kv_bytes(&model.config, 1, cached, dtype_size),
+    }
+}
+
+/// The KV caches of the CLI (`--kv-cache`) and the `kv_table` example.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CacheKind {
+    Full,
+    MiniCache,
+    Quant4,
+    Quant2,
+    MiniCacheQuant4,
+}
+
+impl CacheKind {
+    pub const NAMES: &'static str = "full, minicache, quant4, quant2, minicache+quant4";
+
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "full" => Some(Self::Full),
+            "minicache" => Some(Self::MiniCache),
+            "quant4" => Some(Self::Quant4),
+            "quant2" => Some(Self::Quant2),
+            "minicache+quant4" => Some(Self::MiniCacheQuant4),
+            _ => None,
+        }
+    }
+}
+
+/// A KV cache choice with its settings.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CacheSpec {
+    pub kind: CacheKind,
+    pub minicache: MiniCacheConfig,
+    /// Group size and residual window; `bits` is taken from the kind unless
+    /// `bits_override` is set.
+    pub quant: QuantConfig,
+    pub bits_override: Option<u32>,
+}
+
+impl CacheSpec {
+    pub fn new(kind: CacheKind) -> Self {
+        Self {
+            kind,
+            minicache: MiniCacheConfig::default(),
+            quant: QuantConfig::default(),
+            bits_override: None,
+        }
+    }
+
+    fn quant_with(&self, bits: u32) -> QuantConfig {
+        QuantConfig {
+            bits: self.bits_override.unwrap_or(bits),
+            ..self.quant
+        }
+    }
+
+    /// An empty cache for a model of `num_layers` layers.
+    ///
+    /// # Errors
+    /// The configuration errors of `burn-kvcache`.
+    pub fn build<B: KvBackend>(
+        &self,
+        num_layers: usize,
+    ) -> Result<Box<dyn KvCache<B>>, KvCacheError> {
+        Ok(match self.kind {
+            CacheKind::Full => Box::new(FullKvCache::<B>::new(num_layers)),
+            CacheKind::MiniCache => Box::new(MiniCacheKv::<B>::new(num_layers, self.minicache)?),
+            CacheKind::Quant4 => Box::new(QuantKv::<B>::new(num_layers, self.quant_with(4))?),
+            CacheKind::Quant2 => Box::new(QuantKv::<B>::new(num_layers, self.quant_with(2))?),
+            CacheKind::MiniCacheQuant4 => Box::new(MiniCacheKv::<B>::with_quant(
+                num_layers,
+                self.minicache,
+                self.quant_with(4),
+            )?),
+        })
+    }
+}
