@@ -142,19 +142,9 @@ impl<B: KvBackend> KvCache<B> for QuantKv<B> {
         attention: &dyn AttentionImpl<B>,
         opts: &AttnOptions<B>,
     ) -> Tensor<B, 4> {
-        let (ks, vs) = &mut self.layers[layer];
-        // The call's own tokens are attended exactly; they are quantized afterwards.
-        let out = attention.attend(
-            layer,
-            q,
-            ks.read_with(k.clone()),
-            vs.read_with(v.clone()),
-            opts,
-        );
-        ks.append(k);
-        vs.append(v);
         self.last = layer;
-        out
+        // The call's own tokens are attended exactly; they are quantized afterwards.
+        SeqStore::attend_then_store(&mut self.layers[layer], layer, q, k, v, attention, opts)
     }
 
     fn seq_len(&self) -> usize {
@@ -525,17 +515,7 @@ impl<B: KvBackend> KvCache<B> for MiniCacheKv<B> {
         // The call's own tokens are attended exactly; compression happens afterwards.
         match self.roles[layer] {
             Role::Full(i) => {
-                let (ks, vs) = &mut self.full[i];
-                let out = attention.attend(
-                    layer,
-                    q,
-                    ks.read_with(k.clone()),
-                    vs.read_with(v.clone()),
-                    opts,
-                );
-                ks.append(k);
-                vs.append(v);
-                out
+                SeqStore::attend_then_store(&mut self.full[i], layer, q, k, v, attention, opts)
             }
             Role::First(i) | Role::Second(i) => {
                 let second = matches!(self.roles[layer], Role::Second(_));

@@ -227,6 +227,31 @@ impl<B: KvBackend> SeqStore<B> {
         cat4(self.read(), new)
     }
 
+    /// Attends `q` over everything `pair` (keys, values) holds plus the call's own `k`, `v`,
+    /// exactly, then stores `k`, `v` (compressing them as the store does).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn attend_then_store(
+        pair: &mut (Self, Self),
+        layer: usize,
+        q: Tensor<B, 4>,
+        k: Tensor<B, 4>,
+        v: Tensor<B, 4>,
+        attention: &dyn burn_kernels_core::AttentionImpl<B>,
+        opts: &burn_kernels_core::AttnOptions<B>,
+    ) -> Tensor<B, 4> {
+        let (ks, vs) = pair;
+        let out = attention.attend(
+            layer,
+            q,
+            ks.read_with(k.clone()),
+            vs.read_with(v.clone()),
+            opts,
+        );
+        ks.append(k);
+        vs.append(v);
+        out
+    }
+
     pub(crate) fn truncate(&mut self, len: usize) {
         match self {
             Self::Full(slot) => {
