@@ -21,6 +21,7 @@ use burn_kernels_testing::{poison_memory, testgen};
 use burn_specdec::device::{
     DeviceBlockOutcome, IS_MAX_VOCAB, PAD_TOKEN, STATUS_BAD_TOKEN, verify_blocks,
 };
+use burn_specdec::schemes::importance::{Candidate, for_each_candidate};
 use burn_specdec::{
     BlockOutcome, Result, Scheme, SpecDecError, Verifier, inverse_cdf, uniforms_per_token,
     verify_block,
@@ -299,13 +300,6 @@ fn host_walk(scheme: Scheme, seq: &Seq, rng: &mut StdRng) -> (Vec<f32>, BlockOut
     )
 }
 
-/// One importance-sampling candidate of the host: acceptance, selection rows, `q~`.
-struct Candidate {
-    acceptance: f64,
-    select: Vec<Vec<f64>>,
-    q_tilde: Vec<f64>,
-}
-
 fn ratio_capped(num: f64, den: f64) -> f64 {
     if den > 0.0 { (num / den).min(1.0) } else { 0.0 }
 }
@@ -319,113 +313,11 @@ fn normalised_or(w: Vec<f64>, fallback: &[f64]) -> Vec<f64> {
     }
 }
 
-fn candidate(p: &[f64], qs: &[Vec<f64>], select: Vec<Vec<f64>>) -> Candidate {
-    let last = qs.len() - 1;
-    let mut q_tilde = vec![0.0; p.len()];
-    let mut reach = 1.0;
-    for (q, s) in qs[..last].iter().zip(&select) {
-        let mut taken = 0.0;
-        for ((o, &qx), &sx) in q_tilde.iter_mut().zip(q).zip(s) {
-            let m = qx * sx;
-            *o += reach * m;
-            taken += m;
-        }
-        reach *= (1.0 - taken).max(0.0);
-    }
-    for (o, &qx) in q_tilde.iter_mut().zip(&qs[last]) {
-        *o += reach * qx;
-    }
-    let acceptance = p.iter().zip(&q_tilde).map(|(a, b)| a.min(*b)).sum();
-    Candidate {
-        acceptance,
-        select,
-        q_tilde,
-    }
-}
-
-/// Every candidate the host's importance-sampling plan compares, in its order (a test-side
-/// copy of `schemes::importance::plan`, which keeps the first strict maximum; checked against
-/// [`Verifier::selection_law`] where used).
+/// Every candidate the host's importance-sampling plan compares, in its order (the plan keeps
+/// the first strict maximum).
 fn is_candidates(p: &[f64], qs: &[Vec<f64>]) -> Vec<Candidate> {
-    let k = qs.len();
-    let v = p.len();
     let mut out = Vec::new();
-    let mut chain = p.to_vec();
-    let mut rows = Vec::new();
-    for q in &qs[..k - 1] {
-        rows.push(
-            chain
-                .iter()
-                .zip(q)
-                .map(|(&a, &b)| ratio_capped(a, b))
-                .collect(),
-        );
-        let next = chain.iter().zip(q).map(|(a, b)| (a - b).max(0.0)).collect();
-        chain = normalised_or(next, &chain);
-    }
-    out.push(candidate(p, qs, rows));
-    let verifier = Verifier::new(Scheme::SpecTr, p, qs).expect("valid rows");
-    let rho = verifier.spectr_rho().expect("SpecTr has rho");
-    let rows = qs[..k - 1]
-        .iter()
-        .map(|q| {
-            p.iter()
-                .zip(q)
-                .map(|(&a, &b)| ratio_capped(a, rho * b))
-                .collect()
-        })
-        .collect();
-    out.push(candidate(p, qs, rows));
-    if k > 1 {
-        let mut reach_est = vec![1.0; k];
-        let mut select_est = vec![vec![1.0; v]; k - 1];
-        for _ in 0..burn_specdec::RESERVE_ITERATIONS {
-            let mut later = vec![vec![0.0; v]; k];
-            let mut supply = vec![0.0; v];
-            for d in (0..k).rev() {
-                later[d].copy_from_slice(&supply);
-                for (y, s) in supply.iter_mut().enumerate() {
-                    let sel = if d + 1 < k { select_est[d][y] } else { 1.0 };
-                    *s += reach_est[d] * qs[d][y] * sel;
-                }
-            }
-            let mut rows: Vec<Vec<f64>> = Vec::new();
-            let mut reaches = Vec::new();
-            let mut reach = 1.0;
-            for d in 0..k - 1 {
-                let row: Vec<f64> = (0..v)
-                    .map(|y| {
-                        let mass = reach * qs[d][y];
-                        if mass > 0.0 {
-                            ((p[y] - later[d][y]) / mass).clamp(0.0, 1.0)
-                        } else {
-                            0.0
-                        }
-                    })
-                    .collect();
-                let taken: f64 = row.iter().zip(&qs[d]).map(|(s, q)| s * q).sum();
-                reaches.push(reach);
-                reach *= (1.0 - taken).max(0.0);
-                rows.push(row);
-            }
-            reaches.push(reach);
-            let mut change: f64 = 0.0;
-            for (e, r) in reach_est.iter_mut().zip(&reaches) {
-                change = change.max((*e - r).abs());
-                *e = 0.5 * (*e + r);
-            }
-            for (est, row) in select_est.iter_mut().zip(&rows) {
-                for (e, s) in est.iter_mut().zip(row) {
-                    change = change.max((*e - s).abs());
-                    *e = 0.5 * (*e + s);
-                }
-            }
-            out.push(candidate(p, qs, rows));
-            if change <= 1e-13 {
-                break;
-            }
-        }
-    }
+    for_each_candidate(p, qs, |c| out.push(c));
     out
 }
 

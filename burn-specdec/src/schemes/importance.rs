@@ -127,28 +127,33 @@ fn reserve_round(
 }
 
 /// A candidate selection rule with its law `q~` and acceptance `sum min(p, q~)`.
-struct Candidate {
-    acceptance: f64,
-    select: Vec<Vec<f64>>,
-    q_tilde: Vec<f64>,
-    rule: SelectionRule,
+#[derive(Debug, Clone, PartialEq)]
+pub struct Candidate {
+    /// `sum min(p, q~)`.
+    pub acceptance: f64,
+    /// Sequential selection rows (`K - 1` rows of length V).
+    pub select: Vec<Vec<f64>>,
+    /// The law of the selected draft token.
+    pub q_tilde: Vec<f64>,
+    pub rule: SelectionRule,
 }
 
-pub(crate) fn plan(p: &[f64], qs: &[Vec<f64>]) -> SelectionPlan {
+/// Calls `visit` with every candidate the importance-sampling plan compares, in the plan's
+/// order (SpecInfer chain, SpecTr chain, then each reserve round); the plan keeps the first
+/// strict maximum of `acceptance`. Exposed so that tests of other implementations (the device
+/// kernel) can see which choices are near-ties.
+pub fn for_each_candidate(p: &[f64], qs: &[Vec<f64>], mut visit: impl FnMut(Candidate)) {
     let k_drafts = qs.len();
     let v = p.len();
-    let mut best: Option<Candidate> = None;
     let mut consider = |select: Vec<Vec<f64>>, rule: SelectionRule| {
         let q_tilde = proposal(qs, &select);
         let acceptance = overlap(p, &q_tilde);
-        if best.as_ref().is_none_or(|b| acceptance > b.acceptance) {
-            best = Some(Candidate {
-                acceptance,
-                select,
-                q_tilde,
-                rule,
-            });
-        }
+        visit(Candidate {
+            acceptance,
+            select,
+            q_tilde,
+            rule,
+        });
     };
 
     let chain = super::specinfer::residual_chain(p, qs);
@@ -190,6 +195,15 @@ pub(crate) fn plan(p: &[f64], qs: &[Vec<f64>]) -> SelectionPlan {
             }
         }
     }
+}
+
+pub(crate) fn plan(p: &[f64], qs: &[Vec<f64>]) -> SelectionPlan {
+    let mut best: Option<Candidate> = None;
+    for_each_candidate(p, qs, |c| {
+        if best.as_ref().is_none_or(|b| c.acceptance > b.acceptance) {
+            best = Some(c);
+        }
+    });
 
     let Candidate {
         acceptance,
