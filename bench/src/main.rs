@@ -166,7 +166,7 @@ fn commit(args: &Args) -> String {
     .unwrap_or_else(|| "unknown".into())
 }
 
-fn run<B: Backend + CceBackend>(
+fn run<B: Backend + CceBackend + burn_sage::SageBackend>(
     args: &Args,
     device: &B::Device,
     backend: &str,

@@ -4,14 +4,16 @@ pub mod attention;
 pub mod cce;
 pub mod llama;
 pub mod lse;
+pub mod sage;
 
 use burn::tensor::backend::Backend;
 use burn_cce::CceBackend;
+use burn_sage::SageBackend;
 
 use crate::harness::Suite;
 
 /// Names of every suite, in the order `--suite all` runs them.
-pub const ALL: &[&str] = &["attention-baseline", "lse", "cce", "llama"];
+pub const ALL: &[&str] = &["attention-baseline", "sage", "lse", "cce", "llama"];
 
 /// Options every suite gets.
 #[derive(Debug, Clone)]
@@ -24,10 +26,14 @@ pub struct SuiteOptions {
 }
 
 /// Builds the suite called `name`.
-pub fn build<B: Backend + CceBackend>(name: &str, opts: SuiteOptions) -> Option<Suite<B>> {
+pub fn build<B: Backend + CceBackend + SageBackend>(
+    name: &str,
+    opts: SuiteOptions,
+) -> Option<Suite<B>> {
     match name {
         "attention-baseline" => Some(attention::suite::<B>(opts)),
         "lse" => Some(lse::suite::<B>(opts)),
+        "sage" => Some(sage::suite::<B>(opts)),
         "cce" => Some(cce::suite::<B>(opts)),
         "llama" => Some(llama::suite::<B>(opts)),
         _ => None,

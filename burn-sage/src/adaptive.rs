@@ -1,0 +1,128 @@
+//! Adaptive precision (the paper's adaptive quantization): per layer, measure the INT4 and
+//! INT8 outputs against exact attention on a calibration batch and keep INT4 only where its
+//! accuracy score `cos_sim · (1 − rel_l1)` reaches a threshold.
+
+use std::sync::Mutex;
+
+use burn::tensor::{DType, Tensor, backend::Backend};
+use burn_kernels_core::attention::{AttentionImpl, AttnOptions};
+
+use crate::{Accuracy, QkQuant, SageBackend, SageError, SageOptions, reference, sage_attention};
+
+/// Default score INT4 must reach to be kept for a layer.
+pub const DEFAULT_INT4_THRESHOLD: f64 = 0.99;
+
+/// What calibration measured for one layer.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LayerReport {
+    pub layer: usize,
+    pub int4: Accuracy,
+    pub int8: Accuracy,
+    pub choice: QkQuant,
+}
+
+fn values<B: Backend>(x: Tensor<B, 4>) -> Vec<f32> {
+    x.cast(DType::F32)
+        .into_data()
+        .convert::<f32>()
+        .to_vec()
+        .expect("f32 data")
+}
+
+/// Measures INT4 (per-thread) and INT8 (per-thread) against exact attention on one layer's
+/// `q`, `k`, `v` and picks INT4 when its score reaches `threshold`.
+pub fn choose_layer<B: SageBackend>(
+    layer: usize,
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    base: &SageOptions,
+    threshold: f64,
+) -> Result<LayerReport, SageError> {
+    let scale = base.scale.unwrap_or(1.0 / (q.dims()[3] as f32).sqrt());
+    let (exact, _) =
+        reference::exact_attention(q.clone(), k.clone(), v.clone(), base.causal, scale);
+    let exact = values(exact);
+    let run = |qk| -> Result<Accuracy, SageError> {
+        let opts = SageOptions { qk, ..*base };
+        let out = sage_attention(q.clone(), k.clone(), v.clone(), &opts)?.out;
+        Ok(Accuracy::of(&values(out), &exact))
+    };
+    let int4 = run(QkQuant::Int4PerThread)?;
+    let int8 = run(QkQuant::Int8PerThread)?;
+    let choice = if int4.score() >= threshold {
+        QkQuant::Int4PerThread
+    } else {
+        QkQuant::Int8PerThread
+    };
+    Ok(LayerReport {
+        layer,
+        int4,
+        int8,
+        choice,
+    })
+}
+
+/// One choice per layer from captured `(q, k, v)` (e.g. by [`CaptureAttention`]).
+pub fn calibrate<B: SageBackend>(
+    captures: Vec<(Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>)>,
+    base: &SageOptions,
+    threshold: f64,
+) -> Result<Vec<LayerReport>, SageError> {
+    captures
+        .into_iter()
+        .enumerate()
+        .map(|(layer, (q, k, v))| choose_layer(layer, q, k, v, base, threshold))
+        .collect()
+}
+
+/// Q/K/V of one call with its causal flag.
+pub type Captured<B> = (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>, bool);
+
+/// An attention implementation that records the first call of every layer (its Q, K, V) and
+/// forwards to `inner`: run the model once on a calibration batch, then [`calibrate`].
+#[derive(Debug)]
+pub struct CaptureAttention<B: Backend> {
+    pub inner: Box<dyn AttentionImpl<B>>,
+    captured: Mutex<Vec<Option<Captured<B>>>>,
+}
+
+impl<B: Backend> CaptureAttention<B> {
+    pub fn new(inner: Box<dyn AttentionImpl<B>>) -> Self {
+        Self {
+            inner,
+            captured: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// The captured calls, by layer (`None` for a layer never called).
+    pub fn take(&self) -> Vec<Option<Captured<B>>> {
+        std::mem::take(&mut *self.captured.lock().expect("not poisoned"))
+    }
+}
+
+impl<B: Backend> AttentionImpl<B> for CaptureAttention<B> {
+    fn name(&self) -> String {
+        format!("capture({})", self.inner.name())
+    }
+
+    fn attend(
+        &self,
+        layer: usize,
+        q: Tensor<B, 4>,
+        k: Tensor<B, 4>,
+        v: Tensor<B, 4>,
+        opts: &AttnOptions<B>,
+    ) -> Tensor<B, 4> {
+        {
+            let mut cap = self.captured.lock().expect("not poisoned");
+            if cap.len() <= layer {
+                cap.resize(layer + 1, None);
+            }
+            if cap[layer].is_none() {
+                cap[layer] = Some((q.clone(), k.clone(), v.clone(), opts.causal));
+            }
+        }
+        self.inner.attend(layer, q, k, v, opts)
+    }
+}

@@ -1,0 +1,52 @@
+//! Device functions shared by the kernels, and launch helpers.
+
+use cubecl::prelude::*;
+
+/// `sign(x)·floor(|x| + 0.5)`: round half away from zero, as the reference does.
+#[cube]
+pub fn round_away(x: f32) -> f32 {
+    let r = f32::floor(f32::abs(x) + 0.5);
+    if x < 0.0 { -r } else { r }
+}
+
+/// `x` rounded to a float format with `mantissa` bits, smallest normal exponent `min_exp` and
+/// largest value `max` (ties away from zero, saturating): [`crate::Grid::round`] on the device.
+#[cube]
+pub fn round_grid(x: f32, mantissa: f32, min_exp: f32, max: f32) -> f32 {
+    let a = f32::abs(x);
+    let mut r = a;
+    if a > 0.0 {
+        let e = f32::max(
+            f32::floor(f32::ln(a) * f32::new(std::f32::consts::LOG2_E)),
+            min_exp,
+        );
+        let step = f32::powf(f32::new(2.0), e - mantissa);
+        r = f32::min(f32::floor(a / step + 0.5) * step, max);
+    }
+    if x < 0.0 { -r } else { r }
+}
+
+/// The largest value of every unit's `value`; `units` is the cube size, a power of two.
+#[cube]
+pub fn cube_max(value: f32, #[comptime] units: usize) -> f32 {
+    let mut shared = SharedMemory::<f32>::new(units);
+    let unit = UNIT_POS_X as usize;
+    shared[unit] = value;
+    sync_cube();
+    let mut half = CUBE_DIM_X as usize / 2;
+    while half > 0 {
+        if unit < half {
+            shared[unit] = f32::max(shared[unit], shared[unit + half]);
+        }
+        sync_cube();
+        half /= 2;
+    }
+    shared[0]
+}
+
+/// A grid of `cubes` cubes; beyond one grid dimension they spill into the second.
+pub fn grid<R: Runtime>(client: &ComputeClient<R>, cubes: usize) -> CubeCount {
+    let max_x = client.properties().hardware.max_cube_count.0.min(65_535) as usize;
+    let x = cubes.clamp(1, max_x);
+    CubeCount::Static(x as u32, cubes.div_ceil(x) as u32, 1)
+}

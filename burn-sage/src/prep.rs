@@ -1,0 +1,108 @@
+//! The stages both paths share, as tensor ops: smoothing means, the `ΔS` correction and the
+//! V scaling. They are cheap (one pass over Q, K, V, and one GEMV-like matmul per Q block);
+//! the quantization and the attention itself are the kernels.
+
+use burn::tensor::{DType, Tensor, TensorData, backend::Backend};
+
+use crate::{PvPrecision, SagePlan};
+
+/// Smallest scale a group may get (an all-zero group quantizes to zeros).
+pub const MIN_SCALE: f32 = f32::MIN_POSITIVE;
+
+/// What the quantization and the attention consume besides Q, K, V.
+#[derive(Debug, Clone)]
+pub struct Prepared<B: Backend> {
+    /// `[batch, q_heads, q_mean_blocks, head_dim]` f32: subtracted from Q before quantizing
+    /// (zeros when Q is not smoothed).
+    pub q_mean: Tensor<B, 4>,
+    /// `[batch, kv_heads, 1, head_dim]` f32 (zeros when K is not smoothed).
+    pub k_mean: Tensor<B, 4>,
+    /// `[batch, q_heads, q_mean_blocks, kv_len]` f32, `mean(Q_block)·(K − k_mean)ᵀ`, unscaled.
+    pub delta_s: Option<Tensor<B, 4>>,
+    /// V as the PV product reads it: `V` (FP16 PV) or `V / v_scale` in f32 (FP8 PV).
+    pub v: Tensor<B, 4>,
+    /// `[batch, kv_heads, 1, head_dim]` f32 epilogue factor per channel: `v_scale / 448` (FP8)
+    /// or 1.
+    pub post: Tensor<B, 4>,
+}
+
+/// Per-block means of `x` over its rows: `[b, h, ceil(s / block), d]`, f32.
+pub fn block_means<B: Backend>(x: Tensor<B, 4>, block: usize) -> Tensor<B, 4> {
+    let [b, h, s, d] = x.dims();
+    let x = x.cast(DType::F32);
+    let nb = s.div_ceil(block);
+    let padded = nb * block;
+    let x = if padded > s {
+        let zeros = Tensor::<B, 4>::zeros([b, h, padded - s, d], &x.device()).cast(DType::F32);
+        Tensor::cat(vec![x, zeros], 2)
+    } else {
+        x
+    };
+    let sums = x
+        .reshape([b, h, nb, block, d])
+        .sum_dim(3)
+        .reshape([b, h, nb, d]);
+    let counts: Vec<f32> = (0..nb).map(|i| (s - i * block).min(block) as f32).collect();
+    let counts = Tensor::<B, 1>::from_data(TensorData::new(counts, [nb]), &sums.device())
+        .cast(DType::F32)
+        .reshape([1, 1, nb, 1]);
+    sums / counts
+}
+
+/// Repeats each of the `nb` block rows `block` times and keeps the first `rows`:
+/// `[b, h, nb, c] → [b, h, rows, c]`.
+pub fn expand_blocks<B: Backend>(x: Tensor<B, 4>, block: usize, rows: usize) -> Tensor<B, 4> {
+    let [b, h, nb, c] = x.dims();
+    x.reshape([b, h, nb, 1, c])
+        .expand([b, h, nb, block, c])
+        .reshape([b, h, nb * block, c])
+        .slice([0..b, 0..h, 0..rows, 0..c])
+}
+
+/// The shared stages for `plan`.
+pub fn prepare<B: Backend>(
+    q: &Tensor<B, 4>,
+    k: &Tensor<B, 4>,
+    v: &Tensor<B, 4>,
+    plan: &SagePlan,
+) -> Prepared<B> {
+    let (b, hq, hkv, d) = (plan.batch, plan.q_heads, plan.kv_heads, plan.head_dim);
+    let device = q.device();
+    let zeros = |shape: [usize; 4]| Tensor::<B, 4>::zeros(shape, &device).cast(DType::F32);
+    let k_mean = if plan.opts.smooth_k {
+        k.clone().cast(DType::F32).mean_dim(2)
+    } else {
+        zeros([b, hkv, 1, d])
+    };
+    let (q_mean, delta_s) = if plan.opts.smooth_q {
+        let mb = plan.q_mean_block();
+        let q_mean = block_means(q.clone(), mb);
+        let nmq = q_mean.dims()[2];
+        let group = plan.group();
+        let k_smooth = k.clone().cast(DType::F32) - k_mean.clone();
+        let ds = q_mean
+            .clone()
+            .reshape([b, hkv, group * nmq, d])
+            .matmul(k_smooth.swap_dims(2, 3))
+            .reshape([b, hq, nmq, plan.kv_len]);
+        (q_mean, Some(ds))
+    } else {
+        (zeros([b, hq, 1, d]), None)
+    };
+    let (v, post) = match plan.opts.pv {
+        PvPrecision::Fp8E4m3 => {
+            let v32 = v.clone().cast(DType::F32);
+            let v_scale = (v32.clone().abs().max_dim(2) / 448.0).clamp_min(MIN_SCALE);
+            let post = v_scale.clone() / plan.p_scale();
+            (v32 / v_scale, post)
+        }
+        PvPrecision::Fp16 => (v.clone(), zeros([b, hkv, 1, d]) + 1.0),
+    };
+    Prepared {
+        q_mean,
+        k_mean,
+        delta_s,
+        v,
+        post,
+    }
+}
