@@ -34,7 +34,7 @@ pub const BKV: usize = 64;
 pub const PLANES: usize = 4;
 
 #[cube(launch)]
-#[allow(clippy::too_many_arguments)]
+#[allow(clippy::too_many_arguments, clippy::manual_div_ceil)]
 fn attn_cmma_kernel<F: Float, P: Float, V: Float>(
     qi: &Tensor<i8>,
     ki: &Tensor<i8>,

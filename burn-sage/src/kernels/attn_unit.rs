@@ -56,7 +56,7 @@ fn attn_unit_kernel<F: Float, I: Int, V: Float>(
         let krow = (bhk * args.skv + j) * dim;
         let mut dot = i32::new(0);
         for c in 0..dim {
-            dot = dot + i32::cast_from(qi[idx * dim + c]) * i32::cast_from(ki[krow + c]);
+            dot += i32::cast_from(qi[idx * dim + c]) * i32::cast_from(ki[krow + c]);
         }
         let kg = (j / args.k_block) * args.k_inter + (j % args.k_block) % args.k_inter;
         let mut s = f32::cast_from(dot) * qscale * ks[bhk * args.k_groups + kg];
@@ -66,9 +66,9 @@ fn attn_unit_kernel<F: Float, I: Int, V: Float>(
         s *= args.scale;
         if s > m {
             let alpha = f32::exp(m - s);
-            l = l * alpha;
+            l *= alpha;
             for c in 0..dim {
-                acc[c] = acc[c] * alpha;
+                acc[c] *= alpha;
             }
             m = s;
         }
@@ -82,7 +82,7 @@ fn attn_unit_kernel<F: Float, I: Int, V: Float>(
                 args.min_exp,
                 args.grid_max,
             );
-            acc[c] = acc[c] + pq * vq;
+            acc[c] += pq * vq;
         }
     }
     for c in 0..dim {
