@@ -66,4 +66,22 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> KvBackend
             layout,
         ))
     }
+
+    fn shadowkv_gather_reconstruct_rope(
+        a: Tensor<Self, 3>,
+        wt: Tensor<Self, 4>,
+        chunks: Tensor<Self, 3, Int>,
+        cos: Tensor<Self, 2>,
+        sin: Tensor<Self, 2>,
+        chunk: usize,
+    ) -> Tensor<Self, 4> {
+        float(kernels::gather_rope::gather_reconstruct_rope(
+            a.into_primitive().tensor(),
+            wt.into_primitive().tensor(),
+            chunks.into_primitive(),
+            cos.into_primitive().tensor(),
+            sin.into_primitive().tensor(),
+            chunk,
+        ))
+    }
 }

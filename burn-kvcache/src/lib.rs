@@ -1,8 +1,12 @@
 //! # burn-kvcache: KV-cache compression for Burn
 //!
-//! Two compressions of the KV cache and their composition, each a
+//! Three compressions of the KV cache (and one composition), each a
 //! [`KvCache`](burn_kernels_core::KvCache) the Llama example can run with:
 //!
+//! - [`ShadowKvCache`]: ShadowKV (Sun et al., 2024, arXiv 2410.21465): low-rank pre-RoPE keys
+//!   on the device, values in host memory, chunk landmarks scored at each decode step and the
+//!   top chunks' keys rebuilt by the fused [`gather_reconstruct_rope`] kernel. See
+//!   [`shadowkv`].
 //! - [`MiniCacheKv`]: MiniCache (Liu et al., 2024, arXiv 2405.14366) cross-layer merging:
 //!   adjacent layers from a start layer on share one direction per token, each keeping its own
 //!   magnitude; tokens whose two directions are too far apart are retained unmerged.
@@ -84,12 +88,14 @@ mod cube;
 mod error;
 pub mod kernels;
 pub mod reference;
+pub mod shadowkv;
 mod store;
 
 pub use cache::{MergeStats, MiniCacheConfig, MiniCacheKv, QuantConfig, QuantKv};
 pub use error::KvCacheError;
+pub use shadowkv::{DecodeTimings, RopeParams, ShadowBytes, ShadowKvCache, ShadowKvConfig};
 
-use burn::tensor::{Int, Tensor, backend::Backend};
+use burn::tensor::{DType, Int, Tensor, backend::Backend};
 
 /// The shared direction, both magnitudes and the angular distance of merged row pairs.
 #[derive(Debug, Clone)]
@@ -215,6 +221,19 @@ pub trait KvBackend: Backend {
     fn kv_dequantize(packed: &Packed<Self>, layout: QuantLayout) -> Tensor<Self, 2> {
         reference::dequantize(packed, layout)
     }
+
+    /// # Shapes
+    /// See [`gather_reconstruct_rope`].
+    fn shadowkv_gather_reconstruct_rope(
+        a: Tensor<Self, 3>,
+        wt: Tensor<Self, 4>,
+        chunks: Tensor<Self, 3, Int>,
+        cos: Tensor<Self, 2>,
+        sin: Tensor<Self, 2>,
+        chunk: usize,
+    ) -> Tensor<Self, 4> {
+        reference::gather_reconstruct_rope(a, wt, chunks, cos, sin, chunk)
+    }
 }
 
 pub(crate) fn check_t_gamma(t: f32, gamma: f32) -> Result<(), KvCacheError> {
@@ -314,4 +333,55 @@ pub fn quantize<B: KvBackend>(
 /// - `packed` as returned with `layout`; returns `[rows, layout.cols]`
 pub fn dequantize<B: KvBackend>(packed: &Packed<B>, layout: QuantLayout) -> Tensor<B, 2> {
     B::kv_dequantize(packed, layout)
+}
+
+/// ShadowKV's fused key rebuild: for each `(batch, head)` and each of its `k` chunk ids `c`,
+/// the keys of positions `pos = c·chunk + t` (`t < chunk`) are rebuilt from the low-rank
+/// factors, `a[b, pos] · wt[b, h]`, and rotated by RoPE (rotate-half) with `cos[pos]`,
+/// `sin[pos]`. Positions at or past `min(rows, positions)` give zero rows.
+///
+/// # Shapes
+/// - `a`: `[batch, rows, rank]`; `wt`: `[batch, heads, rank, d]`, `a`'s dtype, `d` even
+/// - `chunks`: `[batch, heads, k]` int, non-negative
+/// - `cos`, `sin`: `[positions, d/2]` f32
+/// - returns `[batch, heads, k · chunk, d]` in `a`'s dtype
+///
+/// # Errors
+/// [`KvCacheError::ZeroChunk`], [`KvCacheError::OddHeadDim`], [`KvCacheError::ShapeMismatch`].
+pub fn gather_reconstruct_rope<B: KvBackend>(
+    a: Tensor<B, 3>,
+    wt: Tensor<B, 4>,
+    chunks: Tensor<B, 3, Int>,
+    cos: Tensor<B, 2>,
+    sin: Tensor<B, 2>,
+    chunk: usize,
+) -> Result<Tensor<B, 4>, KvCacheError> {
+    if chunk == 0 {
+        return Err(KvCacheError::ZeroChunk);
+    }
+    let [b, _, rank] = a.dims();
+    let [wb, h, wr, d] = wt.dims();
+    if d % 2 == 1 {
+        return Err(KvCacheError::OddHeadDim(d));
+    }
+    let mismatch = |left: &[usize], right: &[usize]| KvCacheError::ShapeMismatch {
+        left: left.to_vec(),
+        right: right.to_vec(),
+    };
+    if wb != b || wr != rank {
+        return Err(mismatch(&a.dims(), &wt.dims()));
+    }
+    let [cb, ch, _] = chunks.dims();
+    if cb != b || ch != h {
+        return Err(mismatch(&wt.dims(), &chunks.dims()));
+    }
+    if cos.dims() != sin.dims() || cos.dims()[1] != d / 2 {
+        return Err(mismatch(&cos.dims(), &sin.dims()));
+    }
+    if cos.dtype() != DType::F32 || sin.dtype() != DType::F32 || wt.dtype() != a.dtype() {
+        return Err(KvCacheError::DTypeMismatch);
+    }
+    Ok(B::shadowkv_gather_reconstruct_rope(
+        a, wt, chunks, cos, sin, chunk,
+    ))
 }

@@ -186,3 +186,67 @@ pub fn dequantize<B: Backend>(packed: &Packed<B>, layout: QuantLayout) -> Tensor
     let out = (codes * scale + mn).reshape([rows, ng * g]);
     out.slice([0..rows, 0..layout.cols]).cast(dtype)
 }
+
+/// ShadowKV's key rebuild: rows `c·chunk + t` of `a` for the chunks of each `(batch, head)`,
+/// times that head's right factor, rotated by RoPE at their positions. See
+/// [`crate::gather_reconstruct_rope`].
+///
+/// # Shapes
+/// - `a`: `[batch, rows, rank]`, `wt`: `[batch, heads, rank, d]`, `chunks`: `[batch, heads,
+///   k]`, `cos`, `sin`: `[positions, d/2]` (f32)
+/// - returns `[batch, heads, k · chunk, d]` in `a`'s dtype (zeros where a position is out of
+///   range)
+pub fn gather_reconstruct_rope<B: Backend>(
+    a: Tensor<B, 3>,
+    wt: Tensor<B, 4>,
+    chunks: Tensor<B, 3, Int>,
+    cos: Tensor<B, 2>,
+    sin: Tensor<B, 2>,
+    chunk: usize,
+) -> Tensor<B, 4> {
+    let dtype = a.dtype();
+    let device = a.device();
+    let [b, rows, rank] = a.dims();
+    let [_, h, _, d] = wt.dims();
+    let k = chunks.dims()[2];
+    let n = k * chunk;
+    let half = d / 2;
+    let p = cos.dims()[0];
+    if b * h * n == 0 || rows == 0 || p == 0 {
+        return Tensor::<B, 4>::zeros([b, h, n, d], &device).cast(dtype);
+    }
+    let offsets: Vec<i64> = (0..chunk as i64).collect();
+    let offsets = Tensor::<B, 1, Int>::from_data(TensorData::new(offsets, [chunk]), &device)
+        .cast(IntDType::I64)
+        .reshape([1, 1, 1, chunk]);
+    let pos = (chunks.cast(IntDType::I64).reshape([b, h, k, 1]) * chunk as i64 + offsets)
+        .reshape([b, h, n]);
+    let limit = rows.min(p) as i64;
+    let valid = pos.clone().lower_elem(limit);
+    let pos = pos.clamp(0, limit - 1);
+    let base: Vec<i64> = (0..b as i64).map(|i| i * rows as i64).collect();
+    let base = Tensor::<B, 1, Int>::from_data(TensorData::new(base, [b]), &device)
+        .cast(IntDType::I64)
+        .reshape([b, 1, 1]);
+    let rows_idx = (pos.clone() + base).reshape([b * h * n]);
+    let gathered = a
+        .cast(DType::F32)
+        .reshape([b * rows, rank])
+        .select(0, rows_idx)
+        .reshape([b, h, n, rank]);
+    let x = gathered.matmul(wt.cast(DType::F32));
+    let flat = pos.reshape([b * h * n]);
+    let cos = cos.select(0, flat.clone()).reshape([b, h, n, half]);
+    let sin = sin.select(0, flat).reshape([b, h, n, half]);
+    let x1 = x.clone().slice([0..b, 0..h, 0..n, 0..half]);
+    let x2 = x.slice([0..b, 0..h, 0..n, half..d]);
+    let out = Tensor::cat(
+        vec![
+            x1.clone() * cos.clone() - x2.clone() * sin.clone(),
+            x2 * cos + x1 * sin,
+        ],
+        3,
+    );
+    let keep = valid.reshape([b, h, n, 1]).expand([b, h, n, d]);
+    out.mask_fill(keep.bool_not(), 0.0).cast(dtype)
+}

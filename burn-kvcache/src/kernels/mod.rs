@@ -4,12 +4,14 @@
 //! - [`merge`]: one unit per row pair (norms, angle, SLERP, retention);
 //! - [`restore`]: one unit per output element;
 //! - [`quantize`]: one unit per group (min/max, codes, its packed words);
-//! - [`dequantize`]: one unit per output element.
+//! - [`dequantize`]: one unit per output element;
+//! - [`gather_rope`]: ShadowKV's key rebuild, one unit per rotated pair of output elements.
 //!
 //! Outputs are allocated with `empty_device_contiguous_dtype`: the kernels index them linearly,
 //! and CubeCL's CUDA runtime may pitch (row-pad) a plain 2-D allocation.
 
 pub mod dequantize;
+pub mod gather_rope;
 pub mod merge;
 pub mod quantize;
 pub mod restore;

@@ -10,7 +10,10 @@
 
 use burn::tensor::{Int, Tensor, TensorData, activation, backend::Backend};
 use burn_kernels_core::{AttentionImpl, FullKvCache, KvCache};
-use burn_kvcache::{KvBackend, KvCacheError, MiniCacheConfig, MiniCacheKv, QuantConfig, QuantKv};
+use burn_kvcache::{
+    KvBackend, KvCacheError, MiniCacheConfig, MiniCacheKv, QuantConfig, QuantKv, RopeParams,
+    ShadowKvCache, ShadowKvConfig,
+};
 
 use crate::config::LlamaConfig;
 use crate::model::Llama;
@@ -141,10 +144,11 @@ pub enum CacheKind {
     Quant4,
     Quant2,
     MiniCacheQuant4,
+    ShadowKv,
 }
 
 impl CacheKind {
-    pub const NAMES: &'static str = "full, minicache, quant4, quant2, minicache+quant4";
+    pub const NAMES: &'static str = "full, minicache, quant4, quant2, minicache+quant4, shadowkv";
 
     pub fn parse(s: &str) -> Option<Self> {
         match s {
@@ -153,6 +157,7 @@ impl CacheKind {
             "quant4" => Some(Self::Quant4),
             "quant2" => Some(Self::Quant2),
             "minicache+quant4" => Some(Self::MiniCacheQuant4),
+            "shadowkv" => Some(Self::ShadowKv),
             _ => None,
         }
     }
@@ -167,6 +172,8 @@ pub struct CacheSpec {
     /// `bits_override` is set.
     pub quant: QuantConfig,
     pub bits_override: Option<u32>,
+    /// ShadowKV settings (rank, budget, chunks, threshold).
+    pub shadowkv: ShadowKvConfig,
 }
 
 impl CacheSpec {
@@ -176,6 +183,7 @@ impl CacheSpec {
             minicache: MiniCacheConfig::default(),
             quant: QuantConfig::default(),
             bits_override: None,
+            shadowkv: ShadowKvConfig::default(),
         }
     }
 
@@ -186,15 +194,40 @@ impl CacheSpec {
         }
     }
 
-    /// An empty cache for a model of `num_layers` layers.
+    /// An empty cache for `config`'s model (ShadowKV needs its heads, head dim and RoPE).
     ///
     /// # Errors
     /// The configuration errors of `burn-kvcache`.
+    pub fn build_for<B: KvBackend>(
+        &self,
+        config: &LlamaConfig,
+    ) -> Result<Box<dyn KvCache<B>>, KvCacheError> {
+        match self.kind {
+            CacheKind::ShadowKv => Ok(Box::new(ShadowKvCache::<B>::new(
+                config.num_layers,
+                config.num_kv_heads,
+                config.head_dim,
+                self.shadowkv,
+                RopeParams {
+                    theta: config.rope_theta,
+                    scaling: config.rope_scaling,
+                },
+            )?)),
+            _ => self.build(config.num_layers),
+        }
+    }
+
+    /// An empty cache for a model of `num_layers` layers.
+    ///
+    /// # Errors
+    /// The configuration errors of `burn-kvcache`; [`KvCacheError::NeedsModelShape`] for
+    /// ShadowKV (use [`CacheSpec::build_for`]).
     pub fn build<B: KvBackend>(
         &self,
         num_layers: usize,
     ) -> Result<Box<dyn KvCache<B>>, KvCacheError> {
         Ok(match self.kind {
+            CacheKind::ShadowKv => return Err(KvCacheError::NeedsModelShape("shadowkv")),
             CacheKind::Full => Box::new(FullKvCache::<B>::new(num_layers)),
             CacheKind::MiniCache => Box::new(MiniCacheKv::<B>::new(num_layers, self.minicache)?),
             CacheKind::Quant4 => Box::new(QuantKv::<B>::new(num_layers, self.quant_with(4))?),

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use burn::tensor::{DType, backend::Backend};
 use burn_kernels_core::{AttentionKind, SamplingConfig};
-use burn_kvcache::{KvBackend, MiniCacheConfig, QuantConfig};
+use burn_kvcache::{KvBackend, MiniCacheConfig, QuantConfig, ShadowKvConfig};
 use burn_llama::eval::{CacheKind, CacheSpec, full_kv_bytes, perplexity_with_cache};
 use burn_llama::generate::{GenerateOptions, generate, perplexity};
 use burn_llama::loader::{default_model_path, load};
@@ -49,7 +49,7 @@ struct Common {
 /// KV-cache compression (burn-kvcache).
 #[derive(Debug, Args)]
 struct KvArgs {
-    /// KV cache: full, minicache, quant4, quant2, minicache+quant4. For `perplexity`, giving
+    /// KV cache: full, minicache, quant4, quant2, minicache+quant4, shadowkv. For `perplexity`, giving
     /// it scores the second half of the text in decode steps through that cache.
     #[arg(long)]
     kv_cache: Option<String>,
@@ -77,6 +77,24 @@ struct KvArgs {
     /// perplexity --kv-cache: tokens prefilled before scoring (default: half the text).
     #[arg(long)]
     kv_prefix: Option<usize>,
+    /// ShadowKV: rank of the pre-RoPE key factorization.
+    #[arg(long, default_value_t = ShadowKvConfig::default().rank)]
+    rank: usize,
+    /// ShadowKV: tokens selected per decode step and KV head (a multiple of --kv-chunk).
+    #[arg(long, default_value_t = ShadowKvConfig::default().budget)]
+    budget: usize,
+    /// ShadowKV: tokens per chunk.
+    #[arg(long, default_value_t = ShadowKvConfig::default().chunk)]
+    kv_chunk: usize,
+    /// ShadowKV: chunks at the end of the prompt kept exactly.
+    #[arg(long, default_value_t = ShadowKvConfig::default().local_chunks)]
+    kv_local_chunks: usize,
+    /// ShadowKV: outlier chunks per KV head kept exactly.
+    #[arg(long, default_value_t = ShadowKvConfig::default().outlier_chunks)]
+    kv_outlier_chunks: usize,
+    /// ShadowKV: prompts shorter than this keep the full cache.
+    #[arg(long, default_value_t = ShadowKvConfig::default().min_prompt)]
+    kv_min_prompt: usize,
 }
 
 impl KvArgs {
@@ -98,6 +116,14 @@ impl KvArgs {
                 residual: self.kv_residual,
             },
             bits_override: self.kv_bits,
+            shadowkv: ShadowKvConfig {
+                rank: self.rank,
+                chunk: self.kv_chunk,
+                budget: self.budget,
+                local_chunks: self.kv_local_chunks,
+                outlier_chunks: self.kv_outlier_chunks,
+                min_prompt: self.kv_min_prompt,
+            },
         })
     }
 }
@@ -300,7 +326,7 @@ fn run<B: KvBackend>(cli: &Cli, device: &B::Device) -> Result<(), String> {
             let mut sampler = sampling.build();
             let mut cache = kv
                 .spec()?
-                .build::<B>(model.config.num_layers)
+                .build_for::<B>(&model.config)
                 .map_err(|e| e.to_string())?;
             let opts = GenerateOptions {
                 max_new_tokens: *max_new_tokens,
@@ -383,7 +409,7 @@ fn run<B: KvBackend>(cli: &Cli, device: &B::Device) -> Result<(), String> {
             }
             let mut cache = kv
                 .spec()?
-                .build::<B>(model.config.num_layers)
+                .build_for::<B>(&model.config)
                 .map_err(|e| e.to_string())?;
             let prefix = kv
                 .kv_prefix
