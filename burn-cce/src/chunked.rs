@@ -1,8 +1,7 @@
-//! Linear cross-entropy on `CubeBackend`: the vocabulary is walked in chunks of `chunk`
-//! entries; each chunk's logits (`n × chunk`, f32) come from Burn's autotuned matmul (cubek,
-//! on the matrix units, with f32 output from f16/bf16 inputs) and are consumed at once by the
-//! CubeCL kernels in [`crate::kernels`]. At most one chunk of logits exists at a time, never
-//! `n × V`.
+//! Linear cross-entropy on `CubeBackend`: the vocabulary is walked in chunks; each chunk's
+//! logits (f32) come from a cubek GEMM (on the matrix units, with f32 output from f16/bf16
+//! inputs) and are consumed at once by the CubeCL kernels in [`crate::kernels`]. At most one
+//! chunk of logits exists at a time, never `n × V`.
 //!
 //! Forward: per chunk, fold the logits into running `(max, Σexp)` per token; the target
 //! logits come from an indexed dot product.
@@ -11,12 +10,32 @@
 //! entry, the largest `|softmax − onehot|` over all tokens. Entries below `filter_eps` are
 //! dropped. With `sort_vocab` the remaining entries are gathered into dense chunks (ordered by
 //! score); without it, whole natural-order chunks with no remaining entry are skipped. Each
-//! processed chunk then recomputes its logits, forms `G` ([`crate::kernels::grad`]), adds
-//! `G·C_chunk` into dE and writes `Gᵀ·E` into its dC rows.
+//! processed chunk then recomputes its logits, forms `G` ([`crate::kernels::grad`]) and writes
+//! `Gᵀ·E` into its dC rows. dE is accumulated in place ([`DeAccumulation`]): in the same pass
+//! when it is accumulated in its own dtype or the f32 accumulator is small, otherwise in a
+//! second pass over blocks of rows, each block's f32 accumulator summed over the kept chunks
+//! and rounded into dE once (the same f32 accumulation as one `N × D` accumulator).
+//!
+//! # Memory
+//!
+//! Beside the inputs, the backward holds dE and dC (the lower bound) plus one chunk's working
+//! set, sized by [`BackwardBlocks`] to about 3% of the bound (automatic `chunk_bytes`), and
+//! `O(N + V)` vectors. With 8192 tokens in bf16, loss + gradient, default options:
+//!
+//! | shape | dE + dC | before (single pass, f32 dE + its product) | now |
+//! |---|---:|---:|---:|
+//! | Gemma-2, V = 256000, D = 2304 | 1 217 396 736 B | 1 352 138 752 B (1.111×) | 1 253 523 456 B (1.030×) |
+//! | SmolLM2, V = 49152, D = 576 | 66 060 288 B | 127 008 768 B (1.923×) | 78 938 112 B (1.195×) |
+//!
+//! "Before" held an f32 dE accumulator (`4·N·D`), the f32 product `G·C_chunk` added into it
+//! (`4·N·D`), and a 32 MiB chunk's logits, `G` and classifier rows. SmolLM2's working set is
+//! set by the floor on the chunk (2²¹ logits), which keeps its GEMMs filling the GPU. The
+//! memory pool reserves whole pages, so its growth can exceed these live bytes: on an 80 GB
+//! H100, CubeCL's default pools put a 1.18 GB dC on a page of ~1.33 GB.
 //!
 //! This trades a fused GEMM-with-epilogue kernel (the paper's) for cubek's tuned GEMM plus a
-//! separate epilogue pass over a chunk that stays small (default 32 MiB): the logits make one
-//! round trip through memory per chunk, and filtering skips work at entry/chunk granularity.
+//! separate epilogue pass over a small chunk: the logits make one round trip through memory
+//! per chunk, and filtering skips work at entry/chunk granularity.
 
 use burn::tensor::{
     DType, IndexingUpdateOp, Int, Shape, Tensor, TensorData, TensorPrimitive, ops::FloatTensor,
@@ -43,7 +62,9 @@ use cubek::{
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use crate::kernels::{grad::grad_chunk, indexed_dot::indexed_dot, lse_chunk::lse_chunk, score};
+use crate::kernels::{
+    accumulate::add_rows, grad::grad_chunk, indexed_dot::indexed_dot, lse_chunk::lse_chunk, score,
+};
 use crate::{GemmStrategy, LceParams};
 
 type Cb<R, F, I, BT> = CubeBackend<R, F, I, BT>;
@@ -287,6 +308,234 @@ fn plan(scores: Option<(&[f32], f32)>, vocab: usize, chunk: usize, sort: bool) -
     }
 }
 
+/// Merges the plan's chunks into chunks of up to `len` entries for the second pass: gathered
+/// ids in the same order, adjacent natural ranges. The entries are exactly the plan's.
+fn regroup(plan: &[Plan], len: usize) -> Vec<Plan> {
+    let mut out: Vec<Plan> = Vec::new();
+    for part in plan {
+        match part {
+            Plan::Natural(range) => {
+                if let Some(Plan::Natural(last)) = out.last_mut()
+                    && last.end == range.start
+                    && last.len() + range.len() <= len
+                {
+                    last.end = range.end;
+                } else {
+                    out.push(Plan::Natural(range.clone()));
+                }
+            }
+            Plan::Gathered(ids) => {
+                for &id in ids {
+                    match out.last_mut() {
+                        Some(Plan::Gathered(last)) if last.len() < len => last.push(id),
+                        _ => out.push(Plan::Gathered(vec![id])),
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// A chunk's classifier rows, its ids when gathered, and its first entry's id when natural.
+type ChunkRows<B> = (Tensor<B, 2>, Option<IntTensor<B>>, usize);
+
+/// A plan chunk ready to run: its entries' ids on the device when gathered.
+enum Part<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> {
+    Natural(Range<usize>),
+    Gathered(Tensor<Cb<R, F, I, BT>, 1, Int>),
+}
+
+impl<R, F, I, BT> Part<R, F, I, BT>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    fn new(plan: &Plan, device: &burn::tensor::Device<Cb<R, F, I, BT>>) -> Self {
+        match plan {
+            Plan::Natural(range) => Part::Natural(range.clone()),
+            Plan::Gathered(ids) => Part::Gathered(Tensor::from_data(
+                TensorData::new(ids.clone(), [ids.len()]),
+                device,
+            )),
+        }
+    }
+
+    /// The chunk's classifier rows (a view when natural, a gathered copy otherwise), its ids
+    /// when gathered, and the first entry's id when natural.
+    fn classifier_rows(&self, c: &Tensor<Cb<R, F, I, BT>, 2>) -> ChunkRows<Cb<R, F, I, BT>> {
+        match self {
+            Part::Natural(range) => (c.clone().slice(range.clone()), None, range.start),
+            Part::Gathered(ids) => (
+                c.clone().select(0, ids.clone()),
+                Some(ids.clone().into_primitive()),
+                0,
+            ),
+        }
+    }
+}
+
+/// How the backward accumulates dE; see [`BackwardBlocks`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeAccumulation {
+    /// In dE itself, in its dtype (`accum_fp32` off, or f32 inputs): per chunk, the f32
+    /// products `G[rows]·C_chunk` are added in place and rounded once.
+    Direct,
+    /// In one f32 accumulator for all of dE (`N·D·4` bytes), rounded to dE's dtype at the end.
+    Whole,
+    /// In a second pass over the kept vocabulary, one block of `rows` rows at a time, each
+    /// block's f32 accumulator rounded into dE once: one more logits GEMM over the kept
+    /// entries, but only `rows·D·4` bytes of accumulator.
+    RowBlocks,
+}
+
+/// Block sizes of the chunked backward for `n` tokens, `V` entries, hidden size `D` and input
+/// dtype size `s` (bytes).
+///
+/// The vocabulary pass walks the plan in chunks of `chunk` entries over all `n` rows, holding
+/// one chunk's f32 logits (`4·n·chunk` bytes), its `G` in the input dtype (`s·n·chunk`) and
+/// its gathered classifier rows (`s·chunk·D`): `S = (4 + s)·n·chunk + s·chunk·D`. dE's f32
+/// blocks are sized to stay within `S`: products of `rows` rows no larger than the logits, and
+/// with [`DeAccumulation::RowBlocks`] a second pass over chunks of `pass2_chunk` entries (the
+/// kept chunks regrouped, about `D` entries, for GEMMs that are neither narrow nor deep) with
+/// `rows` such that accumulator, logits or product, `G` and classifier rows fit `S`.
+/// [`BackwardBlocks::working_bytes`] is the resulting peak beside dE and dC.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BackwardBlocks {
+    /// Vocabulary entries per chunk of the plan (see [`crate::LceParams::grad_chunk_len`]).
+    pub chunk: usize,
+    /// How dE is accumulated.
+    pub de: DeAccumulation,
+    /// Rows per f32 block: of each product `G[rows]·C_chunk` ([`DeAccumulation::Direct`],
+    /// [`DeAccumulation::Whole`]), or of each accumulator block
+    /// ([`DeAccumulation::RowBlocks`]).
+    pub rows: usize,
+    /// Entries per chunk of the second pass ([`DeAccumulation::RowBlocks`]).
+    pub pass2_chunk: usize,
+}
+
+/// Splits `n` rows into equal blocks of at most `max` rows, a multiple of 32 where that stays
+/// within `max` (full GEMM tiles).
+fn balanced_rows(n: usize, max: usize) -> usize {
+    let n = n.max(1);
+    let max = max.clamp(1, n);
+    let even = n.div_ceil(n.div_ceil(max));
+    let aligned = even.next_multiple_of(32);
+    if aligned <= max { aligned } else { even }
+}
+
+fn row_ranges(n: usize, rows: usize) -> impl Iterator<Item = Range<usize>> {
+    (0..n)
+        .step_by(rows.max(1))
+        .map(move |r0| r0..(r0 + rows.max(1)).min(n))
+}
+
+impl BackwardBlocks {
+    /// The blocks for `n` tokens, `vocab` entries, hidden size `d` and inputs of `dtype`.
+    ///
+    /// At the benchmark shapes (8192 tokens, bf16, automatic sizes):
+    /// - Gemma-2 (V = 256000, D = 2304): chunks of 672 entries; dE in a second pass over 7
+    ///   blocks of 1184 rows and chunks of 2016 entries; working set 36 126 720 bytes, 2.97% of
+    ///   dE + dC (1 217 396 736 bytes): peak 1 253 523 456 bytes, 1.030×.
+    /// - SmolLM2 (V = 49152, D = 576): chunks of 256 entries (the 2²¹-logit floor); second pass
+    ///   over 4 blocks of 2048 rows and chunks of 512 entries; working set 12 877 824 bytes,
+    ///   19.5% of dE + dC (66 060 288 bytes): peak 78 938 112 bytes, 1.195×.
+    pub fn new(params: &LceParams, n: usize, vocab: usize, d: usize, dtype: DType) -> Self {
+        let s = dtype.size();
+        let chunk = params.grad_chunk_len(n, vocab, d, dtype);
+        let rows_n = n.max(1);
+        let logits = 4 * rows_n * chunk;
+        // Products no larger than the logits block, which is freed by then.
+        let product_rows = balanced_rows(rows_n, logits / (4 * d.max(1)));
+        let blocks = |de, rows, pass2_chunk| Self {
+            chunk,
+            de,
+            rows,
+            pass2_chunk,
+        };
+        if !params.accum_fp32 || s >= 4 {
+            let rows = params
+                .de_block_rows
+                .map_or(product_rows, |r| r.clamp(1, rows_n));
+            return blocks(DeAccumulation::Direct, rows, chunk);
+        }
+        let whole = blocks(DeAccumulation::Whole, product_rows, chunk);
+        let pass1 = Self::pass1_bytes(rows_n, chunk, d, s);
+        let fit = |c2: usize| {
+            let per_row = 4 * d + s * c2 + 4 * c2.max(d);
+            pass1.saturating_sub(s * c2 * d) / per_row
+        };
+        // Second-pass chunks of about D entries: the logits GEMM [rows, c2] and the product
+        // GEMM [rows, D] then have about as many output tiles.
+        let widest = ((d as f64 / chunk as f64).round() as usize).max(1);
+        match params.de_block_rows {
+            Some(r) if r >= n => whole,
+            Some(r) => {
+                let k = (1..=widest)
+                    .rev()
+                    .find(|&k| fit(chunk * k) >= r)
+                    .unwrap_or(1);
+                blocks(DeAccumulation::RowBlocks, r.max(1), chunk * k)
+            }
+            None if 4 * rows_n * d <= logits => whole,
+            None => {
+                let min_rows = rows_n.min(32);
+                let k = (1..=widest)
+                    .rev()
+                    .find(|&k| fit(chunk * k) >= min_rows)
+                    .unwrap_or(1);
+                let rows = balanced_rows(rows_n, fit(chunk * k).max(min_rows));
+                if rows >= rows_n {
+                    whole
+                } else {
+                    blocks(DeAccumulation::RowBlocks, rows, chunk * k)
+                }
+            }
+        }
+    }
+
+    /// The vocabulary pass's working set while a chunk's `G` is formed: f32 logits, `G` and
+    /// the gathered classifier rows.
+    fn pass1_bytes(n: usize, chunk: usize, d: usize, s: usize) -> usize {
+        (4 + s) * n * chunk + s * chunk * d
+    }
+
+    /// Bytes the backward holds at its peak besides its inputs, dE and dC, and the `O(n + V)`
+    /// vectors (log-sum-exp, scores, ids), for `n` tokens, hidden size `d` and inputs of
+    /// `dtype`, with or without a bias. Gathered chunks are assumed (a natural chunk's
+    /// classifier rows are a view).
+    pub fn working_bytes(&self, n: usize, d: usize, dtype: DType, bias: bool) -> usize {
+        let s = dtype.size();
+        let (c, rows) = (self.chunk, self.rows);
+        let g = s * n * c;
+        let classifier = s * c * d;
+        let at_grad = Self::pass1_bytes(n, c, d, s);
+        // After G is formed (the logits are freed): dE products (or the second pass), the dC
+        // rows, and with a bias G's f32 copy for db.
+        let product = match self.de {
+            DeAccumulation::RowBlocks => 0,
+            _ => 4 * rows * d,
+        };
+        let mut after = product.max(classifier);
+        if bias {
+            after = after.max(4 * n * c);
+        }
+        let pass1 = at_grad.max(g + classifier + after);
+        match self.de {
+            DeAccumulation::Direct => pass1,
+            // The accumulator lives through the pass, then beside the rounded dE.
+            DeAccumulation::Whole => 4 * n * d + pass1,
+            DeAccumulation::RowBlocks => {
+                let c2 = self.pass2_chunk;
+                let pass2 = 4 * rows * d + s * c2 * d + s * rows * c2 + 4 * rows * c2.max(d);
+                pass1.max(pass2)
+            }
+        }
+    }
+}
+
 /// Counts of the backward's vocabulary plan, for logs and benchmarks.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PlanStats {
@@ -294,6 +543,8 @@ pub struct PlanStats {
     pub entries: usize,
     /// Chunks processed.
     pub chunks: usize,
+    /// Row blocks of dE's second pass (0: dE was accumulated in the vocabulary pass).
+    pub de_row_blocks: usize,
 }
 
 thread_local! {
@@ -305,7 +556,18 @@ pub fn last_backward_plan() -> Option<PlanStats> {
     LAST_PLAN.with(|last| last.get())
 }
 
-/// See [`crate::CceBackend::linear_ce_backward`].
+fn prim<R, F, I, BT>(t: &Tensor<Cb<R, F, I, BT>, 2>) -> CubeTensor<R>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    t.clone().into_primitive().tensor()
+}
+
+/// See [`crate::CceBackend::linear_ce_backward`]; the passes and their memory are described in
+/// the module docs and [`BackwardBlocks`].
 #[allow(clippy::too_many_arguments)]
 pub fn backward<R, F, I, BT>(
     e: FloatTensor<Cb<R, F, I, BT>>,
@@ -328,7 +590,7 @@ where
     let [vocab, _] = c.dims();
     let device = e.device();
     let (e_dtype, c_dtype) = (e.dtype(), c.dtype());
-    let chunk = params.chunk_len(n, vocab);
+    let blocks = BackwardBlocks::new(params, n, vocab, d, e_dtype);
 
     let scored = params.filter_eps.map(|eps| {
         (
@@ -338,7 +600,7 @@ where
                 &bias,
                 &targets,
                 &lse,
-                chunk,
+                params.chunk_len(n, vocab),
                 params.softcap,
                 params.gemm,
             ),
@@ -348,9 +610,10 @@ where
     let plan = plan(
         scored.as_ref().map(|(s, eps)| (s.as_slice(), *eps)),
         vocab,
-        chunk,
+        blocks.chunk,
         params.sort_vocab,
     );
+    let two_pass = blocks.de == DeAccumulation::RowBlocks && !plan.is_empty();
     let stats = PlanStats {
         entries: plan
             .iter()
@@ -360,32 +623,43 @@ where
             })
             .sum(),
         chunks: plan.len(),
+        de_row_blocks: if two_pass { n.div_ceil(blocks.rows) } else { 0 },
     };
-    log::debug!("burn-cce backward: {stats:?} of {vocab} entries, chunk {chunk}");
+    log::debug!("burn-cce backward: {stats:?} of {vocab} entries, {blocks:?}");
     LAST_PLAN.with(|last| last.set(Some(stats)));
 
-    let acc_dtype = if params.accum_fp32 {
-        DType::F32
-    } else {
-        e_dtype
+    // dE is allocated once and written in place: no `N × D` temporaries beside it, except the
+    // f32 accumulator of `DeAccumulation::Whole`, which is kept only when it is small.
+    let (de, acc) = match blocks.de {
+        DeAccumulation::Whole => (
+            None,
+            Some(Tensor::<Cb<R, F, I, BT>, 2>::zeros(
+                [n, d],
+                (&device, DType::F32),
+            )),
+        ),
+        _ => (
+            Some(Tensor::<Cb<R, F, I, BT>, 2>::zeros(
+                [n, d],
+                (&device, e_dtype),
+            )),
+            None,
+        ),
     };
-    let mut de = Tensor::<Cb<R, F, I, BT>, 2>::zeros([n, d], (&device, acc_dtype));
     let mut dc = Tensor::<Cb<R, F, I, BT>, 2>::zeros([vocab, d], (&device, c_dtype));
     let mut db = bias
         .as_ref()
         .map(|_| Tensor::<Cb<R, F, I, BT>, 1>::zeros([vocab], (&device, DType::F32)));
+    // The vocabulary pass's dE target, when dE is accumulated there.
+    let de_target = match blocks.de {
+        DeAccumulation::Direct => de.clone(),
+        DeAccumulation::Whole => acc.clone(),
+        DeAccumulation::RowBlocks => None,
+    };
 
-    for part in plan {
-        let (c_chunk, ids, v0) = match &part {
-            Plan::Natural(range) => (c.clone().slice(range.clone()), None, range.start),
-            Plan::Gathered(ids) => {
-                let ids = Tensor::<Cb<R, F, I, BT>, 1, Int>::from_data(
-                    TensorData::new(ids.clone(), [ids.len()]),
-                    &device,
-                );
-                (c.clone().select(0, ids.clone()), Some(ids), 0)
-            }
-        };
+    for plan_part in &plan {
+        let part = Part::<R, F, I, BT>::new(plan_part, &device);
+        let (c_chunk, ids, v0) = part.classifier_rows(&c);
         let logits = matmul_to(
             e.clone(),
             c_chunk.clone().transpose(),
@@ -398,37 +672,95 @@ where
             lse.clone(),
             dout.clone(),
             targets.clone(),
-            ids.clone().map(|t| t.into_primitive()),
+            ids,
             v0,
+            0,
             params.softcap,
             e_dtype,
         ));
-        de = de + matmul_to(g.clone(), c_chunk, acc_dtype, params.gemm);
+        if let Some(target) = &de_target {
+            for rows in row_ranges(n, blocks.rows) {
+                let product = matmul_to(
+                    g.clone().slice(rows.clone()),
+                    c_chunk.clone(),
+                    DType::F32,
+                    params.gemm,
+                );
+                add_rows(&prim(target), prim(&product), rows.start);
+            }
+        }
         let dc_chunk = matmul_to(g.clone().transpose(), e.clone(), c_dtype, params.gemm);
         let db_chunk = db.as_ref().map(|_| {
             let len = g.dims()[1];
             g.clone().cast(DType::F32).sum_dim(0).reshape([len])
         });
-        match (&part, ids) {
-            (Plan::Natural(range), _) => {
+        match part {
+            Part::Natural(range) => {
                 dc = dc.slice_assign([range.clone(), 0..d], dc_chunk);
                 db = db
                     .zip(db_chunk)
                     .map(|(db, x)| db.slice_assign([range.clone()], x));
             }
-            (Plan::Gathered(_), Some(ids)) => {
+            Part::Gathered(ids) => {
                 dc = dc.select_assign(0, ids.clone(), dc_chunk, IndexingUpdateOp::Add);
                 db = db
                     .zip(db_chunk)
                     .map(|(db, x)| db.select_assign(0, ids, x, IndexingUpdateOp::Add));
             }
-            (Plan::Gathered(_), None) => unreachable!("gathered chunks carry their ids"),
         }
     }
 
+    if two_pass && let Some(de) = &de {
+        let parts: Vec<Part<R, F, I, BT>> = regroup(&plan, blocks.pass2_chunk)
+            .iter()
+            .map(|p| Part::new(p, &device))
+            .collect();
+        for rows in row_ranges(n, blocks.rows) {
+            let e_rows = e.clone().slice(rows.clone());
+            let mut block_acc: Option<Tensor<Cb<R, F, I, BT>, 2>> = None;
+            for part in &parts {
+                let (c_chunk, ids, v0) = part.classifier_rows(&c);
+                let logits = matmul_to(
+                    e_rows.clone(),
+                    c_chunk.clone().transpose(),
+                    DType::F32,
+                    params.gemm,
+                );
+                let g = float::<R, F, I, BT, 2>(grad_chunk(
+                    logits.into_primitive().tensor(),
+                    bias.clone(),
+                    lse.clone(),
+                    dout.clone(),
+                    targets.clone(),
+                    ids,
+                    v0,
+                    rows.start,
+                    params.softcap,
+                    e_dtype,
+                ));
+                let product = matmul_to(g, c_chunk, DType::F32, params.gemm);
+                block_acc = Some(match block_acc {
+                    None => product,
+                    Some(block_acc) => {
+                        add_rows(&prim(&block_acc), prim(&product), 0);
+                        block_acc
+                    }
+                });
+            }
+            if let Some(block_acc) = block_acc {
+                add_rows(&prim(de), prim(&block_acc), rows.start);
+            }
+        }
+    }
+
+    let de = match (de, acc) {
+        (Some(de), _) => de,
+        (None, Some(acc)) => acc.cast(e_dtype),
+        (None, None) => unreachable!("dE or its accumulator is allocated"),
+    };
     let bias_dtype = bias.as_ref().map(|b| b.dtype);
     (
-        de.cast(e_dtype).into_primitive().tensor(),
+        de.into_primitive().tensor(),
         dc.into_primitive().tensor(),
         db.zip(bias_dtype)
             .map(|(db, dt)| db.cast(dt).into_primitive().tensor()),

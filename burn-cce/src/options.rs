@@ -66,16 +66,28 @@ pub struct CceOptions {
     /// Process the vocabulary entries that pass the filter gathered together (dense chunks),
     /// instead of skipping only whole chunks of the natural order that are entirely filtered.
     pub sort_vocab: bool,
-    /// Accumulate dE across vocabulary chunks in f32 (default; `2·N·D·4` bytes of working
-    /// memory) instead of the input dtype (`N·D·2` bytes, but one rounding to f16/bf16 per
-    /// processed chunk, so the error of dE grows with the number of chunks). dC needs no
-    /// cross-chunk accumulation: each chunk's rows come from one GEMM with f32 accumulators.
+    /// Accumulate dE across vocabulary chunks in f32 (default) instead of the input dtype (one
+    /// rounding to f16/bf16 per processed chunk, so the error of dE grows with the number of
+    /// chunks). dC needs no cross-chunk accumulation: each chunk's rows come from one GEMM with
+    /// f32 accumulators. For 16-bit inputs an f32 accumulator for all of dE (`N·D·4` bytes) is
+    /// kept only when it is no larger than one logits block; otherwise dE is accumulated in f32
+    /// one block of rows at a time (see [`CceOptions::de_block_rows`]) in a second pass over the
+    /// kept vocabulary, which recomputes those chunks' logits (one more GEMM over them).
     pub accum_fp32: bool,
     /// Also return the per-token log-sum-exp (f32, not differentiable).
     pub return_lse: bool,
-    /// Working memory for one chunk of logits (`N × chunk` f32 values); the vocabulary is
-    /// processed in chunks of this size, so `N × V` is never held. Default 32 MiB.
-    pub chunk_bytes: usize,
+    /// Bytes of one block of f32 logits (`N × chunk`): the vocabulary is processed in chunks of
+    /// this size, so `N × V` is never held. `None` (default): automatic, see
+    /// [`LceParams::grad_chunk_len`]; the forward and the backward's scoring pass, which run
+    /// while no gradient is held, then use 32 MiB blocks (at least 256 entries). `Some(bytes)`
+    /// sets every pass.
+    pub chunk_bytes: Option<usize>,
+    /// Rows of dE per f32 block in the backward, at least 1. `None` (default): automatic from
+    /// the logits block. With `accum_fp32` and 16-bit inputs, `Some(r)` with `r ≥ N` keeps one
+    /// f32 accumulator for all of dE (`N·D·4` bytes, no second pass) and a smaller `r`
+    /// accumulates blocks of `r` rows in a second pass; otherwise it sets the rows of each f32
+    /// product `G·C_chunk` added into dE.
+    pub de_block_rows: Option<usize>,
     /// How the chunk GEMMs pick their kernel.
     pub gemm: GemmStrategy,
 }
@@ -110,7 +122,8 @@ impl Default for CceOptions {
             sort_vocab: true,
             accum_fp32: true,
             return_lse: false,
-            chunk_bytes: 32 << 20,
+            chunk_bytes: None,
+            de_block_rows: None,
             gemm: GemmStrategy::Fixed,
         }
     }
@@ -128,7 +141,9 @@ pub struct LceParams {
     /// See [`CceOptions::accum_fp32`].
     pub accum_fp32: bool,
     /// See [`CceOptions::chunk_bytes`].
-    pub chunk_bytes: usize,
+    pub chunk_bytes: Option<usize>,
+    /// See [`CceOptions::de_block_rows`].
+    pub de_block_rows: Option<usize>,
     /// See [`CceOptions::gemm`].
     pub gemm: GemmStrategy,
 }
@@ -142,16 +157,62 @@ impl CceOptions {
             sort_vocab: self.sort_vocab,
             accum_fp32: self.accum_fp32,
             chunk_bytes: self.chunk_bytes,
+            de_block_rows: self.de_block_rows,
             gemm: self.gemm,
         }
     }
 }
 
+/// Logits block of the forward and the scoring pass when `chunk_bytes` is automatic.
+const PASS_BLOCK_BYTES: usize = 32 << 20;
+/// Share of the gradients' bytes (`dE + dC` in the input dtype) that the backward's working
+/// set aims at when `chunk_bytes` is automatic.
+const WORK_SHARE: f64 = 0.03;
+/// Smallest automatic logits block, in f32 values: 2²¹ outputs are one wave of 128 × 128 GEMM
+/// tiles on a 132-SM H100; smaller GEMMs leave the GPU partly idle.
+const MIN_BLOCK_VALUES: usize = 1 << 21;
+/// Smallest automatic chunk: narrower GEMMs (and the `chunk × D` dC GEMM) run inefficiently.
+const MIN_CHUNK: usize = 256;
+
+/// Entries per chunk for a logits block of `bytes`: a multiple of 32, at least 32, at most
+/// `vocab`.
+fn fit_chunk(bytes: usize, rows: usize, vocab: usize) -> usize {
+    let fit = bytes / (rows.max(1) * 4);
+    (fit / 32 * 32).max(32).min(vocab.max(1))
+}
+
 impl LceParams {
-    /// Vocabulary entries per chunk for `rows` tokens: as many as fit the chunk budget, a
+    /// Vocabulary entries per chunk of the forward and the backward's scoring pass for `rows`
+    /// tokens: as many as fit `chunk_bytes` (automatic: 32 MiB, at least 256 entries), a
     /// multiple of 32, at least 32, at most `vocab`.
     pub fn chunk_len(&self, rows: usize, vocab: usize) -> usize {
-        let fit = self.chunk_bytes / (rows.max(1) * 4);
-        (fit / 32 * 32).max(32).min(vocab.max(1))
+        match self.chunk_bytes {
+            Some(bytes) => fit_chunk(bytes, rows, vocab),
+            None => fit_chunk(PASS_BLOCK_BYTES, rows, vocab)
+                .max(MIN_CHUNK)
+                .min(vocab.max(1)),
+        }
+    }
+
+    /// Vocabulary entries per chunk of the backward's gradient passes for `rows` tokens,
+    /// hidden size `d` and inputs of `dtype`.
+    ///
+    /// With `chunk_bytes` set: [`LceParams::chunk_len`]. Automatic: the chunk whose working set
+    /// — f32 logits (`4·rows`), `G` in the input dtype (`s·rows`) and the chunk's classifier
+    /// rows (`s·d` bytes per entry, `s` the dtype's size) — is 3% of the gradients' bytes
+    /// `s·(rows + vocab)·d`, rounded down to a multiple of 32, but at least 256 entries and
+    /// 2²¹ logits (GEMMs that fill the GPU), at most `vocab`. For example 672 entries (22 MB
+    /// of logits) at the Gemma-2 shape (8192 tokens, V = 256000, D = 2304, bf16), and the
+    /// 2²¹-logit floor, 256 entries, at SmolLM2's (V = 49152, D = 576).
+    pub fn grad_chunk_len(&self, rows: usize, vocab: usize, d: usize, dtype: DType) -> usize {
+        if self.chunk_bytes.is_some() {
+            return self.chunk_len(rows, vocab);
+        }
+        let (rows, s) = (rows.max(1), dtype.size());
+        let bound = s * (rows + vocab) * d;
+        let per_entry = (4 + s) * rows + s * d;
+        let share = (WORK_SHARE * bound as f64 / per_entry as f64) as usize / 32 * 32;
+        let floor = MIN_CHUNK.max(MIN_BLOCK_VALUES.div_ceil(rows).next_multiple_of(32));
+        share.max(floor).min(vocab.max(1))
     }
 }

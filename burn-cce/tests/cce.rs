@@ -8,7 +8,9 @@ use burn::backend::{Autodiff, NdArray};
 use burn::tensor::{DType, Int, Tensor, TensorData, backend::AutodiffBackend};
 use burn_cce::{
     CceAutodiffBackend, CceBackend, CceError, CceOptions, FilterEps, GemmStrategy, LceParams,
-    Reduction, chunked::last_backward_plan, linear_cross_entropy, reference,
+    Reduction,
+    chunked::{BackwardBlocks, DeAccumulation, last_backward_plan},
+    linear_cross_entropy, reference,
 };
 use burn_kernels_testing::{
     Dist, Tolerance, assert_close, compare::metrics, compare::to_f32, float_dtypes, poison_memory,
@@ -35,8 +37,8 @@ struct Case {
     filter: FilterEps,
     sort: bool,
     accum: bool,
-    /// Vocabulary entries per chunk the case asks for (via `chunk_bytes`).
-    chunk: usize,
+    /// Vocabulary entries per chunk the case asks for (via `chunk_bytes`); `None`: automatic.
+    chunk: Option<usize>,
     /// Most cases use the fixed GEMM: autotuning compiles ~30 candidate kernels per new shape
     /// (minutes per test on CUDA); one case runs the autotuned default.
     gemm: GemmStrategy,
@@ -57,7 +59,7 @@ impl Case {
             filter: FilterEps::Auto,
             sort: true,
             accum: true,
-            chunk: 96,
+            chunk: Some(96),
             gemm: GemmStrategy::Fixed,
             seed,
         }
@@ -77,7 +79,8 @@ impl Case {
             sort_vocab: self.sort,
             accum_fp32: self.accum,
             return_lse: true,
-            chunk_bytes: self.tokens() * 4 * self.chunk,
+            chunk_bytes: self.chunk.map(|chunk| self.tokens() * 4 * chunk),
+            de_block_rows: None,
             gemm: self.gemm,
         }
     }
@@ -346,7 +349,7 @@ fn de_roundings(case: &Case, dtype: DType) -> usize {
     if case.accum || dtype == DType::F32 {
         return 0;
     }
-    let chunk = params(case, None).chunk_len(case.tokens(), case.v);
+    let chunk = params(case, None).grad_chunk_len(case.tokens(), case.v, case.d, dtype);
     case.v.div_ceil(chunk)
 }
 
@@ -383,7 +386,7 @@ fn cases() -> Vec<Case> {
         },
         Case {
             accum: false,
-            chunk: 32,
+            chunk: Some(32),
             ..base.clone()
         },
         Case {
@@ -392,13 +395,19 @@ fn cases() -> Vec<Case> {
         },
         Case::new([1, 1], 64, 33, 12),
         Case {
-            chunk: 32,
+            chunk: Some(32),
             bias: true,
             ..Case::new([3, 17], 1, 1009, 13)
         },
         Case {
             shift: true,
             ..Case::new([2, 5], 16, 40, 14)
+        },
+        // Automatic chunk and dE blocks.
+        Case {
+            chunk: None,
+            bias: true,
+            ..base
         },
     ]
 }
@@ -587,7 +596,7 @@ fn backward_matches_reference<B: CceBackend>(device: &B::Device) {
             // Odd cases filter at an eps between score levels: the kernels must drop exactly
             // the entries (sorted) or chunks (unsorted) the host scores say, and nothing else.
             let eps = (k % 2 == 1).then(|| eps_in_gap(&scores));
-            let chunk = params(&case, eps).chunk_len(n, case.v);
+            let chunk = params(&case, eps).grad_chunk_len(n, case.v, case.d, dtype);
             let keep: Vec<bool> = match eps {
                 None => vec![true; case.v],
                 Some(eps) if case.sort => scores.iter().map(|&s| s >= eps).collect(),
@@ -655,6 +664,186 @@ fn backward_matches_reference<B: CceBackend>(device: &B::Device) {
             }
         }
     }
+}
+
+/// dE accumulated in blocks of rows — a second pass over regrouped vocabulary chunks with f32
+/// accumulation, or row-blocked products added into dE — against one block of all rows (the
+/// single pass, as before blocks existed) and the masked reference: awkward sizes, 32-entry
+/// vocabulary chunks (a 21-entry tail, pairs regrouped in the second pass) and 13 row blocks
+/// (a 3-row tail).
+fn blocked_backward_matches_single_pass<B: CceBackend>(device: &B::Device) {
+    let base = Case {
+        chunk: Some(32),
+        ..Case::new([3, 53], 150, 1013, 31)
+    };
+    let cases = [
+        Case {
+            bias: true,
+            softcap: Some(5.0),
+            ..base.clone()
+        },
+        Case {
+            sort: false,
+            ..base.clone()
+        },
+        Case {
+            filter: FilterEps::Off,
+            bias: true,
+            ..base.clone()
+        },
+        Case {
+            accum: false,
+            ..base.clone()
+        },
+    ];
+    const ROWS: usize = 13;
+    for dtype in float_dtypes::<B>(device) {
+        for case in &cases {
+            let n = case.tokens();
+            let (scores, lse_ref) =
+                host_scores(&op_inputs::<B>(case, dtype, device).1, case.softcap);
+            let eps = (case.filter != FilterEps::Off).then(|| eps_in_gap(&scores));
+            let dout = random_values(n, Dist::Uniform { lo: 0.5, hi: 1.5 }, case.seed + 9);
+            let name = format!("{case:?} {dtype:?} eps={eps:?}");
+            let run = |rows: usize| {
+                let (dev, _) = op_inputs::<B>(case, dtype, device);
+                let lse = Tensor::<B, 1>::from_data(lse_ref.to_data(), (device, DType::F32));
+                let dout = Tensor::<B, 1>::from_data(
+                    TensorData::new(dout.clone(), [n]),
+                    (device, DType::F32),
+                );
+                let p = LceParams {
+                    de_block_rows: Some(rows),
+                    ..params(case, eps)
+                };
+                poison_memory::<B>(device, n * case.v * 2, DType::F32);
+                let (de, dc, db) = B::linear_ce_backward(
+                    prim(dev.e),
+                    prim(dev.c),
+                    dev.bias.map(prim),
+                    dev.targets.into_primitive(),
+                    prim(lse),
+                    prim(dout),
+                    &p,
+                );
+                let stats = last_backward_plan().expect("a plan was recorded");
+                let blocks = BackwardBlocks::new(&p, n, case.v, case.d, dtype);
+                (
+                    host::<B, 2>(de),
+                    host::<B, 2>(dc),
+                    db.map(host::<B, 1>),
+                    stats,
+                    blocks,
+                )
+            };
+            let (de, dc, db, stats, blocks) = run(ROWS);
+            let (de_one, dc_one, db_one, stats_one, _) = run(usize::MAX);
+            assert!(stats.chunks > 2, "{name}: several vocabulary chunks");
+            if case.accum && dtype != DType::F32 {
+                assert_eq!(blocks.de, DeAccumulation::RowBlocks, "{name}");
+                assert!(
+                    blocks.pass2_chunk > blocks.chunk,
+                    "{name}: the second pass regroups chunks ({blocks:?})"
+                );
+                assert_eq!(stats.de_row_blocks, n.div_ceil(ROWS), "{name}");
+            } else {
+                assert_eq!(blocks.de, DeAccumulation::Direct, "{name}");
+                assert_eq!(stats.de_row_blocks, 0, "{name}");
+            }
+            assert_eq!(stats_one.de_row_blocks, 0, "{name}: one block");
+            assert_eq!(stats.entries, stats_one.entries, "{name}: same plan");
+            // dC and db come from the same chunk GEMMs either way.
+            assert_eq!(dc, dc_one, "dC {name}");
+            assert_eq!(db, db_one, "db {name}");
+            // dE: the same f32 sums in another order, rounded once (or once per chunk).
+            let de_extra = de_roundings(case, dtype);
+            assert_product_close::<B>(
+                &format!("dE blocked vs one block {name}"),
+                &de,
+                &de_one,
+                case.v,
+                (dtype, de_extra),
+                device,
+            );
+
+            let cpu = op_inputs::<B>(case, dtype, device).1;
+            let keep: Vec<bool> = match eps {
+                None => vec![true; case.v],
+                Some(eps) if case.sort => scores.iter().map(|&s| s >= eps).collect(),
+                Some(eps) => {
+                    let mut keep = vec![false; case.v];
+                    for v0 in (0..case.v).step_by(blocks.chunk) {
+                        let v1 = (v0 + blocks.chunk).min(case.v);
+                        let any = scores[v0..v1].iter().any(|&s| s >= eps);
+                        keep[v0..v1].iter_mut().for_each(|x| *x = any);
+                    }
+                    keep
+                }
+            };
+            let mask = Tensor::<Cpu, 1>::from_data(
+                TensorData::new(keep.iter().map(|&k| k as u8 as f32).collect(), [case.v]),
+                &Default::default(),
+            );
+            let (de_ref, dc_ref, db_ref) =
+                masked_reference_backward(&cpu, lse_ref.clone(), &dout, &mask, case.softcap);
+            assert_product_close::<B>(
+                &format!("dE {name}"),
+                &de,
+                &de_ref,
+                case.v,
+                (dtype, de_extra),
+                device,
+            );
+            assert_product_close::<B>(&format!("dC {name}"), &dc, &dc_ref, n, (dtype, 0), device);
+            if let (Some(db), Some(db_ref)) = (db, db_ref) {
+                assert_product_close::<B>(
+                    &format!("db {name}"),
+                    &db,
+                    &db_ref,
+                    n,
+                    (dtype, 0),
+                    device,
+                );
+            }
+        }
+    }
+}
+
+/// The analytic working set of the backward at the benchmark shapes (8192 tokens, bf16,
+/// default options): the numbers documented in `burn_cce::chunked`.
+#[test]
+fn working_set_at_bench_shapes() {
+    let params = CceOptions::default().params(DType::BF16);
+    let n = 8192;
+    // (V, D, chunk, dE rows, second-pass chunk, working bytes)
+    let shapes = [
+        (256_000, 2304, 672, 1184, 2016, 36_126_720),
+        (49_152, 576, 256, 2048, 512, 12_877_824),
+    ];
+    for (v, d, chunk, rows, pass2_chunk, working) in shapes {
+        let blocks = BackwardBlocks::new(&params, n, v, d, DType::BF16);
+        assert_eq!(
+            blocks,
+            BackwardBlocks {
+                chunk,
+                de: DeAccumulation::RowBlocks,
+                rows,
+                pass2_chunk,
+            },
+            "V={v} D={d}"
+        );
+        let bytes = blocks.working_bytes(n, d, DType::BF16, false);
+        let bound = 2 * (n + v) * d;
+        println!(
+            "V={v} D={d}: working set {bytes} B, peak {} B = {:.4}× dE + dC ({bound} B)",
+            bound + bytes,
+            (bound + bytes) as f64 / bound as f64
+        );
+        assert_eq!(bytes, working, "V={v} D={d}");
+    }
+    // Gemma-2: within the 1.05× of dE + dC.
+    let bound = 2 * (n + 256_000) * 2304;
+    assert!((bound + 36_126_720) as f64 <= 1.05 * bound as f64);
 }
 
 /// The exact reference gradient with the logit-gradient columns outside `mask` zeroed.
@@ -861,6 +1050,11 @@ fn plain_ce_matches_host_f64() {
 }
 
 testgen! {
-    backend: [forward_matches_reference, backward_matches_reference, typed_errors],
+    backend: [
+        forward_matches_reference,
+        backward_matches_reference,
+        blocked_backward_matches_single_pass,
+        typed_errors,
+    ],
     autodiff: [loss_and_gradients, all_ignored],
 }

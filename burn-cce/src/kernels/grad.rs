@@ -21,6 +21,7 @@ fn grad_kernel<F: Float, I: Numeric>(
     vocab_ids: &Tensor<I>,
     out: &mut Tensor<F>,
     v0: usize,
+    row0: usize,
     softcap: f32,
     #[comptime] has_bias: bool,
     #[comptime] has_softcap: bool,
@@ -36,6 +37,8 @@ fn grad_kernel<F: Float, I: Numeric>(
     let cols = logits.shape(1);
     let row = idx / cols;
     let col = idx % cols;
+    // The chunk's rows are tokens row0.. of the per-token vectors.
+    let token = row0 + row;
     let mut vocab_id = v0 + col;
     if gathered {
         vocab_id = usize::cast_from(vocab_ids[col]);
@@ -51,20 +54,20 @@ fn grad_kernel<F: Float, I: Numeric>(
         x = softcap * t;
         slope = 1.0 - t * t;
     }
-    let mut g = f32::exp(x - lse[row]);
-    if usize::cast_from(targets[row]) == vocab_id {
+    let mut g = f32::exp(x - lse[token]);
+    if usize::cast_from(targets[token]) == vocab_id {
         g -= 1.0;
     }
-    out[idx] = F::cast_from(g * dout[row] * slope);
+    out[idx] = F::cast_from(g * dout[token] * slope);
 }
 
 /// `G` for one chunk. Entries are `v0 + j` for column `j`, or `vocab_ids[j]` when given (a
-/// gathered chunk).
+/// gathered chunk); row `i` is token `row0 + i`.
 ///
 /// # Shapes
-/// - `logits`: `[n, chunk]` f32 (raw `E·Cᵀ`), `bias`: `[V]` or `None`, `lse`, `dout`: `[n]`
-///   f32, `targets`: `[n]`, `vocab_ids`: `[chunk]`
-/// - returns `[n, chunk]` in `dtype`
+/// - `logits`: `[rows, chunk]` f32 (raw `E·Cᵀ` of tokens `row0 .. row0 + rows`), `bias`: `[V]`
+///   or `None`, `lse`, `dout`: `[n]` f32, `targets`: `[n]`, `vocab_ids`: `[chunk]`
+/// - returns `[rows, chunk]` in `dtype`
 #[allow(clippy::too_many_arguments)]
 pub fn grad_chunk<R: CubeRuntime>(
     logits: CubeTensor<R>,
@@ -74,6 +77,7 @@ pub fn grad_chunk<R: CubeRuntime>(
     targets: CubeTensor<R>,
     vocab_ids: Option<CubeTensor<R>>,
     v0: usize,
+    row0: usize,
     softcap: Option<f32>,
     dtype: DType,
 ) -> CubeTensor<R> {
@@ -121,6 +125,7 @@ pub fn grad_chunk<R: CubeRuntime>(
         vocab_ids.into_tensor_arg(),
         out.clone().into_tensor_arg(),
         v0,
+        row0,
         softcap.unwrap_or(1.0),
         has_bias,
         softcap.is_some(),

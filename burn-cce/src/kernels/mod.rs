@@ -3,12 +3,13 @@
 //! The linear cross-entropy kernels work on one chunk of logits at a time (`n × chunk`, f32,
 //! produced by the matmul): [`lse_chunk`] folds a chunk into running per-token log-sum-exp
 //! state, [`score`] finds the vocabulary entries whose gradient passes the filter, [`grad`]
-//! forms `(softmax − onehot)·dout` for a chunk, and [`indexed_dot`] computes the target logits
-//! without any logits at all.
+//! forms `(softmax − onehot)·dout` for a chunk, [`accumulate`] adds f32 blocks of dE rows in
+//! place, and [`indexed_dot`] computes the target logits without any logits at all.
 //!
 //! Outputs are allocated with `empty_device_contiguous_dtype`: the kernels index them linearly,
 //! and CubeCL's CUDA runtime may pitch (row-pad) a plain 2-D allocation.
 
+pub mod accumulate;
 pub mod grad;
 pub mod indexed_dot;
 pub mod lse;
