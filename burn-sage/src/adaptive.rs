@@ -29,6 +29,52 @@ fn values<B: Backend>(x: Tensor<B, 4>) -> Vec<f32> {
         .expect("f32 data")
 }
 
+/// Accuracy of Sage attention under each of `variants` against exact f32 attention of the same
+/// `q`, `k`, `v` (computed once, on `B`). Every variant runs with `causal` and `scale` (`None`:
+/// `1/√head_dim`) in place of its own.
+///
+/// # Shapes
+/// As [`sage_attention`]: `q` `[batch, q_heads, q_len, head_dim]`, `k`, `v`
+/// `[batch, kv_heads, kv_len, head_dim]`.
+///
+/// # Errors
+/// The input errors of [`sage_attention`].
+pub fn accuracies<B: SageBackend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    causal: bool,
+    scale: Option<f32>,
+    variants: &[SageOptions],
+) -> Result<Vec<Accuracy>, SageError> {
+    crate::plan(
+        &q.dims(),
+        &k.dims(),
+        &v.dims(),
+        [q.dtype(), k.dtype(), v.dtype()],
+        &SageOptions {
+            causal,
+            scale,
+            ..SageOptions::default()
+        },
+    )?;
+    let scale = scale.unwrap_or(1.0 / (q.dims()[3] as f32).sqrt());
+    let (exact, _) = reference::exact_attention(q.clone(), k.clone(), v.clone(), causal, scale);
+    let exact = values(exact);
+    variants
+        .iter()
+        .map(|variant| {
+            let opts = SageOptions {
+                causal,
+                scale: Some(scale),
+                ..*variant
+            };
+            let out = sage_attention(q.clone(), k.clone(), v.clone(), &opts)?.out;
+            Ok(Accuracy::of(&values(out), &exact))
+        })
+        .collect()
+}
+
 /// Measures INT4 (per-thread) and INT8 (per-thread) against exact attention on one layer's
 /// `q`, `k`, `v` and picks INT4 when its score reaches `threshold`.
 pub fn choose_layer<B: SageBackend>(
@@ -39,17 +85,16 @@ pub fn choose_layer<B: SageBackend>(
     base: &SageOptions,
     threshold: f64,
 ) -> Result<LayerReport, SageError> {
-    let scale = base.scale.unwrap_or(1.0 / (q.dims()[3] as f32).sqrt());
-    let (exact, _) =
-        reference::exact_attention(q.clone(), k.clone(), v.clone(), base.causal, scale);
-    let exact = values(exact);
-    let run = |qk| -> Result<Accuracy, SageError> {
-        let opts = SageOptions { qk, ..*base };
-        let out = sage_attention(q.clone(), k.clone(), v.clone(), &opts)?.out;
-        Ok(Accuracy::of(&values(out), &exact))
-    };
-    let int4 = run(QkQuant::Int4PerThread)?;
-    let int8 = run(QkQuant::Int8PerThread)?;
+    let with = |qk| SageOptions { qk, ..*base };
+    let acc = accuracies(
+        q,
+        k,
+        v,
+        base.causal,
+        base.scale,
+        &[with(QkQuant::Int4PerThread), with(QkQuant::Int8PerThread)],
+    )?;
+    let (int4, int8) = (acc[0], acc[1]);
     let choice = if int4.score() >= threshold {
         QkQuant::Int4PerThread
     } else {

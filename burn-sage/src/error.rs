@@ -43,8 +43,9 @@ pub enum Unsupported {
     /// The runtime has no integer (i8·i8→i32) or f16 matrix-multiply units of the needed shape.
     #[error("the runtime has no {0} matrix units (cmma 16×16×16)")]
     MatrixUnits(&'static str),
-    /// The portable kernel is not used past [`crate::kernels::UNIT_MAX_KV`] keys.
-    #[error("kv length {0} is above the portable kernel's verified range")]
+    /// The portable kernel is not used past [`crate::kernels::UNIT_MAX_KV`] keys (its loop over
+    /// keys would run past [`crate::kernels::LOOP_BUDGET`] iterations).
+    #[error("kv length {0} is above the portable kernel's {max} keys", max = crate::kernels::UNIT_MAX_KV)]
     UnitKernelLength(usize),
     /// Head dims above 256 are not compiled.
     #[error("head dim {0} is above the kernels' 256")]

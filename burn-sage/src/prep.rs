@@ -9,6 +9,59 @@ use crate::{PvPrecision, SagePlan};
 /// Smallest scale a group may get (an all-zero group quantizes to zeros).
 pub const MIN_SCALE: f32 = f32::MIN_POSITIVE;
 
+/// Longest axis the tensor-op stages reduce, or contract in a matmul, in one op: longer axes
+/// (the keys of a long context) are cut into chunks of this many and the partial results
+/// combined. Some of Burn's reduction and matmul kernels give one unit a whole axis, and
+/// lavapipe cuts every loop of an invocation short after
+/// [`LOOP_BUDGET`](crate::kernels::LOOP_BUDGET) iterations: a sum over 65 535 keys there came
+/// out 5 short.
+pub const AXIS_CHUNK: usize = 4096;
+
+/// `x` summed over `dim` (kept, size 1), at most [`AXIS_CHUNK`] elements per reduction.
+pub fn sum_dim_chunked<B: Backend, const D: usize>(x: Tensor<B, D>, dim: usize) -> Tensor<B, D> {
+    if x.dims()[dim] <= AXIS_CHUNK {
+        return x.sum_dim(dim);
+    }
+    let parts: Vec<_> = x
+        .split(AXIS_CHUNK, dim)
+        .into_iter()
+        .map(|c| c.sum_dim(dim))
+        .collect();
+    sum_dim_chunked(Tensor::cat(parts, dim), dim)
+}
+
+/// `x`'s maximum over `dim` (kept, size 1), at most [`AXIS_CHUNK`] elements per reduction.
+pub fn max_dim_chunked<B: Backend, const D: usize>(x: Tensor<B, D>, dim: usize) -> Tensor<B, D> {
+    if x.dims()[dim] <= AXIS_CHUNK {
+        return x.max_dim(dim);
+    }
+    let parts: Vec<_> = x
+        .split(AXIS_CHUNK, dim)
+        .into_iter()
+        .map(|c| c.max_dim(dim))
+        .collect();
+    max_dim_chunked(Tensor::cat(parts, dim), dim)
+}
+
+/// `a · b` for `a` `[b, h, m, k]` and `b` `[b, h, k, n]`, summing products over chunks of at
+/// most [`AXIS_CHUNK`] of `k`.
+pub fn matmul_chunked<B: Backend>(a: Tensor<B, 4>, b: Tensor<B, 4>) -> Tensor<B, 4> {
+    let k = a.dims()[3];
+    if k <= AXIS_CHUNK {
+        return a.matmul(b);
+    }
+    (0..k)
+        .step_by(AXIS_CHUNK)
+        .map(|start| {
+            let len = AXIS_CHUNK.min(k - start);
+            a.clone()
+                .narrow(3, start, len)
+                .matmul(b.clone().narrow(2, start, len))
+        })
+        .reduce(|acc, x| acc + x)
+        .expect("k > AXIS_CHUNK")
+}
+
 /// What the quantization and the attention consume besides Q, K, V.
 #[derive(Debug, Clone)]
 pub struct Prepared<B: Backend> {
@@ -70,7 +123,7 @@ pub fn prepare<B: Backend>(
     let device = q.device();
     let zeros = |shape: [usize; 4]| Tensor::<B, 4>::zeros(shape, &device).cast(DType::F32);
     let k_mean = if plan.opts.smooth_k {
-        k.clone().cast(DType::F32).mean_dim(2)
+        sum_dim_chunked(k.clone().cast(DType::F32), 2) / plan.kv_len as f32
     } else {
         zeros([b, hkv, 1, d])
     };
@@ -92,7 +145,7 @@ pub fn prepare<B: Backend>(
     let (v, post) = match plan.opts.pv {
         PvPrecision::Fp8E4m3 => {
             let v32 = v.clone().cast(DType::F32);
-            let v_scale = (v32.clone().abs().max_dim(2) / 448.0).clamp_min(MIN_SCALE);
+            let v_scale = (max_dim_chunked(v32.clone().abs(), 2) / 448.0).clamp_min(MIN_SCALE);
             let post = v_scale.clone() / plan.p_scale();
             (v32 / v_scale, post)
         }

@@ -2,10 +2,12 @@
 //! attention with exactly the kernels' quantization and rounding (but a plain, not online,
 //! softmax: `P̃` is rounded relative to the row's final maximum rather than the running one).
 
-use burn::tensor::{DType, Tensor, TensorData, activation, backend::Backend};
+use burn::tensor::{DType, Tensor, TensorData, backend::Backend};
 use burn_kernels_core::attention::repeat_kv;
 
-use crate::prep::{MIN_SCALE, Prepared, expand_blocks, prepare};
+use crate::prep::{
+    MIN_SCALE, Prepared, expand_blocks, matmul_chunked, max_dim_chunked, prepare, sum_dim_chunked,
+};
 use crate::{Grid, GroupLayout, SagePlan};
 
 /// `[1, 1, sq, skv]` bottom-right causal mask, `true` = hidden.
@@ -23,7 +25,7 @@ fn causal_mask<B: Backend>(
 }
 
 /// Exact attention in f32 (bottom-right causal), GQA by repetition. Returns `(out, lse)`,
-/// `out` in f32.
+/// `out` in f32. Long key axes are reduced in chunks (see [`crate::prep::AXIS_CHUNK`]).
 pub fn exact_attention<B: Backend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
@@ -40,10 +42,12 @@ pub fn exact_attention<B: Backend>(
         let mask = causal_mask::<B>(sq, skv, &s.device()).expand([b, hq, sq, skv]);
         s = s.mask_fill(mask, -1.0e30);
     }
-    let m = s.clone().max_dim(3);
-    let l = (s.clone() - m.clone()).exp().sum_dim(3);
+    let m = max_dim_chunked(s.clone(), 3);
+    let p = (s - m.clone()).exp();
+    let l = sum_dim_chunked(p.clone(), 3);
+    let out = matmul_chunked(p, v) / l.clone();
     let lse = (m + l.log()).reshape([b, hq, sq]);
-    (activation::softmax(s, 3).matmul(v), lse)
+    (out, lse)
 }
 
 /// `x` rounded to `grid` (ties away from zero, saturating), as tensor ops.
@@ -167,14 +171,14 @@ pub fn sage_attention_prepared<B: Backend>(
         let mask = causal_mask::<B>(sq, skv, &s.device()).expand([b, hq, sq, skv]);
         s = s.mask_fill(mask, -1.0e30);
     }
-    let m = s.clone().max_dim(3);
+    let m = max_dim_chunked(s.clone(), 3);
     let p = (s - m.clone()).exp();
-    let l = p.clone().sum_dim(3);
+    let l = sum_dim_chunked(p.clone(), 3);
     let grid = plan.pv_grid();
     let pq = round_to_grid(p * plan.p_scale(), grid);
     let vq = repeat_kv(round_to_grid(prep.v.clone().cast(DType::F32), grid), group);
     let post = repeat_kv(prep.post.clone(), group);
-    let out = pq.matmul(vq) / l.clone() * post;
+    let out = matmul_chunked(pq, vq) / l.clone() * post;
     let lse = (m + l.log()).reshape([b, hq, sq]);
     (out, lse)
 }

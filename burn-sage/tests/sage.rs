@@ -8,6 +8,7 @@ use burn_kernels_testing::{
     Dist, Tolerance, assert_close, compare::to_f32, f32_matmul_is_tf32, float_dtypes,
     poison_memory, random_tensor, random_values, testgen,
 };
+use burn_sage::kernels::UNIT_MAX_KV;
 use burn_sage::{
     Accuracy, GroupLayout, PvPrecision, QkQuant, SageBackend, SageError, SageOptions, plan,
     quantize_stage, reference, sage_attention,
@@ -34,19 +35,17 @@ const CASES: &[(usize, usize, usize, usize, usize, usize, bool)] = &[
     (1, 2, 1, 33, 65, 256, false),
 ];
 
-/// Longer problems (the 1000), run where the matrix-unit kernel runs (CUDA). On lavapipe
-/// the op's outputs were wrong from a few hundred keys on, for the portable kernel and for the
-/// tensor-op reference path alike (cause not found; the quantization stage matches exactly at
-/// 1000 rows), so there they are skipped with a line saying so.
+/// Longer problems: the 1000, a head dim of 256 past the few hundred keys where the
+/// portable kernel used to stop short on lavapipe (its per-channel loops used up lavapipe's
+/// budget of 65 535 loop iterations per invocation), decode steps at the portable kernel's
+/// longest KV length and past it (the reference).
 const LONG_CASES: &[(usize, usize, usize, usize, usize, usize, bool)] = &[
     (1, 4, 2, 1000, 1000, 64, true),
     (1, 2, 2, 1000, 1000, 128, false),
+    (1, 2, 1, 17, 600, 256, true),
+    (1, 2, 1, 2, UNIT_MAX_KV, 64, true),
+    (1, 2, 1, 1, UNIT_MAX_KV + 1000, 64, false),
 ];
-
-fn has_matrix_units<B: Backend>(device: &B::Device) -> bool {
-    // The matrix-unit path needs f16 storage and i8 buffers at least; lavapipe lacks cmma.
-    B::name(device).to_lowercase().contains("cuda")
-}
 
 /// Q, K, V like a model's: K carries a large per-channel offset shared by all tokens (what K
 /// smoothing removes), Q and V are plain normals.
@@ -174,13 +173,6 @@ fn attention_matches_reference<B: SageBackend>(device: &B::Device) {
 }
 
 fn attention_matches_reference_long<B: SageBackend>(device: &B::Device) {
-    if !has_matrix_units::<B>(device) {
-        println!(
-            "skipped on {}: known wrong outputs on lavapipe past a few hundred keys",
-            B::name(device)
-        );
-        return;
-    }
     check_cases::<B>(device, LONG_CASES);
 }
 
@@ -290,14 +282,7 @@ fn accuracy_table<B: SageBackend>(
 }
 
 fn accuracy_vs_exact<B: SageBackend>(device: &B::Device) {
-    if !has_matrix_units::<B>(device) {
-        println!(
-            "skipped on {}: known wrong outputs on lavapipe past a few hundred keys",
-            B::name(device)
-        );
-        return;
-    }
-    accuracy_table::<B>(device, LONG_CASES);
+    accuracy_table::<B>(device, &LONG_CASES[..2]);
     accuracy_table::<B>(
         device,
         &[(1, 4, 2, 257, 257, 64, true), (1, 2, 1, 17, 200, 256, true)],
@@ -320,10 +305,16 @@ fn large_magnitudes_stay_finite<B: SageBackend>(device: &B::Device) {
             };
             let out =
                 sage_attention(q.clone() * mag, k.clone() * mag, v.clone(), &opts).expect("valid");
+            // An output is a convex combination of V rows up to the rounding of P̃: f16 P̃
+            // is within 2⁻¹¹ of P, E4M3 P̃ within 2⁻⁴ (3 mantissa bits), relative.
+            let bound = match pv {
+                PvPrecision::Fp16 => vmax * 1.01,
+                PvPrecision::Fp8E4m3 => vmax * (1.0 + 2f32.powi(-4)) * 1.01,
+            };
             for x in values(out.out) {
                 assert!(
-                    x.is_finite() && x.abs() <= vmax * 1.01,
-                    "{dtype:?} {pv:?}: {x}"
+                    x.is_finite() && x.abs() <= bound,
+                    "{dtype:?} {pv:?}: {x} (max |v| {vmax})"
                 );
             }
             for x in values(out.lse.expect("asked for")) {

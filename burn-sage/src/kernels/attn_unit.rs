@@ -2,6 +2,11 @@
 //! f32, `QKᵀ` as integer dot products, `P̃` and `V` rounded to the PV format in f32
 //! arithmetic. It runs on any runtime (lavapipe included) and checks the numerics of the
 //! pipeline; the matrix-unit kernel ([`super::attn_cmma`]) is the fast path.
+//!
+//! Every loop over the head dim is unrolled (it is comptime), so the loop over keys is the
+//! kernel's only loop: lavapipe ends all loops of an invocation after 65 535 iterations in total
+//! (see [`super::LOOP_BUDGET`]), which per-channel loops exhausted after `65 535 / (2·dim + 1)`
+//! keys.
 
 use burn::tensor::Shape;
 use burn_cubecl::{
@@ -43,6 +48,7 @@ fn attn_unit_kernel<F: Float, I: Int, V: Float>(
     let qscale = qs[bh * args.q_groups + qg];
 
     let mut acc = Array::<f32>::new(dim);
+    #[unroll]
     for c in 0..dim {
         acc[c] = f32::new(0.0);
     }
@@ -55,6 +61,7 @@ fn attn_unit_kernel<F: Float, I: Int, V: Float>(
     for j in 0..kv_end {
         let krow = (bhk * args.skv + j) * dim;
         let mut dot = i32::new(0);
+        #[unroll]
         for c in 0..dim {
             dot += i32::cast_from(qi[idx * dim + c]) * i32::cast_from(ki[krow + c]);
         }
@@ -67,6 +74,7 @@ fn attn_unit_kernel<F: Float, I: Int, V: Float>(
         if s > m {
             let alpha = f32::exp(m - s);
             l *= alpha;
+            #[unroll]
             for c in 0..dim {
                 acc[c] *= alpha;
             }
@@ -75,6 +83,7 @@ fn attn_unit_kernel<F: Float, I: Int, V: Float>(
         let p = f32::exp(s - m);
         l += p;
         let pq = round_grid(p * args.p_scale, args.mantissa, args.min_exp, args.grid_max);
+        #[unroll]
         for c in 0..dim {
             let vq = round_grid(
                 f32::cast_from(v[krow + c]),
@@ -85,6 +94,7 @@ fn attn_unit_kernel<F: Float, I: Int, V: Float>(
             acc[c] += pq * vq;
         }
     }
+    #[unroll]
     for c in 0..dim {
         out[idx * dim + c] = F::cast_from(acc[c] * post[bhk * dim + c] / l);
     }

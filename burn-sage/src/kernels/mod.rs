@@ -152,10 +152,16 @@ pub fn cmma_support<R: CubeRuntime>(
     Ok(())
 }
 
-/// Longest KV length the portable kernel is used for. On lavapipe it returned wrong outputs
-/// from about 500 keys on (480 verified, 511 wrong; cause not found: the quantized inputs match
-/// the reference exactly), so longer problems run the reference instead.
-pub const UNIT_MAX_KV: usize = 480;
+/// Loop iterations lavapipe lets one invocation run: llvmpipe's shader compiler (gallivm) gives
+/// every shader one counter shared by all its loops (`LP_MAX_TGSI_LOOP_ITERATIONS`) and ends
+/// every loop once it has counted this many iterations, silently: the invocation goes on with
+/// its loops cut short, so results are wrong or never written.
+pub const LOOP_BUDGET: usize = 65_535;
+
+/// Longest KV length the portable kernel is used for: its one loop runs once per key (the
+/// per-channel loops are unrolled), so it stays within [`LOOP_BUDGET`] up to here; longer
+/// problems run the reference instead.
+pub const UNIT_MAX_KV: usize = 65_000;
 
 /// Which attention kernel runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
