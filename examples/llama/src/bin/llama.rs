@@ -4,14 +4,17 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use burn::tensor::{DType, backend::Backend};
-use burn_kernels_core::{AttentionKind, SamplingConfig};
+use burn_kernels_core::{AttentionImpl, SamplingConfig};
 use burn_kvcache::{KvBackend, MiniCacheConfig, QuantConfig, ShadowKvConfig};
+use burn_llama::attention::AttentionChoice;
 use burn_llama::eval::{CacheKind, CacheSpec, full_kv_bytes, perplexity_with_cache};
 use burn_llama::generate::{GenerateOptions, generate, perplexity};
 use burn_llama::loader::{default_model_path, load};
 use burn_llama::model::Llama;
 use burn_llama::spec::{Draft, SpecOptions, speculative_generate, truncated_draft};
 use burn_llama::tokenizer::Tokenizer;
+use burn_sage::SageBackend;
+use burn_sage::adaptive::DEFAULT_INT4_THRESHOLD;
 use burn_specdec::Scheme;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
@@ -41,9 +44,18 @@ struct Common {
     /// Weight and activation dtype (f16/bf16 on GPUs).
     #[arg(long, value_enum, default_value = "f32")]
     dtype: DTypeArg,
-    /// Attention implementation: reference | burn-fused.
+    /// Attention implementation: reference, burn-fused, or a SageAttention2 variant
+    /// (burn-sage): sage (INT8 Q·Kᵀ per warp with K smoothing, FP16 P·V), sage-fp8 (FP8 E4M3
+    /// P·V), sage-int4 (INT4 per thread with Q and K smoothing), sage-adaptive (INT4 or INT8 per
+    /// layer, chosen on a calibration pass over the prompt or text); -fp8 also goes with
+    /// sage-int4 and sage-adaptive. On the CPU Sage runs its tensor-op reference (same
+    /// rounding as the kernels).
     #[arg(long, default_value = "reference")]
     attention: String,
+    /// sage-adaptive: a layer keeps INT4 where cos_sim·(1 − rel_l1) of its INT4 output against
+    /// exact attention reaches this.
+    #[arg(long, default_value_t = DEFAULT_INT4_THRESHOLD)]
+    int4_threshold: f64,
 }
 
 /// KV-cache compression (burn-kvcache).
@@ -265,19 +277,18 @@ fn run_cuda(_: &Cli) -> Result<(), String> {
     )
 }
 
-fn run<B: KvBackend>(cli: &Cli, device: &B::Device) -> Result<(), String> {
+fn run<B: KvBackend + SageBackend>(cli: &Cli, device: &B::Device) -> Result<(), String> {
     let common = match &cli.cmd {
         Cmd::Generate { common, .. } | Cmd::Perplexity { common, .. } => common,
     };
     let path = common.model.clone().unwrap_or_else(default_model_path);
-    let attention = AttentionKind::parse(&common.attention)
-        .ok_or_else(|| {
-            format!(
-                "unknown attention `{}` (reference, burn-fused)",
-                common.attention
-            )
-        })?
-        .build::<B>();
+    let choice = AttentionChoice::parse(&common.attention).ok_or_else(|| {
+        format!(
+            "unknown attention `{}` ({})",
+            common.attention,
+            AttentionChoice::NAMES
+        )
+    })?;
     let dtype = match common.dtype {
         DTypeArg::F32 => DType::F32,
         DTypeArg::F16 => DType::F16,
@@ -289,15 +300,36 @@ fn run<B: KvBackend>(cli: &Cli, device: &B::Device) -> Result<(), String> {
     let model = Llama::<B>::from_checkpoint(&ckpt, device, dtype).map_err(|e| e.to_string())?;
     let tokenizer = &ckpt.tokenizer;
     eprintln!(
-        "loaded {} layers, hidden {}, vocab {} in {:.1}s on {} ({:?}, attention {})",
+        "loaded {} layers, hidden {}, vocab {} in {:.1}s on {} ({:?})",
         ckpt.config.num_layers,
         ckpt.config.hidden_size,
         ckpt.config.vocab_size,
         t.elapsed().as_secs_f64(),
         B::name(device),
         dtype,
-        attention.name()
     );
+    // The tokens adaptive Sage calibrates on: the prompt (as fed) or the text.
+    let input_ids = match &cli.cmd {
+        Cmd::Generate { prompt, chat, .. } => {
+            let text = if *chat {
+                tokenizer.chat_prompt(&[("user", prompt.as_str())], true)
+            } else {
+                prompt.clone()
+            };
+            tokenizer.encode(&text).map_err(|e| e.to_string())?
+        }
+        Cmd::Perplexity { text, .. } => {
+            let body =
+                std::fs::read_to_string(text).map_err(|e| format!("{}: {e}", text.display()))?;
+            let ids = tokenizer.encode(&body).map_err(|e| e.to_string())?;
+            if ids.len() < 2 {
+                return Err(format!("{}: needs at least two tokens", text.display()));
+            }
+            ids
+        }
+    };
+    let attention = build_attention(&choice, &model, &input_ids, common.int4_threshold)?;
+    eprintln!("attention {}", attention.name());
     match &cli.cmd {
         Cmd::Generate {
             prompt,
@@ -311,12 +343,7 @@ fn run<B: KvBackend>(cli: &Cli, device: &B::Device) -> Result<(), String> {
             kv,
             ..
         } => {
-            let text = if *chat {
-                tokenizer.chat_prompt(&[("user", prompt.as_str())], true)
-            } else {
-                prompt.clone()
-            };
-            let ids = tokenizer.encode(&text).map_err(|e| e.to_string())?;
+            let ids = input_ids;
             let sampling = SamplingConfig {
                 temperature: *temperature,
                 top_k: *top_k,
@@ -332,14 +359,7 @@ fn run<B: KvBackend>(cli: &Cli, device: &B::Device) -> Result<(), String> {
                 max_new_tokens: *max_new_tokens,
                 stop_tokens: tokenizer.eos_token_ids().to_vec(),
             };
-            print!(
-                "{}",
-                if *chat {
-                    prompt.as_str()
-                } else {
-                    text.as_str()
-                }
-            );
+            print!("{prompt}");
             if *chat {
                 println!();
             }
@@ -395,13 +415,8 @@ fn run<B: KvBackend>(cli: &Cli, device: &B::Device) -> Result<(), String> {
                 full as f64 / g.cache_bytes.max(1) as f64
             );
         }
-        Cmd::Perplexity { text, kv, .. } => {
-            let body =
-                std::fs::read_to_string(text).map_err(|e| format!("{}: {e}", text.display()))?;
-            let ids = tokenizer.encode(&body).map_err(|e| e.to_string())?;
-            if ids.len() < 2 {
-                return Err(format!("{}: needs at least two tokens", text.display()));
-            }
+        Cmd::Perplexity { kv, .. } => {
+            let ids = input_ids;
             if kv.kv_cache.is_none() {
                 let ppl = perplexity(&model, &ids, attention.as_ref());
                 println!("perplexity {ppl:.4} over {} tokens", ids.len());
@@ -431,6 +446,38 @@ fn run<B: KvBackend>(cli: &Cli, device: &B::Device) -> Result<(), String> {
     Ok(())
 }
 
+/// The attention implementation; adaptive Sage calibrates on `tokens` and reports its choice
+/// per layer.
+fn build_attention<B: SageBackend>(
+    choice: &AttentionChoice,
+    model: &Llama<B>,
+    tokens: &[u32],
+    int4_threshold: f64,
+) -> Result<Box<dyn AttentionImpl<B>>, String> {
+    let t = std::time::Instant::now();
+    let (attention, reports) = choice
+        .build(Some((model, tokens)), int4_threshold)
+        .map_err(|e| e.to_string())?;
+    if !reports.is_empty() {
+        eprintln!(
+            "sage-adaptive: calibrated on {} tokens in {:.1}s (INT4 where cos_sim·(1 − rel_l1) \
+             ≥ {int4_threshold})",
+            tokens.len(),
+            t.elapsed().as_secs_f64()
+        );
+        for r in &reports {
+            eprintln!(
+                "  layer {:2}: int4 {} | int8 {} -> {}",
+                r.layer,
+                r.int4,
+                r.int8,
+                r.choice.name()
+            );
+        }
+    }
+    Ok(attention)
+}
+
 /// `llama generate --spec ...`: speculative decoding of one prompt, streamed, then its metrics.
 #[allow(clippy::too_many_arguments)]
 fn run_speculative<B: Backend>(
@@ -440,7 +487,7 @@ fn run_speculative<B: Backend>(
     ids: &[u32],
     device: &B::Device,
     dtype: DType,
-    attention: &dyn burn_kernels_core::AttentionImpl<B>,
+    attention: &dyn AttentionImpl<B>,
     stream: &mut StreamPrinter<'_>,
 ) -> Result<(), String> {
     let draft_model = match &args.draft_model {

@@ -1,0 +1,198 @@
+//! The attention implementations of the CLI (`--attention`), by name, including the
+//! SageAttention2 variants of `burn-sage`, and the capture of every layer's Q/K/V that
+//! adaptive Sage calibrates on.
+//!
+//! | name | Q·Kᵀ | P̃·V |
+//! |---|---|---|
+//! | `reference` | f32 tensor ops | f32 |
+//! | `burn-fused` | Burn's attention op | |
+//! | `sage` | INT8, one scale per 32 queries / 64 keys, K smoothed | FP16 |
+//! | `sage-fp8` | as `sage` | FP8 E4M3, per-channel V scale |
+//! | `sage-int4` | INT4 per thread, Q and K smoothed | FP16 |
+//! | `sage-int4-fp8` | as `sage-int4` | FP8 E4M3 |
+//! | `sage-adaptive` | INT4 or INT8 per thread, chosen per layer on a calibration pass | FP16 |
+//! | `sage-adaptive-fp8` | as `sage-adaptive` | FP8 E4M3 |
+
+use burn::tensor::{Int, Tensor, TensorData};
+use burn_kernels_core::{AttentionImpl, AttentionKind, FullKvCache, ReferenceAttention};
+use burn_sage::adaptive::{CaptureAttention, Captured, LayerReport, choose_layer};
+use burn_sage::{PvPrecision, QkQuant, SageAttention, SageBackend, SageError, SageOptions};
+
+use crate::model::Llama;
+
+/// Which quantization of `Q·Kᵀ` a Sage variant uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SageQk {
+    /// INT8 per warp (32 queries) and per 64-key block, K smoothed.
+    Int8,
+    /// INT4 per thread, Q and K smoothed.
+    Int4,
+    /// INT4 or INT8 per thread (Q and K smoothed), chosen per layer by
+    /// [`burn_sage::adaptive`] on the captured Q/K/V of a calibration pass.
+    Adaptive,
+}
+
+/// An attention implementation of the CLI.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttentionChoice {
+    Builtin(AttentionKind),
+    Sage { qk: SageQk, pv: PvPrecision },
+}
+
+impl AttentionChoice {
+    pub const NAMES: &'static str = "reference, burn-fused, sage, sage-fp8, sage-int4, \
+         sage-int4-fp8, sage-adaptive, sage-adaptive-fp8";
+
+    pub fn parse(s: &str) -> Option<Self> {
+        if let Some(kind) = AttentionKind::parse(s) {
+            return Some(Self::Builtin(kind));
+        }
+        let (base, pv) = match s.strip_suffix("-fp8") {
+            Some(base) => (base, PvPrecision::Fp8E4m3),
+            None => (s, PvPrecision::Fp16),
+        };
+        let qk = match base {
+            "sage" => SageQk::Int8,
+            "sage-int4" => SageQk::Int4,
+            "sage-adaptive" => SageQk::Adaptive,
+            _ => return None,
+        };
+        Some(Self::Sage { qk, pv })
+    }
+
+    /// The Sage options of a Sage variant (for `Adaptive`, the base options the per-layer
+    /// choice is made under). `causal` and `scale` come from each call.
+    pub fn sage_options(&self) -> Option<SageOptions> {
+        let Self::Sage { qk, pv } = *self else {
+            return None;
+        };
+        let (qk, smooth_q) = match qk {
+            SageQk::Int8 => (QkQuant::Int8PerWarp, false),
+            SageQk::Int4 => (QkQuant::Int4PerThread, true),
+            SageQk::Adaptive => (QkQuant::Int8PerThread, true),
+        };
+        Some(SageOptions {
+            qk,
+            pv,
+            smooth_q,
+            ..SageOptions::default()
+        })
+    }
+
+    /// Whether [`AttentionChoice::build`] needs calibration tokens.
+    pub fn is_adaptive(&self) -> bool {
+        matches!(
+            self,
+            Self::Sage {
+                qk: SageQk::Adaptive,
+                ..
+            }
+        )
+    }
+
+    /// The implementation. Adaptive Sage first runs `calibration`'s model over its tokens with
+    /// the reference attention, then keeps INT4 in the layers where its score
+    /// `cos_sim · (1 − rel_l1)` against exact attention reaches `int4_threshold`; the
+    /// per-layer reports come back with it (empty for the other choices).
+    ///
+    /// # Errors
+    /// [`AttentionError::NeedsCalibration`] for adaptive Sage without calibration tokens; a
+    /// [`SageError`] from the calibration.
+    pub fn build<B: SageBackend>(
+        &self,
+        calibration: Option<(&Llama<B>, &[u32])>,
+        int4_threshold: f64,
+    ) -> Result<(Box<dyn AttentionImpl<B>>, Vec<LayerReport>), AttentionError> {
+        let opts = match (self, self.sage_options()) {
+            (Self::Builtin(kind), _) => return Ok((kind.build::<B>(), Vec::new())),
+            (_, Some(opts)) => opts,
+            (Self::Sage { .. }, None) => unreachable!("a Sage choice has Sage options"),
+        };
+        if !self.is_adaptive() {
+            return Ok((Box::new(SageAttention::new(opts)), Vec::new()));
+        }
+        let (model, tokens) = calibration.ok_or(AttentionError::NeedsCalibration)?;
+        let reports = calibrate(model, tokens, &opts, int4_threshold)?;
+        let per_layer = reports.iter().map(|r| r.choice).collect();
+        Ok((
+            Box::new(SageAttention::with_layers(opts, per_layer)),
+            reports,
+        ))
+    }
+}
+
+/// Why an attention choice could not be built.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum AttentionError {
+    /// Adaptive Sage chooses per layer from a calibration pass over some tokens.
+    #[error("adaptive Sage attention needs calibration tokens")]
+    NeedsCalibration,
+    #[error(transparent)]
+    Sage(#[from] SageError),
+    /// The calibration pass saw no attention call of some layer.
+    #[error("the calibration pass did not reach layer {0}")]
+    LayerNotCaptured(usize),
+}
+
+/// Q, K, V (after RoPE) and the causal flag of the first attention call of every layer when
+/// `model` runs `tokens` (one sequence, empty cache) with the reference attention.
+///
+/// # Errors
+/// [`AttentionError::LayerNotCaptured`] if some layer was never called.
+pub fn capture_qkv<B: burn::tensor::backend::Backend>(
+    model: &Llama<B>,
+    tokens: &[u32],
+) -> Result<Vec<Captured<B>>, AttentionError> {
+    let device = model.embed.device();
+    let ids: Vec<i64> = tokens.iter().map(|&t| t as i64).collect();
+    let input = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, tokens.len()]), &device);
+    let capture = CaptureAttention::<B>::new(Box::new(ReferenceAttention));
+    let mut cache = FullKvCache::new(model.config.num_layers);
+    drop(model.forward(input, &[], &mut cache, &capture));
+    let captured = capture.take();
+    (0..model.config.num_layers)
+        .map(|layer| {
+            captured
+                .get(layer)
+                .cloned()
+                .flatten()
+                .ok_or(AttentionError::LayerNotCaptured(layer))
+        })
+        .collect()
+}
+
+/// Adaptive Sage's per-layer INT4/INT8 choice on the Q/K/V `model` produces for `tokens`
+/// ([`burn_sage::adaptive::choose_layer`] with `base`, each layer's causal flag and the
+/// model's `1/√head_dim`).
+///
+/// # Errors
+/// As [`capture_qkv`] and [`choose_layer`].
+pub fn calibrate<B: SageBackend>(
+    model: &Llama<B>,
+    tokens: &[u32],
+    base: &SageOptions,
+    int4_threshold: f64,
+) -> Result<Vec<LayerReport>, AttentionError> {
+    capture_qkv(model, tokens)?
+        .into_iter()
+        .enumerate()
+        .map(|(layer, (q, k, v, causal))| {
+            let opts = SageOptions { causal, ..*base };
+            Ok(choose_layer(layer, q, k, v, &opts, int4_threshold)?)
+        })
+        .collect()
+}
+
+/// The fixed (non-adaptive) Sage variants of the CLI, in the order the tables list them.
+pub const SAGE_VARIANTS: [&str; 4] = ["sage", "sage-fp8", "sage-int4", "sage-int4-fp8"];
+
+/// The options of a fixed Sage variant of [`SAGE_VARIANTS`] by name.
+///
+/// # Panics
+/// If `name` is not a fixed Sage variant.
+pub fn sage_variant(name: &str) -> SageOptions {
+    AttentionChoice::parse(name)
+        .filter(|c| !c.is_adaptive())
+        .and_then(|c| c.sage_options())
+        .unwrap_or_else(|| panic!("`{name}` is not a fixed Sage variant"))
+}
