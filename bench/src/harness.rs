@@ -11,9 +11,10 @@ use std::time::{Duration, Instant};
 pub enum Runner<'a> {
     /// Enqueues the work once; the harness warms up, synchronizes and times it.
     InProcess(Box<dyn FnMut() + 'a>),
-    /// A peer timed outside this process (e.g. PyTorch on the same GPU in the same run): returns
-    /// its own per-repetition times (and peak memory, if it measures it), or why it could not
-    /// run.
+    /// A candidate that times itself: a peer outside this process (e.g. PyTorch on the same GPU
+    /// in the same run), or a stateful run whose calls cannot repeat (decode steps growing a
+    /// cache). Returns its own per-repetition times (and peak memory, if it measures it), or
+    /// why it could not run.
     Timed(Box<dyn FnOnce() -> Result<PeerRun, String> + 'a>),
 }
 
@@ -39,11 +40,25 @@ impl From<Vec<f64>> for PeerRun {
 /// saw it (its watermark), rounded up to the pool's page sizes.
 pub type MemoryProbe = std::sync::Arc<dyn Fn(bool) -> Option<u64> + Send + Sync>;
 
+/// What a candidate adds to its record once it ran: parameters (into the record's `params`)
+/// and a short note for the table.
+#[derive(Debug, Clone, Default)]
+pub struct Extra {
+    pub params: BTreeMap<String, serde_json::Value>,
+    pub note: Option<String>,
+}
+
 /// One implementation of a problem, ready to run.
 pub struct Candidate<'a> {
     pub name: &'static str,
     /// `Err(reason)` when this implementation is skipped for the problem (e.g. too much memory).
     pub run: Result<Runner<'a>, String>,
+    /// Tokens one run processes when they differ from the problem's (e.g. each implementation
+    /// decodes the largest batch it fits).
+    pub tokens: Option<f64>,
+    /// Called after the candidate was measured.
+    #[allow(clippy::type_complexity)]
+    pub extra: Option<Box<dyn FnOnce() -> Extra + 'a>>,
 }
 
 impl<'a> Candidate<'a> {
@@ -52,10 +67,12 @@ impl<'a> Candidate<'a> {
         Candidate {
             name,
             run: Ok(Runner::InProcess(Box::new(run))),
+            tokens: None,
+            extra: None,
         }
     }
 
-    /// A peer that times itself outside this process.
+    /// A candidate that times itself (see [`Runner::Timed`]).
     pub fn timed_elsewhere(
         name: &'static str,
         run: impl FnOnce() -> Result<PeerRun, String> + 'a,
@@ -63,6 +80,8 @@ impl<'a> Candidate<'a> {
         Candidate {
             name,
             run: Ok(Runner::Timed(Box::new(run))),
+            tokens: None,
+            extra: None,
         }
     }
 
@@ -71,7 +90,21 @@ impl<'a> Candidate<'a> {
         Candidate {
             name,
             run: Err(reason),
+            tokens: None,
+            extra: None,
         }
+    }
+
+    /// Sets the tokens one run processes (see [`Candidate::tokens`]).
+    pub fn with_tokens(mut self, tokens: f64) -> Self {
+        self.tokens = Some(tokens);
+        self
+    }
+
+    /// Sets what the candidate adds to its record after it ran.
+    pub fn with_extra(mut self, extra: impl FnOnce() -> Extra + 'a) -> Self {
+        self.extra = Some(Box::new(extra));
+        self
     }
 }
 
@@ -128,9 +161,13 @@ pub struct Record {
     /// Peak device memory of one call beyond its inputs, MB (10⁶ bytes), where measured.
     #[serde(default)]
     pub peak_mem_mb: Option<f64>,
-    /// Baseline median / this median, both measured in this run.
+    /// Baseline median / this median, both measured in this run; the ratio of tokens/s where
+    /// both have one (implementations may process different token counts).
     pub speedup_vs_baseline: Option<f64>,
     pub skipped: Option<String>,
+    /// What the implementation reported about its run (e.g. the batch it fit).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
 }
 
 /// The results of one suite.
@@ -262,7 +299,9 @@ pub fn run_suite<B: Backend>(
                 peak_mem_mb: None,
                 speedup_vs_baseline: None,
                 skipped: None,
+                note: None,
             };
+            let tokens = cand.tokens.or(problem.tokens);
             match cand.run {
                 Err(reason) => rec.skipped = Some(reason),
                 Ok(runner) => {
@@ -302,7 +341,12 @@ pub fn run_suite<B: Backend>(
                             rec.reps = times.len();
                             rec.tflops = problem.flops.map(|f| f / (median * 1e-3) / 1e12);
                             rec.gbps = problem.bytes.map(|b| b / (median * 1e-3) / 1e9);
-                            rec.tokens_per_sec = problem.tokens.map(|n| n / (median * 1e-3));
+                            rec.tokens_per_sec = tokens.map(|n| n / (median * 1e-3));
+                            if let Some(extra) = cand.extra {
+                                let extra = extra();
+                                rec.params.extend(extra.params);
+                                rec.note = extra.note;
+                            }
                         }
                         Err(e) => {
                             let msg = e
@@ -316,15 +360,20 @@ pub fn run_suite<B: Backend>(
                 }
             }
             let line = format!(
-                "  {} | {}: {}{}",
+                "  {} | {}: {}{}{}{}",
                 problem.label,
                 rec.implementation,
                 rec.median_ms.map_or_else(
                     || rec.skipped.clone().unwrap_or_default(),
                     |m| format!("{m:.3} ms")
                 ),
+                rec.tokens_per_sec
+                    .map_or(String::new(), |t| format!(", {t:.1} tokens/s")),
                 rec.peak_mem_mb
-                    .map_or(String::new(), |m| format!(", peak {m:.0} MB"))
+                    .map_or(String::new(), |m| format!(", peak {m:.0} MB")),
+                rec.note
+                    .as_ref()
+                    .map_or(String::new(), |n| format!(" ({n})"))
             );
             // A log file gets one line per implementation, so a run cut short still says what
             // it measured; a terminal sees them above the bar.
@@ -338,9 +387,13 @@ pub fn run_suite<B: Backend>(
         let base = rows
             .iter()
             .find(|r| r.implementation == suite.baseline)
-            .and_then(|r| r.median_ms);
+            .map(|r| (r.median_ms, r.tokens_per_sec));
         for r in &mut rows {
-            r.speedup_vs_baseline = base.zip(r.median_ms).map(|(b, m)| b / m);
+            r.speedup_vs_baseline = match (base, r.tokens_per_sec) {
+                (Some((_, Some(b))), Some(t)) => Some(t / b),
+                (Some((b, _)), _) => b.zip(r.median_ms).map(|(b, m)| b / m),
+                (None, _) => None,
+            };
         }
         records.extend(rows);
         bar.inc(1);

@@ -36,6 +36,10 @@ struct Args {
     /// Device memory (GB) an implementation may use; larger problems are skipped for it.
     #[arg(long, default_value_t = 40.0)]
     max_mem_gb: f64,
+    /// Host memory (GB) an implementation may fill (ShadowKV's offloaded values); default
+    /// 85% of the memory available now.
+    #[arg(long)]
+    max_host_mem_gb: Option<f64>,
     /// Device name for the results (default: nvidia-smi's name on CUDA, else the backend's).
     #[arg(long)]
     device_name: Option<String>,
@@ -46,10 +50,17 @@ struct Args {
     /// Folder of the peer scripts (PyTorch), relative to the working directory.
     #[arg(long, default_value = "bench/peers")]
     peers_dir: PathBuf,
-    /// List the suites and exit.
     /// Run only the problems whose label contains every one of these substrings.
     #[arg(long = "filter")]
     filters: Vec<String>,
+    /// Leave out the problems whose label contains any of these substrings.
+    #[arg(long = "exclude")]
+    excludes: Vec<String>,
+    /// Fewest timed repetitions per implementation (default 5, 3 with --quick); fewer keep
+    /// long problems within a time limit.
+    #[arg(long)]
+    min_reps: Option<usize>,
+    /// List the suites and exit.
     #[arg(long)]
     list: bool,
     /// Re-render the markdown and charts of an existing results JSON, running nothing.
@@ -87,7 +98,14 @@ fn run_cuda(args: &Args) -> Result<(), String> {
     type R = cubecl::cuda::CudaRuntime;
     type B = burn_cubecl::CubeBackend<R, f32, i32, u8>;
     let device = Default::default();
-    run::<B>(args, &device, "cuda", Some(memory_probe::<R>(&device)))
+    let pool = pool_props::<R>(&device);
+    run::<B>(
+        args,
+        &device,
+        "cuda",
+        Some(memory_probe::<R>(&device)),
+        pool,
+    )
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -100,7 +118,14 @@ fn run_vulkan(args: &Args) -> Result<(), String> {
     type R = burn::backend::wgpu::WgpuRuntime;
     type B = burn_cubecl::CubeBackend<R, f32, i32, u32>;
     let device = Default::default();
-    run::<B>(args, &device, "vulkan", Some(memory_probe::<R>(&device)))
+    let pool = pool_props::<R>(&device);
+    run::<B>(
+        args,
+        &device,
+        "vulkan",
+        Some(memory_probe::<R>(&device)),
+        pool,
+    )
 }
 
 #[cfg(not(feature = "vulkan"))]
@@ -118,6 +143,26 @@ fn memory_probe<R: cubecl::Runtime>(device: &R::Device) -> harness::MemoryProbe 
         }
         client.memory_usage().ok().map(|u| u.bytes_reserved)
     })
+}
+
+/// The runtime's memory pool limits for `device`.
+#[cfg(any(feature = "cuda", feature = "vulkan"))]
+fn pool_props<R: cubecl::Runtime>(device: &R::Device) -> suites::PoolProps {
+    let client = R::client(device);
+    let mem = &client.properties().memory;
+    suites::PoolProps {
+        max_page: mem.max_page_size,
+        alignment: mem.alignment,
+    }
+}
+
+/// 85% of `MemAvailable` (Linux), else 16 GB.
+fn default_host_mem_bytes() -> f64 {
+    let avail = std::fs::read_to_string("/proc/meminfo").ok().and_then(|s| {
+        let line = s.lines().find(|l| l.starts_with("MemAvailable:"))?;
+        line.split_whitespace().nth(1)?.parse::<f64>().ok()
+    });
+    avail.map_or(16e9, |kb| 0.85 * kb * 1024.0)
 }
 
 fn render(path: &std::path::Path) -> Result<(), String> {
@@ -166,11 +211,12 @@ fn commit(args: &Args) -> String {
     .unwrap_or_else(|| "unknown".into())
 }
 
-fn run<B: Backend + CceBackend + burn_sage::SageBackend>(
+fn run<B: Backend + CceBackend + burn_sage::SageBackend + burn_kvcache::KvBackend>(
     args: &Args,
     device: &B::Device,
     backend: &str,
     probe: Option<harness::MemoryProbe>,
+    pool: suites::PoolProps,
 ) -> Result<(), String> {
     let names: Vec<String> = if args.suites.iter().any(|s| s == "all") {
         suites::ALL.iter().map(|s| s.to_string()).collect()
@@ -180,15 +226,20 @@ fn run<B: Backend + CceBackend + burn_sage::SageBackend>(
     let opts = suites::SuiteOptions {
         quick: args.quick,
         max_mem_bytes: args.max_mem_gb * 1e9,
+        max_host_mem_bytes: args
+            .max_host_mem_gb
+            .map_or_else(default_host_mem_bytes, |gb| gb * 1e9),
         peers_dir: args.peers_dir.clone(),
+        pool,
+        probe: probe.clone(),
+        filters: args.filters.clone(),
+        excludes: args.excludes.clone(),
     };
     let mut built = Vec::new();
     for n in &names {
         let mut suite = suites::build::<B>(n, opts.clone())
             .ok_or_else(|| format!("unknown suite `{n}`; known: {}", suites::ALL.join(", ")))?;
-        suite
-            .problems
-            .retain(|p| args.filters.iter().all(|f| p.label.contains(f.as_str())));
+        suite.problems.retain(|p| opts.selects(&p.label));
         built.push(suite);
     }
     let device_label = device_name::<B>(args, device, backend);
@@ -196,7 +247,10 @@ fn run<B: Backend + CceBackend + burn_sage::SageBackend>(
         "device: {device_label} ({backend}), suites: {}",
         names.join(", ")
     );
-    let timing = harness::Timing::new(args.quick);
+    let mut timing = harness::Timing::new(args.quick);
+    if let Some(n) = args.min_reps {
+        timing.min_reps = n.max(1);
+    }
     let commit = commit(args);
     let results = built
         .into_iter()

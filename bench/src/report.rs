@@ -102,7 +102,8 @@ fn fmt_opt(v: Option<f64>, digits: usize) -> String {
 pub fn markdown(report: &Report) -> String {
     let mut md = format!(
         "# Benchmarks: {} ({}), {}\n\nLatest run at commit `{}`. Times are medians of synchronized repetitions \
-         after warm-up; speed-up = baseline median / median, both from this run.\n",
+         after warm-up; speed-up = baseline median / median, both from this run (the ratio of \
+         tokens/s where implementations process different token counts).\n",
         report.device, report.backend, report.date, report.commit
     );
     for s in &report.suites {
@@ -136,7 +137,7 @@ pub fn markdown(report: &Report) -> String {
                 fmt_opt(r.tokens_per_sec, 1),
                 r.speedup_vs_baseline
                     .map_or("–".into(), |v| format!("{v:.2}×")),
-                note(r.skipped.as_deref()),
+                note(r.skipped.as_deref().or(r.note.as_deref())),
             );
         }
     }

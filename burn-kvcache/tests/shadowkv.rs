@@ -10,7 +10,7 @@ use burn_kernels_testing::{
     Dist, Tolerance, assert_close, compare::metrics, compare::to_f32, float_dtypes, poison_memory,
     random_tensor, random_values,
 };
-use burn_kvcache::shadowkv::{HostValues, low_rank, rope_tables};
+use burn_kvcache::shadowkv::{HostValues, low_rank, rope_tables, unrope};
 use burn_kvcache::{
     KvBackend, KvCacheError, RopeParams, ShadowKvCache, ShadowKvConfig, gather_reconstruct_rope,
     reference,
@@ -592,6 +592,59 @@ fn short_prompt_is_full<B: KvBackend>(device: &B::Device) {
     assert_eq!(sk.bytes_held(), full.bytes_held());
 }
 
+/// A key basis given with `set_key_basis` replaces the per-sequence eigen-decomposition: the
+/// basis a prompt's own `low_rank` finds gives the same decode as no basis (batch 2, both
+/// sequences projected on the first one's basis; the second's own basis differs, so only the
+/// first sequence is compared), and a basis of the wrong shape is refused.
+fn key_basis_replaces_own_basis<B: KvBackend>(device: &B::Device) {
+    let (b, hq, h, d, len, rank) = (2, 4, 2, 16, 61, 12);
+    let k = random_tensor::<B, 4>([b, h, len, d], Dist::STANDARD, 31, DType::F32, device);
+    let v = random_tensor::<B, 4>([b, h, len, d], Dist::STANDARD, 32, DType::F32, device);
+    let (cos, sin) = rope_tables::<B>(d, len, RopeParams::default(), device);
+    let first = k
+        .clone()
+        .slice([0..1, 0..h, 0..len, 0..d])
+        .reshape([h, len, d]);
+    let pre = unrope(first, &cos, &sin)
+        .swap_dims(0, 1)
+        .reshape([len, h * d]);
+    let basis = low_rank(pre, rank).unwrap().wt;
+    let c = cfg(rank, 16);
+    let step = |sk: &mut ShadowKvCache<B>| {
+        assert!(sk.compress_prompt(0, k.clone(), v.clone(), None).unwrap());
+        let opts = AttnOptions {
+            causal: true,
+            scale: (d as f32).sqrt().recip(),
+            key_padding: None,
+        };
+        let q = random_tensor::<B, 4>([b, hq, 1, d], Dist::STANDARD, 33, DType::F32, device);
+        let kn = random_tensor::<B, 4>([b, h, 1, d], Dist::STANDARD, 34, DType::F32, device);
+        let vn = random_tensor::<B, 4>([b, h, 1, d], Dist::STANDARD, 35, DType::F32, device);
+        let y = sk.attend(0, q, kn, vn, &ReferenceAttention, &opts);
+        to_f32(y.slice([0..1, 0..hq, 0..1, 0..d]).into_data())
+    };
+    let mut own = ShadowKvCache::<B>::new(1, h, d, c, RopeParams::default()).unwrap();
+    let mut given = ShadowKvCache::<B>::new(1, h, d, c, RopeParams::default()).unwrap();
+    given.set_key_basis(Some(basis)).unwrap();
+    let (y, e) = (step(&mut given), step(&mut own));
+    assert_close(
+        "given basis",
+        &y,
+        &e,
+        Tolerance::for_reduction(DType::F32, h * d),
+    );
+    assert_eq!(given.bytes_split(), own.bytes_split());
+
+    let wrong = Tensor::<B, 2>::zeros([rank + 1, h * d], device);
+    assert_eq!(
+        given.set_key_basis(Some(wrong)).unwrap_err(),
+        KvCacheError::ShapeMismatch {
+            left: vec![rank, h * d],
+            right: vec![rank + 1, h * d],
+        }
+    );
+}
+
 macro_rules! on_all {
     ($($f:ident),* $(,)?) => {
         mod cpu {
@@ -609,6 +662,7 @@ on_all!(
     low_rank_error_vs_rank,
     values_round_trip,
     short_prompt_is_full,
+    key_basis_replaces_own_basis,
 );
 
 /// A low budget on random data: fewer device bytes, values all on the host (exact count).

@@ -217,7 +217,11 @@ fn device_build(dir: &Path) {
 }
 
 /// The PyTorch peers of the benchmarks that are not on the device (pure-Python wheels).
-const PEER_WHEELS: &[&str] = &["cut-cross-entropy==25.1.1", "liger-kernel==0.8.5"];
+const PEER_WHEELS: &[&str] = &[
+    "cut-cross-entropy==25.1.1",
+    "liger-kernel==0.8.5",
+    "sageattention==1.0.6",
+];
 
 /// Downloads the peer wheels next to the bundle (once); the device installs them offline.
 fn fetch_peer_wheels(dir: &Path) {

@@ -2,31 +2,69 @@
 
 pub mod attention;
 pub mod cce;
+mod kv_decode;
 pub mod llama;
 pub mod lse;
+pub mod minicache;
 pub mod sage;
+pub mod shadowkv;
 
 use burn::tensor::backend::Backend;
 use burn_cce::CceBackend;
+use burn_kvcache::KvBackend;
 use burn_sage::SageBackend;
 
-use crate::harness::Suite;
+use crate::harness::{MemoryProbe, Suite};
 
 /// Names of every suite, in the order `--suite all` runs them.
-pub const ALL: &[&str] = &["attention-baseline", "sage", "lse", "cce", "llama"];
+pub const ALL: &[&str] = &[
+    "attention-baseline",
+    "sage",
+    "lse",
+    "cce",
+    "llama",
+    "shadowkv",
+    "minicache",
+];
+
+/// The device memory pool's page limits (CubeCL's `MemoryDeviceProperties`), which decide
+/// how much a set of tensors really reserves.
+#[derive(Debug, Clone, Copy)]
+pub struct PoolProps {
+    /// The largest page (and allocation): a quarter of the device memory on CUDA.
+    pub max_page: u64,
+    pub alignment: u64,
+}
 
 /// Options every suite gets.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct SuiteOptions {
     pub quick: bool,
     /// Device memory an implementation may use; larger problems are skipped for it.
     pub max_mem_bytes: f64,
+    /// Host memory an implementation may fill (ShadowKV keeps values there).
+    pub max_host_mem_bytes: f64,
     /// Where the peer scripts (PyTorch) live.
     pub peers_dir: std::path::PathBuf,
+    pub pool: PoolProps,
+    /// Reads the device memory pool, where the runtime has one.
+    pub probe: Option<MemoryProbe>,
+    /// `--filter`: a problem runs only if its label contains every one of these.
+    pub filters: Vec<String>,
+    /// `--exclude`: a problem whose label contains any of these does not run.
+    pub excludes: Vec<String>,
+}
+
+impl SuiteOptions {
+    /// Whether the problem labelled `label` runs under `--filter` and `--exclude`.
+    pub fn selects(&self, label: &str) -> bool {
+        self.filters.iter().all(|f| label.contains(f.as_str()))
+            && !self.excludes.iter().any(|e| label.contains(e.as_str()))
+    }
 }
 
 /// Builds the suite called `name`.
-pub fn build<B: Backend + CceBackend + SageBackend>(
+pub fn build<B: Backend + CceBackend + SageBackend + KvBackend>(
     name: &str,
     opts: SuiteOptions,
 ) -> Option<Suite<B>> {
@@ -36,6 +74,8 @@ pub fn build<B: Backend + CceBackend + SageBackend>(
         "sage" => Some(sage::suite::<B>(opts)),
         "cce" => Some(cce::suite::<B>(opts)),
         "llama" => Some(llama::suite::<B>(opts)),
+        "shadowkv" => Some(shadowkv::suite::<B>(opts)),
+        "minicache" => Some(minicache::suite::<B>(opts)),
         _ => None,
     }
 }
@@ -46,6 +86,11 @@ pub fn run_python_peer(
     script: &std::path::Path,
     args: &[&str],
 ) -> Result<crate::harness::PeerRun, String> {
+    peer_run(&python_json(script, args)?)
+}
+
+/// Runs `python3 script args` and parses the last line of its stdout that starts with `{`.
+pub fn python_json(script: &std::path::Path, args: &[&str]) -> Result<serde_json::Value, String> {
     if !script.exists() {
         return Err(format!("peer script {} not found", script.display()));
     }
@@ -65,7 +110,11 @@ pub fn run_python_peer(
                 String::from_utf8_lossy(&out.stderr)
             )
         })?;
-    let v: serde_json::Value = serde_json::from_str(line).map_err(|e| e.to_string())?;
+    serde_json::from_str(line).map_err(|e| e.to_string())
+}
+
+/// A peer's result object: `{"times_ms": [...], "peak_mem_mb": x}` or `{"error": ...}`.
+pub fn peer_run(v: &serde_json::Value) -> Result<crate::harness::PeerRun, String> {
     if let Some(e) = v.get("error") {
         return Err(format!("peer: {}", e.as_str().unwrap_or(&e.to_string())));
     }

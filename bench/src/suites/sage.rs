@@ -10,8 +10,13 @@ use burn_kernels_testing::{Dist, random_tensor};
 use burn_sage::{PvPrecision, QkQuant, SageBackend, SageOptions, sage_attention};
 use serde_json::json;
 
-use super::{SuiteOptions, run_python_peer};
-use crate::harness::{Candidate, PlotSpec, Problem, Suite, params};
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::rc::Rc;
+
+use super::{SuiteOptions, peer_run, python_json};
+use crate::harness::{Candidate, PeerRun, PlotSpec, Problem, Suite, params};
 
 const BATCH: usize = 4;
 const HEADS: usize = 32;
@@ -32,14 +37,24 @@ pub fn suite<B: Backend + SageBackend>(opts: SuiteOptions) -> Suite<B> {
     } else {
         &[1024, 2048, 4096, 8192, 16384, 32768]
     };
-    let mut problems = Vec::new();
+    let mut configs = Vec::new();
     for &head_dim in &[64usize, 128] {
         for &causal in &[false, true] {
             for &n in seq_lens {
-                problems.push(problem::<B>(n, head_dim, causal, &opts));
+                if opts.selects(&label(n, head_dim, causal)) {
+                    configs.push((n, head_dim, causal));
+                }
             }
         }
     }
+    let peers = Rc::new(PeerBatch::new(
+        opts.peers_dir.join("sage_torch.py"),
+        &configs,
+    ));
+    let problems = configs
+        .into_iter()
+        .map(|(n, d, causal)| problem::<B>(n, d, causal, &opts, peers.clone()))
+        .collect();
     Suite {
         name: "sage",
         description: "SageAttention (CubeCL) vs Burn fused attention, f16, B=4 H=32",
@@ -54,11 +69,67 @@ pub fn suite<B: Backend + SageBackend>(opts: SuiteOptions) -> Suite<B> {
     }
 }
 
+/// The PyTorch peers of every problem, timed by one Python process (torch imported and the
+/// Triton kernels compiled once) the first time a problem asks for one, on the same GPU in the
+/// same run; the process runs between two problems, so nothing of Burn's runs beside it.
+struct PeerBatch {
+    script: PathBuf,
+    keys: Vec<String>,
+    results: RefCell<Option<Result<BTreeMap<String, serde_json::Value>, String>>>,
+}
+
+const PEERS: [(&str, &str); 2] = [
+    ("sdpa", "pytorch-sdpa"),
+    ("sageattention", "sageattention-1.0.6"),
+];
+
+fn label(n: usize, d: usize, causal: bool) -> String {
+    format!("N={n} D={d}{}", if causal { " causal" } else { "" })
+}
+
+fn peer_key(peer: &str, n: usize, d: usize, causal: bool) -> String {
+    format!("{peer}:{n}:{d}:{}", u8::from(causal))
+}
+
+impl PeerBatch {
+    fn new(script: PathBuf, configs: &[(usize, usize, bool)]) -> Self {
+        let keys = configs
+            .iter()
+            .flat_map(|&(n, d, c)| PEERS.iter().map(move |(p, _)| peer_key(p, n, d, c)))
+            .collect();
+        Self {
+            script,
+            keys,
+            results: RefCell::new(None),
+        }
+    }
+
+    fn get(&self, key: &str) -> Result<PeerRun, String> {
+        let mut results = self.results.borrow_mut();
+        let all = results.get_or_insert_with(|| {
+            let batch = self.keys.join(",");
+            let v = python_json(&self.script, &["--batch", &batch])?;
+            if let Some(e) = v.get("error") {
+                return Err(format!("peer: {e}"));
+            }
+            v["results"]
+                .as_object()
+                .map(|m| m.clone().into_iter().collect())
+                .ok_or_else(|| "peer gave no results".to_string())
+        });
+        match all {
+            Ok(map) => peer_run(map.get(key).ok_or_else(|| format!("peer skipped {key}"))?),
+            Err(e) => Err(e.clone()),
+        }
+    }
+}
+
 fn problem<B: Backend + SageBackend>(
     n: usize,
     d: usize,
     causal: bool,
     opts: &SuiteOptions,
+    peers: Rc<PeerBatch>,
 ) -> Problem<B> {
     let elem = 2.0;
     let qkv = (BATCH * HEADS * n * d) as f64;
@@ -66,9 +137,8 @@ fn problem<B: Backend + SageBackend>(
     // The reference materializes several f32 B·H·N² score matrices.
     let reference_bytes = 4.0 * (BATCH * HEADS * n * n) as f64 * 4.0;
     let max_mem = opts.max_mem_bytes;
-    let peers = opts.peers_dir.clone();
     Problem {
-        label: format!("N={n} D={d}{}", if causal { " causal" } else { "" }),
+        label: label(n, d, causal),
         params: params([
             ("batch", json!(BATCH)),
             ("heads", json!(HEADS)),
@@ -107,19 +177,10 @@ fn problem<B: Backend + SageBackend>(
                     let _ = sage_attention(q.clone(), k.clone(), v.clone(), &o);
                 }));
             }
-            let n_s = n.to_string();
-            let d_s = d.to_string();
-            for (peer, name) in [
-                ("sdpa", "pytorch-sdpa"),
-                ("sageattention", "sageattention-1.0.6"),
-            ] {
-                let (peers, n_s, d_s) = (peers.clone(), n_s.clone(), d_s.clone());
+            for (peer, name) in PEERS {
+                let peers = peers.clone();
                 out.push(Candidate::timed_elsewhere(name, move || {
-                    let mut args = vec!["--impl", peer, "--n", &n_s, "--d", &d_s];
-                    if causal {
-                        args.push("--causal");
-                    }
-                    run_python_peer(&peers.join("sage_torch.py"), &args)
+                    peers.get(&peer_key(peer, n, d, causal))
                 }));
             }
             if reference_bytes > max_mem {

@@ -241,6 +241,8 @@ pub struct ShadowKvCache<B: KvBackend> {
     tables: Option<(Tensor<B, 2>, Tensor<B, 2>)>,
     profile: bool,
     timings: DecodeTimings,
+    /// `Wᵀ [rank, kv_heads·head_dim]` every prompt is projected on, instead of its own.
+    key_basis: Option<Tensor<B, 2>>,
 }
 
 /// Row `i` of a batch tensor with positions `from..to`.
@@ -315,6 +317,7 @@ impl<B: KvBackend> ShadowKvCache<B> {
             tables: None,
             profile: false,
             timings: DecodeTimings::default(),
+            key_basis: None,
         })
     }
 
@@ -338,6 +341,31 @@ impl<B: KvBackend> ShadowKvCache<B> {
 
     pub fn reset_timings(&mut self) {
         self.timings = DecodeTimings::default();
+    }
+
+    /// Fixes the key basis of every prompt compressed from now on: `basis` is `Wᵀ`, `[rank,
+    /// kv_heads·head_dim]` with orthonormal rows (e.g. the `wt` of a [`low_rank`] of
+    /// representative pre-RoPE keys), and each prompt's pre-RoPE keys are projected on it
+    /// (`A = K·W`, one device matmul) instead of getting their own eigen-decomposition (a host
+    /// `(kv_heads·head_dim)²` eigen-problem per layer and sequence, ~1 s at 1024). Decoding
+    /// costs the same either way; the approximation is only as good as the basis fits the
+    /// keys. Benchmarks use it to fill long caches with synthetic keys of one known subspace
+    /// quickly. `None` goes back to a basis per sequence.
+    ///
+    /// # Errors
+    /// [`KvCacheError::ShapeMismatch`] unless `basis` is `[rank, kv_heads·head_dim]`.
+    pub fn set_key_basis(&mut self, basis: Option<Tensor<B, 2>>) -> Result<(), KvCacheError> {
+        if let Some(w) = &basis {
+            let want = [self.cfg.rank, self.kv_heads * self.head_dim];
+            if w.dims() != want {
+                return Err(KvCacheError::ShapeMismatch {
+                    left: want.to_vec(),
+                    right: w.dims().to_vec(),
+                });
+            }
+        }
+        self.key_basis = basis;
+        Ok(())
     }
 
     /// Device and host bytes held (the RoPE tables counted once, on the device).
@@ -530,11 +558,20 @@ impl<B: KvBackend> ShadowKvCache<B> {
             let pre = unrope(ki.clone(), &cos, &sin)
                 .swap_dims(0, 1)
                 .reshape([len, h * d]);
-            let lr = low_rank(pre, rank)?;
-            a_rows.push(lr.a.slice([0..ctx, 0..rank]).cast(dtype));
+            let (a, wt) = match &self.key_basis {
+                // The same product `low_rank` forms with the basis it finds.
+                Some(w) => {
+                    let w = w.clone().cast(DType::F32);
+                    (pre.matmul(w.clone().transpose()), w)
+                }
+                None => {
+                    let lr = low_rank(pre, rank)?;
+                    (lr.a, lr.wt)
+                }
+            };
+            a_rows.push(a.slice([0..ctx, 0..rank]).cast(dtype));
             wts.push(
-                lr.wt
-                    .reshape([rank, h, d])
+                wt.reshape([rank, h, d])
                     .swap_dims(0, 1)
                     .cast(dtype)
                     .unsqueeze_dim::<4>(0),

@@ -1,0 +1,511 @@
+//! What the KV-cache decode suites (`shadowkv`, `minicache`) share: the model, synthetic cache
+//! filling, synchronized decode steps, and the memory plan that picks each cache's largest
+//! batch from tensor shapes (never by running into an out-of-memory error, which may abort
+//! the process on CUDA).
+//!
+//! # The memory plan
+//!
+//! A batch fits when the device memory the runtime's pool would reserve for the model's
+//! weights, the cache it holds, and the largest transient working set of a decode step (or of
+//! the synthetic fill) stays under `--max-mem-gb`, and the host memory the cache holds stays
+//! under `--max-host-mem-gb`. Bytes are not enough: CubeCL 0.10's default pool
+//! (`MemoryConfiguration::SubSlices`) hands out slices of whole pages whose size grows with the
+//! allocation (up to a quarter of the device), so e.g. two 3 GB tensors cost a 20 GB page on an
+//! 80 GB GPU. [`PoolModel`] mirrors those rules and packs each allocation first-fit into pages;
+//! one extra page (at most a quarter of the largest) plus 2% and 1 GB is kept back for
+//! fragmentation and what the list leaves out (small tensors, the CUDA context).
+
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::time::Instant;
+
+use burn::tensor::{DType, Distribution, Int, Tensor, TensorData, backend::Backend};
+use burn_kernels_core::{AttentionImpl, AttnOptions, BurnAttention, KvCache, Rope};
+use burn_llama::{Llama, LlamaConfig};
+
+use super::{PoolProps, SuiteOptions};
+use crate::harness::MemoryProbe;
+
+pub const GB: f64 = 1e9;
+/// Bytes of an f16 element: the model, its activations and every cache run in f16.
+pub const F16: u64 = 2;
+
+/// CubeCL 0.10's default device memory pool (`MemoryConfiguration::SubSlices`): allocations
+/// go to the first pool that accepts them; a pool allocates whole pages and hands out slices.
+#[derive(Debug, Clone)]
+pub struct PoolModel {
+    alignment: u64,
+    /// `(page size, largest slice)`, smallest pages first.
+    pools: Vec<(u64, u64)>,
+}
+
+impl PoolModel {
+    /// The pools `MemoryManagement::from_configuration` builds for these device properties.
+    pub fn new(p: PoolProps) -> Self {
+        const MB: u64 = 1 << 20;
+        let align = p.alignment.max(1);
+        let mut pools = Vec::new();
+        let mut current = p.max_page;
+        // The first pool (index 0) takes only empty allocations, so slices start at 2^1.
+        let mut base = 1u32;
+        while current >= 32 * MB {
+            current = (current / 4).next_multiple_of(align);
+            pools.push((current, current / 2u64.pow(base)));
+            base += 1;
+        }
+        pools.reverse();
+        let top = p.max_page / align * align;
+        pools.push((top, top));
+        Self {
+            alignment: align,
+            pools,
+        }
+    }
+
+    fn pool_of(&self, size: u64) -> Option<usize> {
+        self.pools.iter().position(|&(page, max)| {
+            max >= size || page.checked_sub(size).is_some_and(|diff| diff * 5 < page)
+        })
+    }
+
+    /// Page size that serves an allocation of `size` bytes.
+    pub fn page_of(&self, size: u64) -> Option<u64> {
+        self.pool_of(size).map(|i| self.pools[i].0)
+    }
+
+    /// Bytes reserved for the `(size, count)` allocations all live at once, packed
+    /// first-fit-decreasing into pages; `None` if one is larger than the largest page.
+    pub fn reserved(&self, allocs: &[(u64, usize)]) -> Option<u64> {
+        let mut per_pool: Vec<Vec<u64>> = vec![Vec::new(); self.pools.len()];
+        for &(size, count) in allocs {
+            if size == 0 || count == 0 {
+                continue;
+            }
+            let i = self.pool_of(size)?;
+            let slice = size.next_multiple_of(self.alignment);
+            per_pool[i].extend(std::iter::repeat_n(slice, count));
+        }
+        let mut total = 0;
+        for (i, mut sizes) in per_pool.into_iter().enumerate() {
+            let page = self.pools[i].0;
+            sizes.sort_unstable_by(|a, b| b.cmp(a));
+            let mut free: Vec<u64> = Vec::new();
+            for s in sizes {
+                match free.iter_mut().find(|f| **f >= s) {
+                    Some(f) => *f -= s,
+                    None => free.push(page - s),
+                }
+            }
+            total += free.len() as u64 * page;
+        }
+        Some(total)
+    }
+
+    /// What is kept back besides the packed pages (see the module docs).
+    pub fn slack(&self, budget: f64, transient: &[(u64, usize)]) -> u64 {
+        let cap = self.pools.last().map_or(0, |&(page, _)| page / 4);
+        let page = transient
+            .iter()
+            .filter_map(|&(s, _)| self.page_of(s))
+            .max()
+            .unwrap_or(0)
+            .min(cap);
+        page + (0.02 * budget) as u64 + GB as u64
+    }
+}
+
+/// Memory one batch needs: device allocations live at the worst moment of each phase (every
+/// phase includes what is held throughout), and host bytes.
+#[derive(Debug, Clone, Default)]
+pub struct Footprint {
+    /// Held for the whole run: weights and the filled cache.
+    pub held: Vec<(u64, usize)>,
+    /// Working sets on top of `held`, one per phase (fill, decode step); the worst counts.
+    pub phases: Vec<Vec<(u64, usize)>>,
+    pub host: u64,
+}
+
+/// The batch chosen for one implementation and why it is not larger.
+#[derive(Debug, Clone, Copy)]
+pub struct Plan {
+    pub batch: usize,
+    /// Pool-model estimate of the device memory reserved, with the slack.
+    pub device: u64,
+    /// Plain sum of the bytes of every tensor counted.
+    pub device_raw: u64,
+    pub host: u64,
+    /// `device`, `host` or `cap`: what stopped the next batch.
+    pub bound: &'static str,
+}
+
+/// Device and host estimate of one footprint, or `None` when an allocation is larger than the
+/// pool's largest page.
+pub fn estimate(pool: &PoolModel, budget: f64, f: &Footprint) -> Option<(u64, u64)> {
+    let mut worst = (0u64, 0u64);
+    let phases: Vec<&[(u64, usize)]> = if f.phases.is_empty() {
+        vec![&[]]
+    } else {
+        f.phases.iter().map(Vec::as_slice).collect()
+    };
+    for phase in phases {
+        let all: Vec<(u64, usize)> = f.held.iter().chain(phase).copied().collect();
+        let dev = pool.reserved(&all)? + pool.slack(budget, phase);
+        let raw: u64 = all.iter().map(|&(s, n)| s * n as u64).sum();
+        if dev > worst.0 {
+            worst = (dev, raw);
+        }
+    }
+    Some(worst)
+}
+
+/// The largest batch up to `cap` whose footprint fits both budgets.
+///
+/// # Errors
+/// Why batch 1 does not fit.
+pub fn plan(
+    opts: &SuiteOptions,
+    cap: usize,
+    footprint: impl Fn(usize) -> Footprint,
+) -> Result<Plan, String> {
+    let pool = PoolModel::new(opts.pool);
+    // Err: why not, and which budget it breaks.
+    let fits = |b: usize| -> Result<Plan, (String, &'static str)> {
+        let f = footprint(b);
+        let (device, device_raw) = estimate(&pool, opts.max_mem_bytes, &f).ok_or_else(|| {
+            (
+                format!("batch {b}: one tensor exceeds the pool's largest page"),
+                "device",
+            )
+        })?;
+        if device as f64 > opts.max_mem_bytes {
+            let why = format!(
+                "batch {b} needs ~{:.1} GB of device memory (pool estimate; budget {:.1} GB)",
+                device as f64 / GB,
+                opts.max_mem_bytes / GB
+            );
+            return Err((why, "device"));
+        }
+        if f.host as f64 > opts.max_host_mem_bytes {
+            let why = format!(
+                "batch {b} needs ~{:.1} GB of host memory (budget {:.1} GB)",
+                f.host as f64 / GB,
+                opts.max_host_mem_bytes / GB
+            );
+            return Err((why, "host"));
+        }
+        Ok(Plan {
+            batch: b,
+            device,
+            device_raw,
+            host: f.host,
+            bound: "cap",
+        })
+    };
+    let mut best = fits(1).map_err(|(why, _)| why)?;
+    for b in 2..=cap {
+        match fits(b) {
+            Ok(p) => best = p,
+            Err((_, bound)) => {
+                best.bound = bound;
+                break;
+            }
+        }
+    }
+    Ok(best)
+}
+
+/// The device allocations of `cfg`'s weights in f16 (and the f32 RoPE tables of
+/// `rope_positions`).
+pub fn weight_allocs(cfg: &LlamaConfig, rope_positions: usize) -> Vec<(u64, usize)> {
+    let (h, d, f, v) = (
+        cfg.hidden_size as u64,
+        cfg.head_dim as u64,
+        cfg.intermediate_size as u64,
+        cfg.vocab_size as u64,
+    );
+    let (hq, hkv, l) = (
+        cfg.num_heads as u64,
+        cfg.num_kv_heads as u64,
+        cfg.num_layers,
+    );
+    let mut out = vec![
+        (v * h * F16, if cfg.tie_word_embeddings { 1 } else { 2 }),
+        (h * F16, 2 * l + 1),
+        (h * hq * d * F16, 2 * l),
+        (h * hkv * d * F16, 2 * l),
+        (h * f * F16, 3 * l),
+        (rope_positions as u64 * d / 2 * 4, 2),
+    ];
+    out.retain(|&(s, n)| s > 0 && n > 0);
+    out
+}
+
+/// Weight bytes of `cfg` in f16.
+pub fn weight_bytes(cfg: &LlamaConfig) -> u64 {
+    weight_allocs(cfg, 0)
+        .iter()
+        .map(|&(s, n)| s * n as u64)
+        .sum()
+}
+
+/// The Llama-3-8B shape (vocabulary 128256) or, in quick mode, a tiny model with the same
+/// head layout for smoke tests (4 layers, hidden 512, 8 query heads and 2 KV heads of 128).
+pub fn model_config(quick: bool) -> LlamaConfig {
+    let full = LlamaConfig::llama3_8b();
+    if quick {
+        LlamaConfig {
+            vocab_size: 2048,
+            hidden_size: 512,
+            intermediate_size: 1024,
+            num_layers: 4,
+            num_heads: 8,
+            num_kv_heads: 2,
+            ..full
+        }
+    } else {
+        full
+    }
+}
+
+/// One random-weight model per suite run, built at the first problem and shared by the
+/// candidates (tensors are reference-counted: clones share the weights).
+pub struct SharedModel<B: Backend> {
+    cfg: LlamaConfig,
+    positions: usize,
+    model: RefCell<Option<Llama<B>>>,
+}
+
+impl<B: Backend> SharedModel<B> {
+    /// A model of `cfg` whose RoPE covers `positions` (the model's own tables stop at 32K).
+    pub fn new(cfg: LlamaConfig, positions: usize) -> Rc<Self> {
+        Rc::new(Self {
+            cfg,
+            positions,
+            model: RefCell::new(None),
+        })
+    }
+
+    pub fn config(&self) -> &LlamaConfig {
+        &self.cfg
+    }
+
+    pub fn get(&self, device: &B::Device) -> Llama<B> {
+        self.model
+            .borrow_mut()
+            .get_or_insert_with(|| {
+                let t0 = Instant::now();
+                let mut m = Llama::<B>::random(&self.cfg, device, DType::F16);
+                let c = &self.cfg;
+                m.rope = Rope::new(
+                    c.head_dim,
+                    self.positions,
+                    c.rope_theta,
+                    c.rope_scaling,
+                    device,
+                );
+                sync::<B>(device);
+                // Frees the pages of the f32 draws the f16 weights were cast from.
+                B::memory_cleanup(device);
+                eprintln!(
+                    "  random-weight model: {} layers, {:.1} GB of f16 weights, built in {:.1} s",
+                    c.num_layers,
+                    weight_bytes(c) as f64 / GB,
+                    t0.elapsed().as_secs_f64()
+                );
+                m
+            })
+            .clone()
+    }
+}
+
+pub fn sync<B: Backend>(device: &B::Device) {
+    B::sync(device).expect("device synchronization failed");
+}
+
+/// Attention that computes nothing: fills a cache through `KvCache::attend` without the
+/// prompt's quadratic attention (the suites time decode steps only).
+#[derive(Debug, Clone, Copy)]
+pub struct SkipAttention;
+
+impl<B: Backend> AttentionImpl<B> for SkipAttention {
+    fn name(&self) -> String {
+        "skip".into()
+    }
+
+    fn attend(
+        &self,
+        _layer: usize,
+        q: Tensor<B, 4>,
+        _k: Tensor<B, 4>,
+        _v: Tensor<B, 4>,
+        _opts: &AttnOptions<B>,
+    ) -> Tensor<B, 4> {
+        q
+    }
+}
+
+/// Options of a fill call: nothing is attended, no padding.
+pub fn fill_opts<B: Backend>(cfg: &LlamaConfig) -> AttnOptions<B> {
+    AttnOptions {
+        causal: true,
+        scale: (cfg.head_dim as f32).sqrt().recip(),
+        key_padding: None,
+    }
+}
+
+/// The query a fill call passes (ignored by [`SkipAttention`]).
+pub fn fill_query<B: Backend>(cfg: &LlamaConfig, batch: usize, device: &B::Device) -> Tensor<B, 4> {
+    Tensor::zeros(
+        [batch, cfg.num_heads, 1, cfg.head_dim],
+        (device, DType::F16),
+    )
+}
+
+/// Standard-normal f16 `[batch, kv_heads, n, head_dim]`.
+pub fn random_states<B: Backend>(
+    cfg: &LlamaConfig,
+    batch: usize,
+    n: usize,
+    device: &B::Device,
+) -> Tensor<B, 4> {
+    Tensor::random(
+        [batch, cfg.num_kv_heads, n, cfg.head_dim],
+        Distribution::Normal(0.0, 1.0),
+        (device, DType::F16),
+    )
+}
+
+/// One decode step of every sequence: a new token each (different per step and sequence, so
+/// queries change as in generation), the forward through `cache` with Burn's fused attention,
+/// and the logits; the caller synchronizes.
+pub fn decode_step<B: Backend>(
+    model: &Llama<B>,
+    cache: &mut dyn KvCache<B>,
+    batch: usize,
+    step: u64,
+    device: &B::Device,
+) {
+    let vocab = model.config.vocab_size as u64;
+    let ids: Vec<i64> = (0..batch as u64)
+        .map(|i| ((step * 1_000_003 + i * 7919 + 17) % vocab) as i64)
+        .collect();
+    let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [batch, 1]), device);
+    let h = model.forward(tokens, &[], cache, &BurnAttention);
+    let _ = model.logits(h);
+}
+
+/// Runs `n` decode steps, each synchronized, and returns their times in ms.
+pub fn timed_steps<B: Backend>(
+    model: &Llama<B>,
+    cache: &mut dyn KvCache<B>,
+    batch: usize,
+    first_step: u64,
+    n: usize,
+    device: &B::Device,
+) -> Vec<f64> {
+    (0..n as u64)
+        .map(|i| {
+            let t0 = Instant::now();
+            decode_step(model, cache, batch, first_step + i, device);
+            sync::<B>(device);
+            t0.elapsed().as_secs_f64() * 1e3
+        })
+        .collect()
+}
+
+/// The pool's reserved bytes now (no cleanup), where the backend reports them.
+pub fn reserved(probe: &Option<MemoryProbe>) -> Option<u64> {
+    probe.as_ref().and_then(|p| p(false))
+}
+
+/// This process's resident host memory, from `/proc/self/status` (Linux).
+pub fn host_rss() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// `12.3 GB` (`4.5 MB` below 1 GB), or `?` when unknown.
+pub fn gb(bytes: Option<u64>) -> String {
+    match bytes {
+        None => "?".into(),
+        Some(b) if (b as f64) < GB => format!("{:.1} MB", b as f64 / 1e6),
+        Some(b) => format!("{:.1} GB", b as f64 / GB),
+    }
+}
+
+/// `32K` for 32768.
+pub fn ctx_label(ctx: usize) -> String {
+    if ctx >= 1024 && ctx.is_multiple_of(1024) {
+        format!("{}K", ctx / 1024)
+    } else {
+        ctx.to_string()
+    }
+}
+
+/// Bytes of an f16 `[batch, kv_heads, n, head_dim]` tensor.
+pub fn seq_bytes(cfg: &LlamaConfig, batch: usize, n: usize) -> u64 {
+    (batch * cfg.num_kv_heads * n * cfg.head_dim) as u64 * F16
+}
+
+/// Median and mean of step times (ms).
+pub fn median_mean(times: &[f64]) -> (f64, f64) {
+    let mut t = times.to_vec();
+    t.sort_by(f64::total_cmp);
+    let median = t.get(t.len() / 2).copied().unwrap_or(f64::NAN);
+    (median, t.iter().sum::<f64>() / t.len().max(1) as f64)
+}
+
+#[cfg(test)]
+pub mod tests {
+    use super::*;
+
+    /// An 80 GB H100 as CUDA reports it to CubeCL (a quarter of 85.5 GB per page).
+    pub const H100: PoolProps = PoolProps {
+        max_page: 85_520_809_984 / 4,
+        alignment: 512,
+    };
+
+    /// The options of a full run on the H100 machine (80 GB device, 110 GB host budgets).
+    pub fn h100_opts() -> SuiteOptions {
+        SuiteOptions {
+            quick: false,
+            max_mem_bytes: 80e9,
+            max_host_mem_bytes: 110e9,
+            peers_dir: "bench/peers".into(),
+            pool: H100,
+            probe: None,
+            filters: Vec::new(),
+            excludes: Vec::new(),
+        }
+    }
+
+    fn h100() -> PoolModel {
+        PoolModel::new(H100)
+    }
+
+    #[test]
+    fn pools_mirror_cubecl() {
+        let p = h100();
+        let pages: Vec<u64> = p.pools.iter().map(|&(page, _)| page).collect();
+        assert_eq!(pages.len(), 6);
+        assert_eq!(*pages.last().unwrap(), 85_520_809_984 / 4 / 512 * 512);
+        // A 3 GB tensor takes the largest page, a 2 GB one the quarter below it.
+        assert_eq!(p.page_of(3_000_000_000), Some(pages[5]));
+        assert_eq!(p.page_of(2_000_000_000), Some(pages[4]));
+        // Two slices of one page, a third starts another.
+        let s = pages[4] / 3;
+        assert_eq!(p.reserved(&[(s, 2)]), Some(pages[4]));
+        assert_eq!(p.reserved(&[(s, 4)]), Some(2 * pages[4]));
+        assert_eq!(p.reserved(&[(pages[5] + 1, 1)]), None);
+    }
+
+    #[test]
+    fn llama3_8b_weights() {
+        let cfg = model_config(false);
+        let bytes = weight_bytes(&cfg);
+        // 8.03 B parameters.
+        assert!((bytes as f64 / 2e9 - 8.03).abs() < 0.01, "{bytes}");
+    }
+}

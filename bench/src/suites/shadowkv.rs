@@ -1,0 +1,567 @@
+//! ShadowKV against the full cache: decode throughput of a random-weight Llama-3-8B-shaped
+//! model (32 layers, 32 query and 8 KV heads of 128, hidden 4096, FFN 14336, vocabulary
+//! 128256), f16, at 32K, 64K and 128K tokens of context, each cache at the largest batch that
+//! fits (the paper's measure: ≥ 3× the full cache's tokens/s at 128K is the issue's goal, the
+//! paper reports 2.97× on an A100).
+//!
+//! # Method
+//!
+//! - **Batch.** Each cache gets the largest batch whose weights, cache and working sets fit
+//!   `--max-mem-gb` of device memory (through a model of the memory pool's pages) and, for
+//!   ShadowKV's values, `--max-host-mem-gb` of host memory; see [`super::kv_decode`]. The plan
+//!   is printed before anything runs, and each record carries it (`batch`, `batch_bound`,
+//!   `est_*`) next to what was measured (`pool_reserved_gb`, `host_rss_gb`).
+//! - **Synthetic prompts.** No prompt goes through the model (Burn's attention would take
+//!   minutes at 128K): every layer's cache is filled directly. Values are standard normal.
+//!   Keys (ShadowKV's) are low-rank like real pre-RoPE keys: `Z·M + noise` with `Z` `[L, 64]`
+//!   per layer, one `M` `[64, kv_heads·128]` for all, noise 0.1 (~1% of the energy), then
+//!   rotated by the model's RoPE (θ = 500000), which ShadowKV undoes. Every sequence of the
+//!   batch gets the layer's same prompt (one tensor expanded over the batch, so that filling
+//!   needs one sequence's keys and values at a time); ShadowKV still compresses, offloads and
+//!   selects per sequence, and each sequence decodes its own tokens. Since all keys share
+//!   `M`'s subspace, the rank-160 basis is computed once (`low_rank` of layer 0's first 16K
+//!   keys) and given to the cache (`ShadowKvCache::set_key_basis`) instead of one host
+//!   eigen-decomposition per layer and sequence (~1 s each). The full cache gets distinct
+//!   random keys and values (its cost does not depend on them). ShadowKV's defaults: rank
+//!   160, budget 2048, chunks of 8, 4 local and 48 outlier chunks.
+//! - **Timing.** Only decode steps are timed: each feeds one new token per sequence (a
+//!   different one per step, so queries and ShadowKV's chunk selection change as in
+//!   generation), runs the model with Burn's fused attention and the logits, and is
+//!   synchronized. Two warm-up steps, then (ShadowKV only) three steps with its per-phase
+//!   profiling on (it synchronizes after each phase: the breakdown of `DecodeTimings`, in the
+//!   record's `profile_*` params), then eight timed steps. tokens/s = batch / median step;
+//!   the cache grows by one token per step (≤ 16 in all).
+//!
+//! The full cache (`FullKvCache`) concatenates its keys and values for every step and Burn's
+//! attention needs the KV heads repeated (4× the keys and values of a layer, materialized):
+//! both are costs of this baseline, not of decoding at large, and both shrink its batch.
+
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::time::Instant;
+
+use burn::tensor::{DType, Distribution, Int, Tensor, TensorData};
+use burn_kernels_core::{FullKvCache, KvCache};
+use burn_kvcache::shadowkv::low_rank;
+use burn_kvcache::{KvBackend, RopeParams, ShadowKvCache, ShadowKvConfig};
+use burn_llama::LlamaConfig;
+use serde_json::json;
+
+use super::SuiteOptions;
+use super::kv_decode::{
+    F16, Footprint, GB, Plan, SharedModel, SkipAttention, ctx_label, decode_step, fill_opts,
+    fill_query, gb, host_rss, median_mean, model_config, plan, random_states, reserved, seq_bytes,
+    sync, timed_steps, weight_allocs,
+};
+use crate::harness::{Candidate, Extra, PeerRun, Problem, Suite, params};
+
+/// Rank of the synthetic keys' shared subspace.
+const KEY_RANK: usize = 64;
+/// Standard deviation of the noise added to the low-rank keys.
+const KEY_NOISE: f64 = 0.1;
+/// Keys the shared basis is computed from.
+const BASIS_ROWS: usize = 16_384;
+
+struct Steps {
+    warmup: usize,
+    profiled: usize,
+    timed: usize,
+}
+
+impl Steps {
+    fn new(quick: bool) -> Self {
+        if quick {
+            Steps {
+                warmup: 1,
+                profiled: 2,
+                timed: 3,
+            }
+        } else {
+            Steps {
+                warmup: 2,
+                profiled: 3,
+                timed: 8,
+            }
+        }
+    }
+
+    fn total(&self) -> usize {
+        self.warmup + self.profiled + self.timed
+    }
+}
+
+fn shadow_config(quick: bool) -> ShadowKvConfig {
+    if quick {
+        // Short prompts still compressed, and fewer chunks selected than held.
+        ShadowKvConfig {
+            budget: 128,
+            outlier_chunks: 8,
+            min_prompt: 0,
+            ..ShadowKvConfig::default()
+        }
+    } else {
+        ShadowKvConfig::default()
+    }
+}
+
+pub fn suite<B: KvBackend>(opts: SuiteOptions) -> Suite<B> {
+    let quick = opts.quick;
+    let contexts: &[usize] = if quick {
+        &[512]
+    } else {
+        &[32_768, 65_536, 131_072]
+    };
+    let cap = if quick { 2 } else { 256 };
+    let cfg = model_config(quick);
+    let sk = shadow_config(quick);
+    let steps = Steps::new(quick);
+    let max_ctx = contexts.iter().max().copied().unwrap_or(0);
+    let positions = max_ctx + steps.total() + 8;
+    let model = SharedModel::<B>::new(cfg.clone(), positions);
+    eprintln!(
+        "shadowkv: budgets {:.1} GB device (--max-mem-gb), {:.1} GB host (--max-host-mem-gb)",
+        opts.max_mem_bytes / GB,
+        opts.max_host_mem_bytes / GB
+    );
+    let mut problems = Vec::new();
+    for &ctx in contexts {
+        let grown = ctx + steps.total();
+        let full = plan(&opts, cap, |b| full_footprint(&cfg, b, grown, positions));
+        let shadow = plan(&opts, cap, |b| {
+            shadow_footprint(&cfg, &sk, b, ctx, grown, positions)
+        });
+        for (name, p) in [("full", &full), ("shadowkv", &shadow)] {
+            eprintln!("  ctx={} {name}: {}", ctx_label(ctx), describe(p));
+        }
+        problems.push(problem(
+            &opts,
+            &model,
+            sk,
+            ctx,
+            full,
+            shadow,
+            Steps::new(quick),
+        ));
+    }
+    Suite {
+        name: "shadowkv",
+        description: "Decode tokens/s, random-weight Llama-3-8B shape, f16, synthetic prompts: \
+                      ShadowKV (rank 160, budget 2048, chunk 8; values in host memory) vs the \
+                      full cache, each at the largest batch that fits",
+        baseline: "full",
+        problems,
+        measure_memory: false,
+        plot: None,
+    }
+}
+
+fn describe(p: &Result<Plan, String>) -> String {
+    match p {
+        Ok(p) => format!(
+            "batch {} ({}-bound): est. {:.1} GB device (tensors {:.1} GB), {:.1} GB host",
+            p.batch,
+            p.bound,
+            p.device as f64 / GB,
+            p.device_raw as f64 / GB,
+            p.host as f64 / GB
+        ),
+        Err(e) => format!("skipped: {e}"),
+    }
+}
+
+/// The full cache: weights, `2·layers` cache tensors; a step concatenates a layer's keys and
+/// values (new tensors before the old are freed) and repeats them over the query heads. The
+/// fill stores what it draws, so it has no working set of its own.
+fn full_footprint(cfg: &LlamaConfig, b: usize, grown: usize, positions: usize) -> Footprint {
+    let g = cfg.num_heads / cfg.num_kv_heads;
+    let s = seq_bytes(cfg, b, grown);
+    let mut held = weight_allocs(cfg, positions);
+    held.push((s, 2 * cfg.num_layers));
+    Footprint {
+        held,
+        phases: vec![vec![(s, 2), (s * g as u64, 2)]],
+        host: 0,
+    }
+}
+
+/// ShadowKV's layers after the prefill (see `burn_kvcache::shadowkv`), the fill's working set
+/// (one sequence's keys and values, a copy, and the compression's f32 copies of the keys) and
+/// a step's (f32 landmark scores, rebuilt keys, the values in use, the concatenated keys and
+/// values repeated over the query heads).
+fn shadow_footprint(
+    cfg: &LlamaConfig,
+    sk: &ShadowKvConfig,
+    b: usize,
+    ctx: usize,
+    grown: usize,
+    positions: usize,
+) -> Footprint {
+    let (hkv, d, layers) = (cfg.num_kv_heads, cfg.head_dim, cfg.num_layers);
+    let g = (cfg.num_heads / hkv) as u64;
+    let chunks = ctx / sk.chunk - sk.local_chunks;
+    let chunked = chunks * sk.chunk;
+    let landmarks = chunks - sk.outlier_chunks;
+    let selected = sk.select_chunks().min(landmarks) * sk.chunk;
+    let local = ctx - chunked;
+    let outliers = sk.outlier_chunks * sk.chunk;
+    let generated = grown - ctx;
+    let seq = |n: usize| seq_bytes(cfg, b, n);
+    let mut held = weight_allocs(cfg, positions);
+    held.extend([
+        ((b * chunked * sk.rank) as u64 * F16, layers),
+        ((b * hkv * sk.rank * d) as u64 * F16, layers),
+        (seq(landmarks), layers),
+        (seq(local), 2 * layers),
+        (seq(outliers), 2 * layers),
+        (seq(selected), layers),
+        (seq(generated), 2 * layers),
+        ((ctx * d / 2 * 4) as u64, 2),
+    ]);
+    let one = seq_bytes(cfg, 1, ctx);
+    let attended = local + outliers + selected + generated;
+    Footprint {
+        held,
+        phases: vec![
+            vec![(one, 3), (2 * one, 5), ((ctx * sk.rank * 4) as u64, 2)],
+            vec![
+                (2 * seq(landmarks), 1),
+                ((b * cfg.num_heads * landmarks * 4) as u64, 3),
+                (seq(selected), 3),
+                (seq(attended), 2),
+                (g * seq(attended), 2),
+            ],
+        ],
+        host: (layers * b * hkv * chunked * d) as u64 * F16 + one + 2_000_000_000,
+    }
+}
+
+fn problem<B: KvBackend>(
+    opts: &SuiteOptions,
+    model: &Rc<SharedModel<B>>,
+    sk: ShadowKvConfig,
+    ctx: usize,
+    full: Result<Plan, String>,
+    shadow: Result<Plan, String>,
+    steps: Steps,
+) -> Problem<B> {
+    let label = format!("ctx={}", ctx_label(ctx));
+    let model = model.clone();
+    let probe = opts.probe.clone();
+    let steps = Rc::new(steps);
+    Problem {
+        label: label.clone(),
+        params: params([
+            ("context", json!(ctx)),
+            (
+                "shape",
+                json!(if opts.quick { "tiny" } else { "llama-3-8b" }),
+            ),
+            ("dtype", json!("f16")),
+            ("rank", json!(sk.rank)),
+            ("budget", json!(sk.budget)),
+            ("chunk", json!(sk.chunk)),
+            ("outlier_chunks", json!(sk.outlier_chunks)),
+            ("local_chunks", json!(sk.local_chunks)),
+            ("max_mem_gb", json!(opts.max_mem_bytes / GB)),
+            ("max_host_mem_gb", json!(opts.max_host_mem_bytes / GB)),
+        ]),
+        flops: None,
+        bytes: None,
+        tokens: None,
+        setup: Box::new(move |device| {
+            let full = match &full {
+                Ok(p) => {
+                    let info = Rc::new(RefCell::new(Extra::default()));
+                    let (info2, model, probe, steps, device, label) = (
+                        info.clone(),
+                        model.clone(),
+                        probe.clone(),
+                        steps.clone(),
+                        device.clone(),
+                        label.clone(),
+                    );
+                    let p = *p;
+                    Candidate::timed_elsewhere("full", move || {
+                        run_full(&model, &p, ctx, &steps, &probe, &device, &label, &info2)
+                    })
+                    .with_tokens(p.batch as f64)
+                    .with_extra(move || info.take())
+                }
+                Err(e) => Candidate::skipped("full", e.clone()),
+            };
+            let shadow = match &shadow {
+                Ok(p) => {
+                    let info = Rc::new(RefCell::new(Extra::default()));
+                    let (info2, model, probe, steps, device, label) = (
+                        info.clone(),
+                        model.clone(),
+                        probe.clone(),
+                        steps.clone(),
+                        device.clone(),
+                        label.clone(),
+                    );
+                    let p = *p;
+                    Candidate::timed_elsewhere("shadowkv", move || {
+                        run_shadow(&model, &p, sk, ctx, &steps, &probe, &device, &label, &info2)
+                    })
+                    .with_tokens(p.batch as f64)
+                    .with_extra(move || info.take())
+                }
+                Err(e) => Candidate::skipped("shadowkv", e.clone()),
+            };
+            vec![full, shadow]
+        }),
+    }
+}
+
+/// The plan's and the run's common parameters.
+fn base_params(
+    p: &Plan,
+    fill_s: f64,
+    cache_bytes: usize,
+    pool: Option<u64>,
+    times: &[f64],
+) -> Extra {
+    let (median, mean) = median_mean(times);
+    let mut x = Extra::default();
+    x.params.extend(params([
+        ("batch", json!(p.batch)),
+        ("batch_bound", json!(p.bound)),
+        ("est_device_gb", json!(p.device as f64 / GB)),
+        ("est_device_tensors_gb", json!(p.device_raw as f64 / GB)),
+        ("est_host_gb", json!(p.host as f64 / GB)),
+        ("fill_s", json!(fill_s)),
+        ("cache_bytes_held_gb", json!(cache_bytes as f64 / GB)),
+        ("pool_reserved_gb", json!(pool.map(|b| b as f64 / GB))),
+        ("host_rss_gb", json!(host_rss().map(|b| b as f64 / GB))),
+        ("step_median_ms", json!(median)),
+        ("step_mean_ms", json!(mean)),
+        ("tokens_per_sec_mean", json!(p.batch as f64 / (mean * 1e-3))),
+    ]));
+    x
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_full<B: KvBackend>(
+    model: &SharedModel<B>,
+    p: &Plan,
+    ctx: usize,
+    steps: &Steps,
+    probe: &Option<crate::harness::MemoryProbe>,
+    device: &B::Device,
+    label: &str,
+    info: &RefCell<Extra>,
+) -> Result<PeerRun, String> {
+    B::memory_cleanup(device);
+    let m = model.get(device);
+    let cfg = model.config();
+    let b = p.batch;
+    let t0 = Instant::now();
+    let mut cache = FullKvCache::<B>::new(cfg.num_layers);
+    let (q, opts) = (fill_query::<B>(cfg, b, device), fill_opts::<B>(cfg));
+    for layer in 0..cfg.num_layers {
+        let k = random_states::<B>(cfg, b, ctx, device);
+        let v = random_states::<B>(cfg, b, ctx, device);
+        let _ = cache.attend(layer, q.clone(), k, v, &SkipAttention, &opts);
+    }
+    sync::<B>(device);
+    let fill_s = t0.elapsed().as_secs_f64();
+    let mut step = 0u64;
+    for _ in 0..steps.warmup + steps.profiled {
+        decode_step(&m, &mut cache, b, step, device);
+        step += 1;
+    }
+    sync::<B>(device);
+    let pool = reserved(probe);
+    eprintln!(
+        "  {label} full: batch {b}, filled {} layers in {fill_s:.1} s; cache {}, pool {} \
+         reserved (estimate {})",
+        cfg.num_layers,
+        gb(Some(cache.bytes_held() as u64)),
+        gb(pool),
+        gb(Some(p.device))
+    );
+    let times = timed_steps(&m, &mut cache, b, step, steps.timed, device);
+    let mut x = base_params(p, fill_s, cache.bytes_held(), reserved(probe), &times);
+    x.note = Some(format!("batch {b} ({}-bound)", p.bound));
+    *info.borrow_mut() = x;
+    Ok(times.into())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_shadow<B: KvBackend>(
+    model: &SharedModel<B>,
+    p: &Plan,
+    sk: ShadowKvConfig,
+    ctx: usize,
+    steps: &Steps,
+    probe: &Option<crate::harness::MemoryProbe>,
+    device: &B::Device,
+    label: &str,
+    info: &RefCell<Extra>,
+) -> Result<PeerRun, String> {
+    B::memory_cleanup(device);
+    let m = model.get(device);
+    let cfg = model.config();
+    let (b, hkv, d) = (p.batch, cfg.num_kv_heads, cfg.head_dim);
+    let t0 = Instant::now();
+    let rope = RopeParams {
+        theta: cfg.rope_theta,
+        scaling: cfg.rope_scaling,
+    };
+    let mut cache =
+        ShadowKvCache::<B>::new(cfg.num_layers, hkv, d, sk, rope).map_err(|e| e.to_string())?;
+    let mix = Tensor::<B, 2>::random(
+        [KEY_RANK, hkv * d],
+        Distribution::Normal(0.0, (KEY_RANK as f64).sqrt().recip()),
+        (device, DType::F16),
+    );
+    let positions: Vec<i64> = (0..ctx as i64).collect();
+    let positions = Tensor::<B, 2, Int>::from_data(TensorData::new(positions, [1, ctx]), device);
+    for layer in 0..cfg.num_layers {
+        let z = Tensor::<B, 2>::random(
+            [ctx, KEY_RANK],
+            Distribution::Normal(0.0, 1.0),
+            (device, DType::F16),
+        );
+        let noise = Tensor::<B, 2>::random(
+            [ctx, hkv * d],
+            Distribution::Normal(0.0, KEY_NOISE),
+            (device, DType::F16),
+        );
+        let pre = z.matmul(mix.clone()) + noise;
+        if layer == 0 {
+            let rows = ctx.min(BASIS_ROWS);
+            let basis = low_rank(pre.clone().slice([0..rows, 0..hkv * d]), sk.rank)
+                .map_err(|e| e.to_string())?;
+            cache
+                .set_key_basis(Some(basis.wt))
+                .map_err(|e| e.to_string())?;
+        }
+        let k = pre.reshape([1, ctx, hkv, d]).swap_dims(1, 2);
+        // One prompt expanded over the batch: a view, so the fill holds one sequence's keys
+        // and values whatever the batch (a [batch, …] tensor past 2.7 GB would take a 21 GB
+        // page of the pool).
+        let k = m.rope.apply(k, positions.clone()).expand([b, hkv, ctx, d]);
+        let v = random_states::<B>(cfg, 1, ctx, device).expand([b, hkv, ctx, d]);
+        let sparse = cache
+            .compress_prompt(layer, k, v, None)
+            .map_err(|e| e.to_string())?;
+        if !sparse {
+            return Err(format!("layer {layer} was not compressed"));
+        }
+        if (layer + 1) % 8 == 0 {
+            eprintln!(
+                "  {label} shadowkv: {} of {} layers filled ({:.1} s)",
+                layer + 1,
+                cfg.num_layers,
+                t0.elapsed().as_secs_f64()
+            );
+        }
+    }
+    sync::<B>(device);
+    let fill_s = t0.elapsed().as_secs_f64();
+    let bytes = cache.bytes_split();
+    let mut step = 0u64;
+    for _ in 0..steps.warmup {
+        decode_step(&m, &mut cache, b, step, device);
+        step += 1;
+    }
+    sync::<B>(device);
+    let pool = reserved(probe);
+    eprintln!(
+        "  {label} shadowkv: batch {b}, filled in {fill_s:.1} s; cache {} device + {} host, \
+         pool {} reserved (estimate {}), host RSS {} (estimate {})",
+        gb(Some(bytes.device as u64)),
+        gb(Some(bytes.host as u64)),
+        gb(pool),
+        gb(Some(p.device)),
+        gb(host_rss()),
+        gb(Some(p.host))
+    );
+
+    // The per-phase breakdown: profiling synchronizes after each phase, so it is kept out of
+    // the timed steps.
+    cache.reset_timings();
+    cache.set_profiling(true);
+    let prof = timed_steps(&m, &mut cache, b, step, steps.profiled, device);
+    step += steps.profiled as u64;
+    let t = cache.timings();
+    cache.set_profiling(false);
+    cache.reset_timings();
+    let n = steps.profiled.max(1) as f64;
+    let ms = |x: std::time::Duration| x.as_secs_f64() * 1e3 / n;
+    let (scoring, transfer, reconstruct, attention) = (
+        ms(t.scoring),
+        ms(t.transfer),
+        ms(t.reconstruct),
+        ms(t.attention),
+    );
+    let (_, prof_step) = median_mean(&prof);
+    let rest = prof_step - scoring - transfer - reconstruct - attention;
+    let reuse = |t: burn_kvcache::DecodeTimings| {
+        t.chunks_reused as f64 / (t.chunks_reused + t.chunks_fetched).max(1) as f64
+    };
+    eprintln!(
+        "  {label} shadowkv: profiled step {prof_step:.1} ms = scoring {scoring:.1} + \
+         transfer {transfer:.1} + reconstruct {reconstruct:.1} + attention {attention:.1} + \
+         rest of the model {rest:.1} ms; {:.0}% of the chunks reused",
+        100.0 * reuse(t)
+    );
+
+    let times = timed_steps(&m, &mut cache, b, step, steps.timed, device);
+    let timed = cache.timings();
+    let mut x = base_params(p, fill_s, cache.bytes_held(), reserved(probe), &times);
+    x.params.extend(params([
+        ("cache_device_gb", json!(bytes.device as f64 / GB)),
+        ("cache_host_gb", json!(bytes.host as f64 / GB)),
+        ("profile_step_ms", json!(prof_step)),
+        ("profile_scoring_ms", json!(scoring)),
+        ("profile_transfer_ms", json!(transfer)),
+        ("profile_reconstruct_ms", json!(reconstruct)),
+        ("profile_attention_ms", json!(attention)),
+        ("profile_rest_ms", json!(rest)),
+        ("chunks_reused_fraction", json!(reuse(timed))),
+        (
+            "chunks_fetched_per_step",
+            json!(timed.chunks_fetched as f64 / steps.timed.max(1) as f64),
+        ),
+    ]));
+    x.note = Some(format!(
+        "batch {b} ({}-bound); profiled step {prof_step:.0} ms: scoring {scoring:.0}, transfer \
+         {transfer:.0}, reconstruct {reconstruct:.0}, attention {attention:.0}, rest {rest:.0}; \
+         {:.0}% chunks reused",
+        p.bound,
+        100.0 * reuse(timed)
+    ));
+    *info.borrow_mut() = x;
+    Ok(times.into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::kv_decode::tests::h100_opts;
+    use super::*;
+
+    /// The plans of a full run on an 80 GB H100 with 110 GB of host memory (printed with
+    /// `--nocapture`): ShadowKV fits more sequences than the full cache at every context.
+    #[test]
+    fn h100_plans() {
+        let opts = h100_opts();
+        let cfg = model_config(false);
+        let sk = shadow_config(false);
+        let steps = Steps::new(false);
+        let positions = 131_072 + steps.total() + 8;
+        for ctx in [32_768, 65_536, 131_072] {
+            let grown = ctx + steps.total();
+            let full = plan(&opts, 256, |b| full_footprint(&cfg, b, grown, positions));
+            let shadow = plan(&opts, 256, |b| {
+                shadow_footprint(&cfg, &sk, b, ctx, grown, positions)
+            });
+            println!("ctx={} full: {}", ctx_label(ctx), describe(&full));
+            println!("ctx={} shadowkv: {}", ctx_label(ctx), describe(&shadow));
+            let (full, shadow) = (full.unwrap(), shadow.unwrap());
+            assert!(shadow.batch > full.batch, "{full:?} {shadow:?}");
+        }
+    }
+}
