@@ -99,6 +99,9 @@ fn quantize_matches_reference<B: SageBackend>(device: &B::Device) {
         (1, 2, 131, 128),
         (1, 1, 70, 256),
         (1, 4, 1000, 64),
+        // Per-thread layouts: 2 · 65 600 / 2 groups, one cube each, more than one grid row of
+        // 65 535 cubes holds.
+        (2, 1, 65_600, 64),
     ]
     .iter()
     .enumerate()

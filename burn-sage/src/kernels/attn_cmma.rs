@@ -152,6 +152,10 @@ fn attn_cmma_kernel<F: Float, P: Float, NK: Size, NV: Size>(
     let stride_kv = comptime!(BKV as u32);
     let q_tiles = (args.sq + bq - 1) / bq;
     let cube = (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize;
+    // Spare cubes of a two-dimensional grid (see `grid`) have no tile.
+    if cube >= (args.rows / args.sq) * q_tiles {
+        terminate!();
+    }
     let bh = cube / q_tiles;
     let q0 = (cube % q_tiles) * bq;
     let bhk = (bh / args.hq) * (args.hq / args.group) + (bh % args.hq) / args.group;

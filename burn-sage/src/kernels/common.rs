@@ -44,9 +44,13 @@ pub fn cube_max(value: f32, #[comptime] units: usize) -> f32 {
     shared[0]
 }
 
-/// A grid of `cubes` cubes; beyond one grid dimension they spill into the second.
+/// A grid of at least `cubes` cubes; beyond one grid dimension they spill into the second,
+/// split evenly so that fewer than `y` cubes are spare (a full first row would launch up to
+/// twice the cubes, e.g. 131 070 for 65 536). Kernels still skip the spare ones.
 pub fn grid<R: Runtime>(client: &ComputeClient<R>, cubes: usize) -> CubeCount {
     let max_x = client.properties().hardware.max_cube_count.0.min(65_535) as usize;
-    let x = cubes.clamp(1, max_x);
-    CubeCount::Static(x as u32, cubes.div_ceil(x) as u32, 1)
+    let cubes = cubes.max(1);
+    let y = cubes.div_ceil(max_x);
+    let x = cubes.div_ceil(y);
+    CubeCount::Static(x as u32, y as u32, 1)
 }
