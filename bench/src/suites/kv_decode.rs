@@ -138,6 +138,26 @@ pub struct Plan {
     pub bound: &'static str,
 }
 
+/// One line for a batch plan: the batch, what bounds it, the device estimate, and the host
+/// bytes where the cache keeps any.
+pub fn describe(p: &Result<Plan, String>) -> String {
+    match p {
+        Ok(p) => format!(
+            "batch {} ({}-bound): est. {:.1} GB device (tensors {:.1} GB){}",
+            p.batch,
+            p.bound,
+            p.device as f64 / GB,
+            p.device_raw as f64 / GB,
+            if p.host > 0 {
+                format!(", {:.1} GB host", p.host as f64 / GB)
+            } else {
+                String::new()
+            }
+        ),
+        Err(e) => format!("skipped: {e}"),
+    }
+}
+
 /// Device and host estimate of one footprint, or `None` when an allocation is larger than the
 /// pool's largest page.
 pub fn estimate(pool: &PoolModel, budget: f64, f: &Footprint) -> Option<(u64, u64)> {

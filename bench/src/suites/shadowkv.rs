@@ -49,9 +49,9 @@ use serde_json::json;
 
 use super::SuiteOptions;
 use super::kv_decode::{
-    F16, Footprint, GB, Plan, SharedModel, SkipAttention, ctx_label, decode_step, fill_opts,
-    fill_query, gb, host_rss, median_mean, model_config, plan, random_states, reserved, seq_bytes,
-    sync, timed_steps, weight_allocs,
+    F16, Footprint, GB, Plan, SharedModel, SkipAttention, ctx_label, decode_step, describe,
+    fill_opts, fill_query, gb, host_rss, median_mean, model_config, plan, random_states, reserved,
+    seq_bytes, sync, timed_steps, weight_allocs,
 };
 use crate::harness::{Candidate, Extra, PeerRun, Problem, Suite, params};
 
@@ -152,20 +152,6 @@ pub fn suite<B: KvBackend>(opts: SuiteOptions) -> Suite<B> {
         problems,
         measure_memory: false,
         plot: None,
-    }
-}
-
-fn describe(p: &Result<Plan, String>) -> String {
-    match p {
-        Ok(p) => format!(
-            "batch {} ({}-bound): est. {:.1} GB device (tensors {:.1} GB), {:.1} GB host",
-            p.batch,
-            p.bound,
-            p.device as f64 / GB,
-            p.device_raw as f64 / GB,
-            p.host as f64 / GB
-        ),
-        Err(e) => format!("skipped: {e}"),
     }
 }
 
