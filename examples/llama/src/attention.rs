@@ -20,6 +20,9 @@ use burn_sage::{PvPrecision, QkQuant, SageAttention, SageBackend, SageError, Sag
 
 use crate::model::Llama;
 
+/// A built attention implementation and, for adaptive Sage, its per-layer calibration reports.
+pub type BuiltAttention<B> = (Box<dyn AttentionImpl<B>>, Vec<LayerReport>);
+
 /// Which quantization of `Q·Kᵀ` a Sage variant uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SageQk {
@@ -102,7 +105,7 @@ impl AttentionChoice {
         &self,
         calibration: Option<(&Llama<B>, &[u32])>,
         int4_threshold: f64,
-    ) -> Result<(Box<dyn AttentionImpl<B>>, Vec<LayerReport>), AttentionError> {
+    ) -> Result<BuiltAttention<B>, AttentionError> {
         let opts = match (self, self.sage_options()) {
             (Self::Builtin(kind), _) => return Ok((kind.build::<B>(), Vec::new())),
             (_, Some(opts)) => opts,
