@@ -24,7 +24,7 @@ use burn_kernels_core::{AttentionImpl, AttnOptions, BurnAttention, KvCache, Rope
 use burn_llama::{Llama, LlamaConfig};
 
 use super::{PoolProps, SuiteOptions};
-use crate::harness::MemoryProbe;
+use crate::harness::{Candidate, Extra, MemoryProbe, PeerRun};
 
 pub const GB: f64 = 1e9;
 /// Bytes of an f16 element: the model, its activations and every cache run in f16.
@@ -136,6 +136,27 @@ pub struct Plan {
     pub host: u64,
     /// `device`, `host` or `cap`: what stopped the next batch.
     pub bound: &'static str,
+}
+
+/// The candidate `name` of a decode suite at the batch `plan` allows (skipped with the plan's
+/// reason when none fits): `run` times the steps at that batch and records what it saw in the
+/// `Extra` the record gets; tokens/s count one token per sequence and step.
+pub fn plan_candidate<'a>(
+    name: &'static str,
+    plan: &Result<Plan, String>,
+    run: impl FnOnce(&Plan, &RefCell<Extra>) -> Result<PeerRun, String> + 'a,
+) -> Candidate<'a> {
+    match plan {
+        Err(e) => Candidate::skipped(name, e.clone()),
+        Ok(p) => {
+            let p = *p;
+            let info = Rc::new(RefCell::new(Extra::default()));
+            let cell = info.clone();
+            Candidate::timed_elsewhere(name, move || run(&p, &cell))
+                .with_tokens(p.batch as f64)
+                .with_extra(move || info.take())
+        }
+    }
 }
 
 /// One line for a batch plan: the batch, what bounds it, the device estimate, and the host

@@ -41,10 +41,10 @@ use serde_json::json;
 use super::SuiteOptions;
 use super::kv_decode::{
     F16, Footprint, GB, Plan, SharedModel, SkipAttention, ctx_label, decode_step, describe,
-    fill_opts, fill_query, gb, median_mean, model_config, plan, random_states, reserved, seq_bytes,
-    sync, timed_steps, weight_allocs,
+    fill_opts, fill_query, gb, median_mean, model_config, plan, plan_candidate, random_states,
+    reserved, seq_bytes, sync, timed_steps, weight_allocs,
 };
-use crate::harness::{Candidate, Extra, MemoryProbe, PeerRun, Problem, Suite, params};
+use crate::harness::{Extra, MemoryProbe, PeerRun, Problem, Suite, params};
 
 /// Positions of the second fill call (the quantized caches' full-precision window).
 const TAIL: usize = 32;
@@ -266,27 +266,18 @@ fn problem<B: KvBackend>(
         setup: Box::new(move |device| {
             plans
                 .iter()
-                .map(|(kind, p)| match p {
-                    Ok(p) => {
-                        let info = Rc::new(RefCell::new(Extra::default()));
-                        let (info2, model, probe, steps, device, label) = (
-                            info.clone(),
-                            model.clone(),
-                            probe.clone(),
-                            steps.clone(),
-                            device.clone(),
-                            label.clone(),
-                        );
-                        let (kind, p) = (*kind, *p);
-                        Candidate::timed_elsewhere(kind.name(), move || {
-                            run(
-                                &model, kind, &p, ctx, &steps, &probe, &device, &label, &info2,
-                            )
-                        })
-                        .with_tokens(p.batch as f64)
-                        .with_extra(move || info.take())
-                    }
-                    Err(e) => Candidate::skipped(kind.name(), e.clone()),
+                .map(|(kind, p)| {
+                    let (model, probe, steps, device, label) = (
+                        model.clone(),
+                        probe.clone(),
+                        steps.clone(),
+                        device.clone(),
+                        label.clone(),
+                    );
+                    let kind = *kind;
+                    plan_candidate(kind.name(), p, move |p, info| {
+                        run(&model, kind, p, ctx, &steps, &probe, &device, &label, info)
+                    })
                 })
                 .collect()
         }),

@@ -50,10 +50,10 @@ use serde_json::json;
 use super::SuiteOptions;
 use super::kv_decode::{
     F16, Footprint, GB, Plan, SharedModel, SkipAttention, ctx_label, decode_step, describe,
-    fill_opts, fill_query, gb, host_rss, median_mean, model_config, plan, random_states, reserved,
-    seq_bytes, sync, timed_steps, weight_allocs,
+    fill_opts, fill_query, gb, host_rss, median_mean, model_config, plan, plan_candidate,
+    random_states, reserved, seq_bytes, sync, timed_steps, weight_allocs,
 };
-use crate::harness::{Candidate, Extra, PeerRun, Problem, Suite, params};
+use crate::harness::{Extra, PeerRun, Problem, Suite, params};
 
 /// Rank of the synthetic keys' shared subspace.
 const KEY_RANK: usize = 64;
@@ -255,46 +255,26 @@ fn problem<B: KvBackend>(
         bytes: None,
         tokens: None,
         setup: Box::new(move |device| {
-            let full = match &full {
-                Ok(p) => {
-                    let info = Rc::new(RefCell::new(Extra::default()));
-                    let (info2, model, probe, steps, device, label) = (
-                        info.clone(),
-                        model.clone(),
-                        probe.clone(),
-                        steps.clone(),
-                        device.clone(),
-                        label.clone(),
-                    );
-                    let p = *p;
-                    Candidate::timed_elsewhere("full", move || {
-                        run_full(&model, &p, ctx, &steps, &probe, &device, &label, &info2)
-                    })
-                    .with_tokens(p.batch as f64)
-                    .with_extra(move || info.take())
-                }
-                Err(e) => Candidate::skipped("full", e.clone()),
-            };
-            let shadow = match &shadow {
-                Ok(p) => {
-                    let info = Rc::new(RefCell::new(Extra::default()));
-                    let (info2, model, probe, steps, device, label) = (
-                        info.clone(),
-                        model.clone(),
-                        probe.clone(),
-                        steps.clone(),
-                        device.clone(),
-                        label.clone(),
-                    );
-                    let p = *p;
-                    Candidate::timed_elsewhere("shadowkv", move || {
-                        run_shadow(&model, &p, sk, ctx, &steps, &probe, &device, &label, &info2)
-                    })
-                    .with_tokens(p.batch as f64)
-                    .with_extra(move || info.take())
-                }
-                Err(e) => Candidate::skipped("shadowkv", e.clone()),
-            };
+            let (m, pr, st, dv, lb) = (
+                model.clone(),
+                probe.clone(),
+                steps.clone(),
+                device.clone(),
+                label.clone(),
+            );
+            let full = plan_candidate("full", &full, move |p, info| {
+                run_full(&m, p, ctx, &st, &pr, &dv, &lb, info)
+            });
+            let (model, probe, steps, device, label) = (
+                model.clone(),
+                probe.clone(),
+                steps.clone(),
+                device.clone(),
+                label.clone(),
+            );
+            let shadow = plan_candidate("shadowkv", &shadow, move |p, info| {
+                run_shadow(&model, p, sk, ctx, &steps, &probe, &device, &label, info)
+            });
             vec![full, shadow]
         }),
     }
