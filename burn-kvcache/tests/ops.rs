@@ -89,13 +89,21 @@ fn merge_matches_reference<B: KvBackend>(device: &B::Device) {
                     &to_f32(exp.mag_b.into_data()),
                     tol,
                 );
-                // Rows within rounding of the threshold may be retained on one side only.
+                // Rows within rounding of the threshold may be retained on one side only (with
+                // γ = 0, the rows whose two layers coincide: distance 0 or a few ulps).
                 let skip: Vec<bool> = dist_e
                     .iter()
                     .zip(&dist_g)
                     .map(|(e, g)| (*e > gamma) != (*g > gamma))
                     .collect();
-                assert!(skip.iter().filter(|s| **s).count() <= n / 50 + 1);
+                for (i, _) in skip.iter().enumerate().filter(|(_, s)| **s) {
+                    assert!(
+                        f64::from((dist_e[i] - gamma).abs()) <= tol.atol + tol.rtol * f64::from(gamma),
+                        "{name}: row {i} retained on one side only, dist {} vs {} (γ {gamma})",
+                        dist_g[i],
+                        dist_e[i]
+                    );
+                }
                 let dir_g = to_f32(got.dir.into_data());
                 let dir_e = to_f32(exp.dir.into_data());
                 assert!(
@@ -221,7 +229,8 @@ fn quantize_matches_reference<B: KvBackend>(device: &B::Device) {
             for bits in [2, 4] {
                 let x = random_values(rows * cols, Dist::PEAKY, 300 + c as u64);
                 let xt = tensor::<B, 2>(x, [rows, cols], dtype, device);
-                let xc = cpu(to_f32(xt.to_data()), [rows, cols]);
+                let xs = to_f32(xt.to_data());
+                let xc = cpu(xs.clone(), [rows, cols]);
                 let layout = QuantLayout::new(bits, group, cols).unwrap();
                 let exp = reference::quantize(xc, layout);
                 poison_memory::<B>(device, 4 * rows * cols, dtype);
@@ -242,21 +251,28 @@ fn quantize_matches_reference<B: KvBackend>(device: &B::Device) {
                     &to_f32(exp.min.to_data()),
                     tol,
                 );
-                // Codes agree except where (x − min)/scale lands within rounding of a .5 tie.
+                // Codes agree except where (x − min)/scale lands within rounding of a .5 tie
+                // (frequent with bf16 inputs and scales, whose ratios are often exact halves):
+                // there the kernel's division and the reference's reciprocal may round apart.
                 let (cg, ce) = (
                     unpack(&words_of(&got), layout, rows),
                     unpack(&words_of(&exp), layout, rows),
                 );
-                let off: Vec<u32> = cg.iter().zip(&ce).map(|(a, b)| a.abs_diff(*b)).collect();
-                assert!(
-                    off.iter().all(|&o| o <= 1),
-                    "{name}: a code off by more than 1"
-                );
-                let n_off = off.iter().filter(|&&o| o == 1).count();
-                assert!(
-                    n_off <= rows * cols / 200 + 1,
-                    "{name}: {n_off} codes off by 1"
-                );
+                let min = to_f32(exp.min.to_data());
+                let ng = layout.groups();
+                for (i, (a, b)) in cg.iter().zip(&ce).enumerate() {
+                    if a == b {
+                        continue;
+                    }
+                    let (r, c) = (i / cols, i % cols);
+                    let gi = r * ng + c / layout.group_len();
+                    let ratio = (f64::from(xs[i]) - f64::from(min[gi])) / f64::from(scale[gi]);
+                    let tie = (ratio - ratio.floor() - 0.5).abs() <= 1e-5 * ratio.abs().max(1.0);
+                    assert!(
+                        a.abs_diff(*b) == 1 && tie,
+                        "{name}: code {i} is {a}, expected {b} ((x − min)/scale = {ratio})"
+                    );
+                }
                 // Padding bits of the last word of a group are zero on both sides.
                 let (wg, we) = (words_of(&got), words_of(&exp));
                 let pad_g = unpack_padding(&wg, layout);
@@ -367,8 +383,9 @@ fn merge_invariants<B: KvBackend>(device: &B::Device) {
     let m = merge(at, bt, 0.6, 0.0).unwrap();
     let dist = to_f32(m.dist.into_data());
     for (i, &x) in dist.iter().enumerate() {
-        // Row i of the pair values has noise σ = (i mod 16)·0.1: only σ = 0 rows coincide.
-        assert_eq!(x > 0.0, i % 16 != 0, "row {i}: dist {x}");
+        // Row i of the pair values has noise σ = (i mod 16)·0.1: only σ = 0 rows coincide,
+        // to within rounding (CUDA's fused multiply-adds leave a few ulps).
+        assert_eq!(x > 1e-6, i % 16 != 0, "row {i}: dist {x}");
     }
     let ra = restore(m.dir, m.mag_a, None).unwrap();
     assert_close(
