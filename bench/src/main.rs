@@ -37,7 +37,7 @@ struct Args {
     #[arg(long, default_value_t = 40.0)]
     max_mem_gb: f64,
     /// Host memory (GB) an implementation may fill (ShadowKV's offloaded values); default
-    /// 85% of the memory available now.
+    /// 75% of the memory available now (the rest: pinned staging buffers, the OS).
     #[arg(long)]
     max_host_mem_gb: Option<f64>,
     /// Device name for the results (default: nvidia-smi's name on CUDA, else the backend's).
@@ -156,13 +156,13 @@ fn pool_props<R: cubecl::Runtime>(device: &R::Device) -> suites::PoolProps {
     }
 }
 
-/// 85% of `MemAvailable` (Linux), else 16 GB.
+/// 75% of `MemAvailable` (Linux), else 16 GB.
 fn default_host_mem_bytes() -> f64 {
     let avail = std::fs::read_to_string("/proc/meminfo").ok().and_then(|s| {
         let line = s.lines().find(|l| l.starts_with("MemAvailable:"))?;
         line.split_whitespace().nth(1)?.parse::<f64>().ok()
     });
-    avail.map_or(16e9, |kb| 0.85 * kb * 1024.0)
+    avail.map_or(16e9, |kb| 0.75 * kb * 1024.0)
 }
 
 fn render(path: &std::path::Path) -> Result<(), String> {

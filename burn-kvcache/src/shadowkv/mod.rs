@@ -57,7 +57,7 @@ use burn::tensor::{Bool, DType, Int, Tensor, TensorCreationOptions, TensorData, 
 use burn_kernels_core::{AttentionImpl, AttnOptions, KvCache, append_kv};
 
 use crate::{KvBackend, KvCacheError, bytes_of};
-use host::upload;
+use host::RowStager;
 
 /// ShadowKV settings (defaults: the paper's).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -774,7 +774,7 @@ impl<B: KvBackend> ShadowKvCache<B> {
         let row_bytes = cs * d * es;
         let prev_rows = sp.prev.as_ref().map_or(0, |p| p.values.dims()[0]);
         let mut src = Vec::with_capacity(b * h * kk);
-        let mut staging = Vec::new();
+        let mut staging = RowStager::new(row_bytes);
         let mut fetched = 0usize;
         for (i, per_head) in sel.iter().enumerate() {
             for (hh, chunks) in per_head.iter().enumerate() {
@@ -791,7 +791,7 @@ impl<B: KvBackend> ShadowKvCache<B> {
                         _ if slot >= valid[i] => src.push(-1),
                         Some(r) => src.push(r),
                         None => {
-                            staging.extend_from_slice(sp.values[i].chunk_slice(hh, c));
+                            staging.push_row(sp.values[i].chunk_slice(hh, c));
                             src.push((prev_rows + fetched) as i64);
                             fetched += 1;
                         }
@@ -812,9 +812,8 @@ impl<B: KvBackend> ShadowKvCache<B> {
         }
         self.timings.chunks_fetched += fetched;
         self.timings.chunks_reused += b * h * kk - fetched;
-        debug_assert_eq!(staging.len(), fetched * row_bytes);
-        let fresh =
-            (fetched > 0).then(|| upload::<B, 2>(staging, [fetched, cs * d], dtype, &device));
+        debug_assert_eq!(staging.rows(), fetched);
+        let fresh = (fetched > 0).then(|| staging.upload::<B>(cs * d, dtype, &device));
         let pool = match (sp.prev.take(), fresh) {
             (Some(p), Some(f)) => Tensor::cat(vec![p.values, f], 0),
             (Some(p), None) => p.values,
