@@ -5,6 +5,8 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Once;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 /// How a candidate runs.
@@ -266,6 +268,24 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 }
 
 /// Runs every problem × implementation of `suite` with a progress bar.
+/// Panics anywhere in the process since [`count_panics`] was installed.
+static PANICS: AtomicUsize = AtomicUsize::new(0);
+
+/// Counts every panic in the process, then runs the previous hook. The device runtime's server
+/// thread panics (e.g. on an allocation that does not fit) without failing the caller: the
+/// launch is dropped, later calls may find their buffers gone, and a timing taken meanwhile
+/// measures work that never ran. The count lets [`run_suite`] reject such timings.
+fn count_panics() {
+    static INSTALL: Once = Once::new();
+    INSTALL.call_once(|| {
+        let prev = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            PANICS.fetch_add(1, Ordering::Relaxed);
+            prev(info);
+        }));
+    });
+}
+
 pub fn run_suite<B: Backend>(
     suite: Suite<B>,
     device: &B::Device,
@@ -282,6 +302,8 @@ pub fn run_suite<B: Backend>(
     let mut records = Vec::new();
     for problem in &suite.problems {
         bar.set_message(problem.label.clone());
+        count_panics();
+        let mut panics_seen = PANICS.load(Ordering::Relaxed);
         let candidates = (problem.setup)(device);
         let mut rows: Vec<Record> = Vec::new();
         for cand in candidates {
@@ -324,7 +346,13 @@ pub fn run_suite<B: Backend>(
                         }),
                     }));
                     rec.peak_mem_mb = peak;
+                    let panics = PANICS.load(Ordering::Relaxed) - panics_seen;
                     let res = match res {
+                        Ok(Ok(_)) if panics > 0 => Err(Box::new(format!(
+                            "{panics} panic(s) in the process during this run (see the log; \
+                             e.g. the device runtime out of memory): timings not trusted"
+                        ))
+                            as Box<dyn std::any::Any + Send>),
                         Ok(Ok(times)) if !times.is_empty() => Ok(times),
                         Ok(Ok(_)) => {
                             Err(Box::new("no timings".to_string()) as Box<dyn std::any::Any + Send>)
@@ -382,6 +410,7 @@ pub fn run_suite<B: Backend>(
             } else {
                 bar.println(line);
             }
+            panics_seen = PANICS.load(Ordering::Relaxed);
             rows.push(rec);
         }
         let base = rows
@@ -414,4 +443,59 @@ pub fn params<const N: usize>(
     pairs: [(&str, serde_json::Value); N],
 ) -> BTreeMap<String, serde_json::Value> {
     pairs.into_iter().map(|(k, v)| (k.to_string(), v)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::NdArray;
+
+    /// A panic on another thread during a candidate's run (as the device runtime's server
+    /// thread panics when out of memory) fails that candidate, not the next one.
+    #[test]
+    fn panic_on_another_thread_fails_the_candidate() {
+        let problem = Problem::<NdArray> {
+            label: "p".into(),
+            params: BTreeMap::new(),
+            flops: None,
+            bytes: None,
+            tokens: None,
+            setup: Box::new(|_| {
+                let mut once = true;
+                vec![
+                    Candidate::timed_here("clean", || {}),
+                    Candidate::timed_here("server-panic", move || {
+                        if std::mem::take(&mut once) {
+                            let _ = std::thread::spawn(|| panic!("simulated server panic")).join();
+                        }
+                    }),
+                    Candidate::timed_here("after", || {}),
+                ]
+            }),
+        };
+        let suite = Suite {
+            name: "t",
+            description: "",
+            baseline: "clean",
+            problems: vec![problem],
+            plot: None,
+            measure_memory: false,
+        };
+        let timing = Timing {
+            warmup: Duration::from_millis(1),
+            measure: Duration::from_millis(1),
+            min_reps: 2,
+            max_reps: 3,
+        };
+        let res = run_suite::<NdArray>(suite, &Default::default(), timing, None);
+        let by = |n: &str| res.records.iter().find(|r| r.implementation == n).unwrap();
+        assert!(by("clean").median_ms.is_some());
+        let bad = by("server-panic");
+        assert!(bad.median_ms.is_none());
+        assert!(
+            bad.skipped.as_deref().unwrap().contains("1 panic"),
+            "{bad:?}"
+        );
+        assert!(by("after").median_ms.is_some());
+    }
 }
