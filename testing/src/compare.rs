@@ -219,13 +219,27 @@ pub fn assert_matmul_close<B: burn::tensor::backend::Backend>(
     reduction_len: usize,
     device: &B::Device,
 ) {
+    assert_close_unless_tf32::<B>(
+        name,
+        actual,
+        expected,
+        Tolerance::for_reduction(DType::F32, reduction_len),
+        device,
+    );
+}
+
+/// Checks an output of f32 matrix products element-wise within `tol` where the backend
+/// computes in f32, by relative L2 error within [`TF32_REL_L2`] where it computes in TF32.
+/// Non-finite values must agree either way.
+pub fn assert_close_unless_tf32<B: burn::tensor::backend::Backend>(
+    name: &str,
+    actual: &[f32],
+    expected: &[f32],
+    tol: Tolerance,
+    device: &B::Device,
+) {
     if !f32_matmul_is_tf32::<B>(device) {
-        return assert_close(
-            name,
-            actual,
-            expected,
-            Tolerance::for_reduction(DType::F32, reduction_len),
-        );
+        return assert_close(name, actual, expected, tol);
     }
     let m = metrics(actual, expected);
     assert!(

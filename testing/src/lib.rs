@@ -11,8 +11,8 @@ pub mod random;
 pub mod runtimes;
 
 pub use compare::{
-    Metrics, TF32_REL_L2, Tolerance, assert_close, assert_close_data, assert_matmul_close,
-    f32_matmul_is_tf32, metrics,
+    Metrics, TF32_REL_L2, Tolerance, assert_close, assert_close_data, assert_close_unless_tf32,
+    assert_matmul_close, f32_matmul_is_tf32, metrics,
 };
 pub use random::{Dist, random_tensor, random_values};
 pub use runtimes::{float_dtypes, poison_memory};

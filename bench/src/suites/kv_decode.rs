@@ -476,6 +476,26 @@ pub fn gb(bytes: Option<u64>) -> String {
     }
 }
 
+/// The parameters every decode-suite problem records: context, model shape, dtype and the
+/// device budget, followed by the suite's own.
+pub fn problem_params<const N: usize>(
+    opts: &SuiteOptions,
+    ctx: usize,
+    own: [(&str, serde_json::Value); N],
+) -> std::collections::BTreeMap<String, serde_json::Value> {
+    let mut p = crate::harness::params([
+        ("context", serde_json::json!(ctx)),
+        (
+            "shape",
+            serde_json::json!(if opts.quick { "tiny" } else { "llama-3-8b" }),
+        ),
+        ("dtype", serde_json::json!("f16")),
+        ("max_mem_gb", serde_json::json!(opts.max_mem_bytes / GB)),
+    ]);
+    p.extend(crate::harness::params(own));
+    p
+}
+
 /// `32K` for 32768.
 pub fn ctx_label(ctx: usize) -> String {
     if ctx >= 1024 && ctx.is_multiple_of(1024) {

@@ -41,8 +41,8 @@ use serde_json::json;
 use super::SuiteOptions;
 use super::kv_decode::{
     F16, Footprint, GB, Plan, SharedModel, SkipAttention, ctx_label, decode_step, describe,
-    fill_opts, fill_query, gb, median_mean, model_config, plan, plan_candidate, random_states,
-    reserved, seq_bytes, sync, timed_steps, weight_allocs,
+    fill_opts, fill_query, gb, median_mean, model_config, plan, plan_candidate, problem_params,
+    random_states, reserved, seq_bytes, sync, timed_steps, weight_allocs,
 };
 use crate::harness::{Extra, MemoryProbe, PeerRun, Problem, Suite, params};
 
@@ -245,21 +245,18 @@ fn problem<B: KvBackend>(
     let q = QuantConfig::bits(4);
     Problem {
         label: label.clone(),
-        params: params([
-            ("context", json!(ctx)),
-            (
-                "shape",
-                json!(if opts.quick { "tiny" } else { "llama-3-8b" }),
-            ),
-            ("dtype", json!("f16")),
-            ("minicache_t", json!(mc.t)),
-            ("minicache_gamma", json!(mc.gamma)),
-            ("minicache_window", json!(mc.window)),
-            ("quant_group", json!(q.group_size)),
-            ("quant_residual", json!(q.residual)),
-            ("synthetic_unaligned_share", json!(UNALIGNED)),
-            ("max_mem_gb", json!(opts.max_mem_bytes / GB)),
-        ]),
+        params: problem_params(
+            opts,
+            ctx,
+            [
+                ("minicache_t", json!(mc.t)),
+                ("minicache_gamma", json!(mc.gamma)),
+                ("minicache_window", json!(mc.window)),
+                ("quant_group", json!(q.group_size)),
+                ("quant_residual", json!(q.residual)),
+                ("synthetic_unaligned_share", json!(UNALIGNED)),
+            ],
+        ),
         flops: None,
         bytes: None,
         tokens: None,

@@ -51,7 +51,7 @@ use super::SuiteOptions;
 use super::kv_decode::{
     F16, Footprint, GB, Plan, SharedModel, SkipAttention, ctx_label, decode_step, describe,
     fill_opts, fill_query, gb, host_rss, median_mean, model_config, plan, plan_candidate,
-    random_states, reserved, seq_bytes, sync, timed_steps, weight_allocs,
+    problem_params, random_states, reserved, seq_bytes, sync, timed_steps, weight_allocs,
 };
 use crate::harness::{Extra, PeerRun, Problem, Suite, params};
 
@@ -236,21 +236,18 @@ fn problem<B: KvBackend>(
     let steps = Rc::new(steps);
     Problem {
         label: label.clone(),
-        params: params([
-            ("context", json!(ctx)),
-            (
-                "shape",
-                json!(if opts.quick { "tiny" } else { "llama-3-8b" }),
-            ),
-            ("dtype", json!("f16")),
-            ("rank", json!(sk.rank)),
-            ("budget", json!(sk.budget)),
-            ("chunk", json!(sk.chunk)),
-            ("outlier_chunks", json!(sk.outlier_chunks)),
-            ("local_chunks", json!(sk.local_chunks)),
-            ("max_mem_gb", json!(opts.max_mem_bytes / GB)),
-            ("max_host_mem_gb", json!(opts.max_host_mem_bytes / GB)),
-        ]),
+        params: problem_params(
+            opts,
+            ctx,
+            [
+                ("rank", json!(sk.rank)),
+                ("budget", json!(sk.budget)),
+                ("chunk", json!(sk.chunk)),
+                ("outlier_chunks", json!(sk.outlier_chunks)),
+                ("local_chunks", json!(sk.local_chunks)),
+                ("max_host_mem_gb", json!(opts.max_host_mem_bytes / GB)),
+            ],
+        ),
         flops: None,
         bytes: None,
         tokens: None,
