@@ -242,7 +242,8 @@ fn time_candidate<B: Backend>(device: &B::Device, run: &mut dyn FnMut(), t: Timi
     sync::<B>(device);
     let start = Instant::now();
     let mut warm = 0;
-    while warm < 2 || (start.elapsed() < t.warmup && warm < 50) {
+    // One warm call after the compiling one; more while they are short.
+    while warm < 1 || (start.elapsed() < t.warmup && warm < 50) {
         run();
         sync::<B>(device);
         warm += 1;

@@ -47,6 +47,12 @@ pub enum Unsupported {
     /// keys would run past [`crate::kernels::LOOP_BUDGET`] iterations).
     #[error("kv length {0} is above the portable kernel's {max} keys", max = crate::kernels::UNIT_MAX_KV)]
     UnitKernelLength(usize),
+    /// The runtime has no manual (register-level) MMA of the needed shape.
+    #[error("the runtime has no {0} manual matrix-multiply (mma.sync)")]
+    ManualMma(&'static str),
+    /// A kernel was asked for (`SageOptions::kernel`) that does not take this configuration.
+    #[error("the {0:?} kernel does not take head dim {1}")]
+    KernelHeadDim(crate::kernels::KernelChoice, usize),
     /// Head dims above 256 are not compiled.
     #[error("head dim {0} is above the kernels' 256")]
     HeadDim(usize),

@@ -34,6 +34,10 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> SageBacken
         }
     }
 
+    fn sage_kernel(device: &Self::Device, plan: &SagePlan) -> Option<kernels::KernelChoice> {
+        kernels::choose(&R::client(device), plan).ok()
+    }
+
     fn sage_quantize(
         x: FloatTensor<Self>,
         mean: FloatTensor<Self>,

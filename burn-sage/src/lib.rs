@@ -70,6 +70,12 @@ pub trait SageBackend: Backend {
         )
     }
 
+    /// The kernel [`SageBackend::sage_forward`] runs for `plan` on `device`; `None` is the
+    /// tensor-op reference.
+    fn sage_kernel(_device: &Self::Device, _plan: &SagePlan) -> Option<kernels::KernelChoice> {
+        None
+    }
+
     /// The quantization stage (see [`quantize_stage`]); integers returned as f32 values.
     fn sage_quantize(
         x: FloatTensor<Self>,

@@ -157,6 +157,10 @@ pub struct SageOptions {
     pub smooth_q: bool,
     /// Also return the log-sum-exp of each query row's scaled scores (natural log).
     pub return_lse: bool,
+    /// The attention kernel to run on a `CubeBackend`; `None` picks the fastest the runtime
+    /// has (see [`crate::kernels::choose`]). A kernel the runtime or the configuration does not
+    /// allow runs the reference instead, with a log line.
+    pub kernel: Option<crate::kernels::KernelChoice>,
 }
 
 impl Default for SageOptions {
@@ -169,6 +173,7 @@ impl Default for SageOptions {
             smooth_k: true,
             smooth_q: false,
             return_lse: false,
+            kernel: None,
         }
     }
 }

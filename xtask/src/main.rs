@@ -38,6 +38,10 @@ enum Cmd {
     DeviceBuild {
         #[arg(long, default_value = ".device")]
         dir: PathBuf,
+        /// Only these packages' test binaries (all of the workspace's by default; the whole
+        /// bundle can exceed what one device call carries).
+        #[arg(long = "package", short = 'p')]
+        packages: Vec<String>,
     },
     /// Download SmolLM2-135M-Instruct (Q4_1 GGUF, 98 MB) to `$BURN_KERNELS_MODEL`, else
     /// `~/.cache/burn-kernels/models/`; does nothing when it is already there.
@@ -82,7 +86,7 @@ fn main() {
             quick,
             rest,
         } => bench(&backend, &suites, quick, &rest),
-        Cmd::DeviceBuild { dir } => device_build(&root().join(dir)),
+        Cmd::DeviceBuild { dir, packages } => device_build(&root().join(dir), &packages),
         Cmd::FetchModel { force } => fetch_model(force),
     }
 }
@@ -113,12 +117,17 @@ fn bench(backend: &str, suites: &[String], quick: bool, rest: &[String]) {
 }
 
 /// Test executables of the workspace built with `--features cuda`, from cargo's JSON messages.
-fn cuda_test_binaries() -> Vec<PathBuf> {
-    let out = cargo()
+fn cuda_test_binaries(packages: &[String]) -> Vec<PathBuf> {
+    let mut cmd = cargo();
+    cmd.args(["test", "--release"]);
+    if packages.is_empty() {
+        cmd.arg("--workspace");
+    }
+    for p in packages {
+        cmd.args(["-p", p]);
+    }
+    let out = cmd
         .args([
-            "test",
-            "--release",
-            "--workspace",
             "--features",
             "cuda",
             "--no-run",
@@ -138,7 +147,7 @@ fn cuda_test_binaries() -> Vec<PathBuf> {
         .collect()
 }
 
-fn device_build(dir: &Path) {
+fn device_build(dir: &Path, packages: &[String]) {
     check(
         cargo()
             .args([
@@ -152,7 +161,7 @@ fn device_build(dir: &Path) {
             .status(),
         "building the bench runner",
     );
-    let tests = cuda_test_binaries();
+    let tests = cuda_test_binaries(packages);
     let target = std::env::var("CARGO_TARGET_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|_| root().join("target"));

@@ -7,6 +7,7 @@
 use burn::tensor::{DType, backend::Backend};
 use burn_kernels_core::attention::{AttentionImpl, AttnOptions, BurnAttention};
 use burn_kernels_testing::{Dist, random_tensor};
+use burn_sage::kernels::KernelChoice;
 use burn_sage::{PvPrecision, QkQuant, SageBackend, SageOptions, sage_attention};
 use serde_json::json;
 
@@ -21,19 +22,54 @@ use crate::harness::{Candidate, PeerRun, PlotSpec, Problem, Suite, params};
 const BATCH: usize = 4;
 const HEADS: usize = 32;
 
-const VARIANTS: [(&str, QkQuant, PvPrecision); 4] = [
-    ("sage-int8-fp16", QkQuant::Int8PerWarp, PvPrecision::Fp16),
-    // Per-thread INT8: the granularity that meets the accuracy bar on SmolLM2's layers.
+/// `(name, QK quantization, Q smoothing, PV precision, kernel)`; `None` is the kernel the op
+/// picks (on CUDA the register-tile `Mma` kernel); the `-cmma` row keeps the
+/// shared-memory-staged kernel measured beside it.
+type Variant = (
+    &'static str,
+    QkQuant,
+    bool,
+    PvPrecision,
+    Option<KernelChoice>,
+);
+
+const VARIANTS: [Variant; 5] = [
     (
-        "sage-int8thread-fp16",
-        QkQuant::Int8PerThread,
+        "sage-int8-fp16",
+        QkQuant::Int8PerWarp,
+        false,
         PvPrecision::Fp16,
+        None,
     ),
-    ("sage-int8-fp8", QkQuant::Int8PerWarp, PvPrecision::Fp8E4m3),
+    // Per-thread INT8 with Q smoothing: the CLI's `sage`, the configuration that meets the
+    // accuracy bar on every SmolLM2 layer.
+    (
+        "sage-int8thread-smoothq-fp16",
+        QkQuant::Int8PerThread,
+        true,
+        PvPrecision::Fp16,
+        None,
+    ),
+    (
+        "sage-int8-fp8",
+        QkQuant::Int8PerWarp,
+        false,
+        PvPrecision::Fp8E4m3,
+        None,
+    ),
     (
         "sage-int4-fp8",
         QkQuant::Int4PerThread,
+        false,
         PvPrecision::Fp8E4m3,
+        None,
+    ),
+    (
+        "sage-int8-fp16-cmma",
+        QkQuant::Int8PerWarp,
+        false,
+        PvPrecision::Fp16,
+        Some(KernelChoice::Cmma),
     ),
 ];
 
@@ -171,12 +207,14 @@ fn problem<B: Backend + SageBackend>(
             out.push(Candidate::timed_here("burn-fused", move || {
                 let _ = BurnAttention.attend(0, q2.clone(), k2.clone(), v2.clone(), &attn_opts);
             }));
-            for (name, qk, pv) in VARIANTS {
+            for (name, qk, smooth_q, pv, kernel) in VARIANTS {
                 let (q, k, v) = (q.clone(), k.clone(), v.clone());
                 let o = SageOptions {
                     causal,
                     qk,
+                    smooth_q,
                     pv,
+                    kernel,
                     ..Default::default()
                 };
                 out.push(Candidate::timed_here(name, move || {

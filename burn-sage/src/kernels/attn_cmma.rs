@@ -73,7 +73,7 @@ impl RoundArgs {
         }
     }
 
-    fn launch_arg<R: Runtime>(self) -> RoundArgsLaunch<R> {
+    pub(super) fn launch_arg<R: Runtime>(self) -> RoundArgsLaunch<R> {
         RoundArgsLaunch::new(
             self.drop,
             self.min_normal,

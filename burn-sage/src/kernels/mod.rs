@@ -4,13 +4,17 @@
 //!   integers, one scale per group.
 //! - [`attn_unit`]: the portable attention kernel (any runtime, lavapipe included).
 //! - [`attn_cmma`]: the attention kernel on the matrix units: `QKᵀ` as i8·i8→i32 cmma,
-//!   `P̃·V` as f16/bf16 cmma with f32 accumulation.
+//!   `P̃·V` as f16/bf16 cmma with f32 accumulation, scores staged in shared memory.
+//! - [`attn_mma`]: the same on register-resident tiles (manual `mma.sync`, FlashAttention-2
+//!   structure), for head dims 64 and 128.
 //!
-//! [`sage_forward`] runs the whole pipeline on `CubeBackend`; it picks the matrix-unit
-//! kernel where the runtime has i8 and f16/bf16 cmma and the head dim is 64, 128 or 256,
-//! and the portable kernel otherwise.
+//! [`sage_forward`] runs the whole pipeline on `CubeBackend`; [`choose`] picks the register
+//! kernel where the runtime has manual i8 and f16/bf16 MMA and the head dim is 64 or 128, the
+//! cmma kernel where it has i8 and f16/bf16 cmma and the head dim is 64, 128 or 256, and the
+//! portable kernel otherwise; [`crate::SageOptions::kernel`] can ask for one.
 
 pub mod attn_cmma;
+pub mod attn_mma;
 pub mod attn_unit;
 mod common;
 pub mod quantize;
@@ -168,8 +172,10 @@ pub const UNIT_MAX_KV: usize = 65_000;
 pub enum KernelChoice {
     /// The portable one-unit-per-row kernel.
     Unit,
-    /// The matrix-unit kernel.
+    /// The matrix-unit kernel with scores staged in shared memory (WMMA-style cmma).
     Cmma,
+    /// The matrix-unit kernel with register-resident tiles (manual MMA).
+    Mma,
 }
 
 /// The kernel [`sage_forward`] would pick for `plan` on this client.
@@ -181,11 +187,31 @@ pub fn choose<R: CubeRuntime>(
         return Err(Unsupported::HeadDim(plan.head_dim));
     }
     int_storage(client)?;
+    let mma_dim = matches!(plan.head_dim, 64 | 128);
     let cmma_dim = matches!(plan.head_dim, 64 | 128 | 256);
-    match (cmma_dim, cmma_support(client, plan.dtype)) {
-        (true, Ok(())) => Ok(KernelChoice::Cmma),
-        _ if plan.kv_len > UNIT_MAX_KV => Err(Unsupported::UnitKernelLength(plan.kv_len)),
-        _ => Ok(KernelChoice::Unit),
+    let unit = || {
+        if plan.kv_len > UNIT_MAX_KV {
+            Err(Unsupported::UnitKernelLength(plan.kv_len))
+        } else {
+            Ok(KernelChoice::Unit)
+        }
+    };
+    let dim = |ok: bool, c: KernelChoice| {
+        if ok {
+            Ok(c)
+        } else {
+            Err(Unsupported::KernelHeadDim(c, plan.head_dim))
+        }
+    };
+    match plan.opts.kernel {
+        Some(KernelChoice::Mma) => attn_mma::support(client, plan.dtype)
+            .and_then(|()| dim(mma_dim, KernelChoice::Mma)),
+        Some(KernelChoice::Cmma) => cmma_support(client, plan.dtype)
+            .and_then(|()| dim(cmma_dim, KernelChoice::Cmma)),
+        Some(KernelChoice::Unit) => unit(),
+        None if mma_dim && attn_mma::support(client, plan.dtype).is_ok() => Ok(KernelChoice::Mma),
+        None if cmma_dim && cmma_support(client, plan.dtype).is_ok() => Ok(KernelChoice::Cmma),
+        None => unit(),
     }
 }
 
@@ -202,7 +228,7 @@ pub fn sage_forward<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElem
 ) -> Result<(CubeTensor<R>, Option<CubeTensor<R>>), Unsupported> {
     let client = q.client.clone();
     let int_dtype = match choice {
-        KernelChoice::Cmma => DType::I8,
+        KernelChoice::Cmma | KernelChoice::Mma => DType::I8,
         KernelChoice::Unit => int_storage(&client)?,
     };
     let t = |x: CubeTensor<R>| {
@@ -247,5 +273,6 @@ pub fn sage_forward<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElem
             plan.opts.return_lse,
         ),
         KernelChoice::Cmma => attn_cmma::launch(qi, ki, qs, ks, ds, v, post, args, plan),
+        KernelChoice::Mma => attn_mma::launch(qi, ki, qs, ks, ds, v, post, args, plan),
     })
 }

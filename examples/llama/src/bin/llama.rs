@@ -45,7 +45,7 @@ struct Common {
     #[arg(long, value_enum, default_value = "f32")]
     dtype: DTypeArg,
     /// Attention implementation: reference, burn-fused, or a SageAttention2 variant
-    /// (burn-sage): sage (INT8 Q·Kᵀ per warp with K smoothing, FP16 P·V), sage-fp8 (FP8 E4M3
+    /// (burn-sage): sage (INT8 Q·Kᵀ per thread with Q and K smoothing, FP16 P·V), sage-fp8 (FP8 E4M3
     /// P·V), sage-int4 (INT4 per thread with Q and K smoothing), sage-adaptive (INT4 or INT8 per
     /// layer, chosen on a calibration pass over the prompt or text); -fp8 also goes with
     /// sage-int4 and sage-adaptive. On the CPU Sage runs its tensor-op reference (same
