@@ -74,32 +74,31 @@ fn sage_perplexity_close_to_full<B: SageBackend>(device: &B::Device) {
     }
 }
 
-/// INT8 `Q·Kᵀ` at its finest granularity (one scale per query row / key, as the mma fragments
-/// hold them) with Q and K smoothing, the configuration the accuracy bars are checked
-/// on; `pv` is the P̃·V format.
-fn int8_thread_smoothed(pv: PvPrecision) -> SageOptions {
+/// INT8 per warp without Q smoothing: the CLI's `sage` until 2026-11-25, printed beside the
+/// variants for comparison.
+fn int8_warp() -> SageOptions {
     SageOptions {
-        qk: QkQuant::Int8PerThread,
-        smooth_q: true,
-        pv,
+        qk: QkQuant::Int8PerWarp,
         ..SageOptions::default()
     }
 }
 
 /// Every layer's Q/K/V as the model produces them for the paragraph, against exact attention:
-/// INT8 per thread with Q and K smoothing reaches cos sim 0.9995 with FP16 P·V and 0.999 with
-/// FP8 (the bars); the CLI's variants (INT8 per warp without Q smoothing, INT4) are
-/// printed and must be finite.
+/// the CLI's `sage` (INT8 per thread, Q and K smoothing) reaches cos sim 0.9995 with FP16 P·V
+/// and `sage-fp8` 0.999 (the bars); the INT4 variants and per-warp INT8 are printed
+/// and must be finite.
 fn sage_accuracy_on_captured_layers<B: SageBackend>(device: &B::Device) {
     let ids = paragraph_tokens();
     let model = model::<B>(device);
-    let mut names: Vec<&str> = vec!["int8-thread-smooth", "int8-thread-smooth-fp8"];
-    let mut variants = vec![
-        int8_thread_smoothed(PvPrecision::Fp16),
-        int8_thread_smoothed(PvPrecision::Fp8E4m3),
-    ];
-    names.extend(SAGE_VARIANTS);
-    variants.extend(SAGE_VARIANTS.iter().map(|&n| sage_variant(n)));
+    let mut names: Vec<&str> = SAGE_VARIANTS.to_vec();
+    let mut variants: Vec<SageOptions> = SAGE_VARIANTS.iter().map(|&n| sage_variant(n)).collect();
+    names.push("int8-warp");
+    variants.push(int8_warp());
+    assert_eq!(
+        (variants[0].qk, variants[0].smooth_q, variants[0].pv),
+        (QkQuant::Int8PerThread, true, PvPrecision::Fp16),
+        "the bars below are for INT8 per thread with Q smoothing"
+    );
     let captured = capture_qkv(&model, &ids).expect("every layer runs");
     assert_eq!(captured.len(), model.config.num_layers);
     println!("| layer | {} |", names.join(" | "));
@@ -115,8 +114,8 @@ fn sage_accuracy_on_captured_layers<B: SageBackend>(device: &B::Device) {
                 "layer {layer} {name}: {a}"
             );
             let bar = match *name {
-                "int8-thread-smooth" => 0.9995,
-                "int8-thread-smooth-fp8" => 0.999,
+                "sage" => 0.9995,
+                "sage-fp8" => 0.999,
                 _ => continue,
             };
             if a.cos_sim < bar {
