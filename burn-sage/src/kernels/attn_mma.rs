@@ -309,8 +309,10 @@ fn attn_mma_kernel<F: Float, P: Float, N2: Size, N4: Size, N8: Size, N16: Size>(
     let t = lane % 4;
     let offset = args.skv - args.sq;
 
-    let mut k_sm = SharedMemory::<Vector<i8, N4>>::new_aligned(comptime!(BKV * (dim / 4 + 4)), 16usize);
-    let mut v_sm = SharedMemory::<Vector<P, N2>>::new_aligned(comptime!(dim * (BKV / 2 + 4)), 16usize);
+    let mut k_sm =
+        SharedMemory::<Vector<i8, N4>>::new_aligned(comptime!(BKV * (dim / 4 + 4)), 16usize);
+    let mut v_sm =
+        SharedMemory::<Vector<P, N2>>::new_aligned(comptime!(dim * (BKV / 2 + 4)), 16usize);
     let mut ks_sm = SharedMemory::<f32>::new(bkv);
     let mut ds_sm = SharedMemory::<f32>::new(bkv);
 
@@ -473,13 +475,13 @@ fn attn_mma_kernel<F: Float, P: Float, N2: Size, N4: Size, N8: Size, N16: Size>(
         }
         if full {
             scores::<N2>(
-                &s, &mut sf, &mut mx, &ks_sm, &ds_sm, &args, &qsc, &rows, &own, kv0, t,
-                false, causal, has_ds,
+                &s, &mut sf, &mut mx, &ks_sm, &ds_sm, &args, &qsc, &rows, &own, kv0, t, false,
+                causal, has_ds,
             );
         } else {
             scores::<N2>(
-                &s, &mut sf, &mut mx, &ks_sm, &ds_sm, &args, &qsc, &rows, &own, kv0, t,
-                true, causal, has_ds,
+                &s, &mut sf, &mut mx, &ks_sm, &ds_sm, &args, &qsc, &rows, &own, kv0, t, true,
+                causal, has_ds,
             );
         }
         let mut alpha = Array::<f32>::new(2usize);

@@ -204,10 +204,12 @@ pub fn choose<R: CubeRuntime>(
         }
     };
     match plan.opts.kernel {
-        Some(KernelChoice::Mma) => attn_mma::support(client, plan.dtype)
-            .and_then(|()| dim(mma_dim, KernelChoice::Mma)),
-        Some(KernelChoice::Cmma) => cmma_support(client, plan.dtype)
-            .and_then(|()| dim(cmma_dim, KernelChoice::Cmma)),
+        Some(KernelChoice::Mma) => {
+            attn_mma::support(client, plan.dtype).and_then(|()| dim(mma_dim, KernelChoice::Mma))
+        }
+        Some(KernelChoice::Cmma) => {
+            cmma_support(client, plan.dtype).and_then(|()| dim(cmma_dim, KernelChoice::Cmma))
+        }
         Some(KernelChoice::Unit) => unit(),
         None if mma_dim && attn_mma::support(client, plan.dtype).is_ok() => Ok(KernelChoice::Mma),
         None if cmma_dim && cmma_support(client, plan.dtype).is_ok() => Ok(KernelChoice::Cmma),
