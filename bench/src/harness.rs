@@ -325,6 +325,7 @@ pub fn run_suite<B: Backend>(
                 note: None,
             };
             let tokens = cand.tokens.or(problem.tokens);
+            let started = Instant::now();
             match cand.run {
                 Err(reason) => rec.skipped = Some(reason),
                 Ok(runner) => {
@@ -388,8 +389,10 @@ pub fn run_suite<B: Backend>(
                     }
                 }
             }
+            // The wall time of the whole candidate (compilation, autotuning, warm-up, reps)
+            // shows what a suite's running time is made of.
             let line = format!(
-                "  {} | {}: {}{}{}{}",
+                "  {} | {}: {}{}{}{} [{:.1} s]",
                 problem.label,
                 rec.implementation,
                 rec.median_ms.map_or_else(
@@ -402,7 +405,8 @@ pub fn run_suite<B: Backend>(
                     .map_or(String::new(), |m| format!(", peak {m:.0} MB")),
                 rec.note
                     .as_ref()
-                    .map_or(String::new(), |n| format!(" ({n})"))
+                    .map_or(String::new(), |n| format!(" ({n})")),
+                started.elapsed().as_secs_f64()
             );
             // A log file gets one line per implementation, so a run cut short still says what
             // it measured; a terminal sees them above the bar.
