@@ -666,7 +666,7 @@ pub fn launch<R: CubeRuntime>(
     // The kernel reads ΔS for one Q mean block per cube.
     let mean_block = plan.q_mean_block();
     assert!(
-        mean_block % (planes * 16) == 0 || mean_block >= sq,
+        mean_block.is_multiple_of(planes * 16) || mean_block >= sq,
         "Q mean blocks of {mean_block} rows are not whole query tiles"
     );
     // SAFETY: Q rows are read only below `sq`, K keys only below `skv`, `Vᵀ` up to its padded
