@@ -25,7 +25,7 @@
 //! numerics (CubeCL 0.10's CUDA cmma has no e4m3 shape); its f32 accumulator is exact, so the
 //! two-level accumulation the hardware FP8 path needs is not required here.
 
-use burn::tensor::{DType, Shape};
+use burn::tensor::DType;
 use burn_cubecl::{
     CubeRuntime, kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype,
     tensor::CubeTensor,
@@ -33,8 +33,8 @@ use burn_cubecl::{
 use cubecl::prelude::*;
 
 use super::common::grid;
-use super::{AttnArgs, dummy};
-use crate::{Grid, PvPrecision, SagePlan};
+use super::{AttnArgs, MatrixLaunch};
+use crate::{Grid, SagePlan};
 
 /// Keys per tile.
 pub const BKV: usize = 64;
@@ -639,42 +639,24 @@ pub fn launch<R: CubeRuntime>(
     plan: &SagePlan,
 ) -> (CubeTensor<R>, Option<CubeTensor<R>>) {
     let client = qi.client.clone();
-    let device = qi.device.clone();
     let [b, hq, sq, d] = qi.meta.shape().dims::<4>();
-    let out = empty_device_contiguous_dtype::<R>(
-        client.clone(),
-        device.clone(),
-        Shape::new([b, hq, sq, d]),
-        plan.dtype,
-    );
-    let write_lse = plan.opts.return_lse;
-    let lse = if write_lse {
-        empty_device_contiguous_dtype::<R>(
-            client.clone(),
-            device.clone(),
-            Shape::new([b, hq, sq]),
-            DType::F32,
-        )
-    } else {
-        dummy(&qs)
-    };
-    let has_ds = ds.is_some();
-    let ds = ds.map(into_contiguous).unwrap_or_else(|| dummy(&qs));
-    let pv_dtype = if plan.dtype == DType::BF16 {
-        DType::BF16
-    } else {
-        DType::F16
-    };
-    let g = RoundArgs::new(plan.pv_grid());
+    let MatrixLaunch {
+        out,
+        lse,
+        write_lse,
+        ds,
+        has_ds,
+        pv_dtype,
+        g,
+        fp8,
+        tau,
+    } = MatrixLaunch::new(&qi, &qs, ds, plan);
     // V in FP16 mode is already in the PV format unless the input is f32.
-    let fp8 = plan.opts.pv == PvPrecision::Fp8E4m3;
     let v = if !fp8 && v.dtype == pv_dtype {
         into_contiguous(v)
     } else {
         round_v(v, pv_dtype, g, fp8 || plan.dtype == DType::F32)
     };
-    // P̃ may grow to e^tau between rescales; FP8's grid saturates at 448, so it rescales always.
-    let tau = if fp8 { 0.0 } else { 8.0 };
     let dtypes = [plan.dtype.into(), pv_dtype.into()];
     let cubes = b * hq * sq.div_ceil(PLANES * 16);
     attn_cmma_kernel::launch::<R>(
@@ -702,5 +684,5 @@ pub fn launch<R: CubeRuntime>(
         write_lse,
         dtypes,
     );
-    (out, write_lse.then_some(lse))
+    MatrixLaunch::outputs(out, lse, write_lse)
 }

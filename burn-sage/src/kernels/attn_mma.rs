@@ -38,8 +38,8 @@ use cubecl::prelude::*;
 
 use super::attn_cmma::{RoundArgs, round_bits};
 use super::common::grid;
-use super::{AttnArgs, dummy};
-use crate::{PvPrecision, SagePlan, Unsupported};
+use super::{AttnArgs, MatrixLaunch};
+use crate::{SagePlan, Unsupported};
 
 /// Keys per tile.
 pub const BKV: usize = 64;
@@ -623,39 +623,21 @@ pub fn launch<R: CubeRuntime>(
     plan: &SagePlan,
 ) -> (CubeTensor<R>, Option<CubeTensor<R>>) {
     let client = qi.client.clone();
-    let device = qi.device.clone();
     let [b, hq, sq, d] = qi.meta.shape().dims::<4>();
     let skv = plan.kv_len;
-    let out = empty_device_contiguous_dtype::<R>(
-        client.clone(),
-        device.clone(),
-        Shape::new([b, hq, sq, d]),
-        plan.dtype,
-    );
-    let write_lse = plan.opts.return_lse;
-    let lse = if write_lse {
-        empty_device_contiguous_dtype::<R>(
-            client.clone(),
-            device.clone(),
-            Shape::new([b, hq, sq]),
-            DType::F32,
-        )
-    } else {
-        dummy(&qs)
-    };
-    let has_ds = ds.is_some();
-    let ds = ds.map(into_contiguous).unwrap_or_else(|| dummy(&qs));
-    let pv_dtype = if plan.dtype == DType::BF16 {
-        DType::BF16
-    } else {
-        DType::F16
-    };
-    let g = RoundArgs::new(plan.pv_grid());
-    let fp8 = plan.opts.pv == PvPrecision::Fp8E4m3;
+    let MatrixLaunch {
+        out,
+        lse,
+        write_lse,
+        ds,
+        has_ds,
+        pv_dtype,
+        g,
+        fp8,
+        tau,
+    } = MatrixLaunch::new(&qi, &qs, ds, plan);
     let skv_pad = skv.div_ceil(BKV) * BKV;
     let vt = v_transposed(v, pv_dtype, g, fp8 || plan.dtype == DType::F32, skv_pad);
-    // P̃ may grow to e^tau between rescales; FP8's grid saturates at 448, so it rescales always.
-    let tau = if fp8 { 0.0 } else { 8.0 };
     // Where the PV grid is the PV dtype itself, P̃ is rounded by the conversion (nearest, ties
     // to even: it differs from the reference's ties-away rounding by one unit in the last place,
     // at exact ties only).
@@ -703,5 +685,5 @@ pub fn launch<R: CubeRuntime>(
             dtypes,
         );
     }
-    (out, write_lse.then_some(lse))
+    MatrixLaunch::outputs(out, lse, write_lse)
 }

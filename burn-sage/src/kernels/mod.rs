@@ -114,6 +114,79 @@ pub(crate) fn dummy<R: CubeRuntime>(like: &CubeTensor<R>) -> CubeTensor<R> {
     )
 }
 
+/// What both matrix-unit launchers allocate and derive from the plan before their launch.
+pub(crate) struct MatrixLaunch<R: CubeRuntime> {
+    /// `[b, hq, sq, d]` in the plan's dtype.
+    pub out: CubeTensor<R>,
+    /// `[b, hq, sq]` f32 when the plan asks for the LSE, else a dummy.
+    pub lse: CubeTensor<R>,
+    pub write_lse: bool,
+    /// ΔS, contiguous, or a dummy.
+    pub ds: CubeTensor<R>,
+    pub has_ds: bool,
+    /// f16, or bf16 for bf16 inputs.
+    pub pv_dtype: DType,
+    pub g: attn_cmma::RoundArgs,
+    pub fp8: bool,
+    /// How far a row maximum may move before the accumulators are rescaled: P̃ may grow to
+    /// `e^tau` in between; FP8's grid saturates at 448, so it rescales always.
+    pub tau: f32,
+}
+
+impl<R: CubeRuntime> MatrixLaunch<R> {
+    pub fn new(
+        qi: &CubeTensor<R>,
+        qs: &CubeTensor<R>,
+        ds: Option<CubeTensor<R>>,
+        plan: &SagePlan,
+    ) -> Self {
+        let (client, device) = (qi.client.clone(), qi.device.clone());
+        let [b, hq, sq, d] = qi.meta.shape().dims::<4>();
+        let out = empty_device_contiguous_dtype::<R>(
+            client.clone(),
+            device.clone(),
+            Shape::new([b, hq, sq, d]),
+            plan.dtype,
+        );
+        let write_lse = plan.opts.return_lse;
+        let lse = if write_lse {
+            empty_device_contiguous_dtype::<R>(client, device, Shape::new([b, hq, sq]), DType::F32)
+        } else {
+            dummy(qs)
+        };
+        let has_ds = ds.is_some();
+        let ds = ds
+            .map(burn_cubecl::kernel::into_contiguous)
+            .unwrap_or_else(|| dummy(qs));
+        let pv_dtype = if plan.dtype == DType::BF16 {
+            DType::BF16
+        } else {
+            DType::F16
+        };
+        let fp8 = plan.opts.pv == crate::PvPrecision::Fp8E4m3;
+        Self {
+            out,
+            lse,
+            write_lse,
+            ds,
+            has_ds,
+            pv_dtype,
+            g: attn_cmma::RoundArgs::new(plan.pv_grid()),
+            fp8,
+            tau: if fp8 { 0.0 } else { 8.0 },
+        }
+    }
+
+    /// `(out, lse when asked for)`.
+    pub fn outputs(
+        out: CubeTensor<R>,
+        lse: CubeTensor<R>,
+        write_lse: bool,
+    ) -> (CubeTensor<R>, Option<CubeTensor<R>>) {
+        (out, write_lse.then_some(lse))
+    }
+}
+
 /// The integer dtype the runtime stores quantized values in: i8, else i32.
 pub fn int_storage<R: CubeRuntime>(client: &ComputeClient<R>) -> Result<DType, Unsupported> {
     let props = client.properties();
