@@ -640,24 +640,14 @@ pub fn launch<R: CubeRuntime>(
 ) -> (CubeTensor<R>, Option<CubeTensor<R>>) {
     let client = qi.client.clone();
     let [b, hq, sq, d] = qi.meta.shape().dims::<4>();
-    let MatrixLaunch {
-        out,
-        lse,
-        write_lse,
-        ds,
-        has_ds,
-        pv_dtype,
-        g,
-        fp8,
-        tau,
-    } = MatrixLaunch::new(&qi, &qs, ds, plan);
+    let ml = MatrixLaunch::new(&qi, &qs, ds, plan);
     // V in FP16 mode is already in the PV format unless the input is f32.
-    let v = if !fp8 && v.dtype == pv_dtype {
+    let v = if !ml.fp8 && v.dtype == ml.pv_dtype {
         into_contiguous(v)
     } else {
-        round_v(v, pv_dtype, g, fp8 || plan.dtype == DType::F32)
+        round_v(v, ml.pv_dtype, ml.g, ml.fp8 || plan.dtype == DType::F32)
     };
-    let dtypes = [plan.dtype.into(), pv_dtype.into()];
+    let dtypes = [plan.dtype.into(), ml.pv_dtype.into()];
     let cubes = b * hq * sq.div_ceil(PLANES * 16);
     attn_cmma_kernel::launch::<R>(
         &client,
@@ -669,20 +659,20 @@ pub fn launch<R: CubeRuntime>(
         into_contiguous(ki).into_tensor_arg(),
         qs.into_tensor_arg(),
         ks.into_tensor_arg(),
-        ds.into_tensor_arg(),
+        ml.ds.clone().into_tensor_arg(),
         v.into_tensor_arg(),
         into_contiguous(post).into_tensor_arg(),
-        out.clone().into_tensor_arg(),
-        lse.clone().into_tensor_arg(),
+        ml.out.clone().into_tensor_arg(),
+        ml.lse.clone().into_tensor_arg(),
         args.launch_arg(),
-        g.launch_arg(),
-        tau,
+        ml.g.launch_arg(),
+        ml.tau,
         d,
         PLANES,
         plan.opts.causal,
-        has_ds,
-        write_lse,
+        ml.has_ds,
+        ml.write_lse,
         dtypes,
     );
-    MatrixLaunch::outputs(out, lse, write_lse)
+    ml.outputs()
 }

@@ -625,24 +625,20 @@ pub fn launch<R: CubeRuntime>(
     let client = qi.client.clone();
     let [b, hq, sq, d] = qi.meta.shape().dims::<4>();
     let skv = plan.kv_len;
-    let MatrixLaunch {
-        out,
-        lse,
-        write_lse,
-        ds,
-        has_ds,
-        pv_dtype,
-        g,
-        fp8,
-        tau,
-    } = MatrixLaunch::new(&qi, &qs, ds, plan);
+    let ml = MatrixLaunch::new(&qi, &qs, ds, plan);
     let skv_pad = skv.div_ceil(BKV) * BKV;
-    let vt = v_transposed(v, pv_dtype, g, fp8 || plan.dtype == DType::F32, skv_pad);
+    let vt = v_transposed(
+        v,
+        ml.pv_dtype,
+        ml.g,
+        ml.fp8 || plan.dtype == DType::F32,
+        skv_pad,
+    );
     // Where the PV grid is the PV dtype itself, P̃ is rounded by the conversion (nearest, ties
     // to even: it differs from the reference's ties-away rounding by one unit in the last place,
     // at exact ties only).
-    let native = !fp8;
-    let dtypes = [plan.dtype.into(), pv_dtype.into()];
+    let native = !ml.fp8;
+    let dtypes = [plan.dtype.into(), ml.pv_dtype.into()];
     let planes = PLANES;
     let cubes = b * hq * sq.div_ceil(planes * 16);
     // The kernel reads ΔS for one Q mean block per cube.
@@ -667,23 +663,23 @@ pub fn launch<R: CubeRuntime>(
             into_contiguous(ki).into_tensor_arg(),
             qs.into_tensor_arg(),
             ks.into_tensor_arg(),
-            ds.into_tensor_arg(),
+            ml.ds.clone().into_tensor_arg(),
             vt.into_tensor_arg(),
             into_contiguous(post).into_tensor_arg(),
-            out.clone().into_tensor_arg(),
-            lse.clone().into_tensor_arg(),
+            ml.out.clone().into_tensor_arg(),
+            ml.lse.clone().into_tensor_arg(),
             args.launch_arg(),
-            g.launch_arg(),
-            tau,
+            ml.g.launch_arg(),
+            ml.tau,
             skv_pad,
             d,
             plan.opts.causal,
-            has_ds,
-            write_lse,
+            ml.has_ds,
+            ml.write_lse,
             native,
             planes,
             dtypes,
         );
     }
-    MatrixLaunch::outputs(out, lse, write_lse)
+    ml.outputs()
 }

@@ -178,12 +178,8 @@ impl<R: CubeRuntime> MatrixLaunch<R> {
     }
 
     /// `(out, lse when asked for)`.
-    pub fn outputs(
-        out: CubeTensor<R>,
-        lse: CubeTensor<R>,
-        write_lse: bool,
-    ) -> (CubeTensor<R>, Option<CubeTensor<R>>) {
-        (out, write_lse.then_some(lse))
+    pub fn outputs(self) -> (CubeTensor<R>, Option<CubeTensor<R>>) {
+        (self.out, self.write_lse.then_some(self.lse))
     }
 }
 
