@@ -60,6 +60,14 @@ struct Args {
     /// long problems within a time limit.
     #[arg(long)]
     min_reps: Option<usize>,
+    /// Warm-up time per implementation after its first (compiling) call, ms (default 1000,
+    /// 200 with --quick); at least one warm call always runs.
+    #[arg(long)]
+    warmup_ms: Option<u64>,
+    /// Target time of the timed repetitions per implementation, ms (default 2000, 500 with
+    /// --quick); `--min-reps` still applies. Shorter keeps a whole suite inside a time limit.
+    #[arg(long)]
+    measure_ms: Option<u64>,
     /// List the suites and exit.
     #[arg(long)]
     list: bool,
@@ -250,6 +258,12 @@ fn run<B: Backend + CceBackend + burn_sage::SageBackend + burn_kvcache::KvBacken
     let mut timing = harness::Timing::new(args.quick);
     if let Some(n) = args.min_reps {
         timing.min_reps = n.max(1);
+    }
+    if let Some(ms) = args.warmup_ms {
+        timing.warmup = std::time::Duration::from_millis(ms);
+    }
+    if let Some(ms) = args.measure_ms {
+        timing.measure = std::time::Duration::from_millis(ms);
     }
     let commit = commit(args);
     let results = built

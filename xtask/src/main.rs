@@ -53,7 +53,12 @@ enum Cmd {
 }
 
 fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
+    // `cargo run` sets the manifest dir at run time; the compile-time one is stale when a shared
+    // CARGO_TARGET_DIR holds a binary built from a checkout at another path.
+    let manifest = std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")));
+    manifest
         .parent()
         .expect("xtask lives in the workspace")
         .to_path_buf()
