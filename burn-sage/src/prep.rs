@@ -112,12 +112,25 @@ pub fn expand_blocks<B: Backend>(x: Tensor<B, 4>, block: usize, rows: usize) -> 
         .slice([0..b, 0..h, 0..rows, 0..c])
 }
 
-/// The shared stages for `plan`.
+/// The shared stages for `plan`, with Burn's matmul for ΔS.
 pub fn prepare<B: Backend>(
     q: &Tensor<B, 4>,
     k: &Tensor<B, 4>,
     v: &Tensor<B, 4>,
     plan: &SagePlan,
+) -> Prepared<B> {
+    prepare_with(q, k, v, plan, Tensor::matmul)
+}
+
+/// [`prepare`] with `matmul` computing ΔS (`[b, h, m, d] · [b, h, d, n]`, f32). The kernel
+/// path passes a GEMM that is not autotuned: autotuning this small-`m` product costs 20–45 s
+/// per new sequence length on an H100, for a product that takes well under 1% of the call.
+pub fn prepare_with<B: Backend>(
+    q: &Tensor<B, 4>,
+    k: &Tensor<B, 4>,
+    v: &Tensor<B, 4>,
+    plan: &SagePlan,
+    matmul: impl Fn(Tensor<B, 4>, Tensor<B, 4>) -> Tensor<B, 4>,
 ) -> Prepared<B> {
     let (b, hq, hkv, d) = (plan.batch, plan.q_heads, plan.kv_heads, plan.head_dim);
     let device = q.device();
@@ -133,11 +146,11 @@ pub fn prepare<B: Backend>(
         let nmq = q_mean.dims()[2];
         let group = plan.group();
         let k_smooth = k.clone().cast(DType::F32) - k_mean.clone();
-        let ds = q_mean
-            .clone()
-            .reshape([b, hkv, group * nmq, d])
-            .matmul(k_smooth.swap_dims(2, 3))
-            .reshape([b, hq, nmq, plan.kv_len]);
+        let ds = matmul(
+            q_mean.clone().reshape([b, hkv, group * nmq, d]),
+            k_smooth.swap_dims(2, 3),
+        )
+        .reshape([b, hq, nmq, plan.kv_len]);
         (q_mean, Some(ds))
     } else {
         (zeros([b, hq, 1, d]), None)

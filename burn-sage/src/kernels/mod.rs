@@ -22,12 +22,13 @@ pub mod quantize;
 use burn::tensor::{DType, Shape, Tensor, TensorPrimitive};
 use burn_cubecl::{
     BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement,
-    ops::numeric::empty_device_contiguous_dtype, tensor::CubeTensor,
+    kernel::matmul::MatmulStrategy, ops::numeric::empty_device_contiguous_dtype,
+    tensor::CubeTensor,
 };
 use cubecl::ir::{ElemType, FloatKind, IntKind, StorageType, features::MmaConfig};
 use cubecl::prelude::*;
 
-use crate::{SagePlan, Unsupported, prep::prepare};
+use crate::{SagePlan, Unsupported, prep::prepare_with};
 
 /// The scalars every attention kernel takes.
 #[derive(CubeLaunch, CubeType, Clone, Copy, Debug)]
@@ -288,6 +289,25 @@ pub fn choose<R: CubeRuntime>(
 
 type Cube<R, F, I, BT> = CubeBackend<R, F, I, BT>;
 
+/// `a · b` in f32 by cubek's default GEMM, without autotuning (see
+/// [`crate::prep::prepare_with`]); Burn's autotuned matmul where that GEMM cannot launch.
+fn fixed_matmul<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
+    a: Tensor<Cube<R, F, I, BT>, 4>,
+    b: Tensor<Cube<R, F, I, BT>, 4>,
+) -> Tensor<Cube<R, F, I, BT>, 4> {
+    let (l, r) = (
+        a.clone().into_primitive().tensor(),
+        b.clone().into_primitive().tensor(),
+    );
+    match burn_cubecl::kernel::matmul::matmul(l, r, None, MatmulStrategy::Cube, DType::F32) {
+        Ok(out) => Tensor::from_primitive(TensorPrimitive::Float(out)),
+        Err(err) => {
+            log::debug!("burn-sage: fixed GEMM unavailable for ΔS ({err:?}); autotuned matmul");
+            a.matmul(b)
+        }
+    }
+}
+
 /// The whole pipeline on `CubeBackend` with a chosen kernel: shared tensor-op stages, the
 /// quantization kernels, the attention kernel. Returns `(out, lse)`.
 pub fn sage_forward<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
@@ -307,7 +327,7 @@ pub fn sage_forward<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElem
     };
     let prim = |x: Tensor<Cube<R, F, I, BT>, 4>| x.into_primitive().tensor();
     let (qt, kt, vt) = (t(q.clone()), t(k.clone()), t(v));
-    let prep = prepare(&qt, &kt, &vt, plan);
+    let prep = prepare_with(&qt, &kt, &vt, plan, fixed_matmul::<R, F, I, BT>);
     let qk = plan.opts.qk;
     let (qi, qs) = quantize::quantize(
         q,
