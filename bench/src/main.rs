@@ -43,8 +43,8 @@ struct Args {
     /// Device name for the results (default: nvidia-smi's name on CUDA, else the backend's).
     #[arg(long)]
     device_name: Option<String>,
-    /// Commit the binary was built from (default: `git rev-parse`, else the COMMIT file
-    /// next to the executable, written by `cargo xtask device-build`).
+    /// Commit the binary was built from (default: the COMMIT file next to the executable,
+    /// written by `cargo xtask device-build`, else `git rev-parse`).
     #[arg(long)]
     commit: Option<String>,
     /// Folder of the peer scripts (PyTorch), relative to the working directory.
@@ -204,19 +204,24 @@ fn commit(args: &Args) -> String {
     if let Some(c) = &args.commit {
         return c.clone();
     }
-    let git = std::process::Command::new("git")
-        .args(["rev-parse", "--short", "HEAD"])
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string());
-    git.or_else(|| {
+    // The COMMIT file `cargo xtask device-build` writes beside a bundled binary names the
+    // commit it was built from; the working tree it runs in may be a copy whose git state is
+    // older (the device tool's copy kept the session's first HEAD).
+    let bundled = || {
         let exe = std::env::current_exe().ok()?;
         std::fs::read_to_string(exe.parent()?.join("COMMIT"))
             .ok()
             .map(|s| s.trim().to_string())
-    })
-    .unwrap_or_else(|| "unknown".into())
+    };
+    let git = || {
+        std::process::Command::new("git")
+            .args(["rev-parse", "--short", "HEAD"])
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+    };
+    bundled().or_else(git).unwrap_or_else(|| "unknown".into())
 }
 
 fn run<B: Backend + CceBackend + burn_sage::SageBackend + burn_kvcache::KvBackend>(
