@@ -125,8 +125,8 @@ pub fn prepare<B: Backend>(
 /// [`prepare`] with `matmul` computing ΔS (`[b, h, m, d] · [b, h, d, n]`, f32). The kernel
 /// path passes a GEMM that is not autotuned: autotuning this product (1/256 of the attention's
 /// operations at the default 128-row Q blocks) cost 20–45 s per new sequence length on an H100,
-/// more than a whole benchmark problem; with the fixed GEMM the smoothed variant's time was
-/// unchanged at N = 8K and 16K (H100, 2026-11-25).
+/// more than a whole benchmark problem; with the fixed GEMM the smoothed variant's time moved
+/// by under 2% at N = 8K and 16K (D = 128, H100, 2026-11-25).
 pub fn prepare_with<B: Backend>(
     q: &Tensor<B, 4>,
     k: &Tensor<B, 4>,
