@@ -37,10 +37,31 @@ impl From<Vec<f64>> for PeerRun {
     }
 }
 
-/// Reads the runtime's memory pool: bytes reserved on the device, after freeing unused pages
-/// first when asked. The difference around one call is the call's peak working set as the pool
-/// saw it (its watermark), rounded up to the pool's page sizes.
-pub type MemoryProbe = std::sync::Arc<dyn Fn(bool) -> Option<u64> + Send + Sync>;
+/// Reads the runtime's memory pool.
+#[derive(Clone)]
+pub struct MemoryProbe {
+    /// Bytes reserved on the device, after freeing unused pages first when asked. The
+    /// difference around one call is the call's working set as the pool saw it, rounded up to
+    /// the pool's page sizes.
+    pub reserved: std::sync::Arc<dyn Fn(bool) -> Option<u64> + Send + Sync>,
+    /// Starts watching the bytes in use (allocated tensors, without page rounding) of the
+    /// calling thread's stream from another thread; the returned function stops and gives
+    /// `(bytes in use when it started, the highest reading)`. Like PyTorch's
+    /// `max_memory_allocated`, but sampled: a peak shorter than one reading can be missed.
+    pub watch_in_use: std::sync::Arc<dyn Fn() -> InUseWatch + Send + Sync>,
+}
+
+/// Stops an in-use watch: `(bytes at start, peak bytes)`.
+pub type InUseWatch = Box<dyn FnOnce() -> Option<(u64, u64)>>;
+
+/// A call's memory, MB (10⁶ bytes) beyond what was held before it.
+#[derive(Debug, Clone, Copy)]
+pub struct CallMemory {
+    /// Highest bytes in use seen during the call.
+    pub peak_in_use_mb: Option<f64>,
+    /// Growth of the pool's reservation.
+    pub pool_growth_mb: Option<f64>,
+}
 
 /// What a candidate adds to its record once it ran: parameters (into the record's `params`)
 /// and a short note for the table.
@@ -160,9 +181,13 @@ pub struct Record {
     pub gbps: Option<f64>,
     #[serde(default)]
     pub tokens_per_sec: Option<f64>,
-    /// Peak device memory of one call beyond its inputs, MB (10⁶ bytes), where measured.
+    /// Peak device memory of one call beyond its inputs, MB (10⁶ bytes), where measured: bytes
+    /// in use (tensors, no page rounding; PyTorch peers: `max_memory_allocated`).
     #[serde(default)]
     pub peak_mem_mb: Option<f64>,
+    /// Growth of the memory pool's reservation over one call, MB (whole pages), where measured.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pool_growth_mb: Option<f64>,
     /// Baseline median / this median, both measured in this run; the ratio of tokens/s where
     /// both have one (implementations may process different token counts).
     pub speedup_vs_baseline: Option<f64>,
@@ -222,19 +247,26 @@ fn sync<B: Backend>(device: &B::Device) {
 
 /// Times `run`: the first call (JIT compilation, autotune) and a warm-up are discarded, then
 /// each repetition is timed from enqueue to device synchronization. Returns sorted times in ms.
-/// Pool growth over one synchronized call, after freeing unused pages (so that the call has to
-/// reserve what it needs), in MB.
+/// Memory of one synchronized call: the highest bytes in use seen while it ran, and the pool's
+/// growth after freeing unused pages (so that the call has to reserve what it needs).
 fn measure_memory<B: Backend>(
     device: &B::Device,
     run: &mut dyn FnMut(),
     probe: &MemoryProbe,
-) -> Option<f64> {
+) -> CallMemory {
     sync::<B>(device);
-    let before = probe(true)?;
+    let before = (probe.reserved)(true);
+    let watch = (probe.watch_in_use)();
     run();
     sync::<B>(device);
-    let after = probe(false)?;
-    Some(after.saturating_sub(before) as f64 / 1e6)
+    let in_use = watch();
+    let after = (probe.reserved)(false);
+    CallMemory {
+        peak_in_use_mb: in_use.map(|(base, peak)| peak.saturating_sub(base) as f64 / 1e6),
+        pool_growth_mb: before
+            .zip(after)
+            .map(|(b, a)| a.saturating_sub(b) as f64 / 1e6),
+    }
 }
 
 fn time_candidate<B: Backend>(device: &B::Device, run: &mut dyn FnMut(), t: Timing) -> Vec<f64> {
@@ -320,6 +352,7 @@ pub fn run_suite<B: Backend>(
                 gbps: None,
                 tokens_per_sec: None,
                 peak_mem_mb: None,
+                pool_growth_mb: None,
                 speedup_vs_baseline: None,
                 skipped: None,
                 note: None,
@@ -329,14 +362,17 @@ pub fn run_suite<B: Backend>(
             match cand.run {
                 Err(reason) => rec.skipped = Some(reason),
                 Ok(runner) => {
-                    let mut peak = None;
+                    let (mut peak, mut pool) = (None, None);
                     let res = catch_unwind(AssertUnwindSafe(|| match runner {
                         Runner::InProcess(mut run) => {
                             let times = time_candidate::<B>(device, &mut *run, timing);
                             // After warm-up, so autotuning's trial buffers are not counted.
-                            if suite.measure_memory {
-                                peak =
-                                    probe.and_then(|p| measure_memory::<B>(device, &mut *run, p));
+                            if suite.measure_memory
+                                && let Some(p) = probe
+                            {
+                                let m = measure_memory::<B>(device, &mut *run, p);
+                                peak = m.peak_in_use_mb;
+                                pool = m.pool_growth_mb;
                             }
                             Ok(times)
                         }
@@ -348,6 +384,7 @@ pub fn run_suite<B: Backend>(
                         }),
                     }));
                     rec.peak_mem_mb = peak;
+                    rec.pool_growth_mb = pool;
                     let panics = PANICS.load(Ordering::Relaxed) - panics_seen;
                     let res = match res {
                         Ok(Ok(_)) if panics > 0 => Err(Box::new(format!(
@@ -392,7 +429,7 @@ pub fn run_suite<B: Backend>(
             // The wall time of the whole candidate (compilation, autotuning, warm-up, reps)
             // shows what a suite's running time is made of.
             let line = format!(
-                "  {} | {}: {}{}{}{} [{:.1} s]",
+                "  {} | {}: {}{}{}{}{} [{:.1} s]",
                 problem.label,
                 rec.implementation,
                 rec.median_ms.map_or_else(
@@ -403,6 +440,8 @@ pub fn run_suite<B: Backend>(
                     .map_or(String::new(), |t| format!(", {t:.1} tokens/s")),
                 rec.peak_mem_mb
                     .map_or(String::new(), |m| format!(", peak {m:.0} MB")),
+                rec.pool_growth_mb
+                    .map_or(String::new(), |m| format!(", pool +{m:.0} MB")),
                 rec.note
                     .as_ref()
                     .map_or(String::new(), |n| format!(" ({n})")),

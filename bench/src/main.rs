@@ -56,6 +56,10 @@ struct Args {
     /// Leave out the problems whose label contains any of these substrings.
     #[arg(long = "exclude")]
     excludes: Vec<String>,
+    /// cce suite: also time every cubek tensor-core GEMM kernel burn-cce can be told to use
+    /// (`GemmStrategy::Kernel`), for the loss and the gradient.
+    #[arg(long)]
+    cce_gemm_sweep: bool,
     /// Fewest timed repetitions per implementation (default 5, 3 with --quick); fewer keep
     /// long problems within a time limit.
     #[arg(long)]
@@ -141,16 +145,60 @@ fn run_vulkan(_: &Args) -> Result<(), String> {
     Err("this binary was built without the `vulkan` feature (cargo xtask bench --backend vulkan builds it with)".into())
 }
 
-/// The runtime's memory-pool reading for `device` (see [`harness::MemoryProbe`]).
+/// The runtime's memory-pool readings for `device` (see [`harness::MemoryProbe`]).
 #[cfg(any(feature = "cuda", feature = "vulkan"))]
 fn memory_probe<R: cubecl::Runtime>(device: &R::Device) -> harness::MemoryProbe {
+    use std::sync::{
+        Arc,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    };
     let client = R::client(device);
-    std::sync::Arc::new(move |cleanup| {
-        if cleanup {
-            client.memory_cleanup();
-        }
-        client.memory_usage().ok().map(|u| u.bytes_reserved)
-    })
+    let reserved = {
+        let client = client.clone();
+        Arc::new(move |cleanup| {
+            if cleanup {
+                client.memory_cleanup();
+            }
+            client.memory_usage().ok().map(|u| u.bytes_reserved)
+        })
+    };
+    let watch_in_use = Arc::new(move || -> harness::InUseWatch {
+        // Each thread has its own stream (and pool); read the caller's from the watcher.
+        let stream = cubecl::stream_id::StreamId::current();
+        let in_use = {
+            let client = client.clone();
+            move || {
+                stream
+                    .executes(|| client.memory_usage())
+                    .ok()
+                    .map(|u| u.bytes_in_use)
+            }
+        };
+        let Some(base) = in_use() else {
+            return Box::new(|| None);
+        };
+        let stop = Arc::new(AtomicBool::new(false));
+        let peak = Arc::new(AtomicU64::new(base));
+        let watcher = {
+            let (stop, peak) = (stop.clone(), peak.clone());
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    if let Some(now) = in_use() {
+                        peak.fetch_max(now, Ordering::Relaxed);
+                    }
+                }
+            })
+        };
+        Box::new(move || {
+            stop.store(true, Ordering::Relaxed);
+            watcher.join().ok()?;
+            Some((base, peak.load(Ordering::Relaxed)))
+        })
+    });
+    harness::MemoryProbe {
+        reserved,
+        watch_in_use,
+    }
 }
 
 /// The runtime's memory pool limits for `device`.
@@ -247,6 +295,7 @@ fn run<B: Backend + CceBackend + burn_sage::SageBackend + burn_kvcache::KvBacken
         probe: probe.clone(),
         filters: args.filters.clone(),
         excludes: args.excludes.clone(),
+        cce_gemm_sweep: args.cce_gemm_sweep,
     };
     let mut built = Vec::new();
     for n in &names {

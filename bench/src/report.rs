@@ -109,22 +109,30 @@ pub fn markdown(report: &Report) -> String {
     for s in &report.suites {
         // The memory column only where a suite measured memory.
         let mem = s.records.iter().any(|r| r.peak_mem_mb.is_some());
-        let (mem_head, mem_rule) = if mem {
-            (" peak MB |", "---:|")
+        let pool = s.records.iter().any(|r| r.pool_growth_mb.is_some());
+        let (mut mem_head, mut mem_rule) = if mem {
+            (" peak MB |".to_string(), "---:|".to_string())
         } else {
-            ("", "")
+            (String::new(), String::new())
         };
+        if pool {
+            mem_head += " pool MB |";
+            mem_rule += "---:|";
+        }
         let _ = write!(
             md,
             "\n## {}\n\n{}. Baseline: `{}`. Commit `{}`.\n\n| problem | implementation | median ms | p90 ms | TFLOP/s | GB/s | tokens/s |{mem_head} speed-up | note |\n|---|---|---:|---:|---:|---:|---:|{mem_rule}---:|---|\n",
             s.suite, s.description, s.baseline, s.commit
         );
         for r in &s.records {
-            let mem_cell = if mem {
+            let mut mem_cell = if mem {
                 format!(" {} |", fmt_opt(r.peak_mem_mb, 0))
             } else {
                 String::new()
             };
+            if pool {
+                mem_cell += &format!(" {} |", fmt_opt(r.pool_growth_mb, 0));
+            }
             let _ = writeln!(
                 md,
                 "| {} | {} | {} | {} | {} | {} | {} |{mem_cell} {} | {} |",

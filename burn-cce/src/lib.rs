@@ -54,7 +54,7 @@ pub mod reference;
 
 pub use error::CceError;
 pub use loss::{CceOutput, LinearCrossEntropyLoss, linear_cross_entropy};
-pub use options::{CceOptions, FilterEps, GemmStrategy, LceParams, Reduction};
+pub use options::{CceOptions, FilterEps, GemmKernel, GemmStrategy, LceParams, Reduction};
 
 use burn::tensor::{
     Int, Tensor, TensorPrimitive,

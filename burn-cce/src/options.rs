@@ -102,13 +102,76 @@ pub struct CceOptions {
 /// calls did not finish within minutes. Hence the fixed default.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum GemmStrategy {
-    /// No autotuning: one double-buffered tensor-core kernel (cubek `DoubleCyclicMma`) for
-    /// f16/bf16 GEMMs whose dimensions are all ≥ 16, a unit (CUDA-core) kernel otherwise —
-    /// exact f32, no TF32 — and Burn's autotuned matmul where neither can run.
+    /// No autotuning: [`GemmKernel::DEFAULT`] for f16/bf16 GEMMs whose dimensions are all
+    /// ≥ 16, a unit (CUDA-core) kernel otherwise — exact f32, no TF32 — and Burn's autotuned
+    /// matmul where neither can run.
     #[default]
     Fixed,
+    /// As [`GemmStrategy::Fixed`] with the given tensor-core kernel (for comparing kernels).
+    Kernel(GemmKernel),
     /// Burn's autotuned matmul (cubek) for every GEMM: faster at steady state, slow to warm up.
     Autotune,
+}
+
+/// The cubek tensor-core GEMM kernels that [`GemmStrategy::Kernel`] can name: the ones Burn's
+/// matmul autotuner chooses among, with the `mma` tile instruction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GemmKernel {
+    /// Double-buffered, cyclic global-to-shared loading (cubek `DoubleCyclicMma`).
+    DoubleCyclic,
+    /// The same with producer/consumer plane specialization.
+    DoubleCyclicSpecialized,
+    /// Single-buffered, cyclic loading.
+    SimpleCyclic,
+    /// Single-buffered, several tile rows per plane.
+    SimpleCyclicMultiRow,
+    /// Ordered double buffering, 4 rows.
+    OrderedDouble4,
+    /// Ordered double buffering, 8 rows.
+    OrderedDouble8,
+    /// Specialized (producer/consumer planes), cyclic loading.
+    SpecializedCyclic,
+    /// Single-buffered, loads by the tensor memory accelerator (Hopper and later).
+    SimpleTma,
+    /// The same, several tile rows per plane.
+    SimpleTmaMultiRow,
+    /// Specialized, loads by the tensor memory accelerator.
+    SpecializedTma,
+}
+
+impl GemmKernel {
+    /// The kernel [`GemmStrategy::Fixed`] uses.
+    pub const DEFAULT: GemmKernel = GemmKernel::DoubleCyclic;
+
+    /// Every kernel, for sweeps.
+    pub const ALL: [GemmKernel; 10] = [
+        GemmKernel::DoubleCyclic,
+        GemmKernel::DoubleCyclicSpecialized,
+        GemmKernel::SimpleCyclic,
+        GemmKernel::SimpleCyclicMultiRow,
+        GemmKernel::OrderedDouble4,
+        GemmKernel::OrderedDouble8,
+        GemmKernel::SpecializedCyclic,
+        GemmKernel::SimpleTma,
+        GemmKernel::SimpleTmaMultiRow,
+        GemmKernel::SpecializedTma,
+    ];
+
+    /// A short name for tables.
+    pub fn name(self) -> &'static str {
+        match self {
+            GemmKernel::DoubleCyclic => "double-cyclic",
+            GemmKernel::DoubleCyclicSpecialized => "double-cyclic-spec",
+            GemmKernel::SimpleCyclic => "simple-cyclic",
+            GemmKernel::SimpleCyclicMultiRow => "simple-cyclic-rows",
+            GemmKernel::OrderedDouble4 => "ordered-double-4",
+            GemmKernel::OrderedDouble8 => "ordered-double-8",
+            GemmKernel::SpecializedCyclic => "specialized-cyclic",
+            GemmKernel::SimpleTma => "simple-tma",
+            GemmKernel::SimpleTmaMultiRow => "simple-tma-rows",
+            GemmKernel::SpecializedTma => "specialized-tma",
+        }
+    }
 }
 
 impl Default for CceOptions {

@@ -12,7 +12,8 @@ use burn::backend::Autodiff;
 use burn::tensor::DType;
 use burn::tensor::{Distribution, Int, Tensor, TensorData, backend::Backend};
 use burn_cce::{
-    CceBackend, CceOptions, FilterEps, GemmStrategy, chunked, linear_cross_entropy, reference,
+    CceBackend, CceOptions, FilterEps, GemmKernel, GemmStrategy, chunked, linear_cross_entropy,
+    reference,
 };
 use rand::{Rng, SeedableRng, rngs::StdRng, seq::SliceRandom};
 use serde_json::json;
@@ -26,10 +27,20 @@ const SHAPES: &[(&str, usize, usize, usize)] = &[
 ];
 const QUICK_SHAPES: &[(&str, usize, usize, usize)] = &[("tiny", 256, 8192, 128)];
 
-/// CCE option sets that matter: the default, and each optimization switched off.
-fn variants() -> Vec<(&'static str, CceOptions)> {
+/// CCE option sets that matter: the default, and each optimization switched off; with
+/// `sweep`, also the default with each fixed GEMM kernel.
+fn variants(sweep: bool) -> Vec<(&'static str, CceOptions)> {
     let d = CceOptions::default();
-    vec![
+    let kernels = GemmKernel::ALL.into_iter().filter(|_| sweep).map(move |k| {
+        (
+            kernel_label(k),
+            CceOptions {
+                gemm: GemmStrategy::Kernel(k),
+                ..d
+            },
+        )
+    });
+    let named: Vec<(&'static str, CceOptions)> = vec![
         ("cce", d),
         (
             "cce (no vocab sorting)",
@@ -59,7 +70,24 @@ fn variants() -> Vec<(&'static str, CceOptions)> {
                 ..d
             },
         ),
-    ]
+    ];
+    named.into_iter().chain(kernels).collect()
+}
+
+/// The candidate name of the variant using `kernel`.
+fn kernel_label(kernel: GemmKernel) -> &'static str {
+    match kernel {
+        GemmKernel::DoubleCyclic => "cce (gemm double-cyclic)",
+        GemmKernel::DoubleCyclicSpecialized => "cce (gemm double-cyclic-spec)",
+        GemmKernel::SimpleCyclic => "cce (gemm simple-cyclic)",
+        GemmKernel::SimpleCyclicMultiRow => "cce (gemm simple-cyclic-rows)",
+        GemmKernel::OrderedDouble4 => "cce (gemm ordered-double-4)",
+        GemmKernel::OrderedDouble8 => "cce (gemm ordered-double-8)",
+        GemmKernel::SpecializedCyclic => "cce (gemm specialized-cyclic)",
+        GemmKernel::SimpleTma => "cce (gemm simple-tma)",
+        GemmKernel::SimpleTmaMultiRow => "cce (gemm simple-tma-rows)",
+        GemmKernel::SpecializedTma => "cce (gemm specialized-tma)",
+    }
 }
 
 pub fn suite<B: Backend + CceBackend>(opts: SuiteOptions) -> Suite<B> {
@@ -74,7 +102,7 @@ pub fn suite<B: Backend + CceBackend>(opts: SuiteOptions) -> Suite<B> {
         name: "cce",
         description: "linear cross-entropy, bf16, synthetic peaky logits (Zipf prior, target +10): \
                       burn-cce vs Burn's plain path (matmul → log-softmax → gather, autodiff) and \
-                      the PyTorch peers; peak MB = memory-pool growth over one call beyond the inputs",
+                      the PyTorch peers; peak MB = most bytes in use during one call beyond the inputs (sampled; PyTorch: max_memory_allocated), pool MB = growth of the memory pool's reservation (whole pages)",
         baseline: "burn-plain",
         problems,
         measure_memory: true,
@@ -150,6 +178,7 @@ fn problem<B: Backend + CceBackend>(
     let plain_bytes = 6.0 * (n * v) as f64 * 4.0;
     let max_mem = opts.max_mem_bytes;
     let peers = opts.peers_dir.clone();
+    let sweep = opts.cce_gemm_sweep;
     Problem {
         label: format!("{shape} N={n} V={v} D={d} {mode}"),
         params: params([
@@ -174,15 +203,21 @@ fn problem<B: Backend + CceBackend>(
             let mut cands = Vec::new();
             match mode {
                 "loss" => {
-                    let (e, c, t) = (x.e.clone(), x.c.clone(), x.targets.clone());
-                    cands.push(Candidate::timed_here("cce", move || {
-                        let opts = CceOptions::default();
-                        let _ = linear_cross_entropy(e.clone(), c.clone(), t.clone(), None, &opts)
-                            .expect("valid input");
-                    }));
+                    // The loss depends only on the GEMM kernel among the variants' options.
+                    let kernels = variants(sweep).into_iter().filter(|(_, o)| {
+                        matches!(o.gemm, GemmStrategy::Kernel(_)) || *o == CceOptions::default()
+                    });
+                    for (name, opts) in kernels {
+                        let (e, c, t) = (x.e.clone(), x.c.clone(), x.targets.clone());
+                        cands.push(Candidate::timed_here(name, move || {
+                            let _ =
+                                linear_cross_entropy(e.clone(), c.clone(), t.clone(), None, &opts)
+                                    .expect("valid input");
+                        }));
+                    }
                 }
                 "grad" => {
-                    for (name, o) in variants() {
+                    for (name, o) in variants(sweep) {
                         if let Some(why) = too_slow_to_tune(shape, o) {
                             cands.push(Candidate::skipped(name, why));
                             continue;
@@ -226,7 +261,7 @@ fn problem<B: Backend + CceBackend>(
                     ));
                 }
                 _ => {
-                    for (name, o) in variants() {
+                    for (name, o) in variants(false) {
                         if let Some(why) = too_slow_to_tune(shape, o) {
                             cands.push(Candidate::skipped(name, why));
                             continue;

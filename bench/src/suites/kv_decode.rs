@@ -456,7 +456,7 @@ pub fn timed_steps<B: Backend>(
 
 /// The pool's reserved bytes now (no cleanup), where the backend reports them.
 pub fn reserved(probe: &Option<MemoryProbe>) -> Option<u64> {
-    probe.as_ref().and_then(|p| p(false))
+    probe.as_ref().and_then(|p| (p.reserved)(false))
 }
 
 /// This process's resident host memory, from `/proc/self/status` (Linux).
@@ -539,6 +539,7 @@ pub mod tests {
             probe: None,
             filters: Vec::new(),
             excludes: Vec::new(),
+            cce_gemm_sweep: false,
         }
     }
 

@@ -53,6 +53,8 @@ pub struct SuiteOptions {
     pub filters: Vec<String>,
     /// `--exclude`: a problem whose label contains any of these does not run.
     pub excludes: Vec<String>,
+    /// `--cce-gemm-sweep`: the cce suite also times each fixed GEMM kernel.
+    pub cce_gemm_sweep: bool,
 }
 
 impl SuiteOptions {
