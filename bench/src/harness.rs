@@ -44,21 +44,19 @@ pub struct MemoryProbe {
     /// difference around one call is the call's working set as the pool saw it, rounded up to
     /// the pool's page sizes.
     pub reserved: std::sync::Arc<dyn Fn(bool) -> Option<u64> + Send + Sync>,
-    /// Starts watching the bytes in use (allocated tensors, without page rounding) of the
-    /// calling thread's stream from another thread; the returned function stops and gives
-    /// `(bytes in use when it started, the highest reading)`. Like PyTorch's
-    /// `max_memory_allocated`, but sampled: a peak shorter than one reading can be missed.
-    pub watch_in_use: std::sync::Arc<dyn Fn() -> InUseWatch + Send + Sync>,
+    /// Runs the given call with every allocation exact-size (CubeCL's persistent allocation
+    /// mode, where a freed buffer is reused only by a request of the same size) and returns the
+    /// bytes it allocated: an upper bound on the most bytes in use at once, without page
+    /// rounding (each size's concurrent buffers are counted at their own peak), the analogue of
+    /// PyTorch's `max_memory_allocated` that the peers report.
+    pub allocated: std::sync::Arc<dyn Fn(&mut dyn FnMut()) -> Option<u64> + Send + Sync>,
 }
-
-/// Stops an in-use watch: `(bytes at start, peak bytes)`.
-pub type InUseWatch = Box<dyn FnOnce() -> Option<(u64, u64)>>;
 
 /// A call's memory, MB (10⁶ bytes) beyond what was held before it.
 #[derive(Debug, Clone, Copy)]
 pub struct CallMemory {
-    /// Highest bytes in use seen during the call.
-    pub peak_in_use_mb: Option<f64>,
+    /// Bytes allocated exact-size (see [`MemoryProbe::allocated`]).
+    pub allocated_mb: Option<f64>,
     /// Growth of the pool's reservation.
     pub pool_growth_mb: Option<f64>,
 }
@@ -182,7 +180,8 @@ pub struct Record {
     #[serde(default)]
     pub tokens_per_sec: Option<f64>,
     /// Peak device memory of one call beyond its inputs, MB (10⁶ bytes), where measured: bytes
-    /// in use (tensors, no page rounding; PyTorch peers: `max_memory_allocated`).
+    /// allocated exact-size (see [`MemoryProbe::allocated`]; PyTorch peers:
+    /// `max_memory_allocated`).
     #[serde(default)]
     pub peak_mem_mb: Option<f64>,
     /// Growth of the memory pool's reservation over one call, MB (whole pages), where measured.
@@ -247,8 +246,8 @@ fn sync<B: Backend>(device: &B::Device) {
 
 /// Times `run`: the first call (JIT compilation, autotune) and a warm-up are discarded, then
 /// each repetition is timed from enqueue to device synchronization. Returns sorted times in ms.
-/// Memory of one synchronized call: the highest bytes in use seen while it ran, and the pool's
-/// growth after freeing unused pages (so that the call has to reserve what it needs).
+/// Memory of one synchronized call: the bytes it allocates exact-size, and the pool's growth
+/// after freeing unused pages (so that the call has to reserve what it needs).
 fn measure_memory<B: Backend>(
     device: &B::Device,
     run: &mut dyn FnMut(),
@@ -256,13 +255,15 @@ fn measure_memory<B: Backend>(
 ) -> CallMemory {
     sync::<B>(device);
     let before = (probe.reserved)(true);
-    let watch = (probe.watch_in_use)();
     run();
     sync::<B>(device);
-    let in_use = watch();
     let after = (probe.reserved)(false);
+    let allocated = (probe.allocated)(&mut || {
+        run();
+        sync::<B>(device);
+    });
     CallMemory {
-        peak_in_use_mb: in_use.map(|(base, peak)| peak.saturating_sub(base) as f64 / 1e6),
+        allocated_mb: allocated.map(|b| b as f64 / 1e6),
         pool_growth_mb: before
             .zip(after)
             .map(|(b, a)| a.saturating_sub(b) as f64 / 1e6),
@@ -371,7 +372,7 @@ pub fn run_suite<B: Backend>(
                                 && let Some(p) = probe
                             {
                                 let m = measure_memory::<B>(device, &mut *run, p);
-                                peak = m.peak_in_use_mb;
+                                peak = m.allocated_mb;
                                 pool = m.pool_growth_mb;
                             }
                             Ok(times)

@@ -148,10 +148,7 @@ fn run_vulkan(_: &Args) -> Result<(), String> {
 /// The runtime's memory-pool readings for `device` (see [`harness::MemoryProbe`]).
 #[cfg(any(feature = "cuda", feature = "vulkan"))]
 fn memory_probe<R: cubecl::Runtime>(device: &R::Device) -> harness::MemoryProbe {
-    use std::sync::{
-        Arc,
-        atomic::{AtomicBool, AtomicU64, Ordering},
-    };
+    use std::sync::Arc;
     let client = R::client(device);
     let reserved = {
         let client = client.clone();
@@ -162,42 +159,21 @@ fn memory_probe<R: cubecl::Runtime>(device: &R::Device) -> harness::MemoryProbe 
             client.memory_usage().ok().map(|u| u.bytes_reserved)
         })
     };
-    let watch_in_use = Arc::new(move || -> harness::InUseWatch {
-        // Each thread has its own stream (and pool); read the caller's from the watcher.
-        let stream = cubecl::stream_id::StreamId::current();
-        let in_use = {
-            let client = client.clone();
-            move || {
-                stream
-                    .executes(|| client.memory_usage())
-                    .ok()
-                    .map(|u| u.bytes_in_use)
-            }
-        };
-        let Some(base) = in_use() else {
-            return Box::new(|| None);
-        };
-        let stop = Arc::new(AtomicBool::new(false));
-        let peak = Arc::new(AtomicU64::new(base));
-        let watcher = {
-            let (stop, peak) = (stop.clone(), peak.clone());
-            std::thread::spawn(move || {
-                while !stop.load(Ordering::Relaxed) {
-                    if let Some(now) = in_use() {
-                        peak.fetch_max(now, Ordering::Relaxed);
-                    }
-                }
-            })
-        };
-        Box::new(move || {
-            stop.store(true, Ordering::Relaxed);
-            watcher.join().ok()?;
-            Some((base, peak.load(Ordering::Relaxed)))
-        })
+    let allocated = Arc::new(move |run: &mut dyn FnMut()| -> Option<u64> {
+        client.memory_cleanup();
+        let before = client.memory_usage().ok()?.bytes_reserved;
+        // SAFETY: the mode is set for this thread's stream, which runs `run`, and set back
+        // before returning; the exact-size buffers left free are released below.
+        unsafe { client.allocation_mode(cubecl::MemoryAllocationMode::Persistent) };
+        run();
+        unsafe { client.allocation_mode(cubecl::MemoryAllocationMode::Auto) };
+        let after = client.memory_usage().ok().map(|u| u.bytes_reserved);
+        client.memory_cleanup();
+        after.map(|a| a.saturating_sub(before))
     });
     harness::MemoryProbe {
         reserved,
-        watch_in_use,
+        allocated,
     }
 }
 

@@ -173,10 +173,12 @@ fn fixed_gemm<R: CubeRuntime>(
         tile_size: TileSizeSelection::MinTileSize,
     }));
     let mma = cubek_strategy(kernel);
-    let candidates = if tensor_cores {
-        vec![mma, unit]
-    } else {
-        vec![unit]
+    // A kernel the device cannot run (TMA before Hopper, on Vulkan) falls back to the
+    // portable double-buffered one, then to the unit kernel.
+    let candidates = match (tensor_cores, kernel == GemmKernel::DoubleCyclic) {
+        (true, true) => vec![mma, unit],
+        (true, false) => vec![mma, cubek_strategy(GemmKernel::DoubleCyclic), unit],
+        (false, _) => vec![unit],
     };
     let out = empty_device_contiguous_dtype(
         lhs.client.clone(),
@@ -601,38 +603,6 @@ where
     t.clone().into_primitive().tensor()
 }
 
-/// dC buffers at least this large are allocated exact-size (see [`zeros_exact`]).
-const EXACT_ALLOC_BYTES: usize = 32 << 20;
-
-/// A zeroed `shape` tensor; from [`EXACT_ALLOC_BYTES`] up, in the runtime's persistent pool,
-/// which allocates exactly the bytes asked for and hands the same buffer to the next request of
-/// that size (the next training step's dC). The dynamic pool would put it on a page of up to
-/// 1.25× its size: a 1.18 GB dC (the Gemma-2 classifier in bf16) on a 1.33 GB page of an 80 GB
-/// GPU, beyond the 1.05× that CCE's memory goal allows.
-fn zeros_exact<R, F, I, BT>(
-    like: &CubeTensor<R>,
-    shape: [usize; 2],
-    dtype: DType,
-) -> Tensor<Cb<R, F, I, BT>, 2>
-where
-    R: CubeRuntime,
-    F: FloatElement,
-    I: IntElement,
-    BT: BoolElement,
-{
-    let device = like.device.clone();
-    let zeros = |()| Tensor::<Cb<R, F, I, BT>, 2>::zeros(shape, (&device, dtype));
-    if shape[0] * shape[1] * dtype.size() < EXACT_ALLOC_BYTES {
-        return zeros(());
-    }
-    like.client
-        .memory_persistent_allocation((), zeros)
-        .unwrap_or_else(|err| {
-            log::debug!("burn-cce: persistent allocation unavailable ({err:?})");
-            Tensor::zeros(shape, (&like.device, dtype))
-        })
-}
-
 /// See [`crate::CceBackend::linear_ce_backward`]; the passes and their memory are described in
 /// the module docs and [`BackwardBlocks`].
 #[allow(clippy::too_many_arguments)]
@@ -713,7 +683,7 @@ where
             None,
         ),
     };
-    let mut dc = zeros_exact::<R, F, I, BT>(&prim(&c), [vocab, d], c_dtype);
+    let mut dc = Tensor::<Cb<R, F, I, BT>, 2>::zeros([vocab, d], (&device, c_dtype));
     let mut db = bias
         .as_ref()
         .map(|_| Tensor::<Cb<R, F, I, BT>, 1>::zeros([vocab], (&device, DType::F32)));
