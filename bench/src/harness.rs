@@ -325,6 +325,7 @@ pub fn run_suite<B: Backend>(
     device: &B::Device,
     timing: Timing,
     probe: Option<&MemoryProbe>,
+    skip_impls: &[String],
 ) -> SuiteResult {
     let bar = ProgressBar::new(suite.problems.len() as u64);
     bar.set_style(
@@ -360,7 +361,11 @@ pub fn run_suite<B: Backend>(
             };
             let tokens = cand.tokens.or(problem.tokens);
             let started = Instant::now();
-            match cand.run {
+            let run = match skip_impls.iter().find(|p| cand.name.contains(p.as_str())) {
+                Some(p) => Err(format!("left out by --skip-impl {p}")),
+                None => cand.run,
+            };
+            match run {
                 Err(reason) => rec.skipped = Some(reason),
                 Ok(runner) => {
                     let (mut peak, mut pool) = (None, None);

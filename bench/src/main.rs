@@ -56,6 +56,9 @@ struct Args {
     /// Leave out the problems whose label contains any of these substrings.
     #[arg(long = "exclude")]
     excludes: Vec<String>,
+    /// Leave out the implementations whose name contains any of these substrings.
+    #[arg(long = "skip-impl")]
+    skip_impls: Vec<String>,
     /// cce suite: also time every cubek tensor-core GEMM kernel burn-cce can be told to use
     /// (`GemmStrategy::Kernel`), for the loss and the gradient.
     #[arg(long)]
@@ -300,7 +303,7 @@ fn run<B: Backend + CceBackend + burn_sage::SageBackend + burn_kvcache::KvBacken
         .into_iter()
         .map(|s| harness::SuiteResult {
             commit: commit.clone(),
-            ..harness::run_suite::<B>(s, device, timing, probe.as_ref())
+            ..harness::run_suite::<B>(s, device, timing, probe.as_ref(), &args.skip_impls)
         })
         .collect();
     let report = report::Report {
