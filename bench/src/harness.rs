@@ -537,7 +537,7 @@ mod tests {
             min_reps: 2,
             max_reps: 3,
         };
-        let res = run_suite::<NdArray>(suite, &Default::default(), timing, None);
+        let res = run_suite::<NdArray>(suite, &Default::default(), timing, None, &[]);
         let by = |n: &str| res.records.iter().find(|r| r.implementation == n).unwrap();
         assert!(by("clean").median_ms.is_some());
         let bad = by("server-panic");
