@@ -414,8 +414,13 @@ fn cases() -> Vec<Case> {
 
 fn loss_and_gradients<B: CceAutodiffBackend>(device: &B::Device) {
     for dtype in float_dtypes::<B>(device) {
-        for case in cases() {
+        for (k, case) in cases().into_iter().enumerate() {
+            let started = std::time::Instant::now();
             run::<B>(device, &case, dtype);
+            eprintln!(
+                "loss_and_gradients: case {k} {dtype:?} ok [{:.1} s]",
+                started.elapsed().as_secs_f64()
+            );
         }
     }
 }
@@ -589,6 +594,7 @@ fn eps_in_gap(scores: &[f32]) -> f32 {
 fn backward_matches_reference<B: CceBackend>(device: &B::Device) {
     for dtype in float_dtypes::<B>(device) {
         for (k, case) in cases().into_iter().enumerate() {
+            let started = std::time::Instant::now();
             let (dev, cpu) = op_inputs::<B>(&case, dtype, device);
             let n = case.tokens();
             let (scores, lse_ref) = host_scores(&cpu, case.softcap);
@@ -662,6 +668,10 @@ fn backward_matches_reference<B: CceBackend>(device: &B::Device) {
                     device,
                 );
             }
+            eprintln!(
+                "backward_matches_reference: case {k} {dtype:?} ok [{:.1} s]",
+                started.elapsed().as_secs_f64()
+            );
         }
     }
 }
@@ -805,6 +815,10 @@ fn blocked_backward_matches_single_pass<B: CceBackend>(device: &B::Device) {
                     device,
                 );
             }
+            eprintln!(
+                "backward_matches_reference: case {k} {dtype:?} ok [{:.1} s]",
+                started.elapsed().as_secs_f64()
+            );
         }
     }
 }

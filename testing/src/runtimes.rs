@@ -46,10 +46,25 @@ macro_rules! testgen {
 
 /// The float dtypes a test should cover on `device`: f32 always, f16 and bf16 where the
 /// backend stores them (lavapipe, for one, may lack 16-bit float shaders).
+///
+/// `BURN_KERNELS_TEST_DTYPES` (e.g. `bf16` or `f32,f16`) keeps only the listed ones, so that a
+/// long test can run as one process per dtype on a GPU machine with a time limit.
 pub fn float_dtypes<B: Backend>(device: &B::Device) -> Vec<DType> {
+    let only = std::env::var("BURN_KERNELS_TEST_DTYPES").ok();
+    let listed = |d: DType| {
+        only.as_deref().is_none_or(|list| {
+            let name = match d {
+                DType::F16 => "f16",
+                DType::BF16 => "bf16",
+                _ => "f32",
+            };
+            list.split(',').any(|x| x.trim().eq_ignore_ascii_case(name))
+        })
+    };
     [DType::F32, DType::F16, DType::BF16]
         .into_iter()
         .filter(|&d| d == DType::F32 || B::supports_dtype(device, d))
+        .filter(|&d| listed(d))
         .collect()
 }
 
