@@ -815,10 +815,6 @@ fn blocked_backward_matches_single_pass<B: CceBackend>(device: &B::Device) {
                     device,
                 );
             }
-            eprintln!(
-                "backward_matches_reference: case {k} {dtype:?} ok [{:.1} s]",
-                started.elapsed().as_secs_f64()
-            );
         }
     }
 }
