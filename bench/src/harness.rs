@@ -49,8 +49,11 @@ pub struct MemoryProbe {
     /// bytes it allocated: an upper bound on the most bytes in use at once, without page
     /// rounding (each size's concurrent buffers are counted at their own peak), the analogue of
     /// PyTorch's `max_memory_allocated` that the peers report.
-    pub allocated: std::sync::Arc<dyn Fn(&mut dyn FnMut()) -> Option<u64> + Send + Sync>,
+    pub allocated: std::sync::Arc<AllocatedProbe>,
 }
+
+/// See [`MemoryProbe::allocated`].
+pub type AllocatedProbe = dyn Fn(&mut dyn FnMut()) -> Option<u64> + Send + Sync;
 
 /// A call's memory, MB (10⁶ bytes) beyond what was held before it.
 #[derive(Debug, Clone, Copy)]

@@ -94,12 +94,13 @@ pub struct CceOptions {
 
 /// Kernel selection for the GEMMs that recompute and consume logit chunks.
 ///
-/// Measured on an NVIDIA H100 (2026-11-22, bf16, N=8192): at the Gemma-2 shape (V=256000,
-/// D=2304) loss + gradient takes 172 ms with [`GemmStrategy::Fixed`] and 138 ms with
-/// [`GemmStrategy::Autotune`] once tuned; but tuning benchmarks ~30 candidate kernels for every
-/// new GEMM shape, each compiled by the runtime (seconds apiece on CUDA), and the backward meets
-/// new shapes as the filtered vocabulary changes: at the SmolLM2 shape the first tuned gradient
-/// calls did not finish within minutes. Hence the fixed default.
+/// Measured on an NVIDIA H100 (2026-11-25, bf16, N=8192, Gemma-2 shape V=256000, D=2304): the
+/// gradient takes 107.9 ms with [`GemmStrategy::Fixed`] (cubek's specialized TMA kernel) and
+/// 110.2 ms with [`GemmStrategy::Autotune`] once tuned, after 225 s of tuning. Tuning
+/// benchmarks ~30 candidate kernels for every new GEMM shape, each compiled by the runtime
+/// (seconds apiece on CUDA), and the backward meets new shapes as the filtered vocabulary
+/// changes: at the SmolLM2 shape the first tuned gradient calls did not finish within minutes.
+/// Hence the fixed default.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum GemmStrategy {
     /// No autotuning: [`GemmKernel::DEFAULT`] for f16/bf16 GEMMs whose dimensions are all
