@@ -70,6 +70,15 @@ fn variants(sweep: bool) -> Vec<(&'static str, CceOptions)> {
                 ..d
             },
         ),
+        // One f32 accumulator for all of dE (N·D·4 bytes, 75 MB at the Gemma shape) instead of
+        // the second pass over row blocks: the time/memory trade of `de_block_rows`.
+        (
+            "cce (one f32 dE accumulator)",
+            CceOptions {
+                de_block_rows: Some(usize::MAX),
+                ..d
+            },
+        ),
     ];
     named.into_iter().chain(kernels).collect()
 }
