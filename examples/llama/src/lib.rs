@@ -9,6 +9,7 @@
 pub mod attention;
 pub mod config;
 pub mod eval;
+pub mod finetune;
 pub mod generate;
 pub mod loader;
 pub mod model;

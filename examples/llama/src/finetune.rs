@@ -1,0 +1,334 @@
+//! Fine-tuning (or training from scratch) of a Llama model on a text corpus: AdamW, linear
+//! warm-up then cosine decay, gradient accumulation, validation perplexity, checkpoints that
+//! resume the same run, and a loss curve — with Cut Cross-Entropy or Burn's plain loss
+//! ([`LossKind`]).
+//!
+//! Batches are random windows of the training tokens drawn from a generator seeded by
+//! `(seed, step)`, so a run resumed from a checkpoint sees the same batches as one that never
+//! stopped.
+
+use std::path::{Path, PathBuf};
+
+use burn::module::{AutodiffModule, Module};
+use burn::optim::{AdamWConfig, GradientsAccumulator, GradientsParams, Optimizer};
+use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder, Recorder};
+use burn::tensor::{ElementConversion, Int, Tensor, TensorData, backend::AutodiffBackend};
+use burn_cce::CceBackend;
+use burn_kernels_core::AttentionImpl;
+use rand::{Rng, SeedableRng, rngs::StdRng};
+use serde::{Deserialize, Serialize};
+
+use crate::model::Llama;
+use crate::train::{LossKind, next_token_loss};
+
+/// What went wrong in a training run.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    /// The configuration cannot run (zero steps, a window longer than the corpus, …).
+    #[error("invalid training configuration: {0}")]
+    Config(String),
+    /// The loss rejected its input.
+    #[error(transparent)]
+    Loss(#[from] burn_cce::CceError),
+    /// Reading or writing a checkpoint.
+    #[error("checkpoint {path}: {reason}")]
+    Checkpoint { path: PathBuf, reason: String },
+}
+
+/// Hyper-parameters of a run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainConfig {
+    /// Optimizer steps.
+    pub steps: usize,
+    /// Sequences per micro-batch.
+    pub batch: usize,
+    /// Tokens per sequence (each window holds `seq + 1` tokens: inputs and shifted targets).
+    pub seq: usize,
+    /// Micro-batches whose gradients are summed into one optimizer step.
+    pub grad_accum: usize,
+    /// Peak learning rate.
+    pub lr: f64,
+    /// Steps of linear warm-up from 0 to `lr`.
+    pub warmup: usize,
+    /// The cosine decay ends at `lr · min_lr_ratio`.
+    pub min_lr_ratio: f64,
+    /// AdamW's decoupled weight decay.
+    pub weight_decay: f32,
+    /// Validation every this many steps (and after the last); 0: only after the last.
+    pub val_every: usize,
+    /// Validation windows (of `seq + 1` tokens, evenly spaced over the held-out tokens).
+    pub val_windows: usize,
+    /// Seed of the batch sampler.
+    pub seed: u64,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        Self {
+            steps: 200,
+            batch: 4,
+            seq: 128,
+            grad_accum: 1,
+            lr: 1e-4,
+            warmup: 20,
+            min_lr_ratio: 0.1,
+            weight_decay: 0.01,
+            val_every: 50,
+            val_windows: 16,
+            seed: 0,
+        }
+    }
+}
+
+impl TrainConfig {
+    /// The learning rate of step `step` (0-based): linear warm-up to `lr` over `warmup` steps,
+    /// then cosine decay to `lr · min_lr_ratio` at the last step.
+    pub fn lr_at(&self, step: usize) -> f64 {
+        if step < self.warmup {
+            return self.lr * (step + 1) as f64 / self.warmup as f64;
+        }
+        let span = self.steps.saturating_sub(self.warmup).max(1) as f64;
+        let t = ((step - self.warmup) as f64 / span).min(1.0);
+        let floor = self.lr * self.min_lr_ratio;
+        floor + (self.lr - floor) * 0.5 * (1.0 + (std::f64::consts::PI * t).cos())
+    }
+
+    fn validate(&self, corpus: &Corpus) -> Result<(), TrainError> {
+        let bad = |why: String| Err(TrainError::Config(why));
+        if self.steps == 0 || self.batch == 0 || self.grad_accum == 0 {
+            return bad("steps, batch and grad_accum must be at least 1".into());
+        }
+        if self.seq < 1 {
+            return bad("seq must be at least 1".into());
+        }
+        for (name, tokens) in [("training", &corpus.train), ("validation", &corpus.val)] {
+            if tokens.len() < self.seq + 1 {
+                return bad(format!(
+                    "the {name} split has {} tokens, fewer than one window of seq + 1 = {}",
+                    tokens.len(),
+                    self.seq + 1
+                ));
+            }
+        }
+        if !(self.lr > 0.0 && self.lr.is_finite()) {
+            return bad(format!("lr must be positive, got {}", self.lr));
+        }
+        Ok(())
+    }
+}
+
+/// Token ids of a corpus, split into training and held-out validation tokens.
+#[derive(Debug, Clone)]
+pub struct Corpus {
+    pub train: Vec<u32>,
+    pub val: Vec<u32>,
+}
+
+impl Corpus {
+    /// Splits `tokens` so that the last `val_fraction` of them are held out.
+    pub fn split(tokens: Vec<u32>, val_fraction: f64) -> Self {
+        let cut = ((tokens.len() as f64) * (1.0 - val_fraction.clamp(0.0, 1.0))) as usize;
+        let mut train = tokens;
+        let val = train.split_off(cut.min(train.len()));
+        Self { train, val }
+    }
+}
+
+/// One line of the run's log: the training loss of a step, and the validation loss where
+/// one was measured after it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StepLog {
+    /// 1-based: the number of optimizer steps taken.
+    pub step: usize,
+    pub lr: f64,
+    /// Mean training loss of the step's micro-batches (nats per token).
+    pub loss: f64,
+    /// Mean validation loss (nats per token) and its perplexity.
+    pub val_loss: Option<f64>,
+}
+
+/// What a checkpoint directory holds beside the model and optimizer records.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct RunState {
+    config: TrainConfig,
+    log: Vec<StepLog>,
+}
+
+type Rec = NamedMpkFileRecorder<FullPrecisionSettings>;
+
+fn ckpt_err(path: &Path, reason: impl ToString) -> TrainError {
+    TrainError::Checkpoint {
+        path: path.to_path_buf(),
+        reason: reason.to_string(),
+    }
+}
+
+/// The `[batch, seq + 1]` windows of micro-batch `micro` of step `step`.
+fn batch_windows(cfg: &TrainConfig, tokens: &[u32], step: usize, micro: usize) -> Vec<i64> {
+    let mut rng = StdRng::seed_from_u64(
+        cfg.seed ^ (step as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ micro as u64,
+    );
+    let last_start = tokens.len() - (cfg.seq + 1);
+    (0..cfg.batch)
+        .flat_map(|_| {
+            let s = rng.random_range(0..=last_start);
+            tokens[s..s + cfg.seq + 1].iter().map(|&t| t as i64)
+        })
+        .collect()
+}
+
+/// Mean next-token loss of `model` over the validation windows (no gradient).
+pub fn validation_loss<B: AutodiffBackend + CceBackend>(
+    model: &Llama<B>,
+    corpus: &Corpus,
+    cfg: &TrainConfig,
+    attention: &dyn AttentionImpl<B::InnerBackend>,
+    kind: LossKind,
+) -> Result<f64, TrainError>
+where
+    B::InnerBackend: CceBackend,
+{
+    let inner = model.valid();
+    let device = inner.embed.val().device();
+    let span = corpus.val.len() - (cfg.seq + 1);
+    let n = cfg.val_windows.max(1);
+    let mut total = 0.0;
+    for w in 0..n {
+        let s = if n == 1 { 0 } else { span * w / (n - 1) };
+        let ids: Vec<i64> = corpus.val[s..s + cfg.seq + 1]
+            .iter()
+            .map(|&t| t as i64)
+            .collect();
+        let tokens = Tensor::<B::InnerBackend, 2, Int>::from_data(
+            TensorData::new(ids, [1, cfg.seq + 1]),
+            &device,
+        );
+        let loss = next_token_loss(&inner, tokens, attention, kind, -100)?;
+        total += loss.into_scalar().elem::<f64>();
+    }
+    Ok(total / n as f64)
+}
+
+/// Trains `model` for `cfg.steps` optimizer steps, calling `on_step` after each; the run stops
+/// early when `on_step` returns `false`.
+///
+/// `checkpoint = Some((dir, every, resume))` writes the model, the optimizer state and the log
+/// to `dir` every `every` steps and after the last step taken; with `resume`, a checkpoint
+/// already in `dir` is loaded first (its configuration must equal `cfg`) and the run continues
+/// from its step with the same batches.
+///
+/// # Errors
+/// Invalid configuration, a checkpoint that cannot be read or written, the loss's errors.
+#[allow(clippy::too_many_arguments)]
+pub fn train<B>(
+    mut model: Llama<B>,
+    corpus: &Corpus,
+    cfg: &TrainConfig,
+    kind: LossKind,
+    attention: &dyn AttentionImpl<B>,
+    val_attention: &dyn AttentionImpl<B::InnerBackend>,
+    checkpoint: Option<(&Path, usize, bool)>,
+    mut on_step: impl FnMut(&StepLog) -> bool,
+) -> Result<(Llama<B>, Vec<StepLog>), TrainError>
+where
+    B: AutodiffBackend + CceBackend,
+    B::InnerBackend: CceBackend,
+{
+    cfg.validate(corpus)?;
+    let device = model.embed.val().device();
+    let mut optim = AdamWConfig::new()
+        .with_weight_decay(cfg.weight_decay)
+        .init::<B, Llama<B>>();
+    let mut log = Vec::new();
+    if let Some((dir, _, true)) = checkpoint {
+        let state_path = dir.join("state.json");
+        if state_path.exists() {
+            let text =
+                std::fs::read_to_string(&state_path).map_err(|e| ckpt_err(&state_path, e))?;
+            let state: RunState =
+                serde_json::from_str(&text).map_err(|e| ckpt_err(&state_path, e))?;
+            if state.config != *cfg {
+                return Err(ckpt_err(
+                    &state_path,
+                    "was written with another configuration; resume with the same one",
+                ));
+            }
+            model = model
+                .load_file(dir.join("model"), &Rec::new(), &device)
+                .map_err(|e| ckpt_err(dir, e))?;
+            let record = Recorder::<B>::load(&Rec::new(), dir.join("optimizer"), &device)
+                .map_err(|e| ckpt_err(dir, e))?;
+            optim = optim.load_record(record);
+            log = state.log;
+        }
+    }
+    let start = log.len();
+    for step in start..cfg.steps {
+        let lr = cfg.lr_at(step);
+        let mut acc = GradientsAccumulator::<Llama<B>>::new();
+        let mut loss_sum = 0.0;
+        for micro in 0..cfg.grad_accum {
+            let ids = batch_windows(cfg, &corpus.train, step, micro);
+            let tokens = Tensor::<B, 2, Int>::from_data(
+                TensorData::new(ids, [cfg.batch, cfg.seq + 1]),
+                &device,
+            );
+            let loss = next_token_loss(&model, tokens, attention, kind, -100)?;
+            loss_sum += loss.clone().into_scalar().elem::<f64>();
+            // Mean over micro-batches: each one's gradient is scaled before they are summed.
+            let grads = (loss / cfg.grad_accum as f32).backward();
+            acc.accumulate(&model, GradientsParams::from_grads(grads, &model));
+        }
+        model = optim.step(lr, model, acc.grads());
+        let done = step + 1;
+        let validate = done == cfg.steps || (cfg.val_every > 0 && done % cfg.val_every == 0);
+        let val_loss = if validate {
+            Some(validation_loss(&model, corpus, cfg, val_attention, kind)?)
+        } else {
+            None
+        };
+        let entry = StepLog {
+            step: done,
+            lr,
+            loss: loss_sum / cfg.grad_accum as f64,
+            val_loss,
+        };
+        let go_on = on_step(&entry);
+        log.push(entry);
+        if let Some((dir, every, _)) = checkpoint
+            && (done == cfg.steps || !go_on || (every > 0 && done % every == 0))
+        {
+            save_checkpoint(dir, &model, &optim.to_record(), cfg, &log)?;
+        }
+        if !go_on {
+            break;
+        }
+    }
+    Ok((model, log))
+}
+
+fn save_checkpoint<B: AutodiffBackend, R: burn::record::Record<B>>(
+    dir: &Path,
+    model: &Llama<B>,
+    optim: &R,
+    cfg: &TrainConfig,
+    log: &[StepLog],
+) -> Result<(), TrainError>
+where
+    R: Clone,
+{
+    std::fs::create_dir_all(dir).map_err(|e| ckpt_err(dir, e))?;
+    model
+        .clone()
+        .save_file(dir.join("model"), &Rec::new())
+        .map_err(|e| ckpt_err(dir, e))?;
+    Recorder::<B>::record(&Rec::new(), optim.clone(), dir.join("optimizer"))
+        .map_err(|e| ckpt_err(dir, e))?;
+    let state = RunState {
+        config: cfg.clone(),
+        log: log.to_vec(),
+    };
+    let path = dir.join("state.json");
+    let text = serde_json::to_string_pretty(&state).map_err(|e| ckpt_err(&path, e))?;
+    std::fs::write(&path, text).map_err(|e| ckpt_err(&path, e))
+}
