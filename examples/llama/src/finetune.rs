@@ -307,16 +307,13 @@ where
     Ok((model, log))
 }
 
-fn save_checkpoint<B: AutodiffBackend, R: burn::record::Record<B>>(
+fn save_checkpoint<B: AutodiffBackend, R: burn::record::Record<B> + Clone>(
     dir: &Path,
     model: &Llama<B>,
     optim: &R,
     cfg: &TrainConfig,
     log: &[StepLog],
-) -> Result<(), TrainError>
-where
-    R: Clone,
-{
+) -> Result<(), TrainError> {
     std::fs::create_dir_all(dir).map_err(|e| ckpt_err(dir, e))?;
     model
         .clone()

@@ -170,7 +170,6 @@ fn bad_configuration_is_a_typed_error() {
         None,
         |_| true,
     )
-    .err()
-    .expect("a window longer than the corpus is rejected");
+    .expect_err("a window longer than the corpus is rejected");
     assert!(matches!(err, TrainError::Config(_)), "{err}");
 }
