@@ -22,3 +22,5 @@ echo "setup: Vulkan devices:"
 vulkaninfo --summary 2>/dev/null | grep -E "deviceName|driverName|apiVersion" || true
 # The SmolLM2-135M GGUF the llama example and its tests load (skipped when already cached).
 cargo xtask fetch-model
+# The fine-tuning example's corpus (the works of Shakespeare, 5 MB); the tests do not need it.
+cargo xtask fetch-corpus || echo "setup: fetch-corpus failed; the finetune example will say so" >&2
