@@ -2,6 +2,7 @@
 
 pub mod attention;
 pub mod cce;
+pub mod e2e;
 mod kv_decode;
 pub mod llama;
 pub mod lse;
@@ -25,6 +26,7 @@ pub const ALL: &[&str] = &[
     "llama",
     "shadowkv",
     "minicache",
+    "e2e",
 ];
 
 /// The device memory pool's page limits (CubeCL's `MemoryDeviceProperties`), which decide
@@ -78,6 +80,7 @@ pub fn build<B: Backend + CceBackend + SageBackend + KvBackend>(
         "llama" => Some(llama::suite::<B>(opts)),
         "shadowkv" => Some(shadowkv::suite::<B>(opts)),
         "minicache" => Some(minicache::suite::<B>(opts)),
+        "e2e" => Some(e2e::suite::<B>(opts)),
         _ => None,
     }
 }

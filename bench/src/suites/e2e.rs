@@ -1,0 +1,104 @@
+//! End to end, part 1: one fine-tuning step (forward, loss, backward, AdamW update) of a
+//! random-weight SmolLM2-135M-shaped model (f32), with Cut Cross-Entropy and with Burn's plain
+//! loss: step time and peak memory at growing batch sizes. The plain loss holds the logits
+//! (`batch · seq · 49152` values) and their gradient, CCE does not, so the gap grows with the
+//! batch. Decode throughput of the feature combinations is not part of this suite yet.
+//!
+//! FLOPs: ~6 · parameters · tokens for the model (the 28M-parameter embedding counted once, as
+//! the tied classifier) plus 6 · tokens · vocab · hidden for the classifier GEMMs.
+
+use burn::backend::Autodiff;
+use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
+use burn::tensor::{DType, Int, Tensor, TensorData, backend::Backend};
+use burn_cce::CceBackend;
+use burn_kernels_core::ReferenceAttention;
+use burn_llama::train::{LossKind, next_token_loss};
+use burn_llama::{Llama, LlamaConfig};
+use serde_json::json;
+
+use super::SuiteOptions;
+use crate::harness::{Candidate, Problem, Suite, params};
+
+pub fn suite<B: Backend + CceBackend>(opts: SuiteOptions) -> Suite<B> {
+    let (cfg, seq, batches): (LlamaConfig, usize, &[usize]) = if opts.quick {
+        let tiny = LlamaConfig {
+            hidden_size: 64,
+            intermediate_size: 128,
+            num_layers: 2,
+            num_heads: 4,
+            num_kv_heads: 2,
+            head_dim: 16,
+            vocab_size: 4096,
+            ..LlamaConfig::smollm2_135m()
+        };
+        (tiny, 32, &[1, 2])
+    } else {
+        (LlamaConfig::smollm2_135m(), 1024, &[4, 8, 16])
+    };
+    let problems = batches
+        .iter()
+        .map(|&b| problem::<B>(cfg.clone(), b, seq))
+        .collect();
+    Suite {
+        name: "e2e",
+        description: "fine-tuning step (forward, loss, backward, AdamW) of a random-weight \
+                      SmolLM2-135M shape in f32, reference attention: Cut Cross-Entropy vs \
+                      Burn's plain loss; peak MB = bytes one step allocates exact-size",
+        baseline: "plain loss",
+        problems,
+        measure_memory: true,
+        plot: None,
+    }
+}
+
+fn problem<B: Backend + CceBackend>(cfg: LlamaConfig, batch: usize, seq: usize) -> Problem<B> {
+    let tokens = (batch * seq) as f64;
+    let (h, v) = (cfg.hidden_size as f64, cfg.vocab_size as f64);
+    let per_layer = h * (cfg.num_heads * cfg.head_dim) as f64 * 2.0
+        + h * (cfg.num_kv_heads * cfg.head_dim) as f64 * 2.0
+        + 3.0 * h * cfg.intermediate_size as f64;
+    let flops = 6.0 * tokens * (per_layer * cfg.num_layers as f64 + v * h);
+    Problem {
+        label: format!("train step batch {batch} x {seq}"),
+        params: params([
+            ("batch", json!(batch)),
+            ("seq", json!(seq)),
+            ("layers", json!(cfg.num_layers)),
+            ("vocab", json!(cfg.vocab_size)),
+        ]),
+        flops: Some(flops),
+        bytes: None,
+        tokens: Some(tokens),
+        setup: Box::new(move |device| {
+            [("cce", LossKind::cce()), ("plain loss", LossKind::Plain)]
+                .into_iter()
+                .map(|(name, kind)| {
+                    B::seed(device, 0);
+                    let model = Llama::<Autodiff<B>>::random(&cfg, device, DType::F32);
+                    let ids: Vec<i64> = (0..batch * (seq + 1))
+                        .map(|i| ((i * 7919) % cfg.vocab_size) as i64)
+                        .collect();
+                    let tokens = Tensor::<Autodiff<B>, 2, Int>::from_data(
+                        TensorData::new(ids, [batch, seq + 1]),
+                        device,
+                    );
+                    let mut state = Some((model, AdamWConfig::new().init::<Autodiff<B>, _>()));
+                    Candidate::timed_here(name, move || {
+                        let (model, mut optim) = state.take().expect("state is put back");
+                        let loss = next_token_loss(
+                            &model,
+                            tokens.clone(),
+                            &ReferenceAttention,
+                            kind,
+                            -100,
+                        )
+                        .expect("valid tokens");
+                        let grads = GradientsParams::from_grads(loss.backward(), &model);
+                        let model = optim.step(1e-5, model, grads);
+                        state = Some((model, optim));
+                    })
+                })
+                .collect()
+        }),
+    }
+}
