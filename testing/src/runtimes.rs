@@ -61,11 +61,17 @@ pub fn float_dtypes<B: Backend>(device: &B::Device) -> Vec<DType> {
             list.split(',').any(|x| x.trim().eq_ignore_ascii_case(name))
         })
     };
-    [DType::F32, DType::F16, DType::BF16]
+    let dtypes: Vec<DType> = [DType::F32, DType::F16, DType::BF16]
         .into_iter()
         .filter(|&d| d == DType::F32 || B::supports_dtype(device, d))
         .filter(|&d| listed(d))
-        .collect()
+        .collect();
+    // A filter that leaves nothing would make every dtype loop pass without checking anything.
+    assert!(
+        !dtypes.is_empty(),
+        "BURN_KERNELS_TEST_DTYPES={only:?} leaves no dtype this device supports"
+    );
+    dtypes
 }
 
 /// Fills and frees device memory with NaN so that a kernel output later allocated from the
