@@ -126,14 +126,28 @@ fn resume_continues_the_same_run() {
     let resumed = run(model(99), &c, LossKind::cce(), Some((&dir, 0, true)), None);
     let _ = std::fs::remove_dir_all(&dir);
     assert_eq!(resumed.len(), 6, "the log continues the checkpoint's");
-    for (a, b) in straight.iter().zip(&resumed) {
-        assert_eq!(a.step, b.step);
+    assert_same_curve(&straight, &resumed, 1e-5, ("uninterrupted", "resumed"));
+}
+
+/// Same steps, and training losses within `rel` of each other at every step.
+fn assert_same_curve(a: &[StepLog], b: &[StepLog], rel: f64, names: (&str, &str)) {
+    assert_eq!(
+        a.len(),
+        b.len(),
+        "{} and {} logs differ in length",
+        names.0,
+        names.1
+    );
+    for (x, y) in a.iter().zip(b) {
+        assert_eq!(x.step, y.step);
         assert!(
-            (a.loss - b.loss).abs() <= 1e-5 * a.loss.abs(),
-            "step {}: {} uninterrupted vs {} resumed",
-            a.step,
-            a.loss,
-            b.loss
+            (x.loss - y.loss).abs() <= rel * x.loss.abs(),
+            "step {}: {} {} vs {} {}",
+            x.step,
+            names.0,
+            x.loss,
+            names.1,
+            y.loss
         );
     }
 }
@@ -144,15 +158,8 @@ fn cce_and_plain_give_the_same_curve() {
     let m = model(3);
     let cce = run(m.clone(), &c, LossKind::cce(), None, None);
     let plain = run(m, &c, LossKind::Plain, None, None);
-    for (a, b) in cce.iter().zip(&plain) {
-        assert!(
-            (a.loss - b.loss).abs() <= 1e-4 * a.loss.abs(),
-            "step {}: cce {} vs plain {}",
-            a.step,
-            a.loss,
-            b.loss
-        );
-    }
+    assert_eq!(cce.len(), 8);
+    assert_same_curve(&cce, &plain, 1e-4, ("cce", "plain"));
 }
 
 #[test]
