@@ -7,8 +7,8 @@
 //! - **Batch.** Each cache gets the largest batch whose weights, cache and working sets fit
 //!   `--max-mem-gb` (through a model of the memory pool's pages; see [`super::kv_decode`]).
 //!   Every cache here rebuilds a layer's full f16 keys and values at each step (dequantized,
-//!   restored), so the working set of a step is that of the full cache; only what is held
-//!   shrinks.
+//!   restored), so the working set of a step is at least that of the full cache (more for
+//!   the compressed caches: the rebuilt sequence and its copies); only what is held shrinks.
 //! - **Synthetic prompts.** No prompt goes through the model: each layer's cache is filled
 //!   through `KvCache::attend` with an attention that computes nothing, in two calls (all but
 //!   the last 32 positions, then those), as a prefill in two pieces would. States are standard
@@ -164,7 +164,6 @@ fn footprint(
     positions: usize,
 ) -> Footprint {
     let (hkv, d, layers) = (cfg.num_kv_heads, cfg.head_dim, cfg.num_layers);
-    let g = (cfg.num_heads / hkv) as u64;
     let s = seq_bytes(cfg, b, grown);
     let rows = b * hkv * grown;
     let pairs = if kind.merges() {
@@ -210,12 +209,15 @@ fn footprint(
         ]);
     }
     held.extend(cache);
-    let rebuilt = if kind == Kind::Full { 2 } else { 4 };
+    // A step's rebuilt keys and values: the full cache's concatenations; a quantized or
+    // merged layer's dequantized / restored sequence, its reordered copy (keys) and the
+    // concatenations with the window and the new token, some of them alive at once.
+    let rebuilt = if kind == Kind::Full { 2 } else { 5 };
     let fill = seq_bytes(cfg, b, ctx);
     Footprint {
         held,
         phases: vec![
-            vec![(s, rebuilt), (s * g, 2)],
+            vec![(s, rebuilt)],
             vec![(fill, 8), ((b * hkv * ctx * 4) as u64, 1)],
         ],
         host: 2_000_000_000,
