@@ -136,19 +136,9 @@ impl<B: Backend> AttentionImpl<B> for ReferenceAttention {
 }
 
 /// Burn's `attention` op (the fused flash kernel on `CubeBackend` where Burn picks it).
-///
-/// Burn's op needs equal head counts. When every query row of a KV group sees the same keys
-/// (one query position, as in decoding, or no causal mask), the group's query heads are
-/// folded into query rows of its KV head (`[b, hkv, group·sq, d]`), which is exact and reads
-/// each KV head once; otherwise the KV heads are repeated (materialized `group` times).
+/// KV heads are repeated for GQA since Burn's op needs equal head counts.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct BurnAttention;
-
-/// Whether the query heads of a KV group can be folded into rows of one head: their rows
-/// must share one mask, which holds when nothing is causal across rows.
-pub fn gqa_foldable(hq: usize, hkv: usize, sq: usize, causal: bool) -> bool {
-    hq > hkv && (sq == 1 || !causal)
-}
 
 impl<B: Backend> AttentionImpl<B> for BurnAttention {
     fn name(&self) -> String {
@@ -163,28 +153,18 @@ impl<B: Backend> AttentionImpl<B> for BurnAttention {
         v: Tensor<B, 4>,
         opts: &AttnOptions<B>,
     ) -> Tensor<B, 4> {
-        let [b, hq, sq, d] = q.dims();
+        let [b, hq, sq, _] = q.dims();
         let [_, hkv, skv, _] = k.dims();
+        let k = repeat_kv(k, hq / hkv);
+        let v = repeat_kv(v, hq / hkv);
+        let head_dim = q.dims()[3] as f32;
         // A custom scale makes Burn take its unfused fallback: pass the default as `None`.
-        let default_scale = (opts.scale - (d as f32).sqrt().recip()).abs() <= 1e-6 * opts.scale;
+        let default_scale = (opts.scale - head_dim.sqrt().recip()).abs() <= 1e-6 * opts.scale;
         let options = AttentionModuleOptions {
             scale: (!default_scale).then_some(opts.scale as f64),
             softcap: None,
             is_causal: false,
         };
-        if gqa_foldable(hq, hkv, sq, opts.causal) {
-            // Query head `h·group + j` uses KV head `h` (as in `repeat_kv`), so a reshape
-            // puts a group's heads into consecutive rows of its KV head.
-            let rows = hq / hkv * sq;
-            let q = q.reshape([b, hkv, rows, d]);
-            let mask = opts
-                .key_padding
-                .clone()
-                .map(|p| p.reshape([b, 1, 1, skv]).expand([b, hkv, rows, skv]));
-            return attention(q, k, v, mask, None, options).reshape([b, hq, sq, d]);
-        }
-        let k = repeat_kv(k, hq / hkv);
-        let v = repeat_kv(v, hq / hkv);
         // Burn's own causal flag is top-left aligned; with no padding and a square problem the
         // two agree and the flag lets the kernel skip tiles.
         if opts.causal && sq == skv && opts.key_padding.is_none() {

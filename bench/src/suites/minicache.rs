@@ -164,6 +164,7 @@ fn footprint(
     positions: usize,
 ) -> Footprint {
     let (hkv, d, layers) = (cfg.num_kv_heads, cfg.head_dim, cfg.num_layers);
+    let g = (cfg.num_heads / hkv) as u64;
     let s = seq_bytes(cfg, b, grown);
     let rows = b * hkv * grown;
     let pairs = if kind.merges() {
@@ -211,13 +212,14 @@ fn footprint(
     held.extend(cache);
     // A step's rebuilt keys and values: the full cache's concatenations; a quantized or
     // merged layer's dequantized / restored sequence, its reordered copy (keys) and the
-    // concatenations with the window and the new token, some of them alive at once.
+    // concatenations with the window and the new token, some of them alive at once; then
+    // both repeated over the query heads for Burn's attention.
     let rebuilt = if kind == Kind::Full { 2 } else { 5 };
     let fill = seq_bytes(cfg, b, ctx);
     Footprint {
         held,
         phases: vec![
-            vec![(s, rebuilt)],
+            vec![(s, rebuilt), (s * g, 2)],
             vec![(fill, 8), ((b * hkv * ctx * 4) as u64, 1)],
         ],
         host: 2_000_000_000,

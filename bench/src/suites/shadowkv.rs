@@ -32,9 +32,9 @@
 //!   record's `profile_*` params), then eight timed steps. tokens/s = batch / median step;
 //!   the cache grows by one token per step (≤ 16 in all).
 //!
-//! The full cache (`FullKvCache`) concatenates its keys and values for every step (a copy of
-//! a layer's keys and values, a cost of this baseline that shrinks its batch a little). Decode
-//! attention reads each KV head once: `BurnAttention` folds a group's query heads into rows.
+//! The full cache (`FullKvCache`) concatenates its keys and values for every step and Burn's
+//! attention needs the KV heads repeated (4× the keys and values of a layer, materialized):
+//! both are costs of this baseline, not of decoding at large, and both shrink its batch.
 
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -157,16 +157,16 @@ pub fn suite<B: KvBackend>(opts: SuiteOptions) -> Suite<B> {
 }
 
 /// The full cache: weights, `2·layers` cache tensors; a step concatenates a layer's keys and
-/// values (new tensors before the old are freed; Burn's attention folds the query heads of a
-/// KV group into rows, so nothing is repeated). The fill stores what it draws, so it has no
-/// working set of its own.
+/// values (new tensors before the old are freed) and repeats them over the query heads. The
+/// fill stores what it draws, so it has no working set of its own.
 fn full_footprint(cfg: &LlamaConfig, b: usize, grown: usize, positions: usize) -> Footprint {
+    let g = cfg.num_heads / cfg.num_kv_heads;
     let s = seq_bytes(cfg, b, grown);
     let mut held = weight_allocs(cfg, positions);
     held.push((s, 2 * cfg.num_layers));
     Footprint {
         held,
-        phases: vec![vec![(s, 2)]],
+        phases: vec![vec![(s, 2), (s * g as u64, 2)]],
         host: 0,
     }
 }
@@ -174,7 +174,7 @@ fn full_footprint(cfg: &LlamaConfig, b: usize, grown: usize, positions: usize) -
 /// ShadowKV's layers after the prefill (see `burn_kvcache::shadowkv`), the fill's working set
 /// (one sequence's keys and values, a copy, and the compression's f32 copies of the keys) and
 /// a step's (f32 landmark scores, rebuilt keys, the values in use, the concatenated keys and
-/// values).
+/// values repeated over the query heads).
 fn shadow_footprint(
     cfg: &LlamaConfig,
     sk: &ShadowKvConfig,
@@ -184,6 +184,7 @@ fn shadow_footprint(
     positions: usize,
 ) -> Footprint {
     let (hkv, d, layers) = (cfg.num_kv_heads, cfg.head_dim, cfg.num_layers);
+    let g = (cfg.num_heads / hkv) as u64;
     let chunks = ctx / sk.chunk - sk.local_chunks;
     let chunked = chunks * sk.chunk;
     let landmarks = chunks - sk.outlier_chunks;
@@ -214,6 +215,7 @@ fn shadow_footprint(
                 ((b * cfg.num_heads * landmarks * 4) as u64, 3),
                 (seq(selected), 3),
                 (seq(attended), 2),
+                (g * seq(attended), 2),
             ],
         ],
         host: (layers * b * hkv * chunked * d) as u64 * F16 + one + 2_000_000_000,
