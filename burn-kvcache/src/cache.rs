@@ -18,6 +18,11 @@ pub struct QuantConfig {
     /// Most recent tokens kept in full precision (at least this many, fewer than
     /// `residual + group_size`).
     pub residual: usize,
+    /// On backends with the kernel ([`crate::KvBackend::kv_has_quant_attention`]), attend
+    /// straight from the packed keys and values ([`crate::quant_attention`]) instead of
+    /// dequantizing the layer for the model's attention. The model's `AttentionImpl` is then
+    /// not called for quantized layers.
+    pub fused_attention: bool,
 }
 
 impl Default for QuantConfig {
@@ -26,6 +31,7 @@ impl Default for QuantConfig {
             bits: 4,
             group_size: 32,
             residual: 32,
+            fused_attention: true,
         }
     }
 }

@@ -1,9 +1,10 @@
 //! `CubeBackend` runs the CubeCL kernels.
 
-use burn::tensor::{Int, Tensor, TensorPrimitive};
+use burn::tensor::{Int, IntDType, Tensor, TensorPrimitive};
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+use burn_kernels_core::AttnOptions;
 
-use crate::{KvBackend, Merged, Packed, QuantLayout, kernels};
+use crate::{KvBackend, Merged, Packed, QuantAttnView, QuantLayout, kernels};
 
 type Cb<R, F, I, BT> = CubeBackend<R, F, I, BT>;
 
@@ -64,6 +65,69 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> KvBackend
             packed.scale.clone().into_primitive().tensor(),
             packed.min.clone().into_primitive().tensor(),
             layout,
+        ))
+    }
+
+    fn kv_has_quant_attention() -> bool {
+        true
+    }
+
+    fn kv_quant_attention(
+        q: Tensor<Self, 4>,
+        view: &QuantAttnView<Self>,
+        opts: &AttnOptions<Self>,
+    ) -> Tensor<Self, 4> {
+        let (Some((kp, kl)), Some((vp, vl))) = (&view.keys, &view.values) else {
+            // Only full-precision positions: nothing to dequantize.
+            return crate::reference::quant_attention(q, view, opts);
+        };
+        let [_, hq, sq, _] = q.dims();
+        let [hkv, tail] = match &view.tail {
+            Some((tk, _)) => [tk.dims()[1], tk.dims()[2]],
+            None => [vp.scale.dims()[0] / (q.dims()[0] * view.qlen), 0],
+        };
+        let args = kernels::quant_attention::QuantAttnArgs {
+            rows: 0,
+            hkv,
+            group: hq / hkv,
+            sq,
+            qlen: view.qlen,
+            tail,
+            kblocks: view.qlen / kl.cols,
+            kgroup: kl.cols,
+            kwords: kl.words_per_group(),
+            vgroups: vl.groups(),
+            vgroup: vl.group_len(),
+            vwords: vl.words_per_group(),
+            bits: kl.bits,
+            split: 0,
+            splits: 0,
+            scale: opts.scale,
+        };
+        let parts = |p: &Packed<Self>| {
+            (
+                p.words.clone().into_primitive(),
+                p.scale.clone().into_primitive().tensor(),
+                p.min.clone().into_primitive().tensor(),
+            )
+        };
+        let inputs = kernels::quant_attention::QuantAttnInputs {
+            q: q.into_primitive().tensor(),
+            k: parts(kp),
+            v: parts(vp),
+            tail: view
+                .tail
+                .clone()
+                .map(|(k, v)| (k.into_primitive().tensor(), v.into_primitive().tensor())),
+            mask: opts
+                .key_padding
+                .clone()
+                .map(|m| m.int().cast(IntDType::I32).into_primitive()),
+        };
+        float(kernels::quant_attention::quant_attention(
+            inputs,
+            args,
+            opts.causal,
         ))
     }
 

@@ -96,6 +96,7 @@ pub use error::KvCacheError;
 pub use shadowkv::{DecodeTimings, RopeParams, ShadowBytes, ShadowKvCache, ShadowKvConfig};
 
 use burn::tensor::{DType, Int, Tensor, backend::Backend};
+use burn_kernels_core::AttnOptions;
 
 /// The shared direction, both magnitudes and the angular distance of merged row pairs.
 #[derive(Debug, Clone)]
@@ -222,6 +223,24 @@ pub trait KvBackend: Backend {
         reference::dequantize(packed, layout)
     }
 
+    /// Whether [`quant_attention`] runs a kernel on this backend. [`QuantKv`] then attends
+    /// straight from its packed keys and values at each step (see
+    /// [`QuantConfig::fused_attention`]); elsewhere it dequantizes them for the model's
+    /// attention.
+    fn kv_has_quant_attention() -> bool {
+        false
+    }
+
+    /// # Shapes
+    /// See [`quant_attention`].
+    fn kv_quant_attention(
+        q: Tensor<Self, 4>,
+        view: &QuantAttnView<Self>,
+        opts: &AttnOptions<Self>,
+    ) -> Tensor<Self, 4> {
+        reference::quant_attention(q, view, opts)
+    }
+
     /// # Shapes
     /// See [`gather_reconstruct_rope`].
     fn shadowkv_gather_reconstruct_rope(
@@ -333,6 +352,103 @@ pub fn quantize<B: KvBackend>(
 /// - `packed` as returned with `layout`; returns `[rows, layout.cols]`
 pub fn dequantize<B: KvBackend>(packed: &Packed<B>, layout: QuantLayout) -> Tensor<B, 2> {
     B::kv_dequantize(packed, layout)
+}
+
+/// One layer's KIVI-quantized keys and values as [`QuantKv`] holds them, and the
+/// full-precision positions after them, for [`quant_attention`].
+///
+/// # Shapes
+/// With `n = qlen` quantized positions, `g = keys.1.cols` tokens per key group:
+/// - `keys`: per-channel rows, [`Packed`] of `[b·hkv·(n/g)·d, …]`, layout `cols = g`: row
+///   `((b·hkv + h)·(n/g) + block)·d + c` holds channel `c` of the block's `g` tokens
+/// - `values`: per-token rows, [`Packed`] of `[b·hkv·n, …]`, layout `cols = d`
+/// - `tail`: keys and values `[b, hkv, t, d]` after the quantized positions, in the dtype of
+///   the query
+#[derive(Debug, Clone)]
+pub struct QuantAttnView<B: Backend> {
+    pub keys: Option<(Packed<B>, QuantLayout)>,
+    pub values: Option<(Packed<B>, QuantLayout)>,
+    /// Quantized positions, a multiple of the key group.
+    pub qlen: usize,
+    pub tail: Option<(Tensor<B, 4>, Tensor<B, 4>)>,
+}
+
+/// Attention over a quantized layer (see [`QuantAttnView`]) and its tail, keys and values
+/// dequantized as they are read: the same result as dequantizing the layer, concatenating the
+/// tail and calling [`burn_kernels_core::ReferenceAttention`] (which is what backends without
+/// the kernel run), but without the f16 copies. Masks as [`AttnOptions`] documents (causal
+/// bottom-right, key padding over all `qlen + t` positions); rows that see no key return
+/// zeros.
+///
+/// # Shapes
+/// - `q`: `[b, hq, sq, d]`, `hq` a multiple of `hkv`; returns `[b, hq, sq, d]`
+///
+/// # Errors
+/// [`KvCacheError::ShapeMismatch`] when the view's parts disagree with each other or with
+/// `q`, or a causal query is longer than the keys; [`KvCacheError::DTypeMismatch`] when the
+/// tail or the scales are not in the query's dtype.
+pub fn quant_attention<B: KvBackend>(
+    q: Tensor<B, 4>,
+    view: &QuantAttnView<B>,
+    opts: &AttnOptions<B>,
+) -> Result<Tensor<B, 4>, KvCacheError> {
+    let [b, hq, sq, d] = q.dims();
+    let mismatch =
+        |left: Vec<usize>, right: Vec<usize>| KvCacheError::ShapeMismatch { left, right };
+    let n = view.qlen;
+    let (hkv, t) = match (&view.tail, &view.values) {
+        (Some((tk, tv)), _) => {
+            let [tb, th, tt, td] = tk.dims();
+            if tv.dims() != tk.dims() || tb != b || td != d {
+                return Err(mismatch(tk.dims().to_vec(), tv.dims().to_vec()));
+            }
+            if tk.dtype() != q.dtype() || tv.dtype() != q.dtype() {
+                return Err(KvCacheError::DTypeMismatch);
+            }
+            (th, tt)
+        }
+        (None, Some((p, _))) if b * n > 0 => (p.scale.dims()[0] / (b * n), 0),
+        _ => return Err(mismatch(vec![b, 0, 0, d], vec![n])),
+    };
+    if hkv == 0 || hq % hkv != 0 {
+        return Err(mismatch(vec![b, hq, sq, d], vec![b, hkv, t, d]));
+    }
+    match (&view.keys, &view.values) {
+        (Some((kp, kl)), Some((vp, vl))) => {
+            let g = kl.cols;
+            if g == 0 || n % g != 0 || kl.groups() != 1 || vl.cols != d {
+                return Err(mismatch(vec![n, d], vec![g, vl.cols]));
+            }
+            let (krows, vrows) = (b * hkv * (n / g) * d, b * hkv * n);
+            let shapes_ok = kp.scale.dims() == [krows, 1]
+                && kp.min.dims() == [krows, 1]
+                && kp.words.dims() == [krows, kl.words_per_group()]
+                && vp.scale.dims() == [vrows, vl.groups()]
+                && vp.min.dims() == [vrows, vl.groups()]
+                && vp.words.dims() == [vrows, vl.groups() * vl.words_per_group()];
+            if !shapes_ok || kl.bits != vl.bits {
+                return Err(mismatch(kp.scale.dims().to_vec(), vp.scale.dims().to_vec()));
+            }
+            if [&kp.scale, &kp.min, &vp.scale, &vp.min]
+                .iter()
+                .any(|x| x.dtype() != q.dtype())
+            {
+                return Err(KvCacheError::DTypeMismatch);
+            }
+        }
+        (None, None) if n == 0 && t > 0 => {}
+        _ => return Err(mismatch(vec![n], vec![t])),
+    }
+    let skv = n + t;
+    if opts.causal && sq > skv {
+        return Err(mismatch(vec![sq], vec![skv]));
+    }
+    if let Some(m) = &opts.key_padding
+        && m.dims() != [b, skv]
+    {
+        return Err(mismatch(vec![b, skv], m.dims().to_vec()));
+    }
+    Ok(B::kv_quant_attention(q, view, opts))
 }
 
 /// ShadowKV's fused key rebuild: for each `(batch, head)` and each of its `k` chunk ids `c`,

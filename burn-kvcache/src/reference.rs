@@ -4,7 +4,10 @@
 
 use burn::tensor::{DType, ElementConversion, Int, IntDType, Tensor, TensorData, backend::Backend};
 
-use crate::{Merged, Packed, QuantLayout};
+use burn_kernels_core::{AttentionImpl, AttnOptions, ReferenceAttention};
+
+use crate::store::{Axis, seq_from_rows};
+use crate::{Merged, Packed, QuantAttnView, QuantLayout};
 
 /// Below this a norm counts as zero (the direction of a zero vector is the zero vector).
 pub const NORM_EPS: f32 = 1e-12;
@@ -249,4 +252,35 @@ pub fn gather_reconstruct_rope<B: Backend>(
     );
     let keep = valid.reshape([b, h, n, 1]).expand([b, h, n, d]);
     out.mask_fill(keep.bool_not(), 0.0).cast(dtype)
+}
+
+/// Attention over a quantized layer and its tail: dequantize, concatenate, and
+/// [`ReferenceAttention`]. See [`crate::quant_attention`].
+///
+/// # Shapes
+/// - as [`crate::quant_attention`] documents
+pub fn quant_attention<B: crate::KvBackend>(
+    q: Tensor<B, 4>,
+    view: &QuantAttnView<B>,
+    opts: &AttnOptions<B>,
+) -> Tensor<B, 4> {
+    let [b, _, _, d] = q.dims();
+    let n = view.qlen;
+    let quantized = match (&view.keys, &view.values) {
+        (Some((kp, kl)), Some((vp, vl))) => {
+            let h = vp.scale.dims()[0] / (b * n);
+            let k = seq_from_rows(dequantize(kp, *kl), Axis::PerChannel, [b, h, n, d]);
+            let v = seq_from_rows(dequantize(vp, *vl), Axis::PerToken, [b, h, n, d]);
+            Some((k, v))
+        }
+        _ => None,
+    };
+    let (k, v) = match (quantized, view.tail.clone()) {
+        (Some((k, v)), Some((tk, tv))) => {
+            (Tensor::cat(vec![k, tk], 2), Tensor::cat(vec![v, tv], 2))
+        }
+        (Some(kv), None) | (None, Some(kv)) => kv,
+        (None, None) => unreachable!("validated: a view holds positions"),
+    };
+    ReferenceAttention.attend(0, q, k, v, opts)
 }

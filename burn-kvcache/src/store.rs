@@ -1,9 +1,11 @@
 //! Storage of one growing sequence `[batch, heads, seq, head_dim]` (full or KIVI-quantized)
 //! and of a growing list of rows `[rows, head_dim]` (full or quantized per row).
 
-use burn::tensor::{Int, Tensor};
+use burn::tensor::{Int, Tensor, backend::Backend};
 
-use crate::{KvBackend, Packed, QuantLayout, bytes_of, bytes_of_int, cache::QuantConfig};
+use crate::{
+    KvBackend, Packed, QuantAttnView, QuantLayout, bytes_of, bytes_of_int, cache::QuantConfig,
+};
 
 /// Which way a quantized sequence is grouped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -124,12 +126,13 @@ impl<B: KvBackend> QuantSeq<B> {
         self.qlen += n;
     }
 
-    fn dequantized(&self) -> Option<Tensor<B, 4>> {
+    /// The quantized blocks as the 2-D rows [`crate::quantize`] packs (see
+    /// [`crate::QuantAttnView`]).
+    fn packed(&self) -> Option<(Packed<B>, QuantLayout)> {
         let blocks = self.blocks.as_ref()?;
         let [b, h, d] = self.dims.expect("set with the blocks");
         let layout = self.layout(d);
         let nb = blocks.words.dims()[2];
-        let g = self.cfg.group_size;
         let rows = match self.axis {
             Axis::PerToken => b * h * nb,
             Axis::PerChannel => b * h * nb * d,
@@ -142,15 +145,17 @@ impl<B: KvBackend> QuantSeq<B> {
             scale: blocks.scale.clone().reshape([rows, layout.groups()]),
             min: blocks.min.clone().reshape([rows, layout.groups()]),
         };
-        let x = B::kv_dequantize(&packed, layout);
-        Some(match self.axis {
-            Axis::PerToken => x.reshape([b, h, nb, d]),
-            Axis::PerChannel => {
-                x.reshape([b, h, nb, d, g])
-                    .swap_dims(3, 4)
-                    .reshape([b, h, nb * g, d])
-            }
-        })
+        Some((packed, layout))
+    }
+
+    fn dequantized(&self) -> Option<Tensor<B, 4>> {
+        let (packed, layout) = self.packed()?;
+        let [b, h, d] = self.dims.expect("set with the blocks");
+        Some(seq_from_rows(
+            B::kv_dequantize(&packed, layout),
+            self.axis,
+            [b, h, self.qlen, d],
+        ))
     }
 
     fn read(&self) -> Option<Tensor<B, 4>> {
@@ -182,6 +187,24 @@ impl<B: KvBackend> QuantSeq<B> {
             bytes_of_int(&b.words) + bytes_of(&b.scale) + bytes_of(&b.min)
         });
         blocks + self.residual.as_ref().map_or(0, bytes_of)
+    }
+}
+
+/// Dequantized rows back in sequence order: per-token rows `[b·h·n, d]` or per-channel rows
+/// `[b·h·(n/g)·d, g]` (`g` tokens of one channel each) to `[b, h, n, d]`.
+pub(crate) fn seq_from_rows<B: Backend>(
+    x: Tensor<B, 2>,
+    axis: Axis,
+    [b, h, n, d]: [usize; 4],
+) -> Tensor<B, 4> {
+    match axis {
+        Axis::PerToken => x.reshape([b, h, n, d]),
+        Axis::PerChannel => {
+            let g = x.dims()[1];
+            x.reshape([b, h, n / g, d, g])
+                .swap_dims(3, 4)
+                .reshape([b, h, n, d])
+        }
     }
 }
 
@@ -240,13 +263,29 @@ impl<B: KvBackend> SeqStore<B> {
         opts: &burn_kernels_core::AttnOptions<B>,
     ) -> Tensor<B, 4> {
         let (ks, vs) = pair;
-        let out = attention.attend(
-            layer,
-            q,
-            ks.read_with(k.clone()),
-            vs.read_with(v.clone()),
-            opts,
-        );
+        let out = match (&*ks, &*vs) {
+            (Self::Quant(kq), Self::Quant(vq))
+                if kq.cfg.fused_attention && kq.blocks.is_some() && B::kv_has_quant_attention() =>
+            {
+                let view = QuantAttnView {
+                    keys: kq.packed(),
+                    values: vq.packed(),
+                    qlen: kq.qlen,
+                    tail: Some((
+                        cat4(kq.residual.clone(), k.clone()),
+                        cat4(vq.residual.clone(), v.clone()),
+                    )),
+                };
+                crate::quant_attention(q, &view, opts).expect("the cache's own layout")
+            }
+            _ => attention.attend(
+                layer,
+                q,
+                ks.read_with(k.clone()),
+                vs.read_with(v.clone()),
+                opts,
+            ),
+        };
         ks.append(k);
         vs.append(v);
         out

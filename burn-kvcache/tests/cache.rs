@@ -167,6 +167,7 @@ fn quantized_close_to_full<B: KvBackend>(device: &B::Device) {
             bits,
             group_size: 32,
             residual: 16,
+            ..QuantConfig::default()
         };
         let mut qkv = QuantKv::<B>::new(LAYERS, q).unwrap();
         let mut full = FullKvCache::<B>::new(LAYERS);
@@ -354,6 +355,7 @@ fn cache_config_errors() {
         bits,
         group_size,
         residual: 32,
+        ..QuantConfig::default()
     };
     assert_eq!(
         QuantKv::<Cpu>::new(4, q(3, 32)).unwrap_err(),

@@ -263,6 +263,11 @@ fn budget_covers_context_matches_full<B: KvBackend>(device: &B::Device) {
         let t = sk.timings();
         assert_eq!(t.layer_steps, LAYERS * steps.len());
         assert!(t.chunks_reused > 0, "{t:?}");
+        // The transfer's parts are timed inside it.
+        assert!(
+            t.transfer_host + t.transfer_upload + t.transfer_assemble <= t.transfer,
+            "{t:?}"
+        );
 
         // Truncating into the prompt rebuilds it (full rank: exactly) as a full cache.
         let mut sk =

@@ -1,6 +1,8 @@
 //! MiniCache, KIVI-style 4-bit quantization and both against the full cache: the device memory
 //! a cache holds and decode tokens/s of a random-weight Llama-3-8B-shaped model (f16), each
-//! cache at the largest batch that fits, at 8K and 32K tokens of context.
+//! cache at the largest batch that fits, at 8K and 32K tokens of context. KIVI-4 runs twice:
+//! `quant4` attends straight from the codes (`burn_kvcache::quant_attention`, the default),
+//! `quant4-dequant` dequantizes each layer for Burn's attention (the path before it).
 //!
 //! # Method
 //!
@@ -57,15 +59,19 @@ const UNALIGNED: f64 = 0.05;
 enum Kind {
     Full,
     MiniCache,
+    /// KIVI-4 with the attention read from the codes (`quant_attention`, the default).
     Quant4,
+    /// KIVI-4 dequantizing each layer for Burn's attention (`fused_attention: false`).
+    Quant4Dequant,
     MiniCacheQuant4,
 }
 
 impl Kind {
-    const ALL: [Kind; 4] = [
+    const ALL: [Kind; 5] = [
         Kind::Full,
         Kind::MiniCache,
         Kind::Quant4,
+        Kind::Quant4Dequant,
         Kind::MiniCacheQuant4,
     ];
 
@@ -74,12 +80,20 @@ impl Kind {
             Kind::Full => "full",
             Kind::MiniCache => "minicache",
             Kind::Quant4 => "quant4",
+            Kind::Quant4Dequant => "quant4-dequant",
             Kind::MiniCacheQuant4 => "minicache+quant4",
         }
     }
 
     fn quant(self) -> Option<QuantConfig> {
-        matches!(self, Kind::Quant4 | Kind::MiniCacheQuant4).then(|| QuantConfig::bits(4))
+        match self {
+            Kind::Quant4 | Kind::MiniCacheQuant4 => Some(QuantConfig::bits(4)),
+            Kind::Quant4Dequant => Some(QuantConfig {
+                fused_attention: false,
+                ..QuantConfig::bits(4)
+            }),
+            Kind::Full | Kind::MiniCache => None,
+        }
     }
 
     fn merges(self) -> bool {
@@ -134,8 +148,9 @@ pub fn suite<B: KvBackend>(opts: SuiteOptions) -> Suite<B> {
     Suite {
         name: "minicache",
         description: "Decode tokens/s and KV bytes held, random-weight Llama-3-8B shape, f16, \
-                      synthetic prompts: MiniCache (from layer 16, t 0.6, γ 0.05), KIVI 4-bit, \
-                      both, vs the full cache, each at the largest batch that fits",
+                      synthetic prompts: MiniCache (from layer 16, t 0.6, γ 0.05), KIVI 4-bit \
+                      (read from the codes, and dequantized for Burn's attention), both, vs \
+                      the full cache, each at the largest batch that fits",
         baseline: "full",
         problems,
         measure_memory: false,
@@ -213,13 +228,22 @@ fn footprint(
     // A step's rebuilt keys and values: the full cache's concatenations; a quantized or
     // merged layer's dequantized / restored sequence, its reordered copy (keys) and the
     // concatenations with the window and the new token, some of them alive at once; then
-    // both repeated over the query heads for Burn's attention.
-    let rebuilt = if kind == Kind::Full { 2 } else { 5 };
+    // both repeated over the query heads for Burn's attention. The fused quantized read
+    // rebuilds nothing: its working set is the f32 partial results of its key splits.
+    let step = match kind {
+        Kind::Quant4 => {
+            let splits = grown.div_ceil(burn_kvcache::kernels::quant_attention::SPLIT) as u64;
+            let rows = (b * cfg.num_heads) as u64;
+            vec![(rows * splits * d as u64 * 4, 1), (rows * splits * 4, 2)]
+        }
+        Kind::Full => vec![(s, 2), (s * g, 2)],
+        _ => vec![(s, 5), (s * g, 2)],
+    };
     let fill = seq_bytes(cfg, b, ctx);
     Footprint {
         held,
         phases: vec![
-            vec![(s, rebuilt), (s * g, 2)],
+            step,
             vec![(fill, 8), ((b * hkv * ctx * 4) as u64, 1)],
         ],
         host: 2_000_000_000,
@@ -355,8 +379,8 @@ fn run<B: KvBackend>(
     let mc = MiniCacheConfig::default();
     let mut cache = match kind {
         Kind::Full => Held::Other(Box::new(FullKvCache::<B>::new(layers))),
-        Kind::Quant4 => Held::Other(Box::new(
-            QuantKv::<B>::new(layers, QuantConfig::bits(4)).map_err(err)?,
+        Kind::Quant4 | Kind::Quant4Dequant => Held::Other(Box::new(
+            QuantKv::<B>::new(layers, kind.quant().expect("quantized")).map_err(err)?,
         )),
         Kind::MiniCache => Held::Mini(MiniCacheKv::<B>::new(layers, mc).map_err(err)?),
         Kind::MiniCacheQuant4 => {
@@ -474,7 +498,12 @@ mod tests {
                 p.unwrap().batch
             };
             let full = batch(Kind::Full);
-            for k in [Kind::MiniCache, Kind::Quant4, Kind::MiniCacheQuant4] {
+            for k in [
+                Kind::MiniCache,
+                Kind::Quant4,
+                Kind::Quant4Dequant,
+                Kind::MiniCacheQuant4,
+            ] {
                 assert!(batch(k) >= full);
             }
         }

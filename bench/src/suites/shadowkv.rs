@@ -461,6 +461,11 @@ fn run_shadow<B: KvBackend>(
         ms(t.reconstruct),
         ms(t.attention),
     );
+    let (t_host, t_upload, t_assemble) = (
+        ms(t.transfer_host),
+        ms(t.transfer_upload),
+        ms(t.transfer_assemble),
+    );
     let (_, prof_step) = median_mean(&prof);
     let rest = prof_step - scoring - transfer - reconstruct - attention;
     let reuse = |t: burn_kvcache::DecodeTimings| {
@@ -468,7 +473,8 @@ fn run_shadow<B: KvBackend>(
     };
     eprintln!(
         "  {label} shadowkv: profiled step {prof_step:.1} ms = scoring {scoring:.1} + \
-         transfer {transfer:.1} + reconstruct {reconstruct:.1} + attention {attention:.1} + \
+         transfer {transfer:.1} (host staging {t_host:.1}, upload {t_upload:.1}, device \
+         assembly {t_assemble:.1}) + reconstruct {reconstruct:.1} + attention {attention:.1} + \
          rest of the model {rest:.1} ms; {:.0}% of the chunks reused",
         100.0 * reuse(t)
     );
@@ -482,6 +488,9 @@ fn run_shadow<B: KvBackend>(
         ("profile_step_ms", json!(prof_step)),
         ("profile_scoring_ms", json!(scoring)),
         ("profile_transfer_ms", json!(transfer)),
+        ("profile_transfer_host_ms", json!(t_host)),
+        ("profile_transfer_upload_ms", json!(t_upload)),
+        ("profile_transfer_assemble_ms", json!(t_assemble)),
         ("profile_reconstruct_ms", json!(reconstruct)),
         ("profile_attention_ms", json!(attention)),
         ("profile_rest_ms", json!(rest)),

@@ -5,7 +5,9 @@
 //! - [`restore`]: one unit per output element;
 //! - [`quantize`]: one unit per group (min/max, codes, its packed words);
 //! - [`dequantize`]: one unit per output element;
-//! - [`gather_rope`]: ShadowKV's key rebuild, one unit per rotated pair of output elements.
+//! - [`gather_rope`]: ShadowKV's key rebuild, one unit per rotated pair of output elements;
+//! - [`quant_attention`]: attention read from packed KIVI keys and values (split keys, one
+//!   unit per query row and split, then one per output element to combine the splits).
 //!
 //! Outputs are allocated with `empty_device_contiguous_dtype`: the kernels index them linearly,
 //! and CubeCL's CUDA runtime may pitch (row-pad) a plain 2-D allocation.
@@ -13,6 +15,7 @@
 pub mod dequantize;
 pub mod gather_rope;
 pub mod merge;
+pub mod quant_attention;
 pub mod quantize;
 pub mod restore;
 

@@ -155,8 +155,16 @@ pub struct DecodeTimings {
     pub layer_steps: usize,
     /// Landmark scores, their read-back and the host top-k.
     pub scoring: Duration,
-    /// Host→device value upload and the reuse gather.
+    /// Host→device value upload and the reuse gather (the three parts below and the rest).
     pub transfer: Duration,
+    /// Part of `transfer`: picking reused slots and copying the fetched chunks into staging
+    /// rows on the host.
+    pub transfer_host: Duration,
+    /// Part of `transfer`: creating the device tensor from the staged rows (the runtime's
+    /// pinned staging copy and the host→device copy).
+    pub transfer_upload: Duration,
+    /// Part of `transfer`: joining the reused and fetched rows on the device, in slot order.
+    pub transfer_assemble: Duration,
     /// The gather-reconstruct-rope kernel.
     pub reconstruct: Duration,
     /// Concatenation, mask and attention.
@@ -813,7 +821,12 @@ impl<B: KvBackend> ShadowKvCache<B> {
         self.timings.chunks_fetched += fetched;
         self.timings.chunks_reused += b * h * kk - fetched;
         debug_assert_eq!(staging.rows(), fetched);
+        let t_up = Instant::now();
+        self.timings.transfer_host += t_up - t1;
         let fresh = (fetched > 0).then(|| staging.upload::<B>(cs * d, dtype, &device));
+        sync::<B>(profile, &device);
+        let t_asm = Instant::now();
+        self.timings.transfer_upload += t_asm - t_up;
         let pool = match (sp.prev.take(), fresh) {
             (Some(p), Some(f)) => Tensor::cat(vec![p.values, f], 0),
             (Some(p), None) => p.values,
@@ -832,6 +845,7 @@ impl<B: KvBackend> ShadowKvCache<B> {
             values: values.clone(),
         });
         sync::<B>(profile, &device);
+        self.timings.transfer_assemble += t_asm.elapsed();
         self.timings.transfer += t1.elapsed();
 
         // Reconstruct the selected keys.

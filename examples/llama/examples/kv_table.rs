@@ -93,6 +93,7 @@ fn main() {
         bits: 4,
         group_size: args.group,
         residual: args.residual,
+        ..QuantConfig::default()
     };
     eprintln!(
         "{}: {} tokens, prefix {prefix}, {} scored, chunk {}; {layers} layers, {} KV heads, \

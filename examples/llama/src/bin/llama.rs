@@ -126,6 +126,7 @@ impl KvArgs {
                 bits: 4,
                 group_size: self.kv_group,
                 residual: self.kv_residual,
+                ..QuantConfig::default()
             },
             bits_override: self.kv_bits,
             shadowkv: ShadowKvConfig {
