@@ -242,10 +242,7 @@ fn footprint(
     let fill = seq_bytes(cfg, b, ctx);
     Footprint {
         held,
-        phases: vec![
-            step,
-            vec![(fill, 8), ((b * hkv * ctx * 4) as u64, 1)],
-        ],
+        phases: vec![step, vec![(fill, 8), ((b * hkv * ctx * 4) as u64, 1)]],
         host: 2_000_000_000,
     }
 }
