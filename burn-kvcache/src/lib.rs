@@ -416,7 +416,7 @@ pub fn quant_attention<B: KvBackend>(
     match (&view.keys, &view.values) {
         (Some((kp, kl)), Some((vp, vl))) => {
             let g = kl.cols;
-            if g == 0 || n % g != 0 || kl.groups() != 1 || vl.cols != d {
+            if g == 0 || !n.is_multiple_of(g) || kl.groups() != 1 || vl.cols != d {
                 return Err(mismatch(vec![n, d], vec![g, vl.cols]));
             }
             let (krows, vrows) = (b * hkv * (n / g) * d, b * hkv * n);

@@ -349,46 +349,23 @@ fn cache_fused_matches_dequantized<B: KvBackend>(device: &B::Device) {
             };
             let (q, k, v) = (rnd([b, hq, n, d]), rnd([b, hkv, n, d]), rnd([b, hkv, n, d]));
             for layer in 0..layers {
-                let a = KvCache::attend(
-                    &mut fused,
-                    layer,
-                    q.clone(),
-                    k.clone(),
-                    v.clone(),
-                    &ReferenceAttention,
-                    &opts,
-                );
-                let p = KvCache::attend(
-                    &mut plain,
-                    layer,
-                    q.clone(),
-                    k.clone(),
-                    v.clone(),
-                    &ReferenceAttention,
-                    &opts,
-                );
-                let f = KvCache::attend(
-                    &mut full,
-                    layer,
-                    q.clone(),
-                    k.clone(),
-                    v.clone(),
-                    &ReferenceAttention,
-                    &opts,
-                );
+                let caches: [&mut dyn KvCache<B>; 3] = [&mut fused, &mut plain, &mut full];
+                let [a, p, f] = caches.map(|c| {
+                    let y = c.attend(
+                        layer,
+                        q.clone(),
+                        k.clone(),
+                        v.clone(),
+                        &ReferenceAttention,
+                        &opts,
+                    );
+                    to_f32(y.into_data())
+                });
                 if n == 1 {
-                    let (a, p, f) = (
-                        to_f32(a.into_data()),
-                        to_f32(p.into_data()),
-                        to_f32(f.into_data()),
-                    );
-                    let name = format!("quant{bits} layer {layer} at {}", fused.seq_len());
-                    assert_close(
-                        &name,
-                        &a,
-                        &p,
-                        Tolerance::for_reduction(DType::F32, d + fused.seq_len()),
-                    );
+                    let len = fused.seq_len();
+                    let name = format!("quant{bits} layer {layer} at {len}");
+                    let tol = Tolerance::for_reduction(DType::F32, d + len);
+                    assert_close(&name, &a, &p, tol);
                     // And the fused read differs from the exact cache (it does read the codes).
                     assert!(
                         a.iter().zip(&f).any(|(x, y)| (x - y).abs() > 1e-4),
