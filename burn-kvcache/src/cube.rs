@@ -81,11 +81,9 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> KvBackend
             // Only full-precision positions: nothing to dequantize.
             return crate::reference::quant_attention(q, view, opts);
         };
-        let [_, hq, sq, _] = q.dims();
-        let [hkv, tail] = match &view.tail {
-            Some((tk, _)) => [tk.dims()[1], tk.dims()[2]],
-            None => [vp.scale.dims()[0] / (q.dims()[0] * view.qlen), 0],
-        };
+        let [b, hq, sq, _] = q.dims();
+        let hkv = view.kv_heads(b);
+        let tail = view.tail.as_ref().map_or(0, |(tk, _)| tk.dims()[2]);
         let args = kernels::quant_attention::QuantAttnArgs {
             rows: 0,
             hkv,

@@ -17,7 +17,7 @@
 //!   retained tokens are quantized, the magnitudes stay in the model dtype.
 //!
 //! The four ops they are built on are public, validated, and run as CubeCL kernels on
-//! `CubeBackend` ([`kernels`]) or as plain tensor ops elsewhere ([`reference`]):
+//! `CubeBackend` ([`kernels`]) or as plain tensor ops elsewhere ([`reference`](mod@reference)):
 //! [`merge`], [`restore`], [`quantize`], [`dequantize`].
 //!
 //! ## MiniCache: the choices made here (no official code exists)
@@ -191,7 +191,7 @@ impl QuantLayout {
 /// Backends that run the MiniCache and quantization ops.
 ///
 /// `CubeBackend` runs the CubeCL kernels; the CPU reference backend (`NdArray`) uses the
-/// default methods, which are the tensor ops in [`reference`]. Another backend can opt in
+/// default methods, which are the tensor ops in [`reference`](mod@reference). Another backend can opt in
 /// with an empty `impl`. Callers go through [`merge`], [`restore`], [`quantize`] and
 /// [`dequantize`], which validate the arguments.
 pub trait KvBackend: Backend {
@@ -373,6 +373,19 @@ pub struct QuantAttnView<B: Backend> {
     pub tail: Option<(Tensor<B, 4>, Tensor<B, 4>)>,
 }
 
+impl<B: Backend> QuantAttnView<B> {
+    /// KV heads of the view for a batch of `batch` (0 when it holds no position).
+    pub fn kv_heads(&self, batch: usize) -> usize {
+        match (&self.tail, &self.values) {
+            (Some((tk, _)), _) => tk.dims()[1],
+            (None, Some((p, _))) if batch * self.qlen > 0 => {
+                p.scale.dims()[0] / (batch * self.qlen)
+            }
+            _ => 0,
+        }
+    }
+}
+
 /// Attention over a quantized layer (see [`QuantAttnView`]) and its tail, keys and values
 /// dequantized as they are read: the same result as dequantizing the layer, concatenating the
 /// tail and calling [`burn_kernels_core::ReferenceAttention`] (which is what backends without
@@ -396,20 +409,20 @@ pub fn quant_attention<B: KvBackend>(
     let mismatch =
         |left: Vec<usize>, right: Vec<usize>| KvCacheError::ShapeMismatch { left, right };
     let n = view.qlen;
-    let (hkv, t) = match (&view.tail, &view.values) {
-        (Some((tk, tv)), _) => {
-            let [tb, th, tt, td] = tk.dims();
+    let t = match &view.tail {
+        Some((tk, tv)) => {
+            let [tb, _, tt, td] = tk.dims();
             if tv.dims() != tk.dims() || tb != b || td != d {
                 return Err(mismatch(tk.dims().to_vec(), tv.dims().to_vec()));
             }
             if tk.dtype() != q.dtype() || tv.dtype() != q.dtype() {
                 return Err(KvCacheError::DTypeMismatch);
             }
-            (th, tt)
+            tt
         }
-        (None, Some((p, _))) if b * n > 0 => (p.scale.dims()[0] / (b * n), 0),
-        _ => return Err(mismatch(vec![b, 0, 0, d], vec![n])),
+        None => 0,
     };
+    let hkv = view.kv_heads(b);
     if hkv == 0 || hq % hkv != 0 {
         return Err(mismatch(vec![b, hq, sq, d], vec![b, hkv, t, d]));
     }

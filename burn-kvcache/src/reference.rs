@@ -268,7 +268,7 @@ pub fn quant_attention<B: crate::KvBackend>(
     let n = view.qlen;
     let quantized = match (&view.keys, &view.values) {
         (Some((kp, kl)), Some((vp, vl))) => {
-            let h = vp.scale.dims()[0] / (b * n);
+            let h = view.kv_heads(b);
             let k = seq_from_rows(dequantize(kp, *kl), Axis::PerChannel, [b, h, n, d]);
             let v = seq_from_rows(dequantize(vp, *vl), Axis::PerToken, [b, h, n, d]);
             Some((k, v))

@@ -32,12 +32,32 @@ fn dequantize_kernel<F: Float>(
     let col = idx % cols;
     let g = col / group;
     let i = col % group;
-    let per_word = (32 / bits) as usize;
     let gid = row * groups + g;
-    let word = words[gid * words_per_group + i / per_word];
+    out[idx] = F::cast_from(code_value::<F>(
+        words,
+        gid * words_per_group,
+        i,
+        bits,
+        min[gid],
+        scale[gid],
+    ));
+}
+
+/// `min + code·scale` for code `i` of the group whose words start at `base` (codes packed
+/// `32/bits` to a word, little end first); shared with the quantized attention kernel.
+#[cube]
+pub(crate) fn code_value<F: Float>(
+    words: &Tensor<u32>,
+    base: usize,
+    i: usize,
+    bits: u32,
+    min: F,
+    scale: F,
+) -> f32 {
+    let per_word = (32 / bits) as usize;
+    let word = words[base + i / per_word];
     let code = (word >> ((i % per_word) as u32 * bits)) & ((1u32 << bits) - 1);
-    let x = f32::cast_from(min[gid]) + f32::cast_from(code) * f32::cast_from(scale[gid]);
-    out[idx] = F::cast_from(x);
+    f32::cast_from(min) + f32::cast_from(code) * f32::cast_from(scale)
 }
 
 /// Launches the dequantization.

@@ -4,12 +4,12 @@
 //! whole query group.
 //!
 //! Two launches:
-//! - [`partial`]: one unit per (query row, split of `split` keys): the row's query in
+//! - `partial_kernel`: one unit per (query row, split of `split` keys): the row's query in
 //!   registers, then for each key of the split its dot product (keys per channel: the code of
 //!   channel `c` sits in the channel's own words), an online softmax in f32 and the weighted
 //!   sum of the values (per token: a token's codes are contiguous). It writes the split's
 //!   running max `m`, sum `l` and unnormalized output.
-//! - [`combine`]: one unit per output element, rescaling and summing the splits.
+//! - `combine_kernel`: one unit per output element, rescaling and summing the splits.
 //!
 //! Units of one (batch, KV head, split) are adjacent, so the `group · sq` rows that share a
 //! KV head read the same words while they are in cache. Every loop over the head dim is
@@ -24,6 +24,7 @@ use burn_cubecl::{
 use cubecl::{calculate_cube_count_elemwise, prelude::*};
 
 use super::UNITS;
+use super::dequantize::code_value;
 
 /// Keys per split of the partial launch.
 pub const SPLIT: usize = 256;
@@ -116,8 +117,6 @@ fn partial_kernel<F: Float>(
     let i = r % args.sq;
     let skv = args.qlen + args.tail;
     let batch = bkv / args.hkv;
-    let per_word = 32 / args.bits;
-    let code_mask = (1u32 << args.bits) - 1;
 
     let mut qv = Array::<f32>::new(dim);
     let mut acc = Array::<f32>::new(dim);
@@ -145,16 +144,13 @@ fn partial_kernel<F: Float>(
         if visible {
             let mut dot = f32::new(0.0);
             if j < args.qlen {
-                let blk = j / args.kgroup;
+                // Channel c of this key block is its own group of `kgroup` tokens.
+                let group_id = (bkv * args.kblocks + j / args.kgroup) * dim;
                 let tt = j % args.kgroup;
-                let group_id = (bkv * args.kblocks + blk) * dim;
-                let word = tt / per_word as usize;
-                let shift = (tt % per_word as usize) as u32 * args.bits;
                 #[unroll]
                 for c in 0..dim {
                     let g = group_id + c;
-                    let code = (kw[g * args.kwords + word] >> shift) & code_mask;
-                    let k = f32::cast_from(km[g]) + f32::cast_from(code) * f32::cast_from(ks[g]);
+                    let k = code_value::<F>(kw, g * args.kwords, tt, args.bits, km[g], ks[g]);
                     dot += qv[c] * k;
                 }
             } else {
@@ -180,11 +176,14 @@ fn partial_kernel<F: Float>(
                 #[unroll]
                 for c in 0..dim {
                     let g = vrow * args.vgroups + c / args.vgroup;
-                    let within = c % args.vgroup;
-                    let word = vw[g * args.vwords + within / per_word as usize];
-                    let shift = (within % per_word as usize) as u32 * args.bits;
-                    let code = (word >> shift) & code_mask;
-                    let v = f32::cast_from(vm[g]) + f32::cast_from(code) * f32::cast_from(vs[g]);
+                    let v = code_value::<F>(
+                        vw,
+                        g * args.vwords,
+                        c % args.vgroup,
+                        args.bits,
+                        vm[g],
+                        vs[g],
+                    );
                     acc[c] += p * v;
                 }
             } else {
