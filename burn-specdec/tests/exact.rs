@@ -1,14 +1,14 @@
 //! Deterministic checks: exact output laws by enumerating all draft tuples, closed forms against
 //! enumeration, scheme orderings, and the randomness contract.
 
-mod common;
-
+use crate::common::{
+    TINY_LP, TINY_LP_WITH_FALLBACK, cases, max_abs_diff, random_dist, schemes_for,
+};
 use burn_specdec::{
     LpTruncation, Scheme, SelectionRule, Verifier, acceptance_probability,
     acceptance_probability_enumerated, optimal_acceptance_bound, output_law_enumerated,
     uniforms_per_token,
 };
-use common::{TINY_LP, TINY_LP_WITH_FALLBACK, cases, max_abs_diff, random_dist, schemes_for};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 

@@ -1,10 +1,8 @@
 //! Monte-Carlo checks: output tokens follow `p` (χ² goodness of fit) and the empirical acceptance
 //! rate matches the analytic one (5σ binomial bound), for every scheme on the seeded cases.
 
-mod common;
-
+use crate::common::{Case, TINY_LP, cases, schemes_for};
 use burn_specdec::{Scheme, Verifier, inverse_cdf};
-use common::{Case, TINY_LP, cases, schemes_for};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use statrs::distribution::{ChiSquared, ContinuousCDF};

@@ -15,4 +15,4 @@ pub use compare::{
     assert_matmul_close, f32_matmul_is_tf32, metrics,
 };
 pub use random::{Dist, random_tensor, random_values};
-pub use runtimes::{float_dtypes, poison_memory};
+pub use runtimes::{float_dtypes, is_wgpu, poison_memory};

@@ -26,6 +26,7 @@ macro_rules! testgen {
             pub type Runtime = ::burn::backend::wgpu::WgpuRuntime;
             pub type TestBackend = ::burn_cubecl::CubeBackend<Runtime, f32, i32, u32>;
             fn device() -> ::burn::backend::wgpu::WgpuDevice {
+                $crate::runtimes::quick_software_shaders();
                 ::burn::backend::wgpu::WgpuDevice::default()
             }
             $( #[test] fn $b() { super::$b::<TestBackend>(&device()); } )*
@@ -42,6 +43,30 @@ macro_rules! testgen {
             $( #[test] fn $a() { super::$a::<::burn::backend::Autodiff<TestBackend>>(&device()); } )*
         }
     };
+}
+
+/// Tells Mesa's llvmpipe (lavapipe, the Vulkan driver on the CPU that CI tests with) to skip
+/// LLVM's optimization passes, unless `GALLIVM_PERF` is already set. Kernel tests there are
+/// bound by shader compilation, not execution (a profile: 44% LLVM, 29% lavapipe's NIR passes,
+/// under 1% running kernels); `nopt` cuts ~30% of their time. GPU drivers do not read it.
+/// [`testgen!`](crate::testgen) calls it before creating a Vulkan device.
+pub fn quick_software_shaders() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        if std::env::var_os("GALLIVM_PERF").is_none() {
+            // SAFETY: set once, before this process creates its first Vulkan device (the only
+            // reader); the other test threads read the environment through std, which locks.
+            unsafe { std::env::set_var("GALLIVM_PERF", "nopt") };
+        }
+    });
+}
+
+/// Whether `device` is a wgpu device. The CI tests Vulkan on Mesa's lavapipe on two CPU cores,
+/// where each new kernel variant costs seconds of shader compilation and a model-sized forward
+/// pass tens of seconds; long dtype × option matrices and model-sized inputs run in part there
+/// (each test says which part) and in full on CUDA.
+pub fn is_wgpu<B: Backend>(device: &B::Device) -> bool {
+    B::name(device).contains("wgpu")
 }
 
 /// The float dtypes a test should cover on `device`: f32 always, f16 and bf16 where the

@@ -1,7 +1,6 @@
 //! The model on the real SmolLM2-135M-Instruct weights (fetched by `./scripts/setup.sh`).
 
-mod common;
-use common::checkpoint;
+use crate::common::{checkpoint, paragraph_tokens, paragraph_tokens_on};
 
 use burn::backend::NdArray;
 use burn::tensor::{DType, backend::Backend};
@@ -93,11 +92,6 @@ fn batched_generation_matches_one_prompt_at_a_time() {
     }
 }
 
-fn paragraph_tokens() -> Vec<u32> {
-    let text = include_str!("../data/paragraph.txt");
-    checkpoint().tokenizer.encode(text).unwrap()
-}
-
 #[test]
 fn perplexity_of_the_committed_paragraph_is_low() {
     let ids = paragraph_tokens();
@@ -116,10 +110,11 @@ fn perplexity_of_the_committed_paragraph_is_low() {
     );
 }
 
-/// The CPU's perplexity comes out on `B` too, with both attention implementations.
+/// The CPU's perplexity comes out on `B` too, with both attention implementations (on the
+/// paragraph's first tokens on wgpu, see `paragraph_tokens_on`).
 #[allow(dead_code)]
 fn perplexity_matches_cpu<B: Backend>(device: &B::Device) {
-    let ids = paragraph_tokens();
+    let ids = paragraph_tokens_on::<B>(device);
     let cpu = perplexity(
         &model::<Cpu>(&Default::default()),
         &ids,

@@ -1,8 +1,7 @@
 //! Speculative decoding on the real SmolLM2-135M-Instruct weights (fetched by
 //! `./scripts/setup.sh` or `cargo xtask fetch-model`), CPU backend, truncated-layer drafts.
 
-mod common;
-use common::checkpoint;
+use crate::common::checkpoint;
 
 use std::sync::OnceLock;
 use std::time::Instant;

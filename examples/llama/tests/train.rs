@@ -1,8 +1,7 @@
 //! A training step of SmolLM2-135M (real weights) with Cut Cross-Entropy gives the same loss and
 //! gradients as with Burn's plain cross-entropy, on the CPU and on every enabled runtime.
 
-mod common;
-use common::checkpoint;
+use crate::common::checkpoint;
 
 use burn::backend::{Autodiff, NdArray};
 use burn::tensor::{DType, Int, Tensor, TensorData, backend::AutodiffBackend};

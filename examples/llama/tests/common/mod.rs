@@ -2,6 +2,8 @@
 
 use std::sync::OnceLock;
 
+use burn::tensor::backend::Backend;
+
 use burn_llama::loader::{Checkpoint, default_model_path, load};
 
 /// The checkpoint at the default model path, loaded once per test binary.
@@ -13,3 +15,23 @@ pub fn checkpoint() -> &'static Checkpoint {
         })
     })
 }
+
+/// The committed paragraph's tokens.
+pub fn paragraph_tokens() -> Vec<u32> {
+    let text = include_str!("../../data/paragraph.txt");
+    checkpoint().tokenizer.encode(text).unwrap()
+}
+
+/// Tokens of the paragraph a model-sized test runs on `device`: all of them, or on wgpu its
+/// first [`WGPU_TOKENS`] (see [`burn_kernels_testing::is_wgpu`]: in CI that is lavapipe, where
+/// a forward pass of the 135M-parameter model over the whole paragraph takes minutes).
+pub fn paragraph_tokens_on<B: Backend>(device: &B::Device) -> Vec<u32> {
+    let mut ids = paragraph_tokens();
+    if burn_kernels_testing::is_wgpu::<B>(device) {
+        ids.truncate(WGPU_TOKENS);
+    }
+    ids
+}
+
+/// See [`paragraph_tokens_on`].
+pub const WGPU_TOKENS: usize = 96;

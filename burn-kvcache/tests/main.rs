@@ -1,0 +1,7 @@
+//! The crate's integration tests, one module per topic, in one binary: a release build
+//! re-instantiates Burn's generic backends in every test binary (~2 minutes each on 2 cores).
+
+mod cache;
+mod ops;
+mod quant_attention;
+mod shadowkv;
