@@ -3,9 +3,7 @@
 //! Runs suites of problems × implementations on one backend, prints a markdown table, and
 //! writes `<out>/<date>-<device>.json`, `.md` and an SVG chart per suite.
 
-mod harness;
-mod report;
-mod suites;
+use burn_kernels_bench::{harness, report, suites};
 
 use burn::tensor::backend::Backend;
 use burn_cce::CceBackend;

@@ -5,7 +5,7 @@
 use burn::backend::NdArray;
 use burn::tensor::{DType, Tensor, TensorData, backend::Backend};
 use burn_kernels_testing::{
-    Dist, Tolerance, assert_close, compare::to_f32, f32_matmul_is_tf32, float_dtypes,
+    Dist, Tolerance, assert_close, compare::to_f32, f32_matmul_is_tf32, float_dtypes, is_wgpu,
     poison_memory, random_tensor, random_values, testgen,
 };
 use burn_sage::kernels::{KernelChoice, UNIT_MAX_KV};
@@ -204,6 +204,14 @@ fn check_cases<B: SageBackend>(
                 (QkQuant::Int4PerThread, PvPrecision::Fp8E4m3, false),
             ] {
                 seed += 1;
+                // On wgpu (lavapipe in CI: each variant compiles its own kernels) 16-bit inputs
+                // run the default variant (INT8 per thread, smoothed Q, FP16 P·V); CUDA runs all.
+                if dtype != DType::F32
+                    && is_wgpu::<B>(device)
+                    && (qk, pv) != (QkQuant::Int8PerThread, PvPrecision::Fp16)
+                {
+                    continue;
+                }
                 let (q, k, v) = qkv::<B>((b, hq, hkv, sq, skv, d), dtype, seed, device);
                 let opts = SageOptions {
                     causal,

@@ -9,6 +9,7 @@ pub mod lse;
 pub mod minicache;
 pub mod sage;
 pub mod shadowkv;
+pub mod specdec;
 
 use burn::tensor::backend::Backend;
 use burn_cce::CceBackend;
@@ -26,6 +27,7 @@ pub const ALL: &[&str] = &[
     "llama",
     "shadowkv",
     "minicache",
+    "specdec",
     "e2e",
 ];
 
@@ -80,6 +82,7 @@ pub fn build<B: Backend + CceBackend + SageBackend + KvBackend>(
         "llama" => Some(llama::suite::<B>(opts)),
         "shadowkv" => Some(shadowkv::suite::<B>(opts)),
         "minicache" => Some(minicache::suite::<B>(opts)),
+        "specdec" => Some(specdec::suite::<B>(opts)),
         "e2e" => Some(e2e::suite::<B>(opts)),
         _ => None,
     }

@@ -7,6 +7,7 @@
 //! variants of `burn-sage` among them.
 
 pub mod attention;
+pub mod cli;
 pub mod config;
 pub mod eval;
 pub mod finetune;

