@@ -21,16 +21,7 @@ use crate::harness::{Candidate, Problem, Suite, params};
 
 pub fn suite<B: Backend + CceBackend>(opts: SuiteOptions) -> Suite<B> {
     let (cfg, seq, batches): (LlamaConfig, usize, &[usize]) = if opts.quick {
-        let tiny = LlamaConfig {
-            hidden_size: 64,
-            intermediate_size: 128,
-            num_layers: 2,
-            num_heads: 4,
-            num_kv_heads: 2,
-            head_dim: 16,
-            vocab_size: 4096,
-            ..LlamaConfig::smollm2_135m()
-        };
+        let tiny = super::tiny_llama(2, 4096);
         (tiny, 32, &[1, 2])
     } else {
         (LlamaConfig::smollm2_135m(), 1024, &[4, 8, 16])

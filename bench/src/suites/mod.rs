@@ -18,6 +18,21 @@ use burn_sage::SageBackend;
 
 use crate::harness::{MemoryProbe, Suite};
 
+/// A tiny Llama (hidden 64, 4 query / 2 KV heads of 16) with `num_layers` and `vocab_size`, for
+/// the `--quick` smoke runs of the model suites.
+pub fn tiny_llama(num_layers: usize, vocab_size: usize) -> burn_llama::LlamaConfig {
+    burn_llama::LlamaConfig {
+        hidden_size: 64,
+        intermediate_size: 128,
+        num_layers,
+        num_heads: 4,
+        num_kv_heads: 2,
+        head_dim: 16,
+        vocab_size,
+        ..burn_llama::LlamaConfig::smollm2_135m()
+    }
+}
+
 /// Names of every suite, in the order `--suite all` runs them.
 pub const ALL: &[&str] = &[
     "attention-baseline",

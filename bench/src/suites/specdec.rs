@@ -113,16 +113,7 @@ fn target<B: Backend>(device: &B::Device, quick: bool) -> (Llama<B>, Vec<u32>, b
         }
         None => {
             let cfg = if quick {
-                LlamaConfig {
-                    hidden_size: 64,
-                    intermediate_size: 128,
-                    num_layers: DRAFT_LAYERS + 2,
-                    num_heads: 4,
-                    num_kv_heads: 2,
-                    head_dim: 16,
-                    vocab_size: 512,
-                    ..LlamaConfig::smollm2_135m()
-                }
+                super::tiny_llama(DRAFT_LAYERS + 2, 512)
             } else {
                 LlamaConfig::smollm2_135m()
             };
