@@ -61,6 +61,10 @@ struct Args {
     /// (`GemmStrategy::Kernel`), for the loss and the gradient.
     #[arg(long)]
     cce_gemm_sweep: bool,
+    /// specdec suite: also time this trained draft (a `finetune` run folder, .gguf or HF
+    /// folder) beside the target's first 8 layers.
+    #[arg(long)]
+    draft_model: Option<std::path::PathBuf>,
     /// Fewest timed repetitions per implementation (default 5, 3 with --quick); fewer keep
     /// long problems within a time limit.
     #[arg(long)]
@@ -273,6 +277,7 @@ fn run<B: Backend + CceBackend + burn_sage::SageBackend + burn_kvcache::KvBacken
         filters: args.filters.clone(),
         excludes: args.excludes.clone(),
         cce_gemm_sweep: args.cce_gemm_sweep,
+        draft_model: args.draft_model.clone(),
     };
     let mut built = Vec::new();
     for n in &names {

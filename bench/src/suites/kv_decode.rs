@@ -540,6 +540,7 @@ pub mod tests {
             filters: Vec::new(),
             excludes: Vec::new(),
             cce_gemm_sweep: false,
+            draft_model: None,
         }
     }
 

@@ -74,6 +74,9 @@ pub struct SuiteOptions {
     pub excludes: Vec<String>,
     /// `--cce-gemm-sweep`: the cce suite also times each fixed GEMM kernel.
     pub cce_gemm_sweep: bool,
+    /// `--draft-model`: the specdec suite also times this trained draft (a `finetune` run
+    /// folder, .gguf or HF folder) beside the truncated-layer one.
+    pub draft_model: Option<std::path::PathBuf>,
 }
 
 impl SuiteOptions {

@@ -14,13 +14,16 @@
 //! split of the decode time (drafting, target forward, verification per target call) are the
 //! last repetition's.
 
+use std::path::PathBuf;
 use std::sync::OnceLock;
 
 use burn::tensor::{DType, backend::Backend};
 use burn_kernels_core::{BurnAttention, FullKvCache, SamplingConfig};
 use burn_llama::generate::{GenerateOptions, generate};
 use burn_llama::loader::{Checkpoint, default_model_path, load};
-use burn_llama::spec::{Draft, SpecOptions, SpecStats, speculative_generate, truncated_draft};
+use burn_llama::spec::{
+    Draft, SpecOptions, SpecStats, load_draft, speculative_generate, truncated_draft,
+};
 use burn_llama::{Llama, LlamaConfig};
 use burn_specdec::Scheme;
 use serde_json::json;
@@ -45,15 +48,19 @@ pub fn suite<B: Backend>(opts: SuiteOptions) -> Suite<B> {
     } else {
         (&[1, 2, 4], NEW_TOKENS)
     };
-    let problems = drafts
+    let mut choices = vec![DraftChoice::Truncated(DRAFT_LAYERS)];
+    choices.extend(opts.draft_model.clone().map(DraftChoice::Trained));
+    let problems = choices
         .iter()
-        .map(|&k| problem::<B>(k, new_tokens, opts.quick))
+        .flat_map(|c| drafts.iter().map(move |&k| (c.clone(), k)))
+        .map(|(c, k)| problem::<B>(c, k, new_tokens, opts.quick))
         .collect();
     Suite {
         name: "specdec",
         description: "speculative decoding of SmolLM2-135M (real weights when cached) with its \
-                      first 8 layers as the draft, K drafts of 4 tokens, temperature 1, batch 1: \
-                      each scheme vs plain autoregressive decoding; tokens/s of generated tokens",
+                      first 8 layers as the draft (and a trained draft with --draft-model), K \
+                      drafts of 4 tokens, temperature 1, batch 1: each scheme vs plain \
+                      autoregressive decoding; tokens/s of generated tokens",
         baseline: "autoregressive",
         problems,
         measure_memory: false,
@@ -126,13 +133,44 @@ fn target<B: Backend>(device: &B::Device, quick: bool) -> (Llama<B>, Vec<u32>, b
     }
 }
 
-fn problem<B: Backend>(k: usize, new_tokens: usize, quick: bool) -> Problem<B> {
+/// The draft of a problem: the target's first layers, or a trained model.
+#[derive(Debug, Clone)]
+enum DraftChoice {
+    Truncated(usize),
+    Trained(PathBuf),
+}
+
+impl DraftChoice {
+    fn label(&self) -> String {
+        match self {
+            Self::Truncated(n) => format!("first{n}"),
+            Self::Trained(p) => p
+                .file_name()
+                .map_or_else(|| "trained".into(), |n| n.to_string_lossy().into_owned()),
+        }
+    }
+
+    fn build<B: Backend>(&self, target: &Llama<B>, device: &B::Device) -> Llama<B> {
+        match self {
+            Self::Truncated(n) => truncated_draft(target, *n).expect("enough layers"),
+            Self::Trained(p) => load_draft(p, device, DType::F32)
+                .unwrap_or_else(|e| panic!("draft model {}: {e}", p.display())),
+        }
+    }
+}
+
+fn problem<B: Backend>(
+    choice: DraftChoice,
+    k: usize,
+    new_tokens: usize,
+    quick: bool,
+) -> Problem<B> {
     Problem {
-        label: format!("K={k} L={DRAFT_LEN}"),
+        label: format!("draft={} K={k} L={DRAFT_LEN}", choice.label()),
         params: params([
             ("drafts", json!(k)),
             ("draft_len", json!(DRAFT_LEN)),
-            ("draft_layers", json!(DRAFT_LAYERS)),
+            ("draft", json!(choice.label())),
             ("new_tokens", json!(new_tokens)),
             ("batch", json!(1)),
         ]),
@@ -141,7 +179,7 @@ fn problem<B: Backend>(k: usize, new_tokens: usize, quick: bool) -> Problem<B> {
         tokens: Some(new_tokens as f64),
         setup: Box::new(move |device| {
             let (model, prompt, real) = target::<B>(device, quick);
-            let draft = truncated_draft(&model, DRAFT_LAYERS).expect("enough layers");
+            let draft = choice.build(&model, device);
             let weights = if real { "real" } else { "random" };
             let mut candidates = Vec::new();
 

@@ -1,13 +1,20 @@
-//! Block efficiency of the multi-draft schemes on real text, with identical truncated-layer
-//! drafts, K = 1..max-k, at several draft temperatures; prints markdown tables to stdout.
+//! Block efficiency of the multi-draft schemes on real text, with K identical drafts (the
+//! target's first layers, or a trained draft), K = 1..max-k, at several draft temperatures;
+//! prints markdown tables to stdout (each row as soon as it is measured).
 //!
 //! ```sh
 //! cargo run --release -p burn-llama --example spec_table -- --prompts 5 --new-tokens 32
+//! # a few hundred prompts of held-out Shakespeare on a GPU, with a distilled draft
+//! cargo run --release -p burn-llama --features cuda --example spec_table -- --backend cuda \
+//!     --corpus ~/.cache/burn-kernels/corpus/shakespeare --prompts 256 --draft-model runs/draft4
 //! ```
 //!
-//! 1. *Measured block efficiency*: speculative decoding of consecutive ~50-token windows of
-//!    `examples/llama/data/paragraph.txt`, decoded as one batch per configuration (target at
-//!    `--target-temperature`, no stop tokens); every configuration uses the same seeds. K = 1 is
+//! 1. *Measured block efficiency*: speculative decoding of `--prompts` windows of
+//!    `--prompt-len` tokens, decoded `--batch` at a time per configuration (target at
+//!    `--target-temperature`, no stop tokens); every configuration uses the same seeds. The
+//!    windows are consecutive tokens of `examples/llama/data/paragraph.txt`, or, with
+//!    `--corpus`, evenly spaced over the corpus's last `--heldout-fraction` (the part
+//!    `finetune` holds out, so a draft distilled from the rest never saw them). K = 1 is
 //!    single-draft SD, shared by every row.
 //! 2. *Analytic acceptance* (skipped with `--analytic-positions 0`): at evenly spaced positions
 //!    of the paragraph (teacher-forced contexts), each scheme's exact probability of accepting
@@ -15,36 +22,61 @@
 //!    paper's Table 3). It has no sampling noise, so it shows the schemes' ordering where the
 //!    measured block efficiencies are within noise of each other.
 
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use burn::backend::NdArray;
+use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Int, Tensor, TensorData};
-use burn_kernels_core::{FullKvCache, ReferenceAttention, SamplingConfig};
-use burn_llama::loader::{default_model_path, load};
+use burn_kernels_core::{AttentionImpl, FullKvCache, ReferenceAttention, SamplingConfig};
+use burn_llama::loader::{Checkpoint, default_model_path, load};
 use burn_llama::model::Llama;
-use burn_llama::spec::{Draft, SpecOptions, SpecStats, speculative_generate, truncated_draft};
+use burn_llama::spec::{
+    Draft, SpecOptions, SpecStats, load_draft, speculative_generate, truncated_draft,
+};
 use burn_specdec::{Scheme, Verifier};
-use clap::Parser;
+use clap::{Parser, ValueEnum};
 
-type Cpu = NdArray<f32>;
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum BackendArg {
+    /// NdArray f32 with the reference attention.
+    Cpu,
+    /// CUDA f32 with Burn's fused attention (build with `--features cuda`).
+    Cuda,
+}
 
 #[derive(Debug, Parser)]
-#[command(about = "Block efficiency of multi-draft speculative decoding (CPU, NdArray)")]
+#[command(about = "Block efficiency of multi-draft speculative decoding")]
 struct Args {
-    /// Number of prompt windows taken from the paragraph (0 skips the measured table).
+    #[arg(long, value_enum, default_value = "cpu")]
+    backend: BackendArg,
+    /// Number of prompt windows (0 skips the measured table).
     #[arg(long, default_value_t = 5)]
     prompts: usize,
     /// Tokens per prompt window.
     #[arg(long, default_value_t = 50)]
     prompt_len: usize,
+    /// Take the prompts from this corpus (a .txt file or a folder of them) instead of the
+    /// committed paragraph.
+    #[arg(long)]
+    corpus: Option<PathBuf>,
+    /// The corpus's held-out tail the prompts come from.
+    #[arg(long, default_value_t = 0.05)]
+    heldout_fraction: f64,
+    /// Prompts decoded together in one speculative run.
+    #[arg(long, default_value_t = 8)]
+    batch: usize,
     #[arg(long, default_value_t = 32)]
     new_tokens: usize,
     /// Draft length L.
     #[arg(long, default_value_t = 4)]
     draft_len: usize,
-    /// Layers of the truncated-layer draft.
+    /// Layers of the truncated-layer draft (without --draft-model).
     #[arg(long, default_value_t = 8)]
     draft_layers: usize,
+    /// A trained draft (a `finetune` run folder, .gguf or HF folder) instead of the truncated
+    /// target.
+    #[arg(long)]
+    draft_model: Option<PathBuf>,
     #[arg(long, default_value_t = 6)]
     max_k: usize,
     #[arg(long, value_delimiter = ',', default_value = "1.0,1.2")]
@@ -105,12 +137,18 @@ fn header(first: &str, ks: &[usize]) -> String {
 }
 
 /// Softmax rows of `model`'s logits at temperature `t` for every position of `tokens`.
-fn distributions(model: &Llama<Cpu>, tokens: &[u32], temperatures: &[f32]) -> Vec<Vec<Vec<f64>>> {
+fn distributions<B: Backend>(
+    model: &Llama<B>,
+    tokens: &[u32],
+    temperatures: &[f32],
+    attention: &dyn AttentionImpl<B>,
+) -> Vec<Vec<Vec<f64>>> {
     let n = tokens.len();
     let ids: Vec<i64> = tokens.iter().map(|&t| t as i64).collect();
-    let input = Tensor::<Cpu, 2, Int>::from_data(TensorData::new(ids, [1, n]), &Default::default());
+    let device = model.embed.device();
+    let input = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, n]), &device);
     let mut cache = FullKvCache::new(model.config.num_layers);
-    let hidden = model.forward(input, &[], &mut cache, &ReferenceAttention);
+    let hidden = model.forward(input, &[], &mut cache, attention);
     let logits = model.logits(hidden).into_data().to_vec::<f32>().unwrap();
     let vocab = logits.len() / n;
     temperatures
@@ -135,29 +173,128 @@ fn distributions(model: &Llama<Cpu>, tokens: &[u32], temperatures: &[f32]) -> Ve
 fn main() {
     let args = Args::parse();
     let ckpt = load(&default_model_path()).expect("model (cargo xtask fetch-model)");
-    let device = Default::default();
-    let target = Llama::<Cpu>::from_checkpoint(&ckpt, &device, DType::F32).expect("checkpoint");
+    match args.backend {
+        BackendArg::Cpu => run::<burn::backend::NdArray<f32>>(
+            &args,
+            &ckpt,
+            &Default::default(),
+            &ReferenceAttention,
+        ),
+        BackendArg::Cuda => run_cuda(&args, &ckpt),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn run_cuda(args: &Args, ckpt: &Checkpoint) {
+    type B = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
+    run::<B>(
+        args,
+        ckpt,
+        &Default::default(),
+        &burn_kernels_core::BurnAttention,
+    );
+}
+
+#[cfg(not(feature = "cuda"))]
+fn run_cuda(_: &Args, _: &Checkpoint) {
+    eprintln!("built without the `cuda` feature: add --features cuda");
+    std::process::exit(2);
+}
+
+/// The prompt windows: consecutive ones of the paragraph, or evenly spaced ones over the
+/// corpus's held-out tail.
+fn prompts(args: &Args, ckpt: &Checkpoint, paragraph: &[u32]) -> Vec<Vec<u32>> {
+    let Some(path) = &args.corpus else {
+        return paragraph
+            .chunks_exact(args.prompt_len)
+            .take(args.prompts)
+            .map(<[u32]>::to_vec)
+            .collect();
+    };
+    let text = read_text(path);
+    let tail_start = (text.len() as f64 * (1.0 - args.heldout_fraction.clamp(0.0, 1.0))) as usize;
+    let tail_start = (tail_start..text.len())
+        .find(|&i| text.is_char_boundary(i))
+        .unwrap_or(text.len());
+    let ids = ckpt
+        .tokenizer
+        .encode(&text[tail_start..])
+        .expect("tokenize");
+    assert!(
+        ids.len() >= args.prompt_len,
+        "the held-out tail has {} tokens, fewer than one prompt",
+        ids.len()
+    );
+    let span = ids.len() - args.prompt_len;
+    let n = args.prompts;
+    (0..n)
+        .map(|i| {
+            let s = if n == 1 { 0 } else { span * i / (n - 1) };
+            ids[s..s + args.prompt_len].to_vec()
+        })
+        .collect()
+}
+
+/// A .txt file, or every .txt of a folder in name order (as `finetune` reads its corpus).
+fn read_text(path: &Path) -> String {
+    let files: Vec<PathBuf> = if path.is_dir() {
+        let mut v: Vec<PathBuf> = std::fs::read_dir(path)
+            .expect("corpus folder")
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "txt"))
+            .collect();
+        v.sort();
+        v
+    } else {
+        vec![path.to_path_buf()]
+    };
+    files
+        .iter()
+        .map(|f| std::fs::read_to_string(f).expect("corpus file") + "\n\n")
+        .collect()
+}
+
+fn run<B: Backend>(
+    args: &Args,
+    ckpt: &Checkpoint,
+    device: &B::Device,
+    attention: &dyn AttentionImpl<B>,
+) {
+    let target = Llama::<B>::from_checkpoint(ckpt, device, DType::F32).expect("checkpoint");
     let text = include_str!("../data/paragraph.txt");
     let ids = ckpt.tokenizer.encode(text).expect("tokenize");
     let ks: Vec<usize> = (1..=args.max_k).collect();
     let started = Instant::now();
 
     if args.prompts > 0 {
-        let draft = truncated_draft(&target, args.draft_layers).expect("draft layers");
-        let prompts: Vec<Vec<u32>> = ids
-            .chunks_exact(args.prompt_len)
-            .take(args.prompts)
-            .map(<[u32]>::to_vec)
-            .collect();
+        let (draft, draft_name) = match &args.draft_model {
+            Some(path) => (
+                load_draft::<B>(path, device, DType::F32).expect("draft model"),
+                format!("{}", path.display()),
+            ),
+            None => (
+                truncated_draft(&target, args.draft_layers).expect("draft layers"),
+                format!(
+                    "first {} of {} layers",
+                    args.draft_layers,
+                    target.layers.len()
+                ),
+            ),
+        };
+        let prompts = prompts(args, ckpt, &ids);
         eprintln!(
-            "measured: {} prompts of {} tokens, {} new tokens, L = {}, draft = first {} of {} \
-             layers, target T = {}, {} seed(s)",
+            "measured: {} prompts of {} tokens ({}), batches of {}, {} new tokens, L = {}, \
+             draft = {draft_name} ({} layers), target T = {}, {} seed(s)",
             prompts.len(),
             args.prompt_len,
+            args.corpus.as_ref().map_or_else(
+                || "the paragraph".to_string(),
+                |c| format!("held-out tail of {}", c.display())
+            ),
+            args.batch,
             args.new_tokens,
             args.draft_len,
-            args.draft_layers,
-            target.layers.len(),
+            draft.layers.len(),
             args.target_temperature,
             args.repeats
         );
@@ -174,27 +311,29 @@ fn main() {
             ];
             let mut total = SpecStats::default();
             for seed in 0..args.repeats {
-                let opts = SpecOptions {
-                    scheme,
-                    draft_len: args.draft_len,
-                    target_sampling: SamplingConfig {
-                        temperature: args.target_temperature,
-                        ..SamplingConfig::default()
-                    },
-                    max_new_tokens: args.new_tokens,
-                    stop_tokens: Vec::new(),
-                    seed,
-                };
-                let g = speculative_generate(
-                    &target,
-                    &drafts,
-                    &prompts,
-                    &ReferenceAttention,
-                    &opts,
-                    &mut |_, _| {},
-                )
-                .expect("speculative run");
-                pool(&mut total, &g.stats);
+                for (i, chunk) in prompts.chunks(args.batch.max(1)).enumerate() {
+                    let opts = SpecOptions {
+                        scheme,
+                        draft_len: args.draft_len,
+                        target_sampling: SamplingConfig {
+                            temperature: args.target_temperature,
+                            ..SamplingConfig::default()
+                        },
+                        max_new_tokens: args.new_tokens,
+                        stop_tokens: Vec::new(),
+                        seed: seed * 1_000_003 + i as u64,
+                    };
+                    let g = speculative_generate(
+                        &target,
+                        &drafts,
+                        chunk,
+                        attention,
+                        &opts,
+                        &mut |_, _| {},
+                    )
+                    .expect("speculative run");
+                    pool(&mut total, &g.stats);
+                }
             }
             eprintln!(
                 "  T={temperature} {:15} K={k}: block efficiency {:.3} ({} blocks), {:.2} tok/s \
@@ -210,20 +349,25 @@ fn main() {
             );
             total
         };
-        let mut out = header("draft T", &ks);
+        println!(
+            "Measured block efficiency (tokens per target call per sequence), draft: \
+             {draft_name}\n\n{}",
+            header("draft T", &ks).trim_end()
+        );
         for &t in &args.draft_temperatures {
             let single = run(Scheme::SingleDraft, 1, t);
             for name in &args.schemes {
                 let s = scheme(name);
-                out.push_str(&format!("| {t:.1} | {} |", s.name()));
+                let mut row = format!("| {t:.1} | {} |", s.name());
                 for &k in &ks {
                     let stats = if k == 1 { single.clone() } else { run(s, k, t) };
-                    out.push_str(&format!(" {:.3} |", stats.block_efficiency()));
+                    row.push_str(&format!(" {:.3} |", stats.block_efficiency()));
                 }
-                out.push('\n');
+                // Each row as soon as it is measured: a run cut short keeps what it finished.
+                println!("{row}");
             }
         }
-        println!("Measured block efficiency (tokens per target call per sequence)\n\n{out}");
+        println!();
     }
 
     // Positions 0 skips the analytic table.
@@ -244,11 +388,11 @@ fn main() {
             positions.len(),
             args.target_temperature
         );
-        let p = distributions(&target, &ids, &[args.target_temperature]).remove(0);
+        let p = distributions(&target, &ids, &[args.target_temperature], attention).remove(0);
         let mut out = header("draft (layers, T)", &ks);
         for &l in &layers {
             let draft = truncated_draft(&target, l).expect("draft layers");
-            let qs = distributions(&draft, &ids, &args.draft_temperatures);
+            let qs = distributions(&draft, &ids, &args.draft_temperatures, attention);
             for (&t, q) in args.draft_temperatures.iter().zip(&qs) {
                 for name in &args.schemes {
                     let s = scheme(name);

