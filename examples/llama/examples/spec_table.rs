@@ -22,12 +22,13 @@
 //!    paper's Table 3). It has no sampling noise, so it shows the schemes' ordering where the
 //!    measured block efficiencies are within noise of each other.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Instant;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Int, Tensor, TensorData};
 use burn_kernels_core::{AttentionImpl, FullKvCache, ReferenceAttention, SamplingConfig};
+use burn_llama::finetune::read_corpus;
 use burn_llama::loader::{Checkpoint, default_model_path, load};
 use burn_llama::model::Llama;
 use burn_llama::spec::{
@@ -211,7 +212,7 @@ fn prompts(args: &Args, ckpt: &Checkpoint, paragraph: &[u32]) -> Vec<Vec<u32>> {
             .map(<[u32]>::to_vec)
             .collect();
     };
-    let text = read_text(path);
+    let text = read_corpus(path, 0).expect("corpus");
     let tail_start = (text.len() as f64 * (1.0 - args.heldout_fraction.clamp(0.0, 1.0))) as usize;
     let tail_start = (tail_start..text.len())
         .find(|&i| text.is_char_boundary(i))
@@ -232,25 +233,6 @@ fn prompts(args: &Args, ckpt: &Checkpoint, paragraph: &[u32]) -> Vec<Vec<u32>> {
             let s = if n == 1 { 0 } else { span * i / (n - 1) };
             ids[s..s + args.prompt_len].to_vec()
         })
-        .collect()
-}
-
-/// A .txt file, or every .txt of a folder in name order (as `finetune` reads its corpus).
-fn read_text(path: &Path) -> String {
-    let files: Vec<PathBuf> = if path.is_dir() {
-        let mut v: Vec<PathBuf> = std::fs::read_dir(path)
-            .expect("corpus folder")
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.extension().is_some_and(|x| x == "txt"))
-            .collect();
-        v.sort();
-        v
-    } else {
-        vec![path.to_path_buf()]
-    };
-    files
-        .iter()
-        .map(|f| std::fs::read_to_string(f).expect("corpus file") + "\n\n")
         .collect()
 }
 

@@ -380,6 +380,39 @@ fn save_checkpoint<B: AutodiffBackend, R: burn::record::Record<B> + Clone>(
     std::fs::write(&path, text).map_err(|e| ckpt_err(&path, e))
 }
 
+/// The corpus text: one file, or every `.txt` of a folder in name order, each followed by a
+/// blank line; at most `max_chars` characters (0: all).
+///
+/// # Errors
+/// A missing or unreadable path, or a folder without `.txt` files, as text.
+pub fn read_corpus(path: &Path, max_chars: usize) -> Result<String, String> {
+    let files: Vec<PathBuf> = if path.is_dir() {
+        let mut v: Vec<PathBuf> = std::fs::read_dir(path)
+            .map_err(|e| format!("{}: {e}", path.display()))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "txt"))
+            .collect();
+        v.sort();
+        v
+    } else {
+        vec![path.to_path_buf()]
+    };
+    if files.is_empty() {
+        return Err(format!("{}: no .txt files", path.display()));
+    }
+    let mut text = String::new();
+    for f in files {
+        text += &std::fs::read_to_string(&f).map_err(|e| format!("{}: {e}", f.display()))?;
+        text += "\n\n";
+        if max_chars > 0 && text.len() >= max_chars {
+            let cut = (0..=max_chars).rev().find(|&i| text.is_char_boundary(i));
+            text.truncate(cut.unwrap_or(0));
+            break;
+        }
+    }
+    Ok(text)
+}
+
 /// Whether `path` is a training checkpoint: a folder with `state.json` and a model record (the
 /// `checkpoint/` folder [`train`] writes, or the run folder above it).
 pub fn checkpoint_dir(path: &Path) -> Option<PathBuf> {

@@ -17,7 +17,8 @@ use std::path::{Path, PathBuf};
 
 use crate::config::LlamaConfig;
 use crate::finetune::{
-    Corpus, StepLog, TeacherOptions, TrainConfig, teacher_samples, train, validation_loss,
+    Corpus, StepLog, TeacherOptions, TrainConfig, read_corpus, teacher_samples, train,
+    validation_loss,
 };
 use crate::loader::{Checkpoint, default_model_path, load};
 use crate::model::Llama;
@@ -162,35 +163,6 @@ fn run_cuda(_: &Cli) -> Result<(), String> {
 fn default_corpus() -> PathBuf {
     let home = std::env::var_os("HOME").unwrap_or_default();
     PathBuf::from(home).join(".cache/burn-kernels/corpus/shakespeare")
-}
-
-/// The corpus text: one file, or every `.txt` of a folder in name order.
-fn read_corpus(path: &Path, max_chars: usize) -> Result<String, String> {
-    let files: Vec<PathBuf> = if path.is_dir() {
-        let mut v: Vec<PathBuf> = std::fs::read_dir(path)
-            .map_err(|e| format!("{}: {e}", path.display()))?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.extension().is_some_and(|x| x == "txt"))
-            .collect();
-        v.sort();
-        v
-    } else {
-        vec![path.to_path_buf()]
-    };
-    if files.is_empty() {
-        return Err(format!("{}: no .txt files", path.display()));
-    }
-    let mut text = String::new();
-    for f in files {
-        text += &std::fs::read_to_string(&f).map_err(|e| format!("{}: {e}", f.display()))?;
-        text += "\n\n";
-        if max_chars > 0 && text.len() >= max_chars {
-            let cut = (0..=max_chars).rev().find(|&i| text.is_char_boundary(i));
-            text.truncate(cut.unwrap_or(0));
-            break;
-        }
-    }
-    Ok(text)
 }
 
 fn run<A: AutodiffBackend + CceBackend>(cli: &Cli, device: &A::Device) -> Result<(), String>
