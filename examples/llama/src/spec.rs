@@ -671,35 +671,26 @@ fn logits_at<B: Backend>(model: &Llama<B>, hidden: Tensor<B, 3>, positions: &[us
         .expect("f32 logits")
 }
 
-/// Next-token distributions for one sampling setting.
+/// Next-token distributions for one sampling setting (the sampler's own distribution, so
+/// speculative and plain decoding sample from the same rows).
 struct Distribution {
     cfg: SamplingConfig,
-    filtered: Option<TopKTopP>,
+    sampler: TopKTopP,
 }
 
 impl Distribution {
     fn new(cfg: SamplingConfig) -> Self {
-        let filtered = (cfg.temperature > 0.0 && (cfg.top_k.is_some() || cfg.top_p.is_some()))
-            .then(|| TopKTopP::new(cfg));
-        Self { cfg, filtered }
+        Self {
+            cfg,
+            sampler: TopKTopP::new(cfg),
+        }
     }
 
     fn of(&self, logits: &[f32]) -> Vec<f32> {
         if self.cfg.temperature <= 0.0 {
             return Greedy.distribution(logits);
         }
-        if let Some(f) = &self.filtered {
-            return f.distribution(logits);
-        }
-        // Plain temperature softmax, as TopKTopP computes it but without sorting the vocabulary.
-        let t = self.cfg.temperature;
-        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let w: Vec<f64> = logits
-            .iter()
-            .map(|&l| (((l - max) / t) as f64).exp())
-            .collect();
-        let total: f64 = w.iter().sum();
-        w.iter().map(|&x| (x / total) as f32).collect()
+        self.sampler.distribution(logits)
     }
 }
 
@@ -944,7 +935,10 @@ pub fn speculative_generate<B: Backend>(
         let tv = Instant::now();
         let mut target_keep = vec![(0, 0); batch];
         let mut draft_keep: Vec<Vec<(usize, usize)>> = vec![vec![(0, 0); batch]; groups.len()];
-        for &b in &active {
+        // Each sequence verifies with its own random stream (seeded by seed, block and
+        // sequence), so the sequences verify in parallel and the result does not depend on the
+        // number of threads; the host verification of IS/Optimal costs tens of ms per sequence.
+        let verify_one = |b: usize| {
             let drafted: Vec<Vec<usize>> = (0..k_drafts)
                 .map(|k| tokens[k][b].iter().map(|&t| t as usize).collect())
                 .collect();
@@ -952,13 +946,39 @@ pub fn speculative_generate<B: Backend>(
                 let node = node_of[node_index(b, k, j)];
                 target_dist.of(&logits[node * vocab..(node + 1) * vocab])
             };
-            let outcome = verify_block(
+            let mut rng = StdRng::seed_from_u64(
+                opts.seed
+                    ^ (stats.target_calls as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+                    ^ (b as u64).wrapping_mul(0xD1B5_4A32_D192_ED03),
+            );
+            verify_block(
                 opts.scheme,
                 &drafted,
                 p,
                 |k, j| q[k][b][j].clone(),
                 &mut rng,
-            )?;
+            )
+        };
+        let threads = std::thread::available_parallelism()
+            .map_or(1, usize::from)
+            .min(active.len())
+            .max(1);
+        let per_thread = active.len().div_ceil(threads);
+        let outcomes: Vec<_> = std::thread::scope(|scope| {
+            let handles: Vec<_> = active
+                .chunks(per_thread.max(1))
+                .map(|chunk| {
+                    let verify_one = &verify_one;
+                    scope.spawn(move || chunk.iter().map(|&b| verify_one(b)).collect::<Vec<_>>())
+                })
+                .collect();
+            handles
+                .into_iter()
+                .flat_map(|h| h.join().expect("a verification thread panicked"))
+                .collect()
+        });
+        for (&b, outcome) in active.iter().zip(outcomes) {
+            let outcome = outcome?;
             stats.blocks += 1;
             stats.accepted += outcome.accepted;
             for hit in &mut stats.accepted_at[..outcome.accepted] {
