@@ -146,7 +146,8 @@ pub struct SpecOptions {
     pub max_new_tokens: usize,
     /// Generation of a sequence stops after it emits one of these.
     pub stop_tokens: Vec<u32>,
-    /// Seeds every random draw (draft tokens and verification uniforms).
+    /// Seeds every random draw: one stream for the draft tokens, and one per sequence and
+    /// block for the verification uniforms (so sequences verify in parallel, reproducibly).
     pub seed: u64,
 }
 
