@@ -28,7 +28,7 @@ use std::time::Instant;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Int, Tensor, TensorData};
 use burn_kernels_core::{AttentionImpl, FullKvCache, ReferenceAttention, SamplingConfig};
-use burn_llama::finetune::read_corpus;
+use burn_llama::finetune::{Corpus, read_corpus};
 use burn_llama::loader::{Checkpoint, default_model_path, load};
 use burn_llama::model::Llama;
 use burn_llama::spec::{
@@ -60,7 +60,7 @@ struct Args {
     /// committed paragraph.
     #[arg(long)]
     corpus: Option<PathBuf>,
-    /// The corpus's held-out tail the prompts come from.
+    /// The corpus's held-out tail the prompts come from (`finetune --val-fraction`).
     #[arg(long, default_value_t = 0.05)]
     heldout_fraction: f64,
     /// Prompts decoded together in one speculative run.
@@ -187,8 +187,7 @@ fn main() {
 
 #[cfg(feature = "cuda")]
 fn run_cuda(args: &Args, ckpt: &Checkpoint) {
-    type B = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
-    run::<B>(
+    run::<burn_llama::cli::CudaBackend>(
         args,
         ckpt,
         &Default::default(),
@@ -198,12 +197,12 @@ fn run_cuda(args: &Args, ckpt: &Checkpoint) {
 
 #[cfg(not(feature = "cuda"))]
 fn run_cuda(_: &Args, _: &Checkpoint) {
-    eprintln!("built without the `cuda` feature: add --features cuda");
-    std::process::exit(2);
+    burn_llama::cli::exit_on_error(Err(burn_llama::cli::missing_feature("cuda")));
 }
 
 /// The prompt windows: consecutive ones of the paragraph, or evenly spaced ones over the
-/// corpus's held-out tail.
+/// corpus's held-out tokens, split as `finetune` splits them (so a draft distilled from the
+/// training tokens never saw a prompt).
 fn prompts(args: &Args, ckpt: &Checkpoint, paragraph: &[u32]) -> Vec<Vec<u32>> {
     let Some(path) = &args.corpus else {
         return paragraph
@@ -213,14 +212,8 @@ fn prompts(args: &Args, ckpt: &Checkpoint, paragraph: &[u32]) -> Vec<Vec<u32>> {
             .collect();
     };
     let text = read_corpus(path, 0).expect("corpus");
-    let tail_start = (text.len() as f64 * (1.0 - args.heldout_fraction.clamp(0.0, 1.0))) as usize;
-    let tail_start = (tail_start..text.len())
-        .find(|&i| text.is_char_boundary(i))
-        .unwrap_or(text.len());
-    let ids = ckpt
-        .tokenizer
-        .encode(&text[tail_start..])
-        .expect("tokenize");
+    let tokens = ckpt.tokenizer.encode(&text).expect("tokenize");
+    let ids = Corpus::split(tokens, args.heldout_fraction).val;
     assert!(
         ids.len() >= args.prompt_len,
         "the held-out tail has {} tokens, fewer than one prompt",

@@ -965,19 +965,25 @@ pub fn speculative_generate<B: Backend>(
             .min(active.len())
             .max(1);
         let per_thread = active.len().div_ceil(threads);
-        let outcomes: Vec<_> = std::thread::scope(|scope| {
-            let handles: Vec<_> = active
-                .chunks(per_thread.max(1))
-                .map(|chunk| {
-                    let verify_one = &verify_one;
-                    scope.spawn(move || chunk.iter().map(|&b| verify_one(b)).collect::<Vec<_>>())
-                })
-                .collect();
-            handles
-                .into_iter()
-                .flat_map(|h| h.join().expect("a verification thread panicked"))
-                .collect()
-        });
+        let outcomes: Vec<_> = if threads == 1 {
+            // One sequence (or one core): no thread to spawn on every block.
+            active.iter().map(|&b| verify_one(b)).collect()
+        } else {
+            std::thread::scope(|scope| {
+                let handles: Vec<_> = active
+                    .chunks(per_thread)
+                    .map(|chunk| {
+                        let verify_one = &verify_one;
+                        scope
+                            .spawn(move || chunk.iter().map(|&b| verify_one(b)).collect::<Vec<_>>())
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .flat_map(|h| h.join().expect("a verification thread panicked"))
+                    .collect()
+            })
+        };
         for (&b, outcome) in active.iter().zip(outcomes) {
             let outcome = outcome?;
             stats.blocks += 1;

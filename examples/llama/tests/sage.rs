@@ -98,14 +98,11 @@ fn sage_accuracy_on_captured_layers<B: SageBackend>(device: &B::Device) {
     variants.push(int8_warp());
     // On wgpu only the variants with bars, `sage` and `sage-fp8` (see the perplexity test).
     if is_wgpu::<B>(device) {
-        let keep: Vec<bool> = names
-            .iter()
-            .map(|n| matches!(*n, "sage" | "sage-fp8"))
-            .collect();
-        let mut k = keep.iter();
-        names.retain(|_| *k.next().unwrap());
-        let mut k = keep.iter();
-        variants.retain(|_| *k.next().unwrap());
+        (names, variants) = names
+            .into_iter()
+            .zip(variants)
+            .filter(|(n, _)| matches!(*n, "sage" | "sage-fp8"))
+            .unzip();
     }
     assert_eq!(
         (variants[0].qk, variants[0].smooth_q, variants[0].pv),

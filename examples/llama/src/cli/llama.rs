@@ -244,38 +244,27 @@ pub fn main() {
         BackendArg::Vulkan => run_vulkan(&cli),
         BackendArg::Cuda => run_cuda(&cli),
     };
-    if let Err(e) = result {
-        eprintln!("error: {e}");
-        std::process::exit(1);
-    }
+    super::exit_on_error(result);
 }
 
 #[cfg(feature = "vulkan")]
 fn run_vulkan(cli: &Cli) -> Result<(), String> {
-    type B = burn_cubecl::CubeBackend<burn::backend::wgpu::WgpuRuntime, f32, i32, u32>;
-    run::<B>(cli, &Default::default())
+    run::<super::VulkanBackend>(cli, &Default::default())
 }
 
 #[cfg(not(feature = "vulkan"))]
 fn run_vulkan(_: &Cli) -> Result<(), String> {
-    Err(
-        "built without the `vulkan` feature: cargo run --release -p burn-llama --features vulkan"
-            .into(),
-    )
+    Err(super::missing_feature("vulkan"))
 }
 
 #[cfg(feature = "cuda")]
 fn run_cuda(cli: &Cli) -> Result<(), String> {
-    type B = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
-    run::<B>(cli, &Default::default())
+    run::<super::CudaBackend>(cli, &Default::default())
 }
 
 #[cfg(not(feature = "cuda"))]
 fn run_cuda(_: &Cli) -> Result<(), String> {
-    Err(
-        "built without the `cuda` feature: cargo run --release -p burn-llama --features cuda"
-            .into(),
-    )
+    Err(super::missing_feature("cuda"))
 }
 
 fn run<B: KvBackend + SageBackend>(cli: &Cli, device: &B::Device) -> Result<(), String> {

@@ -4,3 +4,26 @@
 
 pub mod finetune;
 pub mod llama;
+
+/// Burn's CubeCL backend on Vulkan (wgpu), as the command lines run it.
+#[cfg(feature = "vulkan")]
+pub type VulkanBackend = burn_cubecl::CubeBackend<burn::backend::wgpu::WgpuRuntime, f32, i32, u32>;
+
+/// Burn's CubeCL backend on CUDA, as the command lines run it.
+#[cfg(feature = "cuda")]
+pub type CudaBackend = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
+
+/// The error of a command asked for a backend this build lacks.
+pub fn missing_feature(feature: &str) -> String {
+    format!(
+        "built without the `{feature}` feature: cargo run --release -p burn-llama --features {feature}"
+    )
+}
+
+/// Prints `error: …` and exits with status 1 when a command failed.
+pub fn exit_on_error(result: Result<(), String>) {
+    if let Err(e) = result {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
+}
