@@ -65,6 +65,16 @@ struct Args {
     /// folder) beside the target's first 8 layers.
     #[arg(long)]
     draft_model: Option<std::path::PathBuf>,
+    /// e2e suite: these batch sizes (comma-separated) instead of 4, 8, 16. Growing batches
+    /// find the largest that fits: a problem that runs out of device memory fails, and the
+    /// runtime may not recover for the next ones, so run one loss per process
+    /// (`--skip-impl cce` / `--skip-impl plain`).
+    #[arg(long, value_delimiter = ',')]
+    batches: Vec<usize>,
+    /// Do not measure peak memory (one extra call per implementation, with exact-size
+    /// buffers that can run out of memory where the timed runs fit).
+    #[arg(long)]
+    skip_memory: bool,
     /// Fewest timed repetitions per implementation (default 5, 3 with --quick); fewer keep
     /// long problems within a time limit.
     #[arg(long)]
@@ -278,12 +288,14 @@ fn run<B: Backend + CceBackend + burn_sage::SageBackend + burn_kvcache::KvBacken
         excludes: args.excludes.clone(),
         cce_gemm_sweep: args.cce_gemm_sweep,
         draft_model: args.draft_model.clone(),
+        batches: args.batches.clone(),
     };
     let mut built = Vec::new();
     for n in &names {
         let mut suite = suites::build::<B>(n, opts.clone())
             .ok_or_else(|| format!("unknown suite `{n}`; known: {}", suites::ALL.join(", ")))?;
         suite.problems.retain(|p| opts.selects(&p.label));
+        suite.measure_memory &= !args.skip_memory;
         built.push(suite);
     }
     let device_label = device_name::<B>(args, device, backend);

@@ -48,7 +48,7 @@ enum Cmd {
         /// No test binaries (the bench runner, and the llama tools with --llama-tools).
         #[arg(long)]
         no_tests: bool,
-        /// Also bundle burn-llama's `finetune` binary and `spec_table` example (run with
+        /// Also bundle burn-llama's `finetune` binary and `spec_table` and `decode_profile` examples (run with
         /// `run.sh bin finetune|spec_table ...`).
         #[arg(long)]
         llama_tools: bool,
@@ -176,7 +176,11 @@ fn cuda_test_binaries(packages: &[String]) -> Vec<PathBuf> {
 }
 
 /// burn-llama's tools bundled with `--llama-tools`: (cargo target kind, name).
-const LLAMA_TOOLS: &[(&str, &str)] = &[("bin", "finetune"), ("example", "spec_table")];
+const LLAMA_TOOLS: &[(&str, &str)] = &[
+    ("bin", "finetune"),
+    ("example", "spec_table"),
+    ("example", "decode_profile"),
+];
 
 fn device_build(dir: &Path, packages: &[String], no_tests: bool, llama_tools: bool) {
     check(

@@ -20,11 +20,16 @@ use super::SuiteOptions;
 use crate::harness::{Candidate, Problem, Suite, params};
 
 pub fn suite<B: Backend + CceBackend>(opts: SuiteOptions) -> Suite<B> {
-    let (cfg, seq, batches): (LlamaConfig, usize, &[usize]) = if opts.quick {
+    let (cfg, seq, defaults): (LlamaConfig, usize, &[usize]) = if opts.quick {
         let tiny = super::tiny_llama(2, 4096);
         (tiny, 32, &[1, 2])
     } else {
         (LlamaConfig::smollm2_135m(), 1024, &[4, 8, 16])
+    };
+    let batches = if opts.batches.is_empty() {
+        defaults
+    } else {
+        &opts.batches[..]
     };
     let problems = batches
         .iter()

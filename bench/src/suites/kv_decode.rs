@@ -541,6 +541,7 @@ pub mod tests {
             excludes: Vec::new(),
             cce_gemm_sweep: false,
             draft_model: None,
+            batches: Vec::new(),
         }
     }
 

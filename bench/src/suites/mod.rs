@@ -77,6 +77,9 @@ pub struct SuiteOptions {
     /// `--draft-model`: the specdec suite also times this trained draft (a `finetune` run
     /// folder, .gguf or HF folder) beside the truncated-layer one.
     pub draft_model: Option<std::path::PathBuf>,
+    /// `--batches`: the e2e suite's batch sizes instead of its defaults (growing batches find
+    /// the largest that fits: the first out-of-memory fails that problem).
+    pub batches: Vec<usize>,
 }
 
 impl SuiteOptions {

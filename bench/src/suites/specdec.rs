@@ -5,8 +5,9 @@
 //! (`cargo xtask fetch-model`, or `$BURN_KERNELS_MODEL`), else random weights of its shape (the
 //! record says which; with random weights acceptance says nothing about real text). Draft: its
 //! first [`DRAFT_LAYERS`] layers with its final norm and LM head (a self-speculative draft that
-//! shares the target's weights). Target and drafts sample at temperature 1, f32 weights,
-//! Burn's fused attention, batch 1.
+//! shares the target's weights). Target and drafts sample at temperature 1 (K = 1, 2, 4) and
+//! greedily (K = 1: greedy drafts would be identical; a draft token is accepted when it is the
+//! target's top token), f32 weights, Burn's fused attention, batch 1.
 //!
 //! One repetition: the prefill of the prompt, then [`NEW_TOKENS`] generated tokens (no stop
 //! token, so every repetition emits the same count); tokens/s counts the generated tokens.
@@ -50,17 +51,25 @@ pub fn suite<B: Backend>(opts: SuiteOptions) -> Suite<B> {
     };
     let mut choices = vec![DraftChoice::Truncated(DRAFT_LAYERS)];
     choices.extend(opts.draft_model.clone().map(DraftChoice::Trained));
+    // Sampling at temperature 1 with K drafts, and greedy decoding (single draft: greedy
+    // drafts are identical) where acceptance is the draft's top token matching the target's.
     let problems = choices
         .iter()
-        .flat_map(|c| drafts.iter().map(move |&k| (c.clone(), k)))
-        .map(|(c, k)| problem::<B>(c, k, new_tokens, opts.quick))
+        .flat_map(|c| {
+            drafts
+                .iter()
+                .map(move |&k| (c.clone(), k, 1.0))
+                .chain([(c.clone(), 1, 0.0)])
+        })
+        .map(|(c, k, t)| problem::<B>(c, k, t, new_tokens, opts.quick))
         .collect();
     Suite {
         name: "specdec",
         description: "speculative decoding of SmolLM2-135M (real weights when cached) with its \
                       first 8 layers as the draft (and a trained draft with --draft-model), K \
-                      drafts of 4 tokens, temperature 1, batch 1: each scheme vs plain \
-                      autoregressive decoding; tokens/s of generated tokens",
+                      drafts of 4 tokens, temperature 1 (and greedy, single draft), batch 1: \
+                      each scheme vs plain autoregressive decoding at the same temperature; \
+                      tokens/s of generated tokens",
         baseline: "autoregressive",
         problems,
         measure_memory: false,
@@ -95,9 +104,9 @@ fn schemes(k: usize) -> Vec<Scheme> {
     }
 }
 
-fn sampling(seed: u64) -> SamplingConfig {
+fn sampling(temperature: f32, seed: u64) -> SamplingConfig {
     SamplingConfig {
-        temperature: 1.0,
+        temperature,
         seed,
         ..SamplingConfig::default()
     }
@@ -162,12 +171,19 @@ impl DraftChoice {
 fn problem<B: Backend>(
     choice: DraftChoice,
     k: usize,
+    temperature: f32,
     new_tokens: usize,
     quick: bool,
 ) -> Problem<B> {
+    let mode = if temperature == 0.0 {
+        " greedy".to_string()
+    } else {
+        String::new()
+    };
     Problem {
-        label: format!("draft={} K={k} L={DRAFT_LEN}", choice.label()),
+        label: format!("draft={} K={k} L={DRAFT_LEN}{mode}", choice.label()),
         params: params([
+            ("temperature", json!(temperature)),
             ("drafts", json!(k)),
             ("draft_len", json!(DRAFT_LEN)),
             ("draft", json!(choice.label())),
@@ -198,7 +214,7 @@ fn problem<B: Backend>(
                         std::slice::from_ref(&p),
                         &mut cache,
                         &BurnAttention,
-                        sampling(seed).build().as_mut(),
+                        sampling(temperature, seed).build().as_mut(),
                         &opts,
                         &mut |_, _| {},
                     );
@@ -218,14 +234,14 @@ fn problem<B: Backend>(
                         let drafts = vec![
                             Draft {
                                 model: &d,
-                                sampling: sampling(0),
+                                sampling: sampling(temperature, 0),
                             };
                             k
                         ];
                         let opts = SpecOptions {
                             scheme,
                             draft_len: DRAFT_LEN,
-                            target_sampling: sampling(0),
+                            target_sampling: sampling(temperature, 0),
                             max_new_tokens: new_tokens,
                             stop_tokens: Vec::new(),
                             seed,

@@ -1,0 +1,186 @@
+//! Where the time of one decode step goes, for a random-weight model of SmolLM2-135M's shape
+//! (timing does not depend on the weights): the host cost of one kernel launch, the wall time
+//! of a decode step split into its stages (each followed by a device sync), and the share of
+//! the final read-back and host sampling.
+//!
+//! ```sh
+//! cargo run --release -p burn-llama --features cuda --example decode_profile -- --backend cuda
+//! # kernels per stage: a cubecl.toml with `[profiling.logger] level = "minimal"` and
+//! # `stderr = true` makes CubeCL print the kernels launched between two syncs
+//! ```
+
+use std::time::Instant;
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{DType, Int, Tensor, TensorData};
+use burn_kernels_core::{AttentionImpl, AttentionKind, FullKvCache, KvCache};
+use burn_llama::{Llama, LlamaConfig};
+use clap::{Parser, ValueEnum};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum BackendArg {
+    Cpu,
+    Vulkan,
+    Cuda,
+}
+
+#[derive(Debug, Parser)]
+#[command(about = "Split of a decode step's wall time")]
+struct Args {
+    #[arg(long, value_enum, default_value = "cpu")]
+    backend: BackendArg,
+    /// reference or burn-fused.
+    #[arg(long, default_value = "burn-fused")]
+    attention: String,
+    #[arg(long, default_value_t = 1)]
+    batch: usize,
+    /// Cached positions before the timed steps.
+    #[arg(long, default_value_t = 64)]
+    context: usize,
+    /// Timed decode steps.
+    #[arg(long, default_value_t = 32)]
+    steps: usize,
+    /// Layers of the model (default: SmolLM2-135M's 30).
+    #[arg(long)]
+    layers: Option<usize>,
+}
+
+fn main() {
+    let args = Args::parse();
+    let attention = AttentionKind::parse(&args.attention).unwrap_or_else(|| {
+        eprintln!("error: --attention is reference or burn-fused");
+        std::process::exit(1)
+    });
+    match args.backend {
+        BackendArg::Cpu => run::<burn::backend::NdArray<f32>>(&args, attention),
+        BackendArg::Vulkan => run_vulkan(&args, attention),
+        BackendArg::Cuda => run_cuda(&args, attention),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn run_cuda(args: &Args, attention: AttentionKind) {
+    run::<burn_llama::cli::CudaBackend>(args, attention);
+}
+
+#[cfg(not(feature = "cuda"))]
+fn run_cuda(_: &Args, _: AttentionKind) {
+    burn_llama::cli::exit_on_error(Err(burn_llama::cli::missing_feature("cuda")));
+}
+
+#[cfg(feature = "vulkan")]
+fn run_vulkan(args: &Args, attention: AttentionKind) {
+    run::<burn_llama::cli::VulkanBackend>(args, attention);
+}
+
+#[cfg(not(feature = "vulkan"))]
+fn run_vulkan(_: &Args, _: AttentionKind) {
+    burn_llama::cli::exit_on_error(Err(burn_llama::cli::missing_feature("vulkan")));
+}
+
+/// Milliseconds `f` takes, device work included.
+fn timed<B: Backend, T>(device: &B::Device, f: impl FnOnce() -> T) -> (T, f64) {
+    B::sync(device).expect("device sync");
+    let t = Instant::now();
+    let out = f();
+    B::sync(device).expect("device sync");
+    (out, t.elapsed().as_secs_f64() * 1e3)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn run<B: Backend>(args: &Args, attention: AttentionKind) {
+    let device = B::Device::default();
+    let mut cfg = LlamaConfig::smollm2_135m();
+    if let Some(n) = args.layers {
+        cfg.num_layers = n;
+    }
+    let model = Llama::<B>::random(&cfg, &device, DType::F32);
+    let attention: Box<dyn AttentionImpl<B>> = attention.build();
+    let b = args.batch;
+    println!(
+        "{} layers, hidden {}, batch {b}, context {}, attention {}",
+        cfg.num_layers,
+        cfg.hidden_size,
+        args.context,
+        attention.name()
+    );
+
+    // The host cost of a launch: a chain of tiny element-wise kernels, synced once.
+    let launches = 2000;
+    let x = Tensor::<B, 2>::ones([b, cfg.hidden_size], &device);
+    let chain = |x: Tensor<B, 2>| (0..launches).fold(x, |x, _| x + 1.0);
+    let _ = timed::<B, _>(&device, || chain(x.clone()));
+    let (_, ms) = timed::<B, _>(&device, || chain(x.clone()));
+    println!(
+        "launch: {:.1} µs per element-wise kernel ({launches} chained)",
+        1e3 * ms / launches as f64
+    );
+
+    let ids = |n: usize, offset: usize| {
+        let v: Vec<i64> = (0..b * n)
+            .map(|i| ((i * 7919 + offset) % cfg.vocab_size) as i64)
+            .collect();
+        Tensor::<B, 2, Int>::from_data(TensorData::new(v, [b, n]), &device)
+    };
+    let mut cache = FullKvCache::new(cfg.num_layers);
+    let (hidden, ms) = timed::<B, _>(&device, || {
+        model.forward(ids(args.context, 0), &[], &mut cache, attention.as_ref())
+    });
+    drop(hidden);
+    println!(
+        "prefill {} tokens: {ms:.1} ms (first call compiles)",
+        args.context
+    );
+
+    let (mut forward, mut logits_ms, mut read, mut total) = (vec![], vec![], vec![], vec![]);
+    for step in 0..args.steps + 4 {
+        let t = Instant::now();
+        let (hidden, f) = timed::<B, _>(&device, || {
+            model.forward(ids(1, step), &[], &mut cache, attention.as_ref())
+        });
+        let (logits, l) = timed::<B, _>(&device, || model.logits(hidden));
+        let (data, r) = timed::<B, _>(&device, || {
+            logits.into_data().to_vec::<f32>().expect("f32 logits")
+        });
+        let argmax = data
+            .iter()
+            .enumerate()
+            .max_by(|a, b| a.1.total_cmp(b.1))
+            .map(|(i, _)| i);
+        std::hint::black_box(argmax);
+        // The first steps compile and tune.
+        if step >= 4 {
+            forward.push(f);
+            logits_ms.push(l);
+            read.push(r);
+            total.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+    let (f, l, r, t) = (
+        median(forward),
+        median(logits_ms),
+        median(read),
+        median(total),
+    );
+    println!(
+        "decode step (median of {}): {t:.2} ms = forward {f:.2} ms ({:.3} ms per layer) + \
+         logits {l:.2} ms + read-back {r:.2} ms + host {:.2} ms",
+        args.steps,
+        f / cfg.num_layers as f64,
+        (t - f - l - r).max(0.0)
+    );
+    println!("cache after: {} positions", cache.seq_len());
+
+    // One unsynced step: what the host alone spends launching, against the synced wall time.
+    let t = Instant::now();
+    let hidden = model.forward(ids(1, 0), &[], &mut cache, attention.as_ref());
+    let enqueue = t.elapsed().as_secs_f64() * 1e3;
+    B::sync(&device).expect("device sync");
+    let wall = t.elapsed().as_secs_f64() * 1e3;
+    drop(hidden);
+    println!("forward enqueue (host only) {enqueue:.2} ms, with the device done {wall:.2} ms");
+}
