@@ -71,6 +71,10 @@ struct Args {
     /// (`--skip-impl cce` / `--skip-impl plain`).
     #[arg(long, value_delimiter = ',')]
     batches: Vec<usize>,
+    /// specdec suite: decode with burn-kernels-core's fused layer ops and burn-kvcache's decode
+    /// attention kernel (autoregressive and speculative alike) instead of Burn's attention op.
+    #[arg(long)]
+    decode_kernels: bool,
     /// Do not measure peak memory (one extra call per implementation, with exact-size
     /// buffers that can run out of memory where the timed runs fit).
     #[arg(long)]
@@ -263,7 +267,13 @@ fn commit(args: &Args) -> String {
     bundled().or_else(git).unwrap_or_else(|| "unknown".into())
 }
 
-fn run<B: Backend + CceBackend + burn_sage::SageBackend + burn_kvcache::KvBackend>(
+fn run<
+    B: Backend
+        + CceBackend
+        + burn_sage::SageBackend
+        + burn_kvcache::KvBackend
+        + burn_kernels_core::FusedBackend,
+>(
     args: &Args,
     device: &B::Device,
     backend: &str,
@@ -289,6 +299,7 @@ fn run<B: Backend + CceBackend + burn_sage::SageBackend + burn_kvcache::KvBacken
         cce_gemm_sweep: args.cce_gemm_sweep,
         draft_model: args.draft_model.clone(),
         batches: args.batches.clone(),
+        decode_kernels: args.decode_kernels,
     };
     let mut built = Vec::new();
     for n in &names {

@@ -20,6 +20,21 @@ where
     Tensor::from_primitive(TensorPrimitive::Float(t))
 }
 
+/// The key padding as the kernels read it: `[batch, skv]` i32, non-zero = hidden.
+fn mask_i32<R, F, I, BT>(
+    opts: &AttnOptions<Cb<R, F, I, BT>>,
+) -> Option<burn_cubecl::tensor::CubeTensor<R>>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    opts.key_padding
+        .clone()
+        .map(|m| m.int().cast(IntDType::I32).into_primitive())
+}
+
 impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> KvBackend
     for CubeBackend<R, F, I, BT>
 {
@@ -111,16 +126,54 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> KvBackend
         };
         let inputs = kernels::quant_attention::QuantAttnInputs {
             q: q.into_primitive().tensor(),
-            k: parts(kp),
-            v: parts(vp),
+            k: Some(parts(kp)),
+            v: Some(parts(vp)),
             tail: view
                 .tail
                 .clone()
                 .map(|(k, v)| (k.into_primitive().tensor(), v.into_primitive().tensor())),
-            mask: opts
-                .key_padding
-                .clone()
-                .map(|m| m.int().cast(IntDType::I32).into_primitive()),
+            mask: mask_i32(opts),
+        };
+        float(kernels::quant_attention::quant_attention(
+            inputs,
+            args,
+            opts.causal,
+        ))
+    }
+
+    fn kv_decode_attention(
+        q: Tensor<Self, 4>,
+        k: Tensor<Self, 4>,
+        v: Tensor<Self, 4>,
+        opts: &AttnOptions<Self>,
+    ) -> Tensor<Self, 4> {
+        let [_, hq, sq, _] = q.dims();
+        let [_, hkv, skv, _] = k.dims();
+        // The quantized read with no quantized part: every position is in the tail.
+        let args = kernels::quant_attention::QuantAttnArgs {
+            rows: 0,
+            hkv,
+            group: hq / hkv,
+            sq,
+            qlen: 0,
+            tail: skv,
+            kblocks: 0,
+            kgroup: 1,
+            kwords: 1,
+            vgroups: 1,
+            vgroup: 1,
+            vwords: 1,
+            bits: 4,
+            split: 0,
+            splits: 0,
+            scale: opts.scale,
+        };
+        let inputs = kernels::quant_attention::QuantAttnInputs {
+            q: q.into_primitive().tensor(),
+            k: None,
+            v: None,
+            tail: Some((k.into_primitive().tensor(), v.into_primitive().tensor())),
+            mask: mask_i32(opts),
         };
         float(kernels::quant_attention::quant_attention(
             inputs,

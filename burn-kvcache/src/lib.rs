@@ -96,7 +96,7 @@ pub use error::KvCacheError;
 pub use shadowkv::{DecodeTimings, RopeParams, ShadowBytes, ShadowKvCache, ShadowKvConfig};
 
 use burn::tensor::{DType, Int, Tensor, backend::Backend};
-use burn_kernels_core::AttnOptions;
+use burn_kernels_core::{AttentionImpl, AttnOptions, BurnAttention, ReferenceAttention};
 
 /// The shared direction, both magnitudes and the angular distance of merged row pairs.
 #[derive(Debug, Clone)]
@@ -241,6 +241,20 @@ pub trait KvBackend: Backend {
         reference::quant_attention(q, view, opts)
     }
 
+    /// Attention of a few queries over full-precision keys and values, GQA without copies
+    /// ([`DecodeAttention`]'s kernel where [`KvBackend::kv_has_quant_attention`]).
+    ///
+    /// # Shapes
+    /// As [`burn_kernels_core::AttentionImpl::attend`], `sq ≤ skv` when causal.
+    fn kv_decode_attention(
+        q: Tensor<Self, 4>,
+        k: Tensor<Self, 4>,
+        v: Tensor<Self, 4>,
+        opts: &AttnOptions<Self>,
+    ) -> Tensor<Self, 4> {
+        ReferenceAttention.attend(0, q, k, v, opts)
+    }
+
     /// # Shapes
     /// See [`gather_reconstruct_rope`].
     fn shadowkv_gather_reconstruct_rope(
@@ -383,6 +397,45 @@ impl<B: Backend> QuantAttnView<B> {
             }
             _ => 0,
         }
+    }
+}
+
+/// Split-K "flash decoding" over full-precision keys and values for calls with at most
+/// `max_queries` query rows (decode steps, speculative verification): the quantized read's
+/// kernel ([`quant_attention`]) with every position in its full-precision tail. Two launches
+/// per call instead of the dozen of a tensor-op attention, and each KV head is read once for
+/// its whole query group (no repeated K/V). Longer calls (prefill), and backends without the
+/// kernel, use Burn's attention op.
+#[derive(Debug, Clone, Copy)]
+pub struct DecodeAttention {
+    pub max_queries: usize,
+}
+
+impl Default for DecodeAttention {
+    fn default() -> Self {
+        Self { max_queries: 16 }
+    }
+}
+
+impl<B: KvBackend> AttentionImpl<B> for DecodeAttention {
+    fn name(&self) -> String {
+        "decode".into()
+    }
+
+    fn attend(
+        &self,
+        layer: usize,
+        q: Tensor<B, 4>,
+        k: Tensor<B, 4>,
+        v: Tensor<B, 4>,
+        opts: &AttnOptions<B>,
+    ) -> Tensor<B, 4> {
+        let [_, _, sq, _] = q.dims();
+        let skv = k.dims()[2];
+        if sq > self.max_queries || (opts.causal && sq > skv) || !B::kv_has_quant_attention() {
+            return BurnAttention.attend(layer, q, k, v, opts);
+        }
+        B::kv_decode_attention(q, k, v, opts)
     }
 }
 

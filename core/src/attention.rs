@@ -36,6 +36,12 @@ pub trait AttentionImpl<B: Backend>: Send + Sync + std::fmt::Debug {
         v: Tensor<B, 4>,
         opts: &AttnOptions<B>,
     ) -> Tensor<B, 4>;
+
+    /// The kernels for the rest of the layer that go with this implementation
+    /// ([`crate::FusedLayers`]); `None`: the model's tensor ops.
+    fn layer_ops(&self) -> Option<&dyn crate::layer_ops::LayerOps<B>> {
+        None
+    }
 }
 
 /// The built-in implementations, by name (for CLIs).

@@ -77,6 +77,11 @@ impl<B: Backend> Rope<B> {
         }
     }
 
+    /// The `[max_positions, head_dim / 2]` cos and sin tables (f32).
+    pub fn tables(&self) -> (&Tensor<B, 2>, &Tensor<B, 2>) {
+        (&self.cos, &self.sin)
+    }
+
     /// Positions the tables cover.
     pub fn max_positions(&self) -> usize {
         self.cos.dims()[0]

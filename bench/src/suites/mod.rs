@@ -13,6 +13,7 @@ pub mod specdec;
 
 use burn::tensor::backend::Backend;
 use burn_cce::CceBackend;
+use burn_kernels_core::FusedBackend;
 use burn_kvcache::KvBackend;
 use burn_sage::SageBackend;
 
@@ -80,6 +81,10 @@ pub struct SuiteOptions {
     /// `--batches`: the e2e suite's batch sizes instead of its defaults (growing batches find
     /// the largest that fits: the first out-of-memory fails that problem).
     pub batches: Vec<usize>,
+    /// `--decode-kernels`: the specdec suite decodes (autoregressive and speculative alike)
+    /// with the fused layer ops and the decode attention kernel instead of Burn's attention
+    /// op and tensor ops.
+    pub decode_kernels: bool,
 }
 
 impl SuiteOptions {
@@ -91,7 +96,7 @@ impl SuiteOptions {
 }
 
 /// Builds the suite called `name`.
-pub fn build<B: Backend + CceBackend + SageBackend + KvBackend>(
+pub fn build<B: Backend + CceBackend + SageBackend + KvBackend + FusedBackend>(
     name: &str,
     opts: SuiteOptions,
 ) -> Option<Suite<B>> {

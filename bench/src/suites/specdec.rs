@@ -19,7 +19,10 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 
 use burn::tensor::{DType, backend::Backend};
-use burn_kernels_core::{BurnAttention, FullKvCache, SamplingConfig};
+use burn_kernels_core::{
+    AttentionImpl, BurnAttention, FullKvCache, FusedBackend, FusedLayers, SamplingConfig,
+};
+use burn_kvcache::{DecodeAttention, KvBackend};
 use burn_llama::generate::{GenerateOptions, generate};
 use burn_llama::loader::{Checkpoint, default_model_path, load};
 use burn_llama::spec::{
@@ -30,6 +33,7 @@ use burn_specdec::Scheme;
 use serde_json::json;
 use std::cell::RefCell;
 use std::rc::Rc;
+use std::sync::Arc;
 
 use super::SuiteOptions;
 use crate::harness::{Candidate, Extra, Problem, Suite, params};
@@ -43,7 +47,7 @@ const DRAFT_LEN: usize = 4;
 /// Prompt tokens (the start of the committed paragraph, or token ids with random weights).
 const PROMPT_TOKENS: usize = 64;
 
-pub fn suite<B: Backend>(opts: SuiteOptions) -> Suite<B> {
+pub fn suite<B: KvBackend + FusedBackend>(opts: SuiteOptions) -> Suite<B> {
     let (drafts, new_tokens): (&[usize], usize) = if opts.quick {
         (&[1, 2], 8)
     } else {
@@ -61,7 +65,7 @@ pub fn suite<B: Backend>(opts: SuiteOptions) -> Suite<B> {
                 .map(move |&k| (c.clone(), k, 1.0))
                 .chain([(c.clone(), 1, 0.0)])
         })
-        .map(|(c, k, t)| problem::<B>(c, k, t, new_tokens, opts.quick))
+        .map(|(c, k, t)| problem::<B>(c, k, t, new_tokens, opts.quick, opts.decode_kernels))
         .collect();
     Suite {
         name: "specdec",
@@ -168,17 +172,26 @@ impl DraftChoice {
     }
 }
 
-fn problem<B: Backend>(
+fn problem<B: KvBackend + FusedBackend>(
     choice: DraftChoice,
     k: usize,
     temperature: f32,
     new_tokens: usize,
     quick: bool,
+    decode_kernels: bool,
 ) -> Problem<B> {
-    let mode = if temperature == 0.0 {
+    let mut mode = if temperature == 0.0 {
         " greedy".to_string()
     } else {
         String::new()
+    };
+    if decode_kernels {
+        mode.push_str(" decode-kernels");
+    }
+    let attention: Arc<dyn AttentionImpl<B>> = if decode_kernels {
+        Arc::new(FusedLayers::new(Arc::new(DecodeAttention::default())))
+    } else {
+        Arc::new(BurnAttention)
     };
     Problem {
         label: format!("draft={} K={k} L={DRAFT_LEN}{mode}", choice.label()),
@@ -199,7 +212,7 @@ fn problem<B: Backend>(
             let weights = if real { "real" } else { "random" };
             let mut candidates = Vec::new();
 
-            let (m, p) = (model.clone(), prompt.clone());
+            let (m, p, att) = (model.clone(), prompt.clone(), attention.clone());
             let mut seed = 0;
             candidates.push(
                 Candidate::timed_here("autoregressive", move || {
@@ -213,7 +226,7 @@ fn problem<B: Backend>(
                         &m,
                         std::slice::from_ref(&p),
                         &mut cache,
-                        &BurnAttention,
+                        att.as_ref(),
                         sampling(temperature, seed).build().as_mut(),
                         &opts,
                         &mut |_, _| {},
@@ -225,6 +238,7 @@ fn problem<B: Backend>(
 
             for scheme in schemes(k) {
                 let (m, d, p) = (model.clone(), draft.clone(), prompt.clone());
+                let att = attention.clone();
                 let last: Rc<RefCell<Option<SpecStats>>> = Rc::default();
                 let seen = last.clone();
                 let mut seed = 0;
@@ -250,7 +264,7 @@ fn problem<B: Backend>(
                             &m,
                             &drafts,
                             std::slice::from_ref(&p),
-                            &BurnAttention,
+                            att.as_ref(),
                             &opts,
                             &mut |_, _| {},
                         )

@@ -244,10 +244,12 @@ fn combine_kernel<F: Float>(
 pub struct QuantAttnInputs<R: CubeRuntime> {
     /// `[b, hq, sq, d]`
     pub q: CubeTensor<R>,
-    /// `[b·hkv·kblocks·d, kwords]` u32, scale and min `[b·hkv·kblocks·d]`.
-    pub k: (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>),
-    /// `[b·hkv·qlen·vgroups, vwords]` u32, scale and min `[b·hkv·qlen·vgroups]`.
-    pub v: (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>),
+    /// `[b·hkv·kblocks·d, kwords]` u32, scale and min `[b·hkv·kblocks·d]`; `None` when
+    /// `qlen = 0` (full-precision keys only, all in the tail).
+    pub k: Option<(CubeTensor<R>, CubeTensor<R>, CubeTensor<R>)>,
+    /// `[b·hkv·qlen·vgroups, vwords]` u32, scale and min `[b·hkv·qlen·vgroups]`; `None` when
+    /// `qlen = 0`.
+    pub v: Option<(CubeTensor<R>, CubeTensor<R>, CubeTensor<R>)>,
     /// `[b, hkv, tail, d]` each, `q`'s dtype (`tail ≥ 1`).
     pub tail: Option<(CubeTensor<R>, CubeTensor<R>)>,
     /// `[b, qlen + tail]` i32, non-zero = hidden.
@@ -304,8 +306,17 @@ pub fn quant_attention<R: CubeRuntime>(
         .mask
         .map(into_contiguous)
         .unwrap_or_else(|| stand_in(burn::tensor::DType::I32));
-    let (kw, ks, km) = inputs.k;
-    let (vw, vs, vm) = inputs.v;
+    let packed = |p: Option<(CubeTensor<R>, CubeTensor<R>, CubeTensor<R>)>| {
+        p.unwrap_or_else(|| {
+            (
+                stand_in(burn::tensor::DType::U32),
+                stand_in(dtype),
+                stand_in(dtype),
+            )
+        })
+    };
+    let (kw, ks, km) = packed(inputs.k);
+    let (vw, vs, vm) = packed(inputs.v);
     let cube_dim = CubeDim::new_1d(64);
     let units = args.rows * args.splits;
     partial_kernel::launch::<R>(

@@ -1,7 +1,9 @@
 //! Where the time of one decode step goes, for a random-weight model of SmolLM2-135M's shape
 //! (timing does not depend on the weights): the host cost of one kernel launch, the wall time
 //! of a decode step split into its stages (each followed by a device sync), and the share of
-//! the final read-back and host sampling.
+//! the final read-back and host sampling. `--attention decode` and `--fused-ops` select the
+//! decode kernels; the logits of one step are first checked against the plain path
+//! (reference attention, tensor ops) from the same cache contents.
 //!
 //! ```sh
 //! cargo run --release -p burn-llama --features cuda --example decode_profile -- --backend cuda
@@ -13,7 +15,13 @@ use std::time::Instant;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Int, Tensor, TensorData};
-use burn_kernels_core::{AttentionImpl, AttentionKind, FullKvCache, KvCache};
+use std::sync::Arc;
+
+use burn_kernels_core::{
+    AttentionImpl, AttentionKind, FullKvCache, FusedBackend, FusedLayers, KvCache,
+    ReferenceAttention,
+};
+use burn_kvcache::{DecodeAttention, KvBackend};
 use burn_llama::{Llama, LlamaConfig};
 use clap::{Parser, ValueEnum};
 
@@ -29,9 +37,12 @@ enum BackendArg {
 struct Args {
     #[arg(long, value_enum, default_value = "cpu")]
     backend: BackendArg,
-    /// reference or burn-fused.
+    /// reference, burn-fused or decode.
     #[arg(long, default_value = "burn-fused")]
     attention: String,
+    /// RMSNorm, RoPE and the SwiGLU gate as one kernel each.
+    #[arg(long)]
+    fused_ops: bool,
     #[arg(long, default_value_t = 1)]
     batch: usize,
     /// Cached positions before the timed steps.
@@ -47,10 +58,13 @@ struct Args {
 
 fn main() {
     let args = Args::parse();
-    let attention = AttentionKind::parse(&args.attention).unwrap_or_else(|| {
-        eprintln!("error: --attention is reference or burn-fused");
-        std::process::exit(1)
-    });
+    let attention = match args.attention.as_str() {
+        "decode" => None,
+        name => Some(AttentionKind::parse(name).unwrap_or_else(|| {
+            eprintln!("error: --attention is reference, burn-fused or decode");
+            std::process::exit(1)
+        })),
+    };
     match args.backend {
         BackendArg::Cpu => run::<burn::backend::NdArray<f32>>(&args, attention),
         BackendArg::Vulkan => run_vulkan(&args, attention),
@@ -59,22 +73,22 @@ fn main() {
 }
 
 #[cfg(feature = "cuda")]
-fn run_cuda(args: &Args, attention: AttentionKind) {
+fn run_cuda(args: &Args, attention: Option<AttentionKind>) {
     run::<burn_llama::cli::CudaBackend>(args, attention);
 }
 
 #[cfg(not(feature = "cuda"))]
-fn run_cuda(_: &Args, _: AttentionKind) {
+fn run_cuda(_: &Args, _: Option<AttentionKind>) {
     burn_llama::cli::exit_on_error(Err(burn_llama::cli::missing_feature("cuda")));
 }
 
 #[cfg(feature = "vulkan")]
-fn run_vulkan(args: &Args, attention: AttentionKind) {
+fn run_vulkan(args: &Args, attention: Option<AttentionKind>) {
     run::<burn_llama::cli::VulkanBackend>(args, attention);
 }
 
 #[cfg(not(feature = "vulkan"))]
-fn run_vulkan(_: &Args, _: AttentionKind) {
+fn run_vulkan(_: &Args, _: Option<AttentionKind>) {
     burn_llama::cli::exit_on_error(Err(burn_llama::cli::missing_feature("vulkan")));
 }
 
@@ -92,14 +106,22 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-fn run<B: Backend>(args: &Args, attention: AttentionKind) {
+fn run<B: Backend + KvBackend + FusedBackend>(args: &Args, attention: Option<AttentionKind>) {
     let device = B::Device::default();
     let mut cfg = LlamaConfig::smollm2_135m();
     if let Some(n) = args.layers {
         cfg.num_layers = n;
     }
     let model = Llama::<B>::random(&cfg, &device, DType::F32);
-    let attention: Box<dyn AttentionImpl<B>> = attention.build();
+    let attention: Arc<dyn AttentionImpl<B>> = match attention {
+        Some(kind) => Arc::from(kind.build::<B>()),
+        None => Arc::new(DecodeAttention::default()),
+    };
+    let attention: Arc<dyn AttentionImpl<B>> = if args.fused_ops {
+        Arc::new(FusedLayers::new(attention))
+    } else {
+        attention
+    };
     let b = args.batch;
     println!(
         "{} layers, hidden {}, batch {b}, context {}, attention {}",
@@ -134,6 +156,41 @@ fn run<B: Backend>(args: &Args, attention: AttentionKind) {
     println!(
         "prefill {} tokens: {ms:.1} ms (first call compiles)",
         args.context
+    );
+
+    // Correctness first: one step from the same cache contents, against the plain path.
+    let mut plain_cache = FullKvCache::new(cfg.num_layers);
+    drop(model.forward(
+        ids(args.context, 0),
+        &[],
+        &mut plain_cache,
+        &ReferenceAttention,
+    ));
+    let mut check_cache = FullKvCache::new(cfg.num_layers);
+    drop(model.forward(
+        ids(args.context, 0),
+        &[],
+        &mut check_cache,
+        attention.as_ref(),
+    ));
+    let logits = |cache: &mut FullKvCache<B>, att: &dyn AttentionImpl<B>| {
+        let h = model.forward(ids(2, 1), &[], cache, att);
+        model
+            .logits(h)
+            .into_data()
+            .to_vec::<f32>()
+            .expect("f32 logits")
+    };
+    let want = logits(&mut plain_cache, &ReferenceAttention);
+    let got = logits(&mut check_cache, attention.as_ref());
+    let scale = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let err = want
+        .iter()
+        .zip(&got)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    println!(
+        "check: 2 new positions after the prefill, max |Δlogit| {err:.3e} (max |logit| \
+         {scale:.3e}) against reference attention + tensor ops"
     );
 
     let (mut forward, mut logits_ms, mut read, mut total) = (vec![], vec![], vec![], vec![]);

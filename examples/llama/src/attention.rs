@@ -6,6 +6,7 @@
 //! |---|---|---|
 //! | `reference` | f32 tensor ops | f32 |
 //! | `burn-fused` | Burn's attention op | |
+//! | `decode` | split-K decode kernel (burn-kvcache) for ≤ 16 queries, else Burn's op | f32 |
 //! | `sage` | INT8, one scale per 32 queries / 64 keys, K smoothed | FP16 |
 //! | `sage-fp8` | as `sage` | FP8 E4M3, per-channel V scale |
 //! | `sage-int4` | INT4 per thread, Q and K smoothed | FP16 |
@@ -15,6 +16,7 @@
 
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_kernels_core::{AttentionImpl, AttentionKind, FullKvCache, ReferenceAttention};
+use burn_kvcache::{DecodeAttention, KvBackend};
 use burn_sage::adaptive::{CaptureAttention, Captured, LayerReport, choose_layer};
 use burn_sage::{PvPrecision, QkQuant, SageAttention, SageBackend, SageError, SageOptions};
 
@@ -41,16 +43,24 @@ pub enum SageQk {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AttentionChoice {
     Builtin(AttentionKind),
-    Sage { qk: SageQk, pv: PvPrecision },
+    /// [`burn_kvcache::DecodeAttention`].
+    Decode,
+    Sage {
+        qk: SageQk,
+        pv: PvPrecision,
+    },
 }
 
 impl AttentionChoice {
-    pub const NAMES: &'static str = "reference, burn-fused, sage, sage-fp8, sage-int4, \
+    pub const NAMES: &'static str = "reference, burn-fused, decode, sage, sage-fp8, sage-int4, \
          sage-int4-fp8, sage-adaptive, sage-adaptive-fp8";
 
     pub fn parse(s: &str) -> Option<Self> {
         if let Some(kind) = AttentionKind::parse(s) {
             return Some(Self::Builtin(kind));
+        }
+        if s == "decode" {
+            return Some(Self::Decode);
         }
         let (base, pv) = match s.strip_suffix("-fp8") {
             Some(base) => (base, PvPrecision::Fp8E4m3),
@@ -103,13 +113,14 @@ impl AttentionChoice {
     /// # Errors
     /// [`AttentionError::NeedsCalibration`] for adaptive Sage without calibration tokens; a
     /// [`SageError`] from the calibration.
-    pub fn build<B: SageBackend>(
+    pub fn build<B: SageBackend + KvBackend>(
         &self,
         calibration: Option<(&Llama<B>, &[u32])>,
         int4_threshold: f64,
     ) -> Result<BuiltAttention<B>, AttentionError> {
         let opts = match (self, self.sage_options()) {
             (Self::Builtin(kind), _) => return Ok((kind.build::<B>(), Vec::new())),
+            (Self::Decode, _) => return Ok((Box::new(DecodeAttention::default()), Vec::new())),
             (_, Some(opts)) => opts,
             (Self::Sage { .. }, None) => unreachable!("a Sage choice has Sage options"),
         };

@@ -4,10 +4,9 @@
 use burn::module::{Module, Param};
 use burn::nn::RmsNorm;
 use burn::tensor::{
-    DType, Distribution, Int, Tensor, TensorCreationOptions, TensorData, activation,
-    backend::Backend,
+    DType, Distribution, Int, Tensor, TensorCreationOptions, TensorData, backend::Backend,
 };
-use burn_kernels_core::{AttentionImpl, AttnOptions, KvCache, Rope};
+use burn_kernels_core::{AttentionImpl, AttnOptions, KvCache, Rope, TensorOps};
 
 use crate::config::LlamaConfig;
 use crate::loader::{Checkpoint, HostTensor, LoadError};
@@ -69,17 +68,26 @@ impl<B: Backend> Block<B> {
     ) -> Tensor<B, 3> {
         let [b, s, _] = x.dims();
         let (hq, hkv, d) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
-        let h = self.attn_norm.forward(x.clone());
+        let ops = attention.layer_ops().unwrap_or(&TensorOps);
+        let h = ops.rms_norm(&self.attn_norm, x.clone());
         let heads = |t: Tensor<B, 3>, n: usize| t.reshape([b, s, n, d]).swap_dims(1, 2);
-        let q = rope.apply(heads(linear(h.clone(), &self.wq), hq), positions.clone());
-        let k = rope.apply(heads(linear(h.clone(), &self.wk), hkv), positions.clone());
+        let q = ops.rope(
+            rope,
+            heads(linear(h.clone(), &self.wq), hq),
+            positions.clone(),
+        );
+        let k = ops.rope(
+            rope,
+            heads(linear(h.clone(), &self.wk), hkv),
+            positions.clone(),
+        );
         let v = heads(linear(h, &self.wv), hkv);
         let o = cache.attend(layer, q, k, v, attention, opts);
         let o = o.swap_dims(1, 2).reshape([b, s, hq * d]);
         let x = x + linear(o, &self.wo);
-        let h = self.mlp_norm.forward(x.clone());
-        let gate = activation::silu(linear(h.clone(), &self.w_gate));
-        x + linear(gate * linear(h, &self.w_up), &self.w_down)
+        let h = ops.rms_norm(&self.mlp_norm, x.clone());
+        let gate = linear(h.clone(), &self.w_gate);
+        x + linear(ops.silu_mul(gate, linear(h, &self.w_up)), &self.w_down)
     }
 }
 
@@ -136,7 +144,10 @@ impl<B: Backend> Llama<B> {
                 &opts,
             );
         }
-        self.norm.forward(x)
+        attention
+            .layer_ops()
+            .unwrap_or(&TensorOps)
+            .rms_norm(&self.norm, x)
     }
 
     /// The output classifier as `[vocab, hidden]`: the embedding when tied, else the LM head

@@ -2,6 +2,7 @@
 
 use std::io::Write;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use crate::attention::AttentionChoice;
 use crate::eval::{CacheKind, CacheSpec, full_kv_bytes, perplexity_with_cache};
@@ -11,7 +12,7 @@ use crate::model::Llama;
 use crate::spec::{Draft, SpecOptions, load_draft, speculative_generate, truncated_draft};
 use crate::tokenizer::Tokenizer;
 use burn::tensor::{DType, backend::Backend};
-use burn_kernels_core::{AttentionImpl, SamplingConfig};
+use burn_kernels_core::{AttentionImpl, FusedBackend, FusedLayers, SamplingConfig};
 use burn_kvcache::{KvBackend, MiniCacheConfig, QuantConfig, ShadowKvConfig};
 use burn_sage::SageBackend;
 use burn_sage::adaptive::DEFAULT_INT4_THRESHOLD;
@@ -52,6 +53,10 @@ struct Common {
     /// rounding as the kernels).
     #[arg(long, default_value = "reference")]
     attention: String,
+    /// Run each layer's RMSNorms, RoPE and SwiGLU gate as one kernel each (burn-kernels-core's
+    /// fused layer ops; inference only) instead of Burn tensor ops.
+    #[arg(long)]
+    fused_ops: bool,
     /// sage-adaptive: a layer keeps INT4 where cos_sim·(1 − rel_l1) of its INT4 output against
     /// exact attention reaches this.
     #[arg(long, default_value_t = DEFAULT_INT4_THRESHOLD)]
@@ -267,7 +272,10 @@ fn run_cuda(_: &Cli) -> Result<(), String> {
     Err(super::missing_feature("cuda"))
 }
 
-fn run<B: KvBackend + SageBackend>(cli: &Cli, device: &B::Device) -> Result<(), String> {
+fn run<B: KvBackend + SageBackend + FusedBackend>(
+    cli: &Cli,
+    device: &B::Device,
+) -> Result<(), String> {
     let common = match &cli.cmd {
         Cmd::Generate { common, .. } | Cmd::Perplexity { common, .. } => common,
     };
@@ -318,7 +326,10 @@ fn run<B: KvBackend + SageBackend>(cli: &Cli, device: &B::Device) -> Result<(), 
             ids
         }
     };
-    let attention = build_attention(&choice, &model, &input_ids, common.int4_threshold)?;
+    let mut attention = build_attention(&choice, &model, &input_ids, common.int4_threshold)?;
+    if common.fused_ops {
+        attention = Box::new(FusedLayers::new(Arc::from(attention)));
+    }
     eprintln!("attention {}", attention.name());
     match &cli.cmd {
         Cmd::Generate {
@@ -450,7 +461,7 @@ fn run<B: KvBackend + SageBackend>(cli: &Cli, device: &B::Device) -> Result<(), 
 
 /// The attention implementation; adaptive Sage calibrates on `tokens` and reports its choice
 /// per layer.
-fn build_attention<B: SageBackend>(
+fn build_attention<B: SageBackend + KvBackend>(
     choice: &AttentionChoice,
     model: &Llama<B>,
     tokens: &[u32],

@@ -1,0 +1,57 @@
+//! `CubeBackend` runs the [`FusedBackend`] kernels.
+
+use burn::nn::RmsNorm;
+use burn::tensor::{DType, Int, Tensor, TensorPrimitive};
+use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+
+use crate::kernels;
+use crate::layer_ops::FusedBackend;
+use crate::rope::Rope;
+
+fn float<R, F, I, BT, const D: usize>(
+    t: burn_cubecl::tensor::CubeTensor<R>,
+) -> Tensor<CubeBackend<R, F, I, BT>, D>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    Tensor::from_primitive(TensorPrimitive::Float(t))
+}
+
+impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FusedBackend
+    for CubeBackend<R, F, I, BT>
+{
+    fn fused_rms_norm(norm: &RmsNorm<Self>, x: Tensor<Self, 3>) -> Tensor<Self, 3> {
+        let gamma = norm.gamma.val().cast(x.dtype());
+        float(kernels::rms_norm::rms_norm(
+            x.into_primitive().tensor(),
+            gamma.into_primitive().tensor(),
+            norm.epsilon,
+        ))
+    }
+
+    fn fused_rope(
+        rope: &Rope<Self>,
+        x: Tensor<Self, 4>,
+        positions: Tensor<Self, 2, Int>,
+    ) -> Tensor<Self, 4> {
+        // The kernel reads f32 tables (what `Rope::new` builds).
+        let (cos, sin) = rope.tables();
+        let (cos, sin) = (cos.clone().cast(DType::F32), sin.clone().cast(DType::F32));
+        float(kernels::rope::rope(
+            x.into_primitive().tensor(),
+            positions.into_primitive(),
+            cos.into_primitive().tensor(),
+            sin.into_primitive().tensor(),
+        ))
+    }
+
+    fn fused_silu_mul(gate: Tensor<Self, 3>, up: Tensor<Self, 3>) -> Tensor<Self, 3> {
+        float(kernels::silu_mul::silu_mul(
+            gate.into_primitive().tensor(),
+            up.into_primitive().tensor(),
+        ))
+    }
+}

@@ -1,0 +1,19 @@
+//! CubeCL kernels of [`crate::layer_ops::FusedBackend`], one file per op, generic over the
+//! runtime.
+
+pub mod rms_norm;
+pub mod rope;
+pub mod silu_mul;
+
+use cubecl::prelude::*;
+
+/// Units of the element-wise launches.
+pub(crate) const UNITS: u32 = 256;
+
+/// A grid with one cube per row; rows beyond one grid dimension spill into the second
+/// (Vulkan drivers allow 65 535 cubes per dimension).
+pub(crate) fn row_grid<R: Runtime>(client: &ComputeClient<R>, rows: usize) -> CubeCount {
+    let max_x = client.properties().hardware.max_cube_count.0.min(65_535) as usize;
+    let cubes_x = rows.clamp(1, max_x);
+    CubeCount::Static(cubes_x as u32, rows.div_ceil(cubes_x) as u32, 1)
+}

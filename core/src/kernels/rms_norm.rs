@@ -1,0 +1,90 @@
+//! RMSNorm in one launch: one cube per row; each unit sums the squares of a strided share of
+//! the row in f32, a shared-memory tree adds the shares, and each unit writes its share
+//! scaled by `γ / √(mean + ε)`.
+
+use burn::tensor::DType;
+use burn_cubecl::{
+    CubeRuntime, kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype,
+    tensor::CubeTensor,
+};
+use cubecl::prelude::*;
+
+use super::row_grid;
+
+/// Units per row (a power of two: the tree halves evenly).
+const ROW_UNITS: usize = 64;
+
+#[cube(launch)]
+fn rms_norm_kernel<F: Float>(
+    x: &Tensor<F>,
+    gamma: &Tensor<F>,
+    out: &mut Tensor<F>,
+    rows: usize,
+    eps: f32,
+    #[comptime] units: usize,
+    #[define(F)] _dtype: StorageType,
+) {
+    let row = (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize;
+    // Whole cubes leave together, before the barriers.
+    if row >= rows {
+        terminate!();
+    }
+    let cols = gamma.len();
+    let unit = UNIT_POS_X as usize;
+    let base = row * cols;
+    let mut squares = f32::new(0.0);
+    let mut i = unit;
+    while i < cols {
+        let v = f32::cast_from(x[base + i]);
+        squares += v * v;
+        i += units;
+    }
+    let mut shared = SharedMemory::<f32>::new(units);
+    shared[unit] = squares;
+    sync_cube();
+    let mut half = units / 2;
+    while half > 0 {
+        if unit < half {
+            shared[unit] = shared[unit] + shared[unit + half];
+        }
+        sync_cube();
+        half /= 2;
+    }
+    let inv = f32::new(1.0) / f32::sqrt(shared[0] / f32::cast_from(cols) + eps);
+    let mut i = unit;
+    while i < cols {
+        out[base + i] = F::cast_from(f32::cast_from(x[base + i]) * inv * f32::cast_from(gamma[i]));
+        i += units;
+    }
+}
+
+/// `x · γ / √(mean(x²) + ε)` over the last dimension, accumulated in f32.
+///
+/// # Shapes
+/// - `x`: `[..., cols]`, `gamma`: `[cols]` in `x`'s dtype; returns `x`'s shape
+pub fn rms_norm<R: CubeRuntime>(x: CubeTensor<R>, gamma: CubeTensor<R>, eps: f64) -> CubeTensor<R> {
+    let x = into_contiguous(x);
+    let gamma = into_contiguous(gamma);
+    let shape = x.meta.shape().clone();
+    let cols = gamma.meta.shape().num_elements();
+    let rows = shape.num_elements() / cols.max(1);
+    let client = x.client.clone();
+    let dtype: DType = x.dtype;
+    let out = empty_device_contiguous_dtype::<R>(client.clone(), x.device.clone(), shape, dtype);
+    if rows == 0 || cols == 0 {
+        return out;
+    }
+    rms_norm_kernel::launch::<R>(
+        &client,
+        row_grid(&client, rows),
+        CubeDim::new_1d(ROW_UNITS as u32),
+        x.into_tensor_arg(),
+        gamma.into_tensor_arg(),
+        out.clone().into_tensor_arg(),
+        rows,
+        eps as f32,
+        ROW_UNITS,
+        dtype.into(),
+    );
+    out
+}

@@ -1,0 +1,94 @@
+//! Rotate-half RoPE in one launch: one unit per rotated pair `(j, j + d/2)` of a head's row,
+//! reading the row through its strides (the model passes a `[b, s, h, d] → [b, h, s, d]`
+//! view), gathering cos/sin at the row's position and writing a contiguous result.
+
+use burn::tensor::Shape;
+use burn_cubecl::{
+    CubeRuntime, kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype,
+    tensor::CubeTensor,
+};
+use cubecl::{calculate_cube_count_elemwise, prelude::*};
+
+use super::UNITS;
+
+#[cube(launch)]
+fn rope_kernel<F: Float, I: Int>(
+    x: &Tensor<F>,
+    positions: &Tensor<I>,
+    cos: &Tensor<f32>,
+    sin: &Tensor<f32>,
+    out: &mut Tensor<F>,
+    pairs: usize,
+    #[define(F, I)] _dtypes: [StorageType; 2],
+) {
+    let idx = ABSOLUTE_POS;
+    if idx >= pairs {
+        terminate!();
+    }
+    let heads = x.shape(1);
+    let seq = x.shape(2);
+    let d = x.shape(3);
+    let half = d / 2;
+    let j = idx % half;
+    let rest = idx / half;
+    let t = rest % seq;
+    let bh = rest / seq;
+    let h = bh % heads;
+    let b = bh / heads;
+    let src = b * x.stride(0) + h * x.stride(1) + t * x.stride(2);
+    let x1 = f32::cast_from(x[src + j * x.stride(3)]);
+    let x2 = f32::cast_from(x[src + (j + half) * x.stride(3)]);
+    // Positions are never negative (the model clamps padding to 0).
+    let pos = usize::cast_from(positions[b * seq + t]);
+    let c = cos[pos * half + j];
+    let s = sin[pos * half + j];
+    let o = (bh * seq + t) * d + j;
+    out[o] = F::cast_from(x1 * c - x2 * s);
+    out[o + half] = F::cast_from(x2 * c + x1 * s);
+}
+
+/// Rotates `x` by the angles of `positions`.
+///
+/// # Shapes
+/// - `x`: `[b, h, s, d]`, any strides, `d` even
+/// - `positions`: `[b, s]` int, each `< cos.shape[0]`
+/// - `cos`, `sin`: `[positions, d/2]` f32
+/// - returns `[b, h, s, d]`, contiguous, `x`'s dtype
+pub fn rope<R: CubeRuntime>(
+    x: CubeTensor<R>,
+    positions: CubeTensor<R>,
+    cos: CubeTensor<R>,
+    sin: CubeTensor<R>,
+) -> CubeTensor<R> {
+    let positions = into_contiguous(positions);
+    let cos = into_contiguous(cos);
+    let sin = into_contiguous(sin);
+    let [b, h, s, d] = x.meta.shape().dims::<4>();
+    let client = x.client.clone();
+    let dtype = x.dtype;
+    let out = empty_device_contiguous_dtype::<R>(
+        client.clone(),
+        x.device.clone(),
+        Shape::new([b, h, s, d]),
+        dtype,
+    );
+    let pairs = b * h * s * (d / 2);
+    if pairs == 0 {
+        return out;
+    }
+    let dtypes = [dtype.into(), positions.dtype.into()];
+    let cube_dim = CubeDim::new_1d(UNITS);
+    rope_kernel::launch::<R>(
+        &client,
+        calculate_cube_count_elemwise(&client, pairs, cube_dim),
+        cube_dim,
+        x.into_tensor_arg(),
+        positions.into_tensor_arg(),
+        cos.into_tensor_arg(),
+        sin.into_tensor_arg(),
+        out.clone().into_tensor_arg(),
+        pairs,
+        dtypes,
+    );
+    out
+}
