@@ -8,12 +8,12 @@
 
 use burn::backend::NdArray;
 use burn::tensor::{Bool, DType, Int, Tensor, TensorData};
-use burn_kernels_core::{AttnOptions, FullKvCache, KvCache, ReferenceAttention};
+use burn_kernels_core::{AttentionImpl, AttnOptions, FullKvCache, KvCache, ReferenceAttention};
 use burn_kernels_testing::{
     Dist, Tolerance, assert_close, compare::to_f32, float_dtypes, poison_memory, random_tensor,
 };
 use burn_kvcache::{
-    KvBackend, KvCacheError, Packed, QuantAttnView, QuantConfig, QuantKv, QuantLayout,
+    DecodeAttention, KvBackend, KvCacheError, Packed, QuantAttnView, QuantConfig, QuantKv, QuantLayout,
     quant_attention, quantize,
 };
 
@@ -102,6 +102,33 @@ const CASES: &[Case] = &[
         t: 9,
         d: 16,
         bits: 4,
+        pad: [0, 0],
+    },
+    // Full precision only (the decode attention): SmolLM2's 9/3 heads, a verification-sized
+    // causal query block, two key splits, a padded sequence.
+    Case {
+        b: 2,
+        hq: 9,
+        hkv: 3,
+        sq: 5,
+        causal: true,
+        n: 0,
+        t: 301,
+        d: 64,
+        bits: 4,
+        pad: [3, 0],
+    },
+    // One key, one query, an odd number of pairs per head.
+    Case {
+        b: 1,
+        hq: 3,
+        hkv: 3,
+        sq: 1,
+        causal: false,
+        n: 0,
+        t: 1,
+        d: 34,
+        bits: 2,
         pad: [0, 0],
     },
 ];
@@ -298,24 +325,38 @@ fn matches_host<B: KvBackend>(device: &B::Device) {
                 qlen: c.n,
                 tail,
             };
-            poison_memory::<B>(device, 4 * c.b * c.hq * c.sq * d * (skv / 256 + 2), dtype);
-            let got = quant_attention(q, &view, &opts).expect("valid view");
-            assert_eq!(got.dims(), [c.b, c.hq, c.sq, d]);
-            let got = to_f32(got.into_data());
             let exp = host_attention(c, &host, scale as f64);
-            let (mut g, mut e) = (Vec::new(), Vec::new());
-            for (row, want) in exp.iter().enumerate() {
-                if let Some(want) = want {
-                    g.extend_from_slice(&got[row * d..(row + 1) * d]);
-                    e.extend(want.iter().map(|&x| x as f32));
+            let check = |what: &str, got: Tensor<B, 4>| {
+                assert_eq!(got.dims(), [c.b, c.hq, c.sq, d]);
+                let got = to_f32(got.into_data());
+                let (mut g, mut e) = (Vec::new(), Vec::new());
+                for (row, want) in exp.iter().enumerate() {
+                    if let Some(want) = want {
+                        g.extend_from_slice(&got[row * d..(row + 1) * d]);
+                        e.extend(want.iter().map(|&x| x as f32));
+                    }
                 }
+                assert!(!e.is_empty());
+                assert_close(
+                    &format!("{what} {c:?} {dtype:?}"),
+                    &g,
+                    &e,
+                    Tolerance::for_reduction(dtype, d + skv),
+                );
+            };
+            let poison =
+                || poison_memory::<B>(device, 4 * c.b * c.hq * c.sq * d * (skv / 256 + 2), dtype);
+            // With no quantized part, the decode attention runs the same kernel over the
+            // full-precision keys and values.
+            if c.n == 0 {
+                poison();
+                let decode = DecodeAttention { max_queries: c.sq };
+                check("decode attention", decode.attend(0, q.clone(), k, v, &opts));
             }
-            assert!(!e.is_empty());
-            assert_close(
-                &format!("quant_attention {c:?} {dtype:?}"),
-                &g,
-                &e,
-                Tolerance::for_reduction(dtype, d + skv),
+            poison();
+            check(
+                "quant_attention",
+                quant_attention(q, &view, &opts).expect("valid view"),
             );
         }
     }

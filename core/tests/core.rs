@@ -3,12 +3,16 @@
 use burn::backend::NdArray;
 use burn::tensor::{Bool, DType, Int, Tensor, TensorData, backend::Backend};
 use burn_kernels_core::rope::inverse_frequencies;
+use burn::module::Param;
+use burn::nn::RmsNorm;
 use burn_kernels_core::{
-    AttentionImpl, AttnOptions, BurnAttention, FullKvCache, Greedy, KvCache, ReferenceAttention,
-    Rope, RopeScaling, Sampler, SamplingConfig, TopKTopP,
+    AttentionImpl, AttnOptions, BurnAttention, FullKvCache, FusedBackend, FusedOps, Greedy,
+    KvCache, LayerOps, ReferenceAttention, Rope, RopeScaling, Sampler, SamplingConfig, TensorOps,
+    TopKTopP,
 };
 use burn_kernels_testing::{
-    Dist, Tolerance, assert_close, assert_matmul_close, compare::to_f32, random_values, testgen,
+    Dist, Tolerance, assert_close, assert_matmul_close, compare::to_f32, float_dtypes,
+    poison_memory, random_tensor, random_values, testgen,
 };
 
 fn host<B: Backend, const D: usize>(
@@ -205,8 +209,78 @@ fn full_cache_decode_equals_one_shot<B: Backend>(device: &B::Device) {
     assert_eq!(cache.seq_len(), 7);
 }
 
+/// The fused layer-op kernels against the tensor ops, in every float dtype, on awkward sizes:
+/// rows of 97 values (one and a half strides of the norm's 64 units), a single row, a
+/// strided RoPE input (the model's `[b, s, h, d] → [b, h, s, d]` view) at scattered
+/// positions with 17 pairs per head, a 1-element gate. Outputs land in NaN-poisoned memory.
+/// The tensor ops run on f32 copies of the inputs (the kernels compute in f32 and round once
+/// to the dtype; the tensor ops in f16 would round after every op).
+fn fused_layer_ops_match_tensor_ops<B: FusedBackend>(device: &B::Device) {
+    let f32_norm = |n: &RmsNorm<B>| RmsNorm {
+        gamma: Param::from_tensor(n.gamma.val().cast(DType::F32)),
+        epsilon: n.epsilon,
+    };
+    for dtype in float_dtypes::<B>(device) {
+        let tol = Tolerance::for_reduction(dtype, 97);
+        let close = |what: String, got: Tensor<B, 3>, want: Tensor<B, 3>| {
+            assert_eq!(got.dims(), want.dims(), "{what}");
+            assert_close(
+                &what,
+                &to_f32(got.into_data()),
+                &to_f32(want.into_data()),
+                tol,
+            );
+        };
+        for (i, [b, s, cols]) in [[1, 1, 97], [2, 5, 97], [3, 1, 64]].into_iter().enumerate() {
+            let seed = 40 + 2 * i as u64;
+            let x = random_tensor::<B, 3>([b, s, cols], Dist::STANDARD, seed, dtype, device);
+            let gamma = random_tensor::<B, 1>([cols], Dist::STANDARD, seed + 1, dtype, device);
+            let norm = RmsNorm {
+                gamma: Param::from_tensor(gamma),
+                epsilon: 1e-5,
+            };
+            poison_memory::<B>(device, b * s * cols, dtype);
+            let got = FusedOps.rms_norm(&norm, x.clone());
+            let want = TensorOps.rms_norm(&f32_norm(&norm), x.cast(DType::F32));
+            close(format!("rms_norm {dtype:?} {b}x{s}x{cols}"), got, want);
+        }
+
+        let (b, s, h, d) = (2, 3, 5, 34);
+        let rope = Rope::<B>::new(d, 64, 10_000.0, None, device);
+        let x = random_tensor::<B, 4>([b, s, h, d], Dist::STANDARD, 50, dtype, device)
+            .swap_dims(1, 2);
+        let pos = Tensor::<B, 2, Int>::from_data(
+            TensorData::new(vec![0i64, 1, 2, 7, 40, 63], [b, s]),
+            device,
+        );
+        poison_memory::<B>(device, b * s * h * d, dtype);
+        let got = FusedOps.rope(&rope, x.clone(), pos.clone());
+        let want = TensorOps.rope(&rope, x.cast(DType::F32), pos);
+        close(
+            format!("rope {dtype:?}"),
+            got.reshape([b * h, s, d]),
+            want.reshape([b * h, s, d]),
+        );
+
+        for (i, shape) in [[1, 1, 1], [2, 3, 131]].into_iter().enumerate() {
+            let seed = 60 + 2 * i as u64;
+            let gate = random_tensor::<B, 3>(shape, Dist::STANDARD, seed, dtype, device);
+            let up = random_tensor::<B, 3>(shape, Dist::STANDARD, seed + 1, dtype, device);
+            poison_memory::<B>(device, shape.iter().product(), dtype);
+            let got = FusedOps.silu_mul(gate.clone(), up.clone());
+            let want = TensorOps.silu_mul(gate.cast(DType::F32), up.cast(DType::F32));
+            close(format!("silu_mul {dtype:?} {shape:?}"), got, want);
+        }
+    }
+}
+
 testgen! {
-    backend: [rope_matches_formula, attention_matches_host, full_cache_decode_equals_one_shot],
+    backend: [
+        rope_matches_formula,
+        attention_matches_host,
+        full_cache_decode_equals_one_shot,
+        fused_layer_ops_match_tensor_ops,
+    ],
     autodiff: [],
 }
 

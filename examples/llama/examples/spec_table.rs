@@ -41,7 +41,8 @@ use clap::{Parser, ValueEnum};
 enum BackendArg {
     /// NdArray f32 with the reference attention.
     Cpu,
-    /// CUDA f32 with Burn's fused attention (build with `--features cuda`).
+    /// CUDA f32 with the decode kernels (fused layer ops, split-K decode attention; build with
+    /// `--features cuda`).
     Cuda,
 }
 
@@ -187,12 +188,11 @@ fn main() {
 
 #[cfg(feature = "cuda")]
 fn run_cuda(args: &Args, ckpt: &Checkpoint) {
-    run::<burn_llama::cli::CudaBackend>(
-        args,
-        ckpt,
-        &Default::default(),
-        &burn_kernels_core::BurnAttention,
-    );
+    // The decode kernels: fused layer ops and the split-K decode attention.
+    let kernels = burn_kernels_core::FusedLayers::new(std::sync::Arc::new(
+        burn_kvcache::DecodeAttention::default(),
+    ));
+    run::<burn_llama::cli::CudaBackend>(args, ckpt, &Default::default(), &kernels);
 }
 
 #[cfg(not(feature = "cuda"))]

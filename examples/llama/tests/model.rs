@@ -4,7 +4,14 @@ use crate::common::{checkpoint, paragraph_tokens, paragraph_tokens_on};
 
 use burn::backend::NdArray;
 use burn::tensor::{DType, backend::Backend};
-use burn_kernels_core::{AttentionImpl, BurnAttention, FullKvCache, Greedy, ReferenceAttention};
+use std::sync::Arc;
+
+use burn_kernels_core::{
+    AttentionImpl, BurnAttention, FullKvCache, FusedBackend, FusedLayers, Greedy,
+    ReferenceAttention,
+};
+use burn_kvcache::{DecodeAttention, KvBackend};
+use burn_llama::eval::{perplexity_with_cache, perplexity_with_cache_chunked};
 use burn_llama::generate::{GenerateOptions, generate, perplexity};
 use burn_llama::model::Llama;
 
@@ -132,11 +139,59 @@ fn perplexity_matches_cpu<B: Backend>(device: &B::Device) {
     }
 }
 
+/// The decode kernels (fused layer ops, split-K decode attention) scoring the second half of
+/// the paragraph in decode steps of 1 and 4 tokens through a full cache give the CPU's
+/// perplexity of those positions (prefill: Burn's attention op with the fused layer ops).
+#[allow(dead_code)]
+fn decode_kernels_match_cpu<B: Backend + KvBackend + FusedBackend>(device: &B::Device) {
+    let ids = paragraph_tokens_on::<B>(device);
+    let prefix = ids.len() / 2;
+    let cpu_model = model::<Cpu>(&Default::default());
+    let mut cpu_cache = FullKvCache::new(cpu_model.config.num_layers);
+    let cpu = perplexity_with_cache(&cpu_model, &ids, prefix, &mut cpu_cache, &ReferenceAttention);
+    let gpu_model = model::<B>(device);
+    let kernels = FusedLayers::<B>::new(Arc::new(DecodeAttention::default()));
+    for chunk in [1, 4] {
+        let mut cache = FullKvCache::new(gpu_model.config.num_layers);
+        let got =
+            perplexity_with_cache_chunked(&gpu_model, &ids, prefix, &mut cache, &kernels, chunk);
+        println!(
+            "perplexity of {} decoded positions: cpu {:.5}, {} decode kernels (steps of {chunk}) \
+             {:.5}",
+            cpu.scored,
+            cpu.perplexity,
+            B::name(device),
+            got.perplexity
+        );
+        assert_eq!(got.scored, cpu.scored);
+        assert!(
+            ((got.perplexity - cpu.perplexity) / cpu.perplexity).abs() < 1e-3,
+            "{} vs cpu {}",
+            got.perplexity,
+            cpu.perplexity
+        );
+    }
+}
+
 #[cfg(feature = "vulkan")]
 #[test]
 fn perplexity_is_the_same_on_vulkan() {
     type Vk = burn_cubecl::CubeBackend<burn::backend::wgpu::WgpuRuntime, f32, i32, u32>;
     perplexity_matches_cpu::<Vk>(&Default::default());
+}
+
+#[cfg(feature = "vulkan")]
+#[test]
+fn decode_kernels_are_the_same_on_vulkan() {
+    type Vk = burn_cubecl::CubeBackend<burn::backend::wgpu::WgpuRuntime, f32, i32, u32>;
+    decode_kernels_match_cpu::<Vk>(&Default::default());
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn decode_kernels_are_the_same_on_cuda() {
+    type Cuda = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
+    decode_kernels_match_cpu::<Cuda>(&Default::default());
 }
 
 #[cfg(feature = "cuda")]
