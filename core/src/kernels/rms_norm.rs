@@ -42,7 +42,8 @@ fn rms_norm_kernel<F: Float>(
     let mut shared = SharedMemory::<f32>::new(units);
     shared[unit] = squares;
     sync_cube();
-    let mut half = units / 2;
+    // Runtime, not comptime: the loop mutates it.
+    let mut half = CUBE_DIM_X as usize / 2;
     while half > 0 {
         if unit < half {
             shared[unit] = shared[unit] + shared[unit + half];
