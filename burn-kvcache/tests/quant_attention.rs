@@ -13,8 +13,8 @@ use burn_kernels_testing::{
     Dist, Tolerance, assert_close, compare::to_f32, float_dtypes, poison_memory, random_tensor,
 };
 use burn_kvcache::{
-    DecodeAttention, KvBackend, KvCacheError, Packed, QuantAttnView, QuantConfig, QuantKv, QuantLayout,
-    quant_attention, quantize,
+    DecodeAttention, KvBackend, KvCacheError, Packed, QuantAttnView, QuantConfig, QuantKv,
+    QuantLayout, quant_attention, quantize,
 };
 
 type Cpu = NdArray<f32>;

@@ -5,7 +5,7 @@ use burn::tensor::{DType, Int, Tensor, TensorPrimitive};
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
 use crate::kernels;
-use crate::layer_ops::FusedBackend;
+use crate::layer_ops::{FusedBackend, GEMV_MAX_ROWS, LayerOps, TensorOps};
 use crate::rope::Rope;
 
 fn float<R, F, I, BT, const D: usize>(
@@ -23,6 +23,19 @@ where
 impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FusedBackend
     for CubeBackend<R, F, I, BT>
 {
+    fn fused_linear(x: Tensor<Self, 3>, w: Tensor<Self, 2>) -> Tensor<Self, 3> {
+        let [b, s, k] = x.dims();
+        let n = w.dims()[1];
+        if b * s > GEMV_MAX_ROWS || x.dtype() != w.dtype() {
+            return TensorOps.linear(x, w);
+        }
+        let out = float::<R, F, I, BT, 2>(kernels::linear::gemv(
+            x.reshape([b * s, k]).into_primitive().tensor(),
+            w.into_primitive().tensor(),
+        ));
+        out.reshape([b, s, n])
+    }
+
     fn fused_rms_norm(norm: &RmsNorm<Self>, x: Tensor<Self, 3>) -> Tensor<Self, 3> {
         let gamma = norm.gamma.val().cast(x.dtype());
         float(kernels::rms_norm::rms_norm(

@@ -1,11 +1,12 @@
-//! The small ops of a transformer layer besides its matmuls and attention (RMSNorm, RoPE,
-//! the SwiGLU gate), as a plug-in: plain tensor ops (differentiable, any backend) or one
-//! CubeCL kernel each (inference only).
+//! The ops of a transformer layer besides its attention (the projections, RMSNorm, RoPE, the
+//! SwiGLU gate), as a plug-in: plain tensor ops (differentiable, any backend) or one CubeCL
+//! kernel each (inference only).
 //!
 //! At decode time a layer's work is dozens of tiny kernels, so their launch cost, not the
 //! device, sets the speed: Burn's `RmsNorm` is six launches, a tensor-op RoPE ten (two
 //! gathers, six element-wise ops, a two-part concatenation), `silu(g)·u` seven. The kernels
-//! here do each in one. They ride along with the attention implementation
+//! here do each in one, and a projection of a few rows is a GEMV with a lighter launch than
+//! Burn's matmul. They ride along with the attention implementation
 //! ([`FusedLayers`]), which every forward pass already receives, so a model enables them for
 //! inference without a new parameter and training keeps the tensor ops.
 
@@ -17,14 +18,20 @@ use burn::tensor::{Int, Tensor, activation, backend::Backend};
 use crate::attention::{AttentionImpl, AttnOptions};
 use crate::rope::Rope;
 
-/// The layer ops a model runs between its matmuls.
+/// Rows (`batch · seq`) up to which [`FusedBackend::fused_linear`] runs its GEMV kernel; more
+/// rows go to Burn's matmul.
+pub const GEMV_MAX_ROWS: usize = 16;
+
+/// The layer ops a model runs around its attention.
 ///
 /// # Shapes
 /// - `rms_norm`: `x` `[batch, seq, hidden]` and a norm of `hidden`; returns `x`'s shape
 /// - `rope`: `x` `[batch, heads, seq, head_dim]` (any strides), `positions` `[batch, seq]`;
 ///   returns `x`'s shape
 /// - `silu_mul`: `gate`, `up` `[batch, seq, inter]`; returns `silu(gate) · up`
+/// - `linear`: `x` `[batch, seq, in]`, `w` `[in, out]`; returns `x · w`, `[batch, seq, out]`
 pub trait LayerOps<B: Backend>: Send + Sync + std::fmt::Debug {
+    fn linear(&self, x: Tensor<B, 3>, w: Tensor<B, 2>) -> Tensor<B, 3>;
     fn rms_norm(&self, norm: &RmsNorm<B>, x: Tensor<B, 3>) -> Tensor<B, 3>;
     fn rope(&self, rope: &Rope<B>, x: Tensor<B, 4>, positions: Tensor<B, 2, Int>) -> Tensor<B, 4>;
     fn silu_mul(&self, gate: Tensor<B, 3>, up: Tensor<B, 3>) -> Tensor<B, 3>;
@@ -35,6 +42,10 @@ pub trait LayerOps<B: Backend>: Send + Sync + std::fmt::Debug {
 pub struct TensorOps;
 
 impl<B: Backend> LayerOps<B> for TensorOps {
+    fn linear(&self, x: Tensor<B, 3>, w: Tensor<B, 2>) -> Tensor<B, 3> {
+        x.matmul(w.unsqueeze())
+    }
+
     fn rms_norm(&self, norm: &RmsNorm<B>, x: Tensor<B, 3>) -> Tensor<B, 3> {
         norm.forward(x)
     }
@@ -51,6 +62,12 @@ impl<B: Backend> LayerOps<B> for TensorOps {
 /// A backend with single-launch kernels for [`LayerOps`]; the defaults are [`TensorOps`]
 /// (backends without kernels implement the trait with no methods).
 pub trait FusedBackend: Backend {
+    /// # Shapes
+    /// See [`LayerOps`]. Kernels take over for at most [`GEMV_MAX_ROWS`] rows.
+    fn fused_linear(x: Tensor<Self, 3>, w: Tensor<Self, 2>) -> Tensor<Self, 3> {
+        TensorOps.linear(x, w)
+    }
+
     /// # Shapes
     /// See [`LayerOps`].
     fn fused_rms_norm(norm: &RmsNorm<Self>, x: Tensor<Self, 3>) -> Tensor<Self, 3> {
@@ -89,6 +106,10 @@ where
 pub struct FusedOps;
 
 impl<B: FusedBackend> LayerOps<B> for FusedOps {
+    fn linear(&self, x: Tensor<B, 3>, w: Tensor<B, 2>) -> Tensor<B, 3> {
+        B::fused_linear(x, w)
+    }
+
     fn rms_norm(&self, norm: &RmsNorm<B>, x: Tensor<B, 3>) -> Tensor<B, 3> {
         B::fused_rms_norm(norm, x)
     }

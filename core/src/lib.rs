@@ -6,8 +6,8 @@
 //! - [`cache::KvCache`]: a per-layer KV cache that also runs the attention over what it holds
 //!   (the full cache here; ShadowKV, MiniCache and quantized caches later);
 //! - [`rope::Rope`]: rotary embeddings (HF rotate-half, Llama-3 frequency scaling);
-//! - [`layer_ops::LayerOps`]: the layer's RMSNorm, RoPE and SwiGLU gate as tensor ops or as
-//!   one CubeCL kernel each ([`layer_ops::FusedLayers`], inference);
+//! - [`layer_ops::LayerOps`]: the layer's projections, RMSNorm, RoPE and SwiGLU gate as tensor
+//!   ops or as one CubeCL kernel each ([`layer_ops::FusedLayers`], inference);
 //! - [`sampling::Sampler`]: next-token distributions and draws (greedy, temperature, top-k,
 //!   top-p), which speculative decoding builds on.
 
@@ -21,6 +21,6 @@ pub mod sampling;
 
 pub use attention::{AttentionImpl, AttentionKind, AttnOptions, BurnAttention, ReferenceAttention};
 pub use cache::{FullKvCache, KvCache, append_kv};
-pub use layer_ops::{FusedBackend, FusedLayers, FusedOps, LayerOps, TensorOps};
+pub use layer_ops::{FusedBackend, FusedLayers, FusedOps, GEMV_MAX_ROWS, LayerOps, TensorOps};
 pub use rope::{Rope, RopeScaling};
 pub use sampling::{Greedy, Sampler, SamplingConfig, TopKTopP};

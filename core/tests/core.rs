@@ -1,18 +1,18 @@
 //! The shared model pieces against host f64 computations, on every enabled runtime.
 
 use burn::backend::NdArray;
-use burn::tensor::{Bool, DType, Int, Tensor, TensorData, backend::Backend};
-use burn_kernels_core::rope::inverse_frequencies;
 use burn::module::Param;
 use burn::nn::RmsNorm;
+use burn::tensor::{Bool, DType, Int, Tensor, TensorData, backend::Backend};
+use burn_kernels_core::rope::inverse_frequencies;
 use burn_kernels_core::{
     AttentionImpl, AttnOptions, BurnAttention, FullKvCache, FusedBackend, FusedOps, Greedy,
     KvCache, LayerOps, ReferenceAttention, Rope, RopeScaling, Sampler, SamplingConfig, TensorOps,
     TopKTopP,
 };
 use burn_kernels_testing::{
-    Dist, Tolerance, assert_close, assert_matmul_close, compare::to_f32, float_dtypes,
-    poison_memory, random_tensor, random_values, testgen,
+    Dist, Tolerance, assert_close, assert_close_unless_tf32, assert_matmul_close, compare::to_f32,
+    float_dtypes, poison_memory, random_tensor, random_values, testgen,
 };
 
 fn host<B: Backend, const D: usize>(
@@ -247,8 +247,8 @@ fn fused_layer_ops_match_tensor_ops<B: FusedBackend>(device: &B::Device) {
 
         let (b, s, h, d) = (2, 3, 5, 34);
         let rope = Rope::<B>::new(d, 64, 10_000.0, None, device);
-        let x = random_tensor::<B, 4>([b, s, h, d], Dist::STANDARD, 50, dtype, device)
-            .swap_dims(1, 2);
+        let x =
+            random_tensor::<B, 4>([b, s, h, d], Dist::STANDARD, 50, dtype, device).swap_dims(1, 2);
         let pos = Tensor::<B, 2, Int>::from_data(
             TensorData::new(vec![0i64, 1, 2, 7, 40, 63], [b, s]),
             device,
@@ -261,6 +261,37 @@ fn fused_layer_ops_match_tensor_ops<B: FusedBackend>(device: &B::Device) {
             got.reshape([b * h, s, d]),
             want.reshape([b * h, s, d]),
         );
+
+        // Projections: one row and five (the GEMV), seventeen (past GEMV_MAX_ROWS: Burn's
+        // matmul); 97 inner values (not a multiple of the 8 splits), 45 columns (a partial
+        // 32-column cube). Checked against f64 products of the stored values.
+        for (i, [b, s]) in [[1, 1], [1, 5], [17, 1]].into_iter().enumerate() {
+            let (k, n) = (97, 45);
+            let seed = 70 + 2 * i as u64;
+            let x = random_tensor::<B, 3>([b, s, k], Dist::STANDARD, seed, dtype, device);
+            let w = random_tensor::<B, 2>([k, n], Dist::STANDARD, seed + 1, dtype, device);
+            let (hx, hw) = (to_f32(x.to_data()), to_f32(w.to_data()));
+            let want: Vec<f32> = (0..b * s)
+                .flat_map(|r| {
+                    let (hx, hw) = (&hx, &hw);
+                    (0..n).map(move |c| {
+                        (0..k)
+                            .map(|j| hx[r * k + j] as f64 * hw[j * n + c] as f64)
+                            .sum::<f64>() as f32
+                    })
+                })
+                .collect();
+            poison_memory::<B>(device, b * s * n, dtype);
+            let got = FusedOps.linear(x, w);
+            assert_eq!(got.dims(), [b, s, n]);
+            assert_close_unless_tf32::<B>(
+                &format!("linear {dtype:?} {b}x{s}x{k} · {k}x{n}"),
+                &to_f32(got.into_data()),
+                &want,
+                Tolerance::for_reduction(dtype, k),
+                device,
+            );
+        }
 
         for (i, shape) in [[1, 1, 1], [2, 3, 131]].into_iter().enumerate() {
             let seed = 60 + 2 * i as u64;

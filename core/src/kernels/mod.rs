@@ -1,6 +1,7 @@
 //! CubeCL kernels of [`crate::layer_ops::FusedBackend`], one file per op, generic over the
 //! runtime.
 
+pub mod linear;
 pub mod rms_norm;
 pub mod rope;
 pub mod silu_mul;

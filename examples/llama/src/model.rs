@@ -39,10 +39,6 @@ pub struct Llama<B: Backend> {
     pub rope: Rope<B>,
 }
 
-fn linear<B: Backend>(x: Tensor<B, 3>, w: &Param<Tensor<B, 2>>) -> Tensor<B, 3> {
-    x.matmul(w.val().unsqueeze())
-}
-
 fn norm<B: Backend>(gamma: Tensor<B, 1>, eps: f32) -> RmsNorm<B> {
     RmsNorm {
         gamma: Param::from_tensor(gamma),
@@ -71,6 +67,7 @@ impl<B: Backend> Block<B> {
         let ops = attention.layer_ops().unwrap_or(&TensorOps);
         let h = ops.rms_norm(&self.attn_norm, x.clone());
         let heads = |t: Tensor<B, 3>, n: usize| t.reshape([b, s, n, d]).swap_dims(1, 2);
+        let linear = |x: Tensor<B, 3>, w: &Param<Tensor<B, 2>>| ops.linear(x, w.val());
         let q = ops.rope(
             rope,
             heads(linear(h.clone(), &self.wq), hq),

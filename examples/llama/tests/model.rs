@@ -148,7 +148,13 @@ fn decode_kernels_match_cpu<B: Backend + KvBackend + FusedBackend>(device: &B::D
     let prefix = ids.len() / 2;
     let cpu_model = model::<Cpu>(&Default::default());
     let mut cpu_cache = FullKvCache::new(cpu_model.config.num_layers);
-    let cpu = perplexity_with_cache(&cpu_model, &ids, prefix, &mut cpu_cache, &ReferenceAttention);
+    let cpu = perplexity_with_cache(
+        &cpu_model,
+        &ids,
+        prefix,
+        &mut cpu_cache,
+        &ReferenceAttention,
+    );
     let gpu_model = model::<B>(device);
     let kernels = FusedLayers::<B>::new(Arc::new(DecodeAttention::default()));
     for chunk in [1, 4] {

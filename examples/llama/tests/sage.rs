@@ -24,7 +24,7 @@ fn model<B: Backend>(device: &B::Device) -> Llama<B> {
 
 /// Perplexity with full-precision attention and with every Sage variant of the CLI; `sage`
 /// (INT8 + FP16 P·V) must be within 0.5% of full precision, the others finite.
-fn sage_perplexity_close_to_full<B: SageBackend>(device: &B::Device) {
+fn sage_perplexity_close_to_full<B: SageBackend + burn_kvcache::KvBackend>(device: &B::Device) {
     let ids = paragraph_tokens_on::<B>(device);
     let model = model::<B>(device);
     let full = perplexity(&model, &ids, &ReferenceAttention);
@@ -89,7 +89,7 @@ fn int8_warp() -> SageOptions {
 /// the CLI's `sage` (INT8 per thread, Q and K smoothing) reaches cos sim 0.9995 with FP16 P·V
 /// and `sage-fp8` 0.999 (the bars); the INT4 variants and per-warp INT8 are printed
 /// and must be finite.
-fn sage_accuracy_on_captured_layers<B: SageBackend>(device: &B::Device) {
+fn sage_accuracy_on_captured_layers<B: SageBackend + burn_kvcache::KvBackend>(device: &B::Device) {
     let ids = paragraph_tokens_on::<B>(device);
     let model = model::<B>(device);
     let mut names: Vec<&str> = SAGE_VARIANTS.to_vec();
