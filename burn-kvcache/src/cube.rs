@@ -1,24 +1,12 @@
 //! `CubeBackend` runs the CubeCL kernels.
 
-use burn::tensor::{Int, IntDType, Tensor, TensorPrimitive};
+use burn::tensor::{Int, IntDType, Tensor};
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
-use burn_kernels_core::AttnOptions;
+use burn_kernels_core::{AttnOptions, cube_float as float};
 
 use crate::{KvBackend, Merged, Packed, QuantAttnView, QuantLayout, kernels};
 
 type Cb<R, F, I, BT> = CubeBackend<R, F, I, BT>;
-
-fn float<R, F, I, BT, const D: usize>(
-    t: burn_cubecl::tensor::CubeTensor<R>,
-) -> Tensor<Cb<R, F, I, BT>, D>
-where
-    R: CubeRuntime,
-    F: FloatElement,
-    I: IntElement,
-    BT: BoolElement,
-{
-    Tensor::from_primitive(TensorPrimitive::Float(t))
-}
 
 /// The key padding as the kernels read it: `[batch, skv]` i32, non-zero = hidden.
 fn mask_i32<R, F, I, BT>(

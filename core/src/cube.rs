@@ -8,7 +8,8 @@ use crate::kernels;
 use crate::layer_ops::{FusedBackend, GEMV_MAX_ROWS, LayerOps, TensorOps};
 use crate::rope::Rope;
 
-fn float<R, F, I, BT, const D: usize>(
+/// A `CubeBackend` float tensor from a kernel's output (shared by the crates' backend impls).
+pub fn cube_float<R, F, I, BT, const D: usize>(
     t: burn_cubecl::tensor::CubeTensor<R>,
 ) -> Tensor<CubeBackend<R, F, I, BT>, D>
 where
@@ -29,7 +30,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FusedBacke
         if b * s > GEMV_MAX_ROWS || x.dtype() != w.dtype() {
             return TensorOps.linear(x, w);
         }
-        let out = float::<R, F, I, BT, 2>(kernels::linear::gemv(
+        let out = cube_float::<R, F, I, BT, 2>(kernels::linear::gemv(
             x.reshape([b * s, k]).into_primitive().tensor(),
             w.into_primitive().tensor(),
         ));
@@ -38,7 +39,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FusedBacke
 
     fn fused_rms_norm(norm: &RmsNorm<Self>, x: Tensor<Self, 3>) -> Tensor<Self, 3> {
         let gamma = norm.gamma.val().cast(x.dtype());
-        float(kernels::rms_norm::rms_norm(
+        cube_float(kernels::rms_norm::rms_norm(
             x.into_primitive().tensor(),
             gamma.into_primitive().tensor(),
             norm.epsilon,
@@ -53,7 +54,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FusedBacke
         // The kernel reads f32 tables (what `Rope::new` builds).
         let (cos, sin) = rope.tables();
         let (cos, sin) = (cos.clone().cast(DType::F32), sin.clone().cast(DType::F32));
-        float(kernels::rope::rope(
+        cube_float(kernels::rope::rope(
             x.into_primitive().tensor(),
             positions.into_primitive(),
             cos.into_primitive().tensor(),
@@ -62,7 +63,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FusedBacke
     }
 
     fn fused_silu_mul(gate: Tensor<Self, 3>, up: Tensor<Self, 3>) -> Tensor<Self, 3> {
-        float(kernels::silu_mul::silu_mul(
+        cube_float(kernels::silu_mul::silu_mul(
             gate.into_primitive().tensor(),
             up.into_primitive().tensor(),
         ))

@@ -14,6 +14,7 @@
 pub mod attention;
 pub mod cache;
 mod cube;
+pub use cube::cube_float;
 pub mod kernels;
 pub mod layer_ops;
 pub mod rope;
