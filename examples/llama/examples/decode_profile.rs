@@ -51,6 +51,10 @@ struct Args {
     /// Timed decode steps.
     #[arg(long, default_value_t = 32)]
     steps: usize,
+    /// Cached positions of the logits check (its own short prefill, so that a long
+    /// `--context` does not also compile a long reference-attention prefill).
+    #[arg(long, default_value_t = 64)]
+    check_context: usize,
     /// Layers of the model (default: SmolLM2-135M's 30).
     #[arg(long)]
     layers: Option<usize>,
@@ -159,20 +163,11 @@ fn run<B: Backend + KvBackend + FusedBackend>(args: &Args, attention: Option<Att
     );
 
     // Correctness first: one step from the same cache contents, against the plain path.
+    let check_prompt = || ids(args.check_context.max(1), 0);
     let mut plain_cache = FullKvCache::new(cfg.num_layers);
-    drop(model.forward(
-        ids(args.context, 0),
-        &[],
-        &mut plain_cache,
-        &ReferenceAttention,
-    ));
+    drop(model.forward(check_prompt(), &[], &mut plain_cache, &ReferenceAttention));
     let mut check_cache = FullKvCache::new(cfg.num_layers);
-    drop(model.forward(
-        ids(args.context, 0),
-        &[],
-        &mut check_cache,
-        attention.as_ref(),
-    ));
+    drop(model.forward(check_prompt(), &[], &mut check_cache, attention.as_ref()));
     let logits = |cache: &mut FullKvCache<B>, att: &dyn AttentionImpl<B>| {
         let h = model.forward(ids(2, 1), &[], cache, att);
         model
@@ -189,8 +184,9 @@ fn run<B: Backend + KvBackend + FusedBackend>(args: &Args, attention: Option<Att
         .zip(&got)
         .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
     println!(
-        "check: 2 new positions after the prefill, max |Δlogit| {err:.3e} (max |logit| \
-         {scale:.3e}) against reference attention + tensor ops"
+        "check: 2 new positions after {} cached, max |Δlogit| {err:.3e} (max |logit| \
+         {scale:.3e}) against reference attention + tensor ops",
+        args.check_context.max(1)
     );
 
     let (mut forward, mut logits_ms, mut read, mut total) = (vec![], vec![], vec![], vec![]);
