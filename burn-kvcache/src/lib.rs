@@ -96,7 +96,7 @@ pub use error::KvCacheError;
 pub use shadowkv::{DecodeTimings, RopeParams, ShadowBytes, ShadowKvCache, ShadowKvConfig};
 
 use burn::tensor::{DType, Int, Tensor, backend::Backend};
-use burn_kernels_core::{AttentionImpl, AttnOptions, BurnAttention, ReferenceAttention};
+use burn_kernels_core::{AttentionImpl, AttnOptions, BurnAttention};
 
 /// The shared direction, both magnitudes and the angular distance of merged row pairs.
 #[derive(Debug, Clone)]
@@ -242,7 +242,7 @@ pub trait KvBackend: Backend {
     }
 
     /// Attention of a few queries over full-precision keys and values, GQA without copies
-    /// ([`DecodeAttention`]'s kernel where [`KvBackend::kv_has_quant_attention`]).
+    /// ([`DecodeAttention`]'s kernel; backends without it run Burn's attention op).
     ///
     /// # Shapes
     /// As [`burn_kernels_core::AttentionImpl::attend`], `sq ≤ skv` when causal.
@@ -252,7 +252,7 @@ pub trait KvBackend: Backend {
         v: Tensor<Self, 4>,
         opts: &AttnOptions<Self>,
     ) -> Tensor<Self, 4> {
-        ReferenceAttention.attend(0, q, k, v, opts)
+        BurnAttention.attend(0, q, k, v, opts)
     }
 
     /// # Shapes
@@ -432,7 +432,7 @@ impl<B: KvBackend> AttentionImpl<B> for DecodeAttention {
     ) -> Tensor<B, 4> {
         let [_, _, sq, _] = q.dims();
         let skv = k.dims()[2];
-        if sq > self.max_queries || (opts.causal && sq > skv) || !B::kv_has_quant_attention() {
+        if sq > self.max_queries || (opts.causal && sq > skv) {
             return BurnAttention.attend(layer, q, k, v, opts);
         }
         B::kv_decode_attention(q, k, v, opts)
