@@ -71,6 +71,11 @@ struct Args {
     /// (`--skip-impl cce` / `--skip-impl plain`).
     #[arg(long, value_delimiter = ',')]
     batches: Vec<usize>,
+    /// e2e suite: tokens per sequence instead of 1024. The plain loss's logits cost
+    /// `49152 · 4` bytes a token whatever the length, the reference attention's saved scores
+    /// grow with it: shorter sequences are where CCE's saving decides the batch.
+    #[arg(long)]
+    seq: Option<usize>,
     /// specdec suite: decode with burn-kernels-core's fused layer ops and burn-kvcache's decode
     /// attention kernel (autoregressive and speculative alike) instead of Burn's attention op.
     #[arg(long)]
@@ -299,6 +304,7 @@ fn run<
         cce_gemm_sweep: args.cce_gemm_sweep,
         draft_model: args.draft_model.clone(),
         batches: args.batches.clone(),
+        seq: args.seq,
         decode_kernels: args.decode_kernels,
     };
     let mut built = Vec::new();

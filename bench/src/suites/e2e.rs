@@ -26,6 +26,7 @@ pub fn suite<B: Backend + CceBackend>(opts: SuiteOptions) -> Suite<B> {
     } else {
         (LlamaConfig::smollm2_135m(), 1024, &[4, 8, 16])
     };
+    let seq = opts.seq.unwrap_or(seq);
     let batches = if opts.batches.is_empty() {
         defaults
     } else {

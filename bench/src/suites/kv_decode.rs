@@ -542,6 +542,7 @@ pub mod tests {
             cce_gemm_sweep: false,
             draft_model: None,
             batches: Vec::new(),
+            seq: None,
             decode_kernels: false,
         }
     }

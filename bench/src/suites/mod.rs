@@ -81,6 +81,8 @@ pub struct SuiteOptions {
     /// `--batches`: the e2e suite's batch sizes instead of its defaults (growing batches find
     /// the largest that fits: the first out-of-memory fails that problem).
     pub batches: Vec<usize>,
+    /// `--seq`: the e2e suite's tokens per sequence instead of its default.
+    pub seq: Option<usize>,
     /// `--decode-kernels`: the specdec suite decodes (autoregressive and speculative alike)
     /// with the fused layer ops and the decode attention kernel instead of Burn's attention
     /// op and tensor ops.

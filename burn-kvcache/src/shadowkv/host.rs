@@ -1,6 +1,7 @@
 //! Values offloaded to host memory, chunk-major.
 
 use burn::tensor::{DType, Tensor, TensorCreationOptions, TensorData, backend::Backend};
+use rayon::prelude::*;
 
 /// One sequence's values in host memory: the raw bytes of `[heads, chunks, chunk, d]` in the
 /// model's dtype, so chunk `c` of head `h` is one contiguous run of `chunk · d` elements and a
@@ -72,85 +73,92 @@ impl HostValues {
     /// - returns `[heads, k · chunk, d]` in the stored dtype
     pub fn gather<B: Backend>(&self, sel: &[Vec<usize>], device: &B::Device) -> Tensor<B, 3> {
         let k = sel.first().map_or(0, Vec::len);
-        let mut staging = RowStager::new(self.chunk_bytes());
-        for (h, chunks) in sel.iter().enumerate() {
-            for &c in chunks {
-                staging.push_row(self.chunk_slice(h, c));
-            }
-        }
-        staging
-            .upload(self.chunk * self.d, self.dtype, device)
-            .reshape([sel.len(), k * self.chunk, self.d])
-    }
-}
-
-/// Largest host→device copy [`upload_rows`] issues at once. CubeCL's CUDA runtime stages every
-/// upload through pinned host memory from a pool; a fresh multi-hundred-MB staging buffer per
-/// layer and step was page-locked anew each time (H100, 2026-11-25: 20.8 s of a 22.5 s decode
-/// step at 6.8 GB fetched), while pieces of one fixed size reuse the pool's pages.
-pub const UPLOAD_PIECE_BYTES: usize = 32 << 20;
-
-/// Collects rows of raw bytes for upload in pieces of whole rows of at most
-/// [`UPLOAD_PIECE_BYTES`], joined on the device by [`RowStager::upload`].
-pub(crate) struct RowStager {
-    row_bytes: usize,
-    per_piece: usize,
-    rows: usize,
-    pieces: Vec<Vec<u8>>,
-}
-
-impl RowStager {
-    pub(crate) fn new(row_bytes: usize) -> Self {
-        Self::with_piece_bytes(row_bytes, UPLOAD_PIECE_BYTES)
-    }
-
-    fn with_piece_bytes(row_bytes: usize, piece_bytes: usize) -> Self {
-        Self {
-            row_bytes,
-            per_piece: (piece_bytes / row_bytes.max(1)).max(1),
-            rows: 0,
-            pieces: Vec::new(),
-        }
-    }
-
-    pub(crate) fn push_row(&mut self, row: &[u8]) {
-        debug_assert_eq!(row.len(), self.row_bytes);
-        if self.rows.is_multiple_of(self.per_piece) {
-            self.pieces
-                .push(Vec::with_capacity(self.per_piece * self.row_bytes));
-        }
-        self.pieces
-            .last_mut()
-            .expect("a piece")
-            .extend_from_slice(row);
-        self.rows += 1;
-    }
-
-    pub(crate) fn rows(&self) -> usize {
-        self.rows
-    }
-
-    /// The staged rows as a `[rows, row_len]` tensor of `dtype` (`rows ≥ 1`).
-    pub(crate) fn upload<B: Backend>(
-        self,
-        row_len: usize,
-        dtype: DType,
-        device: &B::Device,
-    ) -> Tensor<B, 2> {
-        let row_bytes = self.row_bytes;
-        let mut pieces: Vec<Tensor<B, 2>> = self
-            .pieces
-            .into_iter()
-            .map(|p| {
-                let n = p.len() / row_bytes;
-                upload(p, [n, row_len], dtype, device)
-            })
+        let rows: Vec<&[u8]> = sel
+            .iter()
+            .enumerate()
+            .flat_map(|(h, chunks)| chunks.iter().map(move |&c| self.chunk_slice(h, c)))
             .collect();
-        if pieces.len() == 1 {
-            pieces.pop().expect("one piece")
-        } else {
-            Tensor::cat(pieces, 0)
-        }
+        upload_rows::<B>(&rows, self.chunk * self.d, self.dtype, device).reshape([
+            sel.len(),
+            k * self.chunk,
+            self.d,
+        ])
+    }
+}
+
+/// Largest host buffer [`upload_rows`] hands to the runtime at once. CubeCL 0.10 copies every
+/// upload into a fresh vector before a pageable copy: pieces of a few MB stay below glibc's
+/// mmap threshold (≤ 32 MB), so the allocator reuses resident pages instead of mapping and
+/// faulting in fresh ones for every layer and step (H100, 2026-11-25: 20.8 s of a 22.5 s
+/// decode step went to 6.8 GB fetched in one buffer).
+pub const UPLOAD_PIECE_BYTES: usize = 8 << 20;
+
+/// Rows one gather task copies.
+const ROWS_PER_TASK: usize = 64;
+
+/// Copies `rows` (each `row_bytes` long) into one buffer, on every core.
+///
+/// # Panics
+/// When a row is not `row_bytes` long.
+fn gather_piece(rows: &[&[u8]], row_bytes: usize) -> Vec<u8> {
+    assert!(
+        row_bytes > 0 && rows.iter().all(|r| r.len() == row_bytes),
+        "rows of {row_bytes} bytes"
+    );
+    let n = rows.len() * row_bytes;
+    let mut out: Vec<u8> = Vec::with_capacity(n);
+    out.spare_capacity_mut()[..n]
+        .par_chunks_mut(ROWS_PER_TASK * row_bytes)
+        .zip(rows.par_chunks(ROWS_PER_TASK))
+        .for_each(|(dst, src)| {
+            for (d, s) in dst.chunks_mut(row_bytes).zip(src) {
+                for (d, &s) in d.iter_mut().zip(s.iter()) {
+                    d.write(s);
+                }
+            }
+        });
+    // SAFETY: the zip above covers `n` bytes in `rows.len()` chunks of `row_bytes`, and every
+    // row is `row_bytes` long (asserted), so each of the first `n` bytes was written.
+    unsafe { out.set_len(n) };
+    out
+}
+
+/// Uploads `rows` of raw bytes as a `[rows, row_len]` tensor of `dtype` (`rows ≥ 1`),
+/// gathered in parallel into pieces of whole rows of at most [`UPLOAD_PIECE_BYTES`] joined on
+/// the device.
+pub(crate) fn upload_rows<B: Backend>(
+    rows: &[&[u8]],
+    row_len: usize,
+    dtype: DType,
+    device: &B::Device,
+) -> Tensor<B, 2> {
+    upload_rows_in(rows, row_len, dtype, device, UPLOAD_PIECE_BYTES)
+}
+
+fn upload_rows_in<B: Backend>(
+    rows: &[&[u8]],
+    row_len: usize,
+    dtype: DType,
+    device: &B::Device,
+    piece_bytes: usize,
+) -> Tensor<B, 2> {
+    let row_bytes = row_len * dtype.size();
+    let per_piece = (piece_bytes / row_bytes.max(1)).max(1);
+    let mut pieces: Vec<Tensor<B, 2>> = rows
+        .chunks(per_piece)
+        .map(|p| {
+            upload(
+                gather_piece(p, row_bytes),
+                [p.len(), row_len],
+                dtype,
+                device,
+            )
+        })
+        .collect();
+    if pieces.len() == 1 {
+        pieces.pop().expect("one piece")
+    } else {
+        Tensor::cat(pieces, 0)
     }
 }
 
@@ -172,21 +180,20 @@ mod tests {
     use super::*;
     use burn::backend::NdArray;
 
-    /// Rows staged in several pieces (and a ragged last one) upload to the same tensor as in one.
+    /// Rows gathered in several pieces (and a ragged last one) upload to the same tensor as
+    /// in one, in order.
     #[test]
     fn pieces_join_in_order() {
         let device = Default::default();
-        let (rows, row_len) = (11, 3);
+        let (rows, row_len) = (300, 3);
         let values: Vec<f32> = (0..rows * row_len).map(|i| i as f32 * 0.5 - 7.0).collect();
         let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
         let row_bytes = row_len * 4;
-        for piece_bytes in [1, row_bytes, 4 * row_bytes + 5, 1 << 20] {
-            let mut st = RowStager::with_piece_bytes(row_bytes, piece_bytes);
-            for r in bytes.chunks(row_bytes) {
-                st.push_row(r);
-            }
-            assert_eq!(st.rows(), rows);
-            let t = st.upload::<NdArray>(row_len, DType::F32, &device);
+        // Rows in reverse: the gather follows the list, not memory order.
+        let refs: Vec<&[u8]> = bytes.chunks(row_bytes).rev().collect();
+        let values: Vec<f32> = values.chunks(row_len).rev().flatten().copied().collect();
+        for piece_bytes in [1, row_bytes, 4 * row_bytes + 5, 70 * row_bytes, 1 << 20] {
+            let t = upload_rows_in::<NdArray>(&refs, row_len, DType::F32, &device, piece_bytes);
             assert_eq!(t.dims(), [rows, row_len]);
             let got = t.into_data().to_vec::<f32>().unwrap();
             assert_eq!(got, values, "piece of {piece_bytes} bytes");

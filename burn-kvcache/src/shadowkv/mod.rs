@@ -57,7 +57,8 @@ use burn::tensor::{Bool, DType, Int, Tensor, TensorCreationOptions, TensorData, 
 use burn_kernels_core::{AttentionImpl, AttnOptions, KvCache, append_kv};
 
 use crate::{KvBackend, KvCacheError, bytes_of};
-use host::RowStager;
+use host::upload_rows;
+use rayon::prelude::*;
 
 /// ShadowKV settings (defaults: the paper's).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -157,11 +158,11 @@ pub struct DecodeTimings {
     pub scoring: Duration,
     /// Host→device value upload and the reuse gather (the three parts below and the rest).
     pub transfer: Duration,
-    /// Part of `transfer`: picking reused slots and copying the fetched chunks into staging
-    /// rows on the host.
+    /// Part of `transfer`: picking reused slots and listing the chunks to fetch.
     pub transfer_host: Duration,
-    /// Part of `transfer`: creating the device tensor from the staged rows (the runtime's
-    /// pinned staging copy and the host→device copy).
+    /// Part of `transfer`: gathering the fetched chunks into staging buffers (on every core)
+    /// and creating the device tensor from them (the runtime's copy of each buffer and the
+    /// pageable host→device copy).
     pub transfer_upload: Duration,
     /// Part of `transfer`: joining the reused and fetched rows on the device, in slot order.
     pub transfer_assemble: Duration,
@@ -752,78 +753,77 @@ impl<B: KvBackend> ShadowKvCache<B> {
             .to_vec::<f32>()
             .expect("f32");
         let kk = select.min(sp.n_land.iter().max().copied().unwrap_or(0));
-        let mut sel: Vec<Vec<Vec<usize>>> = Vec::with_capacity(b);
-        let mut valid = Vec::with_capacity(b);
-        for i in 0..b {
-            let n = sp.n_land[i];
-            let nv = kk.min(n);
-            valid.push(nv);
-            let mut per_head = Vec::with_capacity(h);
-            for hh in 0..h {
-                let row = &scores[(i * h + hh) * cmax..(i * h + hh) * cmax + n];
+        let valid: Vec<usize> = sp.n_land.iter().map(|&n| kk.min(n)).collect();
+        // Top-k per (sequence, KV head), on every core: at batch 8 and 128K a layer has 64
+        // rows of 16K landmarks.
+        let (n_land, land_chunk) = (&sp.n_land, &sp.land_chunk);
+        let flat: Vec<Vec<usize>> = (0..b * h)
+            .into_par_iter()
+            .map(|ih| {
+                let (i, hh) = (ih / h, ih % h);
+                let (n, nv) = (n_land[i], valid[i]);
+                let row = &scores[ih * cmax..ih * cmax + n];
                 let mut ids: Vec<usize> = (0..n).collect();
                 if nv < n {
                     ids.select_nth_unstable_by(nv, |&x, &y| row[y].total_cmp(&row[x]));
                     ids.truncate(nv);
                 }
-                let mut chunks: Vec<usize> = ids.iter().map(|&l| sp.land_chunk[i][hh][l]).collect();
+                let mut chunks: Vec<usize> = ids.iter().map(|&l| land_chunk[i][hh][l]).collect();
                 chunks.sort_unstable();
                 // Padding slots (masked below) repeat a valid chunk.
                 chunks.resize(kk, chunks[0]);
-                per_head.push(chunks);
-            }
-            sel.push(per_head);
-        }
+                chunks
+            })
+            .collect();
+        let mut flat = flat.into_iter();
+        let sel: Vec<Vec<Vec<usize>>> = (0..b).map(|_| flat.by_ref().take(h).collect()).collect();
         self.timings.scoring += t0.elapsed();
 
         // Transfer: reuse what the previous step uploaded, fetch the rest.
         let t1 = Instant::now();
-        let es = dtype.size();
-        let row_bytes = cs * d * es;
         let prev_rows = sp.prev.as_ref().map_or(0, |p| p.values.dims()[0]);
-        let mut src = Vec::with_capacity(b * h * kk);
-        let mut staging = RowStager::new(row_bytes);
-        let mut fetched = 0usize;
-        for (i, per_head) in sel.iter().enumerate() {
-            for (hh, chunks) in per_head.iter().enumerate() {
-                for (slot, &c) in chunks.iter().enumerate() {
-                    let hit = sp.prev.as_ref().and_then(|p| {
-                        let ids = &p.chunks[i][hh][..p.valid[i]];
-                        let kp = p.chunks[i][hh].len();
-                        ids.binary_search(&c)
+        let prev_ids = sp.prev.as_ref().map(|p| (&p.chunks, &p.valid));
+        // Per valid slot: the previous step's row holding its chunk, if any.
+        let hits: Vec<Vec<Option<i64>>> = (0..b * h)
+            .into_par_iter()
+            .map(|ih| {
+                let (i, hh) = (ih / h, ih % h);
+                sel[i][hh][..valid[i]]
+                    .iter()
+                    .map(|&c| {
+                        let (chunks, pvalid) = prev_ids?;
+                        let ids = &chunks[i][hh];
+                        ids[..pvalid[i]]
+                            .binary_search(&c)
                             .ok()
-                            .map(|j| ((i * h + hh) * kp + j) as i64)
-                    });
-                    match hit {
-                        // Padding slots reuse slot 0's row.
-                        _ if slot >= valid[i] => src.push(-1),
-                        Some(r) => src.push(r),
-                        None => {
-                            staging.push_row(sp.values[i].chunk_slice(hh, c));
-                            src.push((prev_rows + fetched) as i64);
-                            fetched += 1;
-                        }
-                    }
-                }
+                            .map(|j| (ih * ids.len() + j) as i64)
+                    })
+                    .collect()
+            })
+            .collect();
+        let mut src = vec![0i64; b * h * kk];
+        let mut rows: Vec<&[u8]> = Vec::new();
+        for (ih, hit) in hits.iter().enumerate() {
+            let (i, hh) = (ih / h, ih % h);
+            let base = ih * kk;
+            for (slot, r) in hit.iter().enumerate() {
+                src[base + slot] = r.unwrap_or_else(|| {
+                    rows.push(sp.values[i].chunk_slice(hh, sel[i][hh][slot]));
+                    (prev_rows + rows.len() - 1) as i64
+                });
+            }
+            // Padding slots reuse the sequence-head's first slot.
+            for slot in valid[i]..kk {
+                src[base + slot] = src[base];
             }
         }
-        // Resolve padding slots to their sequence-head's first slot.
-        for i in 0..b {
-            for hh in 0..h {
-                let base = (i * h + hh) * kk;
-                for slot in 0..kk {
-                    if src[base + slot] < 0 {
-                        src[base + slot] = src[base];
-                    }
-                }
-            }
-        }
+        let fetched = rows.len();
         self.timings.chunks_fetched += fetched;
         self.timings.chunks_reused += b * h * kk - fetched;
-        debug_assert_eq!(staging.rows(), fetched);
         let t_up = Instant::now();
         self.timings.transfer_host += t_up - t1;
-        let fresh = (fetched > 0).then(|| staging.upload::<B>(cs * d, dtype, &device));
+        let fresh = (fetched > 0).then(|| upload_rows::<B>(&rows, cs * d, dtype, &device));
+        drop(rows);
         sync::<B>(profile, &device);
         let t_asm = Instant::now();
         self.timings.transfer_upload += t_asm - t_up;
