@@ -426,12 +426,24 @@ pub fn decode_step<B: Backend>(
     step: u64,
     device: &B::Device,
 ) {
+    decode_step_with(model, cache, batch, step, device, &BurnAttention);
+}
+
+/// [`decode_step`] with another attention implementation.
+pub fn decode_step_with<B: Backend>(
+    model: &Llama<B>,
+    cache: &mut dyn KvCache<B>,
+    batch: usize,
+    step: u64,
+    device: &B::Device,
+    attention: &dyn AttentionImpl<B>,
+) {
     let vocab = model.config.vocab_size as u64;
     let ids: Vec<i64> = (0..batch as u64)
         .map(|i| ((step * 1_000_003 + i * 7919 + 17) % vocab) as i64)
         .collect();
     let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [batch, 1]), device);
-    let h = model.forward(tokens, &[], cache, &BurnAttention);
+    let h = model.forward(tokens, &[], cache, attention);
     let _ = model.logits(h);
 }
 
@@ -444,10 +456,23 @@ pub fn timed_steps<B: Backend>(
     n: usize,
     device: &B::Device,
 ) -> Vec<f64> {
+    timed_steps_with(model, cache, batch, first_step, n, device, &BurnAttention)
+}
+
+/// [`timed_steps`] with another attention implementation.
+pub fn timed_steps_with<B: Backend>(
+    model: &Llama<B>,
+    cache: &mut dyn KvCache<B>,
+    batch: usize,
+    first_step: u64,
+    n: usize,
+    device: &B::Device,
+    attention: &dyn AttentionImpl<B>,
+) -> Vec<f64> {
     (0..n as u64)
         .map(|i| {
             let t0 = Instant::now();
-            decode_step(model, cache, batch, first_step + i, device);
+            decode_step_with(model, cache, batch, first_step + i, device, attention);
             sync::<B>(device);
             t0.elapsed().as_secs_f64() * 1e3
         })

@@ -29,8 +29,11 @@
 //!   generation), runs the model with Burn's fused attention and the logits, and is
 //!   synchronized. Two warm-up steps, then (ShadowKV only) three steps with its per-phase
 //!   profiling on (it synchronizes after each phase: the breakdown of `DecodeTimings`, in the
-//!   record's `profile_*` params), then eight timed steps. tokens/s = batch / median step;
-//!   the cache grows by one token per step (≤ 16 in all).
+//!   record's `profile_*` params), then eight timed steps. tokens/s = batch / median step.
+//!   Then the same cache decodes with burn-kvcache's decode attention kernel instead of
+//!   Burn's attention op (one warm-up, eight timed; the record's `decode_kernel_*` params):
+//!   the comparison with a full cache whose attention reads K/V at memory speed. The cache
+//!   grows by one token per step (≤ 25 in all).
 //!
 //! The full cache (`FullKvCache`) concatenates its keys and values for every step and Burn's
 //! attention needs the KV heads repeated (4× the keys and values of a layer, materialized):
@@ -43,7 +46,7 @@ use std::time::Instant;
 use burn::tensor::{DType, Distribution, Int, Tensor, TensorData};
 use burn_kernels_core::{FullKvCache, KvCache};
 use burn_kvcache::shadowkv::low_rank;
-use burn_kvcache::{KvBackend, RopeParams, ShadowKvCache, ShadowKvConfig};
+use burn_kvcache::{DecodeAttention, KvBackend, RopeParams, ShadowKvCache, ShadowKvConfig};
 use burn_llama::LlamaConfig;
 use serde_json::json;
 
@@ -51,7 +54,8 @@ use super::SuiteOptions;
 use super::kv_decode::{
     F16, Footprint, GB, Plan, SharedModel, SkipAttention, ctx_label, decode_step, describe,
     fill_opts, fill_query, gb, host_rss, median_mean, model_config, plan, plan_candidate,
-    problem_params, random_states, reserved, seq_bytes, sync, timed_steps, weight_allocs,
+    problem_params, random_states, reserved, seq_bytes, sync, timed_steps, timed_steps_with,
+    weight_allocs,
 };
 use crate::harness::{Extra, PeerRun, Problem, Suite, params};
 
@@ -85,8 +89,10 @@ impl Steps {
         }
     }
 
+    /// Every step a cache decodes: the timed ones twice (Burn's attention op, then the decode
+    /// attention kernel after one warm-up).
     fn total(&self) -> usize {
-        self.warmup + self.profiled + self.timed
+        self.warmup + self.profiled + 2 * self.timed + 1
     }
 }
 
@@ -305,6 +311,34 @@ fn base_params(
     x
 }
 
+/// The same cache decoding with burn-kvcache's decode attention kernel (GQA without
+/// repeating K/V, split over the keys) instead of Burn's attention op: one warm-up step, then
+/// `steps.timed`; returns the record's params and a note.
+fn with_decode_kernel<B: KvBackend>(
+    m: &burn_llama::Llama<B>,
+    cache: &mut dyn burn_kernels_core::KvCache<B>,
+    b: usize,
+    step: u64,
+    steps: &Steps,
+    device: &B::Device,
+) -> (
+    std::collections::BTreeMap<String, serde_json::Value>,
+    String,
+) {
+    let attention = DecodeAttention::default();
+    let _ = timed_steps_with(m, cache, b, step, 1, device, &attention);
+    let times = timed_steps_with(m, cache, b, step + 1, steps.timed, device, &attention);
+    let (median, _) = median_mean(&times);
+    let tps = b as f64 / (median * 1e-3);
+    (
+        params([
+            ("decode_kernel_step_median_ms", json!(median)),
+            ("decode_kernel_tokens_per_sec", json!(tps)),
+        ]),
+        format!("decode-attention kernel: {median:.1} ms, {tps:.1} tok/s"),
+    )
+}
+
 #[allow(clippy::too_many_arguments)]
 fn run_full<B: KvBackend>(
     model: &SharedModel<B>,
@@ -347,7 +381,11 @@ fn run_full<B: KvBackend>(
     );
     let times = timed_steps(&m, &mut cache, b, step, steps.timed, device);
     let mut x = base_params(p, fill_s, cache.bytes_held(), reserved(probe), &times);
-    x.note = Some(format!("batch {b} ({}-bound)", p.bound));
+    step += steps.timed as u64;
+    let (kp, kn) = with_decode_kernel(&m, &mut cache, b, step, steps, device);
+    eprintln!("  {label} full: {kn}");
+    x.params.extend(kp);
+    x.note = Some(format!("batch {b} ({}-bound); {kn}", p.bound));
     *info.borrow_mut() = x;
     Ok(times.into())
 }
@@ -481,7 +519,11 @@ fn run_shadow<B: KvBackend>(
 
     let times = timed_steps(&m, &mut cache, b, step, steps.timed, device);
     let timed = cache.timings();
+    step += steps.timed as u64;
+    let (kp, kn) = with_decode_kernel(&m, &mut cache, b, step, steps, device);
+    eprintln!("  {label} shadowkv: {kn}");
     let mut x = base_params(p, fill_s, cache.bytes_held(), reserved(probe), &times);
+    x.params.extend(kp);
     x.params.extend(params([
         ("cache_device_gb", json!(bytes.device as f64 / GB)),
         ("cache_host_gb", json!(bytes.host as f64 / GB)),
@@ -503,7 +545,7 @@ fn run_shadow<B: KvBackend>(
     x.note = Some(format!(
         "batch {b} ({}-bound); profiled step {prof_step:.0} ms: scoring {scoring:.0}, transfer \
          {transfer:.0}, reconstruct {reconstruct:.0}, attention {attention:.0}, rest {rest:.0}; \
-         {:.0}% chunks reused",
+         {:.0}% chunks reused; {kn}",
         p.bound,
         100.0 * reuse(timed)
     ));
