@@ -93,6 +93,35 @@ impl HostValues {
 /// decode step went to 6.8 GB fetched in one buffer).
 pub const UPLOAD_PIECE_BYTES: usize = 8 << 20;
 
+/// Keeps glibc's allocator from handing freed upload buffers back to the OS between layers.
+///
+/// Each decode step allocates and frees a few MB-sized host buffers per layer (the gathered
+/// pieces, and the runtime's copy of each). By default glibc serves blocks above a moving
+/// threshold with fresh `mmap`s and trims the heap's top past another, so every step faults
+/// those pages in again (~0.5 µs per 4 KB page, zeroed by the kernel). This fixes the mmap
+/// threshold at glibc's maximum (32 MB, above [`UPLOAD_PIECE_BYTES`]) and the trim threshold at
+/// 2 GB, once per process (the settings are process-wide; [`crate::ShadowKvCache::new`] calls
+/// it). Returns whether both settings were taken; elsewhere than glibc it does nothing.
+pub fn tune_host_allocator() -> bool {
+    static TUNED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *TUNED.get_or_init(|| {
+        #[cfg(all(target_os = "linux", target_env = "gnu"))]
+        {
+            // SAFETY: `mallopt` only sets allocator parameters; glibc takes its own locks.
+            let ok = unsafe {
+                libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20) == 1
+                    && libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX) == 1
+            };
+            log::info!("ShadowKV: glibc mmap threshold 32 MB, trim threshold 2 GB: {ok}");
+            ok
+        }
+        #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+        {
+            false
+        }
+    })
+}
+
 /// Rows one gather task copies.
 const ROWS_PER_TASK: usize = 64;
 

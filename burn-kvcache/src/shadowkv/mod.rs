@@ -48,7 +48,7 @@
 mod host;
 mod lowrank;
 
-pub use host::HostValues;
+pub use host::{HostValues, tune_host_allocator};
 pub use lowrank::{LowRank, RopeParams, low_rank, rope_tables, unrope};
 
 use std::time::{Duration, Instant};
@@ -300,7 +300,8 @@ fn sync<B: KvBackend>(on: bool, device: &B::Device) {
 
 impl<B: KvBackend> ShadowKvCache<B> {
     /// An empty cache for a model of `num_layers` layers of `kv_heads` KV heads of `head_dim`
-    /// whose keys were rotated with `rope`.
+    /// whose keys were rotated with `rope`. Tunes the process's allocator for the value
+    /// uploads once ([`tune_host_allocator`]).
     ///
     /// # Errors
     /// [`KvCacheError::NoLayers`] and those of [`ShadowKvConfig::validate`].
@@ -315,6 +316,7 @@ impl<B: KvBackend> ShadowKvCache<B> {
             return Err(KvCacheError::NoLayers);
         }
         cfg.validate(kv_heads, head_dim)?;
+        tune_host_allocator();
         Ok(Self {
             cfg,
             rope,
@@ -779,6 +781,19 @@ impl<B: KvBackend> ShadowKvCache<B> {
         let sel: Vec<Vec<Vec<usize>>> = (0..b).map(|_| flat.by_ref().take(h).collect()).collect();
         self.timings.scoring += t0.elapsed();
 
+        // Reconstruct the selected keys, launched before the transfer: the device rebuilds
+        // them while the host gathers and copies the values.
+        let t2 = Instant::now();
+        let ids: Vec<i32> = sel
+            .iter()
+            .flat_map(|per_head| per_head.iter().flat_map(|c| c.iter().map(|&c| c as i32)))
+            .collect();
+        let ids = i32_tensor::<B, 3>(ids, [b, h, kk], &device);
+        let sel_k =
+            B::shadowkv_gather_reconstruct_rope(sp.a.clone(), sp.wt.clone(), ids, cos, sin, cs);
+        sync::<B>(profile, &device);
+        self.timings.reconstruct += t2.elapsed();
+
         // Transfer: reuse what the previous step uploaded, fetch the rest.
         let t1 = Instant::now();
         let prev_rows = sp.prev.as_ref().map_or(0, |p| p.values.dims()[0]);
@@ -847,18 +862,6 @@ impl<B: KvBackend> ShadowKvCache<B> {
         sync::<B>(profile, &device);
         self.timings.transfer_assemble += t_asm.elapsed();
         self.timings.transfer += t1.elapsed();
-
-        // Reconstruct the selected keys.
-        let t2 = Instant::now();
-        let ids: Vec<i32> = sel
-            .iter()
-            .flat_map(|per_head| per_head.iter().flat_map(|c| c.iter().map(|&c| c as i32)))
-            .collect();
-        let ids = i32_tensor::<B, 3>(ids, [b, h, kk], &device);
-        let sel_k =
-            B::shadowkv_gather_reconstruct_rope(sp.a.clone(), sp.wt.clone(), ids, cos, sin, cs);
-        sync::<B>(profile, &device);
-        self.timings.reconstruct += t2.elapsed();
 
         // Attention over local | outliers | selected | generated.
         let t3 = Instant::now();
