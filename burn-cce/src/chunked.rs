@@ -89,6 +89,7 @@ fn matmul_to<R, F, I, BT>(
     rhs: Tensor<Cb<R, F, I, BT>, 2>,
     dtype: DType,
     strategy: GemmStrategy,
+    tf32: bool,
 ) -> Tensor<Cb<R, F, I, BT>, 2>
 where
     R: CubeRuntime,
@@ -107,7 +108,7 @@ where
         GemmStrategy::Autotune => None,
     };
     if let Some(kernel) = kernel
-        && let Some(out) = fixed_gemm(l.clone(), r.clone(), dtype, kernel)
+        && let Some(out) = fixed_gemm(l.clone(), r.clone(), dtype, kernel, tf32)
     {
         return float(out);
     }
@@ -162,13 +163,16 @@ fn fixed_gemm<R: CubeRuntime>(
     rhs: CubeTensor<R>,
     dtype: DType,
     kernel: GemmKernel,
+    tf32: bool,
 ) -> Option<CubeTensor<R>> {
     let [m, k] = lhs.meta.shape().dims::<2>();
     let [_, n] = rhs.meta.shape().dims::<2>();
     let in_dtype = lhs.dtype;
-    // Tensor-core tiles only where they are the point: half-precision inputs (f32 would run
-    // as TF32) and no dimension smaller than a tile.
-    let tensor_cores = matches!(in_dtype, DType::F16 | DType::BF16) && m.min(n).min(k) >= 16;
+    // Tensor-core tiles for half-precision inputs, and for f32 where TF32 is allowed; no
+    // dimension smaller than a tile.
+    let tensor_cores = (matches!(in_dtype, DType::F16 | DType::BF16)
+        || (tf32 && in_dtype == DType::F32))
+        && m.min(n).min(k) >= 16;
     let unit = Strategy::SimpleUnit(BlueprintStrategy::Inferred(SimpleUnitSelectionArgs {
         tile_size: TileSizeSelection::MinTileSize,
     }));
@@ -246,6 +250,7 @@ where
             c.clone().slice(range).transpose(),
             DType::F32,
             params.gemm,
+            params.tf32,
         );
         lse_chunk(
             logits.into_primitive().tensor(),
@@ -287,6 +292,7 @@ fn scores<R, F, I, BT>(
     chunk: usize,
     softcap: Option<f32>,
     gemm: GemmStrategy,
+    tf32: bool,
 ) -> Vec<f32>
 where
     R: CubeRuntime,
@@ -305,6 +311,7 @@ where
                 c.clone().slice(range).transpose(),
                 DType::F32,
                 gemm,
+                tf32,
             );
             let partial = score::score_chunk(
                 logits.into_primitive().tensor(),
@@ -640,6 +647,7 @@ where
                 params.chunk_len(n, vocab),
                 params.softcap,
                 params.gemm,
+                params.tf32,
             ),
             eps,
         )
@@ -702,6 +710,7 @@ where
             c_chunk.clone().transpose(),
             DType::F32,
             params.gemm,
+            params.tf32,
         );
         let g = float::<R, F, I, BT, 2>(grad_chunk(
             logits.into_primitive().tensor(),
@@ -722,11 +731,18 @@ where
                     c_chunk.clone(),
                     DType::F32,
                     params.gemm,
+                    params.tf32,
                 );
                 add_rows(&prim(target), prim(&product), rows.start);
             }
         }
-        let dc_chunk = matmul_to(g.clone().transpose(), e.clone(), c_dtype, params.gemm);
+        let dc_chunk = matmul_to(
+            g.clone().transpose(),
+            e.clone(),
+            c_dtype,
+            params.gemm,
+            params.tf32,
+        );
         let db_chunk = db.as_ref().map(|_| {
             let len = g.dims()[1];
             g.clone().cast(DType::F32).sum_dim(0).reshape([len])
@@ -762,6 +778,7 @@ where
                     c_chunk.clone().transpose(),
                     DType::F32,
                     params.gemm,
+                    params.tf32,
                 );
                 let g = float::<R, F, I, BT, 2>(grad_chunk(
                     logits.into_primitive().tensor(),
@@ -775,7 +792,7 @@ where
                     params.softcap,
                     e_dtype,
                 ));
-                let product = matmul_to(g, c_chunk, DType::F32, params.gemm);
+                let product = matmul_to(g, c_chunk, DType::F32, params.gemm, params.tf32);
                 block_acc = Some(match block_acc {
                     None => product,
                     Some(block_acc) => {

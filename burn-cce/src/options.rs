@@ -90,6 +90,14 @@ pub struct CceOptions {
     pub de_block_rows: Option<usize>,
     /// How the chunk GEMMs pick their kernel.
     pub gemm: GemmStrategy,
+    /// For f32 inputs, run the chunk GEMMs of [`GemmStrategy::Fixed`] and
+    /// [`GemmStrategy::Kernel`] on the tensor cores as TF32 (inputs rounded to a 10-bit
+    /// mantissa, f32 accumulation), as Burn's own f32 matmul does on CUDA, instead of the
+    /// exact CUDA-core kernel (H100, 2026-11-26: a fine-tuning step of an f32 SmolLM2 shape
+    /// with CCE was 2.3× the plain loss's time with the exact kernel). Default `true`. No
+    /// effect on f16/bf16 inputs, nor where the runtime has no tensor-core kernel (Vulkan on
+    /// lavapipe: the exact kernel runs).
+    pub tf32: bool,
 }
 
 /// Kernel selection for the GEMMs that recompute and consume logit chunks.
@@ -104,8 +112,8 @@ pub struct CceOptions {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum GemmStrategy {
     /// No autotuning: [`GemmKernel::DEFAULT`] for f16/bf16 GEMMs whose dimensions are all
-    /// ≥ 16, a unit (CUDA-core) kernel otherwise — exact f32, no TF32 — and Burn's autotuned
-    /// matmul where neither can run.
+    /// ≥ 16 (and f32 ones as TF32 with [`CceOptions::tf32`]), a unit (CUDA-core) kernel
+    /// otherwise — exact f32 — and Burn's autotuned matmul where neither can run.
     #[default]
     Fixed,
     /// As [`GemmStrategy::Fixed`] with the given tensor-core kernel (for comparing kernels).
@@ -194,6 +202,7 @@ impl Default for CceOptions {
             chunk_bytes: None,
             de_block_rows: None,
             gemm: GemmStrategy::Fixed,
+            tf32: true,
         }
     }
 }
@@ -215,6 +224,8 @@ pub struct LceParams {
     pub de_block_rows: Option<usize>,
     /// See [`CceOptions::gemm`].
     pub gemm: GemmStrategy,
+    /// See [`CceOptions::tf32`].
+    pub tf32: bool,
 }
 
 impl CceOptions {
@@ -228,6 +239,7 @@ impl CceOptions {
             chunk_bytes: self.chunk_bytes,
             de_block_rows: self.de_block_rows,
             gemm: self.gemm,
+            tf32: self.tf32,
         }
     }
 }

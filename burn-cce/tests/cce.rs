@@ -82,6 +82,7 @@ impl Case {
             chunk_bytes: self.chunk.map(|chunk| self.tokens() * 4 * chunk),
             de_block_rows: None,
             gemm: self.gemm,
+            tf32: true,
         }
     }
 }
