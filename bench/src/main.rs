@@ -285,11 +285,18 @@ fn run<
     probe: Option<harness::MemoryProbe>,
     pool: suites::PoolProps,
 ) -> Result<(), String> {
-    let names: Vec<String> = if args.suites.iter().any(|s| s == "all") {
+    let mut names: Vec<String> = if args.suites.iter().any(|s| s == "all") {
         suites::ALL.iter().map(|s| s.to_string()).collect()
     } else {
         args.suites.clone()
     };
+    // `--suite e2e` is the whole end-to-end table: fine-tuning and generation
+    // (`--exclude passkey` leaves the generation out).
+    if let Some(i) = names.iter().position(|n| n == "e2e")
+        && !names.iter().any(|n| n == "e2e-generate")
+    {
+        names.insert(i + 1, "e2e-generate".into());
+    }
     let opts = suites::SuiteOptions {
         quick: args.quick,
         max_mem_bytes: args.max_mem_gb * 1e9,

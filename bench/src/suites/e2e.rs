@@ -2,7 +2,8 @@
 //! random-weight SmolLM2-135M-shaped model (f32), with Cut Cross-Entropy and with Burn's plain
 //! loss: step time and peak memory at growing batch sizes. The plain loss holds the logits
 //! (`batch · seq · 49152` values) and their gradient, CCE does not, so the gap grows with the
-//! batch. Decode throughput of the feature combinations is not part of this suite yet.
+//! batch. Generation with the inference features is part 2, [`super::generate`]
+//! (`e2e-generate`, which `--suite e2e` runs too).
 //!
 //! FLOPs: ~6 · parameters · tokens for the model (the 28M-parameter embedding counted once, as
 //! the tied classifier) plus 6 · tokens · vocab · hidden for the classifier GEMMs.

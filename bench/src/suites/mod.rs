@@ -3,6 +3,7 @@
 pub mod attention;
 pub mod cce;
 pub mod e2e;
+pub mod generate;
 mod kv_decode;
 pub mod llama;
 pub mod lse;
@@ -45,6 +46,7 @@ pub const ALL: &[&str] = &[
     "minicache",
     "specdec",
     "e2e",
+    "e2e-generate",
 ];
 
 /// The device memory pool's page limits (CubeCL's `MemoryDeviceProperties`), which decide
@@ -112,6 +114,7 @@ pub fn build<B: Backend + CceBackend + SageBackend + KvBackend + FusedBackend>(
         "minicache" => Some(minicache::suite::<B>(opts)),
         "specdec" => Some(specdec::suite::<B>(opts)),
         "e2e" => Some(e2e::suite::<B>(opts)),
+        "e2e-generate" => Some(generate::suite::<B>(opts)),
         _ => None,
     }
 }

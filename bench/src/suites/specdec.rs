@@ -82,7 +82,7 @@ pub fn suite<B: KvBackend + FusedBackend>(opts: SuiteOptions) -> Suite<B> {
 }
 
 /// The cached SmolLM2 checkpoint, loaded once; `None` when it is not in the model cache.
-fn checkpoint() -> Option<&'static Checkpoint> {
+pub(super) fn checkpoint() -> Option<&'static Checkpoint> {
     static CKPT: OnceLock<Option<Checkpoint>> = OnceLock::new();
     CKPT.get_or_init(|| match load(&default_model_path()) {
         Ok(c) => Some(c),
@@ -148,13 +148,13 @@ fn target<B: Backend>(device: &B::Device, quick: bool) -> (Llama<B>, Vec<u32>, b
 
 /// The draft of a problem: the target's first layers, or a trained model.
 #[derive(Debug, Clone)]
-enum DraftChoice {
+pub(super) enum DraftChoice {
     Truncated(usize),
     Trained(PathBuf),
 }
 
 impl DraftChoice {
-    fn label(&self) -> String {
+    pub(super) fn label(&self) -> String {
         match self {
             Self::Truncated(n) => format!("first{n}"),
             Self::Trained(p) => p
@@ -163,7 +163,7 @@ impl DraftChoice {
         }
     }
 
-    fn build<B: Backend>(&self, target: &Llama<B>, device: &B::Device) -> Llama<B> {
+    pub(super) fn build<B: Backend>(&self, target: &Llama<B>, device: &B::Device) -> Llama<B> {
         match self {
             Self::Truncated(n) => truncated_draft(target, *n).expect("enough layers"),
             Self::Trained(p) => load_draft(p, device, DType::F32)

@@ -27,6 +27,7 @@ use burn_kernels_core::{AttentionImpl, AttnOptions, KvCache, ReferenceAttention,
 use burn_kvcache::{RopeParams, ShadowKvCache, ShadowKvConfig};
 use burn_llama::loader::{default_model_path, load};
 use burn_llama::model::Llama;
+use burn_llama::passkey::{fillers_for, passkey_text};
 use clap::Parser;
 
 type Cpu = NdArray<f32>;
@@ -112,28 +113,6 @@ impl KvCache<Cpu> for Recorder {
     }
 }
 
-const FILLER: &str = "The grass is green. The sky is blue. The sun is yellow. Here we go. \
-                      There and back again. ";
-const INTRO: &str = "There is an important info hidden inside a lot of irrelevant text. Find \
-                     it and memorize it. I will quiz you about the important information \
-                     there.\n";
-const QUESTION: &str = "\nWhat is the pass key? The pass key is";
-
-fn prompt(fillers: usize, depth: f64, key: u32) -> String {
-    let at = ((fillers as f64) * depth).round() as usize;
-    let mut s = String::from(INTRO);
-    for i in 0..fillers {
-        if i == at {
-            s.push_str(&format!(
-                "The pass key is {key}. Remember it. {key} is the pass key. "
-            ));
-        }
-        s.push_str(FILLER);
-    }
-    s.push_str(QUESTION);
-    s
-}
-
 fn argmax_last(model: &Llama<Cpu>, hidden: Tensor<Cpu, 3>) -> u32 {
     let [_, s, h] = hidden.dims();
     let last = hidden.slice([0..1, s - 1..s, 0..h]);
@@ -168,9 +147,7 @@ fn main() {
     let model = Llama::<Cpu>::from_checkpoint(&ckpt, &device, DType::F32).expect("model");
     let tok = &ckpt.tokenizer;
     let cfg = model.config.clone();
-    let per_filler = tok.encode(&FILLER.repeat(10)).expect("encode").len() as f64 / 10.0;
-    let base = tok.encode(&prompt(0, 0.0, 12345)).expect("encode").len() as f64;
-    let fillers = ((args.tokens as f64 - base) / per_filler).max(1.0) as usize;
+    let fillers = fillers_for(tok, args.tokens).expect("encode");
 
     let mut labels = vec!["full".to_string()];
     let mut hits = vec![0usize; 1 + args.budgets.len()];
@@ -183,7 +160,9 @@ fn main() {
                 .wrapping_mul(1_664_525)
                 .wrapping_add(1_013_904_223);
             let key = 10_000 + (key_state >> 8) % 90_000;
-            let ids = tok.encode(&prompt(fillers, depth, key)).expect("encode");
+            let ids = tok
+                .encode(&passkey_text(fillers, depth, key))
+                .expect("encode");
             let n = ids.len();
             let t = Instant::now();
             let mut rec = Recorder {
@@ -253,11 +232,10 @@ fn main() {
                     b.host as f64 / 1e6
                 ));
             }
-            let key_s = key.to_string();
             let mut cells = Vec::new();
             for (i, a) in answers.iter().enumerate() {
                 let text = tok.decode(a).expect("decode");
-                let ok = text.contains(&key_s);
+                let ok = burn_llama::passkey::answers(tok, a, key);
                 hits[i] += usize::from(ok);
                 cells.push(format!(
                     "{} `{}`",

@@ -14,6 +14,7 @@ pub mod finetune;
 pub mod generate;
 pub mod loader;
 pub mod model;
+pub mod passkey;
 pub mod spec;
 pub mod tokenizer;
 pub mod train;

@@ -25,7 +25,9 @@
 //!    [`BranchKvCache::merge`]. The target cache then holds every emitted token but the last
 //!    (the next block feeds it, as plain decoding does); a draft cache holds the longest run of
 //!    the emitted tokens but the last that its best-matching row had computed, and is fed the
-//!    rest at the next step.
+//!    rest at the next step. A target cache without branch rows (the compressed caches, in a
+//!    [`LinearSpecCache`]: one prompt, one draft) appends the block's tokens and is truncated to
+//!    what was kept.
 //!
 //! Why K rows rather than one flattened token tree: [`Llama::forward`] gives the tokens of a
 //! row consecutive RoPE positions and attention masks are causal plus key padding, so a
@@ -111,6 +113,27 @@ pub enum SpecError {
     EmptyPrompt {
         /// Index of the prompt.
         index: usize,
+    },
+    /// The target cache cannot hold this batch or this many draft branches (a
+    /// [`LinearSpecCache`] holds one sequence and one branch: batch 1, K = 1).
+    #[error(
+        "the target KV cache `{cache}` holds {max_batch} sequence(s) with up to {max_fan} \
+         draft branch(es); got {batch} prompt(s) and K = {drafts} (compressed caches \
+         speculate with one prompt and a single draft; use the branching full cache for more)"
+    )]
+    CacheLayout {
+        /// The cache's name.
+        cache: String,
+        max_batch: usize,
+        max_fan: usize,
+        batch: usize,
+        drafts: usize,
+    },
+    /// The target cache already holds tokens.
+    #[error("the target KV cache must start empty, it holds {held} positions")]
+    CacheNotEmpty {
+        /// Positions held.
+        held: usize,
     },
     /// The verification scheme rejected its inputs.
     #[error(transparent)]
@@ -198,15 +221,16 @@ impl SpecStats {
     }
 }
 
-/// What [`speculative_generate`] produced.
+/// What [`speculative_generate`] (or [`speculative_generate_with_cache`], with its target
+/// cache type `C`) produced.
 #[derive(Debug)]
-pub struct SpecGeneration<B: Backend> {
+pub struct SpecGeneration<B: Backend, C = BranchKvCache<B>> {
     /// The new tokens of each prompt (a stop token, if hit, is the last one).
     pub tokens: Vec<Vec<u32>>,
     pub stats: SpecStats,
     /// The target's cache at the end: sequence b holds its prompt and every generated token but
     /// the last ([`BranchKvCache::sequence_len`]).
-    pub target_cache: BranchKvCache<B>,
+    pub target_cache: C,
     /// One cache per distinct draft model (in order of first use in the draft list).
     pub draft_caches: Vec<BranchKvCache<B>>,
 }
@@ -611,6 +635,171 @@ impl<B: Backend> KvCache<B> for BranchKvCache<B> {
     }
 }
 
+/// A target KV cache that speculative decoding can fork into draft branches and roll back:
+/// [`BranchKvCache`] (any batch, any K) or a [`LinearSpecCache`] around any [`KvCache`] (the
+/// compressed ones: one sequence, one draft).
+pub trait SpecCache<B: Backend>: KvCache<B> {
+    /// Number of sequences.
+    fn batch(&self) -> usize;
+    /// The most branch rows per sequence [`SpecCache::fork`] accepts.
+    fn max_fan(&self) -> usize;
+    /// Attention rows of the next forward pass ([`BranchKvCache::rows`]).
+    fn rows(&self) -> usize;
+    /// Tokens attention row `row` sees ([`BranchKvCache::row_len`]).
+    fn row_len(&self, row: usize) -> usize;
+    /// Starts a block with `fan` branch rows per sequence ([`BranchKvCache::fork`]).
+    fn fork(&mut self, fan: usize);
+    /// Ends a block, keeping `keep[b] = (row, n)` ([`BranchKvCache::merge`]).
+    fn merge(&mut self, keep: &[(usize, usize)]);
+    /// Validity of the next forward pass's tokens ([`BranchKvCache::set_incoming_validity`]).
+    fn set_incoming_validity(&mut self, valid: Vec<Vec<bool>>);
+}
+
+impl<B: Backend> SpecCache<B> for BranchKvCache<B> {
+    fn batch(&self) -> usize {
+        BranchKvCache::batch(self)
+    }
+
+    fn max_fan(&self) -> usize {
+        usize::MAX
+    }
+
+    fn rows(&self) -> usize {
+        BranchKvCache::rows(self)
+    }
+
+    fn row_len(&self, row: usize) -> usize {
+        BranchKvCache::row_len(self, row)
+    }
+
+    fn fork(&mut self, fan: usize) {
+        BranchKvCache::fork(self, fan);
+    }
+
+    fn merge(&mut self, keep: &[(usize, usize)]) {
+        BranchKvCache::merge(self, keep);
+    }
+
+    fn set_incoming_validity(&mut self, valid: Vec<Vec<bool>>) {
+        BranchKvCache::set_incoming_validity(self, valid);
+    }
+}
+
+/// Any [`KvCache`] as the target cache of single-draft speculative decoding of one sequence:
+/// a block appends the pending token and the L draft tokens to the cache, and the rollback is
+/// [`KvCache::truncate`] to what was kept. This is how the compressed caches (ShadowKV,
+/// MiniCache, quantized) speculate: they have no branch rows, so batch 1 and K = 1 (any
+/// scheme; with one draft they all reduce to single-draft verification).
+///
+/// A ShadowKV cache scores its landmarks with all L + 1 queries of a block (summed, as for a
+/// multi-token step), so its selection, and thus its sampled tokens, can differ from
+/// one-token decoding unless the budget covers the whole prompt.
+pub struct LinearSpecCache<B: Backend> {
+    inner: Box<dyn KvCache<B>>,
+    /// Positions held when the current block forked.
+    forked_at: Option<usize>,
+}
+
+impl<B: Backend> LinearSpecCache<B> {
+    /// Wraps an empty `inner` cache.
+    pub fn new(inner: Box<dyn KvCache<B>>) -> Self {
+        Self {
+            inner,
+            forked_at: None,
+        }
+    }
+
+    /// The wrapped cache.
+    pub fn inner(&self) -> &dyn KvCache<B> {
+        self.inner.as_ref()
+    }
+
+    /// Unwraps the cache.
+    pub fn into_inner(self) -> Box<dyn KvCache<B>> {
+        self.inner
+    }
+}
+
+impl<B: Backend> std::fmt::Debug for LinearSpecCache<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LinearSpecCache")
+            .field("inner", &self.inner.name())
+            .field("forked_at", &self.forked_at)
+            .finish()
+    }
+}
+
+impl<B: Backend> KvCache<B> for LinearSpecCache<B> {
+    fn attend(
+        &mut self,
+        layer: usize,
+        q: Tensor<B, 4>,
+        k: Tensor<B, 4>,
+        v: Tensor<B, 4>,
+        attention: &dyn AttentionImpl<B>,
+        opts: &AttnOptions<B>,
+    ) -> Tensor<B, 4> {
+        self.inner.attend(layer, q, k, v, attention, opts)
+    }
+
+    fn seq_len(&self) -> usize {
+        self.inner.seq_len()
+    }
+
+    fn truncate(&mut self, len: usize) {
+        self.inner.truncate(len);
+    }
+
+    fn bytes_held(&self) -> usize {
+        self.inner.bytes_held()
+    }
+
+    fn name(&self) -> String {
+        self.inner.name()
+    }
+}
+
+impl<B: Backend> SpecCache<B> for LinearSpecCache<B> {
+    fn batch(&self) -> usize {
+        1
+    }
+
+    fn max_fan(&self) -> usize {
+        1
+    }
+
+    fn rows(&self) -> usize {
+        1
+    }
+
+    fn row_len(&self, row: usize) -> usize {
+        assert_eq!(row, 0, "a linear cache has one row");
+        self.inner.seq_len()
+    }
+
+    fn fork(&mut self, fan: usize) {
+        assert!(self.forked_at.is_none(), "already forked");
+        assert_eq!(fan, 1, "a linear cache has one branch");
+        self.forked_at = Some(self.inner.seq_len());
+    }
+
+    fn merge(&mut self, keep: &[(usize, usize)]) {
+        let base = self.forked_at.take().expect("merge needs a forked cache");
+        let [(0, n)] = keep else {
+            panic!("a linear cache keeps (0, n) of its one branch, got {keep:?}");
+        };
+        self.inner.truncate(base + n);
+    }
+
+    fn set_incoming_validity(&mut self, valid: Vec<Vec<bool>>) {
+        // One row is never padded: every token of a forward pass is real.
+        assert!(
+            valid.len() == 1 && valid[0].iter().all(|&v| v),
+            "a linear cache has one row of real tokens"
+        );
+    }
+}
+
 /// Runs ragged rows of tokens through `model` after what `cache` holds, each row at its own
 /// positions: row r's tokens continue attention row r of the cache. Shorter rows are left-padded
 /// with dummy tokens that the cache masks.
@@ -621,7 +810,7 @@ impl<B: Backend> KvCache<B> for BranchKvCache<B> {
 ///   `rows[r].len()` positions
 pub fn forward_rows<B: Backend>(
     model: &Llama<B>,
-    cache: &mut BranchKvCache<B>,
+    cache: &mut dyn SpecCache<B>,
     rows: &[Vec<u32>],
     attention: &dyn AttentionImpl<B>,
 ) -> Tensor<B, 3> {
@@ -764,7 +953,7 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
 /// Prefills `cache` with every prompt token but the last (the first block feeds the last).
 fn prefill<B: Backend>(
     model: &Llama<B>,
-    cache: &mut BranchKvCache<B>,
+    cache: &mut dyn SpecCache<B>,
     prompts: &[Vec<u32>],
     attention: &dyn AttentionImpl<B>,
 ) {
@@ -790,7 +979,40 @@ pub fn speculative_generate<B: Backend>(
     opts: &SpecOptions,
     on_token: &mut dyn FnMut(usize, u32),
 ) -> Result<SpecGeneration<B>, SpecError> {
+    let cache = BranchKvCache::new(target.layers.len(), prompts.len());
+    speculative_generate_with_cache(target, cache, drafts, prompts, attention, opts, on_token)
+}
+
+/// [`speculative_generate`] with the target's cache given: a [`BranchKvCache`] for
+/// `prompts.len()` sequences, or a [`LinearSpecCache`] around a compressed cache (one prompt,
+/// one draft). The drafts keep [`BranchKvCache`]s.
+///
+/// # Errors
+/// Those of [`speculative_generate`]; [`SpecError::CacheLayout`] if the cache cannot hold the
+/// batch or K branch rows, [`SpecError::CacheNotEmpty`] if it holds tokens.
+pub fn speculative_generate_with_cache<B: Backend, C: SpecCache<B>>(
+    target: &Llama<B>,
+    mut target_cache: C,
+    drafts: &[Draft<'_, B>],
+    prompts: &[Vec<u32>],
+    attention: &dyn AttentionImpl<B>,
+    opts: &SpecOptions,
+    on_token: &mut dyn FnMut(usize, u32),
+) -> Result<SpecGeneration<B, C>, SpecError> {
     validate(target, drafts, prompts, opts)?;
+    if target_cache.batch() != prompts.len() || drafts.len() > target_cache.max_fan() {
+        return Err(SpecError::CacheLayout {
+            cache: target_cache.name(),
+            max_batch: target_cache.batch(),
+            max_fan: target_cache.max_fan(),
+            batch: prompts.len(),
+            drafts: drafts.len(),
+        });
+    }
+    let held = target_cache.seq_len();
+    if held > 0 {
+        return Err(SpecError::CacheNotEmpty { held });
+    }
     let batch = prompts.len();
     let k_drafts = drafts.len();
     let len = opts.draft_len;
@@ -818,7 +1040,6 @@ pub fn speculative_generate<B: Backend>(
     };
 
     let t0 = Instant::now();
-    let mut target_cache = BranchKvCache::new(target.layers.len(), batch);
     prefill(target, &mut target_cache, prompts, attention);
     let mut draft_caches: Vec<BranchKvCache<B>> = groups
         .iter()

@@ -8,12 +8,14 @@ use std::time::Instant;
 
 use burn::backend::NdArray;
 use burn::tensor::{DType, Int, Tensor, TensorData};
-use burn_kernels_core::{FullKvCache, Greedy, ReferenceAttention, SamplingConfig};
+use burn_kernels_core::{FullKvCache, Greedy, KvCache, ReferenceAttention, SamplingConfig};
+use burn_kvcache::ShadowKvConfig;
+use burn_llama::eval::{CacheKind, CacheSpec};
 use burn_llama::generate::{GenerateOptions, generate};
 use burn_llama::model::Llama;
 use burn_llama::spec::{
-    BranchKvCache, Draft, SpecError, SpecOptions, forward_rows, speculative_generate,
-    truncated_draft,
+    BranchKvCache, Draft, LinearSpecCache, SpecError, SpecOptions, forward_rows,
+    speculative_generate, speculative_generate_with_cache, truncated_draft,
 };
 use burn_specdec::Scheme;
 
@@ -503,4 +505,131 @@ fn truncated_draft_shares_the_target_weights() {
         .encode("The capital of France is")
         .unwrap();
     assert!(fresh(&draft, &ids).iter().all(|x| x.is_finite()));
+}
+
+/// A compressed target cache (in a [`LinearSpecCache`]) of `kind`, with ShadowKV's rank at the
+/// full key width (exact keys) and a budget over the whole prompt, so that it attends exactly
+/// as the full cache does while still offloading values and selecting chunks.
+fn compressed_cache(model: &Llama<Cpu>, kind: CacheKind) -> LinearSpecCache<Cpu> {
+    let mut spec = CacheSpec::new(kind);
+    let cfg = &model.config;
+    spec.shadowkv = ShadowKvConfig {
+        rank: cfg.num_kv_heads * cfg.head_dim,
+        chunk: 2,
+        budget: 64,
+        local_chunks: 1,
+        outlier_chunks: 1,
+        min_prompt: 4,
+    };
+    spec.quant.residual = 4;
+    LinearSpecCache::new(spec.build_for::<Cpu>(cfg).expect("valid cache config"))
+}
+
+/// (d) Compressed caches speculate through truncation: with a greedy target, single-draft SD on
+/// a full cache and on ShadowKV (exact keys, whole-prompt budget) wrapped as linear caches
+/// emits exactly plain greedy decoding's tokens; with sampling on 4-bit KIVI the cache ends
+/// holding prompt + emitted − 1 positions; and a full linear cache continued after the
+/// rollbacks gives a fresh forward pass's logits.
+#[test]
+fn linear_caches_speculate_with_one_draft() {
+    let model = target();
+    let draft = truncated_draft(&model, EXACTNESS_DRAFT_LAYERS).unwrap();
+    let prompt = vec![prompts()[1].clone()];
+    const N: usize = 12;
+    let plain = plain_greedy(&model, &prompt, N, &eos());
+    for kind in [CacheKind::Full, CacheKind::ShadowKv] {
+        let g = speculative_generate_with_cache(
+            &model,
+            compressed_cache(&model, kind),
+            &identical(&draft, 1, 0.7),
+            &prompt,
+            &ReferenceAttention,
+            &options(Scheme::SingleDraft, 3, 0.0, N),
+            &mut |_, _| {},
+        )
+        .unwrap();
+        println!(
+            "{:?} ({}): block efficiency {:.2}, {} bytes held",
+            kind,
+            g.target_cache.name(),
+            g.stats.block_efficiency(),
+            g.target_cache.bytes_held()
+        );
+        assert!(g.stats.accepted > 0, "{kind:?}: some draft token accepted");
+        assert_eq!(g.tokens, plain, "{kind:?}");
+        assert_eq!(g.target_cache.seq_len(), prompt[0].len() + N - 1);
+    }
+
+    for (kind, scheme) in [
+        (CacheKind::Quant4, Scheme::ImportanceSampling),
+        (CacheKind::Full, Scheme::SingleDraft),
+    ] {
+        let g = speculative_generate_with_cache(
+            &model,
+            compressed_cache(&model, kind),
+            &identical(&draft, 1, 1.0),
+            &prompt,
+            &ReferenceAttention,
+            &options(scheme, 3, 1.0, N),
+            &mut |_, _| {},
+        )
+        .unwrap();
+        let new = &g.tokens[0];
+        assert!(!new.is_empty() && new.len() <= N);
+        let mut cache = g.target_cache;
+        assert_eq!(cache.seq_len(), prompt[0].len() + new.len() - 1, "{kind:?}");
+        if kind == CacheKind::Full {
+            let seq = [prompt[0].as_slice(), new].concat();
+            let last = Tensor::<Cpu, 2, Int>::from_data(
+                TensorData::new(vec![i64::from(*new.last().unwrap())], [1, 1]),
+                &Default::default(),
+            );
+            let hidden = model.forward(last, &[], &mut cache, &ReferenceAttention);
+            let cont = model.logits(hidden).into_data().to_vec::<f32>().unwrap();
+            let diff = max_abs_diff(&cont, &fresh(&model, &seq));
+            println!("full linear cache after rollback: max |Δlogit| {diff:.2e}");
+            assert!(diff < 1e-3, "max |Δlogit| {diff}");
+        }
+    }
+}
+
+/// A linear cache holds one sequence and one branch, and must start empty.
+#[test]
+fn linear_cache_layout_errors_are_typed() {
+    let model = target();
+    let draft = truncated_draft(&model, 2).unwrap();
+    let prompts = prompts();
+    let opts = options(Scheme::SpecInfer, 2, 0.0, 4);
+    let run = |cache: LinearSpecCache<Cpu>, k: usize, prompts: &[Vec<u32>]| {
+        speculative_generate_with_cache(
+            &model,
+            cache,
+            &identical(&draft, k, 1.0),
+            prompts,
+            &ReferenceAttention,
+            &opts,
+            &mut |_, _| {},
+        )
+        .unwrap_err()
+    };
+    let layout = |batch, drafts| SpecError::CacheLayout {
+        cache: "full".into(),
+        max_batch: 1,
+        max_fan: 1,
+        batch,
+        drafts,
+    };
+    let full = || compressed_cache(&model, CacheKind::Full);
+    assert_eq!(run(full(), 2, &prompts[..1]), layout(1, 2));
+    assert_eq!(run(full(), 1, &prompts), layout(2, 1));
+    let mut used = full();
+    let ids = Tensor::<Cpu, 2, Int>::from_data(
+        TensorData::new(vec![1i64, 2], [1, 2]),
+        &Default::default(),
+    );
+    draft.forward(ids, &[], &mut used, &ReferenceAttention);
+    assert_eq!(
+        run(used, 1, &prompts[..1]),
+        SpecError::CacheNotEmpty { held: 2 }
+    );
 }

@@ -9,10 +9,13 @@ use crate::eval::{CacheKind, CacheSpec, full_kv_bytes, perplexity_with_cache};
 use crate::generate::{GenerateOptions, generate, perplexity};
 use crate::loader::{default_model_path, load};
 use crate::model::Llama;
-use crate::spec::{Draft, SpecOptions, load_draft, speculative_generate, truncated_draft};
+use crate::spec::{
+    Draft, LinearSpecCache, SpecOptions, load_draft, speculative_generate,
+    speculative_generate_with_cache, truncated_draft,
+};
 use crate::tokenizer::Tokenizer;
 use burn::tensor::{DType, backend::Backend};
-use burn_kernels_core::{AttentionImpl, FusedBackend, FusedLayers, SamplingConfig};
+use burn_kernels_core::{AttentionImpl, FusedBackend, FusedLayers, KvCache, SamplingConfig};
 use burn_kvcache::{KvBackend, MiniCacheConfig, QuantConfig, ShadowKvConfig};
 use burn_sage::SageBackend;
 use burn_sage::adaptive::DEFAULT_INT4_THRESHOLD;
@@ -176,7 +179,8 @@ struct SpecArgs {
     /// Verification scheme; enables speculative decoding.
     #[arg(long, value_enum)]
     spec: Option<SpecScheme>,
-    /// Number of drafts K per step.
+    /// Number of drafts K per step (1 with a compressed --kv-cache, which has no draft
+    /// branches and rolls rejected tokens back by truncation).
     #[arg(long, default_value_t = 1)]
     drafts: usize,
     /// Draft length L (tokens per draft per step).
@@ -345,18 +349,6 @@ fn run<B: KvBackend + SageBackend + FusedBackend>(
             ..
         } => {
             let ids = input_ids;
-            // Speculative decoding keeps its own cache (a committed prefix plus draft
-            // branches, rolled back per block); the compressed caches have no branches.
-            if let Some(name) = kv
-                .kv_cache
-                .as_deref()
-                .filter(|&n| n != "full" && spec.spec.is_some())
-            {
-                return Err(format!(
-                    "--spec decodes with its own branching KV cache; --kv-cache {name} \
-                     cannot be combined with it (use --kv-cache full or leave it out)"
-                ));
-            }
             let sampling = SamplingConfig {
                 temperature: *temperature,
                 top_k: *top_k,
@@ -378,8 +370,12 @@ fn run<B: KvBackend + SageBackend + FusedBackend>(
             }
             let mut stream = StreamPrinter::new(tokenizer);
             if let Some(scheme) = spec.spec {
+                // The full cache speculates with draft branches (any K); a compressed cache
+                // appends each block and truncates what was rejected (K = 1).
+                let compressed = kv.kv_cache.as_deref().is_some_and(|n| n != "full");
                 return run_speculative::<B>(
                     &model,
+                    compressed.then_some(cache),
                     spec,
                     SpecOptions {
                         scheme: scheme.scheme(),
@@ -495,6 +491,7 @@ fn build_attention<B: SageBackend + KvBackend>(
 #[allow(clippy::too_many_arguments)]
 fn run_speculative<B: Backend>(
     target: &Llama<B>,
+    compressed: Option<Box<dyn KvCache<B>>>,
     args: &SpecArgs,
     opts: SpecOptions,
     ids: &[u32],
@@ -531,17 +528,33 @@ fn run_speculative<B: Backend>(
             },
         })
         .collect();
-    let g = speculative_generate(
-        target,
-        &drafts,
-        &[ids.to_vec()],
-        attention,
-        &opts,
-        &mut |_, tok| stream.push(tok),
-    )
-    .map_err(|e| e.to_string())?;
+    let prompts = [ids.to_vec()];
+    let mut on_token = |_, tok| stream.push(tok);
+    let (stats, cache_name, held, cached) = match compressed {
+        Some(cache) => {
+            let g = speculative_generate_with_cache(
+                target,
+                LinearSpecCache::new(cache),
+                &drafts,
+                &prompts,
+                attention,
+                &opts,
+                &mut on_token,
+            )
+            .map_err(|e| e.to_string())?;
+            let c = &g.target_cache;
+            (g.stats, c.name(), c.bytes_held(), c.seq_len())
+        }
+        None => {
+            let g =
+                speculative_generate(target, &drafts, &prompts, attention, &opts, &mut on_token)
+                    .map_err(|e| e.to_string())?;
+            let c = &g.target_cache;
+            (g.stats, c.name(), c.bytes_held(), c.sequence_len(0))
+        }
+    };
     println!();
-    let s = &g.stats;
+    let s = &stats;
     let rates: Vec<String> = s
         .acceptance_rate_per_position()
         .iter()
@@ -564,6 +577,11 @@ fn run_speculative<B: Backend>(
         s.draft_secs,
         s.target_secs,
         s.verify_secs
+    );
+    let full = full_kv_bytes(&target.config, 1, cached, target.embed.val().dtype().size());
+    eprintln!(
+        "target KV cache {cache_name}: {held} bytes held vs {full} full ({:.2}x)",
+        full as f64 / held.max(1) as f64
     );
     Ok(())
 }
