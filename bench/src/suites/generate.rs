@@ -30,8 +30,9 @@ use burn::tensor::backend::Backend;
 use burn_kernels_core::{
     AttentionImpl, BurnAttention, FullKvCache, FusedBackend, FusedLayers, KvCache, SamplingConfig,
 };
-use burn_kvcache::{DecodeAttention, KvBackend, RopeParams, ShadowKvCache, ShadowKvConfig};
+use burn_kvcache::{DecodeAttention, KvBackend, ShadowKvCache, ShadowKvConfig};
 use burn_llama::attention::AttentionChoice;
+use burn_llama::eval::shadowkv_for;
 use burn_llama::generate::{GenerateOptions, generate};
 use burn_llama::passkey::{answers, passkey_prompt};
 use burn_llama::spec::{
@@ -43,7 +44,7 @@ use burn_specdec::Scheme;
 use serde_json::json;
 
 use super::SuiteOptions;
-use super::specdec::{DRAFT_LAYERS, DraftChoice, checkpoint};
+use super::specdec::{DRAFT_LAYERS, DraftChoice, checkpoint, random_target};
 use crate::harness::{Candidate, Extra, Problem, Suite, params};
 
 /// Prompt tokens (SmolLM2's context is 8K).
@@ -164,15 +165,7 @@ fn model_and_prompt<B: Backend>(
             (model, ids, true)
         }
         None => {
-            let cfg = if quick {
-                super::tiny_llama(DRAFT_LAYERS + 2, 512)
-            } else {
-                LlamaConfig::smollm2_135m()
-            };
-            let model = Llama::random(&cfg, device, DType::F32);
-            let ids = (0..prompt_tokens as u32)
-                .map(|i| (i * 7919) % cfg.vocab_size as u32)
-                .collect();
+            let (model, ids) = random_target(device, quick, prompt_tokens);
             (model, ids, false)
         }
     }
@@ -209,17 +202,7 @@ fn shadowkv<B: KvBackend>(cfg: &LlamaConfig, prompt_len: usize) -> ShadowKvCache
         outlier_chunks: (budget * 24).div_ceil(1024),
         min_prompt: 0,
     };
-    ShadowKvCache::new(
-        cfg.num_layers,
-        cfg.num_kv_heads,
-        cfg.head_dim,
-        sc,
-        RopeParams {
-            theta: cfg.rope_theta,
-            scaling: cfg.rope_scaling,
-        },
-    )
-    .expect("a valid ShadowKV configuration")
+    shadowkv_for(cfg, sc).expect("a valid ShadowKV configuration")
 }
 
 /// What the last repetition of a candidate produced.

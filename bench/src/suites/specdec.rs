@@ -132,18 +132,29 @@ fn target<B: Backend>(device: &B::Device, quick: bool) -> (Llama<B>, Vec<u32>, b
             (model, ids, true)
         }
         None => {
-            let cfg = if quick {
-                super::tiny_llama(DRAFT_LAYERS + 2, 512)
-            } else {
-                LlamaConfig::smollm2_135m()
-            };
-            let model = Llama::random(&cfg, device, DType::F32);
-            let ids = (0..prompt_len as u32)
-                .map(|i| (i * 7919) % cfg.vocab_size as u32)
-                .collect();
+            let (model, ids) = random_target(device, quick, prompt_len);
             (model, ids, false)
         }
     }
+}
+
+/// Random weights of SmolLM2-135M's shape (a tiny model deep enough for the draft with
+/// `quick`) and a prompt of `prompt_len` spread token ids.
+pub(super) fn random_target<B: Backend>(
+    device: &B::Device,
+    quick: bool,
+    prompt_len: usize,
+) -> (Llama<B>, Vec<u32>) {
+    let cfg = if quick {
+        super::tiny_llama(DRAFT_LAYERS + 2, 512)
+    } else {
+        LlamaConfig::smollm2_135m()
+    };
+    let model = Llama::random(&cfg, device, DType::F32);
+    let ids = (0..prompt_len as u32)
+        .map(|i| (i * 7919) % cfg.vocab_size as u32)
+        .collect();
+    (model, ids)
 }
 
 /// The draft of a problem: the target's first layers, or a trained model.

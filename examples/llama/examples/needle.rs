@@ -11,7 +11,7 @@
 //! prefilled once, in pieces of `--piece` tokens through a full cache (the CPU reference
 //! attention would otherwise hold `heads·S²` scores at once); its keys and values then seed
 //! every cache compared: the full cache itself, and ShadowKV through
-//! [`ShadowKvCache::compress_prompt`] (a ShadowKV prefill is exact, so the first answer token
+//! [`burn_kvcache::ShadowKvCache::compress_prompt`] (a ShadowKV prefill is exact, so the first answer token
 //! is the same for every cache; the rest are decoded greedily through each cache). A trial
 //! counts as retrieved when the decoded answer contains the key's digits.
 //!
@@ -24,7 +24,8 @@ use std::time::Instant;
 use burn::backend::NdArray;
 use burn::tensor::{DType, Int, Tensor, TensorData};
 use burn_kernels_core::{AttentionImpl, AttnOptions, KvCache, ReferenceAttention, append_kv};
-use burn_kvcache::{RopeParams, ShadowKvCache, ShadowKvConfig};
+use burn_kvcache::ShadowKvConfig;
+use burn_llama::eval::shadowkv_for;
 use burn_llama::loader::{default_model_path, load};
 use burn_llama::model::Llama;
 use burn_llama::passkey::{fillers_for, passkey_text};
@@ -207,17 +208,7 @@ fn main() {
                     ));
                 }
                 let t = Instant::now();
-                let mut sk = ShadowKvCache::<Cpu>::new(
-                    cfg.num_layers,
-                    cfg.num_kv_heads,
-                    cfg.head_dim,
-                    sc,
-                    RopeParams {
-                        theta: cfg.rope_theta,
-                        scaling: cfg.rope_scaling,
-                    },
-                )
-                .expect("valid config");
+                let mut sk = shadowkv_for::<Cpu>(&cfg, sc).expect("valid config");
                 for (layer, kv) in rec.layers.iter().enumerate() {
                     let (k, v) = kv.clone().expect("prefilled");
                     let sparse = sk.compress_prompt(layer, k, v, None).expect("valid prompt");

@@ -203,16 +203,7 @@ impl CacheSpec {
         config: &LlamaConfig,
     ) -> Result<Box<dyn KvCache<B>>, KvCacheError> {
         match self.kind {
-            CacheKind::ShadowKv => Ok(Box::new(ShadowKvCache::<B>::new(
-                config.num_layers,
-                config.num_kv_heads,
-                config.head_dim,
-                self.shadowkv,
-                RopeParams {
-                    theta: config.rope_theta,
-                    scaling: config.rope_scaling,
-                },
-            )?)),
+            CacheKind::ShadowKv => Ok(Box::new(shadowkv_for::<B>(config, self.shadowkv)?)),
             _ => self.build(config.num_layers),
         }
     }
@@ -239,4 +230,24 @@ impl CacheSpec {
             )?),
         })
     }
+}
+
+/// An empty ShadowKV cache for `config`'s model (its layers, KV heads, head dim and RoPE).
+///
+/// # Errors
+/// [`ShadowKvConfig::validate`]'s.
+pub fn shadowkv_for<B: KvBackend>(
+    config: &LlamaConfig,
+    shadowkv: ShadowKvConfig,
+) -> Result<ShadowKvCache<B>, KvCacheError> {
+    ShadowKvCache::new(
+        config.num_layers,
+        config.num_kv_heads,
+        config.head_dim,
+        shadowkv,
+        RopeParams {
+            theta: config.rope_theta,
+            scaling: config.rope_scaling,
+        },
+    )
 }
