@@ -10,7 +10,7 @@ use crate::generate::{GenerateOptions, generate, perplexity};
 use crate::loader::{default_model_path, load};
 use crate::model::Llama;
 use crate::spec::{
-    Draft, LinearSpecCache, SpecOptions, load_draft, speculative_generate,
+    Draft, LinearSpecCache, SpecError, SpecOptions, load_draft, speculative_generate,
     speculative_generate_with_cache, truncated_draft,
 };
 use crate::tokenizer::Tokenizer;
@@ -364,6 +364,18 @@ fn run<B: KvBackend + SageBackend + FusedBackend>(
                 max_new_tokens: *max_new_tokens,
                 stop_tokens: tokenizer.eos_token_ids().to_vec(),
             };
+            // A compressed cache holds one draft branch: say so before streaming anything.
+            let compressed = kv.kv_cache.as_deref().is_some_and(|n| n != "full");
+            if spec.spec.is_some() && compressed && spec.drafts > 1 {
+                return Err(SpecError::CacheLayout {
+                    cache: cache.name(),
+                    max_batch: 1,
+                    max_fan: 1,
+                    batch: 1,
+                    drafts: spec.drafts,
+                }
+                .to_string());
+            }
             print!("{prompt}");
             if *chat {
                 println!();
@@ -372,7 +384,6 @@ fn run<B: KvBackend + SageBackend + FusedBackend>(
             if let Some(scheme) = spec.spec {
                 // The full cache speculates with draft branches (any K); a compressed cache
                 // appends each block and truncates what was rejected (K = 1).
-                let compressed = kv.kv_cache.as_deref().is_some_and(|n| n != "full");
                 return run_speculative::<B>(
                     &model,
                     compressed.then_some(cache),
