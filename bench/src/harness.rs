@@ -148,13 +148,21 @@ pub struct Problem<B: Backend> {
 }
 
 /// How a suite's results are drawn: `y` against the numeric parameter `x` (log2 axis), one line
-/// per implementation and combination of the `series` parameters.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+/// per implementation and combination of the `series` parameters; or, with `bars`, one
+/// horizontal bar of `y` per record.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct PlotSpec {
     pub x: String,
     pub series: Vec<String>,
-    /// `"tflops"`, `"gbps"` or `"median_ms"`.
+    /// `"tflops"`, `"gbps"`, `"tokens_per_sec"` or `"median_ms"`.
     pub y: String,
+    /// Bars instead of lines (suites of one problem and several implementations).
+    #[serde(default)]
+    pub bars: bool,
+    /// With `bars`: the record parameter drawn as the first part of each bar, in `y`'s unit
+    /// (e.g. a prefill's share of a whole generation's time).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bar_part: Option<String>,
 }
 
 /// A suite: problems × implementations, one of them the baseline for the speed-up ratios.

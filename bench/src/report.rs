@@ -169,6 +169,9 @@ fn plot(
     s: &SuiteResult,
 ) -> std::io::Result<Option<PathBuf>> {
     let Some(spec) = &s.plot else { return Ok(None) };
+    if spec.bars {
+        return bars(dir, stem, report, s, spec);
+    }
     let mut series: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
     for r in &s.records {
         let (Some(x), Some(y)) = (
@@ -199,11 +202,6 @@ fn plot(
         .fold((f64::INFINITY, 0f64, 0f64), |(a, b, c), &(x, y)| {
             (a.min(x), b.max(x), c.max(y))
         });
-    let y_label = match spec.y.as_str() {
-        "tflops" => "TFLOP/s",
-        "gbps" => "GB/s",
-        _ => "median ms",
-    };
     let draw = || -> Result<(), Box<dyn std::error::Error>> {
         let root = SVGBackend::new(&path, (900, 560)).into_drawing_area();
         root.fill(&WHITE)?;
@@ -219,7 +217,7 @@ fn plot(
         chart
             .configure_mesh()
             .x_desc(spec.x.as_str())
-            .y_desc(y_label)
+            .y_desc(y_label(&spec.y))
             .x_labels(((xmax - xmin).round() as usize + 1).max(2))
             .x_label_formatter(&|v| format!("{:.0}", v.exp2()))
             .light_line_style(WHITE)
@@ -240,6 +238,124 @@ fn plot(
             .background_style(WHITE.mix(0.8))
             .border_style(BLACK)
             .draw()?;
+        root.present()?;
+        Ok(())
+    };
+    draw().map_err(|e| std::io::Error::other(e.to_string()))?;
+    Ok(Some(path))
+}
+
+fn y_label(y: &str) -> &'static str {
+    match y {
+        "tflops" => "TFLOP/s",
+        "gbps" => "GB/s",
+        "tokens_per_sec" => "tokens/s",
+        _ => "median ms",
+    }
+}
+
+/// Draws `s` as horizontal bars of `spec.y`, one per record (label: implementation and, with
+/// several problems, the problem), the `spec.bar_part` parameter as each bar's first part, and
+/// each record's speed-up against the baseline at the bar's end.
+fn bars(
+    dir: &Path,
+    stem: &str,
+    report: &Report,
+    s: &SuiteResult,
+    spec: &crate::harness::PlotSpec,
+) -> std::io::Result<Option<PathBuf>> {
+    let problems: std::collections::BTreeSet<&str> =
+        s.records.iter().map(|r| r.problem.as_str()).collect();
+    let rows: Vec<(String, f64, Option<f64>, Option<f64>)> = s
+        .records
+        .iter()
+        .filter_map(|r| {
+            let y = metric(r, &spec.y)?;
+            let label = if problems.len() > 1 {
+                format!("{} — {}", r.implementation, r.problem)
+            } else {
+                r.implementation.clone()
+            };
+            let part = spec
+                .bar_part
+                .as_ref()
+                .and_then(|p| r.params.get(p))
+                .and_then(|v| v.as_f64())
+                .map(|v| v.min(y));
+            Some((label, y, part, r.speedup_vs_baseline))
+        })
+        .collect();
+    if rows.is_empty() {
+        return Ok(None);
+    }
+    let path = dir.join(format!("{stem}-{}.svg", s.suite));
+    let ymax = rows.iter().map(|r| r.1).fold(0f64, f64::max);
+    let n = rows.len();
+    let draw = || -> Result<(), Box<dyn std::error::Error>> {
+        let height = 120 + 34 * n as u32;
+        let root = SVGBackend::new(&path, (1000, height)).into_drawing_area();
+        root.fill(&WHITE)?;
+        let label_width = rows.iter().map(|r| r.0.chars().count()).max().unwrap_or(8) as u32;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(
+                format!("{} — {} ({})", s.suite, report.device, report.date),
+                ("sans-serif", 20),
+            )
+            .margin(15)
+            .x_label_area_size(45)
+            .y_label_area_size((label_width * 7 + 10).min(420))
+            .build_cartesian_2d(0f64..ymax * 1.25, (0..(n - 1).max(1)).into_segmented())?;
+        let names: Vec<String> = rows.iter().map(|r| r.0.clone()).collect();
+        chart
+            .configure_mesh()
+            .x_desc(y_label(&spec.y))
+            .y_labels(n)
+            .y_label_formatter(&|v| match v {
+                SegmentValue::CenterOf(i) => n
+                    .checked_sub(1 + *i)
+                    .and_then(|j| names.get(j).cloned())
+                    .unwrap_or_default(),
+                _ => String::new(),
+            })
+            .light_line_style(WHITE)
+            .draw()?;
+        let whole = RGBColor(174, 199, 232).to_rgba();
+        let first = RGBColor(31, 119, 180).to_rgba();
+        for (i, (_, y, part, speedup)) in rows.iter().enumerate() {
+            // The first record at the top.
+            let row = n - 1 - i;
+            let band = |from: f64, to: f64, style: ShapeStyle| {
+                Rectangle::new(
+                    [
+                        (from, SegmentValue::Exact(row)),
+                        (to, SegmentValue::Exact(row + 1)),
+                    ],
+                    style,
+                )
+            };
+            let start = part.unwrap_or(0.0);
+            chart.draw_series([band(start, *y, whole.filled())])?;
+            if let Some(p) = part {
+                chart.draw_series([band(0.0, *p, first.filled())])?;
+            }
+            // A white outline separates neighbouring bars.
+            chart.draw_series([band(0.0, *y, WHITE.stroke_width(6))])?;
+            if let Some(x) = speedup {
+                chart.draw_series([Text::new(
+                    format!("{y:.0}  ({x:.2}×)"),
+                    (*y + ymax * 0.01, SegmentValue::CenterOf(row)),
+                    ("sans-serif", 14),
+                )])?;
+            }
+        }
+        if let Some(p) = &spec.bar_part {
+            let legend = format!("dark: {p}; light: the rest");
+            root.draw(&Text::new(
+                legend,
+                (20, height as i32 - 20),
+                ("sans-serif", 14),
+            ))?;
+        }
         root.present()?;
         Ok(())
     };

@@ -40,6 +40,7 @@ pub fn suite<B: Backend>(opts: SuiteOptions) -> Suite<B> {
             x: "seq_len".into(),
             series: vec!["head_dim".into(), "causal".into()],
             y: "tflops".into(),
+            ..PlotSpec::default()
         }),
     }
 }

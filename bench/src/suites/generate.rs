@@ -45,7 +45,7 @@ use serde_json::json;
 
 use super::SuiteOptions;
 use super::specdec::{DRAFT_LAYERS, DraftChoice, checkpoint, random_target};
-use crate::harness::{Candidate, Extra, Problem, Suite, params};
+use crate::harness::{Candidate, Extra, PlotSpec, Problem, Suite, params};
 
 /// Prompt tokens (SmolLM2's context is 8K).
 pub const PROMPT_TOKENS: usize = 6000;
@@ -146,7 +146,12 @@ pub fn suite<B: KvBackend + FusedBackend + SageBackend>(opts: SuiteOptions) -> S
         baseline: "plain",
         problems: vec![problem::<B>(draft, prompt_tokens, new_tokens, opts.quick)],
         measure_memory: false,
-        plot: None,
+        plot: Some(PlotSpec {
+            y: "median_ms".into(),
+            bars: true,
+            bar_part: Some("prefill_ms".into()),
+            ..PlotSpec::default()
+        }),
     }
 }
 

@@ -29,6 +29,7 @@ pub fn suite<B: Backend + CceBackend>(opts: SuiteOptions) -> Suite<B> {
             x: "cols".into(),
             series: vec![],
             y: "gbps".into(),
+            ..PlotSpec::default()
         }),
     }
 }

@@ -108,6 +108,7 @@ pub fn suite<B: Backend + SageBackend>(opts: SuiteOptions) -> Suite<B> {
             x: "seq_len".into(),
             series: vec!["head_dim".into(), "causal".into()],
             y: "tflops".into(),
+            ..PlotSpec::default()
         }),
     }
 }
