@@ -20,7 +20,7 @@ use std::rc::Rc;
 use std::time::Instant;
 
 use burn::tensor::{DType, Distribution, Int, Tensor, TensorData, backend::Backend};
-use burn_kernels_core::{AttentionImpl, AttnOptions, BurnAttention, KvCache, Rope};
+use burn_kernels_core::{AttentionImpl, AttnOptions, KvCache, Rope};
 use burn_llama::{Llama, LlamaConfig};
 
 use super::{PoolProps, SuiteOptions};
@@ -417,20 +417,9 @@ pub fn random_states<B: Backend>(
 }
 
 /// One decode step of every sequence: a new token each (different per step and sequence, so
-/// queries change as in generation), the forward through `cache` with Burn's fused attention,
+/// queries change as in generation), the forward through `cache` with `attention`,
 /// and the logits; the caller synchronizes.
 pub fn decode_step<B: Backend>(
-    model: &Llama<B>,
-    cache: &mut dyn KvCache<B>,
-    batch: usize,
-    step: u64,
-    device: &B::Device,
-) {
-    decode_step_with(model, cache, batch, step, device, &BurnAttention);
-}
-
-/// [`decode_step`] with another attention implementation.
-pub fn decode_step_with<B: Backend>(
     model: &Llama<B>,
     cache: &mut dyn KvCache<B>,
     batch: usize,
@@ -455,24 +444,12 @@ pub fn timed_steps<B: Backend>(
     first_step: u64,
     n: usize,
     device: &B::Device,
-) -> Vec<f64> {
-    timed_steps_with(model, cache, batch, first_step, n, device, &BurnAttention)
-}
-
-/// [`timed_steps`] with another attention implementation.
-pub fn timed_steps_with<B: Backend>(
-    model: &Llama<B>,
-    cache: &mut dyn KvCache<B>,
-    batch: usize,
-    first_step: u64,
-    n: usize,
-    device: &B::Device,
     attention: &dyn AttentionImpl<B>,
 ) -> Vec<f64> {
     (0..n as u64)
         .map(|i| {
             let t0 = Instant::now();
-            decode_step_with(model, cache, batch, first_step + i, device, attention);
+            decode_step(model, cache, batch, first_step + i, device, attention);
             sync::<B>(device);
             t0.elapsed().as_secs_f64() * 1e3
         })

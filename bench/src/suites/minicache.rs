@@ -35,7 +35,7 @@ use std::rc::Rc;
 use std::time::Instant;
 
 use burn::tensor::{Distribution, Tensor};
-use burn_kernels_core::{FullKvCache, KvCache};
+use burn_kernels_core::{BurnAttention, FullKvCache, KvCache};
 use burn_kvcache::{KvBackend, MiniCacheConfig, MiniCacheKv, QuantConfig, QuantKv};
 use burn_llama::LlamaConfig;
 use serde_json::json;
@@ -392,7 +392,7 @@ fn run<B: KvBackend>(
     let filled = cache.get().bytes_held();
     let mut step = 0u64;
     for _ in 0..steps.warmup {
-        decode_step(&m, cache.get(), b, step, device);
+        decode_step(&m, cache.get(), b, step, device, &BurnAttention);
         step += 1;
     }
     sync::<B>(device);
@@ -411,7 +411,15 @@ fn run<B: KvBackend>(
         gb(reserved(probe)),
         gb(Some(p.device))
     );
-    let times = timed_steps(&m, cache.get(), b, step, steps.timed, device);
+    let times = timed_steps(
+        &m,
+        cache.get(),
+        b,
+        step,
+        steps.timed,
+        device,
+        &BurnAttention,
+    );
     let held = cache.get().bytes_held();
     let full = 2 * layers as u64 * seq_bytes(cfg, b, cache.get().seq_len());
     let (median, mean) = median_mean(&times);

@@ -44,7 +44,7 @@ use std::rc::Rc;
 use std::time::Instant;
 
 use burn::tensor::{DType, Distribution, Int, Tensor, TensorData};
-use burn_kernels_core::{FullKvCache, KvCache};
+use burn_kernels_core::{BurnAttention, FullKvCache, KvCache};
 use burn_kvcache::shadowkv::low_rank;
 use burn_kvcache::{DecodeAttention, KvBackend, RopeParams, ShadowKvCache, ShadowKvConfig};
 use burn_llama::LlamaConfig;
@@ -54,8 +54,7 @@ use super::SuiteOptions;
 use super::kv_decode::{
     F16, Footprint, GB, Plan, SharedModel, SkipAttention, ctx_label, decode_step, describe,
     fill_opts, fill_query, gb, host_rss, median_mean, model_config, plan, plan_candidate,
-    problem_params, random_states, reserved, seq_bytes, sync, timed_steps, timed_steps_with,
-    weight_allocs,
+    problem_params, random_states, reserved, seq_bytes, sync, timed_steps, weight_allocs,
 };
 use crate::harness::{Extra, PeerRun, Problem, Suite, params};
 
@@ -326,8 +325,8 @@ fn with_decode_kernel<B: KvBackend>(
     String,
 ) {
     let attention = DecodeAttention::default();
-    let _ = timed_steps_with(m, cache, b, step, 1, device, &attention);
-    let times = timed_steps_with(m, cache, b, step + 1, steps.timed, device, &attention);
+    let _ = timed_steps(m, cache, b, step, 1, device, &attention);
+    let times = timed_steps(m, cache, b, step + 1, steps.timed, device, &attention);
     let (median, _) = median_mean(&times);
     let tps = b as f64 / (median * 1e-3);
     (
@@ -366,7 +365,7 @@ fn run_full<B: KvBackend>(
     let fill_s = t0.elapsed().as_secs_f64();
     let mut step = 0u64;
     for _ in 0..steps.warmup + steps.profiled {
-        decode_step(&m, &mut cache, b, step, device);
+        decode_step(&m, &mut cache, b, step, device, &BurnAttention);
         step += 1;
     }
     sync::<B>(device);
@@ -379,7 +378,7 @@ fn run_full<B: KvBackend>(
         gb(pool),
         gb(Some(p.device))
     );
-    let times = timed_steps(&m, &mut cache, b, step, steps.timed, device);
+    let times = timed_steps(&m, &mut cache, b, step, steps.timed, device, &BurnAttention);
     let mut x = base_params(p, fill_s, cache.bytes_held(), reserved(probe), &times);
     step += steps.timed as u64;
     let (kp, kn) = with_decode_kernel(&m, &mut cache, b, step, steps, device);
@@ -466,7 +465,7 @@ fn run_shadow<B: KvBackend>(
     let bytes = cache.bytes_split();
     let mut step = 0u64;
     for _ in 0..steps.warmup {
-        decode_step(&m, &mut cache, b, step, device);
+        decode_step(&m, &mut cache, b, step, device, &BurnAttention);
         step += 1;
     }
     sync::<B>(device);
@@ -486,7 +485,15 @@ fn run_shadow<B: KvBackend>(
     // the timed steps.
     cache.reset_timings();
     cache.set_profiling(true);
-    let prof = timed_steps(&m, &mut cache, b, step, steps.profiled, device);
+    let prof = timed_steps(
+        &m,
+        &mut cache,
+        b,
+        step,
+        steps.profiled,
+        device,
+        &BurnAttention,
+    );
     step += steps.profiled as u64;
     let t = cache.timings();
     cache.set_profiling(false);
@@ -517,7 +524,7 @@ fn run_shadow<B: KvBackend>(
         100.0 * reuse(t)
     );
 
-    let times = timed_steps(&m, &mut cache, b, step, steps.timed, device);
+    let times = timed_steps(&m, &mut cache, b, step, steps.timed, device, &BurnAttention);
     let timed = cache.timings();
     step += steps.timed as u64;
     let (kp, kn) = with_decode_kernel(&m, &mut cache, b, step, steps, device);

@@ -838,7 +838,6 @@ impl<B: KvBackend> ShadowKvCache<B> {
         let t_up = Instant::now();
         self.timings.transfer_host += t_up - t1;
         let fresh = (fetched > 0).then(|| upload_rows::<B>(&rows, cs * d, dtype, &device));
-        drop(rows);
         sync::<B>(profile, &device);
         let t_asm = Instant::now();
         self.timings.transfer_upload += t_asm - t_up;

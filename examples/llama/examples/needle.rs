@@ -11,9 +11,9 @@
 //! prefilled once, in pieces of `--piece` tokens through a full cache (the CPU reference
 //! attention would otherwise hold `heads·S²` scores at once); its keys and values then seed
 //! every cache compared: the full cache itself, and ShadowKV through
-//! [`burn_kvcache::ShadowKvCache::compress_prompt`] (a ShadowKV prefill is exact, so the first answer token
-//! is the same for every cache; the rest are decoded greedily through each cache). A trial
-//! counts as retrieved when the decoded answer contains the key's digits.
+//! [`burn_kvcache::ShadowKvCache::compress_prompt`] (a ShadowKV prefill is exact, so the
+//! first answer token is the same for every cache; the rest are decoded greedily through each
+//! cache). A trial counts as retrieved when the decoded answer contains the key's digits.
 //!
 //! Budgets are fractions of the prompt length, rounded down to whole chunks; outlier chunks
 //! scale with the budget as the paper's defaults do (48 chunks per 2048 tokens) unless
@@ -28,7 +28,7 @@ use burn_kvcache::ShadowKvConfig;
 use burn_llama::eval::shadowkv_for;
 use burn_llama::loader::{default_model_path, load};
 use burn_llama::model::Llama;
-use burn_llama::passkey::{fillers_for, passkey_text};
+use burn_llama::passkey::{fillers_for, holds_key, passkey_text};
 use clap::Parser;
 
 type Cpu = NdArray<f32>;
@@ -226,7 +226,7 @@ fn main() {
             let mut cells = Vec::new();
             for (i, a) in answers.iter().enumerate() {
                 let text = tok.decode(a).expect("decode");
-                let ok = burn_llama::passkey::answers(tok, a, key);
+                let ok = holds_key(&text, key);
                 hits[i] += usize::from(ok);
                 cells.push(format!(
                     "{} `{}`",

@@ -708,16 +708,6 @@ impl<B: Backend> LinearSpecCache<B> {
             forked_at: None,
         }
     }
-
-    /// The wrapped cache.
-    pub fn inner(&self) -> &dyn KvCache<B> {
-        self.inner.as_ref()
-    }
-
-    /// Unwraps the cache.
-    pub fn into_inner(self) -> Box<dyn KvCache<B>> {
-        self.inner
-    }
 }
 
 impl<B: Backend> std::fmt::Debug for LinearSpecCache<B> {
@@ -983,6 +973,31 @@ pub fn speculative_generate<B: Backend>(
     speculative_generate_with_cache(target, cache, drafts, prompts, attention, opts, on_token)
 }
 
+/// Whether `cache` can be the target cache of `batch` prompts with `drafts` drafts: it holds
+/// that many sequences and branch rows, and nothing yet.
+///
+/// # Errors
+/// [`SpecError::CacheLayout`], [`SpecError::CacheNotEmpty`].
+pub fn check_cache<B: Backend>(
+    cache: &dyn SpecCache<B>,
+    batch: usize,
+    drafts: usize,
+) -> Result<(), SpecError> {
+    if cache.batch() != batch || drafts > cache.max_fan() {
+        return Err(SpecError::CacheLayout {
+            cache: cache.name(),
+            max_batch: cache.batch(),
+            max_fan: cache.max_fan(),
+            batch,
+            drafts,
+        });
+    }
+    match cache.seq_len() {
+        0 => Ok(()),
+        held => Err(SpecError::CacheNotEmpty { held }),
+    }
+}
+
 /// [`speculative_generate`] with the target's cache given: a [`BranchKvCache`] for
 /// `prompts.len()` sequences, or a [`LinearSpecCache`] around a compressed cache (one prompt,
 /// one draft). The drafts keep [`BranchKvCache`]s.
@@ -1000,19 +1015,7 @@ pub fn speculative_generate_with_cache<B: Backend, C: SpecCache<B>>(
     on_token: &mut dyn FnMut(usize, u32),
 ) -> Result<SpecGeneration<B, C>, SpecError> {
     validate(target, drafts, prompts, opts)?;
-    if target_cache.batch() != prompts.len() || drafts.len() > target_cache.max_fan() {
-        return Err(SpecError::CacheLayout {
-            cache: target_cache.name(),
-            max_batch: target_cache.batch(),
-            max_fan: target_cache.max_fan(),
-            batch: prompts.len(),
-            drafts: drafts.len(),
-        });
-    }
-    let held = target_cache.seq_len();
-    if held > 0 {
-        return Err(SpecError::CacheNotEmpty { held });
-    }
+    check_cache(&target_cache, prompts.len(), drafts.len())?;
     let batch = prompts.len();
     let k_drafts = drafts.len();
     let len = opts.draft_len;

@@ -10,7 +10,7 @@ use crate::generate::{GenerateOptions, generate, perplexity};
 use crate::loader::{default_model_path, load};
 use crate::model::Llama;
 use crate::spec::{
-    Draft, LinearSpecCache, SpecError, SpecOptions, load_draft, speculative_generate,
+    Draft, LinearSpecCache, SpecOptions, check_cache, load_draft, speculative_generate,
     speculative_generate_with_cache, truncated_draft,
 };
 use crate::tokenizer::Tokenizer;
@@ -356,7 +356,7 @@ fn run<B: KvBackend + SageBackend + FusedBackend>(
                 seed: *seed,
             };
             let mut sampler = sampling.build();
-            let mut cache = kv
+            let cache = kv
                 .spec()?
                 .build_for::<B>(&model.config)
                 .map_err(|e| e.to_string())?;
@@ -364,45 +364,47 @@ fn run<B: KvBackend + SageBackend + FusedBackend>(
                 max_new_tokens: *max_new_tokens,
                 stop_tokens: tokenizer.eos_token_ids().to_vec(),
             };
-            // A compressed cache holds one draft branch: say so before streaming anything.
+            // The full cache speculates with draft branches (any K); a compressed cache
+            // appends each block and truncates what was rejected. Its layout is checked
+            // before anything streams.
             let compressed = kv.kv_cache.as_deref().is_some_and(|n| n != "full");
-            if spec.spec.is_some() && compressed && spec.drafts > 1 {
-                return Err(SpecError::CacheLayout {
-                    cache: cache.name(),
-                    max_batch: 1,
-                    max_fan: 1,
-                    batch: 1,
-                    drafts: spec.drafts,
+            let decoding = match spec.spec {
+                None => Decoding::Plain(cache),
+                Some(scheme) if compressed => {
+                    let linear = LinearSpecCache::new(cache);
+                    check_cache(&linear, 1, spec.drafts).map_err(|e| e.to_string())?;
+                    Decoding::Speculative(scheme, Some(linear))
                 }
-                .to_string());
-            }
+                Some(scheme) => Decoding::Speculative(scheme, None),
+            };
             print!("{prompt}");
             if *chat {
                 println!();
             }
             let mut stream = StreamPrinter::new(tokenizer);
-            if let Some(scheme) = spec.spec {
-                // The full cache speculates with draft branches (any K); a compressed cache
-                // appends each block and truncates what was rejected (K = 1).
-                return run_speculative::<B>(
-                    &model,
-                    compressed.then_some(cache),
-                    spec,
-                    SpecOptions {
-                        scheme: scheme.scheme(),
-                        draft_len: spec.draft_len,
-                        target_sampling: sampling,
-                        max_new_tokens: opts.max_new_tokens,
-                        stop_tokens: opts.stop_tokens,
-                        seed: *seed,
-                    },
-                    &ids,
-                    device,
-                    dtype,
-                    attention.as_ref(),
-                    &mut stream,
-                );
-            }
+            let mut cache = match decoding {
+                Decoding::Plain(cache) => cache,
+                Decoding::Speculative(scheme, target_cache) => {
+                    return run_speculative::<B>(
+                        &model,
+                        target_cache,
+                        spec,
+                        SpecOptions {
+                            scheme: scheme.scheme(),
+                            draft_len: spec.draft_len,
+                            target_sampling: sampling,
+                            max_new_tokens: opts.max_new_tokens,
+                            stop_tokens: opts.stop_tokens,
+                            seed: *seed,
+                        },
+                        &ids,
+                        device,
+                        dtype,
+                        attention.as_ref(),
+                        &mut stream,
+                    );
+                }
+            };
             let g = generate(
                 &model,
                 &[ids],
@@ -498,11 +500,19 @@ fn build_attention<B: SageBackend + KvBackend>(
     Ok(attention)
 }
 
+/// How `llama generate` decodes: through the chosen cache, or speculatively (with a
+/// compressed target cache wrapped for truncation rollback, or the branching full cache).
+enum Decoding<B: Backend> {
+    Plain(Box<dyn KvCache<B>>),
+    Speculative(SpecScheme, Option<LinearSpecCache<B>>),
+}
+
 /// `llama generate --spec ...`: speculative decoding of one prompt, streamed, then its metrics.
+/// `compressed` is the target cache when `--kv-cache` is not the full one.
 #[allow(clippy::too_many_arguments)]
 fn run_speculative<B: Backend>(
     target: &Llama<B>,
-    compressed: Option<Box<dyn KvCache<B>>>,
+    compressed: Option<LinearSpecCache<B>>,
     args: &SpecArgs,
     opts: SpecOptions,
     ids: &[u32],
@@ -545,7 +555,7 @@ fn run_speculative<B: Backend>(
         Some(cache) => {
             let g = speculative_generate_with_cache(
                 target,
-                LinearSpecCache::new(cache),
+                cache,
                 &drafts,
                 &prompts,
                 attention,
