@@ -161,6 +161,14 @@ pub enum SpecDecError {
         /// The given shape.
         found: Vec<usize>,
     },
+    /// A [`crate::PromptLookup`] n-gram range that is empty or starts at 0.
+    #[error("prompt lookup needs 1 <= min_ngram <= max_ngram, got {min}..={max}")]
+    NgramRange {
+        /// The shortest n-gram.
+        min: usize,
+        /// The longest n-gram.
+        max: usize,
+    },
     /// An exact enumeration (draft tuples, alphabet subsets) would be too large.
     #[error("exact {what} would visit {needed} items, more than the limit {limit}")]
     TooLarge {

@@ -105,6 +105,7 @@ mod analytic;
 pub mod block;
 pub mod device;
 mod error;
+mod lookup;
 pub mod lp;
 mod prob;
 pub mod schemes;
@@ -115,6 +116,7 @@ pub use analytic::{
 };
 pub use block::{BlockOutcome, verify_block};
 pub use error::{DistributionId, Result, SpecDecError};
+pub use lookup::PromptLookup;
 pub use lp::{LpInfo, LpTruncation};
 pub use prob::inverse_cdf;
 pub use schemes::importance::RESERVE_ITERATIONS;

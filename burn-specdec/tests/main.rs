@@ -8,4 +8,5 @@ mod device;
 mod errors;
 mod exact;
 mod figure2;
+mod lookup;
 mod sampling;

@@ -14,6 +14,7 @@
 //! | kernels+spec-sd | decode kernel, fused layer ops | full (branching) | speculative |
 //! | sage+shadowkv+spec-sd | Sage | ShadowKV | speculative (truncation rollback) |
 //! | fused sage+shadowkv+spec-sd | Sage, fused layer ops | ShadowKV | speculative |
+//! | spec-lookup, kernels+spec-lookup, sage+shadowkv+spec-lookup, fused sage+shadowkv+spec-lookup | as above | as above | speculative with a prompt-lookup draft (no model) |
 //!
 //! With one prompt and ShadowKV the speculation has a single draft, so every scheme reduces to
 //! single-draft verification (SD). The draft is the target's first [`super::specdec::DRAFT_LAYERS`]
@@ -40,7 +41,7 @@ use burn_llama::spec::{
 };
 use burn_llama::{Llama, LlamaConfig};
 use burn_sage::SageBackend;
-use burn_specdec::Scheme;
+use burn_specdec::{PromptLookup, Scheme};
 use serde_json::json;
 
 use super::SuiteOptions;
@@ -67,12 +68,21 @@ enum Att {
     FusedSage,
 }
 
+/// Where the speculative drafts come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Spec {
+    /// The draft model (the target's first layers, or `--draft-model`).
+    Model,
+    /// Prompt lookup (no model).
+    Lookup,
+}
+
 #[derive(Debug, Clone, Copy)]
 struct Combo {
     name: &'static str,
     attention: Att,
     shadowkv: bool,
-    spec: bool,
+    spec: Option<Spec>,
 }
 
 const COMBOS: &[Combo] = &[
@@ -80,49 +90,73 @@ const COMBOS: &[Combo] = &[
         name: "plain",
         attention: Att::Burn,
         shadowkv: false,
-        spec: false,
+        spec: None,
     },
     Combo {
         name: "sage",
         attention: Att::Sage,
         shadowkv: false,
-        spec: false,
+        spec: None,
     },
     Combo {
         name: "shadowkv",
         attention: Att::Burn,
         shadowkv: true,
-        spec: false,
+        spec: None,
     },
     Combo {
         name: "spec-sd",
         attention: Att::Burn,
         shadowkv: false,
-        spec: true,
+        spec: Some(Spec::Model),
     },
     Combo {
         name: "kernels",
         attention: Att::Kernels,
         shadowkv: false,
-        spec: false,
+        spec: None,
     },
     Combo {
         name: "kernels+spec-sd",
         attention: Att::Kernels,
         shadowkv: false,
-        spec: true,
+        spec: Some(Spec::Model),
     },
     Combo {
         name: "sage+shadowkv+spec-sd",
         attention: Att::Sage,
         shadowkv: true,
-        spec: true,
+        spec: Some(Spec::Model),
     },
     Combo {
         name: "fused sage+shadowkv+spec-sd",
         attention: Att::FusedSage,
         shadowkv: true,
-        spec: true,
+        spec: Some(Spec::Model),
+    },
+    Combo {
+        name: "spec-lookup",
+        attention: Att::Burn,
+        shadowkv: false,
+        spec: Some(Spec::Lookup),
+    },
+    Combo {
+        name: "kernels+spec-lookup",
+        attention: Att::Kernels,
+        shadowkv: false,
+        spec: Some(Spec::Lookup),
+    },
+    Combo {
+        name: "sage+shadowkv+spec-lookup",
+        attention: Att::Sage,
+        shadowkv: true,
+        spec: Some(Spec::Lookup),
+    },
+    Combo {
+        name: "fused sage+shadowkv+spec-lookup",
+        attention: Att::FusedSage,
+        shadowkv: true,
+        spec: Some(Spec::Lookup),
     },
 ];
 
@@ -140,8 +174,8 @@ pub fn suite<B: KvBackend + FusedBackend + SageBackend>(opts: SuiteOptions) -> S
         name: "e2e-generate",
         description: "greedy generation after a pass-key prompt, batch 1, SmolLM2-135M (real \
                       weights when cached): Sage attention, ShadowKV (25% budget), \
-                      single-draft speculative decoding (L = 4) and the decode kernels, alone \
-                      and together, vs the plain path (Burn's attention op, full cache, \
+                      single-draft speculative decoding (L = 4; a draft model, or prompt lookup) \
+                      and the decode kernels, alone and together, vs the plain path (Burn's attention op, full cache, \
                       autoregressive); a repetition is prefill + decode",
         baseline: "plain",
         problems: vec![problem::<B>(draft, prompt_tokens, new_tokens, opts.quick)],
@@ -281,7 +315,7 @@ fn run<B: KvBackend>(
         ..SamplingConfig::default()
     };
     let prompts = [prompt.to_vec()];
-    if !combo.spec {
+    let Some(spec) = combo.spec else {
         let mut cache: Box<dyn KvCache<B>> = if combo.shadowkv {
             Box::new(shadowkv::<B>(cfg, prompt.len()))
         } else {
@@ -308,10 +342,10 @@ fn run<B: KvBackend>(
             cache_bytes: g.cache_bytes,
             block_efficiency: None,
         };
-    }
-    let drafts = [Draft {
-        model: draft,
-        sampling: greedy,
+    };
+    let drafts = [match spec {
+        Spec::Model => Draft::model(draft, greedy),
+        Spec::Lookup => Draft::lookup(PromptLookup::default()),
     }];
     let opts = SpecOptions {
         scheme: Scheme::SingleDraft,

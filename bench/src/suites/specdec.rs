@@ -256,13 +256,7 @@ fn problem<B: KvBackend + FusedBackend>(
                 candidates.push(
                     Candidate::timed_here(scheme.name(), move || {
                         seed += 1;
-                        let drafts = vec![
-                            Draft {
-                                model: &d,
-                                sampling: sampling(temperature, 0),
-                            };
-                            k
-                        ];
+                        let drafts = vec![Draft::model(&d, sampling(temperature, 0)); k];
                         let opts = SpecOptions {
                             scheme,
                             draft_len: DRAFT_LEN,

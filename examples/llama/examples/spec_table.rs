@@ -275,13 +275,13 @@ fn run<B: Backend>(
         );
         let run = |scheme: Scheme, k: usize, temperature: f32| -> SpecStats {
             let drafts = vec![
-                Draft {
-                    model: &draft,
-                    sampling: SamplingConfig {
+                Draft::model(
+                    &draft,
+                    SamplingConfig {
                         temperature,
                         ..SamplingConfig::default()
-                    },
-                };
+                    }
+                );
                 k
             ];
             let mut total = SpecStats::default();

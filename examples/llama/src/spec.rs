@@ -7,7 +7,9 @@
 //!    models or temperatures). Per distinct draft model, one call feeds the emitted tokens that
 //!    its cache lacks (they are final, so they go straight into its prefix) and gives the
 //!    distribution of every draft's first token; then L − 1 calls run `batch × K_m` rows (the
-//!    model's K_m drafts per sequence) that share the sequence's prefix.
+//!    model's K_m drafts per sequence) that share the sequence's prefix. A prompt-lookup draft
+//!    ([`DraftSource::Lookup`]) runs no model: it copies what followed an earlier occurrence of
+//!    the sequence's last tokens, with a one-hot distribution, so verification stays exact.
 //! 2. **Verify in one target call.** The target runs `[pending, x_{k,1} .. x_{k,L}]` for every
 //!    draft k as `batch × K` rows of a single forward pass, where `pending` is the last emitted
 //!    token (the only one the target cache does not hold yet). Row `(b, k)` sees sequence b's
@@ -67,7 +69,7 @@ use burn::tensor::{Bool, Int, Tensor, TensorData, backend::Backend};
 use burn_kernels_core::{
     AttentionImpl, AttnOptions, Greedy, KvCache, Sampler, SamplingConfig, TopKTopP, append_kv,
 };
-use burn_specdec::{Scheme, SpecDecError, verify_block};
+use burn_specdec::{PromptLookup, Scheme, SpecDecError, verify_block};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
 use crate::model::Llama;
@@ -140,11 +142,30 @@ pub enum SpecError {
     Verify(#[from] SpecDecError),
 }
 
-/// One draft: a model (drafts may share one) and the sampling settings its tokens are drawn with
+/// Where a draft's tokens come from.
+#[derive(Debug)]
+pub enum DraftSource<'a, B: Backend> {
+    /// A model that shares the target's tokenizer (drafts may share one), sampled with the
+    /// draft's settings.
+    Model(&'a Llama<B>),
+    /// Prompt lookup over the sequence so far ([`PromptLookup`]): no model and no forward
+    /// passes; its distribution is one-hot at the drafted token.
+    Lookup(PromptLookup),
+}
+
+impl<B: Backend> Clone for DraftSource<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<B: Backend> Copy for DraftSource<'_, B> {}
+
+/// One draft: its source and the sampling settings a model draft's tokens are drawn with
 /// (temperature, top-k, top-p; the seed is unused, see [`SpecOptions::seed`]).
 #[derive(Debug)]
 pub struct Draft<'a, B: Backend> {
-    pub model: &'a Llama<B>,
+    pub source: DraftSource<'a, B>,
     pub sampling: SamplingConfig,
 }
 
@@ -155,6 +176,32 @@ impl<B: Backend> Clone for Draft<'_, B> {
 }
 
 impl<B: Backend> Copy for Draft<'_, B> {}
+
+impl<'a, B: Backend> Draft<'a, B> {
+    /// A draft model sampled with `sampling`.
+    pub fn model(model: &'a Llama<B>, sampling: SamplingConfig) -> Self {
+        Self {
+            source: DraftSource::Model(model),
+            sampling,
+        }
+    }
+
+    /// A prompt-lookup draft (see [`PromptLookup`]).
+    pub fn lookup(lookup: PromptLookup) -> Self {
+        Self {
+            source: DraftSource::Lookup(lookup),
+            sampling: SamplingConfig::default(),
+        }
+    }
+
+    /// The model, for a model draft.
+    pub fn model_ref(&self) -> Option<&'a Llama<B>> {
+        match self.source {
+            DraftSource::Model(m) => Some(m),
+            DraftSource::Lookup(_) => None,
+        }
+    }
+}
 
 /// Options of [`speculative_generate`].
 #[derive(Debug, Clone, PartialEq)]
@@ -916,8 +963,12 @@ fn validate<B: Backend>(
         });
     }
     let expected = target.config.vocab_size;
-    for (k, d) in drafts.iter().enumerate() {
-        let found = d.model.config.vocab_size;
+    for (k, model) in drafts
+        .iter()
+        .enumerate()
+        .filter_map(|(k, d)| Some((k, d.model_ref()?)))
+    {
+        let found = model.config.vocab_size;
         if found != expected {
             return Err(SpecError::VocabularyMismatch {
                 draft: k,
@@ -1020,11 +1071,19 @@ pub fn speculative_generate_with_cache<B: Backend, C: SpecCache<B>>(
     let k_drafts = drafts.len();
     let len = opts.draft_len;
     let mut groups: Vec<Group<'_, B>> = Vec::new();
+    let mut lookups: Vec<(usize, PromptLookup)> = Vec::new();
     for (k, d) in drafts.iter().enumerate() {
-        match groups.iter_mut().find(|g| std::ptr::eq(g.model, d.model)) {
+        let model = match d.source {
+            DraftSource::Model(model) => model,
+            DraftSource::Lookup(lookup) => {
+                lookups.push((k, lookup));
+                continue;
+            }
+        };
+        match groups.iter_mut().find(|g| std::ptr::eq(g.model, model)) {
             Some(g) => g.members.push(k),
             None => groups.push(Group {
-                model: d.model,
+                model,
                 members: vec![k],
             }),
         }
@@ -1078,6 +1137,21 @@ pub fn speculative_generate_with_cache<B: Backend, C: SpecCache<B>>(
             })
             .collect();
         let mut q = vec![vec![Vec::with_capacity(len); batch]; k_drafts];
+        for &(k, lookup) in &lookups {
+            for &b in &active {
+                tokens[k][b] = lookup.propose(&seqs[b], len);
+                q[k][b] = tokens[k][b]
+                    .iter()
+                    .map(|&t| {
+                        let mut row = vec![0.0; vocab];
+                        // A prompt token outside the vocabulary reaches `verify_block`,
+                        // which reports it (`TokenOutOfRange`).
+                        row[(t as usize).min(vocab - 1)] = 1.0;
+                        row
+                    })
+                    .collect();
+            }
+        }
         for (g, group) in groups.iter().enumerate() {
             let fan = group.members.len();
             let cache = &mut draft_caches[g];

@@ -17,7 +17,7 @@ use burn_llama::spec::{
     BranchKvCache, Draft, LinearSpecCache, SpecError, SpecOptions, forward_rows,
     speculative_generate, speculative_generate_with_cache, truncated_draft,
 };
-use burn_specdec::Scheme;
+use burn_specdec::{PromptLookup, Scheme};
 
 type Cpu = NdArray<f32>;
 
@@ -81,13 +81,7 @@ fn options(scheme: Scheme, draft_len: usize, target_temperature: f32, n: usize) 
 }
 
 fn identical<'a>(model: &'a Llama<Cpu>, k: usize, temperature: f32) -> Vec<Draft<'a, Cpu>> {
-    vec![
-        Draft {
-            model,
-            sampling: sampling(temperature),
-        };
-        k
-    ]
+    vec![Draft::model(model, sampling(temperature)); k]
 }
 
 /// Layers of the draft in the exactness tests: SmolLM2's truncated-layer drafts are not trained
@@ -310,18 +304,9 @@ fn caches_hold_exactly_the_emitted_tokens_after_rollback() {
     let shallow = truncated_draft(&model, 16).unwrap();
     let prompts = prompts();
     let drafts = [
-        Draft {
-            model: &deep,
-            sampling: sampling(1.3),
-        },
-        Draft {
-            model: &shallow,
-            sampling: sampling(1.0),
-        },
-        Draft {
-            model: &deep,
-            sampling: sampling(1.0),
-        },
+        Draft::model(&deep, sampling(1.3)),
+        Draft::model(&shallow, sampling(1.0)),
+        Draft::model(&deep, sampling(1.0)),
     ];
     let g = speculative_generate(
         &model,
@@ -418,14 +403,8 @@ fn bad_configurations_are_typed_errors() {
     let mut other_vocab = draft.clone();
     other_vocab.config.vocab_size = 1000;
     let drafts = [
-        Draft {
-            model: &draft,
-            sampling: sampling(1.0),
-        },
-        Draft {
-            model: &other_vocab,
-            sampling: sampling(1.0),
-        },
+        Draft::model(&draft, sampling(1.0)),
+        Draft::model(&other_vocab, sampling(1.0)),
     ];
     assert_eq!(
         run(&drafts, &prompts, &opts),
@@ -632,4 +611,81 @@ fn linear_cache_layout_errors_are_typed() {
         run(used, 1, &prompts[..1]),
         SpecError::CacheNotEmpty { held: 2 }
     );
+}
+
+/// (e) Prompt-lookup drafts: with a greedy target, a lookup draft alone (K = 1, SD, on the
+/// branching cache for a batch of two and on a linear full cache) and a lookup draft beside a
+/// model draft (K = 2, SpecInfer) emit exactly plain greedy decoding's tokens; on a prompt that
+/// repeats itself the lookup drafts are accepted.
+#[test]
+fn lookup_drafts_match_plain_greedy() {
+    let model = target();
+    let tok = &checkpoint().tokenizer;
+    let repeating = tok
+        .encode(
+            "The grass is green. The sky is blue. The sun is yellow. Here we go. There and \
+             back again. The grass is green. The sky is blue. The sun is yellow. Here we go. \
+             There and back again. The grass is green. The sky is blue.",
+        )
+        .unwrap();
+    let batch = vec![repeating.clone(), prompts()[0].clone()];
+    const N: usize = 12;
+    let plain = plain_greedy(&model, &batch, N, &eos());
+    let lookup = Draft::lookup(PromptLookup::default());
+
+    let g = speculative_generate(
+        &model,
+        &[lookup],
+        &batch,
+        &ReferenceAttention,
+        &options(Scheme::SingleDraft, 4, 0.0, N),
+        &mut |_, _| {},
+    )
+    .unwrap();
+    let s = &g.stats;
+    println!(
+        "lookup K=1 batch 2: block efficiency {:.2}, {} target calls, {} draft calls",
+        s.block_efficiency(),
+        s.target_calls,
+        s.draft_calls
+    );
+    assert_eq!(g.tokens, plain);
+    assert_eq!(s.draft_calls, 0, "a lookup draft runs no model");
+    assert!(g.draft_caches.is_empty());
+    assert!(s.accepted > 0, "lookup drafts accepted");
+
+    let one = vec![repeating];
+    let g = speculative_generate_with_cache(
+        &model,
+        compressed_cache(&model, CacheKind::Full),
+        &[lookup],
+        &one,
+        &ReferenceAttention,
+        &options(Scheme::SingleDraft, 3, 0.0, N),
+        &mut |_, _| {},
+    )
+    .unwrap();
+    assert_eq!(g.tokens[0], plain[0], "linear cache");
+    let e = g.stats.block_efficiency();
+    println!("lookup K=1 L=3, the repeating prompt alone: block efficiency {e:.2}");
+    assert!(
+        e > 2.0,
+        "the repeating prompt's continuation is drafted: {e:.2}"
+    );
+    assert_eq!(g.target_cache.seq_len(), one[0].len() + N - 1);
+
+    let draft = truncated_draft(&model, DRAFT_LAYERS).unwrap();
+    let mixed = [lookup, Draft::model(&draft, sampling(0.7))];
+    let g = speculative_generate(
+        &model,
+        &mixed,
+        &batch,
+        &ReferenceAttention,
+        &options(Scheme::SpecInfer, 2, 0.0, N),
+        &mut |_, _| {},
+    )
+    .unwrap();
+    assert_eq!(g.tokens, plain, "lookup + model, SpecInfer");
+    assert!(g.stats.draft_calls > 0);
+    assert_eq!(g.draft_caches.len(), 1, "one cache, for the model draft");
 }

@@ -19,7 +19,7 @@ use burn_kernels_core::{AttentionImpl, FusedBackend, FusedLayers, KvCache, Sampl
 use burn_kvcache::{KvBackend, MiniCacheConfig, QuantConfig, ShadowKvConfig};
 use burn_sage::SageBackend;
 use burn_sage::adaptive::DEFAULT_INT4_THRESHOLD;
-use burn_specdec::Scheme;
+use burn_specdec::{PromptLookup, Scheme};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -196,6 +196,10 @@ struct SpecArgs {
     /// Draft sampling temperature: one value for all drafts, or one per draft (comma-separated).
     #[arg(long, value_delimiter = ',', default_value = "1.0")]
     draft_temperature: Vec<f32>,
+    /// The first draft is prompt lookup (copies what followed an earlier occurrence of the last
+    /// 1-3 tokens; no model, no forward passes); the other K − 1 drafts are models.
+    #[arg(long)]
+    lookup_draft: bool,
 }
 
 #[derive(Debug, Subcommand)]
@@ -521,34 +525,41 @@ fn run_speculative<B: Backend>(
     attention: &dyn AttentionImpl<B>,
     stream: &mut StreamPrinter<'_>,
 ) -> Result<(), String> {
-    let draft_model = match &args.draft_model {
-        Some(path) => {
+    let lookups = usize::from(args.lookup_draft).min(args.drafts);
+    let models = args.drafts - lookups;
+    let draft_model = match (&args.draft_model, models) {
+        (_, 0) => None,
+        (Some(path), _) => {
             eprintln!("loading draft {} ...", path.display());
-            load_draft::<B>(path, device, dtype)?
+            Some(load_draft::<B>(path, device, dtype)?)
         }
-        None => truncated_draft(target, args.draft_layers).map_err(|e| e.to_string())?,
+        (None, _) => Some(truncated_draft(target, args.draft_layers).map_err(|e| e.to_string())?),
     };
     let temperatures = match args.draft_temperature.as_slice() {
-        [t] => vec![*t; args.drafts],
-        ts if ts.len() == args.drafts => ts.to_vec(),
+        [t] => vec![*t; models],
+        ts if ts.len() == models => ts.to_vec(),
         ts => {
             return Err(format!(
-                "--draft-temperature: give 1 or --drafts = {} values, got {}",
-                args.drafts,
+                "--draft-temperature: give 1 or {models} values (one per model draft), got {}",
                 ts.len()
             ));
         }
     };
-    let drafts: Vec<Draft<'_, B>> = temperatures
-        .iter()
-        .map(|&temperature| Draft {
-            model: &draft_model,
-            sampling: SamplingConfig {
+    let mut drafts: Vec<Draft<'_, B>> = vec![Draft::lookup(PromptLookup::default()); lookups];
+    if let Some(model) = &draft_model {
+        drafts.extend(temperatures.iter().map(|&temperature| {
+            let sampling = SamplingConfig {
                 temperature,
                 ..SamplingConfig::default()
-            },
-        })
-        .collect();
+            };
+            Draft::model(model, sampling)
+        }));
+    }
+    let draft_name = match (&draft_model, lookups) {
+        (Some(m), 0) => format!("{} layers", m.layers.len()),
+        (Some(m), _) => format!("prompt lookup + {} layers", m.layers.len()),
+        (None, _) => "prompt lookup".to_string(),
+    };
     let prompts = [ids.to_vec()];
     let mut on_token = |_, tok| stream.push(tok);
     let (stats, cache_name, held, cached) = match compressed {
@@ -582,13 +593,13 @@ fn run_speculative<B: Backend>(
         .map(|r| format!("{r:.2}"))
         .collect();
     eprintln!(
-        "{} K={} L={} (draft: {} layers): block efficiency {:.2}, acceptance per position [{}], \
+        "{} K={} L={} (draft: {}): block efficiency {:.2}, acceptance per position [{}], \
          {} target calls, {} draft calls, decode {} tokens at {:.1} tok/s \
          (draft {:.1}s, target {:.1}s, verify {:.1}s)",
         opts.scheme.name(),
         s.num_drafts,
         s.draft_len,
-        draft_model.layers.len(),
+        draft_name,
         s.block_efficiency(),
         rates.join(", "),
         s.target_calls,
