@@ -939,6 +939,52 @@ fn draw(row: &[f32], u: f64) -> usize {
     last
 }
 
+/// `f(0)..f(n)` spread over the machine's cores, in order (the result does not depend on the
+/// number of threads); one core or one item runs inline.
+fn par_map<T: Send>(n: usize, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
+    let threads = std::thread::available_parallelism()
+        .map_or(1, usize::from)
+        .min(n)
+        .max(1);
+    if threads == 1 {
+        return (0..n).map(f).collect();
+    }
+    let per = n.div_ceil(threads);
+    std::thread::scope(|scope| {
+        let f = &f;
+        let handles: Vec<_> = (0..n)
+            .step_by(per)
+            .map(|start| {
+                scope.spawn(move || (start..(start + per).min(n)).map(f).collect::<Vec<_>>())
+            })
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().expect("a worker thread panicked"))
+            .collect()
+    })
+}
+
+/// Draft tokens and the rows they are drawn from, for `jobs` = (row of `logits`, sequence,
+/// draft) in order. The uniforms are drawn from `rng` in job order before the rows are computed
+/// in parallel (a 49K-entry row per draft and sequence is the draft step's host cost at large
+/// batches), so the tokens do not depend on the number of threads.
+fn sample_drafts(
+    logits: &[f32],
+    vocab: usize,
+    jobs: &[(usize, usize, usize)],
+    dists: &[Distribution],
+    rng: &mut StdRng,
+) -> Vec<(Vec<f32>, u32)> {
+    let us: Vec<f64> = jobs.iter().map(|_| rng.random()).collect();
+    par_map(jobs.len(), |i| {
+        let (row, _, k) = jobs[i];
+        let dist = dists[k].of(&logits[row * vocab..(row + 1) * vocab]);
+        let token = draw(&dist, us[i]) as u32;
+        (dist, token)
+    })
+}
+
 /// Draft models with the drafts (global indices) that run on each.
 struct Group<'a, B: Backend> {
     model: &'a Llama<B>,
@@ -1171,12 +1217,15 @@ pub fn speculative_generate_with_cache<B: Backend, C: SpecCache<B>>(
             let s = hidden.dims()[1];
             let last: Vec<usize> = active.iter().map(|&b| b * s + s - 1).collect();
             let logits = logits_at(group.model, hidden, &last);
-            for (row, &b) in logits.chunks(vocab).zip(&active) {
-                for &k in &group.members {
-                    let dist = draft_dist[k].of(row);
-                    tokens[k][b].push(draw(&dist, rng.random()) as u32);
-                    q[k][b].push(dist);
-                }
+            let jobs: Vec<(usize, usize, usize)> = active
+                .iter()
+                .enumerate()
+                .flat_map(|(row, &b)| group.members.iter().map(move |&k| (row, b, k)))
+                .collect();
+            let drawn = sample_drafts(&logits, vocab, &jobs, &draft_dist, &mut rng);
+            for (&(_, b, k), (dist, token)) in jobs.iter().zip(drawn) {
+                tokens[k][b].push(token);
+                q[k][b].push(dist);
             }
             cache.fork(fan);
             for j in 1..len {
@@ -1187,10 +1236,14 @@ pub fn speculative_generate_with_cache<B: Backend, C: SpecCache<B>>(
                 stats.draft_calls += 1;
                 let live: Vec<usize> = (0..batch * fan).filter(|&r| !done[r / fan]).collect();
                 let logits = logits_at(group.model, hidden, &live);
-                for (row, &r) in logits.chunks(vocab).zip(&live) {
-                    let (b, k) = (r / fan, group.members[r % fan]);
-                    let dist = draft_dist[k].of(row);
-                    tokens[k][b].push(draw(&dist, rng.random()) as u32);
+                let jobs: Vec<(usize, usize, usize)> = live
+                    .iter()
+                    .enumerate()
+                    .map(|(row, &r)| (row, r / fan, group.members[r % fan]))
+                    .collect();
+                let drawn = sample_drafts(&logits, vocab, &jobs, &draft_dist, &mut rng);
+                for (&(_, b, k), (dist, token)) in jobs.iter().zip(drawn) {
+                    tokens[k][b].push(token);
                     q[k][b].push(dist);
                 }
             }
@@ -1258,30 +1311,7 @@ pub fn speculative_generate_with_cache<B: Backend, C: SpecCache<B>>(
                 &mut rng,
             )
         };
-        let threads = std::thread::available_parallelism()
-            .map_or(1, usize::from)
-            .min(active.len())
-            .max(1);
-        let per_thread = active.len().div_ceil(threads);
-        let outcomes: Vec<_> = if threads == 1 {
-            // One sequence (or one core): no thread to spawn on every block.
-            active.iter().map(|&b| verify_one(b)).collect()
-        } else {
-            std::thread::scope(|scope| {
-                let handles: Vec<_> = active
-                    .chunks(per_thread)
-                    .map(|chunk| {
-                        let verify_one = &verify_one;
-                        scope
-                            .spawn(move || chunk.iter().map(|&b| verify_one(b)).collect::<Vec<_>>())
-                    })
-                    .collect();
-                handles
-                    .into_iter()
-                    .flat_map(|h| h.join().expect("a verification thread panicked"))
-                    .collect()
-            })
-        };
+        let outcomes = par_map(active.len(), |i| verify_one(active[i]));
         for (&b, outcome) in active.iter().zip(outcomes) {
             let outcome = outcome?;
             stats.blocks += 1;
