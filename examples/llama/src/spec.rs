@@ -116,6 +116,16 @@ pub enum SpecError {
         /// Index of the prompt.
         index: usize,
     },
+    /// A prompt token is outside the target's vocabulary.
+    #[error("prompt {index} has token {token}, outside the vocabulary of {vocab}")]
+    PromptTokenOutOfVocab {
+        /// Index of the prompt.
+        index: usize,
+        /// The token.
+        token: u32,
+        /// The target's vocabulary size.
+        vocab: usize,
+    },
     /// The target cache cannot hold this batch or this many draft branches (a
     /// [`LinearSpecCache`] holds one sequence and one branch: batch 1, K = 1).
     #[error(
@@ -1029,6 +1039,15 @@ fn validate<B: Backend>(
     if let Some(index) = prompts.iter().position(Vec::is_empty) {
         return Err(SpecError::EmptyPrompt { index });
     }
+    for (index, prompt) in prompts.iter().enumerate() {
+        if let Some(&token) = prompt.iter().find(|&&t| t as usize >= expected) {
+            return Err(SpecError::PromptTokenOutOfVocab {
+                index,
+                token,
+                vocab: expected,
+            });
+        }
+    }
     Ok(())
 }
 
@@ -1056,8 +1075,8 @@ fn prefill<B: Backend>(
 ///
 /// # Errors
 /// [`SpecError`] for a bad configuration (K = 0, L = 0, single-draft SD with K ≠ 1, a draft
-/// vocabulary ≠ the target's, no or empty prompts); [`SpecError::Verify`] if a scheme rejects
-/// its inputs.
+/// vocabulary ≠ the target's, no or empty prompts, a prompt token outside the vocabulary);
+/// [`SpecError::Verify`] if a scheme rejects its inputs.
 pub fn speculative_generate<B: Backend>(
     target: &Llama<B>,
     drafts: &[Draft<'_, B>],
@@ -1189,10 +1208,10 @@ pub fn speculative_generate_with_cache<B: Backend, C: SpecCache<B>>(
                 q[k][b] = tokens[k][b]
                     .iter()
                     .map(|&t| {
+                        // In the vocabulary: lookup copies prompt tokens, checked by
+                        // `validate`, and emitted ones.
                         let mut row = vec![0.0; vocab];
-                        // A prompt token outside the vocabulary reaches `verify_block`,
-                        // which reports it (`TokenOutOfRange`).
-                        row[(t as usize).min(vocab - 1)] = 1.0;
+                        row[t as usize] = 1.0;
                         row
                     })
                     .collect();

@@ -422,6 +422,19 @@ fn bad_configurations_are_typed_errors() {
         run(&identical(&draft, 1, 1.0), &[vec![1], vec![]], &opts),
         SpecError::EmptyPrompt { index: 1 }
     );
+    let vocab = model.config.vocab_size;
+    assert_eq!(
+        run(
+            &[Draft::lookup(PromptLookup::default())],
+            &[vec![1], vec![2, vocab as u32]],
+            &opts
+        ),
+        SpecError::PromptTokenOutOfVocab {
+            index: 1,
+            token: vocab as u32,
+            vocab
+        }
+    );
     for layers in [0, model.config.num_layers + 1] {
         assert_eq!(
             truncated_draft(&model, layers).unwrap_err(),
