@@ -50,6 +50,10 @@ pub struct MemoryProbe {
     /// rounding (each size's concurrent buffers are counted at their own peak), the analogue of
     /// PyTorch's `max_memory_allocated` that the peers report.
     pub allocated: std::sync::Arc<AllocatedProbe>,
+    /// Runs the given call with burn-cce's live tracking and returns the most bytes in use at
+    /// once beyond those in use before, as read after each allocation of the chunked path
+    /// (`burn_cce::track_live_peak`); `None` for calls that do not go through it.
+    pub live: std::sync::Arc<AllocatedProbe>,
 }
 
 /// See [`MemoryProbe::allocated`].
@@ -62,6 +66,8 @@ pub struct CallMemory {
     pub allocated_mb: Option<f64>,
     /// Growth of the pool's reservation.
     pub pool_growth_mb: Option<f64>,
+    /// Live peak (see [`MemoryProbe::live`]).
+    pub live_mb: Option<f64>,
 }
 
 /// What a candidate adds to its record once it ran: parameters (into the record's `params`)
@@ -198,6 +204,10 @@ pub struct Record {
     /// Growth of the memory pool's reservation over one call, MB (whole pages), where measured.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pool_growth_mb: Option<f64>,
+    /// Most bytes in use at once beyond the inputs, MB, read after each allocation of
+    /// burn-cce's chunked path (see [`MemoryProbe::live`]), where it ran.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub live_peak_mb: Option<f64>,
     /// Baseline median / this median, both measured in this run; the ratio of tokens/s where
     /// both have one (implementations may process different token counts).
     pub speedup_vs_baseline: Option<f64>,
@@ -273,8 +283,13 @@ fn measure_memory<B: Backend>(
         run();
         sync::<B>(device);
     });
+    let live = (probe.live)(&mut || {
+        run();
+        sync::<B>(device);
+    });
     CallMemory {
         allocated_mb: allocated.map(|b| b as f64 / 1e6),
+        live_mb: live.map(|b| b as f64 / 1e6),
         pool_growth_mb: before
             .zip(after)
             .map(|(b, a)| a.saturating_sub(b) as f64 / 1e6),
@@ -366,6 +381,7 @@ pub fn run_suite<B: Backend>(
                 tokens_per_sec: None,
                 peak_mem_mb: None,
                 pool_growth_mb: None,
+                live_peak_mb: None,
                 speedup_vs_baseline: None,
                 skipped: None,
                 note: None,
@@ -379,7 +395,7 @@ pub fn run_suite<B: Backend>(
             match run {
                 Err(reason) => rec.skipped = Some(reason),
                 Ok(runner) => {
-                    let (mut peak, mut pool) = (None, None);
+                    let (mut peak, mut pool, mut live) = (None, None, None);
                     let res = catch_unwind(AssertUnwindSafe(|| match runner {
                         Runner::InProcess(mut run) => {
                             let times = time_candidate::<B>(device, &mut *run, timing);
@@ -390,6 +406,7 @@ pub fn run_suite<B: Backend>(
                                 let m = measure_memory::<B>(device, &mut *run, p);
                                 peak = m.allocated_mb;
                                 pool = m.pool_growth_mb;
+                                live = m.live_mb;
                             }
                             Ok(times)
                         }
@@ -402,6 +419,7 @@ pub fn run_suite<B: Backend>(
                     }));
                     rec.peak_mem_mb = peak;
                     rec.pool_growth_mb = pool;
+                    rec.live_peak_mb = live;
                     let panics = PANICS.load(Ordering::Relaxed) - panics_seen;
                     let res = match res {
                         Ok(Ok(_)) if panics > 0 => Err(Box::new(format!(
@@ -446,7 +464,7 @@ pub fn run_suite<B: Backend>(
             // The wall time of the whole candidate (compilation, autotuning, warm-up, reps)
             // shows what a suite's running time is made of.
             let line = format!(
-                "  {} | {}: {}{}{}{}{} [{:.1} s]",
+                "  {} | {}: {}{}{}{}{}{} [{:.1} s]",
                 problem.label,
                 rec.implementation,
                 rec.median_ms.map_or_else(
@@ -459,6 +477,8 @@ pub fn run_suite<B: Backend>(
                     .map_or(String::new(), |m| format!(", peak {m:.0} MB")),
                 rec.pool_growth_mb
                     .map_or(String::new(), |m| format!(", pool +{m:.0} MB")),
+                rec.live_peak_mb
+                    .map_or(String::new(), |m| format!(", live {m:.0} MB")),
                 rec.note
                     .as_ref()
                     .map_or(String::new(), |n| format!(" ({n})")),

@@ -61,6 +61,10 @@ struct Args {
     /// (`GemmStrategy::Kernel`), for the loss and the gradient.
     #[arg(long)]
     cce_gemm_sweep: bool,
+    /// cce suite: also time the default with these logits blocks (MiB, comma-separated) for
+    /// the forward and the backward's scoring pass instead of 32 MiB.
+    #[arg(long, value_delimiter = ',')]
+    cce_pass_blocks: Vec<usize>,
     /// specdec suite: also time this trained draft (a `finetune` run folder, .gguf or HF
     /// folder) beside the target's first 8 layers.
     #[arg(long)]
@@ -195,9 +199,17 @@ fn memory_probe<R: cubecl::Runtime>(device: &R::Device) -> harness::MemoryProbe 
         client.memory_cleanup();
         after.map(|a| a.saturating_sub(before))
     });
+    let live = {
+        let client = R::client(device);
+        Arc::new(move |run: &mut dyn FnMut()| -> Option<u64> {
+            let before = client.memory_usage().ok()?.bytes_in_use;
+            burn_cce::live::track_live_peak(run).map(|peak| peak.saturating_sub(before))
+        })
+    };
     harness::MemoryProbe {
         reserved,
         allocated,
+        live,
     }
 }
 
@@ -309,6 +321,7 @@ fn run<
         filters: args.filters.clone(),
         excludes: args.excludes.clone(),
         cce_gemm_sweep: args.cce_gemm_sweep,
+        cce_pass_blocks: args.cce_pass_blocks.clone(),
         draft_model: args.draft_model.clone(),
         batches: args.batches.clone(),
         seq: args.seq,

@@ -119,6 +119,11 @@ pub fn markdown(report: &Report) -> String {
             mem_head += " pool MB |";
             mem_rule += "---:|";
         }
+        let live = s.records.iter().any(|r| r.live_peak_mb.is_some());
+        if live {
+            mem_head += " live MB |";
+            mem_rule += "---:|";
+        }
         let _ = write!(
             md,
             "\n## {}\n\n{}. Baseline: `{}`. Commit `{}`.\n\n| problem | implementation | median ms | p90 ms | TFLOP/s | GB/s | tokens/s |{mem_head} speed-up | note |\n|---|---|---:|---:|---:|---:|---:|{mem_rule}---:|---|\n",
@@ -132,6 +137,9 @@ pub fn markdown(report: &Report) -> String {
             };
             if pool {
                 mem_cell += &format!(" {} |", fmt_opt(r.pool_growth_mb, 0));
+            }
+            if live {
+                mem_cell += &format!(" {} |", fmt_opt(r.live_peak_mb, 0));
             }
             let _ = writeln!(
                 md,

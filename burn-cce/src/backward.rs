@@ -87,6 +87,10 @@ impl<B: CceBackend, C: CheckpointStrategy> CceBackend for Autodiff<B, C> {
             }
         }
     }
+
+    fn memory_in_use(device: &Self::Device) -> Option<u64> {
+        B::memory_in_use(device)
+    }
 }
 
 /// The linear cross-entropy as one autodiff op. Parents: `[e, c]` or `[e, c, bias]`; the

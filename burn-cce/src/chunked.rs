@@ -66,7 +66,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use crate::kernels::{
     accumulate::add_rows, grad::grad_chunk, indexed_dot::indexed_dot, lse_chunk::lse_chunk, score,
 };
-use crate::{GemmKernel, GemmStrategy, LceParams};
+use crate::{GemmKernel, GemmStrategy, LceParams, live};
 
 type Cb<R, F, I, BT> = CubeBackend<R, F, I, BT>;
 type Pair<B> = (FloatTensor<B>, FloatTensor<B>);
@@ -107,12 +107,14 @@ where
         GemmStrategy::Kernel(kernel) => Some(kernel),
         GemmStrategy::Autotune => None,
     };
+    // Each exit reads the live memory with the inputs still held (see `crate::live`).
     if let Some(kernel) = kernel
         && let Some(out) = fixed_gemm(l.clone(), r.clone(), dtype, kernel, tf32)
     {
+        live::sample(&out);
         return float(out);
     }
-    match matmul(l, r, None, MatmulStrategy::default(), dtype) {
+    let out = match matmul(l, r, None, MatmulStrategy::default(), dtype) {
         Ok(out) => float(out),
         Err(err) => {
             if !WARNED.swap(true, Ordering::Relaxed) {
@@ -120,9 +122,22 @@ where
                     "burn-cce: mixed-precision matmul unavailable ({err:?}); casting the inputs"
                 );
             }
-            lhs.cast(dtype).matmul(rhs.cast(dtype))
+            lhs.clone().cast(dtype).matmul(rhs.clone().cast(dtype))
         }
-    }
+    };
+    mark(&out);
+    out
+}
+
+/// Reads the live memory into [`crate::live`]'s peak (when tracking) with `t` allocated.
+fn mark<R, F, I, BT, const D: usize>(t: &Tensor<Cb<R, F, I, BT>, D>)
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    live::sample(&t.clone().into_primitive().tensor());
 }
 
 /// cubek's launch strategy for `kernel`.
@@ -239,6 +254,7 @@ where
     let device = e.device();
     let m = Tensor::<Cb<R, F, I, BT>, 1>::zeros([n], (&device, DType::F32));
     let s = Tensor::<Cb<R, F, I, BT>, 1>::zeros([n], (&device, DType::F32));
+    mark(&s);
     let (m_p, s_p) = (
         m.clone().into_primitive().tensor(),
         s.clone().into_primitive().tensor(),
@@ -269,6 +285,7 @@ where
         targets,
         params.softcap,
     );
+    live::sample(&target_logit);
     (lse.into_primitive().tensor(), target_logit)
 }
 
@@ -313,18 +330,26 @@ where
                 gemm,
                 tf32,
             );
+            let logits = logits.into_primitive().tensor();
             let partial = score::score_chunk(
-                logits.into_primitive().tensor(),
+                logits.clone(),
                 bias.clone(),
                 lse.clone(),
                 targets.clone(),
                 v0,
                 softcap,
             );
-            float::<R, F, I, BT, 2>(partial).max_dim(0).reshape([len])
+            live::sample(&partial);
+            drop(logits);
+            let partial = float::<R, F, I, BT, 2>(partial);
+            let best = partial.clone().max_dim(0).reshape([len]);
+            mark(&best);
+            best
         })
         .collect();
-    let all = Tensor::cat(parts, 0);
+    let all = Tensor::cat(parts.clone(), 0);
+    mark(&all);
+    drop(parts);
     debug_assert_eq!(all.dims()[0], vocab, "one score per entry ({n} tokens)");
     all.into_data()
         .convert::<f32>()
@@ -695,6 +720,7 @@ where
     let mut db = bias
         .as_ref()
         .map(|_| Tensor::<Cb<R, F, I, BT>, 1>::zeros([vocab], (&device, DType::F32)));
+    mark(&dc);
     // The vocabulary pass's dE target, when dE is accumulated there.
     let de_target = match blocks.de {
         DeAccumulation::Direct => de.clone(),
@@ -705,6 +731,7 @@ where
     for plan_part in &plan {
         let part = Part::<R, F, I, BT>::new(plan_part, &device);
         let (c_chunk, ids, v0) = part.classifier_rows(&c);
+        mark(&c_chunk);
         let logits = matmul_to(
             e.clone(),
             c_chunk.clone().transpose(),
@@ -713,7 +740,7 @@ where
             params.tf32,
         );
         let g = float::<R, F, I, BT, 2>(grad_chunk(
-            logits.into_primitive().tensor(),
+            logits.clone().into_primitive().tensor(),
             bias.clone(),
             lse.clone(),
             dout.clone(),
@@ -724,6 +751,8 @@ where
             params.softcap,
             e_dtype,
         ));
+        mark(&g);
+        drop(logits);
         if let Some(target) = &de_target {
             for rows in row_ranges(n, blocks.rows) {
                 let product = matmul_to(
@@ -745,7 +774,11 @@ where
         );
         let db_chunk = db.as_ref().map(|_| {
             let len = g.dims()[1];
-            g.clone().cast(DType::F32).sum_dim(0).reshape([len])
+            let g32 = g.clone().cast(DType::F32);
+            mark(&g32);
+            let sum = g32.clone().sum_dim(0).reshape([len]);
+            mark(&sum);
+            sum
         });
         match part {
             Part::Natural(range) => {
@@ -761,6 +794,7 @@ where
                     .map(|(db, x)| db.select_assign(0, ids, x, IndexingUpdateOp::Add));
             }
         }
+        mark(&dc);
     }
 
     if two_pass && let Some(de) = &de {
@@ -773,6 +807,7 @@ where
             let mut block_acc: Option<Tensor<Cb<R, F, I, BT>, 2>> = None;
             for part in &parts {
                 let (c_chunk, ids, v0) = part.classifier_rows(&c);
+                mark(&c_chunk);
                 let logits = matmul_to(
                     e_rows.clone(),
                     c_chunk.clone().transpose(),
@@ -781,7 +816,7 @@ where
                     params.tf32,
                 );
                 let g = float::<R, F, I, BT, 2>(grad_chunk(
-                    logits.into_primitive().tensor(),
+                    logits.clone().into_primitive().tensor(),
                     bias.clone(),
                     lse.clone(),
                     dout.clone(),
@@ -792,6 +827,8 @@ where
                     params.softcap,
                     e_dtype,
                 ));
+                mark(&g);
+                drop(logits);
                 let product = matmul_to(g, c_chunk, DType::F32, params.gemm, params.tf32);
                 block_acc = Some(match block_acc {
                     None => product,
@@ -809,7 +846,11 @@ where
 
     let de = match (de, acc) {
         (Some(de), _) => de,
-        (None, Some(acc)) => acc.cast(e_dtype),
+        (None, Some(acc)) => {
+            let de = acc.clone().cast(e_dtype);
+            mark(&de);
+            de
+        }
         (None, None) => unreachable!("dE or its accumulator is allocated"),
     };
     let bias_dtype = bias.as_ref().map(|b| b.dtype);

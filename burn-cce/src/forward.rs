@@ -33,4 +33,9 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> CceBackend
     ) -> LceGrads<Self> {
         chunked::backward::<R, F, I, BT>(e, c, bias, targets, lse, dout, params)
     }
+
+    fn memory_in_use(device: &Self::Device) -> Option<u64> {
+        let client = R::client(device);
+        client.memory_usage().ok().map(|usage| usage.bytes_in_use)
+    }
 }

@@ -48,6 +48,7 @@ mod cpu;
 mod error;
 mod forward;
 pub mod kernels;
+pub mod live;
 mod loss;
 mod options;
 pub mod reference;
@@ -162,6 +163,21 @@ pub trait CceBackend: Backend {
         let loss = f1::<Self>(lse.clone()) - f1::<Self>(target);
         (loss.into_primitive().tensor(), lse)
     }
+
+    /// Bytes in use in `device`'s memory pool, where the backend tracks them (`CubeBackend`:
+    /// CubeCL's `bytes_in_use`); `None` elsewhere. See [`track_live_peak`].
+    fn memory_in_use(_device: &Self::Device) -> Option<u64> {
+        None
+    }
+}
+
+/// Runs `run` and returns the most device memory in use at once during it beyond what was in
+/// use before, in bytes, as read by the chunked forward and backward after each of their
+/// allocations (see [`live`]); `None` where the backend does not track memory or `run` did not
+/// go through the chunked path. For benchmarks and tests: each reading queries the pool.
+pub fn track_live_peak<B: CceBackend>(device: &B::Device, run: impl FnOnce()) -> Option<u64> {
+    let before = B::memory_in_use(device)?;
+    live::track_live_peak(run).map(|peak| peak.saturating_sub(before))
 }
 
 fn f1<B: Backend>(t: FloatTensor<B>) -> Tensor<B, 1> {

@@ -82,6 +82,11 @@ pub struct CceOptions {
     /// while no gradient is held, then use 32 MiB blocks (at least 256 entries). `Some(bytes)`
     /// sets every pass.
     pub chunk_bytes: Option<usize>,
+    /// Bytes of the forward's and the scoring pass's logits block where `chunk_bytes` is
+    /// automatic. `None` (default): 32 MiB. These passes run while no gradient is held, so a
+    /// block up to the size of dE + dC does not raise the backward's peak; it does raise a
+    /// loss-only call's.
+    pub pass_chunk_bytes: Option<usize>,
     /// Rows of dE per f32 block in the backward, at least 1. `None` (default): automatic from
     /// the logits block. With `accum_fp32` and 16-bit inputs, `Some(r)` with `r ≥ N` keeps one
     /// f32 accumulator for all of dE (`N·D·4` bytes, no second pass) and a smaller `r`
@@ -200,6 +205,7 @@ impl Default for CceOptions {
             accum_fp32: true,
             return_lse: false,
             chunk_bytes: None,
+            pass_chunk_bytes: None,
             de_block_rows: None,
             gemm: GemmStrategy::Fixed,
             tf32: true,
@@ -220,6 +226,8 @@ pub struct LceParams {
     pub accum_fp32: bool,
     /// See [`CceOptions::chunk_bytes`].
     pub chunk_bytes: Option<usize>,
+    /// See [`CceOptions::pass_chunk_bytes`].
+    pub pass_chunk_bytes: Option<usize>,
     /// See [`CceOptions::de_block_rows`].
     pub de_block_rows: Option<usize>,
     /// See [`CceOptions::gemm`].
@@ -237,6 +245,7 @@ impl CceOptions {
             sort_vocab: self.sort_vocab,
             accum_fp32: self.accum_fp32,
             chunk_bytes: self.chunk_bytes,
+            pass_chunk_bytes: self.pass_chunk_bytes,
             de_block_rows: self.de_block_rows,
             gemm: self.gemm,
             tf32: self.tf32,
@@ -264,14 +273,18 @@ fn fit_chunk(bytes: usize, rows: usize, vocab: usize) -> usize {
 
 impl LceParams {
     /// Vocabulary entries per chunk of the forward and the backward's scoring pass for `rows`
-    /// tokens: as many as fit `chunk_bytes` (automatic: 32 MiB, at least 256 entries), a
-    /// multiple of 32, at least 32, at most `vocab`.
+    /// tokens: as many as fit `chunk_bytes` (automatic: `pass_chunk_bytes`, by default
+    /// 32 MiB, at least 256 entries), a multiple of 32, at least 32, at most `vocab`.
     pub fn chunk_len(&self, rows: usize, vocab: usize) -> usize {
         match self.chunk_bytes {
             Some(bytes) => fit_chunk(bytes, rows, vocab),
-            None => fit_chunk(PASS_BLOCK_BYTES, rows, vocab)
-                .max(MIN_CHUNK)
-                .min(vocab.max(1)),
+            None => fit_chunk(
+                self.pass_chunk_bytes.unwrap_or(PASS_BLOCK_BYTES),
+                rows,
+                vocab,
+            )
+            .max(MIN_CHUNK)
+            .min(vocab.max(1)),
         }
     }
 

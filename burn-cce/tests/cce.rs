@@ -80,6 +80,7 @@ impl Case {
             accum_fp32: self.accum,
             return_lse: true,
             chunk_bytes: self.chunk.map(|chunk| self.tokens() * 4 * chunk),
+            pass_chunk_bytes: None,
             de_block_rows: None,
             gemm: self.gemm,
             tf32: true,
@@ -877,6 +878,76 @@ fn working_set_at_bench_shapes() {
     assert!((bound + 36_126_720) as f64 <= 1.05 * bound as f64);
 }
 
+/// The live-memory peak the chunked path reports (`track_live_peak`) brackets what it must
+/// hold: the forward at least its logits block (`pass_chunk_bytes`) and at most that plus
+/// `O(n + V)` vectors; the backward at least dE + dC, at most dE + dC plus the designed
+/// working set (`BackwardBlocks::working_bytes`) and `O(n + V)` vectors.
+fn live_peak_brackets_the_working_set<B: CceBackend>(device: &B::Device) {
+    for dtype in float_dtypes::<B>(device) {
+        let case = Case::new([2, 67], 96, 1531, 41);
+        let (n, v, d, s) = (case.tokens(), case.v, case.d, dtype.size());
+        // Vectors of n or V entries (lse, scores and their parts, ids) and per-buffer
+        // alignment: small beside the blocks below.
+        let small = 16 * 4 * (n + v) + 64 * 1024;
+        let name = format!("{dtype:?}");
+
+        let pass_chunk = 160;
+        let p = LceParams {
+            chunk_bytes: None,
+            pass_chunk_bytes: Some(4 * n * pass_chunk),
+            ..params(&case, None)
+        };
+        let (dev, _) = op_inputs::<B>(&case, dtype, device);
+        let mut lse = None;
+        let peak = burn_cce::track_live_peak::<B>(device, || {
+            lse = Some(
+                B::linear_ce_forward(
+                    prim(dev.e.clone()),
+                    prim(dev.c.clone()),
+                    None,
+                    dev.targets.clone().into_primitive(),
+                    &p,
+                )
+                .0,
+            );
+        })
+        .expect("the chunked forward reads the pool");
+        let block = 4 * n * pass_chunk;
+        assert!(
+            (block..block + small).contains(&(peak as usize)),
+            "forward {name}: live peak {peak} B, logits block {block} B"
+        );
+
+        let p = params(&case, Some(1e-4));
+        let blocks = BackwardBlocks::new(&p, n, v, d, dtype);
+        let dout = Tensor::<B, 1>::full([n], 1.0 / n as f32, (device, DType::F32));
+        let lse = lse.expect("the forward ran");
+        let peak = burn_cce::track_live_peak::<B>(device, || {
+            let _ = B::linear_ce_backward(
+                prim(dev.e.clone()),
+                prim(dev.c.clone()),
+                None,
+                dev.targets.clone().into_primitive(),
+                lse.clone(),
+                prim(dout.clone()),
+                &p,
+            );
+        })
+        .expect("the chunked backward reads the pool") as usize;
+        let grads = s * (n + v) * d;
+        let working = blocks.working_bytes(n, d, dtype, false);
+        println!(
+            "{name}: backward live peak {peak} B = dE + dC {grads} B + {} B (designed working set {working} B)",
+            peak.saturating_sub(grads)
+        );
+        assert!(
+            (grads..grads + working + small).contains(&peak),
+            "backward {name}: live peak {peak} B, dE + dC {grads} B, working set {working} B \
+             ({blocks:?})"
+        );
+    }
+}
+
 /// The exact reference gradient with the logit-gradient columns outside `mask` zeroed.
 fn masked_reference_backward(
     cpu: &OpInputs<Cpu>,
@@ -1085,6 +1156,7 @@ testgen! {
         forward_matches_reference,
         backward_matches_reference,
         blocked_backward_matches_single_pass,
+        live_peak_brackets_the_working_set,
         typed_errors,
     ],
     autodiff: [loss_and_gradients, all_ignored],

@@ -28,9 +28,19 @@ const SHAPES: &[(&str, usize, usize, usize)] = &[
 const QUICK_SHAPES: &[(&str, usize, usize, usize)] = &[("tiny", 256, 8192, 128)];
 
 /// CCE option sets that matter: the default, and each optimization switched off; with
-/// `sweep`, also the default with each fixed GEMM kernel.
-fn variants(sweep: bool) -> Vec<(&'static str, CceOptions)> {
+/// `sweep`, also the default with each fixed GEMM kernel; and the default with each of
+/// `pass_blocks` (MiB) as the forward's and scoring pass's logits block.
+fn variants(sweep: bool, pass_blocks: &[usize]) -> Vec<(&'static str, CceOptions)> {
     let d = CceOptions::default();
+    let blocks = pass_blocks.iter().map(move |&mib| {
+        (
+            &*Box::leak(format!("cce (pass block {mib} MiB)").into_boxed_str()),
+            CceOptions {
+                pass_chunk_bytes: Some(mib << 20),
+                ..d
+            },
+        )
+    });
     let kernels = GemmKernel::ALL.into_iter().filter(|_| sweep).map(move |k| {
         (
             // Candidate names are `&'static str`: one short string per kernel per problem.
@@ -81,7 +91,7 @@ fn variants(sweep: bool) -> Vec<(&'static str, CceOptions)> {
             },
         ),
     ];
-    named.into_iter().chain(kernels).collect()
+    named.into_iter().chain(kernels).chain(blocks).collect()
 }
 
 pub fn suite<B: Backend + CceBackend>(opts: SuiteOptions) -> Suite<B> {
@@ -173,6 +183,7 @@ fn problem<B: Backend + CceBackend>(
     let max_mem = opts.max_mem_bytes;
     let peers = opts.peers_dir.clone();
     let sweep = opts.cce_gemm_sweep;
+    let pass_blocks = opts.cce_pass_blocks.clone();
     Problem {
         label: format!("{shape} N={n} V={v} D={d} {mode}"),
         params: params([
@@ -197,9 +208,12 @@ fn problem<B: Backend + CceBackend>(
             let mut cands = Vec::new();
             match mode {
                 "loss" => {
-                    // The loss depends only on the GEMM kernel among the variants' options.
-                    let kernels = variants(sweep).into_iter().filter(|(_, o)| {
-                        matches!(o.gemm, GemmStrategy::Kernel(_)) || *o == CceOptions::default()
+                    // The loss depends only on the GEMM kernel and the pass block among the
+                    // variants' options.
+                    let kernels = variants(sweep, &pass_blocks).into_iter().filter(|(_, o)| {
+                        matches!(o.gemm, GemmStrategy::Kernel(_))
+                            || o.pass_chunk_bytes.is_some()
+                            || *o == CceOptions::default()
                     });
                     for (name, opts) in kernels {
                         let (e, c, t) = (x.e.clone(), x.c.clone(), x.targets.clone());
@@ -211,7 +225,7 @@ fn problem<B: Backend + CceBackend>(
                     }
                 }
                 "grad" => {
-                    for (name, o) in variants(sweep) {
+                    for (name, o) in variants(sweep, &pass_blocks) {
                         if let Some(why) = too_slow_to_tune(shape, o) {
                             cands.push(Candidate::skipped(name, why));
                             continue;
@@ -255,7 +269,7 @@ fn problem<B: Backend + CceBackend>(
                     ));
                 }
                 _ => {
-                    for (name, o) in variants(false) {
+                    for (name, o) in variants(false, &pass_blocks) {
                         if let Some(why) = too_slow_to_tune(shape, o) {
                             cands.push(Candidate::skipped(name, why));
                             continue;

@@ -542,6 +542,7 @@ pub mod tests {
             filters: Vec::new(),
             excludes: Vec::new(),
             cce_gemm_sweep: false,
+            cce_pass_blocks: Vec::new(),
             draft_model: None,
             batches: Vec::new(),
             seq: None,

@@ -77,6 +77,9 @@ pub struct SuiteOptions {
     pub excludes: Vec<String>,
     /// `--cce-gemm-sweep`: the cce suite also times each fixed GEMM kernel.
     pub cce_gemm_sweep: bool,
+    /// `--cce-pass-blocks`: the cce suite also times the default with these logits blocks
+    /// (MiB) for the forward and the scoring pass (`CceOptions::pass_chunk_bytes`).
+    pub cce_pass_blocks: Vec<usize>,
     /// `--draft-model`: the specdec suite also times this trained draft (a `finetune` run
     /// folder, .gguf or HF folder) beside the truncated-layer one.
     pub draft_model: Option<std::path::PathBuf>,
