@@ -618,11 +618,66 @@ pub struct PlanStats {
 
 thread_local! {
     static LAST_PLAN: std::cell::Cell<Option<PlanStats>> = const { std::cell::Cell::new(None) };
+    static PHASES: std::cell::Cell<Option<BackwardPhases>> = const { std::cell::Cell::new(None) };
 }
 
 /// The plan of the last chunked backward run on this thread (for benchmarks and logs).
 pub fn last_backward_plan() -> Option<PlanStats> {
     LAST_PLAN.with(|last| last.get())
+}
+
+/// Wall time of the chunked backward's passes, ms, each ended by a device synchronization.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct BackwardPhases {
+    /// The scoring pass (recomputed logits, per-entry scores read back, the plan).
+    pub scoring_ms: f64,
+    /// The vocabulary pass: dC, and dE where it is accumulated there.
+    pub vocabulary_ms: f64,
+    /// dE's second pass over row blocks ([`DeAccumulation::RowBlocks`]), else 0.
+    pub de_pass_ms: f64,
+}
+
+/// Runs `run` with the chunked backward timing its passes (it synchronizes the device between
+/// them, which the untimed backward does not) and returns the last backward's phases, if one
+/// ran. For benchmarks.
+pub fn time_backward_phases(run: impl FnOnce()) -> Option<BackwardPhases> {
+    PHASES.with(|p| p.set(Some(BackwardPhases::default())));
+    run();
+    PHASES
+        .with(|p| p.take())
+        .filter(|p| p.scoring_ms + p.vocabulary_ms > 0.0)
+}
+
+/// Marks the end of a backward pass when phases are timed: synchronizes `device` and adds the
+/// time since the previous mark to the field `pick` selects.
+struct PhaseClock(Option<std::time::Instant>);
+
+impl PhaseClock {
+    fn start<B: burn::tensor::backend::Backend>(device: &B::Device) -> Self {
+        let on = PHASES.with(|p| p.get()).is_some();
+        Self(on.then(|| {
+            let _ = B::sync(device);
+            std::time::Instant::now()
+        }))
+    }
+
+    fn lap<B: burn::tensor::backend::Backend>(
+        &mut self,
+        device: &B::Device,
+        pick: fn(&mut BackwardPhases) -> &mut f64,
+    ) {
+        if let Some(t0) = self.0 {
+            let _ = B::sync(device);
+            let ms = t0.elapsed().as_secs_f64() * 1e3;
+            PHASES.with(|p| {
+                p.set(p.get().map(|mut ph| {
+                    *pick(&mut ph) = ms;
+                    ph
+                }))
+            });
+            self.0 = Some(std::time::Instant::now());
+        }
+    }
 }
 
 fn prim<R, F, I, BT>(t: &Tensor<Cb<R, F, I, BT>, 2>) -> CubeTensor<R>
@@ -660,6 +715,7 @@ where
     let device = e.device();
     let (e_dtype, c_dtype) = (e.dtype(), c.dtype());
     let blocks = BackwardBlocks::new(params, n, vocab, d, e_dtype);
+    let mut clock = PhaseClock::start::<Cb<R, F, I, BT>>(&device);
 
     let scored = params.filter_eps.map(|eps| {
         (
@@ -697,6 +753,7 @@ where
     };
     log::debug!("burn-cce backward: {stats:?} of {vocab} entries, {blocks:?}");
     LAST_PLAN.with(|last| last.set(Some(stats)));
+    clock.lap::<Cb<R, F, I, BT>>(&device, |p| &mut p.scoring_ms);
 
     // dE is allocated once and written in place: no `N × D` temporaries beside it, except the
     // f32 accumulator of `DeAccumulation::Whole`, which is kept only when it is small.
@@ -796,6 +853,7 @@ where
         }
         mark(&dc);
     }
+    clock.lap::<Cb<R, F, I, BT>>(&device, |p| &mut p.vocabulary_ms);
 
     if two_pass && let Some(de) = &de {
         let parts: Vec<Part<R, F, I, BT>> = regroup(&plan, blocks.pass2_chunk)
@@ -844,6 +902,7 @@ where
         }
     }
 
+    clock.lap::<Cb<R, F, I, BT>>(&device, |p| &mut p.de_pass_ms);
     let de = match (de, acc) {
         (Some(de), _) => de,
         (None, Some(acc)) => {

@@ -19,7 +19,7 @@ use rand::{Rng, SeedableRng, rngs::StdRng, seq::SliceRandom};
 use serde_json::json;
 
 use super::{SuiteOptions, run_python_peer};
-use crate::harness::{Candidate, Problem, Suite, params};
+use crate::harness::{Candidate, Extra, Problem, Suite, params};
 
 const SHAPES: &[(&str, usize, usize, usize)] = &[
     ("gemma", 8192, 256_000, 2304),
@@ -240,8 +240,7 @@ fn problem<B: Backend + CceBackend>(
                         );
                         let dout = Tensor::<B, 1>::full([n], 1.0 / n as f32, (device, DType::F32));
                         let (e, c, t) = (x.e.clone(), x.c.clone(), x.targets.clone());
-                        let mut reported = false;
-                        cands.push(Candidate::timed_here(name, move || {
+                        let call = move || {
                             let _ = B::linear_ce_backward(
                                 e.clone().into_primitive().tensor(),
                                 c.clone().into_primitive().tensor(),
@@ -251,6 +250,11 @@ fn problem<B: Backend + CceBackend>(
                                 dout.clone().into_primitive().tensor(),
                                 &p,
                             );
+                        };
+                        let timed = call.clone();
+                        let mut reported = false;
+                        let candidate = Candidate::timed_here(name, move || {
+                            call();
                             if !reported {
                                 reported = true;
                                 if let Some(plan) = chunked::last_backward_plan() {
@@ -260,6 +264,22 @@ fn problem<B: Backend + CceBackend>(
                                     );
                                 }
                             }
+                        });
+                        // One more call, synchronized between the backward's passes.
+                        cands.push(candidate.with_extra(move || {
+                            let mut x = Extra::default();
+                            if let Some(ph) = chunked::time_backward_phases(timed) {
+                                x.params.extend(params([
+                                    ("scoring_ms", json!(ph.scoring_ms)),
+                                    ("vocabulary_pass_ms", json!(ph.vocabulary_ms)),
+                                    ("de_pass_ms", json!(ph.de_pass_ms)),
+                                ]));
+                                x.note = Some(format!(
+                                    "passes: scoring {:.1} ms, vocabulary {:.1} ms, dE {:.1} ms",
+                                    ph.scoring_ms, ph.vocabulary_ms, ph.de_pass_ms
+                                ));
+                            }
+                            x
                         }));
                     }
                     cands.push(Candidate::skipped(
