@@ -203,7 +203,13 @@ fn memory_probe<R: cubecl::Runtime>(device: &R::Device) -> harness::MemoryProbe 
         let client = R::client(device);
         Arc::new(move |run: &mut dyn FnMut()| -> Option<u64> {
             let before = client.memory_usage().ok()?.bytes_in_use;
-            burn_cce::live::track_live_peak(run).map(|peak| peak.saturating_sub(before))
+            let peak = burn_cce::live::track_live_peak(run)?;
+            let bytes = peak.bytes.saturating_sub(before);
+            eprintln!(
+                "  live peak {bytes} B, reached after step \"{}\"",
+                peak.step
+            );
+            Some(bytes)
         })
     };
     harness::MemoryProbe {

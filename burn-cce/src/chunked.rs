@@ -90,6 +90,7 @@ fn matmul_to<R, F, I, BT>(
     dtype: DType,
     strategy: GemmStrategy,
     tf32: bool,
+    step: &'static str,
 ) -> Tensor<Cb<R, F, I, BT>, 2>
 where
     R: CubeRuntime,
@@ -111,7 +112,7 @@ where
     if let Some(kernel) = kernel
         && let Some(out) = fixed_gemm(l.clone(), r.clone(), dtype, kernel, tf32)
     {
-        live::sample(&out);
+        live::sample(&out, step);
         return float(out);
     }
     let out = match matmul(l, r, None, MatmulStrategy::default(), dtype) {
@@ -125,19 +126,19 @@ where
             lhs.clone().cast(dtype).matmul(rhs.clone().cast(dtype))
         }
     };
-    mark(&out);
+    mark(&out, step);
     out
 }
 
 /// Reads the live memory into [`crate::live`]'s peak (when tracking) with `t` allocated.
-fn mark<R, F, I, BT, const D: usize>(t: &Tensor<Cb<R, F, I, BT>, D>)
+fn mark<R, F, I, BT, const D: usize>(t: &Tensor<Cb<R, F, I, BT>, D>, step: &'static str)
 where
     R: CubeRuntime,
     F: FloatElement,
     I: IntElement,
     BT: BoolElement,
 {
-    live::sample(&t.clone().into_primitive().tensor());
+    live::sample(&t.clone().into_primitive().tensor(), step);
 }
 
 /// cubek's launch strategy for `kernel`.
@@ -249,17 +250,18 @@ where
 {
     let e = float::<R, F, I, BT, 2>(e);
     let c = float::<R, F, I, BT, 2>(c);
-    let [n, _] = e.dims();
+    let [n, d] = e.dims();
     let [vocab, _] = c.dims();
     let device = e.device();
+    let chunk = params.chunk_len(n, vocab, d, e.dtype());
     let m = Tensor::<Cb<R, F, I, BT>, 1>::zeros([n], (&device, DType::F32));
     let s = Tensor::<Cb<R, F, I, BT>, 1>::zeros([n], (&device, DType::F32));
-    mark(&s);
+    mark(&s, "forward state");
     let (m_p, s_p) = (
         m.clone().into_primitive().tensor(),
         s.clone().into_primitive().tensor(),
     );
-    for range in chunks(vocab, params.chunk_len(n, vocab)) {
+    for range in chunks(vocab, chunk) {
         let v0 = range.start;
         let logits = matmul_to(
             e.clone(),
@@ -267,6 +269,7 @@ where
             DType::F32,
             params.gemm,
             params.tf32,
+            "forward logits",
         );
         lse_chunk(
             logits.into_primitive().tensor(),
@@ -285,7 +288,7 @@ where
         targets,
         params.softcap,
     );
-    live::sample(&target_logit);
+    live::sample(&target_logit, "target logits");
     (lse.into_primitive().tensor(), target_logit)
 }
 
@@ -329,6 +332,7 @@ where
                 DType::F32,
                 gemm,
                 tf32,
+                "scores: logits",
             );
             let logits = logits.into_primitive().tensor();
             let partial = score::score_chunk(
@@ -339,16 +343,16 @@ where
                 v0,
                 softcap,
             );
-            live::sample(&partial);
+            live::sample(&partial, "scores");
             drop(logits);
             let partial = float::<R, F, I, BT, 2>(partial);
             let best = partial.clone().max_dim(0).reshape([len]);
-            mark(&best);
+            mark(&best, "scores (max)");
             best
         })
         .collect();
     let all = Tensor::cat(parts.clone(), 0);
-    mark(&all);
+    mark(&all, "scores (all)");
     drop(parts);
     debug_assert_eq!(all.dims()[0], vocab, "one score per entry ({n} tokens)");
     all.into_data()
@@ -725,7 +729,7 @@ where
                 &bias,
                 &targets,
                 &lse,
-                params.chunk_len(n, vocab),
+                params.chunk_len(n, vocab, d, e_dtype),
                 params.softcap,
                 params.gemm,
                 params.tf32,
@@ -777,7 +781,7 @@ where
     let mut db = bias
         .as_ref()
         .map(|_| Tensor::<Cb<R, F, I, BT>, 1>::zeros([vocab], (&device, DType::F32)));
-    mark(&dc);
+    mark(&dc, "gradients");
     // The vocabulary pass's dE target, when dE is accumulated there.
     let de_target = match blocks.de {
         DeAccumulation::Direct => de.clone(),
@@ -788,13 +792,14 @@ where
     for plan_part in &plan {
         let part = Part::<R, F, I, BT>::new(plan_part, &device);
         let (c_chunk, ids, v0) = part.classifier_rows(&c);
-        mark(&c_chunk);
+        mark(&c_chunk, "classifier rows");
         let logits = matmul_to(
             e.clone(),
             c_chunk.clone().transpose(),
             DType::F32,
             params.gemm,
             params.tf32,
+            "logits",
         );
         let g = float::<R, F, I, BT, 2>(grad_chunk(
             logits.clone().into_primitive().tensor(),
@@ -808,7 +813,7 @@ where
             params.softcap,
             e_dtype,
         ));
-        mark(&g);
+        mark(&g, "G");
         drop(logits);
         if let Some(target) = &de_target {
             for rows in row_ranges(n, blocks.rows) {
@@ -818,6 +823,7 @@ where
                     DType::F32,
                     params.gemm,
                     params.tf32,
+                    "dE product",
                 );
                 add_rows(&prim(target), prim(&product), rows.start);
             }
@@ -828,13 +834,14 @@ where
             c_dtype,
             params.gemm,
             params.tf32,
+            "dC chunk",
         );
         let db_chunk = db.as_ref().map(|_| {
             let len = g.dims()[1];
             let g32 = g.clone().cast(DType::F32);
-            mark(&g32);
+            mark(&g32, "G f32");
             let sum = g32.clone().sum_dim(0).reshape([len]);
-            mark(&sum);
+            mark(&sum, "db chunk");
             sum
         });
         match part {
@@ -851,7 +858,7 @@ where
                     .map(|(db, x)| db.select_assign(0, ids, x, IndexingUpdateOp::Add));
             }
         }
-        mark(&dc);
+        mark(&dc, "dC chunk written");
     }
     clock.lap::<Cb<R, F, I, BT>>(&device, |p| &mut p.vocabulary_ms);
 
@@ -865,13 +872,14 @@ where
             let mut block_acc: Option<Tensor<Cb<R, F, I, BT>, 2>> = None;
             for part in &parts {
                 let (c_chunk, ids, v0) = part.classifier_rows(&c);
-                mark(&c_chunk);
+                mark(&c_chunk, "dE pass: classifier rows");
                 let logits = matmul_to(
                     e_rows.clone(),
                     c_chunk.clone().transpose(),
                     DType::F32,
                     params.gemm,
                     params.tf32,
+                    "dE pass: logits",
                 );
                 let g = float::<R, F, I, BT, 2>(grad_chunk(
                     logits.clone().into_primitive().tensor(),
@@ -885,9 +893,16 @@ where
                     params.softcap,
                     e_dtype,
                 ));
-                mark(&g);
+                mark(&g, "dE pass: G");
                 drop(logits);
-                let product = matmul_to(g, c_chunk, DType::F32, params.gemm, params.tf32);
+                let product = matmul_to(
+                    g,
+                    c_chunk,
+                    DType::F32,
+                    params.gemm,
+                    params.tf32,
+                    "dE pass: product",
+                );
                 block_acc = Some(match block_acc {
                     None => product,
                     Some(block_acc) => {
@@ -907,7 +922,7 @@ where
         (Some(de), _) => de,
         (None, Some(acc)) => {
             let de = acc.clone().cast(e_dtype);
-            mark(&de);
+            mark(&de, "dE rounded");
             de
         }
         (None, None) => unreachable!("dE or its accumulator is allocated"),

@@ -172,12 +172,19 @@ pub trait CceBackend: Backend {
 }
 
 /// Runs `run` and returns the most device memory in use at once during it beyond what was in
-/// use before, in bytes, as read by the chunked forward and backward after each of their
-/// allocations (see [`live`]); `None` where the backend does not track memory or `run` did not
-/// go through the chunked path. For benchmarks and tests: each reading queries the pool.
-pub fn track_live_peak<B: CceBackend>(device: &B::Device, run: impl FnOnce()) -> Option<u64> {
+/// use before, in bytes, and the step that reached it, as read by the chunked forward and
+/// backward after each of their allocations (see [`live`]); `None` where the backend does not
+/// track memory or `run` did not go through the chunked path. For benchmarks and tests: each
+/// reading queries the pool.
+pub fn track_live_peak<B: CceBackend>(
+    device: &B::Device,
+    run: impl FnOnce(),
+) -> Option<live::LivePeak> {
     let before = B::memory_in_use(device)?;
-    live::track_live_peak(run).map(|peak| peak.saturating_sub(before))
+    live::track_live_peak(run).map(|peak| live::LivePeak {
+        bytes: peak.bytes.saturating_sub(before),
+        ..peak
+    })
 }
 
 fn f1<B: Backend>(t: FloatTensor<B>) -> Tensor<B, 1> {

@@ -14,32 +14,47 @@ use std::cell::Cell;
 
 use burn_cubecl::{CubeRuntime, tensor::CubeTensor};
 
+/// The largest reading so far and the step that took it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LivePeak {
+    /// Bytes in use (absolute, or beyond those in use before, see [`crate::track_live_peak`]).
+    pub bytes: u64,
+    /// The chunked path's step right after whose allocation it was read (e.g. `"logits"`,
+    /// `"dE pass: product"`).
+    pub step: &'static str,
+}
+
 thread_local! {
-    /// `Some(peak)` while tracking on this thread.
-    static PEAK: Cell<Option<u64>> = const { Cell::new(None) };
-    /// Readings taken while tracking.
-    static SAMPLES: Cell<usize> = const { Cell::new(0) };
+    /// `Some(peak)` while tracking on this thread (`step` empty until the first reading).
+    static PEAK: Cell<Option<LivePeak>> = const { Cell::new(None) };
+    /// Print every reading to stderr (`BURN_CCE_LIVE_TRACE` set when tracking started).
+    static TRACE: Cell<bool> = const { Cell::new(false) };
 }
 
 /// Runs `run` with live tracking on this thread and returns the largest `bytes_in_use` the
 /// chunked path read during it (absolute: the caller subtracts what was held before), or
-/// `None` when nothing was read (`run` did not go through the chunked path).
-pub fn track_live_peak(run: impl FnOnce()) -> Option<u64> {
-    PEAK.with(|p| p.set(Some(0)));
-    SAMPLES.with(|s| s.set(0));
+/// `None` when nothing was read (`run` did not go through the chunked path). With the
+/// environment variable `BURN_CCE_LIVE_TRACE` set, every reading is printed to stderr.
+pub fn track_live_peak(run: impl FnOnce()) -> Option<LivePeak> {
+    PEAK.with(|p| p.set(Some(LivePeak { bytes: 0, step: "" })));
+    TRACE.with(|t| t.set(std::env::var_os("BURN_CCE_LIVE_TRACE").is_some()));
     run();
-    let peak = PEAK.with(|p| p.take());
-    let samples = SAMPLES.with(|s| s.take());
-    peak.filter(|_| samples > 0)
+    PEAK.with(|p| p.take()).filter(|p| !p.step.is_empty())
 }
 
-/// Reads the pool of `tensor`'s device into the running peak, when tracking.
-pub(crate) fn sample<R: CubeRuntime>(tensor: &CubeTensor<R>) {
-    if PEAK.with(|p| p.get()).is_none() {
+/// Reads the pool of `tensor`'s device into the running peak, when tracking; `step` names the
+/// allocation just made.
+pub(crate) fn sample<R: CubeRuntime>(tensor: &CubeTensor<R>, step: &'static str) {
+    let Some(peak) = PEAK.with(|p| p.get()) else {
         return;
-    }
+    };
     if let Ok(usage) = tensor.client.memory_usage() {
-        PEAK.with(|p| p.set(p.get().map(|peak| peak.max(usage.bytes_in_use))));
-        SAMPLES.with(|s| s.set(s.get() + 1));
+        let bytes = usage.bytes_in_use;
+        if TRACE.with(|t| t.get()) {
+            eprintln!("burn-cce live: {bytes} B after {step}");
+        }
+        if bytes >= peak.bytes || peak.step.is_empty() {
+            PEAK.with(|p| p.set(Some(LivePeak { bytes, step })));
+        }
     }
 }

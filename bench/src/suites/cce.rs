@@ -106,7 +106,7 @@ pub fn suite<B: Backend + CceBackend>(opts: SuiteOptions) -> Suite<B> {
         name: "cce",
         description: "linear cross-entropy, bf16, synthetic peaky logits (Zipf prior, target +10): \
                       burn-cce vs Burn's plain path (matmul → log-softmax → gather, autodiff) and \
-                      the PyTorch peers; peak MB = bytes one call allocates beyond its inputs, every allocation exact-size (CubeCL's persistent mode: an upper bound on the bytes in use at once; PyTorch: max_memory_allocated), pool MB = growth of the default memory pool's reservation over one call (whole pages)",
+                      the PyTorch peers; peak MB = bytes one call allocates beyond its inputs, every allocation exact-size (CubeCL's persistent mode: an upper bound on the bytes in use at once; PyTorch: max_memory_allocated), pool MB = growth of the default memory pool's reservation over one call (whole pages), live MB = most bytes in use at once beyond the inputs, read after every allocation of burn-cce's chunked path (burn_cce::track_live_peak)",
         baseline: "burn-plain",
         problems,
         measure_memory: true,
