@@ -761,6 +761,7 @@ where
 
     // dE is allocated once and written in place: no `N × D` temporaries beside it, except the
     // f32 accumulator of `DeAccumulation::Whole`, which is kept only when it is small.
+    mark(&e, "scores read back");
     let (de, acc) = match blocks.de {
         DeAccumulation::Whole => (
             None,
@@ -777,6 +778,9 @@ where
             None,
         ),
     };
+    if let Some(t) = de.as_ref().or(acc.as_ref()) {
+        mark(t, "dE");
+    }
     let mut dc = Tensor::<Cb<R, F, I, BT>, 2>::zeros([vocab, d], (&device, c_dtype));
     let mut db = bias
         .as_ref()
