@@ -694,6 +694,23 @@ where
     t.clone().into_primitive().tensor()
 }
 
+/// A zero matrix without row padding. CubeCL's CUDA runtime gives a new 2-D tensor rows pitched
+/// to 512 bytes: SmolLM2's bf16 rows of 576 values (1152 bytes) would take 1536, a third more
+/// for dE and dC (H100, 2026-11-26). A 1-D allocation is not pitched, and its reshape is a view.
+fn dense_zeros<R, F, I, BT>(
+    [rows, cols]: [usize; 2],
+    dtype: DType,
+    device: &burn::tensor::Device<Cb<R, F, I, BT>>,
+) -> Tensor<Cb<R, F, I, BT>, 2>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    Tensor::<Cb<R, F, I, BT>, 1>::zeros([rows * cols], (device, dtype)).reshape([rows, cols])
+}
+
 /// See [`crate::CceBackend::linear_ce_backward`]; the passes and their memory are described in
 /// the module docs and [`BackwardBlocks`].
 #[allow(clippy::too_many_arguments)]
@@ -765,23 +782,17 @@ where
     let (de, acc) = match blocks.de {
         DeAccumulation::Whole => (
             None,
-            Some(Tensor::<Cb<R, F, I, BT>, 2>::zeros(
-                [n, d],
-                (&device, DType::F32),
-            )),
+            Some(dense_zeros::<R, F, I, BT>([n, d], DType::F32, &device)),
         ),
         _ => (
-            Some(Tensor::<Cb<R, F, I, BT>, 2>::zeros(
-                [n, d],
-                (&device, e_dtype),
-            )),
+            Some(dense_zeros::<R, F, I, BT>([n, d], e_dtype, &device)),
             None,
         ),
     };
     if let Some(t) = de.as_ref().or(acc.as_ref()) {
         mark(t, "dE");
     }
-    let mut dc = Tensor::<Cb<R, F, I, BT>, 2>::zeros([vocab, d], (&device, c_dtype));
+    let mut dc = dense_zeros::<R, F, I, BT>([vocab, d], c_dtype, &device);
     let mut db = bias
         .as_ref()
         .map(|_| Tensor::<Cb<R, F, I, BT>, 1>::zeros([vocab], (&device, DType::F32)));
