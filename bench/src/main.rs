@@ -65,6 +65,10 @@ struct Args {
     /// the forward and the backward's scoring pass instead of 32 MiB.
     #[arg(long, value_delimiter = ',')]
     cce_pass_blocks: Vec<usize>,
+    /// cce suite: also time the default with these logits blocks (MiB, comma-separated) for
+    /// every pass, the gradient's included (more memory, fewer and larger GEMMs).
+    #[arg(long, value_delimiter = ',')]
+    cce_chunk_bytes: Vec<usize>,
     /// specdec suite: also time this trained draft (a `finetune` run folder, .gguf or HF
     /// folder) beside the target's first 8 layers.
     #[arg(long)]
@@ -328,6 +332,7 @@ fn run<
         excludes: args.excludes.clone(),
         cce_gemm_sweep: args.cce_gemm_sweep,
         cce_pass_blocks: args.cce_pass_blocks.clone(),
+        cce_chunk_bytes: args.cce_chunk_bytes.clone(),
         draft_model: args.draft_model.clone(),
         batches: args.batches.clone(),
         seq: args.seq,

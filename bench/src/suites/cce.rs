@@ -29,9 +29,23 @@ const QUICK_SHAPES: &[(&str, usize, usize, usize)] = &[("tiny", 256, 8192, 128)]
 
 /// CCE option sets that matter: the default, and each optimization switched off; with
 /// `sweep`, also the default with each fixed GEMM kernel; and the default with each of
-/// `pass_blocks` (MiB) as the forward's and scoring pass's logits block.
-fn variants(sweep: bool, pass_blocks: &[usize]) -> Vec<(&'static str, CceOptions)> {
+/// `pass_blocks` (MiB) as the forward's and scoring pass's logits block, and with each of
+/// `chunk_blocks` (MiB) as every pass's.
+fn variants(
+    sweep: bool,
+    pass_blocks: &[usize],
+    chunk_blocks: &[usize],
+) -> Vec<(&'static str, CceOptions)> {
     let d = CceOptions::default();
+    let chunks = chunk_blocks.iter().map(move |&mib| {
+        (
+            &*Box::leak(format!("cce (all blocks {mib} MiB)").into_boxed_str()),
+            CceOptions {
+                chunk_bytes: Some(mib << 20),
+                ..d
+            },
+        )
+    });
     let blocks = pass_blocks.iter().map(move |&mib| {
         (
             &*Box::leak(format!("cce (pass block {mib} MiB)").into_boxed_str()),
@@ -91,7 +105,12 @@ fn variants(sweep: bool, pass_blocks: &[usize]) -> Vec<(&'static str, CceOptions
             },
         ),
     ];
-    named.into_iter().chain(kernels).chain(blocks).collect()
+    named
+        .into_iter()
+        .chain(kernels)
+        .chain(blocks)
+        .chain(chunks)
+        .collect()
 }
 
 pub fn suite<B: Backend + CceBackend>(opts: SuiteOptions) -> Suite<B> {
@@ -184,6 +203,7 @@ fn problem<B: Backend + CceBackend>(
     let peers = opts.peers_dir.clone();
     let sweep = opts.cce_gemm_sweep;
     let pass_blocks = opts.cce_pass_blocks.clone();
+    let chunk_blocks = opts.cce_chunk_bytes.clone();
     Problem {
         label: format!("{shape} N={n} V={v} D={d} {mode}"),
         params: params([
@@ -208,13 +228,16 @@ fn problem<B: Backend + CceBackend>(
             let mut cands = Vec::new();
             match mode {
                 "loss" => {
-                    // The loss depends only on the GEMM kernel and the pass block among the
+                    // The loss depends only on the GEMM kernel and the logits blocks among the
                     // variants' options.
-                    let kernels = variants(sweep, &pass_blocks).into_iter().filter(|(_, o)| {
-                        matches!(o.gemm, GemmStrategy::Kernel(_))
-                            || o.pass_chunk_bytes.is_some()
-                            || *o == CceOptions::default()
-                    });
+                    let kernels = variants(sweep, &pass_blocks, &chunk_blocks)
+                        .into_iter()
+                        .filter(|(_, o)| {
+                            matches!(o.gemm, GemmStrategy::Kernel(_))
+                                || o.pass_chunk_bytes.is_some()
+                                || o.chunk_bytes.is_some()
+                                || *o == CceOptions::default()
+                        });
                     for (name, opts) in kernels {
                         let (e, c, t) = (x.e.clone(), x.c.clone(), x.targets.clone());
                         cands.push(Candidate::timed_here(name, move || {
@@ -225,7 +248,7 @@ fn problem<B: Backend + CceBackend>(
                     }
                 }
                 "grad" => {
-                    for (name, o) in variants(sweep, &pass_blocks) {
+                    for (name, o) in variants(sweep, &pass_blocks, &chunk_blocks) {
                         if let Some(why) = too_slow_to_tune(shape, o) {
                             cands.push(Candidate::skipped(name, why));
                             continue;
@@ -289,7 +312,7 @@ fn problem<B: Backend + CceBackend>(
                     ));
                 }
                 _ => {
-                    for (name, o) in variants(false, &pass_blocks) {
+                    for (name, o) in variants(false, &pass_blocks, &chunk_blocks) {
                         if let Some(why) = too_slow_to_tune(shape, o) {
                             cands.push(Candidate::skipped(name, why));
                             continue;

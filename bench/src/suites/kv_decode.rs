@@ -543,6 +543,7 @@ pub mod tests {
             excludes: Vec::new(),
             cce_gemm_sweep: false,
             cce_pass_blocks: Vec::new(),
+            cce_chunk_bytes: Vec::new(),
             draft_model: None,
             batches: Vec::new(),
             seq: None,

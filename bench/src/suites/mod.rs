@@ -80,6 +80,9 @@ pub struct SuiteOptions {
     /// `--cce-pass-blocks`: the cce suite also times the default with these logits blocks
     /// (MiB) for the forward and the scoring pass (`CceOptions::pass_chunk_bytes`).
     pub cce_pass_blocks: Vec<usize>,
+    /// `--cce-chunk-bytes`: the cce suite also times the default with these logits blocks
+    /// (MiB) for every pass (`CceOptions::chunk_bytes`).
+    pub cce_chunk_bytes: Vec<usize>,
     /// `--draft-model`: the specdec suite also times this trained draft (a `finetune` run
     /// folder, .gguf or HF folder) beside the truncated-layer one.
     pub draft_model: Option<std::path::PathBuf>,
