@@ -143,7 +143,10 @@ where
     I: IntElement,
     BT: BoolElement,
 {
-    live::sample(&t.clone().into_primitive().tensor(), step);
+    // The untracked path pays one thread-local read, not a tensor handle clone.
+    if live::tracking() {
+        live::sample(&t.clone().into_primitive().tensor(), step);
+    }
 }
 
 /// cubek's launch strategy for `kernel`.
@@ -657,8 +660,8 @@ pub fn time_backward_phases(run: impl FnOnce()) -> Option<BackwardPhases> {
         .filter(|p| p.scoring_ms + p.vocabulary_ms > 0.0)
 }
 
-/// Marks the end of a backward pass when phases are timed: synchronizes `device` and adds the
-/// time since the previous mark to the field `pick` selects.
+/// Marks the end of a backward pass when phases are timed: synchronizes `device` and records
+/// the time since the previous mark in the field `pick` selects.
 struct PhaseClock(Option<std::time::Instant>);
 
 impl PhaseClock {
@@ -783,7 +786,6 @@ where
 
     // dE is allocated once and written in place: no `N × D` temporaries beside it, except the
     // f32 accumulator of `DeAccumulation::Whole`, which is kept only when it is small.
-    mark(&e, "scores read back");
     let (de, acc) = match blocks.de {
         DeAccumulation::Whole => (
             None,

@@ -42,6 +42,11 @@ pub fn track_live_peak(run: impl FnOnce()) -> Option<LivePeak> {
     PEAK.with(|p| p.take()).filter(|p| !p.step.is_empty())
 }
 
+/// Whether [`track_live_peak`] is running on this thread.
+pub(crate) fn tracking() -> bool {
+    PEAK.with(|p| p.get()).is_some()
+}
+
 /// Reads the pool of `tensor`'s device into the running peak, when tracking; `step` names the
 /// allocation just made.
 pub(crate) fn sample<R: CubeRuntime>(tensor: &CubeTensor<R>, step: &'static str) {
