@@ -69,10 +69,17 @@ struct Args {
     /// every pass, the gradient's included (more memory, fewer and larger GEMMs).
     #[arg(long, value_delimiter = ',')]
     cce_chunk_bytes: Vec<usize>,
-    /// specdec suite: also time this trained draft (a `finetune` run folder, .gguf or HF
-    /// folder) beside the target's first 8 layers.
-    #[arg(long)]
-    draft_model: Option<std::path::PathBuf>,
+    /// specdec suite: also time these trained drafts (`finetune` run folders, .gguf or HF
+    /// folders; comma-separated) beside the target's first 8 layers. e2e-generate: the first
+    /// one replaces the 8-layer draft.
+    #[arg(long, value_delimiter = ',')]
+    draft_model: Vec<std::path::PathBuf>,
+    /// specdec suite: draft lengths L to time (comma-separated; default 4).
+    #[arg(long, value_delimiter = ',')]
+    draft_lens: Vec<usize>,
+    /// specdec suite: numbers of drafts K to time (comma-separated; default 1, 2, 4).
+    #[arg(long, value_delimiter = ',')]
+    spec_drafts: Vec<usize>,
     /// e2e suite: these batch sizes (comma-separated) instead of 4, 8, 16. Growing batches
     /// find the largest that fits: a problem that runs out of device memory fails, and the
     /// runtime may not recover for the next ones, so run one loss per process
@@ -334,6 +341,8 @@ fn run<
         cce_pass_blocks: args.cce_pass_blocks.clone(),
         cce_chunk_bytes: args.cce_chunk_bytes.clone(),
         draft_model: args.draft_model.clone(),
+        draft_lens: args.draft_lens.clone(),
+        spec_drafts: args.spec_drafts.clone(),
         batches: args.batches.clone(),
         seq: args.seq,
         decode_kernels: args.decode_kernels,

@@ -168,7 +168,8 @@ pub fn suite<B: KvBackend + FusedBackend + SageBackend>(opts: SuiteOptions) -> S
     };
     let draft = opts
         .draft_model
-        .clone()
+        .first()
+        .cloned()
         .map_or(DraftChoice::Truncated(DRAFT_LAYERS), DraftChoice::Trained);
     Suite {
         name: "e2e-generate",

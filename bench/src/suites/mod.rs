@@ -83,9 +83,14 @@ pub struct SuiteOptions {
     /// `--cce-chunk-bytes`: the cce suite also times the default with these logits blocks
     /// (MiB) for every pass (`CceOptions::chunk_bytes`).
     pub cce_chunk_bytes: Vec<usize>,
-    /// `--draft-model`: the specdec suite also times this trained draft (a `finetune` run
-    /// folder, .gguf or HF folder) beside the truncated-layer one.
-    pub draft_model: Option<std::path::PathBuf>,
+    /// `--draft-model`: the specdec suite also times these trained drafts (`finetune` run
+    /// folders, .gguf or HF folders) beside the truncated-layer one; e2e-generate uses the
+    /// first instead of the truncated-layer one.
+    pub draft_model: Vec<std::path::PathBuf>,
+    /// `--draft-lens`: the specdec suite's draft lengths L (empty: its default).
+    pub draft_lens: Vec<usize>,
+    /// `--spec-drafts`: the specdec suite's numbers of drafts K (empty: its defaults).
+    pub spec_drafts: Vec<usize>,
     /// `--batches`: the e2e suite's batch sizes instead of its defaults (growing batches find
     /// the largest that fits: the first out-of-memory fails that problem).
     pub batches: Vec<usize>,

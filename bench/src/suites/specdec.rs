@@ -5,7 +5,7 @@
 //! (`cargo xtask fetch-model`, or `$BURN_KERNELS_MODEL`), else random weights of its shape (the
 //! record says which; with random weights acceptance says nothing about real text). Draft: its
 //! first [`DRAFT_LAYERS`] layers with its final norm and LM head (a self-speculative draft that
-//! shares the target's weights). Target and drafts sample at temperature 1 (K = 1, 2, 4) and
+//! shares the target's weights). Target and drafts sample at temperature 1 (K = 1, 2, 4, or `--spec-drafts`) and
 //! greedily (K = 1: greedy drafts would be identical; a draft token is accepted when it is the
 //! target's top token), f32 weights, Burn's fused attention, batch 1.
 //!
@@ -26,7 +26,8 @@ use burn_kvcache::{DecodeAttention, KvBackend};
 use burn_llama::generate::{GenerateOptions, generate};
 use burn_llama::loader::{Checkpoint, default_model_path, load};
 use burn_llama::spec::{
-    Draft, SpecOptions, SpecStats, load_draft, speculative_generate, truncated_draft,
+    Draft, LinearSpecCache, SpecOptions, SpecStats, load_draft, speculative_generate,
+    speculative_generate_with_cache, truncated_draft,
 };
 use burn_llama::{Llama, LlamaConfig};
 use burn_specdec::Scheme;
@@ -42,38 +43,57 @@ use crate::harness::{Candidate, Extra, Problem, Suite, params};
 pub const DRAFT_LAYERS: usize = 8;
 /// Tokens generated per repetition.
 pub const NEW_TOKENS: usize = 64;
-/// Draft length L.
+/// Draft length L (`--draft-lens` times others).
 const DRAFT_LEN: usize = 4;
 /// Prompt tokens (the start of the committed paragraph, or token ids with random weights).
 const PROMPT_TOKENS: usize = 64;
 
 pub fn suite<B: KvBackend + FusedBackend>(opts: SuiteOptions) -> Suite<B> {
-    let (drafts, new_tokens): (&[usize], usize) = if opts.quick {
+    let (default_drafts, new_tokens): (&[usize], usize) = if opts.quick {
         (&[1, 2], 8)
     } else {
         (&[1, 2, 4], NEW_TOKENS)
     };
+    let drafts = match opts.spec_drafts.is_empty() {
+        true => default_drafts.to_vec(),
+        false => opts.spec_drafts.clone(),
+    };
+    let lens = match opts.draft_lens.is_empty() {
+        true => vec![DRAFT_LEN],
+        false => opts.draft_lens.clone(),
+    };
     let mut choices = vec![DraftChoice::Truncated(DRAFT_LAYERS)];
-    choices.extend(opts.draft_model.clone().map(DraftChoice::Trained));
+    choices.extend(opts.draft_model.iter().cloned().map(DraftChoice::Trained));
     // Sampling at temperature 1 with K drafts, and greedy decoding (single draft: greedy
     // drafts are identical) where acceptance is the draft's top token matching the target's.
-    let problems = choices
-        .iter()
-        .flat_map(|c| {
-            drafts
-                .iter()
-                .map(move |&k| (c.clone(), k, 1.0))
-                .chain([(c.clone(), 1, 0.0)])
-        })
-        .map(|(c, k, t)| problem::<B>(c, k, t, new_tokens, opts.quick, opts.decode_kernels))
-        .collect();
+    let mut problems = Vec::new();
+    for c in &choices {
+        for &len in &lens {
+            let cells = drafts.iter().map(|&k| (k, 1.0)).chain([(1, 0.0)]);
+            for (k, t) in cells {
+                let shape = Shape {
+                    k,
+                    len,
+                    temperature: t,
+                };
+                problems.push(problem::<B>(
+                    c.clone(),
+                    shape,
+                    new_tokens,
+                    opts.quick,
+                    opts.decode_kernels,
+                ));
+            }
+        }
+    }
     Suite {
         name: "specdec",
         description: "speculative decoding of SmolLM2-135M (real weights when cached) with its \
-                      first 8 layers as the draft (and a trained draft with --draft-model), K \
-                      drafts of 4 tokens, temperature 1 (and greedy, single draft), batch 1: \
-                      each scheme vs plain autoregressive decoding at the same temperature; \
-                      tokens/s of generated tokens",
+                      first 8 layers as the draft (and trained drafts with --draft-model), K \
+                      drafts of L tokens (L = 4 unless --draft-lens), temperature 1 (and \
+                      greedy, single draft), batch 1: each scheme vs plain autoregressive \
+                      decoding at the same temperature; tokens/s of generated tokens; with K = 1 \
+                      the target cache is the autoregressive one, rolled back by truncation",
         baseline: "autoregressive",
         problems,
         measure_memory: false,
@@ -183,14 +203,26 @@ impl DraftChoice {
     }
 }
 
+/// The drafting of one problem: K drafts of L tokens, both models at one temperature.
+#[derive(Debug, Clone, Copy)]
+struct Shape {
+    k: usize,
+    len: usize,
+    temperature: f32,
+}
+
 fn problem<B: KvBackend + FusedBackend>(
     choice: DraftChoice,
-    k: usize,
-    temperature: f32,
+    shape: Shape,
     new_tokens: usize,
     quick: bool,
     decode_kernels: bool,
 ) -> Problem<B> {
+    let Shape {
+        k,
+        len: draft_len,
+        temperature,
+    } = shape;
     let mut mode = if temperature == 0.0 {
         " greedy".to_string()
     } else {
@@ -205,11 +237,11 @@ fn problem<B: KvBackend + FusedBackend>(
         Arc::new(BurnAttention)
     };
     Problem {
-        label: format!("draft={} K={k} L={DRAFT_LEN}{mode}", choice.label()),
+        label: format!("draft={} K={k} L={draft_len}{mode}", choice.label()),
         params: params([
             ("temperature", json!(temperature)),
             ("drafts", json!(k)),
-            ("draft_len", json!(DRAFT_LEN)),
+            ("draft_len", json!(draft_len)),
             ("draft", json!(choice.label())),
             ("new_tokens", json!(new_tokens)),
             ("batch", json!(1)),
@@ -259,23 +291,44 @@ fn problem<B: KvBackend + FusedBackend>(
                         let drafts = vec![Draft::model(&d, sampling(temperature, 0)); k];
                         let opts = SpecOptions {
                             scheme,
-                            draft_len: DRAFT_LEN,
+                            draft_len,
                             target_sampling: sampling(temperature, 0),
                             max_new_tokens: new_tokens,
                             stop_tokens: Vec::new(),
                             seed,
                         };
-                        let g = speculative_generate(
-                            &m,
-                            &drafts,
-                            std::slice::from_ref(&p),
-                            att.as_ref(),
-                            &opts,
-                            &mut |_, _| {},
-                        )
-                        .expect("a valid configuration");
-                        assert_eq!(g.tokens[0].len(), new_tokens, "no stop tokens");
-                        *seen.borrow_mut() = Some(g.stats);
+                        let prompts = std::slice::from_ref(&p);
+                        // One sequence and one draft: the target cache is the autoregressive
+                        // one, rolled back by truncation (no branch rows to widen and merge).
+                        let (tokens, stats) = if k == 1 {
+                            let cache = LinearSpecCache::new(Box::new(FullKvCache::new(
+                                m.config.num_layers,
+                            )));
+                            let g = speculative_generate_with_cache(
+                                &m,
+                                cache,
+                                &drafts,
+                                prompts,
+                                att.as_ref(),
+                                &opts,
+                                &mut |_, _| {},
+                            )
+                            .expect("a valid configuration");
+                            (g.tokens, g.stats)
+                        } else {
+                            let g = speculative_generate(
+                                &m,
+                                &drafts,
+                                prompts,
+                                att.as_ref(),
+                                &opts,
+                                &mut |_, _| {},
+                            )
+                            .expect("a valid configuration");
+                            (g.tokens, g.stats)
+                        };
+                        assert_eq!(tokens[0].len(), new_tokens, "no stop tokens");
+                        *seen.borrow_mut() = Some(stats);
                     })
                     .with_extra(move || spec_extra(weights, last.borrow().as_ref())),
                 );

@@ -22,7 +22,7 @@ use serde::{Deserialize, Serialize};
 use crate::config::LlamaConfig;
 use crate::generate::{GenerateOptions, generate};
 use crate::model::Llama;
-use crate::train::{LossKind, next_token_loss};
+use crate::train::{LossKind, next_token_loss, soft_label_loss};
 
 /// What went wrong in a training run.
 #[derive(Debug, thiserror::Error)]
@@ -261,6 +261,11 @@ where
 /// Trains `model` for `cfg.steps` optimizer steps, calling `on_step` after each; the run stops
 /// early when `on_step` returns `false`.
 ///
+/// With `teacher`, the training loss is [`soft_label_loss`] against the teacher's next-token
+/// distributions (a draft's distillation; `kind` then only sets the validation loss, which
+/// stays the cross-entropy of the held-out tokens so that runs compare). The teacher runs on the
+/// inner backend with `val_attention`.
+///
 /// `checkpoint = Some((dir, every, resume))` writes the model, the optimizer state and the log
 /// to `dir` every `every` steps and after the last step taken; with `resume`, a checkpoint
 /// already in `dir` is loaded first (its configuration must equal `cfg`) and the run continues
@@ -274,6 +279,7 @@ pub fn train<B>(
     corpus: &Corpus,
     cfg: &TrainConfig,
     kind: LossKind,
+    teacher: Option<&Llama<B::InnerBackend>>,
     attention: &dyn AttentionImpl<B>,
     val_attention: &dyn AttentionImpl<B::InnerBackend>,
     checkpoint: Option<(&Path, usize, bool)>,
@@ -322,7 +328,10 @@ where
                 TensorData::new(ids, [cfg.batch, cfg.seq + 1]),
                 &device,
             );
-            let loss = next_token_loss(&model, tokens, attention, kind, -100)?;
+            let loss = match teacher {
+                Some(teacher) => soft_label_loss(&model, teacher, tokens, attention, val_attention),
+                None => next_token_loss(&model, tokens, attention, kind, -100)?,
+            };
             loss_sum += loss.clone().into_scalar().elem::<f64>();
             // Mean over micro-batches: each one's gradient is scaled before they are summed.
             let grads = (loss / cfg.grad_accum as f32).backward();

@@ -88,3 +88,47 @@ pub fn next_token_loss_with_targets<B: CceBackend>(
         }
     }
 }
+
+/// Distillation against a teacher's full next-token distributions: the mean over positions of
+/// `KL(teacher ‖ student)`, where [`next_token_loss`] scores only the token that follows. At
+/// every position the student learns the teacher's whole row, which is what a speculative
+/// draft is accepted on (`sum min(p, q)`), instead of one sample of it. The teacher runs
+/// without gradient on the inner backend.
+///
+/// Both models see `tokens[.., ..seq - 1]` (the last token has no successor in the window, as in
+/// [`next_token_loss`]) and must share the vocabulary. Logits `[batch, seq - 1, vocab]` are
+/// materialized for both, so memory grows with `batch · seq · vocab`.
+///
+/// # Shapes
+/// - `tokens`: `[batch, seq]`, `seq ≥ 2`; returns `[1]` (f32, nats per position)
+///
+/// # Panics
+/// If `seq < 2` or the vocabularies differ.
+pub fn soft_label_loss<B: burn::tensor::backend::AutodiffBackend>(
+    student: &Llama<B>,
+    teacher: &Llama<B::InnerBackend>,
+    tokens: Tensor<B, 2, Int>,
+    attention: &dyn AttentionImpl<B>,
+    teacher_attention: &dyn AttentionImpl<B::InnerBackend>,
+) -> Tensor<B, 1> {
+    use burn::tensor::activation::log_softmax;
+    let [b, s] = tokens.dims();
+    assert!(s >= 2, "a window needs at least two tokens");
+    assert_eq!(
+        student.config.vocab_size, teacher.config.vocab_size,
+        "student and teacher vocabularies"
+    );
+    let inputs = tokens.slice([0..b, 0..s - 1]);
+    let mut cache = FullKvCache::new(teacher.config.num_layers);
+    let hidden = teacher.forward(inputs.clone().inner(), &[], &mut cache, teacher_attention);
+    let log_p = log_softmax(teacher.logits(hidden), 2);
+    // Constants of the loss: p and sum p log p (the teacher's negative entropy).
+    let p = log_p.clone().exp();
+    let neg_entropy = Tensor::<B, 1>::from_inner((p.clone() * log_p).sum());
+    let p = Tensor::<B, 3>::from_inner(p);
+    let mut cache = FullKvCache::new(student.config.num_layers);
+    let hidden = student.forward(inputs, &[], &mut cache, attention);
+    let log_q = log_softmax(student.logits(hidden), 2);
+    let cross = (p * log_q).sum().neg();
+    (cross + neg_entropy) / (b * (s - 1)) as f32
+}

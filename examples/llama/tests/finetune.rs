@@ -13,7 +13,7 @@ use burn_llama::finetune::{
 };
 use burn_llama::model::Llama;
 use burn_llama::spec::{load_draft, truncated_draft};
-use burn_llama::train::LossKind;
+use burn_llama::train::{LossKind, soft_label_loss};
 use burn_specdec::{Scheme, Verifier};
 
 type B = Autodiff<NdArray<f32>>;
@@ -81,7 +81,18 @@ fn try_run(
 ) -> Result<Vec<StepLog>, TrainError> {
     let stop = |s: &StepLog| stop_after.is_none_or(|n| s.step < n);
     let attention = &ReferenceAttention;
-    train(m, &corpus(), c, kind, attention, attention, ckpt, stop).map(|(_, log)| log)
+    train(
+        m,
+        &corpus(),
+        c,
+        kind,
+        None,
+        attention,
+        attention,
+        ckpt,
+        stop,
+    )
+    .map(|(_, log)| log)
 }
 
 fn run(
@@ -181,31 +192,34 @@ fn bad_configuration_is_a_typed_error() {
 
 /// Mean probability that single-draft speculative sampling accepts `draft`'s token, over every
 /// position of `samples`, with the teacher as target (both at temperature 1): 1 − TV(p, q).
+/// Next-token distributions of `m` at every position of `samples` (equal lengths), in f64.
+fn rows(m: &Llama<NdArray<f32>>, samples: &[Vec<u32>]) -> Vec<Vec<f64>> {
+    let device = Default::default();
+    let (n, len) = (samples.len(), samples[0].len());
+    let ids: Vec<i64> = samples.iter().flatten().map(|&t| t as i64).collect();
+    let input = Tensor::<NdArray<f32>, 2, Int>::from_data(TensorData::new(ids, [n, len]), &device);
+    let mut cache = FullKvCache::new(m.config.num_layers);
+    let logits = m.logits(m.forward(input, &[], &mut cache, &ReferenceAttention));
+    let v = logits.dims()[2];
+    let data = logits.into_data().to_vec::<f32>().expect("f32");
+    data.chunks(v)
+        .map(|r| {
+            let max = r.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let w: Vec<f64> = r.iter().map(|&l| f64::from(l - max).exp()).collect();
+            let s: f64 = w.iter().sum();
+            w.iter().map(|x| x / s).collect()
+        })
+        .collect()
+}
+
+/// Mean single-draft acceptance `sum min(p, q)` of `draft` against `teacher` over every
+/// position of `samples`.
 fn acceptance(
     teacher: &Llama<NdArray<f32>>,
     draft: &Llama<NdArray<f32>>,
     samples: &[Vec<u32>],
 ) -> f64 {
-    let rows = |m: &Llama<NdArray<f32>>| -> Vec<Vec<f64>> {
-        let device = Default::default();
-        let (n, len) = (samples.len(), samples[0].len());
-        let ids: Vec<i64> = samples.iter().flatten().map(|&t| t as i64).collect();
-        let input =
-            Tensor::<NdArray<f32>, 2, Int>::from_data(TensorData::new(ids, [n, len]), &device);
-        let mut cache = FullKvCache::new(m.config.num_layers);
-        let logits = m.logits(m.forward(input, &[], &mut cache, &ReferenceAttention));
-        let v = logits.dims()[2];
-        let data = logits.into_data().to_vec::<f32>().expect("f32");
-        data.chunks(v)
-            .map(|r| {
-                let max = r.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let w: Vec<f64> = r.iter().map(|&l| f64::from(l - max).exp()).collect();
-                let s: f64 = w.iter().sum();
-                w.iter().map(|x| x / s).collect()
-            })
-            .collect()
-    };
-    let (p, q) = (rows(teacher), rows(draft));
+    let (p, q) = (rows(teacher, samples), rows(draft, samples));
     let total: f64 = p
         .iter()
         .zip(&q)
@@ -218,12 +232,18 @@ fn acceptance(
     total / p.len() as f64
 }
 
-/// Draft distillation as `finetune --init-layers 1 --teacher-samples N` runs it: the teacher's
-/// samples have the requested shape and start with corpus windows; training the truncated draft
-/// on them raises its speculative acceptance against the teacher on held-out samples; and the
-/// saved checkpoint loads back (from the run folder) as the same draft.
-#[test]
-fn distilled_draft_accepts_more_and_reloads() {
+/// Windows of `len` tokens of the corpus's training text at a few uneven offsets.
+fn windows(len: usize) -> Vec<Vec<u32>> {
+    let train = corpus().train;
+    [0, 101, 517, 1999]
+        .iter()
+        .map(|&s| train[s..s + len].to_vec())
+        .collect()
+}
+
+/// The teacher of the distillation tests: trained on the cycle, so its rows are peaked and a
+/// truncated copy of it does not match them.
+fn cycle_teacher() -> Llama<B> {
     let device = Default::default();
     B::seed(&device, 5);
     let random = Llama::<B>::random(
@@ -234,20 +254,111 @@ fn distilled_draft_accepts_more_and_reloads() {
         &device,
         DType::F32,
     );
-    // A random model's distributions are nearly uniform (any draft matches them); a teacher
-    // trained on the cycle is peaked, and its first layer alone is not.
     let attention = &ReferenceAttention;
     let (teacher, _) = train(
         random,
         &corpus(),
         &cfg(40),
         LossKind::cce(),
+        None,
         attention,
         attention,
         None,
         |_| true,
     )
     .expect("teacher trains");
+    teacher
+}
+
+/// `soft_label_loss` is the mean `KL(teacher ‖ student)` over the window's positions but the
+/// last, computed here on the host in f64; it is zero for the teacher itself, and its gradient
+/// reaches the student.
+#[test]
+fn soft_label_loss_is_the_mean_kl() {
+    let teacher_ad = model(21);
+    let teacher = teacher_ad.valid();
+    let student = model(22);
+    let w = windows(11);
+    let device = Default::default();
+    let ids: Vec<i64> = w.iter().flatten().map(|&t| t as i64).collect();
+    let tokens = || Tensor::<B, 2, Int>::from_data(TensorData::new(ids.clone(), [4, 11]), &device);
+    let att = &ReferenceAttention;
+    let loss = soft_label_loss(&student, &teacher, tokens(), att, att);
+    let got = f64::from(loss.clone().into_scalar());
+
+    let inputs: Vec<Vec<u32>> = w.iter().map(|x| x[..10].to_vec()).collect();
+    let (p, q) = (rows(&teacher, &inputs), rows(&student.valid(), &inputs));
+    assert_eq!(p.len(), 40);
+    let kl: f64 = p
+        .iter()
+        .zip(&q)
+        .map(|(p, q)| p.iter().zip(q).map(|(a, b)| a * (a / b).ln()).sum::<f64>())
+        .sum::<f64>()
+        / p.len() as f64;
+    assert!(kl > 0.01, "random models differ: KL {kl}");
+    assert!(
+        (got - kl).abs() <= 1e-4 * kl.max(1.0),
+        "soft_label_loss {got} vs host KL {kl}"
+    );
+
+    let grads = loss.backward();
+    let grad = student
+        .embed
+        .grad(&grads)
+        .expect("the student's embedding gets a gradient");
+    let norm = f64::from(grad.abs().sum().into_scalar());
+    assert!(norm > 0.0, "gradient norm {norm}");
+
+    let same = f64::from(soft_label_loss(&teacher_ad, &teacher, tokens(), att, att).into_scalar());
+    assert!(same.abs() < 1e-5, "KL of the teacher to itself {same}");
+}
+
+/// Distillation against the teacher's rows (`finetune --soft-labels`) raises the truncated
+/// draft's acceptance on held-out text, and its logged training loss (the KL) falls.
+#[test]
+fn soft_label_distillation_raises_acceptance() {
+    let teacher = cycle_teacher();
+    let inner = teacher.valid();
+    let draft = truncated_draft(&teacher, 1).expect("1 layer");
+    let held_out: Vec<Vec<u32>> = {
+        let val = corpus().val;
+        (0..6).map(|i| val[i * 40..i * 40 + 25].to_vec()).collect()
+    };
+    let before = acceptance(&inner, &draft.valid(), &held_out);
+    let (trained, log) = train(
+        draft,
+        &corpus(),
+        &cfg(60),
+        LossKind::cce(),
+        Some(&inner),
+        &ReferenceAttention,
+        &ReferenceAttention,
+        None,
+        |_| true,
+    )
+    .expect("trains");
+    assert_eq!(log.len(), 60);
+    let after = acceptance(&inner, &trained.valid(), &held_out);
+    let (first, last) = (log[0].loss, log[59].loss);
+    eprintln!("soft labels: acceptance {before:.4} -> {after:.4}, KL {first:.4} -> {last:.4}");
+    assert!(
+        after > before + 0.02,
+        "acceptance {before:.4} -> {after:.4}"
+    );
+    assert!(last < 0.7 * first, "KL {first:.4} -> {last:.4}");
+    assert!(log.iter().all(|s| s.loss >= -1e-6), "a KL is not negative");
+}
+
+/// Draft distillation as `finetune --init-layers 1 --teacher-samples N` runs it: the teacher's
+/// samples have the requested shape and start with corpus windows; training the truncated draft
+/// on them raises its speculative acceptance against the teacher on held-out samples; and the
+/// saved checkpoint loads back (from the run folder) as the same draft.
+#[test]
+fn distilled_draft_accepts_more_and_reloads() {
+    let device = Default::default();
+    // A random model's distributions are nearly uniform (any draft matches them); a teacher
+    // trained on the cycle is peaked, and its first layer alone is not.
+    let teacher = cycle_teacher();
     let source = corpus().train;
     let opts = TeacherOptions {
         samples: 120,
@@ -292,6 +403,7 @@ fn distilled_draft_accepts_more_and_reloads() {
         &corpus,
         &c,
         LossKind::cce(),
+        None,
         &ReferenceAttention,
         &ReferenceAttention,
         Some((&ckpt, 0, false)),

@@ -85,6 +85,12 @@ struct Cli {
     teacher_batch: usize,
     #[arg(long, default_value_t = 1.0)]
     teacher_temperature: f32,
+    /// Distillation against the checkpoint's full next-token distributions: the training loss
+    /// is KL(checkpoint ‖ model) at every position (on the corpus, or on the teacher samples),
+    /// instead of the cross-entropy of the next token. Validation stays the held-out tokens'
+    /// cross-entropy. Memory grows with batch · seq · vocab (both models' logits).
+    #[arg(long)]
+    soft_labels: bool,
     #[arg(long, value_enum, default_value = "cpu")]
     backend: BackendArg,
     #[arg(long, value_enum, default_value = "cce")]
@@ -231,6 +237,13 @@ where
         "validation before training: loss {start_val:.4}, perplexity {:.2}",
         start_val.exp()
     );
+    let teacher = match cli.soft_labels {
+        true => Some(
+            Llama::<A::InnerBackend>::from_checkpoint(&ckpt, device, DType::F32)
+                .map_err(|e| e.to_string())?,
+        ),
+        false => None,
+    };
     let bar = progress(cfg.steps as u64, "steps");
     let ckpt_dir = cli.out.join("checkpoint");
     let (_, log) = train(
@@ -238,6 +251,7 @@ where
         &corpus,
         &cfg,
         kind,
+        teacher.as_ref(),
         &ReferenceAttention,
         &ReferenceAttention,
         Some((&ckpt_dir, cli.checkpoint_every, cli.resume)),
@@ -246,8 +260,9 @@ where
             bar.set_message(format!("loss {:.4} lr {:.2e}", s.loss, s.lr));
             if let Some(v) = s.val_loss {
                 let line = format!(
-                    "step {}: training loss {:.4}, validation loss {v:.4}, perplexity {:.2}",
+                    "step {}: training {} {:.4}, validation loss {v:.4}, perplexity {:.2}",
                     s.step,
+                    if cli.soft_labels { "KL" } else { "loss" },
                     s.loss,
                     v.exp()
                 );
