@@ -134,6 +134,10 @@ fn main() {
         }
         return;
     }
+    if let Err(e) = check_drafts(&args.draft_model) {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
     let result = match args.backend {
         BackendKind::Cuda => run_cuda(&args),
         BackendKind::Vulkan => run_vulkan(&args),
@@ -142,6 +146,22 @@ fn main() {
         eprintln!("error: {e}");
         std::process::exit(1);
     }
+}
+
+/// Every `--draft-model` must be a training run's checkpoint or a model file or folder, checked
+/// before any suite runs (a suite's setup would otherwise fail after the others' timings).
+fn check_drafts(paths: &[PathBuf]) -> Result<(), String> {
+    for p in paths {
+        let model = p.is_file() || p.join("config.json").is_file();
+        if burn_llama::finetune::checkpoint_dir(p).is_none() && !model {
+            return Err(format!(
+                "--draft-model {}: not a finetune run folder (no checkpoint: state.json and \
+                 model.mpk), a .gguf file or an HF model folder",
+                p.display()
+            ));
+        }
+    }
+    Ok(())
 }
 
 #[cfg(feature = "cuda")]

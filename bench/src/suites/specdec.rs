@@ -3,11 +3,13 @@
 //!
 //! Target: SmolLM2-135M-Instruct, with its real weights when the GGUF is in the model cache
 //! (`cargo xtask fetch-model`, or `$BURN_KERNELS_MODEL`), else random weights of its shape (the
-//! record says which; with random weights acceptance says nothing about real text). Draft: its
+//! record says which; with random weights acceptance says nothing about real text). Drafts: its
 //! first [`DRAFT_LAYERS`] layers with its final norm and LM head (a self-speculative draft that
-//! shares the target's weights). Target and drafts sample at temperature 1 (K = 1, 2, 4, or `--spec-drafts`) and
-//! greedily (K = 1: greedy drafts would be identical; a draft token is accepted when it is the
-//! target's top token), f32 weights, Burn's fused attention, batch 1.
+//! shares the target's weights), and the trained ones of `--draft-model`. Target and drafts
+//! sample at temperature 1 (K = 1, 2, 4, or `--spec-drafts`) and greedily (K = 1: greedy drafts
+//! would be identical; a draft token is accepted when it is the target's top token), with L =
+//! 4 (or `--draft-lens`), f32 weights, Burn's fused attention (or `--decode-kernels`), batch 1.
+//! With K = 1 the target cache is the autoregressive one, rolled back by truncation.
 //!
 //! One repetition: the prefill of the prompt, then [`NEW_TOKENS`] generated tokens (no stop
 //! token, so every repetition emits the same count); tokens/s counts the generated tokens.
@@ -26,7 +28,7 @@ use burn_kvcache::{DecodeAttention, KvBackend};
 use burn_llama::generate::{GenerateOptions, generate};
 use burn_llama::loader::{Checkpoint, default_model_path, load};
 use burn_llama::spec::{
-    Draft, LinearSpecCache, SpecOptions, SpecStats, load_draft, speculative_generate,
+    BranchKvCache, Draft, LinearSpecCache, SpecCache, SpecOptions, SpecStats, load_draft,
     speculative_generate_with_cache, truncated_draft,
 };
 use burn_llama::{Llama, LlamaConfig};
@@ -301,31 +303,12 @@ fn problem<B: KvBackend + FusedBackend>(
                         // One sequence and one draft: the target cache is the autoregressive
                         // one, rolled back by truncation (no branch rows to widen and merge).
                         let (tokens, stats) = if k == 1 {
-                            let cache = LinearSpecCache::new(Box::new(FullKvCache::new(
-                                m.config.num_layers,
-                            )));
-                            let g = speculative_generate_with_cache(
-                                &m,
-                                cache,
-                                &drafts,
-                                prompts,
-                                att.as_ref(),
-                                &opts,
-                                &mut |_, _| {},
-                            )
-                            .expect("a valid configuration");
-                            (g.tokens, g.stats)
+                            let inner = FullKvCache::new(m.config.num_layers);
+                            let cache = LinearSpecCache::new(Box::new(inner));
+                            run_spec(&m, cache, &drafts, prompts, att.as_ref(), &opts)
                         } else {
-                            let g = speculative_generate(
-                                &m,
-                                &drafts,
-                                prompts,
-                                att.as_ref(),
-                                &opts,
-                                &mut |_, _| {},
-                            )
-                            .expect("a valid configuration");
-                            (g.tokens, g.stats)
+                            let cache = BranchKvCache::new(m.config.num_layers, 1);
+                            run_spec(&m, cache, &drafts, prompts, att.as_ref(), &opts)
                         };
                         assert_eq!(tokens[0].len(), new_tokens, "no stop tokens");
                         *seen.borrow_mut() = Some(stats);
@@ -336,6 +319,28 @@ fn problem<B: KvBackend + FusedBackend>(
             candidates
         }),
     }
+}
+
+/// One speculative generation with `cache` as the target cache: its tokens and statistics.
+fn run_spec<B: Backend, C: SpecCache<B>>(
+    target: &Llama<B>,
+    cache: C,
+    drafts: &[Draft<'_, B>],
+    prompts: &[Vec<u32>],
+    attention: &dyn AttentionImpl<B>,
+    opts: &SpecOptions,
+) -> (Vec<Vec<u32>>, SpecStats) {
+    let g = speculative_generate_with_cache(
+        target,
+        cache,
+        drafts,
+        prompts,
+        attention,
+        opts,
+        &mut |_, _| {},
+    )
+    .expect("a valid configuration");
+    (g.tokens, g.stats)
 }
 
 fn weights_extra(weights: &str) -> Extra {

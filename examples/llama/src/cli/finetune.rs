@@ -9,6 +9,9 @@
 //! # a speculative-decoding draft: the first 4 layers, distilled on 4096 samples of the model
 //! cargo run --release -p burn-llama --features cuda --bin finetune -- --backend cuda \
 //!     --init-layers 4 --teacher-samples 4096 --seq 128 --steps 1000 --out runs/draft4
+//! # or distilled on the model's full next-token distributions over the corpus
+//! cargo run --release -p burn-llama --features cuda --bin finetune -- --backend cuda \
+//!     --init-layers 4 --soft-labels --batch 16 --seq 128 --steps 300 --out runs/kd4
 //! cargo run --release -p burn-llama --bin llama -- generate --spec is --drafts 4 \
 //!     --draft-model runs/draft4 --prompt "…"
 //! ```
