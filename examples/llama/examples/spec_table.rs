@@ -244,7 +244,10 @@ fn run<B: Backend>(
     if args.prompts > 0 {
         let (draft, draft_name) = match &args.draft_model {
             Some(path) => (
-                load_draft::<B>(path, device, DType::F32).expect("draft model"),
+                load_draft::<B>(path, device, DType::F32).unwrap_or_else(|e| {
+                    eprintln!("error: --draft-model {}: {e}", path.display());
+                    std::process::exit(2)
+                }),
                 format!("{}", path.display()),
             ),
             None => (
