@@ -63,6 +63,11 @@ pub struct TrainConfig {
     pub val_windows: usize,
     /// Seed of the batch sampler.
     pub seed: u64,
+    /// Train against a teacher's full next-token distributions ([`soft_label_loss`]); [`train`]
+    /// must then be given the teacher. Part of the configuration so that a resumed run keeps
+    /// its objective.
+    #[serde(default)]
+    pub soft_labels: bool,
 }
 
 impl Default for TrainConfig {
@@ -79,6 +84,7 @@ impl Default for TrainConfig {
             val_every: 50,
             val_windows: 16,
             seed: 0,
+            soft_labels: false,
         }
     }
 }
@@ -261,10 +267,10 @@ where
 /// Trains `model` for `cfg.steps` optimizer steps, calling `on_step` after each; the run stops
 /// early when `on_step` returns `false`.
 ///
-/// With `teacher`, the training loss is [`soft_label_loss`] against the teacher's next-token
-/// distributions (a draft's distillation; `kind` then only sets the validation loss, which
-/// stays the cross-entropy of the held-out tokens so that runs compare). The teacher runs on the
-/// inner backend with `val_attention`.
+/// With `teacher` (given exactly when `cfg.soft_labels` is set), the training loss is
+/// [`soft_label_loss`] against the teacher's next-token distributions (a draft's distillation;
+/// `kind` then only sets the validation loss, which stays the cross-entropy of the held-out
+/// tokens so that runs compare). The teacher runs on the inner backend with `val_attention`.
 ///
 /// `checkpoint = Some((dir, every, resume))` writes the model, the optimizer state and the log
 /// to `dir` every `every` steps and after the last step taken; with `resume`, a checkpoint
@@ -272,7 +278,8 @@ where
 /// from its step with the same batches.
 ///
 /// # Errors
-/// Invalid configuration, a checkpoint that cannot be read or written, the loss's errors.
+/// Invalid configuration (a teacher without `soft_labels`, or the flag without one, included),
+/// a checkpoint that cannot be read or written, the loss's errors.
 #[allow(clippy::too_many_arguments)]
 pub fn train<B>(
     mut model: Llama<B>,
@@ -290,6 +297,12 @@ where
     B::InnerBackend: CceBackend,
 {
     cfg.validate(corpus)?;
+    if cfg.soft_labels != teacher.is_some() {
+        return Err(TrainError::Config(match cfg.soft_labels {
+            true => "soft_labels is set but no teacher was given".into(),
+            false => "a teacher was given but soft_labels is not set".into(),
+        }));
+    }
     let device = model.embed.val().device();
     let mut optim = AdamWConfig::new()
         .with_weight_decay(cfg.weight_decay)

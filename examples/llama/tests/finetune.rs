@@ -190,8 +190,6 @@ fn bad_configuration_is_a_typed_error() {
     assert!(matches!(err, TrainError::Config(_)), "{err}");
 }
 
-/// Mean probability that single-draft speculative sampling accepts `draft`'s token, over every
-/// position of `samples`, with the teacher as target (both at temperature 1): 1 − TV(p, q).
 /// Next-token distributions of `m` at every position of `samples` (equal lengths), in f64.
 fn rows(m: &Llama<NdArray<f32>>, samples: &[Vec<u32>]) -> Vec<Vec<f64>> {
     let device = Default::default();
@@ -212,8 +210,8 @@ fn rows(m: &Llama<NdArray<f32>>, samples: &[Vec<u32>]) -> Vec<Vec<f64>> {
         .collect()
 }
 
-/// Mean single-draft acceptance `sum min(p, q)` of `draft` against `teacher` over every
-/// position of `samples`.
+/// Mean probability that single-draft speculative sampling accepts `draft`'s token, over every
+/// position of `samples`, with the teacher as target (both at temperature 1): 1 − TV(p, q).
 fn acceptance(
     teacher: &Llama<NdArray<f32>>,
     draft: &Llama<NdArray<f32>>,
@@ -325,10 +323,36 @@ fn soft_label_distillation_raises_acceptance() {
         (0..6).map(|i| val[i * 40..i * 40 + 25].to_vec()).collect()
     };
     let before = acceptance(&inner, &draft.valid(), &held_out);
+    let c = TrainConfig {
+        soft_labels: true,
+        ..cfg(60)
+    };
+    // The objective is part of the configuration: a teacher without the flag, or the flag
+    // without a teacher, is a typed error.
+    for (flag, teacher) in [(false, Some(&inner)), (true, None)] {
+        let bad = TrainConfig {
+            soft_labels: flag,
+            ..cfg(1)
+        };
+        let att = &ReferenceAttention;
+        let err = train(
+            draft.clone(),
+            &corpus(),
+            &bad,
+            LossKind::cce(),
+            teacher,
+            att,
+            att,
+            None,
+            |_| true,
+        )
+        .expect_err("a mismatched objective is rejected");
+        assert!(matches!(err, TrainError::Config(_)), "{err}");
+    }
     let (trained, log) = train(
         draft,
         &corpus(),
-        &cfg(60),
+        &c,
         LossKind::cce(),
         Some(&inner),
         &ReferenceAttention,

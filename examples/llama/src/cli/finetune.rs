@@ -228,6 +228,7 @@ where
         val_every: cli.val_every,
         val_windows: cli.val_windows,
         seed: cli.seed,
+        soft_labels: cli.soft_labels,
         ..TrainConfig::default()
     };
     let kind = match cli.loss {
