@@ -37,23 +37,22 @@ fn variants(
     chunk_blocks: &[usize],
 ) -> Vec<(&'static str, CceOptions)> {
     let d = CceOptions::default();
-    let chunks = chunk_blocks.iter().map(move |&mib| {
-        (
-            &*Box::leak(format!("cce (all blocks {mib} MiB)").into_boxed_str()),
-            CceOptions {
-                chunk_bytes: Some(mib << 20),
-                ..d
-            },
-        )
+    // One variant per block size (MiB), named after it; `set` puts the size in the options.
+    let sized = |mibs: &[usize], what: &'static str, set: fn(CceOptions, usize) -> CceOptions| {
+        mibs.iter()
+            .map(|&mib| {
+                let name = format!("cce ({what} {mib} MiB)");
+                (&*Box::leak(name.into_boxed_str()), set(d, mib << 20))
+            })
+            .collect::<Vec<_>>()
+    };
+    let blocks = sized(pass_blocks, "pass block", |o, b| CceOptions {
+        pass_chunk_bytes: Some(b),
+        ..o
     });
-    let blocks = pass_blocks.iter().map(move |&mib| {
-        (
-            &*Box::leak(format!("cce (pass block {mib} MiB)").into_boxed_str()),
-            CceOptions {
-                pass_chunk_bytes: Some(mib << 20),
-                ..d
-            },
-        )
+    let chunks = sized(chunk_blocks, "all blocks", |o, b| CceOptions {
+        chunk_bytes: Some(b),
+        ..o
     });
     let kernels = GemmKernel::ALL.into_iter().filter(|_| sweep).map(move |k| {
         (
