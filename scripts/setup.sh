@@ -1,8 +1,23 @@
 #!/usr/bin/env bash
 # One-time set-up of a fresh Debian/Ubuntu machine for building and testing burn-kernels:
-# Mesa's lavapipe (a Vulkan driver on the CPU) so the CubeCL kernels run without a GPU.
+# - Mesa's lavapipe (a Vulkan driver on the CPU), so the CubeCL kernels run without a GPU;
+# - Debian's LLVM 22, laid out in the project's cache (`.cache/xdg`, which `.cargo/config.toml`
+#   points `XDG_DATA_HOME` at) for CubeCL's CUDA compiler, so `--features cuda` builds offline;
+# - the SmolLM2-135M weights and the fine-tuning corpus.
+# It says what is missing and stops when it cannot install it.
 set -euo pipefail
-pkgs=(mesa-vulkan-drivers libvulkan1 vulkan-tools)
+cd "$(dirname "$0")/.."
+
+need_gb=25
+target="${CARGO_TARGET_DIR:-$PWD/target}"
+mkdir -p "$target"
+free_gb=$(df -Pk "$target" | awk 'NR == 2 { print int($4 / 1048576) }')
+if ((free_gb < need_gb)); then
+  echo "setup: $free_gb GB free under $target; a build needs about $need_gb GB" >&2
+  exit 1
+fi
+
+pkgs=(mesa-vulkan-drivers libvulkan1 vulkan-tools llvm-22-dev libzstd-dev zlib1g-dev g++)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
@@ -11,13 +26,18 @@ if ((${#missing[@]})); then
   sudo=""
   [ "$(id -u)" = 0 ] || sudo=sudo
   echo "setup: installing ${missing[*]}"
-  $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
+  if ! { $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null; }; then
+    echo "setup: could not install ${missing[*]} with apt-get; install them and run again" >&2
+    exit 1
+  fi
 fi
 if ! command -v cargo >/dev/null; then
   echo "setup: cargo not found; install Rust with rustup (https://rustup.rs), 1.92 or newer" >&2
   exit 1
 fi
+
+./scripts/setup-llvm-prefix.sh "$PWD/.cache/xdg"
+
 echo "setup: Vulkan devices:"
 vulkaninfo --summary 2>/dev/null | grep -E "deviceName|driverName|apiVersion" || true
 # The SmolLM2-135M GGUF the llama example and its tests load (skipped when already cached).

@@ -1,19 +1,19 @@
 //! The attention interface and its two plain implementations.
 
 use burn::tensor::module::attention;
-use burn::tensor::ops::AttentionModuleOptions;
-use burn::tensor::{Bool, DType, Tensor, TensorData, activation, backend::Backend};
+use burn::tensor::ops::{AttentionModuleOptions, CausalAlignment};
+use burn::tensor::{Bool, DType, Device, Tensor, TensorData, activation};
 
 /// What every attention call gets besides Q, K and V.
 #[derive(Debug, Clone)]
-pub struct AttnOptions<B: Backend> {
+pub struct AttnOptions {
     /// Causal masking aligned bottom-right: query `i` of `sq` sees keys `j ≤ i + (skv − sq)`,
     /// so decoding with `sq < skv` works.
     pub causal: bool,
     /// Softmax scale, usually `1/√head_dim`.
     pub scale: f32,
     /// `[batch, skv]`, `true` for keys no query may see (left padding of batched prompts).
-    pub key_padding: Option<Tensor<B, 2, Bool>>,
+    pub key_padding: Option<Tensor<2, Bool>>,
 }
 
 /// An attention implementation.
@@ -25,21 +25,21 @@ pub struct AttnOptions<B: Backend> {
 ///
 /// `layer` lets an implementation hold one choice per layer (e.g. INT4 or INT8 for Sage).
 /// Query rows whose keys are all masked (padding positions) return finite, meaningless values.
-pub trait AttentionImpl<B: Backend>: Send + Sync + std::fmt::Debug {
+pub trait AttentionImpl: Send + Sync + std::fmt::Debug {
     /// A short name for logs and benchmark tables.
     fn name(&self) -> String;
     fn attend(
         &self,
         layer: usize,
-        q: Tensor<B, 4>,
-        k: Tensor<B, 4>,
-        v: Tensor<B, 4>,
-        opts: &AttnOptions<B>,
-    ) -> Tensor<B, 4>;
+        q: Tensor<4>,
+        k: Tensor<4>,
+        v: Tensor<4>,
+        opts: &AttnOptions,
+    ) -> Tensor<4>;
 
     /// The kernels for the rest of the layer that go with this implementation
     /// ([`crate::FusedLayers`]); `None`: the model's tensor ops.
-    fn layer_ops(&self) -> Option<&dyn crate::layer_ops::LayerOps<B>> {
+    fn layer_ops(&self) -> Option<&dyn crate::layer_ops::LayerOps> {
         None
     }
 }
@@ -60,7 +60,7 @@ impl AttentionKind {
         }
     }
 
-    pub fn build<B: Backend>(self) -> Box<dyn AttentionImpl<B>> {
+    pub fn build(self) -> Box<dyn AttentionImpl> {
         match self {
             Self::Reference => Box::new(ReferenceAttention),
             Self::BurnFused => Box::new(BurnAttention),
@@ -69,7 +69,7 @@ impl AttentionKind {
 }
 
 /// Repeats each KV head `group` times so that K/V have as many heads as Q.
-pub fn repeat_kv<B: Backend>(x: Tensor<B, 4>, group: usize) -> Tensor<B, 4> {
+pub fn repeat_kv(x: Tensor<4>, group: usize) -> Tensor<4> {
     if group == 1 {
         return x;
     }
@@ -81,19 +81,19 @@ pub fn repeat_kv<B: Backend>(x: Tensor<B, 4>, group: usize) -> Tensor<B, 4> {
 
 /// `[batch, 1, sq, skv]` mask (`true` = hidden) combining the bottom-right causal mask and the
 /// key padding; `None` when nothing is masked.
-pub fn build_mask<B: Backend>(
+pub fn build_mask(
     batch: usize,
     sq: usize,
     skv: usize,
-    opts: &AttnOptions<B>,
-    device: &B::Device,
-) -> Option<Tensor<B, 4, Bool>> {
+    opts: &AttnOptions,
+    device: &Device,
+) -> Option<Tensor<4, Bool>> {
     let causal = (opts.causal && sq > 1).then(|| {
         let offset = skv - sq;
         let data: Vec<bool> = (0..sq)
             .flat_map(|i| (0..skv).map(move |j| j > i + offset))
             .collect();
-        Tensor::<B, 2, Bool>::from_data(TensorData::new(data, [sq, skv]), device)
+        Tensor::<2, Bool>::from_data(TensorData::new(data, [sq, skv]), device)
             .reshape([1, 1, sq, skv])
             .expand([batch, 1, sq, skv])
     });
@@ -112,7 +112,7 @@ pub fn build_mask<B: Backend>(
 #[derive(Debug, Clone, Copy, Default)]
 pub struct ReferenceAttention;
 
-impl<B: Backend> AttentionImpl<B> for ReferenceAttention {
+impl AttentionImpl for ReferenceAttention {
     fn name(&self) -> String {
         "reference".into()
     }
@@ -120,11 +120,11 @@ impl<B: Backend> AttentionImpl<B> for ReferenceAttention {
     fn attend(
         &self,
         _layer: usize,
-        q: Tensor<B, 4>,
-        k: Tensor<B, 4>,
-        v: Tensor<B, 4>,
-        opts: &AttnOptions<B>,
-    ) -> Tensor<B, 4> {
+        q: Tensor<4>,
+        k: Tensor<4>,
+        v: Tensor<4>,
+        opts: &AttnOptions,
+    ) -> Tensor<4> {
         let dtype = q.dtype();
         let [b, hq, sq, _] = q.dims();
         let [_, hkv, skv, _] = k.dims();
@@ -141,12 +141,12 @@ impl<B: Backend> AttentionImpl<B> for ReferenceAttention {
     }
 }
 
-/// Burn's `attention` op (the fused flash kernel on `CubeBackend` where Burn picks it).
-/// KV heads are repeated for GQA since Burn's op needs equal head counts.
+/// Burn's `attention` op (the fused flash kernel on `CubeBackend` where Burn picks it), which
+/// reads grouped K/V heads (GQA) in place.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct BurnAttention;
 
-impl<B: Backend> AttentionImpl<B> for BurnAttention {
+impl AttentionImpl for BurnAttention {
     fn name(&self) -> String {
         "burn-fused".into()
     }
@@ -154,15 +154,13 @@ impl<B: Backend> AttentionImpl<B> for BurnAttention {
     fn attend(
         &self,
         _layer: usize,
-        q: Tensor<B, 4>,
-        k: Tensor<B, 4>,
-        v: Tensor<B, 4>,
-        opts: &AttnOptions<B>,
-    ) -> Tensor<B, 4> {
+        q: Tensor<4>,
+        k: Tensor<4>,
+        v: Tensor<4>,
+        opts: &AttnOptions,
+    ) -> Tensor<4> {
         let [b, hq, sq, _] = q.dims();
-        let [_, hkv, skv, _] = k.dims();
-        let k = repeat_kv(k, hq / hkv);
-        let v = repeat_kv(v, hq / hkv);
+        let skv = k.dims()[2];
         let head_dim = q.dims()[3] as f32;
         // A custom scale makes Burn take its unfused fallback: pass the default as `None`.
         let default_scale = (opts.scale - head_dim.sqrt().recip()).abs() <= 1e-6 * opts.scale;
@@ -170,10 +168,11 @@ impl<B: Backend> AttentionImpl<B> for BurnAttention {
             scale: (!default_scale).then_some(opts.scale as f64),
             softcap: None,
             is_causal: false,
+            causal_alignment: CausalAlignment::BottomRight,
         };
-        // Burn's own causal flag is top-left aligned; with no padding and a square problem the
-        // two agree and the flag lets the kernel skip tiles.
-        if opts.causal && sq == skv && opts.key_padding.is_none() {
+        // Burn's causal flag, aligned bottom-right as here, lets its kernel skip tiles; key
+        // padding needs the explicit mask.
+        if opts.causal && opts.key_padding.is_none() {
             let options = AttentionModuleOptions {
                 is_causal: true,
                 ..options

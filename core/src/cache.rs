@@ -1,6 +1,6 @@
 //! The per-layer KV cache interface and the full (uncompressed) cache.
 
-use burn::tensor::{Tensor, backend::Backend};
+use burn::tensor::Tensor;
 
 use crate::attention::{AttentionImpl, AttnOptions};
 
@@ -15,17 +15,17 @@ use crate::attention::{AttentionImpl, AttnOptions};
 /// - returns `[batch, q_heads, s_new, head_dim]`
 ///
 /// `opts.key_padding`, when present, covers all `seq_len() + s_new` positions.
-pub trait KvCache<B: Backend>: Send {
+pub trait KvCache: Send {
     /// Appends the new keys and values of `layer` and attends `q` over every cached position.
     fn attend(
         &mut self,
         layer: usize,
-        q: Tensor<B, 4>,
-        k: Tensor<B, 4>,
-        v: Tensor<B, 4>,
-        attention: &dyn AttentionImpl<B>,
-        opts: &AttnOptions<B>,
-    ) -> Tensor<B, 4>;
+        q: Tensor<4>,
+        k: Tensor<4>,
+        v: Tensor<4>,
+        attention: &dyn AttentionImpl,
+        opts: &AttnOptions,
+    ) -> Tensor<4>;
 
     /// Positions cached (in the last layer written).
     fn seq_len(&self) -> usize;
@@ -42,11 +42,11 @@ pub trait KvCache<B: Backend>: Send {
 
 /// Every key and value of every layer, uncompressed.
 #[derive(Debug)]
-pub struct FullKvCache<B: Backend> {
-    layers: Vec<Option<(Tensor<B, 4>, Tensor<B, 4>)>>,
+pub struct FullKvCache {
+    layers: Vec<Option<(Tensor<4>, Tensor<4>)>>,
 }
 
-impl<B: Backend> FullKvCache<B> {
+impl FullKvCache {
     pub fn new(num_layers: usize) -> Self {
         Self {
             layers: vec![None; num_layers],
@@ -54,16 +54,16 @@ impl<B: Backend> FullKvCache<B> {
     }
 }
 
-impl<B: Backend> KvCache<B> for FullKvCache<B> {
+impl KvCache for FullKvCache {
     fn attend(
         &mut self,
         layer: usize,
-        q: Tensor<B, 4>,
-        k: Tensor<B, 4>,
-        v: Tensor<B, 4>,
-        attention: &dyn AttentionImpl<B>,
-        opts: &AttnOptions<B>,
-    ) -> Tensor<B, 4> {
+        q: Tensor<4>,
+        k: Tensor<4>,
+        v: Tensor<4>,
+        attention: &dyn AttentionImpl,
+        opts: &AttnOptions,
+    ) -> Tensor<4> {
         append_kv(&mut self.layers[layer], k, v);
         let (k, v) = self.layers[layer].clone().expect("just appended");
         attention.attend(layer, q, k, v, opts)
@@ -109,11 +109,7 @@ impl<B: Backend> KvCache<B> for FullKvCache<B> {
 ///
 /// # Shapes
 /// - slot tensors and `k`, `v`: `[batch, kv_heads, seq, head_dim]`
-pub fn append_kv<B: Backend>(
-    slot: &mut Option<(Tensor<B, 4>, Tensor<B, 4>)>,
-    k: Tensor<B, 4>,
-    v: Tensor<B, 4>,
-) -> usize {
+pub fn append_kv(slot: &mut Option<(Tensor<4>, Tensor<4>)>, k: Tensor<4>, v: Tensor<4>) -> usize {
     let (k, v) = match slot.take() {
         Some((k0, v0)) => (Tensor::cat(vec![k0, k], 2), Tensor::cat(vec![v0, v], 2)),
         None => (k, v),

@@ -1,71 +1,94 @@
-//! `CubeBackend` runs the [`FusedBackend`] kernels.
+//! The layer kernels as a Burn backend extension: `CubeBackend` runs them, Burn's `Dispatch`
+//! routes to it, and `Fusion<CubeBackend>` (generated) registers each call as a custom
+//! operation of the fused stream. [`crate::FusedOps`] decides when to call them.
 
-use burn::nn::RmsNorm;
-use burn::tensor::{DType, Int, Tensor, TensorPrimitive};
-use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+use burn::backend::{
+    Backend, backend_extension,
+    tensor::{FloatTensor, IntTensor},
+};
+use burn::tensor::Shape;
 
-use crate::kernels;
-use crate::layer_ops::{FusedBackend, GEMV_MAX_ROWS, LayerOps, TensorOps};
-use crate::rope::Rope;
+/// One CubeCL kernel each for the small ops of a transformer layer (forward only).
+///
+/// Call them through [`crate::FusedOps`], which checks the device and the shapes first; the
+/// methods here assume valid input.
+#[backend_extension(
+    Cube: cfg(feature = "cube"),
+    Fusion: cfg(all(feature = "cube", feature = "fusion")),
+)]
+pub trait LayerKernels: Backend {
+    /// `x · γ / √(mean(x²) + ε)` over the last dimension, accumulated in f32.
+    ///
+    /// # Shapes
+    /// - `x`: `[..., cols]`, `gamma`: `[cols]` in `x`'s dtype; returns `x`'s shape
+    #[fusion(dtype = x, shape = x)]
+    fn rms_norm(x: FloatTensor<Self>, gamma: FloatTensor<Self>, eps: f64) -> FloatTensor<Self>;
 
-/// A `CubeBackend` float tensor from a kernel's output (shared by the crates' backend impls).
-pub fn cube_float<R, F, I, BT, const D: usize>(
-    t: burn_cubecl::tensor::CubeTensor<R>,
-) -> Tensor<CubeBackend<R, F, I, BT>, D>
-where
-    R: CubeRuntime,
-    F: FloatElement,
-    I: IntElement,
-    BT: BoolElement,
-{
-    Tensor::from_primitive(TensorPrimitive::Float(t))
+    /// Rotate-half RoPE of `x` at `positions`, from f32 tables.
+    ///
+    /// # Shapes
+    /// - `x`: `[batch, heads, seq, head_dim]` (any strides), `positions`: `[batch, seq]`,
+    ///   `cos`, `sin`: `[max_positions, head_dim / 2]` f32; returns `x`'s shape, contiguous
+    #[fusion(dtype = x, shape = x)]
+    fn rope(
+        x: FloatTensor<Self>,
+        positions: IntTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+    ) -> FloatTensor<Self>;
+
+    /// `silu(gate) · up`.
+    ///
+    /// # Shapes
+    /// - `gate`, `up`: the same shape and dtype; returns it
+    #[fusion(dtype = gate, shape = gate)]
+    fn silu_mul(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self>;
+
+    /// `x · w` for a few rows (a GEMV), accumulated in f32.
+    ///
+    /// # Shapes
+    /// - `x`: `[rows, k]`, `w`: `[k, n]` in `x`'s dtype; returns `[rows, n]`
+    #[fusion(dtype = x, shape = gemv_shape(x, w))]
+    fn gemv(x: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self>;
 }
 
-impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FusedBackend
-    for CubeBackend<R, F, I, BT>
-{
-    fn fused_linear(x: Tensor<Self, 3>, w: Tensor<Self, 2>) -> Tensor<Self, 3> {
-        let [b, s, k] = x.dims();
-        let n = w.dims()[1];
-        if b * s > GEMV_MAX_ROWS || x.dtype() != w.dtype() {
-            return TensorOps.linear(x, w);
+/// The output shape of [`LayerKernels::gemv`]: `[rows, n]`.
+pub fn gemv_shape(x: &Shape, w: &Shape) -> Shape {
+    Shape::new([x[0], w[1]])
+}
+
+#[cfg(feature = "cube")]
+mod cube_backend {
+    use super::LayerKernels;
+    use crate::kernels;
+    use crate::route::count_launch;
+    use burn::backend::tensor::{FloatTensor, IntTensor};
+    use burn_cubecl::CubeBackend;
+
+    impl LayerKernels for CubeBackend {
+        fn rms_norm(x: FloatTensor<Self>, gamma: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
+            count_launch("rms_norm");
+            kernels::rms_norm::rms_norm(x, gamma, eps)
         }
-        let out = cube_float::<R, F, I, BT, 2>(kernels::linear::gemv(
-            x.reshape([b * s, k]).into_primitive().tensor(),
-            w.into_primitive().tensor(),
-        ));
-        out.reshape([b, s, n])
-    }
 
-    fn fused_rms_norm(norm: &RmsNorm<Self>, x: Tensor<Self, 3>) -> Tensor<Self, 3> {
-        let gamma = norm.gamma.val().cast(x.dtype());
-        cube_float(kernels::rms_norm::rms_norm(
-            x.into_primitive().tensor(),
-            gamma.into_primitive().tensor(),
-            norm.epsilon,
-        ))
-    }
+        fn rope(
+            x: FloatTensor<Self>,
+            positions: IntTensor<Self>,
+            cos: FloatTensor<Self>,
+            sin: FloatTensor<Self>,
+        ) -> FloatTensor<Self> {
+            count_launch("rope");
+            kernels::rope::rope(x, positions, cos, sin)
+        }
 
-    fn fused_rope(
-        rope: &Rope<Self>,
-        x: Tensor<Self, 4>,
-        positions: Tensor<Self, 2, Int>,
-    ) -> Tensor<Self, 4> {
-        // The kernel reads f32 tables (what `Rope::new` builds).
-        let (cos, sin) = rope.tables();
-        let (cos, sin) = (cos.clone().cast(DType::F32), sin.clone().cast(DType::F32));
-        cube_float(kernels::rope::rope(
-            x.into_primitive().tensor(),
-            positions.into_primitive(),
-            cos.into_primitive().tensor(),
-            sin.into_primitive().tensor(),
-        ))
-    }
+        fn silu_mul(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
+            count_launch("silu_mul");
+            kernels::silu_mul::silu_mul(gate, up)
+        }
 
-    fn fused_silu_mul(gate: Tensor<Self, 3>, up: Tensor<Self, 3>) -> Tensor<Self, 3> {
-        cube_float(kernels::silu_mul::silu_mul(
-            gate.into_primitive().tensor(),
-            up.into_primitive().tensor(),
-        ))
+        fn gemv(x: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self> {
+            count_launch("gemv");
+            kernels::linear::gemv(x, w)
+        }
     }
 }

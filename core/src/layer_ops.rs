@@ -12,13 +12,16 @@
 
 use std::sync::Arc;
 
+use burn::backend::Dispatch;
 use burn::nn::RmsNorm;
-use burn::tensor::{Int, Tensor, activation, backend::Backend};
+use burn::tensor::{DType, Int, Tensor, activation};
 
+use crate::LayerKernels;
 use crate::attention::{AttentionImpl, AttnOptions};
 use crate::rope::Rope;
+use crate::route::{Grad, route};
 
-/// Rows (`batch · seq`) up to which [`FusedBackend::fused_linear`] runs its GEMV kernel; more
+/// Rows (`batch · seq`) up to which [`FusedOps::linear`] runs its GEMV kernel; more
 /// rows go to Burn's matmul.
 pub const GEMV_MAX_ROWS: usize = 16;
 
@@ -30,96 +33,94 @@ pub const GEMV_MAX_ROWS: usize = 16;
 ///   returns `x`'s shape
 /// - `silu_mul`: `gate`, `up` `[batch, seq, inter]`; returns `silu(gate) · up`
 /// - `linear`: `x` `[batch, seq, in]`, `w` `[in, out]`; returns `x · w`, `[batch, seq, out]`
-pub trait LayerOps<B: Backend>: Send + Sync + std::fmt::Debug {
-    fn linear(&self, x: Tensor<B, 3>, w: Tensor<B, 2>) -> Tensor<B, 3>;
-    fn rms_norm(&self, norm: &RmsNorm<B>, x: Tensor<B, 3>) -> Tensor<B, 3>;
-    fn rope(&self, rope: &Rope<B>, x: Tensor<B, 4>, positions: Tensor<B, 2, Int>) -> Tensor<B, 4>;
-    fn silu_mul(&self, gate: Tensor<B, 3>, up: Tensor<B, 3>) -> Tensor<B, 3>;
+pub trait LayerOps: Send + Sync + std::fmt::Debug {
+    fn linear(&self, x: Tensor<3>, w: Tensor<2>) -> Tensor<3>;
+    fn rms_norm(&self, norm: &RmsNorm, x: Tensor<3>) -> Tensor<3>;
+    fn rope(&self, rope: &Rope, x: Tensor<4>, positions: Tensor<2, Int>) -> Tensor<4>;
+    fn silu_mul(&self, gate: Tensor<3>, up: Tensor<3>) -> Tensor<3>;
 }
 
 /// Plain tensor ops: what Burn's autodiff differentiates, and the oracle of the kernels.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct TensorOps;
 
-impl<B: Backend> LayerOps<B> for TensorOps {
-    fn linear(&self, x: Tensor<B, 3>, w: Tensor<B, 2>) -> Tensor<B, 3> {
+impl LayerOps for TensorOps {
+    fn linear(&self, x: Tensor<3>, w: Tensor<2>) -> Tensor<3> {
         x.matmul(w.unsqueeze())
     }
 
-    fn rms_norm(&self, norm: &RmsNorm<B>, x: Tensor<B, 3>) -> Tensor<B, 3> {
+    fn rms_norm(&self, norm: &RmsNorm, x: Tensor<3>) -> Tensor<3> {
         norm.forward(x)
     }
 
-    fn rope(&self, rope: &Rope<B>, x: Tensor<B, 4>, positions: Tensor<B, 2, Int>) -> Tensor<B, 4> {
+    fn rope(&self, rope: &Rope, x: Tensor<4>, positions: Tensor<2, Int>) -> Tensor<4> {
         rope.apply(x, positions)
     }
 
-    fn silu_mul(&self, gate: Tensor<B, 3>, up: Tensor<B, 3>) -> Tensor<B, 3> {
+    fn silu_mul(&self, gate: Tensor<3>, up: Tensor<3>) -> Tensor<3> {
         activation::silu(gate) * up
     }
 }
 
-/// A backend with single-launch kernels for [`LayerOps`]; the defaults are [`TensorOps`]
-/// (backends without kernels implement the trait with no methods).
-pub trait FusedBackend: Backend {
-    /// # Shapes
-    /// See [`LayerOps`]. Kernels take over for at most [`GEMV_MAX_ROWS`] rows.
-    fn fused_linear(x: Tensor<Self, 3>, w: Tensor<Self, 2>) -> Tensor<Self, 3> {
-        TensorOps.linear(x, w)
-    }
-
-    /// # Shapes
-    /// See [`LayerOps`].
-    fn fused_rms_norm(norm: &RmsNorm<Self>, x: Tensor<Self, 3>) -> Tensor<Self, 3> {
-        TensorOps.rms_norm(norm, x)
-    }
-
-    /// # Shapes
-    /// See [`LayerOps`].
-    fn fused_rope(
-        rope: &Rope<Self>,
-        x: Tensor<Self, 4>,
-        positions: Tensor<Self, 2, Int>,
-    ) -> Tensor<Self, 4> {
-        TensorOps.rope(rope, x, positions)
-    }
-
-    /// # Shapes
-    /// See [`LayerOps`].
-    fn fused_silu_mul(gate: Tensor<Self, 3>, up: Tensor<Self, 3>) -> Tensor<Self, 3> {
-        TensorOps.silu_mul(gate, up)
-    }
-}
-
-impl<E, I, Q> FusedBackend for burn::backend::NdArray<E, I, Q>
-where
-    E: burn::backend::ndarray::FloatNdArrayElement,
-    I: burn::backend::ndarray::IntNdArrayElement,
-    Q: burn::backend::ndarray::QuantElement,
-    burn::backend::ndarray::NdArrayTensor: From<burn::backend::ndarray::SharedArray<E>>,
-    burn::backend::ndarray::NdArrayTensor: From<burn::backend::ndarray::SharedArray<I>>,
-{
-}
-
-/// The backend's [`FusedBackend`] kernels (forward only: no autodiff).
+/// The layer ops as one CubeCL kernel each where the tensors live on a CubeCL device and no
+/// gradient is needed ([`crate::LayerKernels`], through Burn's `Dispatch`); elsewhere, and for
+/// projections of more than [`GEMV_MAX_ROWS`] rows, the [`TensorOps`].
 #[derive(Debug, Clone, Copy, Default)]
 pub struct FusedOps;
 
-impl<B: FusedBackend> LayerOps<B> for FusedOps {
-    fn linear(&self, x: Tensor<B, 3>, w: Tensor<B, 2>) -> Tensor<B, 3> {
-        B::fused_linear(x, w)
+impl LayerOps for FusedOps {
+    fn linear(&self, x: Tensor<3>, w: Tensor<2>) -> Tensor<3> {
+        let [b, s, k] = x.dims();
+        let n = w.dims()[1];
+        let unsupported = if b * s > GEMV_MAX_ROWS {
+            // Not logged as a fallback: Burn's matmul is the right kernel for many rows.
+            return TensorOps.linear(x, w);
+        } else if x.dtype() != w.dtype() {
+            Some(format!("x is {:?}, w is {:?}", x.dtype(), w.dtype()))
+        } else {
+            None
+        };
+        if !route("gemv", &x.device(), Grad::ForwardOnly, unsupported) {
+            return TensorOps.linear(x, w);
+        }
+        let out = Dispatch::gemv(x.reshape([b * s, k]).into_dispatch(), w.into_dispatch());
+        Tensor::<2>::from_dispatch(out).reshape([b, s, n])
     }
 
-    fn rms_norm(&self, norm: &RmsNorm<B>, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        B::fused_rms_norm(norm, x)
+    fn rms_norm(&self, norm: &RmsNorm, x: Tensor<3>) -> Tensor<3> {
+        if !route("rms_norm", &x.device(), Grad::ForwardOnly, None) {
+            return TensorOps.rms_norm(norm, x);
+        }
+        let gamma = norm.gamma.val().cast(x.dtype());
+        Tensor::from_dispatch(Dispatch::rms_norm(
+            x.into_dispatch(),
+            gamma.into_dispatch(),
+            norm.epsilon,
+        ))
     }
 
-    fn rope(&self, rope: &Rope<B>, x: Tensor<B, 4>, positions: Tensor<B, 2, Int>) -> Tensor<B, 4> {
-        B::fused_rope(rope, x, positions)
+    fn rope(&self, rope: &Rope, x: Tensor<4>, positions: Tensor<2, Int>) -> Tensor<4> {
+        if !route("rope", &x.device(), Grad::ForwardOnly, None) {
+            return TensorOps.rope(rope, x, positions);
+        }
+        // The kernel reads f32 tables (what `Rope::new` builds).
+        let (cos, sin) = rope.tables();
+        let (cos, sin) = (cos.clone().cast(DType::F32), sin.clone().cast(DType::F32));
+        Tensor::from_dispatch(Dispatch::rope(
+            x.into_dispatch(),
+            positions.into_dispatch(),
+            cos.into_dispatch(),
+            sin.into_dispatch(),
+        ))
     }
 
-    fn silu_mul(&self, gate: Tensor<B, 3>, up: Tensor<B, 3>) -> Tensor<B, 3> {
-        B::fused_silu_mul(gate, up)
+    fn silu_mul(&self, gate: Tensor<3>, up: Tensor<3>) -> Tensor<3> {
+        let unsupported = (gate.dims() != up.dims())
+            .then(|| format!("gate {:?} and up {:?} differ", gate.dims(), up.dims()));
+        if !route("silu_mul", &gate.device(), Grad::ForwardOnly, unsupported) {
+            return TensorOps.silu_mul(gate, up);
+        }
+        Tensor::from_dispatch(Dispatch::silu_mul(gate.into_dispatch(), up.into_dispatch()))
     }
 }
 
@@ -127,14 +128,14 @@ impl<B: FusedBackend> LayerOps<B> for FusedOps {
 /// to run its small ops as kernels (`Llama::forward` takes them from
 /// [`AttentionImpl::layer_ops`]).
 #[derive(Debug, Clone)]
-pub struct FusedLayers<B: Backend> {
-    pub attention: Arc<dyn AttentionImpl<B>>,
-    pub ops: Arc<dyn LayerOps<B>>,
+pub struct FusedLayers {
+    pub attention: Arc<dyn AttentionImpl>,
+    pub ops: Arc<dyn LayerOps>,
 }
 
-impl<B: FusedBackend> FusedLayers<B> {
-    /// `attention` with the backend's [`FusedOps`].
-    pub fn new(attention: Arc<dyn AttentionImpl<B>>) -> Self {
+impl FusedLayers {
+    /// `attention` with the [`FusedOps`].
+    pub fn new(attention: Arc<dyn AttentionImpl>) -> Self {
         Self {
             attention,
             ops: Arc::new(FusedOps),
@@ -142,7 +143,7 @@ impl<B: FusedBackend> FusedLayers<B> {
     }
 }
 
-impl<B: Backend> AttentionImpl<B> for FusedLayers<B> {
+impl AttentionImpl for FusedLayers {
     fn name(&self) -> String {
         format!("{} + fused layer ops", self.attention.name())
     }
@@ -150,15 +151,15 @@ impl<B: Backend> AttentionImpl<B> for FusedLayers<B> {
     fn attend(
         &self,
         layer: usize,
-        q: Tensor<B, 4>,
-        k: Tensor<B, 4>,
-        v: Tensor<B, 4>,
-        opts: &AttnOptions<B>,
-    ) -> Tensor<B, 4> {
+        q: Tensor<4>,
+        k: Tensor<4>,
+        v: Tensor<4>,
+        opts: &AttnOptions,
+    ) -> Tensor<4> {
         self.attention.attend(layer, q, k, v, opts)
     }
 
-    fn layer_ops(&self) -> Option<&dyn LayerOps<B>> {
+    fn layer_ops(&self) -> Option<&dyn LayerOps> {
         Some(self.ops.as_ref())
     }
 }

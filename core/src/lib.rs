@@ -7,21 +7,25 @@
 //!   (the full cache here; ShadowKV, MiniCache and quantized caches later);
 //! - [`rope::Rope`]: rotary embeddings (HF rotate-half, Llama-3 frequency scaling);
 //! - [`layer_ops::LayerOps`]: the layer's projections, RMSNorm, RoPE and SwiGLU gate as tensor
-//!   ops or as one CubeCL kernel each ([`layer_ops::FusedLayers`], inference);
+//!   ops or as one CubeCL kernel each ([`layer_ops::FusedLayers`], inference), the kernels a
+//!   Burn backend extension ([`LayerKernels`]) that runs on `Fusion<CubeBackend>` and Burn's
+//!   `Dispatch`;
+//! - [`route`]: the one place where every crate decides between a kernel and the reference;
 //! - [`sampling::Sampler`]: next-token distributions and draws (greedy, temperature, top-k,
 //!   top-p), which speculative decoding builds on.
 
 pub mod attention;
 pub mod cache;
 mod cube;
-pub use cube::cube_float;
 pub mod kernels;
 pub mod layer_ops;
 pub mod rope;
+pub mod route;
 pub mod sampling;
 
 pub use attention::{AttentionImpl, AttentionKind, AttnOptions, BurnAttention, ReferenceAttention};
 pub use cache::{FullKvCache, KvCache, append_kv};
-pub use layer_ops::{FusedBackend, FusedLayers, FusedOps, GEMV_MAX_ROWS, LayerOps, TensorOps};
+pub use cube::{LayerKernels, gemv_shape};
+pub use layer_ops::{FusedLayers, FusedOps, GEMV_MAX_ROWS, LayerOps, TensorOps};
 pub use rope::{Rope, RopeScaling};
 pub use sampling::{Greedy, Sampler, SamplingConfig, TopKTopP};

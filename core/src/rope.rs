@@ -1,7 +1,7 @@
 //! Rotary position embeddings, HF "rotate-half" layout, with Llama-3 frequency scaling.
 
 use burn::module::Module;
-use burn::tensor::{Int, Tensor, TensorData, backend::Backend};
+use burn::tensor::{Device, Int, Tensor, TensorData};
 
 /// Llama-3 frequency scaling parameters (HF `rope_scaling` with `rope_type = "llama3"`).
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -15,9 +15,9 @@ pub struct RopeScaling {
 /// Precomputed cos/sin tables for positions `0..max_positions` (constant tensors: a module
 /// with no parameters, so a model can hold it).
 #[derive(Module, Debug)]
-pub struct Rope<B: Backend> {
-    cos: Tensor<B, 2>,
-    sin: Tensor<B, 2>,
+pub struct Rope {
+    cos: Tensor<2>,
+    sin: Tensor<2>,
     head_dim: usize,
 }
 
@@ -45,14 +45,14 @@ pub fn inverse_frequencies(head_dim: usize, theta: f32, scaling: Option<RopeScal
         .collect()
 }
 
-impl<B: Backend> Rope<B> {
+impl Rope {
     /// Tables for `head_dim` (even) and positions `0..max_positions`.
     pub fn new(
         head_dim: usize,
         max_positions: usize,
         theta: f32,
         scaling: Option<RopeScaling>,
-        device: &B::Device,
+        device: &Device,
     ) -> Self {
         assert!(
             head_dim.is_multiple_of(2),
@@ -78,7 +78,7 @@ impl<B: Backend> Rope<B> {
     }
 
     /// The `[max_positions, head_dim / 2]` cos and sin tables (f32).
-    pub fn tables(&self) -> (&Tensor<B, 2>, &Tensor<B, 2>) {
+    pub fn tables(&self) -> (&Tensor<2>, &Tensor<2>) {
         (&self.cos, &self.sin)
     }
 
@@ -92,13 +92,13 @@ impl<B: Backend> Rope<B> {
     /// # Shapes
     /// - `x`: `[batch, heads, seq, head_dim]`
     /// - `positions`: `[batch, seq]`, each `< max_positions()`
-    pub fn apply(&self, x: Tensor<B, 4>, positions: Tensor<B, 2, Int>) -> Tensor<B, 4> {
+    pub fn apply(&self, x: Tensor<4>, positions: Tensor<2, Int>) -> Tensor<4> {
         let [b, h, s, d] = x.dims();
         debug_assert_eq!(d, self.head_dim);
         let half = d / 2;
         let idx = positions.reshape([b * s]);
         let dtype = x.dtype();
-        let gather = |t: &Tensor<B, 2>| {
+        let gather = |t: &Tensor<2>| {
             t.clone()
                 .select(0, idx.clone())
                 .reshape([b, 1, s, half])

@@ -205,21 +205,21 @@ pub const TF32_REL_L2: f64 = 1e-3;
 
 /// Whether f32 matrix products on this backend run in TF32 (CUDA's matrix units) rather than in
 /// full f32, which decides how closely their results can match an f64 oracle.
-pub fn f32_matmul_is_tf32<B: burn::tensor::backend::Backend>(device: &B::Device) -> bool {
-    B::name(device).to_lowercase().contains("cuda")
+pub fn f32_matmul_is_tf32(device: &burn::tensor::Device) -> bool {
+    crate::runtimes::is_cuda(device)
 }
 
 /// Checks an output of f32 matrix products: element-wise within the f32 reduction tolerance
 /// where the backend computes in f32, by relative L2 error within [`TF32_REL_L2`] where it
 /// computes in TF32. Non-finite values must agree either way.
-pub fn assert_matmul_close<B: burn::tensor::backend::Backend>(
+pub fn assert_matmul_close(
     name: &str,
     actual: &[f32],
     expected: &[f32],
     reduction_len: usize,
-    device: &B::Device,
+    device: &burn::tensor::Device,
 ) {
-    assert_close_unless_tf32::<B>(
+    assert_close_unless_tf32(
         name,
         actual,
         expected,
@@ -231,14 +231,14 @@ pub fn assert_matmul_close<B: burn::tensor::backend::Backend>(
 /// Checks an output of f32 matrix products element-wise within `tol` where the backend
 /// computes in f32, by relative L2 error within [`TF32_REL_L2`] where it computes in TF32.
 /// Non-finite values must agree either way.
-pub fn assert_close_unless_tf32<B: burn::tensor::backend::Backend>(
+pub fn assert_close_unless_tf32(
     name: &str,
     actual: &[f32],
     expected: &[f32],
     tol: Tolerance,
-    device: &B::Device,
+    device: &burn::tensor::Device,
 ) {
-    if !f32_matmul_is_tf32::<B>(device) {
+    if !f32_matmul_is_tf32(device) {
         return assert_close(name, actual, expected, tol);
     }
     let m = metrics(actual, expected);
@@ -252,9 +252,11 @@ pub fn assert_close_unless_tf32<B: burn::tensor::backend::Backend>(
 /// [`assert_close`] on two [`TensorData`] of the same shape, of any float dtype.
 pub fn assert_close_data(name: &str, actual: TensorData, expected: TensorData, tol: Tolerance) {
     assert_eq!(
-        actual.shape, expected.shape,
+        actual.shape(),
+        expected.shape(),
         "{name}: shape mismatch (actual {:?}, expected {:?})",
-        actual.shape, expected.shape
+        actual.shape(),
+        expected.shape()
     );
     assert_close(name, &to_f32(actual), &to_f32(expected), tol);
 }
@@ -262,7 +264,7 @@ pub fn assert_close_data(name: &str, actual: TensorData, expected: TensorData, t
 /// The values of a float [`TensorData`] as f32.
 pub fn to_f32(data: TensorData) -> Vec<f32> {
     data.convert::<f32>()
-        .to_vec::<f32>()
+        .try_to_vec::<f32>()
         .expect("float tensor data")
 }
 

@@ -4,15 +4,16 @@
 //! - [`compare`]: error metrics (max-abs, max-rel, relative L1, RMSE, cosine similarity) and
 //!   assertions with readable failure messages, with tolerances derived from the dtype;
 //! - [`testgen!`]: one generic test body instantiated on every enabled runtime
-//!   (Vulkan, CUDA) and, where asked, on the CPU reference backend.
+//!   (Vulkan, CUDA), through Burn's `Dispatch` backend, with and without autodiff.
 
 pub mod compare;
 pub mod random;
 pub mod runtimes;
+pub mod unfused;
 
 pub use compare::{
     Metrics, TF32_REL_L2, Tolerance, assert_close, assert_close_data, assert_close_unless_tf32,
     assert_matmul_close, f32_matmul_is_tf32, metrics,
 };
 pub use random::{Dist, random_tensor, random_values};
-pub use runtimes::{float_dtypes, is_wgpu, poison_memory};
+pub use runtimes::{float_dtypes, is_cuda, is_wgpu, poison_memory};

@@ -1,6 +1,6 @@
 //! Seeded random inputs. Tests draw fresh values per case from a seed, never zeros.
 
-use burn::tensor::{DType, Tensor, TensorCreationOptions, TensorData, backend::Backend};
+use burn::tensor::{DType, Device, Tensor, TensorCreationOptions, TensorData};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use rand_distr::{Distribution, Normal, Uniform};
 
@@ -68,13 +68,13 @@ pub fn random_values(n: usize, dist: Dist, seed: u64) -> Vec<f32> {
 }
 
 /// A float tensor of `shape` drawn from `dist` with `seed`, stored as `dtype` on `device`.
-pub fn random_tensor<B: Backend, const D: usize>(
+pub fn random_tensor<const D: usize>(
     shape: [usize; D],
     dist: Dist,
     seed: u64,
     dtype: DType,
-    device: &B::Device,
-) -> Tensor<B, D> {
+    device: &Device,
+) -> Tensor<D> {
     let n = shape.iter().product();
     let data = TensorData::new(random_values(n, dist, seed), shape).convert_dtype(dtype);
     Tensor::from_data(

@@ -1,18 +1,18 @@
 //! Running one test body on every enabled runtime.
 //!
-//! A test body is a generic function `fn name<B: SomeBackendTrait>(device: &B::Device)`.
-//! [`testgen!`](crate::testgen) instantiates it once per runtime enabled in the *calling*
-//! crate's features (`vulkan`, `cuda`), with `CubeBackend<Runtime, f32, i32, u32>` for plain
-//! tests and `Autodiff<CubeBackend<..>>` for gradient tests. The calling crate must depend on
-//! `burn`, `burn-cubecl` and `cubecl` (with `cubecl/cuda` under its `cuda` feature).
+//! A test body is a function `fn name(device: &Device)`. [`testgen!`](crate::testgen)
+//! instantiates it once per CubeCL runtime enabled in the *calling* crate's features
+//! (`vulkan`, `cuda`), on that runtime's device through Burn's `Dispatch` backend (so on
+//! `Fusion<CubeBackend>` where Burn's `fusion` feature is on, as in the workspace), and on the
+//! same device with autodiff for gradient tests.
 
-use burn::tensor::{DType, Tensor, TensorCreationOptions, backend::Backend};
+use burn::tensor::{DType, Device, Tensor, TensorCreationOptions};
 
 /// Generates `#[test]` functions for every enabled runtime. See the module docs.
 ///
 /// ```text
-/// fn forward_matches_reference<B: MyBackend>(device: &B::Device) { /* ... */ }
-/// fn grads_match_reference<B: MyBackend + AutodiffBackend>(device: &B::Device) { /* ... */ }
+/// fn forward_matches_reference(device: &Device) { /* ... */ }
+/// fn grads_match_reference(device: &Device) { /* ... (device has autodiff) */ }
 /// burn_kernels_testing::testgen! {
 ///     backend: [forward_matches_reference],
 ///     autodiff: [grads_match_reference],
@@ -23,24 +23,29 @@ macro_rules! testgen {
     (backend: [$($b:ident),* $(,)?], autodiff: [$($a:ident),* $(,)?] $(,)?) => {
         #[cfg(feature = "vulkan")]
         mod vulkan {
-            pub type Runtime = ::burn::backend::wgpu::WgpuRuntime;
-            pub type TestBackend = ::burn_cubecl::CubeBackend<Runtime, f32, i32, u32>;
-            fn device() -> ::burn::backend::wgpu::WgpuDevice {
+            fn device() -> ::burn::tensor::Device {
                 $crate::runtimes::quick_software_shaders();
-                ::burn::backend::wgpu::WgpuDevice::default()
+                ::burn::tensor::Device::vulkan(::burn::tensor::DeviceKind::DefaultDevice)
             }
-            $( #[test] fn $b() { super::$b::<TestBackend>(&device()); } )*
-            $( #[test] fn $a() { super::$a::<::burn::backend::Autodiff<TestBackend>>(&device()); } )*
+            $( #[test] fn $b() { super::$b(&device()); } )*
+            $( #[test] fn $a() { super::$a(&device().autodiff()); } )*
+        }
+        #[cfg(all(feature = "wgpu", not(feature = "vulkan")))]
+        mod wgpu {
+            fn device() -> ::burn::tensor::Device {
+                $crate::runtimes::quick_software_shaders();
+                ::burn::tensor::Device::wgpu(::burn::tensor::DeviceKind::DefaultDevice)
+            }
+            $( #[test] fn $b() { super::$b(&device()); } )*
+            $( #[test] fn $a() { super::$a(&device().autodiff()); } )*
         }
         #[cfg(feature = "cuda")]
         mod cuda {
-            pub type Runtime = ::cubecl::cuda::CudaRuntime;
-            pub type TestBackend = ::burn_cubecl::CubeBackend<Runtime, f32, i32, u8>;
-            fn device() -> ::cubecl::cuda::CudaDevice {
-                ::cubecl::cuda::CudaDevice::default()
+            fn device() -> ::burn::tensor::Device {
+                ::burn::tensor::Device::cuda(0)
             }
-            $( #[test] fn $b() { super::$b::<TestBackend>(&device()); } )*
-            $( #[test] fn $a() { super::$a::<::burn::backend::Autodiff<TestBackend>>(&device()); } )*
+            $( #[test] fn $b() { super::$b(&device()); } )*
+            $( #[test] fn $a() { super::$a(&device().autodiff()); } )*
         }
     };
 }
@@ -65,8 +70,13 @@ pub fn quick_software_shaders() {
 /// where each new kernel variant costs seconds of shader compilation and a model-sized forward
 /// pass tens of seconds; long dtype × option matrices and model-sized inputs run in part there
 /// (each test says which part) and in full on CUDA.
-pub fn is_wgpu<B: Backend>(device: &B::Device) -> bool {
-    B::name(device).contains("wgpu")
+pub fn is_wgpu(device: &Device) -> bool {
+    burn_kernels_core::route::is_wgpu(device)
+}
+
+/// Whether `device` is a CUDA device.
+pub fn is_cuda(device: &Device) -> bool {
+    burn_kernels_core::route::is_cuda(device)
 }
 
 /// The float dtypes a test should cover on `device`: f32 always, f16 and bf16 where the
@@ -74,7 +84,7 @@ pub fn is_wgpu<B: Backend>(device: &B::Device) -> bool {
 ///
 /// `BURN_KERNELS_TEST_DTYPES` (e.g. `bf16` or `f32,f16`) keeps only the listed ones, so that a
 /// long test can run as one process per dtype on a GPU machine with a time limit.
-pub fn float_dtypes<B: Backend>(device: &B::Device) -> Vec<DType> {
+pub fn float_dtypes(device: &Device) -> Vec<DType> {
     let only = std::env::var("BURN_KERNELS_TEST_DTYPES").ok();
     let listed = |d: DType| {
         only.as_deref().is_none_or(|list| {
@@ -88,7 +98,7 @@ pub fn float_dtypes<B: Backend>(device: &B::Device) -> Vec<DType> {
     };
     let dtypes: Vec<DType> = [DType::F32, DType::F16, DType::BF16]
         .into_iter()
-        .filter(|&d| d == DType::F32 || B::supports_dtype(device, d))
+        .filter(|&d| d == DType::F32 || device.supports_dtype(d))
         .filter(|&d| listed(d))
         .collect();
     // A filter that leaves nothing would make every dtype loop pass without checking anything.
@@ -102,12 +112,12 @@ pub fn float_dtypes<B: Backend>(device: &B::Device) -> Vec<DType> {
 /// Fills and frees device memory with NaN so that a kernel output later allocated from the
 /// same pool starts as NaN: an element the kernel never writes then fails the comparison
 /// instead of passing by luck with a stale value.
-pub fn poison_memory<B: Backend>(device: &B::Device, elems: usize, dtype: DType) {
-    let t = Tensor::<B, 1>::full(
+pub fn poison_memory(device: &Device, elems: usize, dtype: DType) {
+    let t = Tensor::<1>::full(
         [elems.max(1)],
         f32::NAN,
         TensorCreationOptions::new(device.clone()).with_dtype(dtype),
     );
-    let _ = B::sync(device);
+    let _ = device.sync();
     drop(t);
 }

@@ -4,10 +4,10 @@
 //! shared-memory pass adds the eight partial sums. Burn's matmul launch costs more host time
 //! than the whole product at these sizes.
 
+use burn::backend::cubecl::dtype_to_storage_type;
 use burn::tensor::Shape;
 use burn_cubecl::{
-    CubeRuntime, kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype,
-    tensor::CubeTensor,
+    kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype, tensor::CubeTensor,
 };
 use cubecl::prelude::*;
 
@@ -20,7 +20,7 @@ fn gemv_kernel<F: Float>(
     x: &Tensor<F>,
     w: &Tensor<F>,
     out: &mut Tensor<F>,
-    #[define(F)] _dtype: StorageType,
+    #[define(F)] _dtype: ElemType,
 ) {
     let k_dim = w.shape(0);
     let n_dim = w.shape(1);
@@ -39,7 +39,7 @@ fn gemv_kernel<F: Float>(
             acc += f32::cast_from(x[row * k_dim + k]) * f32::cast_from(w[k * n_dim + col]);
         }
     }
-    let mut partial = SharedMemory::<f32>::new((COLS * SPLITS) as usize);
+    let mut partial = Shared::<[f32]>::new_slice((COLS * SPLITS) as usize);
     partial[(UNIT_POS_Y * COLS + UNIT_POS_X) as usize] = acc;
     sync_cube();
     if split == 0 && col < n_dim {
@@ -56,14 +56,14 @@ fn gemv_kernel<F: Float>(
 ///
 /// # Shapes
 /// - `x`: `[rows, k]`, `w`: `[k, n]` in `x`'s dtype; returns `[rows, n]`
-pub fn gemv<R: CubeRuntime>(x: CubeTensor<R>, w: CubeTensor<R>) -> CubeTensor<R> {
+pub fn gemv(x: CubeTensor, w: CubeTensor) -> CubeTensor {
     let x = into_contiguous(x);
     let w = into_contiguous(w);
     let [rows, _] = x.meta.shape().dims::<2>();
     let [_, n] = w.meta.shape().dims::<2>();
     let client = x.client.clone();
     let dtype = x.dtype;
-    let out = empty_device_contiguous_dtype::<R>(
+    let out = empty_device_contiguous_dtype(
         client.clone(),
         x.device.clone(),
         Shape::new([rows, n]),
@@ -72,14 +72,14 @@ pub fn gemv<R: CubeRuntime>(x: CubeTensor<R>, w: CubeTensor<R>) -> CubeTensor<R>
     if rows == 0 || n == 0 {
         return out;
     }
-    gemv_kernel::launch::<R>(
+    gemv_kernel::launch(
         &client,
         CubeCount::Static((n as u32).div_ceil(COLS), rows as u32, 1),
         CubeDim::new_2d(COLS, SPLITS),
         x.into_tensor_arg(),
         w.into_tensor_arg(),
         out.clone().into_tensor_arg(),
-        dtype.into(),
+        dtype_to_storage_type(dtype),
     );
     out
 }

@@ -2,10 +2,10 @@
 //! the row in f32, a shared-memory tree adds the shares, and each unit writes its share
 //! scaled by `γ / √(mean + ε)`.
 
+use burn::backend::cubecl::dtype_to_storage_type;
 use burn::tensor::DType;
 use burn_cubecl::{
-    CubeRuntime, kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype,
-    tensor::CubeTensor,
+    kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype, tensor::CubeTensor,
 };
 use cubecl::prelude::*;
 
@@ -22,7 +22,7 @@ fn rms_norm_kernel<F: Float>(
     rows: usize,
     eps: f32,
     #[comptime] units: usize,
-    #[define(F)] _dtype: StorageType,
+    #[define(F)] _dtype: ElemType,
 ) {
     let row = (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize;
     // Whole cubes leave together, before the barriers.
@@ -39,7 +39,7 @@ fn rms_norm_kernel<F: Float>(
         squares += v * v;
         i += units;
     }
-    let mut shared = SharedMemory::<f32>::new(units);
+    let mut shared = Shared::<[f32]>::new_slice(units);
     shared[unit] = squares;
     sync_cube();
     // Runtime, not comptime: the loop mutates it.
@@ -63,7 +63,7 @@ fn rms_norm_kernel<F: Float>(
 ///
 /// # Shapes
 /// - `x`: `[..., cols]`, `gamma`: `[cols]` in `x`'s dtype; returns `x`'s shape
-pub fn rms_norm<R: CubeRuntime>(x: CubeTensor<R>, gamma: CubeTensor<R>, eps: f64) -> CubeTensor<R> {
+pub fn rms_norm(x: CubeTensor, gamma: CubeTensor, eps: f64) -> CubeTensor {
     let x = into_contiguous(x);
     let gamma = into_contiguous(gamma);
     let shape = x.meta.shape().clone();
@@ -71,11 +71,11 @@ pub fn rms_norm<R: CubeRuntime>(x: CubeTensor<R>, gamma: CubeTensor<R>, eps: f64
     let rows = shape.num_elements() / cols.max(1);
     let client = x.client.clone();
     let dtype: DType = x.dtype;
-    let out = empty_device_contiguous_dtype::<R>(client.clone(), x.device.clone(), shape, dtype);
+    let out = empty_device_contiguous_dtype(client.clone(), x.device.clone(), shape, dtype);
     if rows == 0 || cols == 0 {
         return out;
     }
-    rms_norm_kernel::launch::<R>(
+    rms_norm_kernel::launch(
         &client,
         row_grid(&client, rows),
         CubeDim::new_1d(ROW_UNITS as u32),
@@ -85,7 +85,7 @@ pub fn rms_norm<R: CubeRuntime>(x: CubeTensor<R>, gamma: CubeTensor<R>, eps: f64
         rows,
         eps as f32,
         ROW_UNITS,
-        dtype.into(),
+        dtype_to_storage_type(dtype),
     );
     out
 }

@@ -2,10 +2,10 @@
 //! reading the row through its strides (the model passes a `[b, s, h, d] → [b, h, s, d]`
 //! view), gathering cos/sin at the row's position and writing a contiguous result.
 
+use burn::backend::cubecl::dtype_to_storage_type;
 use burn::tensor::Shape;
 use burn_cubecl::{
-    CubeRuntime, kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype,
-    tensor::CubeTensor,
+    kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype, tensor::CubeTensor,
 };
 use cubecl::{calculate_cube_count_elemwise, prelude::*};
 
@@ -19,7 +19,7 @@ fn rope_kernel<F: Float, I: Int>(
     sin: &Tensor<f32>,
     out: &mut Tensor<F>,
     pairs: usize,
-    #[define(F, I)] _dtypes: [StorageType; 2],
+    #[define(F, I)] _dtypes: [ElemType; 2],
 ) {
     let idx = ABSOLUTE_POS;
     if idx >= pairs {
@@ -54,19 +54,14 @@ fn rope_kernel<F: Float, I: Int>(
 /// - `positions`: `[b, s]` int, each `< cos.shape[0]`
 /// - `cos`, `sin`: `[positions, d/2]` f32
 /// - returns `[b, h, s, d]`, contiguous, `x`'s dtype
-pub fn rope<R: CubeRuntime>(
-    x: CubeTensor<R>,
-    positions: CubeTensor<R>,
-    cos: CubeTensor<R>,
-    sin: CubeTensor<R>,
-) -> CubeTensor<R> {
+pub fn rope(x: CubeTensor, positions: CubeTensor, cos: CubeTensor, sin: CubeTensor) -> CubeTensor {
     let positions = into_contiguous(positions);
     let cos = into_contiguous(cos);
     let sin = into_contiguous(sin);
     let [b, h, s, d] = x.meta.shape().dims::<4>();
     let client = x.client.clone();
     let dtype = x.dtype;
-    let out = empty_device_contiguous_dtype::<R>(
+    let out = empty_device_contiguous_dtype(
         client.clone(),
         x.device.clone(),
         Shape::new([b, h, s, d]),
@@ -76,9 +71,12 @@ pub fn rope<R: CubeRuntime>(
     if pairs == 0 {
         return out;
     }
-    let dtypes = [dtype.into(), positions.dtype.into()];
+    let dtypes = [
+        dtype_to_storage_type(dtype),
+        dtype_to_storage_type(positions.dtype),
+    ];
     let cube_dim = CubeDim::new_1d(UNITS);
-    rope_kernel::launch::<R>(
+    rope_kernel::launch(
         &client,
         calculate_cube_count_elemwise(&client, pairs, cube_dim),
         cube_dim,

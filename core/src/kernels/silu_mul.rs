@@ -1,8 +1,8 @@
 //! The SwiGLU gate, `silu(g) · u = g · σ(g) · u`, in one element-wise launch (f32 inside).
 
+use burn::backend::cubecl::dtype_to_storage_type;
 use burn_cubecl::{
-    CubeRuntime, kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype,
-    tensor::CubeTensor,
+    kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype, tensor::CubeTensor,
 };
 use cubecl::{calculate_cube_count_elemwise, prelude::*};
 
@@ -13,7 +13,7 @@ fn silu_mul_kernel<F: Float>(
     gate: &Tensor<F>,
     up: &Tensor<F>,
     out: &mut Tensor<F>,
-    #[define(F)] _dtype: StorageType,
+    #[define(F)] _dtype: ElemType,
 ) {
     let i = ABSOLUTE_POS;
     if i >= out.len() {
@@ -26,26 +26,26 @@ fn silu_mul_kernel<F: Float>(
 
 /// # Shapes
 /// - `gate`, `up`: the same shape and dtype; returns it
-pub fn silu_mul<R: CubeRuntime>(gate: CubeTensor<R>, up: CubeTensor<R>) -> CubeTensor<R> {
+pub fn silu_mul(gate: CubeTensor, up: CubeTensor) -> CubeTensor {
     let gate = into_contiguous(gate);
     let up = into_contiguous(up);
     let shape = gate.meta.shape().clone();
     let n = shape.num_elements();
     let client = gate.client.clone();
     let dtype = gate.dtype;
-    let out = empty_device_contiguous_dtype::<R>(client.clone(), gate.device.clone(), shape, dtype);
+    let out = empty_device_contiguous_dtype(client.clone(), gate.device.clone(), shape, dtype);
     if n == 0 {
         return out;
     }
     let cube_dim = CubeDim::new_1d(UNITS);
-    silu_mul_kernel::launch::<R>(
+    silu_mul_kernel::launch(
         &client,
         calculate_cube_count_elemwise(&client, n, cube_dim),
         cube_dim,
         gate.into_tensor_arg(),
         up.into_tensor_arg(),
         out.clone().into_tensor_arg(),
-        dtype.into(),
+        dtype_to_storage_type(dtype),
     );
     out
 }

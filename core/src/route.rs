@@ -1,0 +1,153 @@
+//! Where an op runs: its CubeCL kernel, through the crate's backend extension, or the tensor-op
+//! reference.
+//!
+//! Every public op of the paper crates asks [`route`] first, on the caller's thread, before it
+//! calls its `Dispatch` extension method. The kernel runs where the tensors live on a CubeCL
+//! device (CUDA, Vulkan, wgpu, …) of a runtime this crate was built for, whether Burn's `Cube`
+//! backend is fused (`Fusion<CubeBackend>`, Burn's default) or not; everywhere else (Burn's
+//! `Flex` CPU backend, a device with autodiff for an op without a backward, a configuration the
+//! kernel does not cover) the reference runs, and a configuration the kernel does not cover is
+//! logged once per op and reason.
+//!
+//! Tests hold [`require_kernels`] around calls that must run kernels: within it a call that
+//! would take the reference on a CubeCL device panics instead, naming the op and the reason.
+
+use std::cell::Cell;
+use std::collections::HashSet;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use burn::tensor::Device;
+
+/// Whether the op has a backward on the autodiff backend (CCE), or runs forward only.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Grad {
+    /// The extension implements `Autodiff<B>`: tensors on an autodiff device take the kernel.
+    Differentiable,
+    /// Forward only: on an autodiff device the (differentiable) reference runs.
+    ForwardOnly,
+}
+
+thread_local! {
+    static STRICT: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Runs `f` with kernels required: a call inside it that would take the tensor-op reference
+/// on a CubeCL device panics with the op's name and the reason. For tests.
+pub fn require_kernels<T>(f: impl FnOnce() -> T) -> T {
+    let before = STRICT.with(|s| s.replace(true));
+    let out = f();
+    STRICT.with(|s| s.set(before));
+    out
+}
+
+/// Whether this build can run kernels on `device` (a CubeCL device of a runtime this crate
+/// was built for), and the CubeCL device if so. Autodiff is looked through.
+#[cfg(feature = "cube")]
+pub fn cube_device(device: &Device) -> Option<burn_cubecl::CubeDevice> {
+    match device.clone().inner().as_dispatch() {
+        burn::backend::DispatchDevice::Cube(d) => Some(d.clone()),
+        #[allow(unreachable_patterns)]
+        _ => None,
+    }
+}
+
+/// Whether this build can run kernels on `device`: never, without a CubeCL runtime feature.
+#[cfg(not(feature = "cube"))]
+pub fn cube_device(_device: &Device) -> Option<burn_cubecl::CubeDevice> {
+    None
+}
+
+/// Whether `device` is a CubeCL device of the CUDA runtime.
+pub fn is_cuda(device: &Device) -> bool {
+    #[cfg(feature = "cube")]
+    {
+        cube_device(device).is_some_and(|d| d.runtime() == burn_cubecl::cubecl::RuntimeId::Cuda)
+    }
+    #[cfg(not(feature = "cube"))]
+    {
+        let _ = device;
+        false
+    }
+}
+
+/// Whether `device` is a CubeCL device of the wgpu runtime (Vulkan, Metal, WebGPU).
+pub fn is_wgpu(device: &Device) -> bool {
+    #[cfg(feature = "cube")]
+    {
+        cube_device(device).is_some_and(|d| d.runtime() == burn_cubecl::cubecl::RuntimeId::Wgpu)
+    }
+    #[cfg(not(feature = "cube"))]
+    {
+        let _ = device;
+        false
+    }
+}
+
+/// Decides whether `op` runs its kernel on `device`: `true` for the kernel, `false` for the
+/// reference. `unsupported` is why the kernel cannot take this call (shape, dtype, option),
+/// if it cannot; it is logged once per op and reason.
+///
+/// # Panics
+/// Inside [`require_kernels`], when the answer is the reference on a CubeCL device.
+pub fn route(op: &'static str, device: &Device, grad: Grad, unsupported: Option<String>) -> bool {
+    let on_cube = cube_device(device).is_some();
+    let reason = if !on_cube {
+        None
+    } else if grad == Grad::ForwardOnly && device.is_autodiff() {
+        Some("the device has autodiff and the kernel has no backward".to_string())
+    } else {
+        unsupported
+    };
+    match (on_cube, reason) {
+        (true, None) => true,
+        (true, Some(reason)) => {
+            if STRICT.with(Cell::get) {
+                panic!("{op}: the tensor-op reference would run on {device:?}: {reason}");
+            }
+            log_once(op, &reason);
+            false
+        }
+        (false, _) => {
+            if STRICT.with(Cell::get) {
+                panic!(
+                    "{op}: {device:?} runs no kernels in this build (enable the crate's cuda, \
+                     vulkan or wgpu feature)"
+                );
+            }
+            false
+        }
+    }
+}
+
+fn log_once(op: &'static str, reason: &str) {
+    static SEEN: Mutex<Option<HashSet<String>>> = Mutex::new(None);
+    let key = format!("{op}: {reason}");
+    let mut seen = SEEN.lock().unwrap_or_else(|e| e.into_inner());
+    if seen.get_or_insert_with(HashSet::new).insert(key) {
+        log::info!("{op} runs the tensor-op reference: {reason}");
+    }
+}
+
+static LAUNCHES: Mutex<Vec<(&'static str, &'static AtomicU64)>> = Mutex::new(Vec::new());
+
+/// Counts one launch of `op`'s kernel (called by the `CubeBackend` implementations, when the
+/// kernel is enqueued; under fusion that is when the fused stream executes).
+pub fn count_launch(op: &'static str) {
+    counter(op).fetch_add(1, Ordering::Relaxed);
+}
+
+/// Kernel launches of `op` counted so far in this process (see [`count_launch`]).
+pub fn launches(op: &'static str) -> u64 {
+    counter(op).load(Ordering::Relaxed)
+}
+
+fn counter(op: &'static str) -> &'static AtomicU64 {
+    let mut all = LAUNCHES.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, c)) = all.iter().find(|(name, _)| *name == op) {
+        return c;
+    }
+    let c: &'static AtomicU64 = Box::leak(Box::new(AtomicU64::new(0)));
+    all.push((op, c));
+    c
+}
