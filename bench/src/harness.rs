@@ -140,7 +140,7 @@ impl<'a> Candidate<'a> {
 
 /// One problem of a suite. `setup` allocates its inputs and returns the candidates; they are
 /// dropped (freeing device memory) before the next problem is set up.
-pub struct Problem<B: Backend> {
+pub struct Problem{
     pub label: String,
     pub params: BTreeMap<String, serde_json::Value>,
     /// Floating-point operations of one run, where meaningful.
@@ -150,7 +150,7 @@ pub struct Problem<B: Backend> {
     /// Tokens one run processes, where meaningful (reported as tokens/s).
     pub tokens: Option<f64>,
     #[allow(clippy::type_complexity)]
-    pub setup: Box<dyn Fn(&B::Device) -> Vec<Candidate<'static>>>,
+    pub setup: Box<dyn Fn(&Device) -> Vec<Candidate<'static>>>,
 }
 
 /// How a suite's results are drawn: `y` against the numeric parameter `x` (log2 axis), one line
@@ -172,11 +172,11 @@ pub struct PlotSpec {
 }
 
 /// A suite: problems × implementations, one of them the baseline for the speed-up ratios.
-pub struct Suite<B: Backend> {
+pub struct Suite{
     pub name: &'static str,
     pub description: &'static str,
     pub baseline: &'static str,
-    pub problems: Vec<Problem<B>>,
+    pub problems: Vec<Problem>,
     pub plot: Option<PlotSpec>,
     /// Also record each in-process candidate's peak memory (one extra call each).
     pub measure_memory: bool,
@@ -261,7 +261,7 @@ impl Timing {
     }
 }
 
-fn sync<B: Backend>(device: &B::Device) {
+fn sync(device: &Device) {
     B::sync(device).expect("device synchronization failed");
 }
 
@@ -269,23 +269,23 @@ fn sync<B: Backend>(device: &B::Device) {
 /// each repetition is timed from enqueue to device synchronization. Returns sorted times in ms.
 /// Memory of one synchronized call: the bytes it allocates exact-size, and the pool's growth
 /// after freeing unused pages (so that the call has to reserve what it needs).
-fn measure_memory<B: Backend>(
-    device: &B::Device,
+fn measure_memory(
+    device: &Device,
     run: &mut dyn FnMut(),
     probe: &MemoryProbe,
 ) -> CallMemory {
-    sync::<B>(device);
+    sync(device);
     let before = (probe.reserved)(true);
     run();
-    sync::<B>(device);
+    sync(device);
     let after = (probe.reserved)(false);
     let allocated = (probe.allocated)(&mut || {
         run();
-        sync::<B>(device);
+        sync(device);
     });
     let live = (probe.live)(&mut || {
         run();
-        sync::<B>(device);
+        sync(device);
     });
     CallMemory {
         allocated_mb: allocated.map(|b| b as f64 / 1e6),
@@ -296,15 +296,15 @@ fn measure_memory<B: Backend>(
     }
 }
 
-fn time_candidate<B: Backend>(device: &B::Device, run: &mut dyn FnMut(), t: Timing) -> Vec<f64> {
+fn time_candidate(device: &Device, run: &mut dyn FnMut(), t: Timing) -> Vec<f64> {
     run();
-    sync::<B>(device);
+    sync(device);
     let start = Instant::now();
     let mut warm = 0;
     // One warm call after the compiling one; more while they are short.
     while warm < 1 || (start.elapsed() < t.warmup && warm < 50) {
         run();
-        sync::<B>(device);
+        sync(device);
         warm += 1;
     }
     let per_call = start.elapsed().as_secs_f64() / warm as f64;
@@ -314,7 +314,7 @@ fn time_candidate<B: Backend>(device: &B::Device, run: &mut dyn FnMut(), t: Timi
         .map(|_| {
             let t0 = Instant::now();
             run();
-            sync::<B>(device);
+            sync(device);
             t0.elapsed().as_secs_f64() * 1e3
         })
         .collect();
@@ -346,9 +346,9 @@ fn count_panics() {
     });
 }
 
-pub fn run_suite<B: Backend>(
-    suite: Suite<B>,
-    device: &B::Device,
+pub fn run_suite(
+    suite: Suite,
+    device: &Device,
     timing: Timing,
     probe: Option<&MemoryProbe>,
     skip_impls: &[String],
@@ -398,12 +398,12 @@ pub fn run_suite<B: Backend>(
                     let (mut peak, mut pool, mut live) = (None, None, None);
                     let res = catch_unwind(AssertUnwindSafe(|| match runner {
                         Runner::InProcess(mut run) => {
-                            let times = time_candidate::<B>(device, &mut *run, timing);
+                            let times = time_candidate(device, &mut *run, timing);
                             // After warm-up, so autotuning's trial buffers are not counted.
                             if suite.measure_memory
                                 && let Some(p) = probe
                             {
-                                let m = measure_memory::<B>(device, &mut *run, p);
+                                let m = measure_memory(device, &mut *run, p);
                                 peak = m.allocated_mb;
                                 pool = m.pool_growth_mb;
                                 live = m.live_mb;
@@ -529,13 +529,12 @@ pub fn params<const N: usize>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use burn::backend::NdArray;
-
+    
     /// A panic on another thread during a candidate's run (as the device runtime's server
     /// thread panics when out of memory) fails that candidate, not the next one.
     #[test]
     fn panic_on_another_thread_fails_the_candidate() {
-        let problem = Problem::<NdArray> {
+        let problem = Problem {
             label: "p".into(),
             params: BTreeMap::new(),
             flops: None,
@@ -568,7 +567,7 @@ mod tests {
             min_reps: 2,
             max_reps: 3,
         };
-        let res = run_suite::<NdArray>(suite, &Default::default(), timing, None, &[]);
+        let res = run_suite(suite, &Default::default(), timing, None, &[]);
         let by = |n: &str| res.records.iter().find(|r| r.implementation == n).unwrap();
         assert!(by("clean").median_ms.is_some());
         let bad = by("server-panic");

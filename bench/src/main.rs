@@ -167,14 +167,14 @@ fn check_drafts(paths: &[PathBuf]) -> Result<(), String> {
 #[cfg(feature = "cuda")]
 fn run_cuda(args: &Args) -> Result<(), String> {
     type R = cubecl::cuda::CudaRuntime;
-    type B = burn_cubecl::CubeBackend<R, f32, i32, u8>;
+    type B = burn_cubecl::CubeBackend;
     let device = Default::default();
-    let pool = pool_props::<R>(&device);
-    run::<B>(
+    let pool = pool_props(&device);
+    run(
         args,
         &device,
         "cuda",
-        Some(memory_probe::<R>(&device)),
+        Some(memory_probe(&device)),
         pool,
     )
 }
@@ -187,14 +187,14 @@ fn run_cuda(_: &Args) -> Result<(), String> {
 #[cfg(feature = "vulkan")]
 fn run_vulkan(args: &Args) -> Result<(), String> {
     type R = burn::backend::wgpu::WgpuRuntime;
-    type B = burn_cubecl::CubeBackend<R, f32, i32, u32>;
+    type B = burn_cubecl::CubeBackend;
     let device = Default::default();
-    let pool = pool_props::<R>(&device);
-    run::<B>(
+    let pool = pool_props(&device);
+    run(
         args,
         &device,
         "vulkan",
-        Some(memory_probe::<R>(&device)),
+        Some(memory_probe(&device)),
         pool,
     )
 }
@@ -281,7 +281,7 @@ fn render(path: &std::path::Path) -> Result<(), String> {
     Ok(())
 }
 
-fn device_name<B: Backend>(args: &Args, device: &B::Device, backend: &str) -> String {
+fn device_name(args: &Args, device: &Device, backend: &str) -> String {
     if let Some(n) = &args.device_name {
         return n.clone();
     }
@@ -322,14 +322,9 @@ fn commit(args: &Args) -> String {
 }
 
 fn run<
-    B: Backend
-        + CceBackend
-        + burn_sage::SageBackend
-        + burn_kvcache::KvBackend
-        + burn_kernels_core::FusedBackend,
->(
+    >(
     args: &Args,
-    device: &B::Device,
+    device: &Device,
     backend: &str,
     probe: Option<harness::MemoryProbe>,
     pool: suites::PoolProps,
@@ -369,13 +364,13 @@ fn run<
     };
     let mut built = Vec::new();
     for n in &names {
-        let mut suite = suites::build::<B>(n, opts.clone())
+        let mut suite = suites::build(n, opts.clone())
             .ok_or_else(|| format!("unknown suite `{n}`; known: {}", suites::ALL.join(", ")))?;
         suite.problems.retain(|p| opts.selects(&p.label));
         suite.measure_memory &= !args.skip_memory;
         built.push(suite);
     }
-    let device_label = device_name::<B>(args, device, backend);
+    let device_label = device_name(args, device, backend);
     eprintln!(
         "device: {device_label} ({backend}), suites: {}",
         names.join(", ")
@@ -395,7 +390,7 @@ fn run<
         .into_iter()
         .map(|s| harness::SuiteResult {
             commit: commit.clone(),
-            ..harness::run_suite::<B>(s, device, timing, probe.as_ref(), &args.skip_impls)
+            ..harness::run_suite(s, device, timing, probe.as_ref(), &args.skip_impls)
         })
         .collect();
     let report = report::Report {

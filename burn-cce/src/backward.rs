@@ -1,4 +1,8 @@
 //! Autodiff: each op's forward runs on the inner backend, its gradient is registered here.
+//!
+//! The backward passes see only the inner backend's primitives: the loss's gradient is the
+//! inner backend's [`CceKernels::linear_ce_backward`] (`_bias`), the log-sum-exp's is
+//! `softmax(x)·grad` in primitive ops.
 
 use burn::backend::autodiff::{
     Autodiff,
@@ -6,20 +10,20 @@ use burn::backend::autodiff::{
     grads::Gradients,
     ops::{Backward, Ops, OpsKind},
 };
-use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{
-    Tensor, TensorPrimitive,
-    ops::{FloatTensor, IntTensor},
+use burn::backend::{
+    AutodiffBackend, Backend, Scalar, TensorMetadata,
+    tensor::{FloatTensor, IntTensor},
 };
+use burn::tensor::{DType, FloatDType, Shape};
 
-use crate::{CceBackend, LceParams, reference};
+use crate::{CceKernels, LceParams};
 
-impl<B: CceBackend, C: CheckpointStrategy> CceBackend for Autodiff<B, C> {
+impl<B: CceKernels, C: CheckpointStrategy> CceKernels for Autodiff<B, C> {
     fn logsumexp_rows(logits: FloatTensor<Self>, softcap: Option<f32>) -> FloatTensor<Self> {
         #[derive(Debug)]
         struct LogsumexpRowsBackward;
 
-        impl<B: CceBackend> Backward<B, 1> for LogsumexpRowsBackward {
+        impl<B: CceKernels> Backward<B, 1> for LogsumexpRowsBackward {
             // The input, the output, and the softcap: the gradient is softmax(x)·grad.
             type State = (FloatTensor<B>, FloatTensor<B>, Option<f32>);
 
@@ -33,63 +37,152 @@ impl<B: CceBackend, C: CheckpointStrategy> CceBackend for Autodiff<B, C> {
                 let grad = grads.consume::<B>(&ops.node);
                 let (x, lse, softcap) = ops.state;
                 if let Some(node) = node {
-                    let f2 = |t| Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(t));
-                    let f1 = |t| Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(t));
-                    let dx = reference::logsumexp_rows_backward(f2(x), f1(lse), f1(grad), softcap);
-                    grads.register::<B>(node.id, dx.into_primitive().tensor());
+                    grads.register::<B>(
+                        node.id,
+                        logsumexp_rows_backward::<B>(x, lse, grad, softcap),
+                    );
                 }
             }
         }
 
+        let (x, node) = logits.into_parts();
         match LogsumexpRowsBackward
-            .prepare::<C>([logits.node.clone()])
+            .prepare::<C>([node])
             .compute_bound()
             .stateful()
         {
             OpsKind::Tracked(prep) => {
-                let lse = B::logsumexp_rows(logits.primitive.clone(), softcap);
-                prep.finish((logits.primitive, lse.clone(), softcap), lse)
+                let lse = B::logsumexp_rows(x.clone(), softcap);
+                prep.finish((x, lse.clone(), softcap), lse)
             }
-            OpsKind::UnTracked(prep) => prep.finish(B::logsumexp_rows(logits.primitive, softcap)),
+            OpsKind::UnTracked(prep) => prep.finish(B::logsumexp_rows(x, softcap)),
         }
+    }
+
+    fn linear_ce_forward(
+        e: FloatTensor<Self>,
+        c: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        params: LceParams,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (lse, target) =
+            B::linear_ce_forward(e.into_primitive(), c.into_primitive(), targets, params);
+        (Self::from_inner(lse), Self::from_inner(target))
+    }
+
+    fn linear_ce_forward_bias(
+        e: FloatTensor<Self>,
+        c: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        params: LceParams,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (lse, target) = B::linear_ce_forward_bias(
+            e.into_primitive(),
+            c.into_primitive(),
+            bias.into_primitive(),
+            targets,
+            params,
+        );
+        (Self::from_inner(lse), Self::from_inner(target))
+    }
+
+    fn linear_ce_backward(
+        e: FloatTensor<Self>,
+        c: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        lse: FloatTensor<Self>,
+        dout: FloatTensor<Self>,
+        params: LceParams,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (de, dc) = B::linear_ce_backward(
+            e.into_primitive(),
+            c.into_primitive(),
+            targets,
+            lse.into_primitive(),
+            dout.into_primitive(),
+            params,
+        );
+        (Self::from_inner(de), Self::from_inner(dc))
+    }
+
+    fn linear_ce_backward_bias(
+        e: FloatTensor<Self>,
+        c: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        lse: FloatTensor<Self>,
+        dout: FloatTensor<Self>,
+        params: LceParams,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (de, dc, db) = B::linear_ce_backward_bias(
+            e.into_primitive(),
+            c.into_primitive(),
+            bias.into_primitive(),
+            targets,
+            lse.into_primitive(),
+            dout.into_primitive(),
+            params,
+        );
+        (
+            Self::from_inner(de),
+            Self::from_inner(dc),
+            Self::from_inner(db),
+        )
     }
 
     fn linear_ce_loss(
         e: FloatTensor<Self>,
         c: FloatTensor<Self>,
-        bias: Option<FloatTensor<Self>>,
         targets: IntTensor<Self>,
-        params: &LceParams,
+        params: LceParams,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        let lse_out = |lse: FloatTensor<B>| Autodiff::<B, C>::from_inner(lse);
-        match bias {
-            None => {
-                let (loss, lse) = tracked_loss::<B, C, 2>(
-                    [&e, &c],
-                    e.primitive.clone(),
-                    c.primitive.clone(),
-                    None,
-                    targets,
-                    params,
-                );
-                (loss, lse_out(lse))
+        let (e, e_node) = e.into_parts();
+        let (c, c_node) = c.into_parts();
+        let (loss, lse) = B::linear_ce_loss(e.clone(), c.clone(), targets.clone(), params.clone());
+        let loss = match LinearCeBackward::<2>
+            .prepare::<C>([e_node, c_node])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let state = (e, c, None, targets, lse.clone(), params);
+                prep.finish(state, loss)
             }
-            Some(b) => {
-                let (loss, lse) = tracked_loss::<B, C, 3>(
-                    [&e, &c, &b],
-                    e.primitive.clone(),
-                    c.primitive.clone(),
-                    Some(b.primitive.clone()),
-                    targets,
-                    params,
-                );
-                (loss, lse_out(lse))
-            }
-        }
+            OpsKind::UnTracked(prep) => prep.finish(loss),
+        };
+        (loss, Self::from_inner(lse))
     }
 
-    fn memory_in_use(device: &Self::Device) -> Option<u64> {
-        B::memory_in_use(device)
+    fn linear_ce_loss_bias(
+        e: FloatTensor<Self>,
+        c: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        params: LceParams,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (e, e_node) = e.into_parts();
+        let (c, c_node) = c.into_parts();
+        let (bias, bias_node) = bias.into_parts();
+        let (loss, lse) = B::linear_ce_loss_bias(
+            e.clone(),
+            c.clone(),
+            bias.clone(),
+            targets.clone(),
+            params.clone(),
+        );
+        let loss = match LinearCeBackward::<3>
+            .prepare::<C>([e_node, c_node, bias_node])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let state = (e, c, Some(bias), targets, lse.clone(), params);
+                prep.finish(state, loss)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(loss),
+        };
+        (loss, Self::from_inner(lse))
     }
 }
 
@@ -108,7 +201,7 @@ type LceState<B> = (
     LceParams,
 );
 
-impl<B: CceBackend, const N: usize> Backward<B, N> for LinearCeBackward<N> {
+impl<B: CceKernels, const N: usize> Backward<B, N> for LinearCeBackward<N> {
     type State = LceState<B>;
 
     fn backward(
@@ -119,7 +212,17 @@ impl<B: CceBackend, const N: usize> Backward<B, N> for LinearCeBackward<N> {
     ) {
         let dout = grads.consume::<B>(&ops.node);
         let (e, c, bias, targets, lse, params) = ops.state;
-        let (de, dc, db) = B::linear_ce_backward(e, c, bias, targets, lse, dout, &params);
+        let (de, dc, db) = match bias {
+            None => {
+                let (de, dc) = B::linear_ce_backward(e, c, targets, lse, dout, params);
+                (de, dc, None)
+            }
+            Some(bias) => {
+                let (de, dc, db) =
+                    B::linear_ce_backward_bias(e, c, bias, targets, lse, dout, params);
+                (de, dc, Some(db))
+            }
+        };
         for (parent, grad) in ops.parents.into_iter().zip([Some(de), Some(dc), db]) {
             if let (Some(node), Some(grad)) = (parent, grad) {
                 grads.register::<B>(node.id, grad);
@@ -128,28 +231,42 @@ impl<B: CceBackend, const N: usize> Backward<B, N> for LinearCeBackward<N> {
     }
 }
 
-fn tracked_loss<B: CceBackend, C: CheckpointStrategy, const N: usize>(
-    parents: [&FloatTensor<Autodiff<B, C>>; N],
-    e: FloatTensor<B>,
-    c: FloatTensor<B>,
-    bias: Option<FloatTensor<B>>,
-    targets: IntTensor<B>,
-    params: &LceParams,
-) -> (FloatTensor<Autodiff<B, C>>, FloatTensor<B>) {
-    let (lse, target) =
-        B::linear_ce_forward(e.clone(), c.clone(), bias.clone(), targets.clone(), params);
-    let loss = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(lse.clone()))
-        - Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(target));
-    let loss = loss.into_primitive().tensor();
-    match LinearCeBackward::<N>
-        .prepare::<C>(parents.map(|t| t.node.clone()))
-        .compute_bound()
-        .stateful()
-    {
-        OpsKind::Tracked(prep) => {
-            let state = (e, c, bias, targets, lse.clone(), *params);
-            (prep.finish(state, loss), lse)
+/// Gradient of the row-wise log-sum-exp of `[rows, cols]` logits: `softmax(cap(x))·grad·cap'`,
+/// computed in f32 and returned in `x`'s dtype (the tensor-op
+/// [`crate::reference::logsumexp_rows_backward`] in primitive ops).
+///
+/// # Shapes
+/// - `x`: `[rows, cols]`, `lse`: `[rows]`, `grad`: `[rows]`; returns `[rows, cols]`
+fn logsumexp_rows_backward<B: Backend>(
+    x: FloatTensor<B>,
+    lse: FloatTensor<B>,
+    grad: FloatTensor<B>,
+    cap: Option<f32>,
+) -> FloatTensor<B> {
+    let dtype: DType = x.dtype();
+    let rows = x.shape()[0];
+    let column = |t: FloatTensor<B>| {
+        B::float_reshape(B::float_cast(t, FloatDType::F32), Shape::new([rows, 1]))
+    };
+    let x = B::float_cast(x, FloatDType::F32);
+    // tanh(x / c), when capped.
+    let tanh = cap.map(|c| B::float_tanh(B::float_div_scalar(x.clone(), Scalar::from(c))));
+    let capped = match (&tanh, cap) {
+        (Some(t), Some(c)) => B::float_mul_scalar(t.clone(), Scalar::from(c)),
+        _ => x,
+    };
+    let softmax = B::float_exp(B::float_sub(capped, column(lse)));
+    let dx = B::float_mul(softmax, column(grad));
+    // d/dx c·tanh(x/c) = 1 − tanh²(x/c)
+    let dx = match tanh {
+        Some(t) => {
+            let slope = B::float_add_scalar(
+                B::float_neg(B::float_mul(t.clone(), t)),
+                Scalar::from(1.0f32),
+            );
+            B::float_mul(dx, slope)
         }
-        OpsKind::UnTracked(prep) => (prep.finish(loss), lse),
-    }
+        None => dx,
+    };
+    B::float_cast(dx, FloatDType::from(dtype))
 }

@@ -41,73 +41,102 @@
 //! This trades a fused GEMM-with-epilogue kernel (the paper's) for cubek's tuned GEMM plus a
 //! separate epilogue pass over a small chunk: the logits make one round trip through memory
 //! per chunk, and filtering skips work at entry/chunk granularity.
+//!
+//! [`forward`] and [`backward`] take unfused `CubeTensor`s and use `CubeBackend`'s primitive
+//! ops besides the kernels ([`crate::CceKernels`]'s `CubeBackend` implementation calls them).
+//! Under Burn's fusion each call is one custom operation of the fused stream, executed when an
+//! output is read or the device synchronizes, on the device's thread for the caller's stream:
+//! [`last_backward_plan`], [`time_backward_phases`] and the live-memory readings are kept per
+//! stream, not per thread, for that reason.
 
+use burn::backend::{
+    Backend,
+    ops::{FloatTensorOps, IntTensorOps},
+};
 use burn::tensor::{
-    DType, IndexingUpdateOp, Int, Shape, Tensor, TensorData, TensorPrimitive, ops::FloatTensor,
-    ops::IntTensor,
+    DType, Device, FloatDType, IndexingUpdateOp, Shape, Slice, TensorData, read_sync,
 };
 use burn_cubecl::{
-    BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement,
+    CubeBackend, CubeDevice,
     kernel::matmul::{MatmulStrategy, matmul},
     ops::numeric::empty_device_contiguous_dtype,
     tensor::CubeTensor,
 };
+use cubecl::client::Client;
 use cubek::{
     matmul::{
-        components::tile::TileMatmulKind,
         definition::{MatmulElems, MatmulGlobalElems},
-        launch::{Strategy, launch_ref},
-        routines::{
-            BlueprintStrategy, TileSizeSelection, double_buffering::DoubleBufferingArgs,
-            ordered_double_buffering::OrderedSelectionArgs, simple::SimpleArgs,
-            simple_unit::SimpleUnitSelectionArgs,
+        launch::launch_ref,
+        multi_level::{
+            Strategy as MultiLevel,
+            components::tile::TileMatmulKind,
+            routines::{
+                TileSizeSelection,
+                batch::{
+                    double_buffering::DoubleBufferingArgs,
+                    ordered_double_buffering::OrderedSelectionArgs, simple::SimpleArgs,
+                    simple_unit::SimpleUnitSelectionArgs,
+                },
+            },
         },
+        routine::BlueprintStrategy,
+        strategy::Strategy,
     },
     std::InputBinding,
 };
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use burn::backend::cubecl::dtype_to_storage_type;
+
 use crate::kernels::{
     accumulate::add_rows, grad::grad_chunk, indexed_dot::indexed_dot, lse_chunk::lse_chunk, score,
 };
-use crate::{GemmKernel, GemmStrategy, LceParams, live};
+use crate::live::{self, PerStream};
+use crate::{GemmKernel, GemmStrategy, LceParams};
 
-type Cb<R, F, I, BT> = CubeBackend<R, F, I, BT>;
-type Pair<B> = (FloatTensor<B>, FloatTensor<B>);
+type Cb = CubeBackend;
 
-fn float<R, F, I, BT, const D: usize>(t: FloatTensor<Cb<R, F, I, BT>>) -> Tensor<Cb<R, F, I, BT>, D>
-where
-    R: CubeRuntime,
-    F: FloatElement,
-    I: IntElement,
-    BT: BoolElement,
-{
-    Tensor::from_primitive(TensorPrimitive::Float(t))
+/// `[rows, cols]` of a matrix.
+fn dims2(t: &CubeTensor) -> [usize; 2] {
+    t.meta.shape().dims::<2>()
+}
+
+/// Rows `range` of a matrix (a view).
+fn rows_of(t: CubeTensor, range: Range<usize>) -> CubeTensor {
+    let [_, cols] = dims2(&t);
+    Cb::float_slice(t, &[Slice::from(range), Slice::from(0..cols)])
+}
+
+fn transpose(t: CubeTensor) -> CubeTensor {
+    Cb::float_transpose(t)
+}
+
+/// `t` in `dtype` (the same tensor when it already is).
+fn cast(t: CubeTensor, dtype: DType) -> CubeTensor {
+    if t.dtype == dtype {
+        t
+    } else {
+        Cb::float_cast(t, FloatDType::from(dtype))
+    }
+}
+
+fn zeros<const D: usize>(shape: [usize; D], dtype: DType, device: &CubeDevice) -> CubeTensor {
+    Cb::float_zeros(Shape::new(shape), device, FloatDType::from(dtype))
 }
 
 /// `lhs · rhs` with the output in `dtype` (f32 accumulation inside the GEMM), by the kernel
 /// `strategy` selects. Falls back to casting the inputs when the runtime's matmul rejects the
 /// mixed-precision setup.
-fn matmul_to<R, F, I, BT>(
-    lhs: Tensor<Cb<R, F, I, BT>, 2>,
-    rhs: Tensor<Cb<R, F, I, BT>, 2>,
+fn matmul_to(
+    lhs: CubeTensor,
+    rhs: CubeTensor,
     dtype: DType,
     strategy: GemmStrategy,
     tf32: bool,
     step: &'static str,
-) -> Tensor<Cb<R, F, I, BT>, 2>
-where
-    R: CubeRuntime,
-    F: FloatElement,
-    I: IntElement,
-    BT: BoolElement,
-{
+) -> CubeTensor {
     static WARNED: AtomicBool = AtomicBool::new(false);
-    let (l, r) = (
-        lhs.clone().into_primitive().tensor(),
-        rhs.clone().into_primitive().tensor(),
-    );
     let kernel = match strategy {
         GemmStrategy::Fixed => Some(GemmKernel::DEFAULT),
         GemmStrategy::Kernel(kernel) => Some(kernel),
@@ -115,38 +144,30 @@ where
     };
     // Each exit reads the live memory with the inputs still held (see `crate::live`).
     if let Some(kernel) = kernel
-        && let Some(out) = fixed_gemm(l.clone(), r.clone(), dtype, kernel, tf32)
+        && let Some(out) = fixed_gemm(lhs.clone(), rhs.clone(), dtype, kernel, tf32)
     {
         live::sample(&out, step);
-        return float(out);
+        return out;
     }
-    let out = match matmul(l, r, None, MatmulStrategy::default(), dtype) {
-        Ok(out) => float(out),
+    let out = match matmul(
+        lhs.clone(),
+        rhs.clone(),
+        None,
+        MatmulStrategy::default(),
+        dtype,
+    ) {
+        Ok(out) => out,
         Err(err) => {
             if !WARNED.swap(true, Ordering::Relaxed) {
                 log::warn!(
                     "burn-cce: mixed-precision matmul unavailable ({err:?}); casting the inputs"
                 );
             }
-            lhs.clone().cast(dtype).matmul(rhs.clone().cast(dtype))
+            Cb::float_matmul(cast(lhs, dtype), cast(rhs, dtype))
         }
     };
-    mark(&out, step);
+    live::sample(&out, step);
     out
-}
-
-/// Reads the live memory into [`crate::live`]'s peak (when tracking) with `t` allocated.
-fn mark<R, F, I, BT, const D: usize>(t: &Tensor<Cb<R, F, I, BT>, D>, step: &'static str)
-where
-    R: CubeRuntime,
-    F: FloatElement,
-    I: IntElement,
-    BT: BoolElement,
-{
-    // The untracked path pays one thread-local read, not a tensor handle clone.
-    if live::tracking() {
-        live::sample(&t.clone().into_primitive().tensor(), step);
-    }
 }
 
 /// cubek's launch strategy for `kernel`.
@@ -166,40 +187,43 @@ fn cubek_strategy(kernel: GemmKernel) -> Strategy {
         tile_matmul: TileMatmulKind::Mma,
     };
     use BlueprintStrategy::Inferred;
-    match kernel {
-        GemmKernel::DoubleCyclic => Strategy::DoubleCyclicMma(Inferred(double(false))),
-        GemmKernel::DoubleCyclicSpecialized => Strategy::DoubleCyclicMma(Inferred(double(true))),
-        GemmKernel::SimpleCyclic => Strategy::SimpleCyclicMma(Inferred(simple(false))),
-        GemmKernel::SimpleCyclicMultiRow => Strategy::SimpleCyclicMma(Inferred(simple(true))),
-        GemmKernel::OrderedDouble4 => Strategy::OrderedDoubleMma(Inferred(ordered(4))),
-        GemmKernel::OrderedDouble8 => Strategy::OrderedDoubleMma(Inferred(ordered(8))),
-        GemmKernel::SpecializedCyclic => Strategy::SpecializedCyclicMma(Inferred(().into())),
-        GemmKernel::SimpleTma => Strategy::SimpleTmaMma(Inferred(simple(false))),
-        GemmKernel::SimpleTmaMultiRow => Strategy::SimpleTmaMma(Inferred(simple(true))),
-        GemmKernel::SpecializedTma => Strategy::SpecializedTmaMma(Inferred(().into())),
-    }
+    let strategy = match kernel {
+        GemmKernel::DoubleCyclic => MultiLevel::DoubleCyclicMma(Inferred(double(false))),
+        GemmKernel::DoubleCyclicSpecialized => MultiLevel::DoubleCyclicMma(Inferred(double(true))),
+        GemmKernel::SimpleCyclic => MultiLevel::SimpleCyclicMma(Inferred(simple(false))),
+        GemmKernel::SimpleCyclicMultiRow => MultiLevel::SimpleCyclicMma(Inferred(simple(true))),
+        GemmKernel::OrderedDouble4 => MultiLevel::OrderedDoubleMma(Inferred(ordered(4))),
+        GemmKernel::OrderedDouble8 => MultiLevel::OrderedDoubleMma(Inferred(ordered(8))),
+        GemmKernel::SpecializedCyclic => MultiLevel::SpecializedCyclicMma(Inferred(().into())),
+        GemmKernel::SimpleTma => MultiLevel::SimpleTmaMma(Inferred(simple(false))),
+        GemmKernel::SimpleTmaMultiRow => MultiLevel::SimpleTmaMma(Inferred(simple(true))),
+        GemmKernel::SpecializedTma => MultiLevel::SpecializedTmaMma(Inferred(().into())),
+    };
+    strategy.into()
 }
 
 /// `kernel` (or the unit kernel) for `lhs · rhs`, or `None` where the runtime cannot run either
 /// (checked at setup, before anything is launched); the caller then autotunes.
-fn fixed_gemm<R: CubeRuntime>(
-    lhs: CubeTensor<R>,
-    rhs: CubeTensor<R>,
+fn fixed_gemm(
+    lhs: CubeTensor,
+    rhs: CubeTensor,
     dtype: DType,
     kernel: GemmKernel,
     tf32: bool,
-) -> Option<CubeTensor<R>> {
-    let [m, k] = lhs.meta.shape().dims::<2>();
-    let [_, n] = rhs.meta.shape().dims::<2>();
+) -> Option<CubeTensor> {
+    let [m, k] = dims2(&lhs);
+    let [_, n] = dims2(&rhs);
     let in_dtype = lhs.dtype;
     // Tensor-core tiles for half-precision inputs, and for f32 where TF32 is allowed; no
     // dimension smaller than a tile.
     let tensor_cores = (matches!(in_dtype, DType::F16 | DType::BF16)
         || (tf32 && in_dtype == DType::F32))
         && m.min(n).min(k) >= 16;
-    let unit = Strategy::SimpleUnit(BlueprintStrategy::Inferred(SimpleUnitSelectionArgs {
-        tile_size: TileSizeSelection::MinTileSize,
-    }));
+    let unit: Strategy =
+        MultiLevel::SimpleUnit(BlueprintStrategy::Inferred(SimpleUnitSelectionArgs {
+            tile_size: TileSizeSelection::MinTileSize,
+        }))
+        .into();
     let mma = cubek_strategy(kernel);
     // A kernel the device cannot run (TMA before Hopper, on Vulkan) falls back to the
     // portable double-buffered one, then to the unit kernel.
@@ -214,18 +238,22 @@ fn fixed_gemm<R: CubeRuntime>(
         Shape::new([m, n]),
         dtype,
     );
-    let client = lhs.client.clone();
+    let client: Client = lhs.client.clone();
+    let (in_storage, out_storage) = (
+        dtype_to_storage_type(in_dtype),
+        dtype_to_storage_type(dtype),
+    );
     for strategy in candidates {
         let mut elems = MatmulElems::from_globals(&MatmulGlobalElems {
-            lhs: in_dtype.into(),
-            rhs: in_dtype.into(),
-            out: dtype.into(),
+            lhs: in_storage,
+            rhs: in_storage,
+            out: out_storage,
         });
         match launch_ref(
             &strategy,
             &client,
-            InputBinding::new(lhs.clone().binding(), in_dtype.into()),
-            InputBinding::new(rhs.clone().binding(), in_dtype.into()),
+            InputBinding::new(lhs.clone().binding(), in_storage),
+            InputBinding::new(rhs.clone().binding(), in_storage),
             out.clone().binding(),
             &mut elems,
         ) {
@@ -242,62 +270,42 @@ fn chunks(vocab: usize, chunk: usize) -> impl Iterator<Item = Range<usize>> {
         .map(move |v0| v0..(v0 + chunk).min(vocab))
 }
 
-/// See [`crate::CceBackend::linear_ce_forward`].
-pub fn forward<R, F, I, BT>(
-    e: FloatTensor<Cb<R, F, I, BT>>,
-    c: FloatTensor<Cb<R, F, I, BT>>,
-    bias: Option<FloatTensor<Cb<R, F, I, BT>>>,
-    targets: IntTensor<Cb<R, F, I, BT>>,
+/// See [`crate::CceKernels::linear_ce_forward`]; `bias` as in
+/// [`crate::CceKernels::linear_ce_forward_bias`].
+///
+/// # Shapes
+/// - `e`: `[n, D]`, `c`: `[V, D]`, `bias`: `[V]`, `targets`: `[n]`
+/// - returns `(lse [n], target_logit [n])`, f32
+pub fn forward(
+    e: CubeTensor,
+    c: CubeTensor,
+    bias: Option<CubeTensor>,
+    targets: CubeTensor,
     params: &LceParams,
-) -> Pair<Cb<R, F, I, BT>>
-where
-    R: CubeRuntime,
-    F: FloatElement,
-    I: IntElement,
-    BT: BoolElement,
-{
-    let e = float::<R, F, I, BT, 2>(e);
-    let c = float::<R, F, I, BT, 2>(c);
-    let [n, d] = e.dims();
-    let [vocab, _] = c.dims();
-    let device = e.device();
-    let chunk = params.chunk_len(n, vocab, d, e.dtype());
-    let m = Tensor::<Cb<R, F, I, BT>, 1>::zeros([n], (&device, DType::F32));
-    let s = Tensor::<Cb<R, F, I, BT>, 1>::zeros([n], (&device, DType::F32));
-    mark(&s, "forward state");
-    let (m_p, s_p) = (
-        m.clone().into_primitive().tensor(),
-        s.clone().into_primitive().tensor(),
-    );
+) -> (CubeTensor, CubeTensor) {
+    let [n, d] = dims2(&e);
+    let [vocab, _] = dims2(&c);
+    let device = e.device.clone();
+    let chunk = params.chunk_len(n, vocab, d, e.dtype);
+    let m = zeros([n], DType::F32, &device);
+    let s = zeros([n], DType::F32, &device);
+    live::sample(&s, "forward state");
     for range in chunks(vocab, chunk) {
         let v0 = range.start;
         let logits = matmul_to(
             e.clone(),
-            c.clone().slice(range).transpose(),
+            transpose(rows_of(c.clone(), range)),
             DType::F32,
             params.gemm,
             params.tf32,
             "forward logits",
         );
-        lse_chunk(
-            logits.into_primitive().tensor(),
-            bias.clone(),
-            &m_p,
-            &s_p,
-            v0,
-            params.softcap,
-        );
+        lse_chunk(logits, bias.clone(), &m, &s, v0, params.softcap);
     }
-    let lse = m + s.log();
-    let target_logit = indexed_dot(
-        e.into_primitive().tensor(),
-        c.into_primitive().tensor(),
-        bias,
-        targets,
-        params.softcap,
-    );
+    let lse = Cb::float_add(m, Cb::float_log(s));
+    let target_logit = indexed_dot(e, c, bias, targets, params.softcap);
     live::sample(&target_logit, "target logits");
-    (lse.into_primitive().tensor(), target_logit)
+    (lse, target_logit)
 }
 
 /// The vocabulary chunks the backward processes.
@@ -311,38 +319,31 @@ enum Plan {
 /// Scoring pass: the largest `|softmax − onehot|` of every vocabulary entry over all tokens,
 /// read back to the host once.
 #[allow(clippy::too_many_arguments)]
-fn scores<R, F, I, BT>(
-    e: &Tensor<Cb<R, F, I, BT>, 2>,
-    c: &Tensor<Cb<R, F, I, BT>, 2>,
-    bias: &Option<FloatTensor<Cb<R, F, I, BT>>>,
-    targets: &IntTensor<Cb<R, F, I, BT>>,
-    lse: &FloatTensor<Cb<R, F, I, BT>>,
+fn scores(
+    e: &CubeTensor,
+    c: &CubeTensor,
+    bias: &Option<CubeTensor>,
+    targets: &CubeTensor,
+    lse: &CubeTensor,
     chunk: usize,
     softcap: Option<f32>,
     gemm: GemmStrategy,
     tf32: bool,
-) -> Vec<f32>
-where
-    R: CubeRuntime,
-    F: FloatElement,
-    I: IntElement,
-    BT: BoolElement,
-{
-    let [n, _] = e.dims();
-    let [vocab, _] = c.dims();
-    let parts: Vec<Tensor<Cb<R, F, I, BT>, 1>> = chunks(vocab, chunk)
+) -> Vec<f32> {
+    let [n, _] = dims2(e);
+    let [vocab, _] = dims2(c);
+    let parts: Vec<CubeTensor> = chunks(vocab, chunk)
         .map(|range| {
             let v0 = range.start;
             let len = range.len();
             let logits = matmul_to(
                 e.clone(),
-                c.clone().slice(range).transpose(),
+                transpose(rows_of(c.clone(), range)),
                 DType::F32,
                 gemm,
                 tf32,
                 "scores: logits",
             );
-            let logits = logits.into_primitive().tensor();
             let partial = score::score_chunk(
                 logits.clone(),
                 bias.clone(),
@@ -353,20 +354,23 @@ where
             );
             live::sample(&partial, "scores");
             drop(logits);
-            let partial = float::<R, F, I, BT, 2>(partial);
-            let best = partial.clone().max_dim(0).reshape([len]);
-            mark(&best, "scores (max)");
+            let best = Cb::float_reshape(Cb::float_max_dim(partial, 0), Shape::new([len]));
+            live::sample(&best, "scores (max)");
             best
         })
         .collect();
-    let all = Tensor::cat(parts.clone(), 0);
-    mark(&all, "scores (all)");
+    let all = Cb::float_cat(parts.clone(), 0);
+    live::sample(&all, "scores (all)");
     drop(parts);
-    debug_assert_eq!(all.dims()[0], vocab, "one score per entry ({n} tokens)");
-    all.into_data()
-        .convert::<f32>()
-        .into_vec::<f32>()
+    debug_assert_eq!(dims1(&all), vocab, "one score per entry ({n} tokens)");
+    read_sync(Cb::float_into_data(all))
+        .expect("read the scores back")
+        .try_into_vec_as::<f32>()
         .expect("scores are f32")
+}
+
+fn dims1(t: &CubeTensor) -> usize {
+    t.meta.shape()[0]
 }
 
 fn plan(scores: Option<(&[f32], f32)>, vocab: usize, chunk: usize, sort: bool) -> Vec<Plan> {
@@ -419,39 +423,34 @@ fn regroup(plan: &[Plan], len: usize) -> Vec<Plan> {
 }
 
 /// A chunk's classifier rows, its ids when gathered, and its first entry's id when natural.
-type ChunkRows<B> = (Tensor<B, 2>, Option<IntTensor<B>>, usize);
+type ChunkRows = (CubeTensor, Option<CubeTensor>, usize);
 
 /// A plan chunk ready to run: its entries' ids on the device when gathered.
-enum Part<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> {
+enum Part {
     Natural(Range<usize>),
-    Gathered(Tensor<Cb<R, F, I, BT>, 1, Int>),
+    /// The ids, an int tensor of the targets' dtype.
+    Gathered(CubeTensor),
 }
 
-impl<R, F, I, BT> Part<R, F, I, BT>
-where
-    R: CubeRuntime,
-    F: FloatElement,
-    I: IntElement,
-    BT: BoolElement,
-{
-    fn new(plan: &Plan, device: &burn::tensor::Device<Cb<R, F, I, BT>>) -> Self {
+impl Part {
+    fn new(plan: &Plan, targets: &CubeTensor) -> Self {
         match plan {
             Plan::Natural(range) => Part::Natural(range.clone()),
-            Plan::Gathered(ids) => Part::Gathered(Tensor::from_data(
-                TensorData::new(ids.clone(), [ids.len()]),
-                device,
+            Plan::Gathered(ids) => Part::Gathered(Cb::int_from_data(
+                TensorData::new(ids.clone(), [ids.len()]).convert_dtype(targets.dtype),
+                &targets.device,
             )),
         }
     }
 
     /// The chunk's classifier rows (a view when natural, a gathered copy otherwise), its ids
     /// when gathered, and the first entry's id when natural.
-    fn classifier_rows(&self, c: &Tensor<Cb<R, F, I, BT>, 2>) -> ChunkRows<Cb<R, F, I, BT>> {
+    fn classifier_rows(&self, c: &CubeTensor) -> ChunkRows {
         match self {
-            Part::Natural(range) => (c.clone().slice(range.clone()), None, range.start),
+            Part::Natural(range) => (rows_of(c.clone(), range.clone()), None, range.start),
             Part::Gathered(ids) => (
-                c.clone().select(0, ids.clone()),
-                Some(ids.clone().into_primitive()),
+                Cb::float_select(c.clone(), 0, ids.clone()),
+                Some(ids.clone()),
                 0,
             ),
         }
@@ -628,14 +627,14 @@ pub struct PlanStats {
     pub de_row_blocks: usize,
 }
 
-thread_local! {
-    static LAST_PLAN: std::cell::Cell<Option<PlanStats>> = const { std::cell::Cell::new(None) };
-    static PHASES: std::cell::Cell<Option<BackwardPhases>> = const { std::cell::Cell::new(None) };
-}
+static LAST_PLAN: PerStream<PlanStats> = PerStream::new();
+static PHASES: PerStream<BackwardPhases> = PerStream::new();
 
-/// The plan of the last chunked backward run on this thread (for benchmarks and logs).
+/// The plan of the last chunked backward run for this thread's stream (for benchmarks, tests
+/// and logs). Under Burn's fusion the backward runs when its outputs are read or the device
+/// synchronizes: read the plan after that.
 pub fn last_backward_plan() -> Option<PlanStats> {
-    LAST_PLAN.with(|last| last.get())
+    LAST_PLAN.get()
 }
 
 /// Wall time of the chunked backward's passes, ms, each ended by a device synchronization.
@@ -651,12 +650,14 @@ pub struct BackwardPhases {
 
 /// Runs `run` with the chunked backward timing its passes (it synchronizes the device between
 /// them, which the untimed backward does not) and returns the last backward's phases, if one
-/// ran. For benchmarks.
-pub fn time_backward_phases(run: impl FnOnce()) -> Option<BackwardPhases> {
-    PHASES.with(|p| p.set(Some(BackwardPhases::default())));
+/// ran on this thread's stream. `device` is synchronized at the end of `run`, inside the
+/// timing, so that a backward Burn's fusion deferred runs there. For benchmarks.
+pub fn time_backward_phases(device: &Device, run: impl FnOnce()) -> Option<BackwardPhases> {
+    PHASES.replace(Some(BackwardPhases::default()));
     run();
+    let _ = device.sync();
     PHASES
-        .with(|p| p.take())
+        .replace(None)
         .filter(|p| p.scoring_ms + p.vocabulary_ms > 0.0)
 }
 
@@ -665,86 +666,53 @@ pub fn time_backward_phases(run: impl FnOnce()) -> Option<BackwardPhases> {
 struct PhaseClock(Option<std::time::Instant>);
 
 impl PhaseClock {
-    fn start<B: burn::tensor::backend::Backend>(device: &B::Device) -> Self {
-        let on = PHASES.with(|p| p.get()).is_some();
+    fn start(device: &CubeDevice) -> Self {
+        let on = PHASES.get().is_some();
         Self(on.then(|| {
-            let _ = B::sync(device);
+            let _ = Cb::sync(device);
             std::time::Instant::now()
         }))
     }
 
-    fn lap<B: burn::tensor::backend::Backend>(
-        &mut self,
-        device: &B::Device,
-        pick: fn(&mut BackwardPhases) -> &mut f64,
-    ) {
+    fn lap(&mut self, device: &CubeDevice, pick: fn(&mut BackwardPhases) -> &mut f64) {
         if let Some(t0) = self.0 {
-            let _ = B::sync(device);
+            let _ = Cb::sync(device);
             let ms = t0.elapsed().as_secs_f64() * 1e3;
-            PHASES.with(|p| {
-                p.set(p.get().map(|mut ph| {
-                    *pick(&mut ph) = ms;
-                    ph
-                }))
-            });
+            PHASES.update(|phases| *pick(phases) = ms);
             self.0 = Some(std::time::Instant::now());
         }
     }
 }
 
-fn prim<R, F, I, BT>(t: &Tensor<Cb<R, F, I, BT>, 2>) -> CubeTensor<R>
-where
-    R: CubeRuntime,
-    F: FloatElement,
-    I: IntElement,
-    BT: BoolElement,
-{
-    t.clone().into_primitive().tensor()
-}
-
 /// A zero matrix without row padding. CubeCL's CUDA runtime gives a new 2-D tensor rows pitched
 /// to 512 bytes: SmolLM2's bf16 rows of 576 values (1152 bytes) would take 1536, a third more
 /// for dE and dC (H100, 2026-11-26). A 1-D allocation is not pitched, and its reshape is a view.
-fn dense_zeros<R, F, I, BT>(
-    [rows, cols]: [usize; 2],
-    dtype: DType,
-    device: &burn::tensor::Device<Cb<R, F, I, BT>>,
-) -> Tensor<Cb<R, F, I, BT>, 2>
-where
-    R: CubeRuntime,
-    F: FloatElement,
-    I: IntElement,
-    BT: BoolElement,
-{
-    Tensor::<Cb<R, F, I, BT>, 1>::zeros([rows * cols], (device, dtype)).reshape([rows, cols])
+fn dense_zeros([rows, cols]: [usize; 2], dtype: DType, device: &CubeDevice) -> CubeTensor {
+    Cb::float_reshape(
+        zeros([rows * cols], dtype, device),
+        Shape::new([rows, cols]),
+    )
 }
 
-/// See [`crate::CceBackend::linear_ce_backward`]; the passes and their memory are described in
-/// the module docs and [`BackwardBlocks`].
+/// See [`crate::CceKernels::linear_ce_backward`] (`bias`: see
+/// [`crate::CceKernels::linear_ce_backward_bias`]; `db` is returned with a bias); the passes and
+/// their memory are described in the module docs and [`BackwardBlocks`].
 #[allow(clippy::too_many_arguments)]
-pub fn backward<R, F, I, BT>(
-    e: FloatTensor<Cb<R, F, I, BT>>,
-    c: FloatTensor<Cb<R, F, I, BT>>,
-    bias: Option<FloatTensor<Cb<R, F, I, BT>>>,
-    targets: IntTensor<Cb<R, F, I, BT>>,
-    lse: FloatTensor<Cb<R, F, I, BT>>,
-    dout: FloatTensor<Cb<R, F, I, BT>>,
+pub fn backward(
+    e: CubeTensor,
+    c: CubeTensor,
+    bias: Option<CubeTensor>,
+    targets: CubeTensor,
+    lse: CubeTensor,
+    dout: CubeTensor,
     params: &LceParams,
-) -> crate::LceGrads<Cb<R, F, I, BT>>
-where
-    R: CubeRuntime,
-    F: FloatElement,
-    I: IntElement,
-    BT: BoolElement,
-{
-    let e = float::<R, F, I, BT, 2>(e);
-    let c = float::<R, F, I, BT, 2>(c);
-    let [n, d] = e.dims();
-    let [vocab, _] = c.dims();
-    let device = e.device();
-    let (e_dtype, c_dtype) = (e.dtype(), c.dtype());
+) -> (CubeTensor, CubeTensor, Option<CubeTensor>) {
+    let [n, d] = dims2(&e);
+    let [vocab, _] = dims2(&c);
+    let device = e.device.clone();
+    let (e_dtype, c_dtype) = (e.dtype, c.dtype);
     let blocks = BackwardBlocks::new(params, n, vocab, d, e_dtype);
-    let mut clock = PhaseClock::start::<Cb<R, F, I, BT>>(&device);
+    let mut clock = PhaseClock::start(&device);
 
     let scored = params.filter_eps.map(|eps| {
         (
@@ -781,29 +749,21 @@ where
         de_row_blocks: if two_pass { n.div_ceil(blocks.rows) } else { 0 },
     };
     log::debug!("burn-cce backward: {stats:?} of {vocab} entries, {blocks:?}");
-    LAST_PLAN.with(|last| last.set(Some(stats)));
-    clock.lap::<Cb<R, F, I, BT>>(&device, |p| &mut p.scoring_ms);
+    LAST_PLAN.replace(Some(stats));
+    clock.lap(&device, |p| &mut p.scoring_ms);
 
     // dE is allocated once and written in place: no `N × D` temporaries beside it, except the
     // f32 accumulator of `DeAccumulation::Whole`, which is kept only when it is small.
     let (de, acc) = match blocks.de {
-        DeAccumulation::Whole => (
-            None,
-            Some(dense_zeros::<R, F, I, BT>([n, d], DType::F32, &device)),
-        ),
-        _ => (
-            Some(dense_zeros::<R, F, I, BT>([n, d], e_dtype, &device)),
-            None,
-        ),
+        DeAccumulation::Whole => (None, Some(dense_zeros([n, d], DType::F32, &device))),
+        _ => (Some(dense_zeros([n, d], e_dtype, &device)), None),
     };
     if let Some(t) = de.as_ref().or(acc.as_ref()) {
-        mark(t, "dE");
+        live::sample(t, "dE");
     }
-    let mut dc = dense_zeros::<R, F, I, BT>([vocab, d], c_dtype, &device);
-    let mut db = bias
-        .as_ref()
-        .map(|_| Tensor::<Cb<R, F, I, BT>, 1>::zeros([vocab], (&device, DType::F32)));
-    mark(&dc, "gradients");
+    let mut dc = dense_zeros([vocab, d], c_dtype, &device);
+    let mut db = bias.as_ref().map(|_| zeros([vocab], DType::F32, &device));
+    live::sample(&dc, "gradients");
     // The vocabulary pass's dE target, when dE is accumulated there.
     let de_target = match blocks.de {
         DeAccumulation::Direct => de.clone(),
@@ -812,19 +772,19 @@ where
     };
 
     for plan_part in &plan {
-        let part = Part::<R, F, I, BT>::new(plan_part, &device);
+        let part = Part::new(plan_part, &targets);
         let (c_chunk, ids, v0) = part.classifier_rows(&c);
-        mark(&c_chunk, "classifier rows");
+        live::sample(&c_chunk, "classifier rows");
         let logits = matmul_to(
             e.clone(),
-            c_chunk.clone().transpose(),
+            transpose(c_chunk.clone()),
             DType::F32,
             params.gemm,
             params.tf32,
             "logits",
         );
-        let g = float::<R, F, I, BT, 2>(grad_chunk(
-            logits.clone().into_primitive().tensor(),
+        let g = grad_chunk(
+            logits.clone(),
             bias.clone(),
             lse.clone(),
             dout.clone(),
@@ -834,24 +794,24 @@ where
             0,
             params.softcap,
             e_dtype,
-        ));
-        mark(&g, "G");
+        );
+        live::sample(&g, "G");
         drop(logits);
         if let Some(target) = &de_target {
             for rows in row_ranges(n, blocks.rows) {
                 let product = matmul_to(
-                    g.clone().slice(rows.clone()),
+                    rows_of(g.clone(), rows.clone()),
                     c_chunk.clone(),
                     DType::F32,
                     params.gemm,
                     params.tf32,
                     "dE product",
                 );
-                add_rows(&prim(target), prim(&product), rows.start);
+                add_rows(target, product, rows.start);
             }
         }
         let dc_chunk = matmul_to(
-            g.clone().transpose(),
+            transpose(g.clone()),
             e.clone(),
             c_dtype,
             params.gemm,
@@ -859,52 +819,56 @@ where
             "dC chunk",
         );
         let db_chunk = db.as_ref().map(|_| {
-            let len = g.dims()[1];
-            let g32 = g.clone().cast(DType::F32);
-            mark(&g32, "G f32");
-            let sum = g32.clone().sum_dim(0).reshape([len]);
-            mark(&sum, "db chunk");
+            let [_, len] = dims2(&g);
+            let g32 = cast(g.clone(), DType::F32);
+            live::sample(&g32, "G f32");
+            let sum = Cb::float_reshape(Cb::float_sum_dim(g32.clone(), 0), Shape::new([len]));
+            live::sample(&sum, "db chunk");
             sum
         });
         match part {
             Part::Natural(range) => {
-                dc = dc.slice_assign([range.clone(), 0..d], dc_chunk);
+                dc = Cb::float_slice_assign(
+                    dc,
+                    &[Slice::from(range.clone()), Slice::from(0..d)],
+                    dc_chunk,
+                );
                 db = db
                     .zip(db_chunk)
-                    .map(|(db, x)| db.slice_assign([range.clone()], x));
+                    .map(|(db, x)| Cb::float_slice_assign(db, &[Slice::from(range.clone())], x));
             }
             Part::Gathered(ids) => {
-                dc = dc.select_assign(0, ids.clone(), dc_chunk, IndexingUpdateOp::Add);
+                dc = Cb::float_select_assign(dc, 0, ids.clone(), dc_chunk, IndexingUpdateOp::Add);
                 db = db
                     .zip(db_chunk)
-                    .map(|(db, x)| db.select_assign(0, ids, x, IndexingUpdateOp::Add));
+                    .map(|(db, x)| Cb::float_select_assign(db, 0, ids, x, IndexingUpdateOp::Add));
             }
         }
-        mark(&dc, "dC chunk written");
+        live::sample(&dc, "dC chunk written");
     }
-    clock.lap::<Cb<R, F, I, BT>>(&device, |p| &mut p.vocabulary_ms);
+    clock.lap(&device, |p| &mut p.vocabulary_ms);
 
     if two_pass && let Some(de) = &de {
-        let parts: Vec<Part<R, F, I, BT>> = regroup(&plan, blocks.pass2_chunk)
+        let parts: Vec<Part> = regroup(&plan, blocks.pass2_chunk)
             .iter()
-            .map(|p| Part::new(p, &device))
+            .map(|p| Part::new(p, &targets))
             .collect();
         for rows in row_ranges(n, blocks.rows) {
-            let e_rows = e.clone().slice(rows.clone());
-            let mut block_acc: Option<Tensor<Cb<R, F, I, BT>, 2>> = None;
+            let e_rows = rows_of(e.clone(), rows.clone());
+            let mut block_acc: Option<CubeTensor> = None;
             for part in &parts {
                 let (c_chunk, ids, v0) = part.classifier_rows(&c);
-                mark(&c_chunk, "dE pass: classifier rows");
+                live::sample(&c_chunk, "dE pass: classifier rows");
                 let logits = matmul_to(
                     e_rows.clone(),
-                    c_chunk.clone().transpose(),
+                    transpose(c_chunk.clone()),
                     DType::F32,
                     params.gemm,
                     params.tf32,
                     "dE pass: logits",
                 );
-                let g = float::<R, F, I, BT, 2>(grad_chunk(
-                    logits.clone().into_primitive().tensor(),
+                let g = grad_chunk(
+                    logits.clone(),
                     bias.clone(),
                     lse.clone(),
                     dout.clone(),
@@ -914,8 +878,8 @@ where
                     rows.start,
                     params.softcap,
                     e_dtype,
-                ));
-                mark(&g, "dE pass: G");
+                );
+                live::sample(&g, "dE pass: G");
                 drop(logits);
                 let product = matmul_to(
                     g,
@@ -928,32 +892,27 @@ where
                 block_acc = Some(match block_acc {
                     None => product,
                     Some(block_acc) => {
-                        add_rows(&prim(&block_acc), prim(&product), 0);
+                        add_rows(&block_acc, product, 0);
                         block_acc
                     }
                 });
             }
             if let Some(block_acc) = block_acc {
-                add_rows(&prim(de), prim(&block_acc), rows.start);
+                add_rows(de, block_acc, rows.start);
             }
         }
     }
 
-    clock.lap::<Cb<R, F, I, BT>>(&device, |p| &mut p.de_pass_ms);
+    clock.lap(&device, |p| &mut p.de_pass_ms);
     let de = match (de, acc) {
         (Some(de), _) => de,
         (None, Some(acc)) => {
-            let de = acc.clone().cast(e_dtype);
-            mark(&de, "dE rounded");
+            let de = cast(acc.clone(), e_dtype);
+            live::sample(&de, "dE rounded");
             de
         }
         (None, None) => unreachable!("dE or its accumulator is allocated"),
     };
     let bias_dtype = bias.as_ref().map(|b| b.dtype);
-    (
-        de.into_primitive().tensor(),
-        dc.into_primitive().tensor(),
-        db.zip(bias_dtype)
-            .map(|(db, dt)| db.cast(dt).into_primitive().tensor()),
-    )
+    (de, dc, db.zip(bias_dtype).map(|(db, dt)| cast(db, dt)))
 }

@@ -1,41 +1,92 @@
-//! `CubeBackend` runs the CubeCL kernels.
+//! `CubeBackend` runs the CubeCL kernels: the row-wise log-sum-exp kernel and the chunked
+//! linear cross-entropy of [`crate::chunked`].
 
-use burn::tensor::ops::{FloatTensor, IntTensor};
-use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+use burn::backend::ops::FloatTensorOps;
+use burn::backend::tensor::{FloatTensor, IntTensor};
+use burn_cubecl::CubeBackend;
+use burn_kernels_core::route::count_launch;
 
-use crate::{CceBackend, LceGrads, LceParams, chunked, kernels};
+use crate::{CceKernels, LceParams, chunked, kernels};
 
-impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> CceBackend
-    for CubeBackend<R, F, I, BT>
-{
+impl CceKernels for CubeBackend {
     fn logsumexp_rows(logits: FloatTensor<Self>, softcap: Option<f32>) -> FloatTensor<Self> {
+        count_launch("logsumexp");
         kernels::lse::logsumexp_rows(logits, softcap)
     }
 
     fn linear_ce_forward(
         e: FloatTensor<Self>,
         c: FloatTensor<Self>,
-        bias: Option<FloatTensor<Self>>,
         targets: IntTensor<Self>,
-        params: &LceParams,
+        params: LceParams,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        chunked::forward::<R, F, I, BT>(e, c, bias, targets, params)
+        count_launch("linear_ce_forward");
+        chunked::forward(e, c, None, targets, &params)
+    }
+
+    fn linear_ce_forward_bias(
+        e: FloatTensor<Self>,
+        c: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        params: LceParams,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        count_launch("linear_ce_forward");
+        chunked::forward(e, c, Some(bias), targets, &params)
     }
 
     fn linear_ce_backward(
         e: FloatTensor<Self>,
         c: FloatTensor<Self>,
-        bias: Option<FloatTensor<Self>>,
         targets: IntTensor<Self>,
         lse: FloatTensor<Self>,
         dout: FloatTensor<Self>,
-        params: &LceParams,
-    ) -> LceGrads<Self> {
-        chunked::backward::<R, F, I, BT>(e, c, bias, targets, lse, dout, params)
+        params: LceParams,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        count_launch("linear_ce_backward");
+        let (de, dc, _) = chunked::backward(e, c, None, targets, lse, dout, &params);
+        (de, dc)
     }
 
-    fn memory_in_use(device: &Self::Device) -> Option<u64> {
-        let client = R::client(device);
-        client.memory_usage().ok().map(|usage| usage.bytes_in_use)
+    fn linear_ce_backward_bias(
+        e: FloatTensor<Self>,
+        c: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        lse: FloatTensor<Self>,
+        dout: FloatTensor<Self>,
+        params: LceParams,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        count_launch("linear_ce_backward");
+        let (de, dc, db) = chunked::backward(e, c, Some(bias), targets, lse, dout, &params);
+        (de, dc, db.expect("a bias has a gradient"))
     }
+
+    fn linear_ce_loss(
+        e: FloatTensor<Self>,
+        c: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        params: LceParams,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        count_launch("linear_ce_forward");
+        loss(chunked::forward(e, c, None, targets, &params))
+    }
+
+    fn linear_ce_loss_bias(
+        e: FloatTensor<Self>,
+        c: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        params: LceParams,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        count_launch("linear_ce_forward");
+        loss(chunked::forward(e, c, Some(bias), targets, &params))
+    }
+}
+
+/// `(lse − target_logit, lse)` from the forward's `(lse, target_logit)`.
+fn loss(
+    (lse, target): (FloatTensor<CubeBackend>, FloatTensor<CubeBackend>),
+) -> (FloatTensor<CubeBackend>, FloatTensor<CubeBackend>) {
+    (CubeBackend::float_sub(lse.clone(), target), lse)
 }

@@ -5,47 +5,51 @@
 //!
 //! - [`linear_cross_entropy`]: loss of `softmax(E·Cᵀ + b)` against targets, with ignore
 //!   index, softcap, reductions, next-token shift, gradient filtering and vocabulary sorting,
-//!   differentiable by Burn's autodiff with respect to `E`, `C` and `b`. On `CubeBackend` the
+//!   differentiable by Burn's autodiff with respect to `E`, `C` and `b`. On a CubeCL device the
 //!   vocabulary is processed in chunks (see the `chunked` module docs): the `N × V` logit
-//!   matrix is never held; other backends run the plain reference.
+//!   matrix is never held; other devices run the plain reference.
 //! - [`LinearCrossEntropyLoss`]: the same as a loss object for a model's training step.
 //! - [`logsumexp`]: the row-wise log-sum-exp the loss is built on.
 //!
+//! The kernels are a Burn backend extension, [`CceKernels`]: `CubeBackend` runs them, Burn's
+//! `Dispatch` routes to it, `Fusion<CubeBackend>` registers each call as a custom operation of
+//! the fused stream, and `Autodiff<B>` registers their backward passes. The public functions
+//! decide with [`burn_kernels_core::route::route`] whether the kernels or the tensor-op
+//! [`reference`] run (the latter on Burn's `Flex` CPU backend, for example, which Burn
+//! differentiates itself).
+//!
 //! ```
-//! use burn::backend::{Autodiff, NdArray};
-//! use burn::tensor::{Int, Tensor};
+//! use burn::tensor::{Device, Int, Tensor};
 //! use burn_cce::{CceOptions, linear_cross_entropy};
 //!
-//! type B = Autodiff<NdArray>;
-//! let device = Default::default();
-//! let hidden = Tensor::<B, 3>::ones([2, 3, 4], &device).require_grad(); // [batch, seq, D]
-//! let classifier = Tensor::<B, 2>::ones([10, 4], &device).require_grad(); // [V, D]
-//! let targets = Tensor::<B, 2, Int>::from_ints([[1, 2, -100], [3, 4, 5]], &device);
+//! let device = Device::flex().autodiff();
+//! let hidden = Tensor::<3>::ones([2, 3, 4], &device).require_grad(); // [batch, seq, D]
+//! let classifier = Tensor::<2>::ones([10, 4], &device).require_grad(); // [V, D]
+//! let targets = Tensor::<2, Int>::from_ints([[1, 2, -100], [3, 4, 5]], &device);
 //! let out = linear_cross_entropy(hidden.clone(), classifier, targets, None, &CceOptions::default())
 //!     .unwrap();
 //! // Equal logits: the loss is ln(10) for each of the 5 scored tokens.
-//! let loss = out.loss.clone().into_scalar();
+//! let loss = out.loss.clone().into_scalar::<f32>();
 //! assert!((loss - 10f32.ln()).abs() < 1e-5);
 //! let grads = out.loss.backward();
 //! assert_eq!(hidden.grad(&grads).unwrap().dims(), [2, 3, 4]);
 //! ```
 //!
 //! ```
-//! use burn::backend::NdArray;
-//! use burn::tensor::Tensor;
+//! use burn::tensor::{Device, Tensor};
 //! use burn_cce::{LseOptions, logsumexp};
 //!
-//! let device = Default::default();
-//! let logits = Tensor::<NdArray, 2>::from_floats([[0.0, 0.0], [1.0, 3.0]], &device);
+//! let device = Device::flex();
+//! let logits = Tensor::<2>::from_floats([[0.0, 0.0], [1.0, 3.0]], &device);
 //! let lse = logsumexp(logits, 1, LseOptions::default()).unwrap(); // shape [2, 1]
-//! let v = lse.into_data().to_vec::<f32>().unwrap();
+//! let v = lse.into_data().try_into_vec_as::<f32>().unwrap();
 //! assert!((v[0] - 2f32.ln()).abs() < 1e-6);
 //! ```
 
 mod backward;
 pub mod chunked;
-mod cpu;
 mod error;
+#[cfg(feature = "cube")]
 mod forward;
 pub mod kernels;
 pub mod live;
@@ -57,21 +61,31 @@ pub use error::CceError;
 pub use loss::{CceOutput, LinearCrossEntropyLoss, linear_cross_entropy};
 pub use options::{CceOptions, FilterEps, GemmKernel, GemmStrategy, LceParams, Reduction};
 
-use burn::tensor::{
-    Int, Tensor, TensorPrimitive,
-    backend::Backend,
-    ops::{FloatTensor, IntTensor},
+use burn::backend::{
+    Backend, Dispatch, backend_extension,
+    tensor::{FloatTensor, IntTensor},
 };
+use burn::tensor::{Device, Shape, Tensor};
+use burn_kernels_core::route::{Grad, route};
 
-/// Gradients of the linear cross-entropy: `(dE, dC, db)`.
-pub type LceGrads<B> = (FloatTensor<B>, FloatTensor<B>, Option<FloatTensor<B>>);
-
-/// Backends that run the Cut Cross-Entropy ops.
+/// The Cut Cross-Entropy kernels as a Burn backend extension.
 ///
-/// `CubeBackend` runs the CubeCL kernels, `Autodiff<B>` adds their backward passes, and the
-/// CPU reference backend (`NdArray`) uses the default methods, which are the tensor-op
-/// reference in [`reference`]. Another backend can opt in with an empty `impl`.
-pub trait CceBackend: Backend {
+/// `CubeBackend` runs the CubeCL kernels (the chunked path of [`chunked`]), `Fusion<CubeBackend>`
+/// defers them as custom operations, and `Autodiff<B>` registers the gradient of
+/// [`CceKernels::logsumexp_rows`] and of the loss ([`CceKernels::linear_ce_loss`],
+/// [`CceKernels::linear_ce_loss_bias`]) through [`CceKernels::linear_ce_backward`] and
+/// [`CceKernels::linear_ce_backward_bias`]. The other ops are not differentiated (their outputs
+/// carry no gradient on an autodiff device).
+///
+/// Call them through [`linear_cross_entropy`] and [`logsumexp`], which validate the arguments
+/// and decide whether the kernels run; the methods here assume valid input. The ops with a
+/// bias are separate methods (`_bias`): a backend extension takes no optional tensor.
+#[backend_extension(
+    Cube: cfg(feature = "cube"),
+    Fusion: cfg(all(feature = "cube", feature = "fusion")),
+    Autodiff,
+)]
+pub trait CceKernels: Backend {
     /// Row-wise log-sum-exp with f32 accumulation.
     ///
     /// # Shapes
@@ -79,125 +93,139 @@ pub trait CceBackend: Backend {
     /// - returns `[rows]`, in the dtype of `logits`
     ///
     /// With `softcap = Some(c)` each logit `x` is first mapped to `c·tanh(x / c)`, `c > 0`.
-    /// Callers go through [`logsumexp`], which validates the arguments.
-    fn logsumexp_rows(logits: FloatTensor<Self>, softcap: Option<f32>) -> FloatTensor<Self> {
-        let x = Tensor::<Self, 2>::from_primitive(TensorPrimitive::Float(logits));
-        reference::logsumexp(x, 1, softcap)
-            .squeeze_dim::<1>(1)
-            .into_primitive()
-            .tensor()
-    }
+    #[fusion(dtype = logits, shape = rows_shape(logits))]
+    fn logsumexp_rows(logits: FloatTensor<Self>, softcap: Option<f32>) -> FloatTensor<Self>;
 
-    /// Linear cross-entropy forward on valid tokens: the per-token log-sum-exp of the
-    /// (soft-capped) logits `E·Cᵀ + b` and the (soft-capped) logit of each target, in f32.
+    /// Linear cross-entropy forward on valid tokens, without a bias: the per-token log-sum-exp
+    /// of the (soft-capped) logits `E·Cᵀ` and the (soft-capped) logit of each target, in f32.
     /// The loss of token `i` is `lse[i] − target_logit[i]`.
     ///
     /// # Shapes
-    /// - `e`: `[n, D]`, `c`: `[V, D]`, `bias`: `[V]` (all one float dtype)
+    /// - `e`: `[n, D]`, `c`: `[V, D]` (one float dtype)
     /// - `targets`: `[n]`, every value in `[0, V)` (ignored tokens are already removed)
     /// - returns `(lse [n], target_logit [n])`, f32
+    #[fusion(meta = |e, _c, _targets, _params| (token_spec(e), token_spec(e)))]
     fn linear_ce_forward(
         e: FloatTensor<Self>,
         c: FloatTensor<Self>,
-        bias: Option<FloatTensor<Self>>,
         targets: IntTensor<Self>,
-        params: &LceParams,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        let (lse, target) = reference::linear_ce_forward(
-            f2::<Self>(e),
-            f2::<Self>(c),
-            bias.map(f1::<Self>),
-            Tensor::<Self, 1, Int>::from_primitive(targets),
-            params.softcap,
-        );
-        (
-            lse.into_primitive().tensor(),
-            target.into_primitive().tensor(),
-        )
-    }
+        params: LceParams,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
 
-    /// Gradients of `Σᵢ dout[i]·lossᵢ` with respect to `e`, `c` and `bias`.
+    /// [`CceKernels::linear_ce_forward`] with logits `E·Cᵀ + b`, `bias`: `[V]` in `e`'s dtype.
+    #[fusion(meta = |e, _c, _bias, _targets, _params| (token_spec(e), token_spec(e)))]
+    fn linear_ce_forward_bias(
+        e: FloatTensor<Self>,
+        c: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        params: LceParams,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
+
+    /// Gradients of `Σᵢ dout[i]·lossᵢ` with respect to `e` and `c` (no bias).
     ///
     /// # Shapes
-    /// - `e`, `c`, `bias`, `targets` as in [`CceBackend::linear_ce_forward`]
+    /// - `e`, `c`, `targets` as in [`CceKernels::linear_ce_forward`]
     /// - `lse`, `dout`: `[n]` f32
-    /// - returns `(dE [n, D], dC [V, D], db [V])` in the input dtype
-    ///
-    /// The reference ignores `filter_eps` (it is the exact gradient).
+    /// - returns `(dE [n, D], dC [V, D])` in the dtypes of `e` and `c`
+    #[fusion(meta = |e, c, _targets, _lse, _dout, _params| (e.clone(), c.clone()))]
     fn linear_ce_backward(
         e: FloatTensor<Self>,
         c: FloatTensor<Self>,
-        bias: Option<FloatTensor<Self>>,
         targets: IntTensor<Self>,
         lse: FloatTensor<Self>,
         dout: FloatTensor<Self>,
-        params: &LceParams,
-    ) -> LceGrads<Self> {
-        let (de, dc, db) = reference::linear_ce_backward(
-            f2::<Self>(e),
-            f2::<Self>(c),
-            bias.map(f1::<Self>),
-            Tensor::<Self, 1, Int>::from_primitive(targets),
-            f1::<Self>(lse),
-            f1::<Self>(dout),
-            params.softcap,
-        );
-        (
-            de.into_primitive().tensor(),
-            dc.into_primitive().tensor(),
-            db.map(|db| db.into_primitive().tensor()),
-        )
-    }
+        params: LceParams,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
 
-    /// Per-token losses `lse − target_logit` and the log-sum-exp, both `[n]` f32. Autodiff
-    /// backends register [`CceBackend::linear_ce_backward`] as the gradient of the loss; the
-    /// log-sum-exp is not differentiable.
+    /// [`CceKernels::linear_ce_backward`] with a bias: returns `(dE, dC, db [V])`, `db` in the
+    /// bias's dtype.
+    #[fusion(meta = |e, c, bias, _targets, _lse, _dout, _params| {
+        (e.clone(), c.clone(), bias.clone())
+    })]
+    #[allow(clippy::too_many_arguments)]
+    fn linear_ce_backward_bias(
+        e: FloatTensor<Self>,
+        c: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        lse: FloatTensor<Self>,
+        dout: FloatTensor<Self>,
+        params: LceParams,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
+
+    /// Per-token losses `lse − target_logit` and the log-sum-exp, both `[n]` f32, without a
+    /// bias. On an autodiff backend the loss is differentiable with respect to `e` and `c`
+    /// ([`CceKernels::linear_ce_backward`] is its gradient); the log-sum-exp is not.
+    #[fusion(meta = |e, _c, _targets, _params| (token_spec(e), token_spec(e)))]
     fn linear_ce_loss(
         e: FloatTensor<Self>,
         c: FloatTensor<Self>,
-        bias: Option<FloatTensor<Self>>,
         targets: IntTensor<Self>,
-        params: &LceParams,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        let (lse, target) = Self::linear_ce_forward(e, c, bias, targets, params);
-        let loss = f1::<Self>(lse.clone()) - f1::<Self>(target);
-        (loss.into_primitive().tensor(), lse)
-    }
+        params: LceParams,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
 
-    /// Bytes in use in `device`'s memory pool, where the backend tracks them (`CubeBackend`:
-    /// CubeCL's `bytes_in_use`); `None` elsewhere. See [`track_live_peak`].
-    fn memory_in_use(_device: &Self::Device) -> Option<u64> {
+    /// [`CceKernels::linear_ce_loss`] with a bias (differentiable with respect to it too).
+    #[fusion(meta = |e, _c, _bias, _targets, _params| (token_spec(e), token_spec(e)))]
+    fn linear_ce_loss_bias(
+        e: FloatTensor<Self>,
+        c: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        params: LceParams,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
+}
+
+/// The output shape of [`CceKernels::logsumexp_rows`]: `[rows]`.
+pub fn rows_shape(logits: &Shape) -> Shape {
+    Shape::new([logits[0]])
+}
+
+/// A per-token f32 output (`[n]`) of embeddings `[n, D]`, for Fusion's output metadata.
+#[cfg(all(feature = "cube", feature = "fusion"))]
+fn token_spec(
+    e: &burn::backend::fusion::custom::TensorSpec,
+) -> burn::backend::fusion::custom::TensorSpec {
+    burn::backend::fusion::custom::TensorSpec::new(
+        Shape::new([e.shape[0]]),
+        burn::tensor::DType::F32,
+    )
+}
+
+/// Bytes in use in the memory pools of `device`'s current stream where it is a CubeCL device
+/// (CubeCL's `bytes_in_use`: every slice whose handle is alive, without page rounding);
+/// `None` elsewhere. See [`track_live_peak`].
+pub fn memory_in_use(device: &Device) -> Option<u64> {
+    #[cfg(feature = "cube")]
+    {
+        let client = burn_kernels_core::route::cube_device(device)?.client();
+        Some(live::bytes_in_use(&client))
+    }
+    #[cfg(not(feature = "cube"))]
+    {
+        let _ = device;
         None
     }
 }
 
 /// Runs `run` and returns the most device memory in use at once during it beyond what was in
 /// use before, in bytes, and the step that reached it, as read by the chunked forward and
-/// backward after each of their allocations (see [`live`]); `None` where the backend does not
-/// track memory or `run` did not go through the chunked path. For benchmarks and tests: each
-/// reading queries the pool.
-pub fn track_live_peak<B: CceBackend>(
-    device: &B::Device,
-    run: impl FnOnce(),
-) -> Option<live::LivePeak> {
-    let before = B::memory_in_use(device)?;
-    live::track_live_peak(run).map(|peak| live::LivePeak {
+/// backward after each of their allocations (see [`live`]); `None` where the device is not a
+/// CubeCL device or `run` did not go through the chunked path. The device is synchronized
+/// before and at the end of `run` (inside the tracking), so that work Burn's fusion deferred
+/// runs where it is measured. For benchmarks and tests: each reading queries the pool.
+pub fn track_live_peak(device: &Device, run: impl FnOnce()) -> Option<live::LivePeak> {
+    let _ = device.sync();
+    let before = memory_in_use(device)?;
+    live::track_live_peak(|| {
+        run();
+        let _ = device.sync();
+    })
+    .map(|peak| live::LivePeak {
         bytes: peak.bytes.saturating_sub(before),
         ..peak
     })
 }
-
-fn f1<B: Backend>(t: FloatTensor<B>) -> Tensor<B, 1> {
-    Tensor::from_primitive(TensorPrimitive::Float(t))
-}
-
-fn f2<B: Backend>(t: FloatTensor<B>) -> Tensor<B, 2> {
-    Tensor::from_primitive(TensorPrimitive::Float(t))
-}
-
-/// Autodiff backends running the Cut Cross-Entropy ops.
-pub trait CceAutodiffBackend: CceBackend + burn::tensor::backend::AutodiffBackend {}
-impl<B: CceBackend + burn::tensor::backend::AutodiffBackend> CceAutodiffBackend for B {}
 
 /// Options of [`logsumexp`].
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -209,7 +237,8 @@ pub struct LseOptions {
 /// `log Σ exp(x)` along `dim`, keeping the dimension (its size becomes 1).
 ///
 /// Accumulates in f32 whatever the input dtype; rows of `-inf` give `-inf`, a `+inf` gives
-/// `+inf`. Differentiable on autodiff backends.
+/// `+inf`. Differentiable on autodiff devices. Runs the CubeCL kernel on a CubeCL device, the
+/// tensor-op [`reference::logsumexp`] elsewhere.
 ///
 /// # Shapes
 /// - `x`: `[d0, …, d(D−1)]` with `d(dim) ≥ 1`
@@ -218,11 +247,11 @@ pub struct LseOptions {
 /// # Errors
 /// [`CceError::DimOutOfRange`] when `dim ≥ D`, [`CceError::EmptyDimension`] when the reduced
 /// dimension has size 0, [`CceError::InvalidSoftcap`] for a non-positive or non-finite softcap.
-pub fn logsumexp<B: CceBackend, const D: usize>(
-    x: Tensor<B, D>,
+pub fn logsumexp<const D: usize>(
+    x: Tensor<D>,
     dim: usize,
     options: LseOptions,
-) -> Result<Tensor<B, D>, CceError> {
+) -> Result<Tensor<D>, CceError> {
     if dim >= D {
         return Err(CceError::DimOutOfRange { dim, rank: D });
     }
@@ -238,6 +267,10 @@ pub fn logsumexp<B: CceBackend, const D: usize>(
     {
         return Err(CceError::InvalidSoftcap(c));
     }
+    let unsupported = kernel_dtype_unsupported(x.dtype());
+    if !route("logsumexp", &x.device(), Grad::Differentiable, unsupported) {
+        return Ok(reference::logsumexp(x, dim, options.softcap));
+    }
 
     // The kernel reduces the last dimension of a [rows, cols] matrix.
     let last = D - 1;
@@ -249,11 +282,11 @@ pub fn logsumexp<B: CceBackend, const D: usize>(
     let moved = x.dims();
     let cols = moved[last];
     let rows = moved[..last].iter().product::<usize>();
-    let flat = x.reshape([rows, cols]).into_primitive().tensor();
-    let out = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(B::logsumexp_rows(
-        flat,
+    let flat = x.reshape([rows, cols]);
+    let out = Tensor::<1>::from_dispatch(Dispatch::logsumexp_rows(
+        flat.into_dispatch(),
         options.softcap,
-    )));
+    ));
     let mut kept = moved;
     kept[last] = 1;
     let out = out.reshape(kept);
@@ -262,4 +295,11 @@ pub fn logsumexp<B: CceBackend, const D: usize>(
     } else {
         out.swap_dims(dim, last)
     })
+}
+
+/// Why the kernels cannot take inputs of `dtype`, if they cannot: they read f32, f16 and bf16.
+pub(crate) fn kernel_dtype_unsupported(dtype: burn::tensor::DType) -> Option<String> {
+    use burn::tensor::DType;
+    (!matches!(dtype, DType::F32 | DType::F16 | DType::BF16))
+        .then(|| format!("the kernels take f32, f16 or bf16 inputs, not {dtype:?}"))
 }

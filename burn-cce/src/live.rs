@@ -1,18 +1,21 @@
 //! Live-memory tracking of the chunked path, for benchmarks.
 //!
-//! CubeCL 0.10 keeps no high-water mark of the bytes in use, and a watcher sampling the pool
-//! from another thread misses short peaks. While [`track_live_peak`] runs, the chunked
-//! forward and backward read the pool's bytes in use (`MemoryUsage::bytes_in_use`: every
-//! slice whose handle is alive, without page rounding) right after each of their
+//! CubeCL keeps no high-water mark of the bytes in use, and a watcher sampling the pool from
+//! another thread misses short peaks. While [`track_live_peak`] runs, the chunked forward and
+//! backward read the bytes in use of the pools of the stream they run on
+//! (`MemoryUsage::bytes_in_use` of CubeCL's memory report: every slice whose handle is alive,
+//! without page rounding; the runtime's auxiliary memories left out) right after each of their
 //! allocations, with that step's inputs still held, and keep the largest reading. Buffers are
 //! freed in program order on the host (the stream orders reuse on the device), so these
 //! readings are the live set at each step; the largest is the call's peak as long as no op
 //! allocates and frees a temporary inside one call (the chunk GEMMs and burn-cce's kernels do
 //! not).
 
-use std::cell::Cell;
+use std::sync::{Mutex, MutexGuard};
 
-use burn_cubecl::{CubeRuntime, tensor::CubeTensor};
+use burn::backend::StreamId;
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::{MemoryScope, client::Client};
 
 /// The largest reading so far and the step that took it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -24,42 +27,105 @@ pub struct LivePeak {
     pub step: &'static str,
 }
 
-thread_local! {
-    /// `Some(peak)` while tracking on this thread (`step` empty until the first reading).
-    static PEAK: Cell<Option<LivePeak>> = const { Cell::new(None) };
-    /// Print every reading to stderr (`BURN_CCE_LIVE_TRACE` set when tracking started).
-    static TRACE: Cell<bool> = const { Cell::new(false) };
+/// A value per CubeCL stream (the current one: this thread's, or the stream Burn's fusion
+/// executes a deferred op for, on its device thread). The chunked path records its plan,
+/// phases and live peak here, so that a caller reads them whether the op ran on its thread
+/// (an unfused backend) or was deferred by fusion and executed on the device's thread for the
+/// caller's stream.
+pub(crate) struct PerStream<T: Copy>(Mutex<Vec<(u64, T)>>);
+
+impl<T: Copy> PerStream<T> {
+    pub(crate) const fn new() -> Self {
+        Self(Mutex::new(Vec::new()))
+    }
+
+    fn entries(&self) -> MutexGuard<'_, Vec<(u64, T)>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The current stream's value.
+    pub(crate) fn get(&self) -> Option<T> {
+        let key = StreamId::current().value;
+        self.entries()
+            .iter()
+            .find(|(k, _)| *k == key)
+            .map(|&(_, v)| v)
+    }
+
+    /// Sets (or with `None` removes) the current stream's value, returning the previous one.
+    pub(crate) fn replace(&self, value: Option<T>) -> Option<T> {
+        let key = StreamId::current().value;
+        let mut entries = self.entries();
+        let at = entries.iter().position(|(k, _)| *k == key);
+        let old = at.map(|i| entries.swap_remove(i).1);
+        if let Some(value) = value {
+            entries.push((key, value));
+        }
+        old
+    }
+
+    /// Applies `f` to the current stream's value, if it has one.
+    pub(crate) fn update(&self, f: impl FnOnce(&mut T)) {
+        let key = StreamId::current().value;
+        if let Some((_, v)) = self.entries().iter_mut().find(|(k, _)| *k == key) {
+            f(v);
+        }
+    }
 }
 
-/// Runs `run` with live tracking on this thread and returns the largest `bytes_in_use` the
-/// chunked path read during it (absolute: the caller subtracts what was held before), or
-/// `None` when nothing was read (`run` did not go through the chunked path). With the
-/// environment variable `BURN_CCE_LIVE_TRACE` set, every reading is printed to stderr.
+/// A running tracking: the largest reading (`step` empty until the first one), and whether
+/// every reading is printed.
+#[derive(Clone, Copy)]
+struct Tracking {
+    peak: LivePeak,
+    trace: bool,
+}
+
+static TRACKING: PerStream<Tracking> = PerStream::new();
+
+/// Runs `run` with live tracking of the current stream (this thread's) and returns the largest
+/// `bytes_in_use` the chunked path read during it (absolute: the caller subtracts what was
+/// held before), or `None` when nothing was read (`run` did not go through the chunked path).
+/// With the environment variable `BURN_CCE_LIVE_TRACE` set, every reading is printed to
+/// stderr.
+///
+/// Burn's fusion defers the chunked path until the device synchronizes or an output is read:
+/// call [`crate::track_live_peak`], which synchronizes the device inside the tracking.
 pub fn track_live_peak(run: impl FnOnce()) -> Option<LivePeak> {
-    PEAK.with(|p| p.set(Some(LivePeak { bytes: 0, step: "" })));
-    TRACE.with(|t| t.set(std::env::var_os("BURN_CCE_LIVE_TRACE").is_some()));
+    TRACKING.replace(Some(Tracking {
+        peak: LivePeak { bytes: 0, step: "" },
+        trace: std::env::var_os("BURN_CCE_LIVE_TRACE").is_some(),
+    }));
     run();
-    PEAK.with(|p| p.take()).filter(|p| !p.step.is_empty())
-}
-
-/// Whether [`track_live_peak`] is running on this thread.
-pub(crate) fn tracking() -> bool {
-    PEAK.with(|p| p.get()).is_some()
+    TRACKING
+        .replace(None)
+        .map(|t| t.peak)
+        .filter(|p| !p.step.is_empty())
 }
 
 /// Reads the pool of `tensor`'s device into the running peak, when tracking; `step` names the
 /// allocation just made.
-pub(crate) fn sample<R: CubeRuntime>(tensor: &CubeTensor<R>, step: &'static str) {
-    let Some(peak) = PEAK.with(|p| p.get()) else {
+pub(crate) fn sample(tensor: &CubeTensor, step: &'static str) {
+    let Some(tracking) = TRACKING.get() else {
         return;
     };
-    if let Ok(usage) = tensor.client.memory_usage() {
-        let bytes = usage.bytes_in_use;
-        if TRACE.with(|t| t.get()) {
-            eprintln!("burn-cce live: {bytes} B after {step}");
-        }
-        if bytes >= peak.bytes || peak.step.is_empty() {
-            PEAK.with(|p| p.set(Some(LivePeak { bytes, step })));
-        }
+    let bytes = bytes_in_use(&tensor.client);
+    if tracking.trace {
+        eprintln!("burn-cce live: {bytes} B after {step}");
     }
+    TRACKING.update(|t| {
+        if bytes >= t.peak.bytes || t.peak.step.is_empty() {
+            t.peak = LivePeak { bytes, step };
+        }
+    });
+}
+
+/// Bytes in use in the memory pools of `client`'s current stream.
+pub(crate) fn bytes_in_use(client: &Client) -> u64 {
+    client
+        .memory_report(MemoryScope::CurrentStream)
+        .streams
+        .iter()
+        .map(|stream| stream.pools.usage().bytes_in_use)
+        .sum()
 }

@@ -1,24 +1,29 @@
 //! The public loss: validation, shift, compaction of ignored tokens, reduction.
 
-use burn::tensor::{DType, IndexingUpdateOp, Int, Tensor, TensorData, TensorPrimitive};
+use burn::backend::Dispatch;
+use burn::tensor::{DType, IndexingUpdateOp, Int, Tensor, TensorData};
+use burn_kernels_core::route::{Grad, route};
 
-use crate::{CceBackend, CceError, CceOptions, Reduction};
+use crate::{CceError, CceKernels, CceOptions, Reduction, kernel_dtype_unsupported, reference};
 
 /// The result of [`linear_cross_entropy`].
 #[derive(Debug, Clone)]
-pub struct CceOutput<B: burn::tensor::backend::Backend> {
+pub struct CceOutput {
     /// `[1]` for [`Reduction::Mean`] and [`Reduction::Sum`], `[N]` for [`Reduction::None`]
     /// (flattened leading dims, 0 at ignored tokens); f32.
-    pub loss: Tensor<B, 1>,
+    pub loss: Tensor<1>,
     /// With [`CceOptions::return_lse`]: the per-token log-sum-exp, `[N]` f32, 0 at ignored
     /// tokens; not differentiable.
-    pub lse: Option<Tensor<B, 1>>,
+    pub lse: Option<Tensor<1>>,
 }
 
 /// Cross-entropy of the linear classifier `softmax(E·Cᵀ + b)` against `targets`, without
-/// materializing the logits on backends with kernels.
+/// materializing the logits where the kernels run.
 ///
-/// Differentiable with respect to `embeddings`, `classifier` and `bias` on autodiff backends.
+/// Differentiable with respect to `embeddings`, `classifier` and `bias` on autodiff devices.
+/// On a CubeCL device the chunked kernels of [`CceKernels`] run (with their own backward on
+/// an autodiff device); elsewhere (Burn's `Flex` CPU backend, or a configuration the kernels
+/// do not take) the tensor-op [`reference::linear_ce_forward`], which Burn differentiates.
 /// Ignored tokens (`targets == ignore_index`, and with `shift` the last position of each
 /// sequence) are removed before the kernels run; the mean divides by the number of tokens
 /// left. When every token is ignored the loss is 0 (never NaN) and carries no gradient.
@@ -36,13 +41,13 @@ pub struct CceOutput<B: burn::tensor::backend::Backend> {
 /// `[0, V)` that is not the ignore index ([`CceError::TargetOutOfRange`]), and invalid
 /// options ([`CceError::InvalidSoftcap`], [`CceError::InvalidFilterEps`]). Reading the
 /// targets synchronizes with the device once.
-pub fn linear_cross_entropy<B: CceBackend, const DE: usize, const DT: usize>(
-    embeddings: Tensor<B, DE>,
-    classifier: Tensor<B, 2>,
-    targets: Tensor<B, DT, Int>,
-    bias: Option<Tensor<B, 1>>,
+pub fn linear_cross_entropy<const DE: usize, const DT: usize>(
+    embeddings: Tensor<DE>,
+    classifier: Tensor<2>,
+    targets: Tensor<DT, Int>,
+    bias: Option<Tensor<1>>,
     options: &CceOptions,
-) -> Result<CceOutput<B>, CceError> {
+) -> Result<CceOutput, CceError> {
     let e_dims = embeddings.dims();
     let t_dims = targets.dims();
     let [vocab, c_d] = classifier.dims();
@@ -85,8 +90,7 @@ pub fn linear_cross_entropy<B: CceBackend, const DE: usize, const DT: usize>(
     let seq = e_dims[DE - 2].max(1);
     let host: Vec<i64> = targets
         .to_data()
-        .convert::<i64>()
-        .into_vec::<i64>()
+        .try_into_vec_as::<i64>()
         .expect("targets convert to i64");
     let mut valid = Vec::with_capacity(total);
     let mut valid_targets = Vec::with_capacity(total);
@@ -124,7 +128,7 @@ pub fn linear_cross_entropy<B: CceBackend, const DE: usize, const DT: usize>(
         } else {
             1
         };
-        let zeros = Tensor::<B, 1>::zeros([len], (&device, DType::F32));
+        let zeros = Tensor::<1>::zeros([len], (&device, DType::F32));
         return Ok(CceOutput {
             loss: zeros,
             lse: options
@@ -134,7 +138,7 @@ pub fn linear_cross_entropy<B: CceBackend, const DE: usize, const DT: usize>(
     }
 
     let e = embeddings.reshape([total, d]);
-    let keep = Tensor::<B, 1, Int>::from_data(TensorData::new(valid, [n]), &device);
+    let keep = Tensor::<1, Int>::from_data(TensorData::new(valid, [n]), &device);
     let e = if n == total {
         e
     } else {
@@ -146,23 +150,39 @@ pub fn linear_cross_entropy<B: CceBackend, const DE: usize, const DT: usize>(
         classifier.cast(dtype)
     };
     let bias = bias.map(|b| if b.dtype() == dtype { b } else { b.cast(dtype) });
-    let targets = Tensor::<B, 1, Int>::from_data(TensorData::new(valid_targets, [n]), &device);
+    let targets = Tensor::<1, Int>::from_data(TensorData::new(valid_targets, [n]), &device);
     let params = options.params(dtype);
 
-    let (loss, lse) = B::linear_ce_loss(
-        e.into_primitive().tensor(),
-        classifier.into_primitive().tensor(),
-        bias.map(|b| b.into_primitive().tensor()),
-        targets.into_primitive(),
-        &params,
-    );
-    let loss = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(loss));
-    let lse = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(lse));
-    let scatter = |values: Tensor<B, 1>| {
+    let unsupported = kernel_dtype_unsupported(dtype);
+    let (loss, lse) = if route(
+        "linear_cross_entropy",
+        &device,
+        Grad::Differentiable,
+        unsupported,
+    ) {
+        let (e, c, t) = (
+            e.into_dispatch(),
+            classifier.into_dispatch(),
+            targets.into_dispatch(),
+        );
+        let (loss, lse) = match bias {
+            None => Dispatch::linear_ce_loss(e, c, t, params),
+            Some(b) => Dispatch::linear_ce_loss_bias(e, c, b.into_dispatch(), t, params),
+        };
+        (
+            Tensor::<1>::from_dispatch(loss),
+            Tensor::<1>::from_dispatch(lse),
+        )
+    } else {
+        let (lse, target) =
+            reference::linear_ce_forward(e, classifier, bias, targets, params.softcap);
+        (lse.clone() - target, lse.detach())
+    };
+    let scatter = |values: Tensor<1>| {
         if n == total {
             values
         } else {
-            Tensor::<B, 1>::zeros([total], (&device, DType::F32)).select_assign(
+            Tensor::<1>::zeros([total], (&device, DType::F32)).select_assign(
                 0,
                 keep.clone(),
                 values,
@@ -186,18 +206,16 @@ pub fn linear_cross_entropy<B: CceBackend, const DE: usize, const DT: usize>(
 /// targets, get a scalar loss to call `backward()` on.
 ///
 /// ```
-/// use burn::backend::{Autodiff, NdArray};
-/// use burn::tensor::{Int, Tensor};
+/// use burn::tensor::{Device, Int, Tensor};
 /// use burn_cce::{CceOptions, LinearCrossEntropyLoss};
 ///
-/// type B = Autodiff<NdArray>;
-/// let device = Default::default();
+/// let device = Device::flex().autodiff();
 /// let loss_fn = LinearCrossEntropyLoss::new(CceOptions { shift: true, ..Default::default() });
-/// let hidden = Tensor::<B, 3>::ones([1, 4, 8], &device);
-/// let lm_head = Tensor::<B, 2>::ones([16, 8], &device).require_grad();
-/// let tokens = Tensor::<B, 2, Int>::from_ints([[3, 1, 4, 1]], &device);
+/// let hidden = Tensor::<3>::ones([1, 4, 8], &device);
+/// let lm_head = Tensor::<2>::ones([16, 8], &device).require_grad();
+/// let tokens = Tensor::<2, Int>::from_ints([[3, 1, 4, 1]], &device);
 /// let loss = loss_fn.forward(hidden, lm_head.clone(), tokens).unwrap();
-/// assert!((loss.clone().into_scalar() - 16f32.ln()).abs() < 1e-5);
+/// assert!((loss.clone().into_scalar::<f32>() - 16f32.ln()).abs() < 1e-5);
 /// let grads = loss.backward();
 /// assert!(lm_head.grad(&grads).is_some());
 /// ```
@@ -220,12 +238,12 @@ impl LinearCrossEntropyLoss {
     ///
     /// # Errors
     /// As [`linear_cross_entropy`].
-    pub fn forward<B: CceBackend, const DE: usize, const DT: usize>(
+    pub fn forward<const DE: usize, const DT: usize>(
         &self,
-        hidden: Tensor<B, DE>,
-        weight: Tensor<B, 2>,
-        targets: Tensor<B, DT, Int>,
-    ) -> Result<Tensor<B, 1>, CceError> {
+        hidden: Tensor<DE>,
+        weight: Tensor<2>,
+        targets: Tensor<DT, Int>,
+    ) -> Result<Tensor<1>, CceError> {
         linear_cross_entropy(hidden, weight, targets, None, &self.options).map(|out| out.loss)
     }
 }

@@ -1,14 +1,11 @@
-//! Plain tensor-op references: the test oracle and the path for backends without kernels.
+//! Plain tensor-op references: the test oracle and the path for devices without kernels.
 
-use burn::tensor::{
-    DType, IndexingUpdateOp, Int, Tensor, activation::log_softmax, backend::Backend,
-    cast::ToElement,
-};
+use burn::tensor::{DType, IndexingUpdateOp, Int, Tensor, activation::log_softmax};
 
 use crate::Reduction;
 
 /// `c·tanh(x / c)` when `softcap = Some(c)`, else `x`.
-pub fn softcap<B: Backend, const D: usize>(x: Tensor<B, D>, softcap: Option<f32>) -> Tensor<B, D> {
+pub fn softcap<const D: usize>(x: Tensor<D>, softcap: Option<f32>) -> Tensor<D> {
     match softcap {
         Some(c) => (x / c).tanh() * c,
         None => x,
@@ -19,11 +16,7 @@ pub fn softcap<B: Backend, const D: usize>(x: Tensor<B, D>, softcap: Option<f32>
 ///
 /// # Shapes
 /// - `x`: `[…, n, …]` with `n ≥ 1` at `dim`; returns `[…, 1, …]`
-pub fn logsumexp<B: Backend, const D: usize>(
-    x: Tensor<B, D>,
-    dim: usize,
-    cap: Option<f32>,
-) -> Tensor<B, D> {
+pub fn logsumexp<const D: usize>(x: Tensor<D>, dim: usize, cap: Option<f32>) -> Tensor<D> {
     let dtype = x.dtype();
     let x = softcap(x.cast(DType::F32), cap);
     let max = x.clone().max_dim(dim);
@@ -38,12 +31,12 @@ pub fn logsumexp<B: Backend, const D: usize>(
 ///
 /// # Shapes
 /// - `x`: `[rows, cols]`, `lse`: `[rows]`, `grad`: `[rows]`; returns `[rows, cols]`
-pub fn logsumexp_rows_backward<B: Backend>(
-    x: Tensor<B, 2>,
-    lse: Tensor<B, 1>,
-    grad: Tensor<B, 1>,
+pub fn logsumexp_rows_backward(
+    x: Tensor<2>,
+    lse: Tensor<1>,
+    grad: Tensor<1>,
     cap: Option<f32>,
-) -> Tensor<B, 2> {
+) -> Tensor<2> {
     let dtype = x.dtype();
     let x = x.cast(DType::F32);
     let capped = softcap(x.clone(), cap);
@@ -66,12 +59,12 @@ pub fn logsumexp_rows_backward<B: Backend>(
 ///
 /// # Shapes
 /// - `e`: `[n, D]`, `c`: `[V, D]`, `bias`: `[V]`; returns two `[n, V]` tensors
-pub fn logits_f32<B: Backend>(
-    e: Tensor<B, 2>,
-    c: Tensor<B, 2>,
-    bias: Option<Tensor<B, 1>>,
+pub fn logits_f32(
+    e: Tensor<2>,
+    c: Tensor<2>,
+    bias: Option<Tensor<1>>,
     cap: Option<f32>,
-) -> (Tensor<B, 2>, Tensor<B, 2>) {
+) -> (Tensor<2>, Tensor<2>) {
     let raw = e.cast(DType::F32).matmul(c.cast(DType::F32).transpose());
     let raw = match bias {
         Some(b) => raw + b.cast(DType::F32).unsqueeze_dim::<2>(0),
@@ -87,13 +80,13 @@ pub fn logits_f32<B: Backend>(
 /// # Shapes
 /// - `e`: `[n, D]`, `c`: `[V, D]`, `bias`: `[V]`, `targets`: `[n]` in `[0, V)`
 /// - returns `(lse [n], target_logit [n])`, both f32
-pub fn linear_ce_forward<B: Backend>(
-    e: Tensor<B, 2>,
-    c: Tensor<B, 2>,
-    bias: Option<Tensor<B, 1>>,
-    targets: Tensor<B, 1, Int>,
+pub fn linear_ce_forward(
+    e: Tensor<2>,
+    c: Tensor<2>,
+    bias: Option<Tensor<1>>,
+    targets: Tensor<1, Int>,
     cap: Option<f32>,
-) -> (Tensor<B, 1>, Tensor<B, 1>) {
+) -> (Tensor<1>, Tensor<1>) {
     let (logits, _) = logits_f32(e, c, bias, cap);
     let lse = logsumexp(logits.clone(), 1, None).squeeze_dim::<1>(1);
     let target = logits
@@ -108,15 +101,15 @@ pub fn linear_ce_forward<B: Backend>(
 /// # Shapes
 /// - `e`: `[n, D]`, `c`: `[V, D]`, `bias`: `[V]`, `targets`: `[n]`, `lse`, `grad`: `[n]` f32
 /// - returns `(dE [n, D], dC [V, D], db [V])` in the dtypes of `e`, `c` and `bias`
-pub fn linear_ce_backward<B: Backend>(
-    e: Tensor<B, 2>,
-    c: Tensor<B, 2>,
-    bias: Option<Tensor<B, 1>>,
-    targets: Tensor<B, 1, Int>,
-    lse: Tensor<B, 1>,
-    grad: Tensor<B, 1>,
+pub fn linear_ce_backward(
+    e: Tensor<2>,
+    c: Tensor<2>,
+    bias: Option<Tensor<1>>,
+    targets: Tensor<1, Int>,
+    lse: Tensor<1>,
+    grad: Tensor<1>,
     cap: Option<f32>,
-) -> (Tensor<B, 2>, Tensor<B, 2>, Option<Tensor<B, 1>>) {
+) -> (Tensor<2>, Tensor<2>, Option<Tensor<1>>) {
     let [vocab, _] = c.dims();
     let (e_dtype, c_dtype) = (e.dtype(), c.dtype());
     let bias_dtype = bias.as_ref().map(|b| b.dtype());
@@ -132,21 +125,21 @@ pub fn linear_ce_backward<B: Backend>(
 ///
 /// # Shapes
 /// - as [`linear_ce_backward`]; returns `[n, V]`
-pub fn logit_grad<B: Backend>(
-    e: Tensor<B, 2>,
-    c: Tensor<B, 2>,
-    bias: Option<Tensor<B, 1>>,
-    targets: Tensor<B, 1, Int>,
-    lse: Tensor<B, 1>,
-    grad: Tensor<B, 1>,
+pub fn logit_grad(
+    e: Tensor<2>,
+    c: Tensor<2>,
+    bias: Option<Tensor<1>>,
+    targets: Tensor<1, Int>,
+    lse: Tensor<1>,
+    grad: Tensor<1>,
     cap: Option<f32>,
-) -> Tensor<B, 2> {
+) -> Tensor<2> {
     let [n, _] = e.dims();
     let [vocab, _] = c.dims();
     let device = e.device();
     let (logits, raw) = logits_f32(e, c, bias, cap);
     let softmax = (logits - lse.cast(DType::F32).unsqueeze_dim::<2>(1)).exp();
-    let onehot = Tensor::<B, 2>::zeros([n, vocab], &device).scatter(
+    let onehot = Tensor::<2>::zeros([n, vocab], &device).scatter(
         1,
         targets.unsqueeze_dim::<2>(1),
         Tensor::ones([n, 1], &device),
@@ -170,15 +163,15 @@ pub fn logit_grad<B: Backend>(
 /// - `e`: `[N, D]`, `c`: `[V, D]`, `bias`: `[V]`, `targets`: `[N]` (values in `[0, V)` or
 ///   `ignore_index`)
 /// - returns `[1]` for `Mean`/`Sum`, `[N]` for `None` (0 at ignored tokens), in f32
-pub fn plain_linear_cross_entropy<B: Backend>(
-    e: Tensor<B, 2>,
-    c: Tensor<B, 2>,
-    bias: Option<Tensor<B, 1>>,
-    targets: Tensor<B, 1, Int>,
+pub fn plain_linear_cross_entropy(
+    e: Tensor<2>,
+    c: Tensor<2>,
+    bias: Option<Tensor<1>>,
+    targets: Tensor<1, Int>,
     ignore_index: i64,
     cap: Option<f32>,
     reduction: Reduction,
-) -> Tensor<B, 1> {
+) -> Tensor<1> {
     let logits = e.matmul(c.transpose());
     let logits = match bias {
         Some(b) => logits + b.unsqueeze_dim::<2>(0),
@@ -197,13 +190,7 @@ pub fn plain_linear_cross_entropy<B: Backend>(
         Reduction::None => nll,
         Reduction::Sum => nll.sum(),
         Reduction::Mean => {
-            let valid = ignored
-                .bool_not()
-                .int()
-                .sum()
-                .into_scalar()
-                .to_f64()
-                .max(1.0);
+            let valid = ignored.bool_not().int().sum().into_scalar::<i64>().max(1) as f64;
             nll.sum() / valid
         }
     }

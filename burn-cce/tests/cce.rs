@@ -4,21 +4,20 @@
 //! is, for the loss, dE, dC and db. Plus direct checks of the backend ops against the tensor-op
 //! reference (forward, exact backward, filtered backward and its plan) and typed errors.
 
-use burn::backend::{Autodiff, NdArray};
-use burn::tensor::{DType, Int, Tensor, TensorData, backend::AutodiffBackend};
+use burn::backend::{Dispatch, DispatchTensor};
+use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use burn_cce::{
-    CceAutodiffBackend, CceBackend, CceError, CceOptions, FilterEps, GemmStrategy, LceParams,
-    Reduction,
+    CceError, CceKernels, CceOptions, FilterEps, GemmStrategy, LceParams, Reduction,
     chunked::{BackwardBlocks, DeAccumulation, last_backward_plan},
     linear_cross_entropy, reference,
 };
+use burn_kernels_core::route::launches;
 use burn_kernels_testing::{
     Dist, Tolerance, assert_close, compare::metrics, compare::to_f32, float_dtypes, is_wgpu,
-    poison_memory, random_values, testgen,
+    poison_memory, random_tensor, random_values, testgen,
 };
 
-type Cpu = NdArray<f32>;
-type Gt = Autodiff<Cpu>;
+use crate::kernels;
 
 const IGNORE: i64 = -100;
 
@@ -176,12 +175,12 @@ struct Outcome {
     db: Option<Vec<f32>>,
 }
 
-fn tensor<B: burn::tensor::backend::Backend, const D: usize>(
+fn tensor<const D: usize>(
     values: &[f32],
     shape: [usize; D],
     dtype: DType,
-    device: &B::Device,
-) -> Tensor<B, D> {
+    device: &Device,
+) -> Tensor<D> {
     let data = TensorData::new(values.to_vec(), shape).convert_dtype(dtype);
     Tensor::from_data(data, (device, dtype))
 }
@@ -191,22 +190,22 @@ fn rounded(values: &[f32], dtype: DType) -> Vec<f32> {
     to_f32(TensorData::new(values.to_vec(), [values.len()]).convert_dtype(dtype))
 }
 
-fn grads_of<B: AutodiffBackend>(
-    loss: Tensor<B, 1>,
+fn grads_of(
+    loss: Tensor<1>,
     weights: &[f32],
-    e: &Tensor<B, 3>,
-    c: &Tensor<B, 2>,
-    b: &Option<Tensor<B, 1>>,
+    e: &Tensor<3>,
+    c: &Tensor<2>,
+    b: &Option<Tensor<1>>,
 ) -> Outcome {
     let device = loss.device();
     let len = loss.dims()[0];
     let w = if len == 1 {
-        Tensor::<B, 1>::ones([1], &device)
+        Tensor::<1>::ones([1], &device)
     } else {
         Tensor::from_data(TensorData::new(weights.to_vec(), [len]), &device)
     };
     let grads = (loss.clone() * w).sum().backward();
-    let host = |t: Tensor<B::InnerBackend, 2>| to_f32(t.into_data());
+    let host = |t: Tensor<2>| to_f32(t.into_data());
     Outcome {
         loss: to_f32(loss.into_data()),
         de: to_f32(e.grad(&grads).expect("dE").into_data()),
@@ -217,22 +216,22 @@ fn grads_of<B: AutodiffBackend>(
     }
 }
 
-/// The plain path on backend `B` in `dtype`.
-fn plain<B: AutodiffBackend>(case: &Case, x: &Inputs, dtype: DType, device: &B::Device) -> Outcome {
+/// The plain path on `device` in `dtype`.
+fn plain(case: &Case, x: &Inputs, dtype: DType, device: &Device) -> Outcome {
     let [bs, s] = case.lead;
-    let e = tensor::<B, 3>(&x.e, [bs, s, case.d], dtype, device).require_grad();
-    let c = tensor::<B, 2>(&x.c, [case.v, case.d], dtype, device).require_grad();
+    let e = tensor::<3>(&x.e, [bs, s, case.d], dtype, device).require_grad();
+    let c = tensor::<2>(&x.c, [case.v, case.d], dtype, device).require_grad();
     let b = x
         .bias
         .as_ref()
-        .map(|b| tensor::<B, 1>(b, [case.v], dtype, device).require_grad());
+        .map(|b| tensor::<1>(b, [case.v], dtype, device).require_grad());
     let targets = if case.shift {
         shifted(&x.targets, s)
     } else {
         x.targets.clone()
     };
     let n = case.tokens();
-    let t = Tensor::<B, 1, Int>::from_data(TensorData::new(targets, [n]), device);
+    let t = Tensor::<1, Int>::from_data(TensorData::new(targets, [n]), device);
     let loss = reference::plain_linear_cross_entropy(
         e.clone().reshape([n, case.d]),
         c.clone(),
@@ -245,24 +244,21 @@ fn plain<B: AutodiffBackend>(case: &Case, x: &Inputs, dtype: DType, device: &B::
     grads_of(loss, &x.weights, &e, &c, &b)
 }
 
-fn cce<B: CceAutodiffBackend>(
-    case: &Case,
-    x: &Inputs,
-    dtype: DType,
-    device: &B::Device,
-) -> (Outcome, Vec<f32>) {
+fn cce(case: &Case, x: &Inputs, dtype: DType, device: &Device) -> (Outcome, Vec<f32>) {
     let [bs, s] = case.lead;
-    let e = tensor::<B, 3>(&x.e, [bs, s, case.d], dtype, device).require_grad();
-    let c = tensor::<B, 2>(&x.c, [case.v, case.d], dtype, device).require_grad();
+    let e = tensor::<3>(&x.e, [bs, s, case.d], dtype, device).require_grad();
+    let c = tensor::<2>(&x.c, [case.v, case.d], dtype, device).require_grad();
     let b = x
         .bias
         .as_ref()
-        .map(|b| tensor::<B, 1>(b, [case.v], dtype, device).require_grad());
-    let t = Tensor::<B, 2, Int>::from_data(TensorData::new(x.targets.clone(), [bs, s]), device);
+        .map(|b| tensor::<1>(b, [case.v], dtype, device).require_grad());
+    let t = Tensor::<2, Int>::from_data(TensorData::new(x.targets.clone(), [bs, s]), device);
     // Stale NaNs in the pool make any element the kernels fail to write visible.
-    poison_memory::<B>(device, case.tokens() * case.v.max(case.d) * 2, DType::F32);
-    let out = linear_cross_entropy(e.clone(), c.clone(), t, b.clone(), &case.options())
-        .expect("valid input");
+    poison_memory(device, case.tokens() * case.v.max(case.d) * 2, DType::F32);
+    let out = kernels(device, || {
+        linear_cross_entropy(e.clone(), c.clone(), t, b.clone(), &case.options())
+    })
+    .expect("valid input");
     let lse = to_f32(out.lse.expect("return_lse").into_data());
     (grads_of(out.loss, &x.weights, &e, &c, &b), lse)
 }
@@ -304,7 +300,7 @@ fn assert_no_worse(
     );
 }
 
-fn run<B: CceAutodiffBackend>(device: &B::Device, case: &Case, dtype: DType) {
+fn run(device: &Device, case: &Case, dtype: DType) {
     let x = inputs(case);
     let host = Inputs {
         e: rounded(&x.e, dtype),
@@ -313,14 +309,14 @@ fn run<B: CceAutodiffBackend>(device: &B::Device, case: &Case, dtype: DType) {
         targets: x.targets.clone(),
         weights: x.weights.clone(),
     };
-    let gt = plain::<Gt>(case, &host, DType::F32, &Default::default());
-    let reff = plain::<B>(case, &x, dtype, device);
-    let (got, lse) = cce::<B>(case, &x, dtype, device);
+    let gt = plain(case, &host, DType::F32, &Device::flex().autodiff());
+    let reff = plain(case, &x, dtype, device);
+    let (got, lse) = cce(case, &x, dtype, device);
     let name = format!("{case:?} {dtype:?}");
     let de_extra = de_roundings(case, dtype);
     let prec = (
         dtype,
-        burn_kernels_testing::compare::f32_matmul_is_tf32::<B>(device),
+        burn_kernels_testing::compare::f32_matmul_is_tf32(device),
     );
     assert_no_worse(
         &format!("loss {name}"),
@@ -417,18 +413,18 @@ fn cases() -> Vec<Case> {
 /// Whether case `k` of [`cases`] runs in `dtype` on `device`. On wgpu (lavapipe in CI, where
 /// each option set compiles new kernels, seconds apiece, and this suite took 14 minutes) f32
 /// runs every case and 16-bit dtypes the base case; CUDA runs every case in every dtype.
-fn runs<B: burn::tensor::backend::Backend>(device: &B::Device, k: usize, dtype: DType) -> bool {
-    dtype == DType::F32 || !is_wgpu::<B>(device) || k == 0
+fn runs(device: &Device, k: usize, dtype: DType) -> bool {
+    dtype == DType::F32 || !is_wgpu(device) || k == 0
 }
 
-fn loss_and_gradients<B: CceAutodiffBackend>(device: &B::Device) {
-    for dtype in float_dtypes::<B>(device) {
+fn loss_and_gradients(device: &Device) {
+    for dtype in float_dtypes(device) {
         for (k, case) in cases().into_iter().enumerate() {
-            if !runs::<B>(device, k, dtype) {
+            if !runs(device, k, dtype) {
                 continue;
             }
             let started = std::time::Instant::now();
-            run::<B>(device, &case, dtype);
+            run(device, &case, dtype);
             eprintln!(
                 "loss_and_gradients: case {k} {dtype:?} ok [{:.1} s]",
                 started.elapsed().as_secs_f64()
@@ -438,38 +434,32 @@ fn loss_and_gradients<B: CceAutodiffBackend>(device: &B::Device) {
 }
 
 /// Backend ops against the tensor-op reference on the same rounded inputs.
-struct OpInputs<B: burn::tensor::backend::Backend> {
-    e: Tensor<B, 2>,
-    c: Tensor<B, 2>,
-    bias: Option<Tensor<B, 1>>,
-    targets: Tensor<B, 1, Int>,
+struct OpInputs {
+    e: Tensor<2>,
+    c: Tensor<2>,
+    bias: Option<Tensor<1>>,
+    targets: Tensor<1, Int>,
 }
 
-fn op_inputs<B: burn::tensor::backend::Backend>(
-    case: &Case,
-    dtype: DType,
-    device: &B::Device,
-) -> (OpInputs<B>, OpInputs<Cpu>) {
+fn op_inputs(case: &Case, dtype: DType, device: &Device) -> (OpInputs, OpInputs) {
     let x = inputs(case);
     let n = case.tokens();
     let targets: Vec<i64> = x.targets.iter().map(|&t| t.max(0)).collect();
     let make = |e: &[f32], c: &[f32], b: &Option<Vec<f32>>| (e.to_vec(), c.to_vec(), b.clone());
     let (e, c, b) = make(&x.e, &x.c, &x.bias);
     let dev = OpInputs {
-        e: tensor::<B, 2>(&e, [n, case.d], dtype, device),
-        c: tensor::<B, 2>(&c, [case.v, case.d], dtype, device),
-        bias: b
-            .as_ref()
-            .map(|b| tensor::<B, 1>(b, [case.v], dtype, device)),
+        e: tensor::<2>(&e, [n, case.d], dtype, device),
+        c: tensor::<2>(&c, [case.v, case.d], dtype, device),
+        bias: b.as_ref().map(|b| tensor::<1>(b, [case.v], dtype, device)),
         targets: Tensor::from_data(TensorData::new(targets.clone(), [n]), device),
     };
-    let cpu_dev = Default::default();
+    let cpu_dev = Device::flex();
     let cpu = OpInputs {
-        e: tensor::<Cpu, 2>(&rounded(&e, dtype), [n, case.d], DType::F32, &cpu_dev),
-        c: tensor::<Cpu, 2>(&rounded(&c, dtype), [case.v, case.d], DType::F32, &cpu_dev),
+        e: tensor::<2>(&rounded(&e, dtype), [n, case.d], DType::F32, &cpu_dev),
+        c: tensor::<2>(&rounded(&c, dtype), [case.v, case.d], DType::F32, &cpu_dev),
         bias: b
             .as_ref()
-            .map(|b| tensor::<Cpu, 1>(&rounded(b, dtype), [case.v], DType::F32, &cpu_dev)),
+            .map(|b| tensor::<1>(&rounded(b, dtype), [case.v], DType::F32, &cpu_dev)),
         targets: Tensor::from_data(TensorData::new(targets, [n]), &cpu_dev),
     };
     (dev, cpu)
@@ -482,32 +472,70 @@ fn params(case: &Case, filter_eps: Option<f32>) -> LceParams {
     }
 }
 
-fn prim<B: burn::tensor::backend::Backend, const D: usize>(
-    t: Tensor<B, D>,
-) -> burn::tensor::ops::FloatTensor<B> {
-    t.into_primitive().tensor()
+fn float<const D: usize>(t: DispatchTensor) -> Tensor<D> {
+    Tensor::from_dispatch(t)
 }
 
-fn host<B: burn::tensor::backend::Backend, const D: usize>(
-    t: burn::tensor::ops::FloatTensor<B>,
-) -> Vec<f32> {
-    to_f32(Tensor::<B, D>::from_primitive(burn::tensor::TensorPrimitive::Float(t)).into_data())
+/// [`CceKernels::linear_ce_forward`] (`_bias` with a bias) through Burn's `Dispatch`:
+/// `(lse, target_logit)`.
+fn forward_op(x: &OpInputs, p: LceParams) -> (Tensor<1>, Tensor<1>) {
+    let (e, c, t) = (
+        x.e.clone().into_dispatch(),
+        x.c.clone().into_dispatch(),
+        x.targets.clone().into_dispatch(),
+    );
+    let (lse, tl) = match &x.bias {
+        None => Dispatch::linear_ce_forward(e, c, t, p),
+        Some(b) => Dispatch::linear_ce_forward_bias(e, c, b.clone().into_dispatch(), t, p),
+    };
+    (float(lse), float(tl))
+}
+
+/// [`CceKernels::linear_ce_backward`] (`_bias` with a bias) through Burn's `Dispatch`:
+/// `(dE, dC, db)`.
+fn backward_op(
+    x: &OpInputs,
+    lse: &Tensor<1>,
+    dout: &Tensor<1>,
+    p: LceParams,
+) -> (Tensor<2>, Tensor<2>, Option<Tensor<1>>) {
+    let (e, c, t) = (
+        x.e.clone().into_dispatch(),
+        x.c.clone().into_dispatch(),
+        x.targets.clone().into_dispatch(),
+    );
+    let (lse, dout) = (lse.clone().into_dispatch(), dout.clone().into_dispatch());
+    match &x.bias {
+        None => {
+            let (de, dc) = Dispatch::linear_ce_backward(e, c, t, lse, dout, p);
+            (float(de), float(dc), None)
+        }
+        Some(b) => {
+            let b = b.clone().into_dispatch();
+            let (de, dc, db) = Dispatch::linear_ce_backward_bias(e, c, b, t, lse, dout, p);
+            (float(de), float(dc), Some(float(db)))
+        }
+    }
+}
+
+fn host<const D: usize>(t: Tensor<D>) -> Vec<f32> {
+    to_f32(t.into_data())
 }
 
 /// Output of an f32-accumulated product whose inputs and output are stored in `dtype`:
 /// element-wise for f32 (TF32 bound on CUDA), relative L2 within the dtype's rounding otherwise.
 /// `extra` further roundings (a dE accumulated in the dtype) widen the relative-L2 bound like a
 /// random walk.
-fn assert_product_close<B: burn::tensor::backend::Backend>(
+fn assert_product_close(
     name: &str,
     actual: &[f32],
     expected: &[f32],
     len: usize,
     (dtype, extra): (DType, usize),
-    device: &B::Device,
+    device: &Device,
 ) {
     if dtype == DType::F32 {
-        burn_kernels_testing::assert_matmul_close::<B>(name, actual, expected, len, device);
+        burn_kernels_testing::assert_matmul_close(name, actual, expected, len, device);
     } else {
         let m = metrics(actual, expected);
         let bound = Tolerance::for_dtype(dtype).rtol * ((1 + extra) as f64).sqrt();
@@ -519,34 +547,29 @@ fn assert_product_close<B: burn::tensor::backend::Backend>(
     }
 }
 
-fn forward_matches_reference<B: CceBackend>(device: &B::Device) {
-    for dtype in float_dtypes::<B>(device) {
+fn forward_matches_reference(device: &Device) {
+    let before = launches("linear_ce_forward");
+    for dtype in float_dtypes(device) {
         for (k, case) in cases().into_iter().enumerate() {
-            if !runs::<B>(device, k, dtype) {
+            if !runs(device, k, dtype) {
                 continue;
             }
-            let (dev, cpu) = op_inputs::<B>(&case, dtype, device);
+            let (dev, cpu) = op_inputs(&case, dtype, device);
             let p = params(&case, None);
-            poison_memory::<B>(device, case.tokens() * case.v * 2, DType::F32);
-            let (lse, tl) = B::linear_ce_forward(
-                prim(dev.e),
-                prim(dev.c),
-                dev.bias.map(prim),
-                dev.targets.into_primitive(),
-                &p,
-            );
+            poison_memory(device, case.tokens() * case.v * 2, DType::F32);
+            let (lse, tl) = forward_op(&dev, p);
             let (lse_ref, tl_ref) =
                 reference::linear_ce_forward(cpu.e, cpu.c, cpu.bias, cpu.targets, case.softcap);
             let name = format!("{case:?} {dtype:?}");
-            let (lse, tl) = (host::<B, 1>(lse), host::<B, 1>(tl));
-            burn_kernels_testing::assert_matmul_close::<B>(
+            let (lse, tl) = (host(lse), host(tl));
+            burn_kernels_testing::assert_matmul_close(
                 &format!("lse {name}"),
                 &lse,
                 &to_f32(lse_ref.into_data()),
                 case.d * case.v,
                 device,
             );
-            burn_kernels_testing::assert_matmul_close::<B>(
+            burn_kernels_testing::assert_matmul_close(
                 &format!("target logit {name}"),
                 &tl,
                 &to_f32(tl_ref.into_data()),
@@ -555,11 +578,17 @@ fn forward_matches_reference<B: CceBackend>(device: &B::Device) {
             );
         }
     }
+    // The outputs were read back: the chunked forward ran on CubeBackend (through Dispatch
+    // and, where Burn fuses, Fusion).
+    assert!(
+        launches("linear_ce_forward") > before,
+        "no linear_ce_forward launch counted"
+    );
 }
 
 /// Reference scores: max over tokens of |softmax − onehot| per vocabulary entry, and the
 /// reference lse, on the CPU.
-fn host_scores(cpu: &OpInputs<Cpu>, cap: Option<f32>) -> (Vec<f32>, Tensor<Cpu, 1>) {
+fn host_scores(cpu: &OpInputs, cap: Option<f32>) -> (Vec<f32>, Tensor<1>) {
     let (lse, _) = reference::linear_ce_forward(
         cpu.e.clone(),
         cpu.c.clone(),
@@ -571,12 +600,7 @@ fn host_scores(cpu: &OpInputs<Cpu>, cap: Option<f32>) -> (Vec<f32>, Tensor<Cpu, 
     let p = (logits - lse.clone().unsqueeze_dim::<2>(1)).exp();
     let [n, v] = p.dims();
     let p = to_f32(p.into_data());
-    let t = cpu
-        .targets
-        .to_data()
-        .convert::<i64>()
-        .into_vec::<i64>()
-        .unwrap();
+    let t = cpu.targets.to_data().try_into_vec_as::<i64>().unwrap();
     let mut score = vec![0f32; v];
     for i in 0..n {
         for j in 0..v {
@@ -606,14 +630,14 @@ fn eps_in_gap(scores: &[f32]) -> f32 {
         .unwrap_or(1e-3)
 }
 
-fn backward_matches_reference<B: CceBackend>(device: &B::Device) {
-    for dtype in float_dtypes::<B>(device) {
+fn backward_matches_reference(device: &Device) {
+    for dtype in float_dtypes(device) {
         for (k, case) in cases().into_iter().enumerate() {
-            if !runs::<B>(device, k, dtype) {
+            if !runs(device, k, dtype) {
                 continue;
             }
             let started = std::time::Instant::now();
-            let (dev, cpu) = op_inputs::<B>(&case, dtype, device);
+            let (dev, cpu) = op_inputs(&case, dtype, device);
             let n = case.tokens();
             let (scores, lse_ref) = host_scores(&cpu, case.softcap);
             let dout = random_values(n, Dist::Uniform { lo: 0.5, hi: 1.5 }, case.seed + 9);
@@ -634,19 +658,14 @@ fn backward_matches_reference<B: CceBackend>(device: &B::Device) {
                     keep
                 }
             };
-            let lse_dev = Tensor::<B, 1>::from_data(lse_ref.to_data(), (device, DType::F32));
+            let lse_dev = Tensor::<1>::from_data(lse_ref.to_data(), (device, DType::F32));
             let dout_dev =
-                Tensor::<B, 1>::from_data(TensorData::new(dout.clone(), [n]), (device, DType::F32));
-            poison_memory::<B>(device, n * case.v * 2, DType::F32);
-            let (de, dc, db) = B::linear_ce_backward(
-                prim(dev.e),
-                prim(dev.c),
-                dev.bias.map(prim),
-                dev.targets.into_primitive(),
-                prim(lse_dev),
-                prim(dout_dev),
-                &params(&case, eps),
-            );
+                Tensor::<1>::from_data(TensorData::new(dout.clone(), [n]), (device, DType::F32));
+            poison_memory(device, n * case.v * 2, DType::F32);
+            let (de, dc, db) = backward_op(&dev, &lse_dev, &dout_dev, params(&case, eps));
+            // Read back first: under Burn's fusion the op runs when its outputs are read, and
+            // records its plan then.
+            let (de, dc, db) = (host(de), host(dc), db.map(host));
             if eps.is_some() {
                 let stats = last_backward_plan().expect("a plan was recorded");
                 assert_eq!(
@@ -657,16 +676,15 @@ fn backward_matches_reference<B: CceBackend>(device: &B::Device) {
             }
             // The reference with the dropped vocabulary columns' gradient removed: dC rows
             // and db entries of dropped entries are 0, dE lacks their contribution.
-            let mask = Tensor::<Cpu, 1>::from_data(
+            let mask = Tensor::<1>::from_data(
                 TensorData::new(keep.iter().map(|&k| k as u8 as f32).collect(), [case.v]),
-                &Default::default(),
+                &Device::flex(),
             );
             let (de_ref, dc_ref, db_ref) =
                 masked_reference_backward(&cpu, lse_ref, &dout, &mask, case.softcap);
             let name = format!("{case:?} {dtype:?} eps={eps:?}");
             let de_extra = de_roundings(&case, dtype);
-            let (de, dc) = (host::<B, 2>(de), host::<B, 2>(dc));
-            assert_product_close::<B>(
+            assert_product_close(
                 &format!("dE {name}"),
                 &de,
                 &de_ref,
@@ -674,17 +692,9 @@ fn backward_matches_reference<B: CceBackend>(device: &B::Device) {
                 (dtype, de_extra),
                 device,
             );
-            assert_product_close::<B>(&format!("dC {name}"), &dc, &dc_ref, n, (dtype, 0), device);
+            assert_product_close(&format!("dC {name}"), &dc, &dc_ref, n, (dtype, 0), device);
             if let (Some(db), Some(db_ref)) = (db, db_ref) {
-                let db = host::<B, 1>(db);
-                assert_product_close::<B>(
-                    &format!("db {name}"),
-                    &db,
-                    &db_ref,
-                    n,
-                    (dtype, 0),
-                    device,
-                );
+                assert_product_close(&format!("db {name}"), &db, &db_ref, n, (dtype, 0), device);
             }
             eprintln!(
                 "backward_matches_reference: case {k} {dtype:?} ok [{:.1} s]",
@@ -699,7 +709,7 @@ fn backward_matches_reference<B: CceBackend>(device: &B::Device) {
 /// single pass, as before blocks existed) and the masked reference: awkward sizes, 32-entry
 /// vocabulary chunks (a 21-entry tail, pairs regrouped in the second pass) and 13 row blocks
 /// (a 3-row tail).
-fn blocked_backward_matches_single_pass<B: CceBackend>(device: &B::Device) {
+fn blocked_backward_matches_single_pass(device: &Device) {
     let base = Case {
         chunk: Some(32),
         ..Case::new([3, 53], 150, 1013, 31)
@@ -725,22 +735,21 @@ fn blocked_backward_matches_single_pass<B: CceBackend>(device: &B::Device) {
         },
     ];
     const ROWS: usize = 13;
-    for dtype in float_dtypes::<B>(device) {
+    for dtype in float_dtypes(device) {
         for (k, case) in cases.iter().enumerate() {
             // On wgpu 16-bit dtypes run the base case (see `runs`).
-            if !runs::<B>(device, k, dtype) {
+            if !runs(device, k, dtype) {
                 continue;
             }
             let n = case.tokens();
-            let (scores, lse_ref) =
-                host_scores(&op_inputs::<B>(case, dtype, device).1, case.softcap);
+            let (scores, lse_ref) = host_scores(&op_inputs(case, dtype, device).1, case.softcap);
             let eps = (case.filter != FilterEps::Off).then(|| eps_in_gap(&scores));
             let dout = random_values(n, Dist::Uniform { lo: 0.5, hi: 1.5 }, case.seed + 9);
             let name = format!("{case:?} {dtype:?} eps={eps:?}");
             let run = |rows: usize| {
-                let (dev, _) = op_inputs::<B>(case, dtype, device);
-                let lse = Tensor::<B, 1>::from_data(lse_ref.to_data(), (device, DType::F32));
-                let dout = Tensor::<B, 1>::from_data(
+                let (dev, _) = op_inputs(case, dtype, device);
+                let lse = Tensor::<1>::from_data(lse_ref.to_data(), (device, DType::F32));
+                let dout = Tensor::<1>::from_data(
                     TensorData::new(dout.clone(), [n]),
                     (device, DType::F32),
                 );
@@ -748,25 +757,13 @@ fn blocked_backward_matches_single_pass<B: CceBackend>(device: &B::Device) {
                     de_block_rows: Some(rows),
                     ..params(case, eps)
                 };
-                poison_memory::<B>(device, n * case.v * 2, DType::F32);
-                let (de, dc, db) = B::linear_ce_backward(
-                    prim(dev.e),
-                    prim(dev.c),
-                    dev.bias.map(prim),
-                    dev.targets.into_primitive(),
-                    prim(lse),
-                    prim(dout),
-                    &p,
-                );
+                poison_memory(device, n * case.v * 2, DType::F32);
+                let (de, dc, db) = backward_op(&dev, &lse, &dout, p);
+                // Read back before the plan: under fusion the op runs when read.
+                let (de, dc, db) = (host(de), host(dc), db.map(host));
                 let stats = last_backward_plan().expect("a plan was recorded");
                 let blocks = BackwardBlocks::new(&p, n, case.v, case.d, dtype);
-                (
-                    host::<B, 2>(de),
-                    host::<B, 2>(dc),
-                    db.map(host::<B, 1>),
-                    stats,
-                    blocks,
-                )
+                (de, dc, db, stats, blocks)
             };
             let (de, dc, db, stats, blocks) = run(ROWS);
             let (de_one, dc_one, db_one, stats_one, _) = run(usize::MAX);
@@ -789,7 +786,7 @@ fn blocked_backward_matches_single_pass<B: CceBackend>(device: &B::Device) {
             assert_eq!(db, db_one, "db {name}");
             // dE: the same f32 sums in another order, rounded once (or once per chunk).
             let de_extra = de_roundings(case, dtype);
-            assert_product_close::<B>(
+            assert_product_close(
                 &format!("dE blocked vs one block {name}"),
                 &de,
                 &de_one,
@@ -798,7 +795,7 @@ fn blocked_backward_matches_single_pass<B: CceBackend>(device: &B::Device) {
                 device,
             );
 
-            let cpu = op_inputs::<B>(case, dtype, device).1;
+            let cpu = op_inputs(case, dtype, device).1;
             let keep: Vec<bool> = match eps {
                 None => vec![true; case.v],
                 Some(eps) if case.sort => scores.iter().map(|&s| s >= eps).collect(),
@@ -812,13 +809,13 @@ fn blocked_backward_matches_single_pass<B: CceBackend>(device: &B::Device) {
                     keep
                 }
             };
-            let mask = Tensor::<Cpu, 1>::from_data(
+            let mask = Tensor::<1>::from_data(
                 TensorData::new(keep.iter().map(|&k| k as u8 as f32).collect(), [case.v]),
-                &Default::default(),
+                &Device::flex(),
             );
             let (de_ref, dc_ref, db_ref) =
                 masked_reference_backward(&cpu, lse_ref.clone(), &dout, &mask, case.softcap);
-            assert_product_close::<B>(
+            assert_product_close(
                 &format!("dE {name}"),
                 &de,
                 &de_ref,
@@ -826,16 +823,9 @@ fn blocked_backward_matches_single_pass<B: CceBackend>(device: &B::Device) {
                 (dtype, de_extra),
                 device,
             );
-            assert_product_close::<B>(&format!("dC {name}"), &dc, &dc_ref, n, (dtype, 0), device);
+            assert_product_close(&format!("dC {name}"), &dc, &dc_ref, n, (dtype, 0), device);
             if let (Some(db), Some(db_ref)) = (db, db_ref) {
-                assert_product_close::<B>(
-                    &format!("db {name}"),
-                    &db,
-                    &db_ref,
-                    n,
-                    (dtype, 0),
-                    device,
-                );
+                assert_product_close(&format!("db {name}"), &db, &db_ref, n, (dtype, 0), device);
             }
         }
     }
@@ -882,8 +872,8 @@ fn working_set_at_bench_shapes() {
 /// hold: the forward at least its logits block (`pass_chunk_bytes`) and at most that plus
 /// `O(n + V)` vectors; the backward at least dE + dC, at most dE + dC plus the designed
 /// working set (`BackwardBlocks::working_bytes`) and `O(n + V)` vectors.
-fn live_peak_brackets_the_working_set<B: CceBackend>(device: &B::Device) {
-    for dtype in float_dtypes::<B>(device) {
+fn live_peak_brackets_the_working_set(device: &Device) {
+    for dtype in float_dtypes(device) {
         let case = Case {
             chunk: Some(512),
             ..Case::new([3, 347], 128, 4099, 41)
@@ -900,20 +890,13 @@ fn live_peak_brackets_the_working_set<B: CceBackend>(device: &B::Device) {
             pass_chunk_bytes: Some(4 * n * pass_chunk),
             ..params(&case, None)
         };
-        let (dev, _) = op_inputs::<B>(&case, dtype, device);
-        let forward = || {
-            B::linear_ce_forward(
-                prim(dev.e.clone()),
-                prim(dev.c.clone()),
-                None,
-                dev.targets.clone().into_primitive(),
-                &p,
-            )
-            .0
-        };
+        let (dev, _) = op_inputs(&case, dtype, device);
+        let forward = || forward_op(&dev, p).0;
         // Tracked after a first call: compilation and autotuning stay out, as in benchmarks.
+        // (`track_live_peak` synchronizes the device first: the deferred first call runs
+        // before the tracking starts.)
         let mut lse = Some(forward());
-        let peak = burn_cce::track_live_peak::<B>(device, || lse = Some(forward()))
+        let peak = burn_cce::track_live_peak(device, || lse = Some(forward()))
             .expect("the chunked forward reads the pool")
             .bytes;
         let block = 4 * n * pass_chunk;
@@ -924,21 +907,13 @@ fn live_peak_brackets_the_working_set<B: CceBackend>(device: &B::Device) {
 
         let p = params(&case, Some(1e-4));
         let blocks = BackwardBlocks::new(&p, n, v, d, dtype);
-        let dout = Tensor::<B, 1>::full([n], 1.0 / n as f32, (device, DType::F32));
+        let dout = Tensor::<1>::full([n], 1.0 / n as f32, (device, DType::F32));
         let lse = lse.expect("the forward ran");
-        let backward = || {
-            let _ = B::linear_ce_backward(
-                prim(dev.e.clone()),
-                prim(dev.c.clone()),
-                None,
-                dev.targets.clone().into_primitive(),
-                lse.clone(),
-                prim(dout.clone()),
-                &p,
-            );
-        };
-        backward();
-        let live = burn_cce::track_live_peak::<B>(device, backward)
+        // The outputs are kept until the device has synchronized (inside `track_live_peak`),
+        // so that the deferred op runs whatever the fusion stream does with dropped outputs.
+        let backward = || backward_op(&dev, &lse, &dout, p);
+        let mut _grads = Some(backward());
+        let live = burn_cce::track_live_peak(device, || _grads = Some(backward()))
             .expect("the chunked backward reads the pool");
         let peak = live.bytes as usize;
         let grads = s * (n + v) * d;
@@ -959,15 +934,14 @@ fn live_peak_brackets_the_working_set<B: CceBackend>(device: &B::Device) {
 
 /// The exact reference gradient with the logit-gradient columns outside `mask` zeroed.
 fn masked_reference_backward(
-    cpu: &OpInputs<Cpu>,
-    lse: Tensor<Cpu, 1>,
+    cpu: &OpInputs,
+    lse: Tensor<1>,
     dout: &[f32],
-    mask: &Tensor<Cpu, 1>,
+    mask: &Tensor<1>,
     cap: Option<f32>,
 ) -> (Vec<f32>, Vec<f32>, Option<Vec<f32>>) {
     let n = dout.len();
-    let dout =
-        Tensor::<Cpu, 1>::from_data(TensorData::new(dout.to_vec(), [n]), &Default::default());
+    let dout = Tensor::<1>::from_data(TensorData::new(dout.to_vec(), [n]), &Device::flex());
     // G = dL/dlogits from the reference, so that dropped columns can be zeroed.
     let g = reference::logit_grad(
         cpu.e.clone(),
@@ -989,11 +963,11 @@ fn masked_reference_backward(
     (de, dc, db)
 }
 
-fn all_ignored<B: CceAutodiffBackend>(device: &B::Device) {
+fn all_ignored(device: &Device) {
     for reduction in [Reduction::Mean, Reduction::Sum, Reduction::None] {
-        let e = Tensor::<B, 3>::ones([2, 5, 8], device).require_grad();
-        let c = Tensor::<B, 2>::ones([11, 8], device).require_grad();
-        let t = Tensor::<B, 2, Int>::full([2, 5], IGNORE, device);
+        let e = Tensor::<3>::ones([2, 5, 8], device).require_grad();
+        let c = Tensor::<2>::ones([11, 8], device).require_grad();
+        let t = Tensor::<2, Int>::full([2, 5], IGNORE, device);
         let opts = CceOptions {
             reduction,
             ..Default::default()
@@ -1008,9 +982,9 @@ fn all_ignored<B: CceAutodiffBackend>(device: &B::Device) {
         );
     }
     // With shift and one position per sequence, every target falls off the end.
-    let e = Tensor::<B, 3>::ones([3, 1, 8], device);
-    let c = Tensor::<B, 2>::ones([11, 8], device);
-    let t = Tensor::<B, 2, Int>::from_ints([[1], [2], [3]], device);
+    let e = Tensor::<3>::ones([3, 1, 8], device);
+    let c = Tensor::<2>::ones([11, 8], device);
+    let t = Tensor::<2, Int>::from_ints([[1], [2], [3]], device);
     let opts = CceOptions {
         shift: true,
         ..Default::default()
@@ -1019,11 +993,11 @@ fn all_ignored<B: CceAutodiffBackend>(device: &B::Device) {
     assert_eq!(to_f32(loss.into_data()), vec![0.0]);
 }
 
-fn typed_errors<B: CceBackend>(device: &B::Device) {
-    let e = || Tensor::<B, 3>::ones([2, 3, 8], device);
-    let c = || Tensor::<B, 2>::ones([10, 8], device);
+fn typed_errors(device: &Device) {
+    let e = || Tensor::<3>::ones([2, 3, 8], device);
+    let c = || Tensor::<2>::ones([10, 8], device);
     let t = |v: i64| {
-        Tensor::<B, 2, Int>::from_data(TensorData::new(vec![1, 2, 3, 4, v, 5], [2, 3]), device)
+        Tensor::<2, Int>::from_data(TensorData::new(vec![1, 2, 3, 4, v, 5], [2, 3]), device)
     };
     let o = CceOptions::default();
     let err = |r: Result<_, CceError>| r.expect_err("an error");
@@ -1046,7 +1020,7 @@ fn typed_errors<B: CceBackend>(device: &B::Device) {
     assert_eq!(
         err(linear_cross_entropy(
             e(),
-            Tensor::<B, 2>::ones([10, 7], device),
+            Tensor::<2>::ones([10, 7], device),
             t(0),
             None,
             &o
@@ -1060,7 +1034,7 @@ fn typed_errors<B: CceBackend>(device: &B::Device) {
         err(linear_cross_entropy(
             e(),
             c(),
-            Tensor::<B, 2, Int>::zeros([3, 2], device),
+            Tensor::<2, Int>::zeros([3, 2], device),
             None,
             &o
         )),
@@ -1071,7 +1045,7 @@ fn typed_errors<B: CceBackend>(device: &B::Device) {
             e(),
             c(),
             t(0),
-            Some(Tensor::<B, 1>::ones([9], device)),
+            Some(Tensor::<1>::ones([9], device)),
             &o
         )),
         CceError::BiasShapeMismatch { .. }
@@ -1095,7 +1069,7 @@ fn typed_errors<B: CceBackend>(device: &B::Device) {
     assert_eq!(
         err(linear_cross_entropy(
             e(),
-            Tensor::<B, 2>::ones([0, 8], device),
+            Tensor::<2>::ones([0, 8], device),
             t(0),
             None,
             &o
@@ -1104,19 +1078,19 @@ fn typed_errors<B: CceBackend>(device: &B::Device) {
     );
 }
 
-/// The CPU reference path (NdArray) runs the same checks without a GPU runtime.
+/// The CPU reference path (Flex) runs the same checks without a GPU runtime.
 #[test]
 fn cpu_loss_and_gradients() {
-    let device = Default::default();
+    let device = Device::flex().autodiff();
     for case in cases() {
-        run::<Gt>(&device, &case, DType::F32);
+        run(&device, &case, DType::F32);
     }
 }
 
 #[test]
 fn cpu_all_ignored_and_errors() {
-    all_ignored::<Gt>(&Default::default());
-    typed_errors::<Cpu>(&Default::default());
+    all_ignored(&Device::flex().autodiff());
+    typed_errors(&Device::flex());
 }
 
 #[test]
@@ -1129,7 +1103,7 @@ fn plain_ce_matches_host_f64() {
         ..Case::new([2, 3], 5, 7, 21)
     };
     let x = inputs(&case);
-    let out = plain::<Gt>(&case, &x, DType::F32, &Default::default());
+    let out = plain(&case, &x, DType::F32, &Device::flex().autodiff());
     let (n, d, v) = (case.tokens(), case.d, case.v);
     let mut total = 0f64;
     let mut valid = 0usize;
@@ -1160,6 +1134,73 @@ fn plain_ce_matches_host_f64() {
     );
 }
 
+/// The extension called on the unfused `CubeBackend` directly (outside Burn's `Dispatch` and
+/// `Fusion`) gives exactly the `Dispatch` (fused) results: the same kernels on the same inputs,
+/// for the forward and the filtered backward with a bias and softcap, and the row-wise
+/// log-sum-exp.
+fn unfused_backend_matches_dispatch(device: &Device) {
+    use burn_cubecl::CubeBackend;
+    use burn_kernels_testing::unfused::{float as unfused, int, read_float};
+
+    let case = Case {
+        bias: true,
+        softcap: Some(4.0),
+        chunk: Some(64),
+        ..Case::new([2, 37], 48, 301, 51)
+    };
+    let n = case.tokens();
+    for dtype in float_dtypes(device) {
+        let name = format!("{dtype:?}");
+        let (x, _) = op_inputs(&case, dtype, device);
+        let bias = x.bias.as_ref().expect("the case has a bias");
+        let p = params(&case, Some(1e-4));
+
+        let (lse, tl) = forward_op(&x, p);
+        let (lse_u, tl_u) = <CubeBackend as CceKernels>::linear_ce_forward_bias(
+            unfused(&x.e, device),
+            unfused(&x.c, device),
+            unfused(bias, device),
+            int(&x.targets, device),
+            p,
+        );
+        assert_eq!(to_f32(read_float(lse_u)), host(lse.clone()), "lse {name}");
+        assert_eq!(to_f32(read_float(tl_u)), host(tl), "target logit {name}");
+
+        let dout = Tensor::<1>::from_data(
+            TensorData::new(
+                random_values(n, Dist::Uniform { lo: 0.5, hi: 1.5 }, 52),
+                [n],
+            ),
+            (device, DType::F32),
+        );
+        let (de, dc, db) = backward_op(&x, &lse, &dout, p);
+        let (de_u, dc_u, db_u) = <CubeBackend as CceKernels>::linear_ce_backward_bias(
+            unfused(&x.e, device),
+            unfused(&x.c, device),
+            unfused(bias, device),
+            int(&x.targets, device),
+            unfused(&lse, device),
+            unfused(&dout, device),
+            p,
+        );
+        assert_eq!(to_f32(read_float(de_u)), host(de), "dE {name}");
+        assert_eq!(to_f32(read_float(dc_u)), host(dc), "dC {name}");
+        assert_eq!(to_f32(read_float(db_u)), host(db.expect("db")), "db {name}");
+
+        let logits = random_tensor::<2>([7, 333], Dist::PEAKY, 53, dtype, device);
+        let via_dispatch = Tensor::<1>::from_dispatch(Dispatch::logsumexp_rows(
+            logits.clone().into_dispatch(),
+            Some(3.0),
+        ));
+        let direct = CubeBackend::logsumexp_rows(unfused(&logits, device), Some(3.0));
+        assert_eq!(
+            to_f32(read_float(direct)),
+            host(via_dispatch),
+            "logsumexp {name}"
+        );
+    }
+}
+
 testgen! {
     backend: [
         forward_matches_reference,
@@ -1167,6 +1208,7 @@ testgen! {
         blocked_backward_matches_single_pass,
         live_peak_brackets_the_working_set,
         typed_errors,
+        unfused_backend_matches_dispatch,
     ],
     autodiff: [loss_and_gradients, all_ignored],
 }

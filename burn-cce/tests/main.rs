@@ -3,3 +3,16 @@
 
 mod cce;
 mod lse;
+
+use burn::tensor::Device;
+
+/// Runs `f`, with kernels required (`burn_kernels_core::route::require_kernels`) where `device`
+/// is a CubeCL device of this build: a call in it that would take the tensor-op reference
+/// there panics. On other devices (Flex) `f` runs as is, through the reference.
+pub fn kernels<T>(device: &Device, f: impl FnOnce() -> T) -> T {
+    if burn_kernels_core::route::cube_device(device).is_some() {
+        burn_kernels_core::route::require_kernels(f)
+    } else {
+        f()
+    }
+}

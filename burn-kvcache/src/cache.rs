@@ -5,7 +5,7 @@ use burn::tensor::{DType, Int, Tensor, TensorCreationOptions, TensorData};
 use burn_kernels_core::{AttentionImpl, AttnOptions, KvCache};
 
 use crate::store::{Axis, RowStore, SeqStore};
-use crate::{KvBackend, KvCacheError, bytes_of, bytes_of_int, check_t_gamma};
+use crate::{KvCacheError, bytes_of, bytes_of_int, check_t_gamma};
 
 /// KIVI-style quantization settings.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -18,7 +18,7 @@ pub struct QuantConfig {
     /// Most recent tokens kept in full precision (at least this many, fewer than
     /// `residual + group_size`).
     pub residual: usize,
-    /// On backends with the kernel ([`crate::KvBackend::kv_has_quant_attention`]), attend
+    /// On backends with the kernel ([`crate::kv_has_quant_attention`]), attend
     /// straight from the packed keys and values ([`crate::quant_attention`]) instead of
     /// dequantizing the layer for the model's attention. The model's `AttentionImpl` is then
     /// not called for quantized layers.
@@ -108,13 +108,13 @@ impl MiniCacheConfig {
 /// Every layer's keys and values quantized KIVI-style (keys per channel, values per token),
 /// the most recent tokens in full precision.
 #[derive(Debug)]
-pub struct QuantKv<B: KvBackend> {
+pub struct QuantKv {
     cfg: QuantConfig,
-    layers: Vec<(SeqStore<B>, SeqStore<B>)>,
+    layers: Vec<(SeqStore, SeqStore)>,
     last: usize,
 }
 
-impl<B: KvBackend> QuantKv<B> {
+impl QuantKv {
     /// # Errors
     /// [`KvCacheError::NoLayers`] and the errors of [`QuantConfig::validate`].
     pub fn new(num_layers: usize, cfg: QuantConfig) -> Result<Self, KvCacheError> {
@@ -138,16 +138,16 @@ impl<B: KvBackend> QuantKv<B> {
     }
 }
 
-impl<B: KvBackend> KvCache<B> for QuantKv<B> {
+impl KvCache for QuantKv {
     fn attend(
         &mut self,
         layer: usize,
-        q: Tensor<B, 4>,
-        k: Tensor<B, 4>,
-        v: Tensor<B, 4>,
-        attention: &dyn AttentionImpl<B>,
-        opts: &AttnOptions<B>,
-    ) -> Tensor<B, 4> {
+        q: Tensor<4>,
+        k: Tensor<4>,
+        v: Tensor<4>,
+        attention: &dyn AttentionImpl,
+        opts: &AttnOptions,
+    ) -> Tensor<4> {
         self.last = layer;
         // The call's own tokens are attended exactly; they are quantized afterwards.
         SeqStore::attend_then_store(&mut self.layers[layer], layer, q, k, v, attention, opts)
@@ -176,24 +176,21 @@ impl<B: KvBackend> KvCache<B> for QuantKv<B> {
     }
 }
 
-fn cat_opt<B: KvBackend, const D: usize>(a: Option<Tensor<B, D>>, b: Tensor<B, D>) -> Tensor<B, D> {
+fn cat_opt<const D: usize>(a: Option<Tensor<D>>, b: Tensor<D>) -> Tensor<D> {
     match a {
         Some(a) => Tensor::cat(vec![a, b], 2),
         None => b,
     }
 }
 
-fn cat_opt_int<B: KvBackend>(
-    a: Option<Tensor<B, 3, Int>>,
-    b: Tensor<B, 3, Int>,
-) -> Tensor<B, 3, Int> {
+fn cat_opt_int(a: Option<Tensor<3, Int>>, b: Tensor<3, Int>) -> Tensor<3, Int> {
     match a {
         Some(a) => Tensor::cat(vec![a, b], 2),
         None => b,
     }
 }
 
-fn seq_slice<B: KvBackend>(x: Tensor<B, 4>, len: usize) -> Option<Tensor<B, 4>> {
+fn seq_slice(x: Tensor<4>, len: usize) -> Option<Tensor<4>> {
     let [b, h, s, d] = x.dims();
     (len > 0).then(|| x.slice([0..b, 0..h, 0..len.min(s), 0..d]))
 }
@@ -201,25 +198,25 @@ fn seq_slice<B: KvBackend>(x: Tensor<B, 4>, len: usize) -> Option<Tensor<B, 4>> 
 /// The keys (or values) of one merged pair of layers: merged positions `[0, m)` and the
 /// positions after them still held in full precision per layer.
 #[derive(Debug)]
-struct MergedSeq<B: KvBackend> {
+struct MergedSeq {
     quant: Option<QuantConfig>,
     axis: Axis,
     /// Shared directions `[b, h, m, d]`.
-    dir: SeqStore<B>,
+    dir: SeqStore,
     /// `[b, h, m]` each.
-    mag_a: Option<Tensor<B, 3>>,
-    mag_b: Option<Tensor<B, 3>>,
+    mag_a: Option<Tensor<3>>,
+    mag_b: Option<Tensor<3>>,
     /// `[b, h, m]` i32: 0 merged, `r + 1` = retained row `r`.
-    slot: Option<Tensor<B, 3, Int>>,
+    slot: Option<Tensor<3, Int>>,
     /// Layer `l+1`'s vectors of the retained positions.
-    retained: RowStore<B>,
-    pending_a: Option<Tensor<B, 4>>,
-    pending_b: Option<Tensor<B, 4>>,
+    retained: RowStore,
+    pending_a: Option<Tensor<4>>,
+    pending_b: Option<Tensor<4>>,
     /// Sum of `θ/π` over every row pair merged (statistics only).
     dist_sum: f64,
 }
 
-impl<B: KvBackend> MergedSeq<B> {
+impl MergedSeq {
     fn new(quant: Option<QuantConfig>, axis: Axis) -> Self {
         Self {
             quant,
@@ -235,7 +232,7 @@ impl<B: KvBackend> MergedSeq<B> {
         }
     }
 
-    fn pending(&self, second: bool) -> &Option<Tensor<B, 4>> {
+    fn pending(&self, second: bool) -> &Option<Tensor<4>> {
         if second {
             &self.pending_b
         } else {
@@ -252,7 +249,7 @@ impl<B: KvBackend> MergedSeq<B> {
     }
 
     /// The merged positions of one layer, restored.
-    fn restore(&self, second: bool) -> Option<Tensor<B, 4>> {
+    fn restore(&self, second: bool) -> Option<Tensor<4>> {
         let dir = self.dir.read()?;
         let [b, h, m, d] = dir.dims();
         let n = b * h * m;
@@ -264,10 +261,14 @@ impl<B: KvBackend> MergedSeq<B> {
                 self.retained.read().expect("non-empty"),
             )
         });
-        Some(B::minicache_restore(dir.reshape([n, d]), mag, retained).reshape([b, h, m, d]))
+        Some(
+            crate::restore(dir.reshape([n, d]), mag, retained)
+                .expect("the pair's own shapes")
+                .reshape([b, h, m, d]),
+        )
     }
 
-    fn read_with(&self, second: bool, new: Tensor<B, 4>) -> Tensor<B, 4> {
+    fn read_with(&self, second: bool, new: Tensor<4>) -> Tensor<4> {
         let held = match (self.restore(second), self.pending(second).clone()) {
             (Some(m), Some(p)) => Some(Tensor::cat(vec![m, p], 2)),
             (m, p) => m.or(p),
@@ -275,7 +276,7 @@ impl<B: KvBackend> MergedSeq<B> {
         cat_opt(held, new)
     }
 
-    fn push(&mut self, second: bool, x: Tensor<B, 4>) {
+    fn push(&mut self, second: bool, x: Tensor<4>) {
         let slot = if second {
             &mut self.pending_b
         } else {
@@ -290,7 +291,7 @@ impl<B: KvBackend> MergedSeq<B> {
         if p == 0 {
             return;
         }
-        let split = |x: Tensor<B, 4>| {
+        let split = |x: Tensor<4>| {
             let [b, h, s, d] = x.dims();
             let rest = (s > p).then(|| x.clone().slice([0..b, 0..h, p..s, 0..d]));
             (x.slice([0..b, 0..h, 0..p, 0..d]), rest)
@@ -304,13 +305,14 @@ impl<B: KvBackend> MergedSeq<B> {
         let n = b * h * p;
         let device = a.device();
         let rows_b = bt.reshape([n, d]);
-        let m = B::minicache_merge(a.reshape([n, d]), rows_b.clone(), t, gamma);
+        let m =
+            crate::merge(a.reshape([n, d]), rows_b.clone(), t, gamma).expect("validated config");
         // One small read: which rows are retained (the same f32 comparison as the merge's).
         let dist = m
             .dist
             .into_data()
             .convert::<f32>()
-            .to_vec::<f32>()
+            .try_to_vec::<f32>()
             .expect("f32");
         let r0 = self.retained.len();
         let mut slots = vec![0i32; n];
@@ -324,11 +326,11 @@ impl<B: KvBackend> MergedSeq<B> {
         }
         if !idx.is_empty() {
             let k = idx.len();
-            let idx = Tensor::<B, 1, Int>::from_data(TensorData::new(idx, [k]), &device);
+            let idx = Tensor::<1, Int>::from_data(TensorData::new(idx, [k]), &device);
             self.retained.append(rows_b.select(0, idx));
         }
         let opts = TensorCreationOptions::new(device).with_dtype(DType::I32);
-        let slots = Tensor::<B, 1, Int>::from_data(TensorData::new(slots, [n]), opts);
+        let slots = Tensor::<1, Int>::from_data(TensorData::new(slots, [n]), opts);
         self.slot = Some(cat_opt_int(self.slot.take(), slots.reshape([b, h, p])));
         self.mag_a = Some(cat_opt(self.mag_a.take(), m.mag_a.reshape([b, h, p])));
         self.mag_b = Some(cat_opt(self.mag_b.take(), m.mag_b.reshape([b, h, p])));
@@ -364,8 +366,8 @@ impl<B: KvBackend> MergedSeq<B> {
     }
 
     fn bytes(&self) -> usize {
-        let opt = |x: &Option<Tensor<B, 3>>| x.as_ref().map_or(0, bytes_of);
-        let pend = |x: &Option<Tensor<B, 4>>| x.as_ref().map_or(0, bytes_of);
+        let opt = |x: &Option<Tensor<3>>| x.as_ref().map_or(0, bytes_of);
+        let pend = |x: &Option<Tensor<4>>| x.as_ref().map_or(0, bytes_of);
         self.dir.bytes()
             + opt(&self.mag_a)
             + opt(&self.mag_b)
@@ -413,18 +415,18 @@ impl MergeStats {
 /// MiniCache cross-layer merging over a model's layers, optionally composed with KIVI-style
 /// quantization ([`MiniCacheKv::with_quant`]). See the crate docs.
 #[derive(Debug)]
-pub struct MiniCacheKv<B: KvBackend> {
+pub struct MiniCacheKv {
     cfg: MiniCacheConfig,
     start_layer: usize,
     quant: Option<QuantConfig>,
     roles: Vec<Role>,
-    full: Vec<(SeqStore<B>, SeqStore<B>)>,
-    pairs: Vec<(MergedSeq<B>, MergedSeq<B>)>,
+    full: Vec<(SeqStore, SeqStore)>,
+    pairs: Vec<(MergedSeq, MergedSeq)>,
     lens: Vec<usize>,
     last: usize,
 }
 
-impl<B: KvBackend> MiniCacheKv<B> {
+impl MiniCacheKv {
     /// MiniCache with every held tensor in full precision.
     ///
     /// # Errors
@@ -506,16 +508,16 @@ impl<B: KvBackend> MiniCacheKv<B> {
     }
 }
 
-impl<B: KvBackend> KvCache<B> for MiniCacheKv<B> {
+impl KvCache for MiniCacheKv {
     fn attend(
         &mut self,
         layer: usize,
-        q: Tensor<B, 4>,
-        k: Tensor<B, 4>,
-        v: Tensor<B, 4>,
-        attention: &dyn AttentionImpl<B>,
-        opts: &AttnOptions<B>,
-    ) -> Tensor<B, 4> {
+        q: Tensor<4>,
+        k: Tensor<4>,
+        v: Tensor<4>,
+        attention: &dyn AttentionImpl,
+        opts: &AttnOptions,
+    ) -> Tensor<4> {
         self.lens[layer] += k.dims()[2];
         self.last = layer;
         // The call's own tokens are attended exactly; compression happens afterwards.

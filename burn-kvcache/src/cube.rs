@@ -1,190 +1,366 @@
-//! `CubeBackend` runs the CubeCL kernels.
+//! The crate's kernels as a Burn backend extension: `CubeBackend` runs them, Burn's `Dispatch`
+//! routes to it, and `Fusion<CubeBackend>` (generated) registers each call as a custom
+//! operation of the fused stream. The public ops ([`crate::merge`], [`crate::quantize`], …)
+//! validate their arguments and decide (through `burn_kernels_core::route`) when to call them.
 
-use burn::tensor::{Int, IntDType, Tensor};
-use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
-use burn_kernels_core::{AttnOptions, cube_float as float};
+// Without a CubeCL runtime the generated `Dispatch` implementation has no backend to pass the
+// ordinary arguments to (and the public ops never call it: see `crate::kernel`).
+#![cfg_attr(not(feature = "cube"), allow(unused_variables))]
 
-use crate::{KvBackend, Merged, Packed, QuantAttnView, QuantLayout, kernels};
+use burn::backend::{
+    Backend, ExtensionType, backend_extension,
+    tensor::{FloatTensor, IntTensor},
+};
 
-type Cb<R, F, I, BT> = CubeBackend<R, F, I, BT>;
+use crate::QuantLayout;
 
-/// The key padding as the kernels read it: `[batch, skv]` i32, non-zero = hidden.
-fn mask_i32<R, F, I, BT>(
-    opts: &AttnOptions<Cb<R, F, I, BT>>,
-) -> Option<burn_cubecl::tensor::CubeTensor<R>>
-where
-    R: CubeRuntime,
-    F: FloatElement,
-    I: IntElement,
-    BT: BoolElement,
-{
-    opts.key_padding
-        .clone()
-        .map(|m| m.int().cast(IntDType::I32).into_primitive())
+/// Packed quantization codes with their per-group scale and min, as backend primitives
+/// (the primitive form of [`crate::Packed`]).
+///
+/// # Shapes
+/// - `words`: `[rows, groups · words_per_group]` u32; `scale`, `min`: `[rows, groups]`, one
+///   float dtype (see [`QuantLayout::packed_shapes`])
+#[derive(ExtensionType)]
+#[extension_type(fusion: cfg(all(feature = "cube", feature = "fusion")))]
+pub struct PackedPrimitive<B: Backend> {
+    pub words: IntTensor<B>,
+    pub scale: FloatTensor<B>,
+    pub min: FloatTensor<B>,
 }
 
-impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> KvBackend
-    for CubeBackend<R, F, I, BT>
-{
-    fn minicache_merge(a: Tensor<Self, 2>, b: Tensor<Self, 2>, t: f32, gamma: f32) -> Merged<Self> {
-        let (dir, mag_a, mag_b, dist) = kernels::merge::merge(
-            a.into_primitive().tensor(),
-            b.into_primitive().tensor(),
-            t,
-            gamma,
-        );
-        Merged {
-            dir: float(dir),
-            mag_a: float(mag_a),
-            mag_b: float(mag_b),
-            dist: float(dist),
+/// The full-precision keys and values after the quantized positions of a
+/// [`KvKernels::kv_quant_attention`] call, if any.
+///
+/// # Shapes
+/// - `k`, `v`: `[b, hkv, t, d]` in the query's dtype, `t ≥ 1`
+#[derive(ExtensionType)]
+#[extension_type(fusion: cfg(all(feature = "cube", feature = "fusion")))]
+pub enum KvTail<B: Backend> {
+    Absent,
+    Present {
+        k: FloatTensor<B>,
+        v: FloatTensor<B>,
+    },
+}
+
+/// The key padding of an attention call, if any.
+///
+/// # Shapes
+/// - `mask`: `[b, skv]` i32, non-zero = hidden
+#[derive(ExtensionType)]
+#[extension_type(fusion: cfg(all(feature = "cube", feature = "fusion")))]
+pub enum KeyMask<B: Backend> {
+    Absent,
+    Present { mask: IntTensor<B> },
+}
+
+/// What [`KvKernels::kv_quant_attention`] needs besides its tensors: the layouts of the packed
+/// keys (per channel, `cols` = tokens per key group) and values (per token, `cols` =
+/// head dim), the quantized positions, the KV heads, the softmax scale and the causal mask.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct QuantAttnPlan {
+    pub keys: QuantLayout,
+    pub values: QuantLayout,
+    /// Quantized positions, a multiple of `keys.cols`.
+    pub qlen: usize,
+    pub kv_heads: usize,
+    pub scale: f32,
+    /// Bottom-right aligned causal mask.
+    pub causal: bool,
+}
+
+/// The MiniCache, KIVI and ShadowKV ops, one CubeCL kernel each (forward only).
+///
+/// Call them through the crate's public functions ([`crate::merge`], [`crate::restore`],
+/// [`crate::quantize`], [`crate::dequantize`], [`crate::quant_attention`],
+/// [`crate::DecodeAttention`], [`crate::gather_reconstruct_rope`]), which validate the
+/// arguments and check the device first; the methods here assume valid input.
+#[backend_extension(
+    Cube: cfg(feature = "cube"),
+    Fusion: cfg(all(feature = "cube", feature = "fusion")),
+)]
+pub trait KvKernels: Backend {
+    /// MiniCache merge of row pairs: `(dir, mag_a, mag_b, dist)`.
+    ///
+    /// # Shapes
+    /// - `a`, `b`: `[n, d]`, one float dtype
+    /// - returns `dir [n, d]`, `mag_a`, `mag_b` `[n]` in that dtype, `dist [n]` f32
+    #[fusion(meta = |a, _b, _t, _gamma| {
+        let (dir, rows) = crate::shapes::merged_shapes(&a.shape);
+        let spec = burn::backend::fusion::custom::TensorSpec::new;
+        (
+            spec(dir, a.dtype),
+            spec(rows.clone(), a.dtype),
+            spec(rows.clone(), a.dtype),
+            spec(rows, burn::tensor::DType::F32),
+        )
+    })]
+    fn minicache_merge(
+        a: FloatTensor<Self>,
+        b: FloatTensor<Self>,
+        t: f32,
+        gamma: f32,
+    ) -> (
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+    );
+
+    /// MiniCache restore of one layer without retained rows: `mag_i · dir_i`.
+    ///
+    /// # Shapes
+    /// - `dir`: `[n, d]`, `mag`: `[n]`, one float dtype; returns `[n, d]`
+    #[fusion(dtype = dir, shape = dir)]
+    fn minicache_restore(dir: FloatTensor<Self>, mag: FloatTensor<Self>) -> FloatTensor<Self>;
+
+    /// MiniCache restore of one layer: `mag_i · dir_i`, or retained row `slot_i − 1` where
+    /// `slot_i > 0`.
+    ///
+    /// # Shapes
+    /// - `dir`: `[n, d]`, `mag`: `[n]`, `rows`: `[r ≥ 1, d]`, one float dtype; `slot`: `[n]`
+    ///   int in `[0, r]`; returns `[n, d]`
+    #[fusion(dtype = dir, shape = dir)]
+    fn minicache_restore_retained(
+        dir: FloatTensor<Self>,
+        mag: FloatTensor<Self>,
+        slot: IntTensor<Self>,
+        rows: FloatTensor<Self>,
+    ) -> FloatTensor<Self>;
+
+    /// KIVI quantization of column groups, codes packed into `u32` words.
+    ///
+    /// # Shapes
+    /// - `x`: `[rows, layout.cols]`; returns words, scale and min as
+    ///   [`QuantLayout::packed_shapes`] gives, scale and min in `x`'s dtype
+    #[fusion(meta = |x, layout| {
+        let (words, stats) = layout.packed_shapes(x.shape[0]);
+        let spec = burn::backend::fusion::custom::TensorSpec::new;
+        PackedPrimitiveMetadata {
+            words: spec(words, burn::tensor::DType::U32),
+            scale: spec(stats.clone(), x.dtype),
+            min: spec(stats, x.dtype),
         }
-    }
+    })]
+    fn kv_quantize(x: FloatTensor<Self>, layout: QuantLayout) -> PackedPrimitive<Self>;
 
-    fn minicache_restore(
-        dir: Tensor<Self, 2>,
-        mag: Tensor<Self, 1>,
-        retained: Option<(Tensor<Self, 1, Int>, Tensor<Self, 2>)>,
-    ) -> Tensor<Self, 2> {
-        float(kernels::restore::restore(
-            dir.into_primitive().tensor(),
-            mag.into_primitive().tensor(),
-            retained.map(|(slot, rows)| (slot.into_primitive(), rows.into_primitive().tensor())),
-        ))
-    }
+    /// `min + code·scale`.
+    ///
+    /// # Shapes
+    /// - `packed` as [`KvKernels::kv_quantize`] returns it for `layout`; returns `[rows,
+    ///   layout.cols]` in the dtype of the scales
+    #[fusion(meta = |packed, layout| burn::backend::fusion::custom::TensorSpec::new(
+        crate::shapes::dequantized_shape(&packed.scale.shape, layout),
+        packed.scale.dtype,
+    ))]
+    fn kv_dequantize(
+        #[extension_type] packed: PackedPrimitive<Self>,
+        layout: QuantLayout,
+    ) -> FloatTensor<Self>;
 
-    fn kv_quantize(x: Tensor<Self, 2>, layout: QuantLayout) -> Packed<Self> {
-        let (words, scale, min) = kernels::quantize::quantize(x.into_primitive().tensor(), layout);
-        Packed {
-            words: Tensor::from_primitive(words),
-            scale: float(scale),
-            min: float(min),
-        }
-    }
-
-    fn kv_dequantize(packed: &Packed<Self>, layout: QuantLayout) -> Tensor<Self, 2> {
-        float(kernels::dequantize::dequantize(
-            packed.words.clone().into_primitive(),
-            packed.scale.clone().into_primitive().tensor(),
-            packed.min.clone().into_primitive().tensor(),
-            layout,
-        ))
-    }
-
-    fn kv_has_quant_attention() -> bool {
-        true
-    }
-
+    /// Attention read straight from packed KIVI keys (per channel) and values (per token),
+    /// then the full-precision tail.
+    ///
+    /// # Shapes
+    /// - `q`: `[b, hq, sq, d]`, `hq` a multiple of `plan.kv_heads`; `keys`, `values` as
+    ///   [`crate::QuantAttnView`] documents; returns `q`'s shape and dtype
+    #[fusion(dtype = q, shape = q)]
     fn kv_quant_attention(
-        q: Tensor<Self, 4>,
-        view: &QuantAttnView<Self>,
-        opts: &AttnOptions<Self>,
-    ) -> Tensor<Self, 4> {
-        let (Some((kp, kl)), Some((vp, vl))) = (&view.keys, &view.values) else {
-            // Only full-precision positions: nothing to dequantize.
-            return crate::reference::quant_attention(q, view, opts);
-        };
-        let [b, hq, sq, _] = q.dims();
-        let hkv = view.kv_heads(b);
-        let tail = view.tail.as_ref().map_or(0, |(tk, _)| tk.dims()[2]);
-        let args = kernels::quant_attention::QuantAttnArgs {
-            rows: 0,
-            hkv,
-            group: hq / hkv,
-            sq,
-            qlen: view.qlen,
-            tail,
-            kblocks: view.qlen / kl.cols,
-            kgroup: kl.cols,
-            kwords: kl.words_per_group(),
-            vgroups: vl.groups(),
-            vgroup: vl.group_len(),
-            vwords: vl.words_per_group(),
-            bits: kl.bits,
-            split: 0,
-            splits: 0,
-            scale: opts.scale,
-        };
-        let parts = |p: &Packed<Self>| {
-            (
-                p.words.clone().into_primitive(),
-                p.scale.clone().into_primitive().tensor(),
-                p.min.clone().into_primitive().tensor(),
-            )
-        };
-        let inputs = kernels::quant_attention::QuantAttnInputs {
-            q: q.into_primitive().tensor(),
-            k: Some(parts(kp)),
-            v: Some(parts(vp)),
-            tail: view
-                .tail
-                .clone()
-                .map(|(k, v)| (k.into_primitive().tensor(), v.into_primitive().tensor())),
-            mask: mask_i32(opts),
-        };
-        float(kernels::quant_attention::quant_attention(
-            inputs,
-            args,
-            opts.causal,
-        ))
-    }
+        q: FloatTensor<Self>,
+        #[extension_type] keys: PackedPrimitive<Self>,
+        #[extension_type] values: PackedPrimitive<Self>,
+        #[extension_type] tail: KvTail<Self>,
+        #[extension_type] mask: KeyMask<Self>,
+        plan: QuantAttnPlan,
+    ) -> FloatTensor<Self>;
 
+    /// Split-K attention of a few queries over full-precision keys and values, GQA without
+    /// copies (the quantized read's kernel with every position in its tail).
+    ///
+    /// # Shapes
+    /// - `q`: `[b, hq, sq, d]`; `k`, `v`: `[b, hkv, skv, d]`, `hq` a multiple of `hkv`, one
+    ///   float dtype, `sq ≤ skv` when causal; returns `q`'s shape and dtype
+    #[fusion(dtype = q, shape = q)]
     fn kv_decode_attention(
-        q: Tensor<Self, 4>,
-        k: Tensor<Self, 4>,
-        v: Tensor<Self, 4>,
-        opts: &AttnOptions<Self>,
-    ) -> Tensor<Self, 4> {
-        let [_, hq, sq, _] = q.dims();
-        let [_, hkv, skv, _] = k.dims();
-        // The quantized read with no quantized part: every position is in the tail.
-        let args = kernels::quant_attention::QuantAttnArgs {
-            rows: 0,
-            hkv,
-            group: hq / hkv,
-            sq,
-            qlen: 0,
-            tail: skv,
-            kblocks: 0,
-            kgroup: 1,
-            kwords: 1,
-            vgroups: 1,
-            vgroup: 1,
-            vwords: 1,
-            bits: 4,
-            split: 0,
-            splits: 0,
-            scale: opts.scale,
-        };
-        let inputs = kernels::quant_attention::QuantAttnInputs {
-            q: q.into_primitive().tensor(),
-            k: None,
-            v: None,
-            tail: Some((k.into_primitive().tensor(), v.into_primitive().tensor())),
-            mask: mask_i32(opts),
-        };
-        float(kernels::quant_attention::quant_attention(
-            inputs,
-            args,
-            opts.causal,
-        ))
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        #[extension_type] mask: KeyMask<Self>,
+        scale: f32,
+        causal: bool,
+    ) -> FloatTensor<Self>;
+
+    /// ShadowKV's fused gather, low-rank rebuild and RoPE of the selected chunks' keys.
+    ///
+    /// # Shapes
+    /// - `a`: `[batch, rows, rank]`, `wt`: `[batch, heads, rank, d]` (`a`'s dtype, `d` even),
+    ///   `chunks`: `[batch, heads, k]` int, `cos`, `sin`: `[positions, d/2]` f32
+    /// - returns `[batch, heads, k · chunk, d]` in `a`'s dtype
+    #[fusion(dtype = a, shape = crate::shapes::gather_rope_shape(wt, chunks, chunk))]
+    fn shadowkv_gather_reconstruct_rope(
+        a: FloatTensor<Self>,
+        wt: FloatTensor<Self>,
+        chunks: IntTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        chunk: usize,
+    ) -> FloatTensor<Self>;
+}
+
+#[cfg(feature = "cube")]
+mod cube_backend {
+    use super::{KeyMask, KvKernels, KvTail, PackedPrimitive, QuantAttnPlan};
+    use crate::QuantLayout;
+    use crate::kernels;
+    use crate::kernels::quant_attention::{QuantAttnArgs, QuantAttnInputs};
+    use burn::backend::tensor::{FloatTensor, IntTensor};
+    use burn_cubecl::CubeBackend;
+    use burn_kernels_core::route::count_launch;
+
+    fn mask_of(mask: KeyMask<CubeBackend>) -> Option<burn_cubecl::tensor::CubeTensor> {
+        match mask {
+            KeyMask::Absent => None,
+            KeyMask::Present { mask } => Some(mask),
+        }
     }
 
-    fn shadowkv_gather_reconstruct_rope(
-        a: Tensor<Self, 3>,
-        wt: Tensor<Self, 4>,
-        chunks: Tensor<Self, 3, Int>,
-        cos: Tensor<Self, 2>,
-        sin: Tensor<Self, 2>,
-        chunk: usize,
-    ) -> Tensor<Self, 4> {
-        float(kernels::gather_rope::gather_reconstruct_rope(
-            a.into_primitive().tensor(),
-            wt.into_primitive().tensor(),
-            chunks.into_primitive(),
-            cos.into_primitive().tensor(),
-            sin.into_primitive().tensor(),
-            chunk,
-        ))
+    impl KvKernels for CubeBackend {
+        fn minicache_merge(
+            a: FloatTensor<Self>,
+            b: FloatTensor<Self>,
+            t: f32,
+            gamma: f32,
+        ) -> (
+            FloatTensor<Self>,
+            FloatTensor<Self>,
+            FloatTensor<Self>,
+            FloatTensor<Self>,
+        ) {
+            count_launch("minicache_merge");
+            kernels::merge::merge(a, b, t, gamma)
+        }
+
+        fn minicache_restore(dir: FloatTensor<Self>, mag: FloatTensor<Self>) -> FloatTensor<Self> {
+            count_launch("minicache_restore");
+            kernels::restore::restore(dir, mag, None)
+        }
+
+        fn minicache_restore_retained(
+            dir: FloatTensor<Self>,
+            mag: FloatTensor<Self>,
+            slot: IntTensor<Self>,
+            rows: FloatTensor<Self>,
+        ) -> FloatTensor<Self> {
+            count_launch("minicache_restore");
+            kernels::restore::restore(dir, mag, Some((slot, rows)))
+        }
+
+        fn kv_quantize(x: FloatTensor<Self>, layout: QuantLayout) -> PackedPrimitive<Self> {
+            count_launch("kv_quantize");
+            let (words, scale, min) = kernels::quantize::quantize(x, layout);
+            PackedPrimitive { words, scale, min }
+        }
+
+        fn kv_dequantize(packed: PackedPrimitive<Self>, layout: QuantLayout) -> FloatTensor<Self> {
+            count_launch("kv_dequantize");
+            kernels::dequantize::dequantize(packed.words, packed.scale, packed.min, layout)
+        }
+
+        fn kv_quant_attention(
+            q: FloatTensor<Self>,
+            keys: PackedPrimitive<Self>,
+            values: PackedPrimitive<Self>,
+            tail: KvTail<Self>,
+            mask: KeyMask<Self>,
+            plan: QuantAttnPlan,
+        ) -> FloatTensor<Self> {
+            count_launch("kv_quant_attention");
+            let [_, hq, sq, _] = q.meta.shape().dims::<4>();
+            let tail = match tail {
+                KvTail::Absent => None,
+                KvTail::Present { k, v } => Some((k, v)),
+            };
+            let t = tail.as_ref().map_or(0, |(k, _)| k.meta.shape()[2]);
+            let (kl, vl) = (plan.keys, plan.values);
+            let args = QuantAttnArgs {
+                rows: 0,
+                hkv: plan.kv_heads,
+                group: hq / plan.kv_heads,
+                sq,
+                qlen: plan.qlen,
+                tail: t,
+                kblocks: plan.qlen / kl.cols,
+                kgroup: kl.cols,
+                kwords: kl.words_per_group(),
+                vgroups: vl.groups(),
+                vgroup: vl.group_len(),
+                vwords: vl.words_per_group(),
+                bits: kl.bits,
+                split: 0,
+                splits: 0,
+                scale: plan.scale,
+            };
+            let parts = |p: PackedPrimitive<Self>| (p.words, p.scale, p.min);
+            let inputs = QuantAttnInputs {
+                q,
+                k: Some(parts(keys)),
+                v: Some(parts(values)),
+                tail,
+                mask: mask_of(mask),
+            };
+            kernels::quant_attention::quant_attention(inputs, args, plan.causal)
+        }
+
+        fn kv_decode_attention(
+            q: FloatTensor<Self>,
+            k: FloatTensor<Self>,
+            v: FloatTensor<Self>,
+            mask: KeyMask<Self>,
+            scale: f32,
+            causal: bool,
+        ) -> FloatTensor<Self> {
+            count_launch("kv_decode_attention");
+            let [_, hq, sq, _] = q.meta.shape().dims::<4>();
+            let [_, hkv, skv, _] = k.meta.shape().dims::<4>();
+            // The quantized read with no quantized part: every position is in the tail.
+            let args = QuantAttnArgs {
+                rows: 0,
+                hkv,
+                group: hq / hkv,
+                sq,
+                qlen: 0,
+                tail: skv,
+                kblocks: 0,
+                kgroup: 1,
+                kwords: 1,
+                vgroups: 1,
+                vgroup: 1,
+                vwords: 1,
+                bits: 4,
+                split: 0,
+                splits: 0,
+                scale,
+            };
+            let inputs = QuantAttnInputs {
+                q,
+                k: None,
+                v: None,
+                tail: Some((k, v)),
+                mask: mask_of(mask),
+            };
+            kernels::quant_attention::quant_attention(inputs, args, causal)
+        }
+
+        fn shadowkv_gather_reconstruct_rope(
+            a: FloatTensor<Self>,
+            wt: FloatTensor<Self>,
+            chunks: IntTensor<Self>,
+            cos: FloatTensor<Self>,
+            sin: FloatTensor<Self>,
+            chunk: usize,
+        ) -> FloatTensor<Self> {
+            count_launch("shadowkv_gather_reconstruct_rope");
+            kernels::gather_rope::gather_reconstruct_rope(a, wt, chunks, cos, sin, chunk)
+        }
     }
 }

@@ -16,9 +16,12 @@
 //! - [`MiniCacheKv::with_quant`]: both; the shared directions, the unmerged layers and the
 //!   retained tokens are quantized, the magnitudes stay in the model dtype.
 //!
-//! The four ops they are built on are public, validated, and run as CubeCL kernels on
-//! `CubeBackend` ([`kernels`]) or as plain tensor ops elsewhere ([`reference`](mod@reference)):
-//! [`merge`], [`restore`], [`quantize`], [`dequantize`].
+//! The ops they are built on are public and validated: [`merge`], [`restore`], [`quantize`],
+//! [`dequantize`], [`quant_attention`], [`gather_reconstruct_rope`] (and [`DecodeAttention`]).
+//! Each runs as a CubeCL kernel where the tensors live on a CubeCL device of a runtime this
+//! build enables, through the backend extension [`KvKernels`] (Burn's `Dispatch`, fused or
+//! not; [`kernels`]), and as plain tensor ops everywhere else ([`reference`](mod@reference)),
+//! decided by `burn_kernels_core::route`.
 //!
 //! ## MiniCache: the choices made here (no official code exists)
 //!
@@ -83,57 +86,100 @@
 //! windows.
 
 pub mod cache;
-mod cpu;
 mod cube;
 mod error;
 pub mod kernels;
 pub mod reference;
 pub mod shadowkv;
+pub mod shapes;
 mod store;
 
 pub use cache::{MergeStats, MiniCacheConfig, MiniCacheKv, QuantConfig, QuantKv};
+pub use cube::{KeyMask, KvKernels, KvTail, PackedPrimitive, QuantAttnPlan};
 pub use error::KvCacheError;
 pub use shadowkv::{DecodeTimings, RopeParams, ShadowBytes, ShadowKvCache, ShadowKvConfig};
 
-use burn::tensor::{DType, Int, Tensor, backend::Backend};
+use burn::backend::Dispatch;
+use burn::tensor::{DType, Device, Int, IntDType, Tensor};
+use burn_kernels_core::route::{Grad, route};
 use burn_kernels_core::{AttentionImpl, AttnOptions, BurnAttention};
+
+/// Whether `op` runs its kernel on `device` (see `burn_kernels_core::route::route`); never in a
+/// build without a CubeCL runtime feature, whose `KvKernels` has no CubeCL implementation.
+fn kernel(op: &'static str, device: &Device, unsupported: Option<String>) -> bool {
+    cfg!(feature = "cube") && route(op, device, Grad::ForwardOnly, unsupported)
+}
 
 /// The shared direction, both magnitudes and the angular distance of merged row pairs.
 #[derive(Debug, Clone)]
-pub struct Merged<B: Backend> {
+pub struct Merged {
     /// `[n, d]`, input dtype; layer `a`'s own direction for retained rows.
-    pub dir: Tensor<B, 2>,
+    pub dir: Tensor<2>,
     /// `[n]`, input dtype: `‖a_i‖`.
-    pub mag_a: Tensor<B, 1>,
+    pub mag_a: Tensor<1>,
     /// `[n]`, input dtype: `‖b_i‖`.
-    pub mag_b: Tensor<B, 1>,
+    pub mag_b: Tensor<1>,
     /// `[n]`, f32: `θ_i / π`; row `i` is retained when it is above `gamma`.
-    pub dist: Tensor<B, 1>,
+    pub dist: Tensor<1>,
 }
 
 /// Packed quantization codes with their per-group scale and min.
 #[derive(Debug, Clone)]
-pub struct Packed<B: Backend> {
+pub struct Packed {
     /// `[rows, groups · words_per_group]`, u32.
-    pub words: Tensor<B, 2, Int>,
+    pub words: Tensor<2, Int>,
     /// `[rows, groups]`, the dtype of the quantized tensor.
-    pub scale: Tensor<B, 2>,
+    pub scale: Tensor<2>,
     /// `[rows, groups]`, the dtype of the quantized tensor.
-    pub min: Tensor<B, 2>,
+    pub min: Tensor<2>,
 }
 
-impl<B: Backend> Packed<B> {
+impl Packed {
     /// Bytes of the words, scales and mins.
     pub fn bytes(&self) -> usize {
         bytes_of(&self.scale) + bytes_of(&self.min) + bytes_of_int(&self.words)
     }
+
+    /// The backend primitives, for [`KvKernels`].
+    pub fn into_primitive(self) -> PackedPrimitive<Dispatch> {
+        PackedPrimitive {
+            words: self.words.into_dispatch(),
+            scale: self.scale.into_dispatch(),
+            min: self.min.into_dispatch(),
+        }
+    }
+
+    /// The tensors of [`KvKernels`] primitives.
+    pub fn from_primitive(p: PackedPrimitive<Dispatch>) -> Self {
+        Self {
+            words: Tensor::from_dispatch(p.words),
+            scale: Tensor::from_dispatch(p.scale),
+            min: Tensor::from_dispatch(p.min),
+        }
+    }
+
+    /// Why the kernels cannot read these words, if they cannot: they read `u32` words and
+    /// scales and mins of one dtype.
+    fn unsupported(&self) -> Option<String> {
+        if self.words.dtype() != DType::U32 {
+            Some(format!("the words are {:?}, not U32", self.words.dtype()))
+        } else if self.min.dtype() != self.scale.dtype() {
+            Some(format!(
+                "the scales are {:?}, the mins {:?}",
+                self.scale.dtype(),
+                self.min.dtype()
+            ))
+        } else {
+            None
+        }
+    }
 }
 
-pub(crate) fn bytes_of<B: Backend, const D: usize>(t: &Tensor<B, D>) -> usize {
+pub(crate) fn bytes_of<const D: usize>(t: &Tensor<D>) -> usize {
     t.shape().num_elements() * t.dtype().size()
 }
 
-pub(crate) fn bytes_of_int<B: Backend, const D: usize>(t: &Tensor<B, D, Int>) -> usize {
+pub(crate) fn bytes_of_int<const D: usize>(t: &Tensor<D, Int>) -> usize {
     t.shape().num_elements() * t.dtype().size()
 }
 
@@ -188,87 +234,6 @@ impl QuantLayout {
     }
 }
 
-/// Backends that run the MiniCache and quantization ops.
-///
-/// `CubeBackend` runs the CubeCL kernels; the CPU reference backend (`NdArray`) uses the
-/// default methods, which are the tensor ops in [`reference`](mod@reference). Another backend can opt in
-/// with an empty `impl`. Callers go through [`merge`], [`restore`], [`quantize`] and
-/// [`dequantize`], which validate the arguments.
-pub trait KvBackend: Backend {
-    /// # Shapes
-    /// See [`merge`].
-    fn minicache_merge(a: Tensor<Self, 2>, b: Tensor<Self, 2>, t: f32, gamma: f32) -> Merged<Self> {
-        reference::merge(a, b, t, gamma)
-    }
-
-    /// # Shapes
-    /// See [`restore`].
-    fn minicache_restore(
-        dir: Tensor<Self, 2>,
-        mag: Tensor<Self, 1>,
-        retained: Option<(Tensor<Self, 1, Int>, Tensor<Self, 2>)>,
-    ) -> Tensor<Self, 2> {
-        reference::restore(dir, mag, retained)
-    }
-
-    /// # Shapes
-    /// See [`quantize`].
-    fn kv_quantize(x: Tensor<Self, 2>, layout: QuantLayout) -> Packed<Self> {
-        reference::quantize(x, layout)
-    }
-
-    /// # Shapes
-    /// See [`dequantize`].
-    fn kv_dequantize(packed: &Packed<Self>, layout: QuantLayout) -> Tensor<Self, 2> {
-        reference::dequantize(packed, layout)
-    }
-
-    /// Whether [`quant_attention`] runs a kernel on this backend. [`QuantKv`] then attends
-    /// straight from its packed keys and values at each step (see
-    /// [`QuantConfig::fused_attention`]); elsewhere it dequantizes them for the model's
-    /// attention.
-    fn kv_has_quant_attention() -> bool {
-        false
-    }
-
-    /// # Shapes
-    /// See [`quant_attention`].
-    fn kv_quant_attention(
-        q: Tensor<Self, 4>,
-        view: &QuantAttnView<Self>,
-        opts: &AttnOptions<Self>,
-    ) -> Tensor<Self, 4> {
-        reference::quant_attention(q, view, opts)
-    }
-
-    /// Attention of a few queries over full-precision keys and values, GQA without copies
-    /// ([`DecodeAttention`]'s kernel; backends without it run Burn's attention op).
-    ///
-    /// # Shapes
-    /// As [`burn_kernels_core::AttentionImpl::attend`], `sq ≤ skv` when causal.
-    fn kv_decode_attention(
-        q: Tensor<Self, 4>,
-        k: Tensor<Self, 4>,
-        v: Tensor<Self, 4>,
-        opts: &AttnOptions<Self>,
-    ) -> Tensor<Self, 4> {
-        BurnAttention.attend(0, q, k, v, opts)
-    }
-
-    /// # Shapes
-    /// See [`gather_reconstruct_rope`].
-    fn shadowkv_gather_reconstruct_rope(
-        a: Tensor<Self, 3>,
-        wt: Tensor<Self, 4>,
-        chunks: Tensor<Self, 3, Int>,
-        cos: Tensor<Self, 2>,
-        sin: Tensor<Self, 2>,
-        chunk: usize,
-    ) -> Tensor<Self, 4> {
-        reference::gather_reconstruct_rope(a, wt, chunks, cos, sin, chunk)
-    }
-}
-
 pub(crate) fn check_t_gamma(t: f32, gamma: f32) -> Result<(), KvCacheError> {
     if !(0.0..=1.0).contains(&t) {
         return Err(KvCacheError::InvalidInterpolation(t));
@@ -291,12 +256,7 @@ pub(crate) fn check_t_gamma(t: f32, gamma: f32) -> Result<(), KvCacheError> {
 /// # Errors
 /// [`KvCacheError::InvalidInterpolation`], [`KvCacheError::InvalidGamma`],
 /// [`KvCacheError::ShapeMismatch`].
-pub fn merge<B: KvBackend>(
-    a: Tensor<B, 2>,
-    b: Tensor<B, 2>,
-    t: f32,
-    gamma: f32,
-) -> Result<Merged<B>, KvCacheError> {
+pub fn merge(a: Tensor<2>, b: Tensor<2>, t: f32, gamma: f32) -> Result<Merged, KvCacheError> {
     check_t_gamma(t, gamma)?;
     if a.dims() != b.dims() {
         return Err(KvCacheError::ShapeMismatch {
@@ -304,7 +264,19 @@ pub fn merge<B: KvBackend>(
             right: b.dims().to_vec(),
         });
     }
-    Ok(B::minicache_merge(a, b, t, gamma))
+    let unsupported =
+        (a.dtype() != b.dtype()).then(|| format!("a is {:?}, b is {:?}", a.dtype(), b.dtype()));
+    if !kernel("minicache_merge", &a.device(), unsupported) {
+        return Ok(reference::merge(a, b, t, gamma));
+    }
+    let (dir, mag_a, mag_b, dist) =
+        Dispatch::minicache_merge(a.into_dispatch(), b.into_dispatch(), t, gamma);
+    Ok(Merged {
+        dir: Tensor::from_dispatch(dir),
+        mag_a: Tensor::from_dispatch(mag_a),
+        mag_b: Tensor::from_dispatch(mag_b),
+        dist: Tensor::from_dispatch(dist),
+    })
 }
 
 /// Restores one layer of merged rows: `mag_i · dir_i`, or retained row `slot_i − 1` where
@@ -317,11 +289,11 @@ pub fn merge<B: KvBackend>(
 ///
 /// # Errors
 /// [`KvCacheError::ShapeMismatch`] when the shapes disagree.
-pub fn restore<B: KvBackend>(
-    dir: Tensor<B, 2>,
-    mag: Tensor<B, 1>,
-    retained: Option<(Tensor<B, 1, Int>, Tensor<B, 2>)>,
-) -> Result<Tensor<B, 2>, KvCacheError> {
+pub fn restore(
+    dir: Tensor<2>,
+    mag: Tensor<1>,
+    retained: Option<(Tensor<1, Int>, Tensor<2>)>,
+) -> Result<Tensor<2>, KvCacheError> {
     let [n, d] = dir.dims();
     let mismatch = |right: Vec<usize>| KvCacheError::ShapeMismatch {
         left: vec![n, d],
@@ -338,7 +310,28 @@ pub fn restore<B: KvBackend>(
             return Err(mismatch(rows.dims().to_vec()));
         }
     }
-    Ok(B::minicache_restore(dir, mag, retained))
+    let dtype = dir.dtype();
+    let unsupported = if mag.dtype() != dtype {
+        Some(format!("dir is {dtype:?}, mag is {:?}", mag.dtype()))
+    } else {
+        retained
+            .as_ref()
+            .filter(|(_, rows)| rows.dtype() != dtype)
+            .map(|(_, rows)| format!("dir is {dtype:?}, the retained rows {:?}", rows.dtype()))
+    };
+    if !kernel("minicache_restore", &dir.device(), unsupported) {
+        return Ok(reference::restore(dir, mag, retained));
+    }
+    let out = match retained {
+        Some((slot, rows)) if rows.dims()[0] > 0 => Dispatch::minicache_restore_retained(
+            dir.into_dispatch(),
+            mag.into_dispatch(),
+            slot.into_dispatch(),
+            rows.into_dispatch(),
+        ),
+        _ => Dispatch::minicache_restore(dir.into_dispatch(), mag.into_dispatch()),
+    };
+    Ok(Tensor::from_dispatch(out))
 }
 
 /// Quantizes each row in groups of `group` columns: per group `min`, `scale = (max −
@@ -351,21 +344,39 @@ pub fn restore<B: KvBackend>(
 ///
 /// # Errors
 /// [`KvCacheError::InvalidBits`], [`KvCacheError::ZeroGroupSize`].
-pub fn quantize<B: KvBackend>(
-    x: Tensor<B, 2>,
+pub fn quantize(
+    x: Tensor<2>,
     bits: u32,
     group: usize,
-) -> Result<(Packed<B>, QuantLayout), KvCacheError> {
+) -> Result<(Packed, QuantLayout), KvCacheError> {
     let layout = QuantLayout::new(bits, group, x.dims()[1])?;
-    Ok((B::kv_quantize(x, layout), layout))
+    Ok((quantize_rows(x, layout), layout))
+}
+
+/// [`quantize`] with a layout already validated for `x`'s columns.
+pub(crate) fn quantize_rows(x: Tensor<2>, layout: QuantLayout) -> Packed {
+    if !kernel("kv_quantize", &x.device(), None) {
+        return reference::quantize(x, layout);
+    }
+    Packed::from_primitive(Dispatch::kv_quantize(x.into_dispatch(), layout))
 }
 
 /// The inverse of [`quantize`]: `min + code·scale`.
 ///
 /// # Shapes
 /// - `packed` as returned with `layout`; returns `[rows, layout.cols]`
-pub fn dequantize<B: KvBackend>(packed: &Packed<B>, layout: QuantLayout) -> Tensor<B, 2> {
-    B::kv_dequantize(packed, layout)
+pub fn dequantize(packed: &Packed, layout: QuantLayout) -> Tensor<2> {
+    if !kernel(
+        "kv_dequantize",
+        &packed.scale.device(),
+        packed.unsupported(),
+    ) {
+        return reference::dequantize(packed, layout);
+    }
+    Tensor::from_dispatch(Dispatch::kv_dequantize(
+        packed.clone().into_primitive(),
+        layout,
+    ))
 }
 
 /// One layer's KIVI-quantized keys and values as [`QuantKv`] holds them, and the
@@ -379,15 +390,15 @@ pub fn dequantize<B: KvBackend>(packed: &Packed<B>, layout: QuantLayout) -> Tens
 /// - `tail`: keys and values `[b, hkv, t, d]` after the quantized positions, in the dtype of
 ///   the query
 #[derive(Debug, Clone)]
-pub struct QuantAttnView<B: Backend> {
-    pub keys: Option<(Packed<B>, QuantLayout)>,
-    pub values: Option<(Packed<B>, QuantLayout)>,
+pub struct QuantAttnView {
+    pub keys: Option<(Packed, QuantLayout)>,
+    pub values: Option<(Packed, QuantLayout)>,
     /// Quantized positions, a multiple of the key group.
     pub qlen: usize,
-    pub tail: Option<(Tensor<B, 4>, Tensor<B, 4>)>,
+    pub tail: Option<(Tensor<4>, Tensor<4>)>,
 }
 
-impl<B: Backend> QuantAttnView<B> {
+impl QuantAttnView {
     /// KV heads of the view for a batch of `batch` (0 when it holds no position).
     pub fn kv_heads(&self, batch: usize) -> usize {
         match (&self.tail, &self.values) {
@@ -400,11 +411,31 @@ impl<B: Backend> QuantAttnView<B> {
     }
 }
 
+/// Whether [`quant_attention`] runs its kernel on `device` (a CubeCL device of a runtime this
+/// build enables, without autodiff). [`QuantKv`] then attends straight from its packed keys and
+/// values at each step (see [`QuantConfig::fused_attention`]); elsewhere it dequantizes them
+/// for the model's attention.
+pub fn kv_has_quant_attention(device: &Device) -> bool {
+    cfg!(feature = "cube")
+        && burn_kernels_core::route::cube_device(device).is_some()
+        && !device.is_autodiff()
+}
+
+/// The key padding as the kernels read it: `[batch, skv]` i32, non-zero = hidden.
+fn key_mask(opts: &AttnOptions) -> KeyMask<Dispatch> {
+    match &opts.key_padding {
+        Some(m) => KeyMask::Present {
+            mask: m.clone().int().cast(IntDType::I32).into_dispatch(),
+        },
+        None => KeyMask::Absent,
+    }
+}
+
 /// Split-K "flash decoding" over full-precision keys and values for calls with at most
 /// `max_queries` query rows (decode steps, speculative verification): the quantized read's
 /// kernel ([`quant_attention`]) with every position in its full-precision tail. Two launches
 /// per call instead of the dozen of a tensor-op attention, and each KV head is read once for
-/// its whole query group (no repeated K/V). Longer calls (prefill), and backends without the
+/// its whole query group (no repeated K/V). Longer calls (prefill), and devices without the
 /// kernel, use Burn's attention op.
 #[derive(Debug, Clone, Copy)]
 pub struct DecodeAttention {
@@ -417,7 +448,7 @@ impl Default for DecodeAttention {
     }
 }
 
-impl<B: KvBackend> AttentionImpl<B> for DecodeAttention {
+impl AttentionImpl for DecodeAttention {
     fn name(&self) -> String {
         "decode".into()
     }
@@ -425,24 +456,76 @@ impl<B: KvBackend> AttentionImpl<B> for DecodeAttention {
     fn attend(
         &self,
         layer: usize,
-        q: Tensor<B, 4>,
-        k: Tensor<B, 4>,
-        v: Tensor<B, 4>,
-        opts: &AttnOptions<B>,
-    ) -> Tensor<B, 4> {
+        q: Tensor<4>,
+        k: Tensor<4>,
+        v: Tensor<4>,
+        opts: &AttnOptions,
+    ) -> Tensor<4> {
         let [_, _, sq, _] = q.dims();
         let skv = k.dims()[2];
         if sq > self.max_queries || (opts.causal && sq > skv) {
+            // Not a fallback: Burn's attention is the right kernel for long query blocks.
             return BurnAttention.attend(layer, q, k, v, opts);
         }
-        B::kv_decode_attention(q, k, v, opts)
+        decode_attention(q, k, v, opts, |q, k, v| {
+            BurnAttention.attend(layer, q, k, v, opts)
+        })
     }
+}
+
+/// The decode attention's kernel over full-precision `k`, `v` where it runs, else `fallback`.
+///
+/// # Shapes
+/// As [`burn_kernels_core::AttentionImpl::attend`], `sq ≤ skv` when causal.
+fn decode_attention(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    opts: &AttnOptions,
+    fallback: impl FnOnce(Tensor<4>, Tensor<4>, Tensor<4>) -> Tensor<4>,
+) -> Tensor<4> {
+    let [b, hq, _, d] = q.dims();
+    let [_, hkv, skv, _] = k.dims();
+    let unsupported = if q.dtype() != k.dtype() || q.dtype() != v.dtype() {
+        Some(format!(
+            "q, k, v are {:?}, {:?}, {:?}",
+            q.dtype(),
+            k.dtype(),
+            v.dtype()
+        ))
+    } else if k.dims() != v.dims() || k.dims()[0] != b || k.dims()[3] != d {
+        Some(format!(
+            "k {:?} and v {:?} for q {:?}",
+            k.dims(),
+            v.dims(),
+            q.dims()
+        ))
+    } else if hkv == 0 || hq % hkv != 0 {
+        Some(format!("{hq} query heads over {hkv} KV heads"))
+    } else {
+        opts.key_padding
+            .as_ref()
+            .filter(|m| m.dims() != [b, skv])
+            .map(|m| format!("key padding {:?} for {b} x {skv} keys", m.dims()))
+    };
+    if !kernel("kv_decode_attention", &q.device(), unsupported) {
+        return fallback(q, k, v);
+    }
+    Tensor::from_dispatch(Dispatch::kv_decode_attention(
+        q.into_dispatch(),
+        k.into_dispatch(),
+        v.into_dispatch(),
+        key_mask(opts),
+        opts.scale,
+        opts.causal,
+    ))
 }
 
 /// Attention over a quantized layer (see [`QuantAttnView`]) and its tail, keys and values
 /// dequantized as they are read: the same result as dequantizing the layer, concatenating the
-/// tail and calling [`burn_kernels_core::ReferenceAttention`] (which is what backends without
-/// the kernel run), but without the f16 copies. Masks as [`AttnOptions`] documents (causal
+/// tail and calling [`burn_kernels_core::ReferenceAttention`] (which is what devices without
+/// the kernel run), but without the f16 copies. A view without quantized positions runs the
+/// [`DecodeAttention`] kernel over its tail. Masks as [`AttnOptions`] documents (causal
 /// bottom-right, key padding over all `qlen + t` positions); rows that see no key return
 /// zeros.
 ///
@@ -453,11 +536,11 @@ impl<B: KvBackend> AttentionImpl<B> for DecodeAttention {
 /// [`KvCacheError::ShapeMismatch`] when the view's parts disagree with each other or with
 /// `q`, or a causal query is longer than the keys; [`KvCacheError::DTypeMismatch`] when the
 /// tail or the scales are not in the query's dtype.
-pub fn quant_attention<B: KvBackend>(
-    q: Tensor<B, 4>,
-    view: &QuantAttnView<B>,
-    opts: &AttnOptions<B>,
-) -> Result<Tensor<B, 4>, KvCacheError> {
+pub fn quant_attention(
+    q: Tensor<4>,
+    view: &QuantAttnView,
+    opts: &AttnOptions,
+) -> Result<Tensor<4>, KvCacheError> {
     let [b, hq, sq, d] = q.dims();
     let mismatch =
         |left: Vec<usize>, right: Vec<usize>| KvCacheError::ShapeMismatch { left, right };
@@ -514,7 +597,43 @@ pub fn quant_attention<B: KvBackend>(
     {
         return Err(mismatch(vec![b, skv], m.dims().to_vec()));
     }
-    Ok(B::kv_quant_attention(q, view, opts))
+    let (Some((kp, kl)), Some((vp, vl))) = (&view.keys, &view.values) else {
+        // Only full-precision positions: nothing to dequantize.
+        let (k, v) = view
+            .tail
+            .clone()
+            .expect("validated: a view holds positions");
+        return Ok(decode_attention(q, k, v, opts, |q, _, _| {
+            reference::quant_attention(q, view, opts)
+        }));
+    };
+    let unsupported = kp.unsupported().or_else(|| vp.unsupported());
+    if !kernel("kv_quant_attention", &q.device(), unsupported) {
+        return Ok(reference::quant_attention(q, view, opts));
+    }
+    let tail = match view.tail.clone() {
+        Some((k, v)) => KvTail::Present {
+            k: k.into_dispatch(),
+            v: v.into_dispatch(),
+        },
+        None => KvTail::Absent,
+    };
+    let plan = QuantAttnPlan {
+        keys: *kl,
+        values: *vl,
+        qlen: n,
+        kv_heads: hkv,
+        scale: opts.scale,
+        causal: opts.causal,
+    };
+    Ok(Tensor::from_dispatch(Dispatch::kv_quant_attention(
+        q.into_dispatch(),
+        kp.clone().into_primitive(),
+        vp.clone().into_primitive(),
+        tail,
+        key_mask(opts),
+        plan,
+    )))
 }
 
 /// ShadowKV's fused key rebuild: for each `(batch, head)` and each of its `k` chunk ids `c`,
@@ -529,15 +648,16 @@ pub fn quant_attention<B: KvBackend>(
 /// - returns `[batch, heads, k · chunk, d]` in `a`'s dtype
 ///
 /// # Errors
-/// [`KvCacheError::ZeroChunk`], [`KvCacheError::OddHeadDim`], [`KvCacheError::ShapeMismatch`].
-pub fn gather_reconstruct_rope<B: KvBackend>(
-    a: Tensor<B, 3>,
-    wt: Tensor<B, 4>,
-    chunks: Tensor<B, 3, Int>,
-    cos: Tensor<B, 2>,
-    sin: Tensor<B, 2>,
+/// [`KvCacheError::ZeroChunk`], [`KvCacheError::OddHeadDim`], [`KvCacheError::ShapeMismatch`],
+/// [`KvCacheError::DTypeMismatch`].
+pub fn gather_reconstruct_rope(
+    a: Tensor<3>,
+    wt: Tensor<4>,
+    chunks: Tensor<3, Int>,
+    cos: Tensor<2>,
+    sin: Tensor<2>,
     chunk: usize,
-) -> Result<Tensor<B, 4>, KvCacheError> {
+) -> Result<Tensor<4>, KvCacheError> {
     if chunk == 0 {
         return Err(KvCacheError::ZeroChunk);
     }
@@ -563,7 +683,19 @@ pub fn gather_reconstruct_rope<B: KvBackend>(
     if cos.dtype() != DType::F32 || sin.dtype() != DType::F32 || wt.dtype() != a.dtype() {
         return Err(KvCacheError::DTypeMismatch);
     }
-    Ok(B::shadowkv_gather_reconstruct_rope(
-        a, wt, chunks, cos, sin, chunk,
+    if !kernel("shadowkv_gather_reconstruct_rope", &a.device(), None) {
+        return Ok(reference::gather_reconstruct_rope(
+            a, wt, chunks, cos, sin, chunk,
+        ));
+    }
+    Ok(Tensor::from_dispatch(
+        Dispatch::shadowkv_gather_reconstruct_rope(
+            a.into_dispatch(),
+            wt.into_dispatch(),
+            chunks.into_dispatch(),
+            cos.into_dispatch(),
+            sin.into_dispatch(),
+            chunk,
+        ),
     ))
 }

@@ -2,7 +2,7 @@
 //! implementation on backends without kernels (`NdArray`). Math in f32, outputs in the input
 //! dtype (distances in f32).
 
-use burn::tensor::{DType, ElementConversion, Int, IntDType, Tensor, TensorData, backend::Backend};
+use burn::tensor::{DType, Int, IntDType, Tensor, TensorData};
 
 use burn_kernels_core::{AttentionImpl, AttnOptions, ReferenceAttention};
 
@@ -20,7 +20,7 @@ pub const SIN_EPS: f32 = 1e-6;
 /// # Shapes
 /// - `a`, `b`: `[n, d]`; returns `dir [n, d]`, `mag_a`, `mag_b` `[n]` (input dtype), `dist [n]`
 ///   (f32)
-pub fn merge<B: Backend>(a: Tensor<B, 2>, b: Tensor<B, 2>, t: f32, gamma: f32) -> Merged<B> {
+pub fn merge(a: Tensor<2>, b: Tensor<2>, t: f32, gamma: f32) -> Merged {
     let dtype = a.dtype();
     let a = a.cast(DType::F32);
     let b = b.cast(DType::F32);
@@ -61,11 +61,11 @@ pub fn merge<B: Backend>(a: Tensor<B, 2>, b: Tensor<B, 2>, t: f32, gamma: f32) -
 ///
 /// # Shapes
 /// - `dir`: `[n, d]`, `mag`: `[n]`, `slot`: `[n]`, `retained`: `[r, d]`; returns `[n, d]`
-pub fn restore<B: Backend>(
-    dir: Tensor<B, 2>,
-    mag: Tensor<B, 1>,
-    retained: Option<(Tensor<B, 1, Int>, Tensor<B, 2>)>,
-) -> Tensor<B, 2> {
+pub fn restore(
+    dir: Tensor<2>,
+    mag: Tensor<1>,
+    retained: Option<(Tensor<1, Int>, Tensor<2>)>,
+) -> Tensor<2> {
     let dtype = dir.dtype();
     let [n, d] = dir.dims();
     let out = dir.cast(DType::F32) * mag.cast(DType::F32).reshape([n, 1]);
@@ -86,7 +86,7 @@ pub fn restore<B: Backend>(
 /// # Shapes
 /// - `x`: `[rows, cols]`; returns words `[rows, groups·words_per_group]` (u32), scale and min
 ///   `[rows, groups]` (input dtype)
-pub fn quantize<B: Backend>(x: Tensor<B, 2>, layout: QuantLayout) -> Packed<B> {
+pub fn quantize(x: Tensor<2>, layout: QuantLayout) -> Packed {
     let dtype = x.dtype();
     let device = x.device();
     let [rows, cols] = x.dims();
@@ -126,19 +126,19 @@ pub fn quantize<B: Backend>(x: Tensor<B, 2>, layout: QuantLayout) -> Packed<B> {
         .int()
         .cast(IntDType::I64);
     let valid: Vec<i64> = (0..padded).map(|c| i64::from(c < cols)).collect();
-    let valid = Tensor::<B, 1, Int>::from_data(TensorData::new(valid, [padded]), &device)
+    let valid = Tensor::<1, Int>::from_data(TensorData::new(valid, [padded]), &device)
         .cast(IntDType::I64)
         .reshape([1, ng, g]);
     let codes = codes * valid;
     let slots = wpg * pw;
     let codes = if slots > g {
-        let zeros = Tensor::<B, 3, Int>::zeros([rows, ng, slots - g], &device).cast(IntDType::I64);
+        let zeros = Tensor::<3, Int>::zeros([rows, ng, slots - g], &device).cast(IntDType::I64);
         Tensor::cat(vec![codes, zeros], 2)
     } else {
         codes
     };
     let shifts: Vec<i64> = (0..pw).map(|j| 1i64 << (j as u32 * layout.bits)).collect();
-    let shifts = Tensor::<B, 1, Int>::from_data(TensorData::new(shifts, [pw]), &device)
+    let shifts = Tensor::<1, Int>::from_data(TensorData::new(shifts, [pw]), &device)
         .cast(IntDType::I64)
         .reshape([1, 1, 1, pw]);
     let words = (codes.reshape([rows, ng, wpg, pw]) * shifts)
@@ -156,7 +156,7 @@ pub fn quantize<B: Backend>(x: Tensor<B, 2>, layout: QuantLayout) -> Packed<B> {
 ///
 /// # Shapes
 /// - as returned by [`quantize`]; returns `[rows, layout.cols]` in the dtype of `scale`
-pub fn dequantize<B: Backend>(packed: &Packed<B>, layout: QuantLayout) -> Tensor<B, 2> {
+pub fn dequantize(packed: &Packed, layout: QuantLayout) -> Tensor<2> {
     let dtype = packed.scale.dtype();
     let device = packed.scale.device();
     let [rows, _] = packed.scale.dims();
@@ -167,7 +167,7 @@ pub fn dequantize<B: Backend>(packed: &Packed<B>, layout: QuantLayout) -> Tensor
         layout.codes_per_word(),
     );
     let shifts: Vec<i64> = (0..pw).map(|j| (j as u32 * layout.bits) as i64).collect();
-    let shifts = Tensor::<B, 1, Int>::from_data(TensorData::new(shifts, [pw]), &device)
+    let shifts = Tensor::<1, Int>::from_data(TensorData::new(shifts, [pw]), &device)
         .cast(IntDType::I64)
         .reshape([1, 1, 1, pw])
         .expand([rows, ng, wpg, pw]);
@@ -179,7 +179,7 @@ pub fn dequantize<B: Backend>(packed: &Packed<B>, layout: QuantLayout) -> Tensor
         .expand([rows, ng, wpg, pw]);
     let codes = words
         .bitwise_right_shift(shifts)
-        .bitwise_and_scalar((layout.levels() as i64).elem())
+        .bitwise_and_scalar(layout.levels() as i64)
         .reshape([rows, ng, wpg * pw])
         .slice([0..rows, 0..ng, 0..g])
         .float()
@@ -199,14 +199,14 @@ pub fn dequantize<B: Backend>(packed: &Packed<B>, layout: QuantLayout) -> Tensor
 ///   k]`, `cos`, `sin`: `[positions, d/2]` (f32)
 /// - returns `[batch, heads, k · chunk, d]` in `a`'s dtype (zeros where a position is out of
 ///   range)
-pub fn gather_reconstruct_rope<B: Backend>(
-    a: Tensor<B, 3>,
-    wt: Tensor<B, 4>,
-    chunks: Tensor<B, 3, Int>,
-    cos: Tensor<B, 2>,
-    sin: Tensor<B, 2>,
+pub fn gather_reconstruct_rope(
+    a: Tensor<3>,
+    wt: Tensor<4>,
+    chunks: Tensor<3, Int>,
+    cos: Tensor<2>,
+    sin: Tensor<2>,
     chunk: usize,
-) -> Tensor<B, 4> {
+) -> Tensor<4> {
     let dtype = a.dtype();
     let device = a.device();
     let [b, rows, rank] = a.dims();
@@ -216,10 +216,10 @@ pub fn gather_reconstruct_rope<B: Backend>(
     let half = d / 2;
     let p = cos.dims()[0];
     if b * h * n == 0 || rows == 0 || p == 0 {
-        return Tensor::<B, 4>::zeros([b, h, n, d], &device).cast(dtype);
+        return Tensor::<4>::zeros([b, h, n, d], &device).cast(dtype);
     }
     let offsets: Vec<i64> = (0..chunk as i64).collect();
-    let offsets = Tensor::<B, 1, Int>::from_data(TensorData::new(offsets, [chunk]), &device)
+    let offsets = Tensor::<1, Int>::from_data(TensorData::new(offsets, [chunk]), &device)
         .cast(IntDType::I64)
         .reshape([1, 1, 1, chunk]);
     let pos = (chunks.cast(IntDType::I64).reshape([b, h, k, 1]) * chunk as i64 + offsets)
@@ -228,7 +228,7 @@ pub fn gather_reconstruct_rope<B: Backend>(
     let valid = pos.clone().lower_elem(limit);
     let pos = pos.clamp(0, limit - 1);
     let base: Vec<i64> = (0..b as i64).map(|i| i * rows as i64).collect();
-    let base = Tensor::<B, 1, Int>::from_data(TensorData::new(base, [b]), &device)
+    let base = Tensor::<1, Int>::from_data(TensorData::new(base, [b]), &device)
         .cast(IntDType::I64)
         .reshape([b, 1, 1]);
     let rows_idx = (pos.clone() + base).reshape([b * h * n]);
@@ -259,11 +259,7 @@ pub fn gather_reconstruct_rope<B: Backend>(
 ///
 /// # Shapes
 /// - as [`crate::quant_attention`] documents
-pub fn quant_attention<B: crate::KvBackend>(
-    q: Tensor<B, 4>,
-    view: &QuantAttnView<B>,
-    opts: &AttnOptions<B>,
-) -> Tensor<B, 4> {
+pub fn quant_attention(q: Tensor<4>, view: &QuantAttnView, opts: &AttnOptions) -> Tensor<4> {
     let [b, _, _, d] = q.dims();
     let n = view.qlen;
     let quantized = match (&view.keys, &view.values) {

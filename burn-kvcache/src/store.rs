@@ -1,10 +1,11 @@
 //! Storage of one growing sequence `[batch, heads, seq, head_dim]` (full or KIVI-quantized)
 //! and of a growing list of rows `[rows, head_dim]` (full or quantized per row).
 
-use burn::tensor::{Int, Tensor, backend::Backend};
+use burn::tensor::{Int, Tensor};
 
 use crate::{
-    KvBackend, Packed, QuantAttnView, QuantLayout, bytes_of, bytes_of_int, cache::QuantConfig,
+    Packed, QuantAttnView, QuantLayout, bytes_of, bytes_of_int, cache::QuantConfig, dequantize,
+    kv_has_quant_attention, quantize_rows,
 };
 
 /// Which way a quantized sequence is grouped.
@@ -16,39 +17,39 @@ pub(crate) enum Axis {
     PerToken,
 }
 
-fn cat4<B: KvBackend>(a: Option<Tensor<B, 4>>, b: Tensor<B, 4>) -> Tensor<B, 4> {
+fn cat4(a: Option<Tensor<4>>, b: Tensor<4>) -> Tensor<4> {
     match a {
         Some(a) => Tensor::cat(vec![a, b], 2),
         None => b,
     }
 }
 
-fn slice_seq<B: KvBackend>(x: Tensor<B, 4>, from: usize, to: usize) -> Tensor<B, 4> {
+fn slice_seq(x: Tensor<4>, from: usize, to: usize) -> Tensor<4> {
     let [b, h, _, d] = x.dims();
     x.slice([0..b, 0..h, from..to, 0..d])
 }
 
 /// Quantized blocks of a sequence, each tensor `[b, h, blocks, ·]`.
 #[derive(Debug, Clone)]
-struct Blocks<B: KvBackend> {
-    words: Tensor<B, 4, Int>,
-    scale: Tensor<B, 4>,
-    min: Tensor<B, 4>,
+struct Blocks {
+    words: Tensor<4, Int>,
+    scale: Tensor<4>,
+    min: Tensor<4>,
 }
 
 #[derive(Debug)]
-pub(crate) struct QuantSeq<B: KvBackend> {
+pub(crate) struct QuantSeq {
     cfg: QuantConfig,
     axis: Axis,
-    blocks: Option<Blocks<B>>,
+    blocks: Option<Blocks>,
     /// Tokens in `blocks`.
     qlen: usize,
-    residual: Option<Tensor<B, 4>>,
+    residual: Option<Tensor<4>>,
     /// `[b, h, d]` of the sequence, known from the first append.
     dims: Option<[usize; 3]>,
 }
 
-impl<B: KvBackend> QuantSeq<B> {
+impl QuantSeq {
     fn new(cfg: QuantConfig, axis: Axis) -> Self {
         Self {
             cfg,
@@ -73,7 +74,7 @@ impl<B: KvBackend> QuantSeq<B> {
         self.residual.as_ref().map_or(0, |r| r.dims()[2])
     }
 
-    fn append(&mut self, x: Tensor<B, 4>) {
+    fn append(&mut self, x: Tensor<4>) {
         let [b, h, _, d] = x.dims();
         self.dims = Some([b, h, d]);
         let res = cat4(self.residual.take(), x);
@@ -89,7 +90,7 @@ impl<B: KvBackend> QuantSeq<B> {
     }
 
     /// Quantizes `x` (`n` a multiple of the group size) onto the end of the blocks.
-    fn quantize_block(&mut self, x: Tensor<B, 4>) {
+    fn quantize_block(&mut self, x: Tensor<4>) {
         let [b, h, n, d] = x.dims();
         let layout = self.layout(d);
         let g = self.cfg.group_size;
@@ -101,7 +102,7 @@ impl<B: KvBackend> QuantSeq<B> {
                 (t.reshape([b * h * nb * d, g]), nb)
             }
         };
-        let p = B::kv_quantize(rows, layout);
+        let p = quantize_rows(rows, layout);
         let per = |t: usize| match self.axis {
             Axis::PerToken => t,
             Axis::PerChannel => t * d,
@@ -128,7 +129,7 @@ impl<B: KvBackend> QuantSeq<B> {
 
     /// The quantized blocks as the 2-D rows [`crate::quantize`] packs (see
     /// [`crate::QuantAttnView`]).
-    fn packed(&self) -> Option<(Packed<B>, QuantLayout)> {
+    fn packed(&self) -> Option<(Packed, QuantLayout)> {
         let blocks = self.blocks.as_ref()?;
         let [b, h, d] = self.dims.expect("set with the blocks");
         let layout = self.layout(d);
@@ -148,17 +149,17 @@ impl<B: KvBackend> QuantSeq<B> {
         Some((packed, layout))
     }
 
-    fn dequantized(&self) -> Option<Tensor<B, 4>> {
+    fn dequantized(&self) -> Option<Tensor<4>> {
         let (packed, layout) = self.packed()?;
         let [b, h, d] = self.dims.expect("set with the blocks");
         Some(seq_from_rows(
-            B::kv_dequantize(&packed, layout),
+            dequantize(&packed, layout),
             self.axis,
             [b, h, self.qlen, d],
         ))
     }
 
-    fn read(&self) -> Option<Tensor<B, 4>> {
+    fn read(&self) -> Option<Tensor<4>> {
         match (self.dequantized(), self.residual.clone()) {
             (Some(q), Some(r)) => Some(Tensor::cat(vec![q, r], 2)),
             (q, r) => q.or(r),
@@ -192,11 +193,7 @@ impl<B: KvBackend> QuantSeq<B> {
 
 /// Dequantized rows back in sequence order: per-token rows `[b·h·n, d]` or per-channel rows
 /// `[b·h·(n/g)·d, g]` (`g` tokens of one channel each) to `[b, h, n, d]`.
-pub(crate) fn seq_from_rows<B: Backend>(
-    x: Tensor<B, 2>,
-    axis: Axis,
-    [b, h, n, d]: [usize; 4],
-) -> Tensor<B, 4> {
+pub(crate) fn seq_from_rows(x: Tensor<2>, axis: Axis, [b, h, n, d]: [usize; 4]) -> Tensor<4> {
     match axis {
         Axis::PerToken => x.reshape([b, h, n, d]),
         Axis::PerChannel => {
@@ -209,13 +206,15 @@ pub(crate) fn seq_from_rows<B: Backend>(
 }
 
 /// One growing sequence `[b, h, seq, d]`.
+// A few per layer, rarely moved: the size of Burn's tensor values does not call for a box.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
-pub(crate) enum SeqStore<B: KvBackend> {
-    Full(Option<Tensor<B, 4>>),
-    Quant(QuantSeq<B>),
+pub(crate) enum SeqStore {
+    Full(Option<Tensor<4>>),
+    Quant(QuantSeq),
 }
 
-impl<B: KvBackend> SeqStore<B> {
+impl SeqStore {
     pub(crate) fn new(quant: Option<QuantConfig>, axis: Axis) -> Self {
         match quant {
             Some(cfg) => Self::Quant(QuantSeq::new(cfg, axis)),
@@ -230,7 +229,7 @@ impl<B: KvBackend> SeqStore<B> {
         }
     }
 
-    pub(crate) fn append(&mut self, x: Tensor<B, 4>) {
+    pub(crate) fn append(&mut self, x: Tensor<4>) {
         match self {
             Self::Full(slot) => *slot = Some(cat4(slot.take(), x)),
             Self::Quant(q) => q.append(x),
@@ -238,7 +237,7 @@ impl<B: KvBackend> SeqStore<B> {
     }
 
     /// Everything held, dequantized.
-    pub(crate) fn read(&self) -> Option<Tensor<B, 4>> {
+    pub(crate) fn read(&self) -> Option<Tensor<4>> {
         match self {
             Self::Full(x) => x.clone(),
             Self::Quant(q) => q.read(),
@@ -246,7 +245,7 @@ impl<B: KvBackend> SeqStore<B> {
     }
 
     /// Everything held followed by `new` (not stored).
-    pub(crate) fn read_with(&self, new: Tensor<B, 4>) -> Tensor<B, 4> {
+    pub(crate) fn read_with(&self, new: Tensor<4>) -> Tensor<4> {
         cat4(self.read(), new)
     }
 
@@ -256,16 +255,18 @@ impl<B: KvBackend> SeqStore<B> {
     pub(crate) fn attend_then_store(
         pair: &mut (Self, Self),
         layer: usize,
-        q: Tensor<B, 4>,
-        k: Tensor<B, 4>,
-        v: Tensor<B, 4>,
-        attention: &dyn burn_kernels_core::AttentionImpl<B>,
-        opts: &burn_kernels_core::AttnOptions<B>,
-    ) -> Tensor<B, 4> {
+        q: Tensor<4>,
+        k: Tensor<4>,
+        v: Tensor<4>,
+        attention: &dyn burn_kernels_core::AttentionImpl,
+        opts: &burn_kernels_core::AttnOptions,
+    ) -> Tensor<4> {
         let (ks, vs) = pair;
         let out = match (&*ks, &*vs) {
             (Self::Quant(kq), Self::Quant(vq))
-                if kq.cfg.fused_attention && kq.blocks.is_some() && B::kv_has_quant_attention() =>
+                if kq.cfg.fused_attention
+                    && kq.blocks.is_some()
+                    && kv_has_quant_attention(&q.device()) =>
             {
                 let view = QuantAttnView {
                     keys: kq.packed(),
@@ -312,16 +313,18 @@ impl<B: KvBackend> SeqStore<B> {
 }
 
 /// A growing list of rows `[rows, d]`: full, or quantized per row in groups of channels.
+// One per merged pair, rarely moved: the size of Burn's tensor values does not call for a box.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
-pub(crate) enum RowStore<B: KvBackend> {
-    Full(Option<Tensor<B, 2>>),
+pub(crate) enum RowStore {
+    Full(Option<Tensor<2>>),
     Quant {
         cfg: QuantConfig,
-        packed: Option<(Packed<B>, QuantLayout)>,
+        packed: Option<(Packed, QuantLayout)>,
     },
 }
 
-impl<B: KvBackend> RowStore<B> {
+impl RowStore {
     pub(crate) fn new(quant: Option<QuantConfig>) -> Self {
         match quant {
             Some(cfg) => Self::Quant { cfg, packed: None },
@@ -336,7 +339,7 @@ impl<B: KvBackend> RowStore<B> {
         }
     }
 
-    pub(crate) fn append(&mut self, rows: Tensor<B, 2>) {
+    pub(crate) fn append(&mut self, rows: Tensor<2>) {
         if rows.dims()[0] == 0 {
             return;
         }
@@ -350,7 +353,7 @@ impl<B: KvBackend> RowStore<B> {
             Self::Quant { cfg, packed } => {
                 let layout =
                     QuantLayout::new(cfg.bits, cfg.group_size, rows.dims()[1]).expect("validated");
-                let new = B::kv_quantize(rows, layout);
+                let new = quantize_rows(rows, layout);
                 let merged = match packed.take() {
                     Some((old, _)) => Packed {
                         words: Tensor::cat(vec![old.words, new.words], 0),
@@ -364,10 +367,10 @@ impl<B: KvBackend> RowStore<B> {
         }
     }
 
-    pub(crate) fn read(&self) -> Option<Tensor<B, 2>> {
+    pub(crate) fn read(&self) -> Option<Tensor<2>> {
         match self {
             Self::Full(x) => x.clone(),
-            Self::Quant { packed, .. } => packed.as_ref().map(|(p, l)| B::kv_dequantize(p, *l)),
+            Self::Quant { packed, .. } => packed.as_ref().map(|(p, l)| dequantize(p, *l)),
         }
     }
 

@@ -1,15 +1,14 @@
 //! The caches against the full cache through `KvCache::attend`: γ = 0 and identical adjacent
 //! layers are lossless, quantized caches stay close, truncation, and exact byte accounting.
 
-use burn::backend::NdArray;
-use burn::tensor::{DType, Tensor};
+use burn::tensor::{DType, Device, Tensor};
 use burn_kernels_core::{AttnOptions, FullKvCache, KvCache, ReferenceAttention};
 use burn_kernels_testing::{
     Dist, Tolerance, assert_close_unless_tf32, compare::metrics, compare::to_f32, random_tensor,
 };
-use burn_kvcache::{KvBackend, KvCacheError, MiniCacheConfig, MiniCacheKv, QuantConfig, QuantKv};
+use burn_kvcache::{KvCacheError, MiniCacheConfig, MiniCacheKv, QuantConfig, QuantKv};
 
-type Cpu = NdArray<f32>;
+use crate::{assert_launched, launch_counts, on_kernels};
 
 const LAYERS: usize = 7;
 const HEADS: usize = 2;
@@ -19,15 +18,15 @@ const Q_HEADS: usize = 4;
 /// `2i+1`'s K/V a copy of layer `2i`'s) and truncates to `cut` before the chunk at index
 /// `cut_at`; returns every attention output of both, flattened.
 #[allow(clippy::too_many_arguments)]
-fn drive<B: KvBackend>(
-    a: &mut dyn KvCache<B>,
-    b: &mut dyn KvCache<B>,
+fn drive(
+    a: &mut dyn KvCache,
+    b: &mut dyn KvCache,
     steps: &[usize],
     d: usize,
     dup: bool,
     cut: Option<(usize, usize)>,
     seed: u64,
-    device: &B::Device,
+    device: &Device,
 ) -> (Vec<f32>, Vec<f32>) {
     let opts = AttnOptions {
         causal: true,
@@ -39,27 +38,20 @@ fn drive<B: KvBackend>(
         if let Some((at, len)) = cut
             && at == i
         {
-            a.truncate(len);
+            on_kernels(device, || a.truncate(len));
             b.truncate(len);
             assert_eq!(a.seq_len(), len);
             assert_eq!(b.seq_len(), len);
         }
-        let mut prev: Option<(Tensor<B, 4>, Tensor<B, 4>)> = None;
+        let mut prev: Option<(Tensor<4>, Tensor<4>)> = None;
         for layer in 0..LAYERS {
             let sd = seed + (i * LAYERS + layer) as u64 * 3;
-            let q =
-                random_tensor::<B, 4>([1, Q_HEADS, s, d], Dist::STANDARD, sd, DType::F32, device);
+            let q = random_tensor::<4>([1, Q_HEADS, s, d], Dist::STANDARD, sd, DType::F32, device);
             let (k, v) = match (&prev, dup && layer % 2 == 1) {
                 (Some(kv), true) => kv.clone(),
                 _ => (
-                    random_tensor::<B, 4>(
-                        [1, HEADS, s, d],
-                        Dist::PEAKY,
-                        sd + 1,
-                        DType::F32,
-                        device,
-                    ),
-                    random_tensor::<B, 4>(
+                    random_tensor::<4>([1, HEADS, s, d], Dist::PEAKY, sd + 1, DType::F32, device),
+                    random_tensor::<4>(
                         [1, HEADS, s, d],
                         Dist::STANDARD,
                         sd + 2,
@@ -70,7 +62,10 @@ fn drive<B: KvBackend>(
             };
             prev = Some((k.clone(), v.clone()));
             let att = ReferenceAttention;
-            let ya = a.attend(layer, q.clone(), k.clone(), v.clone(), &att, &opts);
+            // The compressed cache `a` runs its kernels on a CubeCL device.
+            let ya = on_kernels(device, || {
+                a.attend(layer, q.clone(), k.clone(), v.clone(), &att, &opts)
+            });
             let yb = b.attend(layer, q, k, v, &att, &opts);
             oa.extend(to_f32(ya.into_data()));
             ob.extend(to_f32(yb.into_data()));
@@ -92,7 +87,9 @@ fn full_bytes(layers: usize, seq: usize, d: usize) -> usize {
 
 /// γ = 0 retains every token whose layers differ, so attention equals the full cache's, from
 /// the start layer 0 or the middle, before and after truncation into merged positions.
-fn gamma_zero_matches_full<B: KvBackend>(device: &B::Device) {
+fn gamma_zero_matches_full(device: &Device) {
+    let ops = ["minicache_merge", "minicache_restore"];
+    let before = launch_counts(ops);
     for d in [64, 33] {
         for start in [Some(0), None] {
             let cfg = MiniCacheConfig {
@@ -101,8 +98,8 @@ fn gamma_zero_matches_full<B: KvBackend>(device: &B::Device) {
                 window: 4,
                 ..Default::default()
             };
-            let mut mc = MiniCacheKv::<B>::new(LAYERS, cfg).unwrap();
-            let mut full = FullKvCache::<B>::new(LAYERS);
+            let mut mc = MiniCacheKv::new(LAYERS, cfg).unwrap();
+            let mut full = FullKvCache::new(LAYERS);
             let (y, e) = drive(
                 &mut mc,
                 &mut full,
@@ -115,30 +112,25 @@ fn gamma_zero_matches_full<B: KvBackend>(device: &B::Device) {
             );
             // Where products run in TF32 (CUDA), the restored keys' last-bit differences are
             // amplified by its 10-bit mantissa.
-            assert_close_unless_tf32::<B>(
-                &format!("γ=0 d={d} start={start:?}"),
-                &y,
-                &e,
-                TIGHT,
-                device,
-            );
+            assert_close_unless_tf32(&format!("γ=0 d={d} start={start:?}"), &y, &e, TIGHT, device);
             let s = mc.stats();
             assert!(s.merged > 0 && s.retained == s.merged, "{s:?}");
         }
     }
+    assert_launched(device, ops, before);
 }
 
 /// Identical adjacent layers merge with nothing retained and restore exactly, at a fraction
 /// of the bytes.
-fn identical_layers_lossless<B: KvBackend>(device: &B::Device) {
+fn identical_layers_lossless(device: &Device) {
     let d = 64;
     let cfg = MiniCacheConfig {
         start_layer: Some(0),
         window: 4,
         ..Default::default()
     };
-    let mut mc = MiniCacheKv::<B>::new(LAYERS, cfg).unwrap();
-    let mut full = FullKvCache::<B>::new(LAYERS);
+    let mut mc = MiniCacheKv::new(LAYERS, cfg).unwrap();
+    let mut full = FullKvCache::new(LAYERS);
     let (y, e) = drive(
         &mut mc,
         &mut full,
@@ -149,7 +141,7 @@ fn identical_layers_lossless<B: KvBackend>(device: &B::Device) {
         20,
         device,
     );
-    assert_close_unless_tf32::<B>("identical layers", &y, &e, TIGHT, device);
+    assert_close_unless_tf32("identical layers", &y, &e, TIGHT, device);
     let s = mc.stats();
     assert!(s.merged > 0 && s.retained == 0, "{s:?}");
     let seq = mc.seq_len();
@@ -158,7 +150,15 @@ fn identical_layers_lossless<B: KvBackend>(device: &B::Device) {
 }
 
 /// Quantized caches stay close to the full cache (4 bits closer than 2), through truncation.
-fn quantized_close_to_full<B: KvBackend>(device: &B::Device) {
+fn quantized_close_to_full(device: &Device) {
+    // The quantized read (QuantKv), and the dequantization the merged pairs' restore needs.
+    let ops = [
+        "kv_quantize",
+        "kv_quant_attention",
+        "kv_dequantize",
+        "minicache_merge",
+    ];
+    let before = launch_counts(ops);
     let d = 64;
     let steps: Vec<usize> = [70].into_iter().chain([1; 24]).collect();
     let mut prev_err = 0.0;
@@ -169,8 +169,8 @@ fn quantized_close_to_full<B: KvBackend>(device: &B::Device) {
             residual: 16,
             ..QuantConfig::default()
         };
-        let mut qkv = QuantKv::<B>::new(LAYERS, q).unwrap();
-        let mut full = FullKvCache::<B>::new(LAYERS);
+        let mut qkv = QuantKv::new(LAYERS, q).unwrap();
+        let mut full = FullKvCache::new(LAYERS);
         let (y, e) = drive(
             &mut qkv,
             &mut full,
@@ -188,8 +188,8 @@ fn quantized_close_to_full<B: KvBackend>(device: &B::Device) {
         prev_err = m.rel_l1;
         assert!(qkv.bytes_held() < full.bytes_held());
 
-        let mut mcq = MiniCacheKv::<B>::with_quant(LAYERS, MiniCacheConfig::default(), q).unwrap();
-        let mut full = FullKvCache::<B>::new(LAYERS);
+        let mut mcq = MiniCacheKv::with_quant(LAYERS, MiniCacheConfig::default(), q).unwrap();
+        let mut full = FullKvCache::new(LAYERS);
         let (y, e) = drive(
             &mut mcq,
             &mut full,
@@ -204,12 +204,13 @@ fn quantized_close_to_full<B: KvBackend>(device: &B::Device) {
         assert!(m.cos_sim > min_cos, "minicache+quant{bits}: {m:?}");
         assert!(mcq.bytes_held() < qkv.bytes_held());
     }
+    assert_launched(device, ops, before);
 }
 
 macro_rules! on_all {
     ($($f:ident),* $(,)?) => {
         mod cpu {
-            $( #[test] fn $f() { super::$f::<super::Cpu>(&Default::default()); } )*
+            $( #[test] fn $f() { super::$f(&::burn::tensor::Device::flex()); } )*
         }
         burn_kernels_testing::testgen! { backend: [$($f),*], autodiff: [] }
     };
@@ -225,10 +226,10 @@ on_all!(
 /// 64 tokens are quantized and 36 stay in f32.
 #[test]
 fn quant_bytes_are_exact() {
-    let device = Default::default();
+    let device = Device::flex();
     let (h, d, s) = (HEADS, 64, 100);
-    let mut c = QuantKv::<Cpu>::new(1, QuantConfig::default()).unwrap();
-    let mut full = FullKvCache::<Cpu>::new(1);
+    let mut c = QuantKv::new(1, QuantConfig::default()).unwrap();
+    let mut full = FullKvCache::new(1);
     drive_one(&mut c, &mut full, s, d, &device);
     let words_k = h * 2 * d * 4; // blocks × channels × 4 words (32 codes / 8 per word)
     let stats_k = h * 2 * d * 2; // scale + min per block and channel
@@ -245,13 +246,13 @@ fn quant_bytes_are_exact() {
 /// 20 (merged), 12 (pending) and 8 (pending reaches 20: merged), next to one unmerged layer.
 #[test]
 fn minicache_bytes_are_exact() {
-    let device = Default::default();
+    let device = Device::flex();
     let (h, d) = (HEADS, 64);
     let cfg = MiniCacheConfig {
         start_layer: Some(0),
         ..Default::default()
     };
-    let mut c = MiniCacheKv::<Cpu>::new(3, cfg).unwrap();
+    let mut c = MiniCacheKv::new(3, cfg).unwrap();
     assert_eq!(c.num_pairs(), 1);
     let opts = AttnOptions {
         causal: true,
@@ -259,16 +260,15 @@ fn minicache_bytes_are_exact() {
         key_padding: None,
     };
     for s in [20, 12, 8] {
-        let k =
-            random_tensor::<Cpu, 4>([1, h, s, d], Dist::STANDARD, s as u64, DType::F32, &device);
-        let v = random_tensor::<Cpu, 4>(
+        let k = random_tensor::<4>([1, h, s, d], Dist::STANDARD, s as u64, DType::F32, &device);
+        let v = random_tensor::<4>(
             [1, h, s, d],
             Dist::STANDARD,
             7 + s as u64,
             DType::F32,
             &device,
         );
-        let q = random_tensor::<Cpu, 4>([1, h, s, d], Dist::STANDARD, 9, DType::F32, &device);
+        let q = random_tensor::<4>([1, h, s, d], Dist::STANDARD, 9, DType::F32, &device);
         for layer in 0..3 {
             c.attend(
                 layer,
@@ -288,21 +288,15 @@ fn minicache_bytes_are_exact() {
     assert_eq!(c.bytes_held(), 4 * (2 * per_seq + unmerged));
 }
 
-fn drive_one(
-    a: &mut dyn KvCache<Cpu>,
-    b: &mut dyn KvCache<Cpu>,
-    s: usize,
-    d: usize,
-    device: &burn::backend::ndarray::NdArrayDevice,
-) {
+fn drive_one(a: &mut dyn KvCache, b: &mut dyn KvCache, s: usize, d: usize, device: &Device) {
     let opts = AttnOptions {
         causal: true,
         scale: 0.125,
         key_padding: None,
     };
-    let k = random_tensor::<Cpu, 4>([1, HEADS, s, d], Dist::STANDARD, 1, DType::F32, device);
-    let v = random_tensor::<Cpu, 4>([1, HEADS, s, d], Dist::STANDARD, 2, DType::F32, device);
-    let q = random_tensor::<Cpu, 4>([1, HEADS, s, d], Dist::STANDARD, 3, DType::F32, device);
+    let k = random_tensor::<4>([1, HEADS, s, d], Dist::STANDARD, 1, DType::F32, device);
+    let v = random_tensor::<4>([1, HEADS, s, d], Dist::STANDARD, 2, DType::F32, device);
+    let q = random_tensor::<4>([1, HEADS, s, d], Dist::STANDARD, 3, DType::F32, device);
     a.attend(
         0,
         q.clone(),
@@ -316,8 +310,7 @@ fn drive_one(
 
 #[test]
 fn cache_config_errors() {
-    let mc =
-        |cfg: MiniCacheConfig, layers: usize| MiniCacheKv::<Cpu>::new(layers, cfg).unwrap_err();
+    let mc = |cfg: MiniCacheConfig, layers: usize| MiniCacheKv::new(layers, cfg).unwrap_err();
     let base = MiniCacheConfig::default();
     assert_eq!(
         mc(
@@ -358,19 +351,19 @@ fn cache_config_errors() {
         ..QuantConfig::default()
     };
     assert_eq!(
-        QuantKv::<Cpu>::new(4, q(3, 32)).unwrap_err(),
+        QuantKv::new(4, q(3, 32)).unwrap_err(),
         KvCacheError::InvalidBits(3)
     );
     assert_eq!(
-        QuantKv::<Cpu>::new(4, q(4, 0)).unwrap_err(),
+        QuantKv::new(4, q(4, 0)).unwrap_err(),
         KvCacheError::ZeroGroupSize
     );
     assert_eq!(
-        QuantKv::<Cpu>::new(0, q(4, 32)).unwrap_err(),
+        QuantKv::new(0, q(4, 32)).unwrap_err(),
         KvCacheError::NoLayers
     );
     assert_eq!(
-        MiniCacheKv::<Cpu>::with_quant(30, base, q(8, 32)).unwrap_err(),
+        MiniCacheKv::with_quant(30, base, q(8, 32)).unwrap_err(),
         KvCacheError::InvalidBits(8)
     );
 }

@@ -1,7 +1,41 @@
 //! The crate's integration tests, one module per topic, in one binary: a release build
 //! re-instantiates Burn's generic backends in every test binary (~2 minutes each on 2 cores).
+//!
+//! Every test body takes a `&Device`: the CPU tests pass `Device::flex()` (the tensor-op
+//! reference), `burn_kernels_testing::testgen!` each enabled CubeCL runtime's device (the
+//! kernels, through Burn's `Dispatch`).
 
 mod cache;
 mod ops;
 mod quant_attention;
 mod shadowkv;
+
+use burn::tensor::Device;
+use burn_kernels_core::route::{cube_device, launches, require_kernels};
+
+/// Runs `f` with kernels required on a CubeCL device (`require_kernels`: an op that would
+/// silently take the tensor-op reference there panics); elsewhere (the CPU, which runs the
+/// reference) as is.
+pub fn on_kernels<T>(device: &Device, f: impl FnOnce() -> T) -> T {
+    if cube_device(device).is_some() {
+        require_kernels(f)
+    } else {
+        f()
+    }
+}
+
+/// Launches counted so far of each op (see `burn_kernels_core::route::launches`).
+pub fn launch_counts<const N: usize>(ops: [&'static str; N]) -> [u64; N] {
+    ops.map(launches)
+}
+
+/// On a CubeCL device, checks that each op's kernel was launched since `before` (call it after
+/// the outputs were read back: under fusion the kernels run when the stream executes).
+pub fn assert_launched<const N: usize>(device: &Device, ops: [&'static str; N], before: [u64; N]) {
+    if cube_device(device).is_none() {
+        return;
+    }
+    for (op, before) in ops.iter().zip(before) {
+        assert!(launches(op) > before, "{op}: no kernel launch counted");
+    }
+}

@@ -2,27 +2,26 @@
 //! sizes, poisoned outputs) on every enabled runtime; the quantization error bound and the
 //! merge invariants on the CPU reference too; typed errors.
 
-use burn::backend::NdArray;
-use burn::tensor::{DType, Int, Tensor, TensorCreationOptions, TensorData};
+use burn::tensor::{DType, Device, Int, Tensor, TensorCreationOptions, TensorData};
 use burn_kernels_testing::{
     Dist, Tolerance, assert_close, compare::to_f32, float_dtypes, poison_memory, random_values,
 };
 use burn_kvcache::{
-    KvBackend, KvCacheError, Packed, QuantLayout, dequantize, merge, quantize, reference, restore,
+    KvCacheError, Packed, QuantLayout, dequantize, merge, quantize, reference, restore,
 };
 
-type Cpu = NdArray<f32>;
+use crate::{assert_launched, launch_counts, on_kernels};
 
 /// Rows (2 heads × seq 1, 17, 257) and head dims (64 and an odd one).
 const ROWS: &[usize] = &[2, 34, 514];
 const DIMS: &[usize] = &[64, 33];
 
-fn tensor<B: KvBackend, const D: usize>(
+fn tensor<const D: usize>(
     values: Vec<f32>,
     shape: [usize; D],
     dtype: DType,
-    device: &B::Device,
-) -> Tensor<B, D> {
+    device: &Device,
+) -> Tensor<D> {
     let data = TensorData::new(values, shape).convert_dtype(dtype);
     Tensor::from_data(
         data,
@@ -30,8 +29,8 @@ fn tensor<B: KvBackend, const D: usize>(
     )
 }
 
-fn cpu<const D: usize>(values: Vec<f32>, shape: [usize; D]) -> Tensor<Cpu, D> {
-    Tensor::from_data(TensorData::new(values, shape), &Default::default())
+fn cpu<const D: usize>(values: Vec<f32>, shape: [usize; D]) -> Tensor<D> {
+    Tensor::from_data(TensorData::new(values, shape), &Device::flex())
 }
 
 /// Row pairs whose angles spread over [0, ~0.5π]: `b = a + σᵢ·noise`, `σᵢ` from 0 to 1.5.
@@ -55,8 +54,9 @@ fn rows_of(v: &[f32], d: usize, skip: &[bool]) -> Vec<f32> {
         .collect()
 }
 
-fn merge_matches_reference<B: KvBackend>(device: &B::Device) {
-    for dtype in float_dtypes::<B>(device) {
+fn merge_matches_reference(device: &Device) {
+    let before = launch_counts(["minicache_merge"]);
+    for dtype in float_dtypes(device) {
         for (c, (&n, &d)) in ROWS
             .iter()
             .flat_map(|n| DIMS.iter().map(move |d| (n, d)))
@@ -64,14 +64,14 @@ fn merge_matches_reference<B: KvBackend>(device: &B::Device) {
         {
             for &(t, gamma) in &[(0.6, 0.05), (0.3, 0.0), (1.0, 1.0), (0.0, 0.2)] {
                 let (a, b) = pair_values(n, d, 100 + c as u64);
-                let at = tensor::<B, 2>(a, [n, d], dtype, device);
-                let bt = tensor::<B, 2>(b, [n, d], dtype, device);
+                let at = tensor::<2>(a, [n, d], dtype, device);
+                let bt = tensor::<2>(b, [n, d], dtype, device);
                 // The reference sees the values the kernel sees (rounded to `dtype`).
                 let (ar, br) = (to_f32(at.to_data()), to_f32(bt.to_data()));
                 let exp = reference::merge(cpu(ar, [n, d]), cpu(br, [n, d]), t, gamma);
-                poison_memory::<B>(device, 4 * n * d, dtype);
-                poison_memory::<B>(device, 4 * n, DType::F32);
-                let got = merge(at, bt, t, gamma).expect("valid");
+                poison_memory(device, 4 * n * d, dtype);
+                poison_memory(device, 4 * n, DType::F32);
+                let got = on_kernels(device, || merge(at, bt, t, gamma)).expect("valid");
                 let name = format!("merge n={n} d={d} t={t} γ={gamma} {dtype:?}");
                 let tol = Tolerance::for_reduction(dtype, d);
                 let dist_e = to_f32(exp.dist.into_data());
@@ -123,10 +123,12 @@ fn merge_matches_reference<B: KvBackend>(device: &B::Device) {
             }
         }
     }
+    assert_launched(device, ["minicache_merge"], before);
 }
 
-fn restore_matches_reference<B: KvBackend>(device: &B::Device) {
-    for dtype in float_dtypes::<B>(device) {
+fn restore_matches_reference(device: &Device) {
+    let before = launch_counts(["minicache_restore"]);
+    for dtype in float_dtypes(device) {
         for (c, (&n, &d)) in ROWS
             .iter()
             .flat_map(|n| DIMS.iter().map(move |d| (n, d)))
@@ -146,10 +148,10 @@ fn restore_matches_reference<B: KvBackend>(device: &B::Device) {
             }
             let rows = random_values(r.max(1) as usize * d, Dist::STANDARD, seed + 2);
             let r = r as usize;
-            let dir_t = tensor::<B, 2>(dir, [n, d], dtype, device);
-            let mag_t = tensor::<B, 1>(mag, [n], dtype, device);
-            let rows_t = tensor::<B, 2>(rows, [r.max(1), d], dtype, device);
-            let slot_t = Tensor::<B, 1, Int>::from_data(
+            let dir_t = tensor::<2>(dir, [n, d], dtype, device);
+            let mag_t = tensor::<1>(mag, [n], dtype, device);
+            let rows_t = tensor::<2>(rows, [r.max(1), d], dtype, device);
+            let slot_t = Tensor::<1, Int>::from_data(
                 TensorData::new(slots.clone(), [n]),
                 TensorCreationOptions::new(device.clone()).with_dtype(DType::I32),
             );
@@ -158,9 +160,9 @@ fn restore_matches_reference<B: KvBackend>(device: &B::Device) {
                 cpu(to_f32(mag_t.to_data()), [n]),
                 cpu(to_f32(rows_t.to_data()), [r.max(1), d]),
             );
-            let slot_c = Tensor::<Cpu, 1, Int>::from_data(
+            let slot_c = Tensor::<1, Int>::from_data(
                 TensorData::new(slots.iter().map(|&s| s as i64).collect(), [n]),
-                &Default::default(),
+                &Device::flex(),
             );
             let tol = Tolerance::for_dtype(dtype);
             for with_rows in [false, true] {
@@ -169,12 +171,14 @@ fn restore_matches_reference<B: KvBackend>(device: &B::Device) {
                     mc.clone(),
                     with_rows.then(|| (slot_c.clone(), rc.clone())),
                 );
-                poison_memory::<B>(device, 2 * n * d, dtype);
-                let got = restore(
-                    dir_t.clone(),
-                    mag_t.clone(),
-                    with_rows.then(|| (slot_t.clone(), rows_t.clone())),
-                )
+                poison_memory(device, 2 * n * d, dtype);
+                let got = on_kernels(device, || {
+                    restore(
+                        dir_t.clone(),
+                        mag_t.clone(),
+                        with_rows.then(|| (slot_t.clone(), rows_t.clone())),
+                    )
+                })
                 .expect("valid");
                 assert_eq!(got.dtype(), dtype);
                 assert_close(
@@ -186,6 +190,7 @@ fn restore_matches_reference<B: KvBackend>(device: &B::Device) {
             }
         }
     }
+    assert_launched(device, ["minicache_restore"], before);
 }
 
 fn unpack(words: &[u32], layout: QuantLayout, rows: usize) -> Vec<u32> {
@@ -206,11 +211,11 @@ fn unpack(words: &[u32], layout: QuantLayout, rows: usize) -> Vec<u32> {
     out
 }
 
-fn words_of<B: KvBackend>(p: &Packed<B>) -> Vec<u32> {
+fn words_of(p: &Packed) -> Vec<u32> {
     p.words
         .to_data()
         .convert::<u32>()
-        .to_vec::<u32>()
+        .try_to_vec::<u32>()
         .expect("u32 words")
 }
 
@@ -224,18 +229,20 @@ const QUANT_CASES: &[(usize, usize, usize)] = &[
     (3, 5, 64),
 ];
 
-fn quantize_matches_reference<B: KvBackend>(device: &B::Device) {
-    for dtype in float_dtypes::<B>(device) {
+fn quantize_matches_reference(device: &Device) {
+    let ops = ["kv_quantize", "kv_dequantize"];
+    let before = launch_counts(ops);
+    for dtype in float_dtypes(device) {
         for (c, &(rows, cols, group)) in QUANT_CASES.iter().enumerate() {
             for bits in [2, 4] {
                 let x = random_values(rows * cols, Dist::PEAKY, 300 + c as u64);
-                let xt = tensor::<B, 2>(x, [rows, cols], dtype, device);
+                let xt = tensor::<2>(x, [rows, cols], dtype, device);
                 let xs = to_f32(xt.to_data());
                 let xc = cpu(xs.clone(), [rows, cols]);
                 let layout = QuantLayout::new(bits, group, cols).unwrap();
                 let exp = reference::quantize(xc, layout);
-                poison_memory::<B>(device, 4 * rows * cols, dtype);
-                let (got, l2) = quantize(xt, bits, group).expect("valid");
+                poison_memory(device, 4 * rows * cols, dtype);
+                let (got, l2) = on_kernels(device, || quantize(xt, bits, group)).expect("valid");
                 assert_eq!(l2, layout);
                 let name = format!("quantize {rows}x{cols} g={group} {bits}b {dtype:?}");
                 let tol = Tolerance::for_dtype(dtype);
@@ -298,17 +305,17 @@ fn quantize_matches_reference<B: KvBackend>(device: &B::Device) {
                 // Dequantization of the kernel's words: kernel and reference agree.
                 let exp_x = reference::dequantize(
                     &Packed {
-                        words: Tensor::<Cpu, 2, Int>::from_data(
+                        words: Tensor::<2, Int>::from_data(
                             TensorData::new(wg.clone(), got.words.dims()),
-                            &Default::default(),
+                            TensorCreationOptions::new(Device::flex()).with_dtype(DType::U32),
                         ),
                         scale: cpu(to_f32(got.scale.to_data()), got.scale.dims()),
                         min: cpu(to_f32(got.min.to_data()), got.min.dims()),
                     },
                     layout,
                 );
-                poison_memory::<B>(device, 4 * rows * cols, dtype);
-                let got_x = dequantize(&got, layout);
+                poison_memory(device, 4 * rows * cols, dtype);
+                let got_x = on_kernels(device, || dequantize(&got, layout));
                 assert_eq!(got_x.dims(), [rows, cols]);
                 assert_close(
                     &format!("{name} dequantize"),
@@ -319,6 +326,7 @@ fn quantize_matches_reference<B: KvBackend>(device: &B::Device) {
             }
         }
     }
+    assert_launched(device, ops, before);
 }
 
 /// The unused high bits of every group's last word.
@@ -336,16 +344,16 @@ fn unpack_padding(words: &[u32], layout: QuantLayout) -> Vec<u32> {
 }
 
 /// `|x − dequantize(quantize(x))| ≤ scale/2` per element (plus rounding of the stored values).
-fn quant_error_bound<B: KvBackend>(device: &B::Device) {
-    for dtype in float_dtypes::<B>(device) {
+fn quant_error_bound(device: &Device) {
+    for dtype in float_dtypes(device) {
         for (c, &(rows, cols, group)) in QUANT_CASES.iter().enumerate() {
             for bits in [2, 4] {
                 for dist in [Dist::STANDARD, Dist::PEAKY] {
                     let x = random_values(rows * cols, dist, 400 + c as u64);
-                    let xt = tensor::<B, 2>(x, [rows, cols], dtype, device);
+                    let xt = tensor::<2>(x, [rows, cols], dtype, device);
                     let xs = to_f32(xt.to_data());
-                    let (p, layout) = quantize(xt, bits, group).unwrap();
-                    let y = to_f32(dequantize(&p, layout).into_data());
+                    let (p, layout) = on_kernels(device, || quantize(xt, bits, group)).unwrap();
+                    let y = to_f32(on_kernels(device, || dequantize(&p, layout)).into_data());
                     let scale = to_f32(p.scale.to_data());
                     let g = layout.group_len();
                     let eps = Tolerance::for_dtype(dtype);
@@ -372,14 +380,14 @@ fn quant_error_bound<B: KvBackend>(device: &B::Device) {
 
 /// Identical rows merge to their own direction (θ = 0) and restore exactly; γ = 0 retains
 /// every row whose directions differ.
-fn merge_invariants<B: KvBackend>(device: &B::Device) {
+fn merge_invariants(device: &Device) {
     let (n, d) = (34, 33);
     let a = random_values(n * d, Dist::STANDARD, 500);
-    let at = tensor::<B, 2>(a.clone(), [n, d], DType::F32, device);
-    let m = merge(at.clone(), at.clone(), 0.6, 0.05).unwrap();
+    let at = tensor::<2>(a.clone(), [n, d], DType::F32, device);
+    let m = on_kernels(device, || merge(at.clone(), at.clone(), 0.6, 0.05)).unwrap();
     let dist = to_f32(m.dist.clone().into_data());
     assert!(dist.iter().all(|&x| x <= 1e-6), "identical rows: θ = 0");
-    let back = restore(m.dir.clone(), m.mag_b.clone(), None).unwrap();
+    let back = on_kernels(device, || restore(m.dir.clone(), m.mag_b.clone(), None)).unwrap();
     assert_close(
         "identical rows restore",
         &to_f32(back.into_data()),
@@ -391,16 +399,16 @@ fn merge_invariants<B: KvBackend>(device: &B::Device) {
     );
 
     let (a, b) = pair_values(n, d, 501);
-    let bt = tensor::<B, 2>(b.clone(), [n, d], DType::F32, device);
-    let at = tensor::<B, 2>(a.clone(), [n, d], DType::F32, device);
-    let m = merge(at, bt, 0.6, 0.0).unwrap();
+    let bt = tensor::<2>(b.clone(), [n, d], DType::F32, device);
+    let at = tensor::<2>(a.clone(), [n, d], DType::F32, device);
+    let m = on_kernels(device, || merge(at, bt, 0.6, 0.0)).unwrap();
     let dist = to_f32(m.dist.into_data());
     for (i, &x) in dist.iter().enumerate() {
         // Row i of the pair values has noise σ = (i mod 16)·0.1: only σ = 0 rows coincide,
         // to within rounding (CUDA's fused multiply-adds leave a few ulps).
         assert_eq!(x > 1e-6, i % 16 != 0, "row {i}: dist {x}");
     }
-    let ra = restore(m.dir, m.mag_a, None).unwrap();
+    let ra = on_kernels(device, || restore(m.dir, m.mag_a, None)).unwrap();
     assert_close(
         "γ = 0: layer a restores exactly",
         &to_f32(ra.into_data()),
@@ -412,12 +420,184 @@ fn merge_invariants<B: KvBackend>(device: &B::Device) {
     );
 }
 
+/// The extension ops called on the unfused `CubeBackend` directly give what the public ops
+/// give through Burn's `Dispatch` (on `Fusion<CubeBackend>`, where Burn fuses): the same kernels
+/// on the same values, bit for bit. Covers a tuple output (merge), the retained restore (an int
+/// input), a struct output and input (quantize, dequantize) and the quantized read with its
+/// enum inputs (a tail and a key padding mask).
+#[cfg(feature = "cube")]
+fn unfused_matches_dispatch(device: &Device) {
+    use burn::tensor::{Bool, IntDType};
+    use burn_cubecl::CubeBackend;
+    use burn_kernels_core::AttnOptions;
+    use burn_kernels_core::route::require_kernels;
+    use burn_kernels_testing::unfused::{float, int, read_float, read_int};
+    use burn_kvcache::{
+        KeyMask, KvKernels, KvTail, PackedPrimitive, QuantAttnPlan, QuantAttnView, quant_attention,
+    };
+
+    let f32s = |data: TensorData| to_f32(data);
+    let u32s = |data: TensorData| data.convert::<u32>().try_to_vec::<u32>().expect("u32");
+    let ops = [
+        "minicache_merge",
+        "minicache_restore",
+        "kv_quantize",
+        "kv_dequantize",
+        "kv_quant_attention",
+    ];
+    let before = launch_counts(ops);
+
+    // Merge (four outputs) and the retained restore.
+    let (n, d) = (34, 33);
+    let (a, b) = pair_values(n, d, 600);
+    let at = tensor::<2>(a, [n, d], DType::F32, device);
+    let bt = tensor::<2>(b, [n, d], DType::F32, device);
+    let (dir, mag_a, mag_b, dist) =
+        CubeBackend::minicache_merge(float(&at, device), float(&bt, device), 0.6, 0.05);
+    let fused = require_kernels(|| merge(at, bt.clone(), 0.6, 0.05)).expect("valid");
+    assert_eq!(
+        f32s(read_float(dir)),
+        f32s(fused.dir.to_data()),
+        "merge dir"
+    );
+    assert_eq!(
+        f32s(read_float(mag_a)),
+        f32s(fused.mag_a.to_data()),
+        "merge mag_a"
+    );
+    assert_eq!(
+        f32s(read_float(mag_b)),
+        f32s(fused.mag_b.to_data()),
+        "merge mag_b"
+    );
+    assert_eq!(
+        f32s(read_float(dist)),
+        f32s(fused.dist.to_data()),
+        "merge dist"
+    );
+    let slots: Vec<i32> = (0..n as i32)
+        .map(|i| if i % 3 == 0 { i / 3 + 1 } else { 0 })
+        .collect();
+    let slot = Tensor::<1, Int>::from_data(
+        TensorData::new(slots, [n]),
+        TensorCreationOptions::new(device.clone()).with_dtype(DType::I32),
+    );
+    let direct = CubeBackend::minicache_restore_retained(
+        float(&fused.dir, device),
+        float(&fused.mag_b, device),
+        int(&slot, device),
+        float(&bt, device),
+    );
+    let via = require_kernels(|| restore(fused.dir, fused.mag_b, Some((slot, bt)))).expect("valid");
+    assert_eq!(f32s(read_float(direct)), f32s(via.into_data()), "restore");
+
+    // Quantize (a struct output) and dequantize (a struct input).
+    let (rows, cols, group) = (17, 33, 7);
+    let x = tensor::<2>(
+        random_values(rows * cols, Dist::PEAKY, 601),
+        [rows, cols],
+        DType::F32,
+        device,
+    );
+    let layout = QuantLayout::new(4, group, cols).unwrap();
+    let direct = CubeBackend::kv_quantize(float(&x, device), layout);
+    let (via, _) = require_kernels(|| quantize(x, 4, group)).expect("valid");
+    let words = read_int(direct.words);
+    assert_eq!(words.dtype(), DType::U32);
+    assert_eq!(u32s(words), u32s(via.words.to_data()), "quantize words");
+    let (scale, min) = (read_float(direct.scale), read_float(direct.min));
+    assert_eq!(
+        f32s(scale.clone()),
+        f32s(via.scale.to_data()),
+        "quantize scale"
+    );
+    assert_eq!(f32s(min.clone()), f32s(via.min.to_data()), "quantize min");
+    let prim = |p: &Packed| PackedPrimitive::<CubeBackend> {
+        words: int(&p.words, device),
+        scale: float(&p.scale, device),
+        min: float(&p.min, device),
+    };
+    let direct = CubeBackend::kv_dequantize(prim(&via), layout);
+    let fused = require_kernels(|| dequantize(&via, layout));
+    assert_eq!(
+        f32s(read_float(direct)),
+        f32s(fused.into_data()),
+        "dequantize"
+    );
+
+    // The quantized read: 32 quantized positions (keys per channel, values per token), a tail
+    // of 5, the first two keys of the sequence hidden.
+    let (hq, hkv, sq, qlen, t, d) = (4, 2, 2, 32, 5, 16);
+    let rnd = |shape: [usize; 4], seed| {
+        tensor::<4>(
+            random_values(shape.iter().product(), Dist::STANDARD, seed),
+            shape,
+            DType::F32,
+            device,
+        )
+    };
+    let (q, k, v) = (
+        rnd([1, hq, sq, d], 602),
+        rnd([1, hkv, qlen, d], 603),
+        rnd([1, hkv, qlen, d], 604),
+    );
+    let (tk, tv) = (rnd([1, hkv, t, d], 605), rnd([1, hkv, t, d], 606));
+    let krows = k
+        .reshape([1, hkv, 1, qlen, d])
+        .swap_dims(3, 4)
+        .reshape([hkv * d, qlen]);
+    let (kp, kl) = quantize(krows, 4, qlen).expect("valid");
+    let (vp, vl) = quantize(v.reshape([hkv * qlen, d]), 4, qlen).expect("valid");
+    let hidden: Vec<bool> = (0..qlen + t).map(|j| j < 2).collect();
+    let padding = Tensor::<2, Bool>::from_data(TensorData::new(hidden, [1, qlen + t]), device);
+    let opts = AttnOptions {
+        causal: true,
+        scale: 0.25,
+        key_padding: Some(padding.clone()),
+    };
+    let plan = QuantAttnPlan {
+        keys: kl,
+        values: vl,
+        qlen,
+        kv_heads: hkv,
+        scale: opts.scale,
+        causal: true,
+    };
+    let mask = padding.int().cast(IntDType::I32);
+    let direct = CubeBackend::kv_quant_attention(
+        float(&q, device),
+        prim(&kp),
+        prim(&vp),
+        KvTail::Present {
+            k: float(&tk, device),
+            v: float(&tv, device),
+        },
+        KeyMask::Present {
+            mask: int(&mask, device),
+        },
+        plan,
+    );
+    let view = QuantAttnView {
+        keys: Some((kp, kl)),
+        values: Some((vp, vl)),
+        qlen,
+        tail: Some((tk, tv)),
+    };
+    let fused = require_kernels(|| quant_attention(q, &view, &opts)).expect("valid");
+    assert_eq!(
+        f32s(read_float(direct)),
+        f32s(fused.into_data()),
+        "quant_attention"
+    );
+    assert_launched(device, ops, before);
+}
+
 macro_rules! on_all {
-    ($($f:ident),* $(,)?) => {
+    ($($f:ident),* $(,)?; kernels only: [$($g:ident),* $(,)?] $(,)?) => {
         mod cpu {
-            $( #[test] fn $f() { super::$f::<super::Cpu>(&Default::default()); } )*
+            $( #[test] fn $f() { super::$f(&::burn::tensor::Device::flex()); } )*
         }
-        burn_kernels_testing::testgen! { backend: [$($f),*], autodiff: [] }
+        burn_kernels_testing::testgen! { backend: [$($f,)* $($g,)*], autodiff: [] }
     };
 }
 
@@ -426,7 +606,8 @@ on_all!(
     restore_matches_reference,
     quantize_matches_reference,
     quant_error_bound,
-    merge_invariants,
+    merge_invariants;
+    kernels only: [unfused_matches_dispatch],
 );
 
 #[test]

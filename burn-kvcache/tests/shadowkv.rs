@@ -3,8 +3,7 @@
 //! batches of different lengths, truncation); retrieval of a planted chunk at a small budget;
 //! low-rank error against rank; exact host round trips of values; typed config errors.
 
-use burn::backend::NdArray;
-use burn::tensor::{Bool, DType, Int, Tensor, TensorCreationOptions, TensorData};
+use burn::tensor::{Bool, DType, Device, Int, Tensor, TensorCreationOptions, TensorData};
 use burn_kernels_core::{AttnOptions, FullKvCache, KvCache, ReferenceAttention};
 use burn_kernels_testing::{
     Dist, TF32_REL_L2, Tolerance, assert_close, assert_matmul_close, compare::metrics,
@@ -12,18 +11,17 @@ use burn_kernels_testing::{
 };
 use burn_kvcache::shadowkv::{HostValues, low_rank, rope_tables, unrope};
 use burn_kvcache::{
-    KvBackend, KvCacheError, RopeParams, ShadowKvCache, ShadowKvConfig, gather_reconstruct_rope,
-    reference,
+    KvCacheError, RopeParams, ShadowKvCache, ShadowKvConfig, gather_reconstruct_rope, reference,
 };
 
-type Cpu = NdArray<f32>;
+use crate::{assert_launched, launch_counts, on_kernels};
 
-fn tensor<B: KvBackend, const D: usize>(
+fn tensor<const D: usize>(
     values: Vec<f32>,
     shape: [usize; D],
     dtype: DType,
-    device: &B::Device,
-) -> Tensor<B, D> {
+    device: &Device,
+) -> Tensor<D> {
     let data = TensorData::new(values, shape).convert_dtype(dtype);
     Tensor::from_data(
         data,
@@ -31,8 +29,8 @@ fn tensor<B: KvBackend, const D: usize>(
     )
 }
 
-fn cpu<const D: usize>(values: Vec<f32>, shape: [usize; D]) -> Tensor<Cpu, D> {
-    Tensor::from_data(TensorData::new(values, shape), &Default::default())
+fn cpu<const D: usize>(values: Vec<f32>, shape: [usize; D]) -> Tensor<D> {
+    Tensor::from_data(TensorData::new(values, shape), &Device::flex())
 }
 
 /// The rebuild as scalar loops in f64: the oracle of the reference.
@@ -90,8 +88,9 @@ const GATHER_CASES: &[[usize; 8]] = &[
     [2, 64, 31, 4, 128, 6, 8, 64],
 ];
 
-fn gather_rope_matches_reference<B: KvBackend>(device: &B::Device) {
-    for dtype in float_dtypes::<B>(device) {
+fn gather_rope_matches_reference(device: &Device) {
+    let before = launch_counts(["shadowkv_gather_reconstruct_rope"]);
+    for dtype in float_dtypes(device) {
         for (c, &[b, rows, rank, h, d, k, chunk, positions]) in GATHER_CASES.iter().enumerate() {
             let seed = 500 + 10 * c as u64;
             let a = random_values(b * rows * rank, Dist::STANDARD, seed);
@@ -108,10 +107,10 @@ fn gather_rope_matches_reference<B: KvBackend>(device: &B::Device) {
                 theta: 10_000.0,
                 scaling: None,
             };
-            let (cos, sin) = rope_tables::<B>(d, positions, rope, device);
-            let at = tensor::<B, 3>(a, [b, rows, rank], dtype, device);
-            let wtt = tensor::<B, 4>(wt, [b, h, rank, d], dtype, device);
-            let idt = Tensor::<B, 3, Int>::from_data(
+            let (cos, sin) = rope_tables(d, positions, rope, device);
+            let at = tensor::<3>(a, [b, rows, rank], dtype, device);
+            let wtt = tensor::<4>(wt, [b, h, rank, d], dtype, device);
+            let idt = Tensor::<3, Int>::from_data(
                 TensorData::new(ids.clone(), [b, h, k]),
                 TensorCreationOptions::new(device.clone()).with_dtype(DType::I32),
             );
@@ -132,9 +131,9 @@ fn gather_rope_matches_reference<B: KvBackend>(device: &B::Device) {
             );
             let name = format!("gather_rope case {c} {dtype:?}");
             let tol = Tolerance::for_reduction(dtype, rank);
-            let ids_cpu = Tensor::<Cpu, 3, Int>::from_data(
+            let ids_cpu = Tensor::<3, Int>::from_data(
                 TensorData::new(ids.iter().map(|&x| x as i64).collect::<Vec<_>>(), [b, h, k]),
-                &Default::default(),
+                &Device::flex(),
             );
             let r = reference::gather_reconstruct_rope(
                 cpu(ar, [b, rows, rank]),
@@ -150,12 +149,16 @@ fn gather_rope_matches_reference<B: KvBackend>(device: &B::Device) {
                 &want,
                 Tolerance::for_reduction(DType::F32, rank),
             );
-            poison_memory::<B>(device, 2 * b * h * k * chunk * d, dtype);
-            let got = gather_reconstruct_rope(at, wtt, idt, cos, sin, chunk).expect("valid");
+            poison_memory(device, 2 * b * h * k * chunk * d, dtype);
+            let got = on_kernels(device, || {
+                gather_reconstruct_rope(at, wtt, idt, cos, sin, chunk)
+            })
+            .expect("valid");
             assert_eq!(got.dims(), [b, h, k * chunk, d]);
             assert_close(&name, &to_f32(got.into_data()), &want, tol);
         }
     }
+    assert_launched(device, ["shadowkv_gather_reconstruct_rope"], before);
 }
 
 struct Run {
@@ -170,15 +173,15 @@ const LAYERS: usize = 3;
 /// leading ones masked) then decode steps of `steps` tokens; `cut` truncates to `len` before
 /// step `at`.
 #[allow(clippy::too_many_arguments)]
-fn drive<B: KvBackend>(
-    cache: &mut dyn KvCache<B>,
+fn drive(
+    cache: &mut dyn KvCache,
     (b, hq, h, d): (usize, usize, usize, usize),
     prompt: usize,
     pads: &[usize],
     steps: &[usize],
     cut: Option<(usize, usize)>,
     seed: u64,
-    device: &B::Device,
+    device: &Device,
 ) -> Run {
     let mut run = Run {
         decode: Vec::new(),
@@ -199,7 +202,7 @@ fn drive<B: KvBackend>(
             let data: Vec<bool> = (0..b)
                 .flat_map(|r| (0..total).map(move |j| j < pads[r]))
                 .collect();
-            Tensor::<B, 2, Bool>::from_data(TensorData::new(data, [b, total]), device)
+            Tensor::<2, Bool>::from_data(TensorData::new(data, [b, total]), device)
         });
         let opts = AttnOptions {
             causal: true,
@@ -208,9 +211,9 @@ fn drive<B: KvBackend>(
         };
         for layer in 0..LAYERS {
             let sd = seed + (i * LAYERS + layer) as u64 * 3;
-            let q = random_tensor::<B, 4>([b, hq, s, d], Dist::STANDARD, sd, DType::F32, device);
-            let k = random_tensor::<B, 4>([b, h, s, d], Dist::STANDARD, sd + 1, DType::F32, device);
-            let v = random_tensor::<B, 4>([b, h, s, d], Dist::STANDARD, sd + 2, DType::F32, device);
+            let q = random_tensor::<4>([b, hq, s, d], Dist::STANDARD, sd, DType::F32, device);
+            let k = random_tensor::<4>([b, h, s, d], Dist::STANDARD, sd + 1, DType::F32, device);
+            let v = random_tensor::<4>([b, h, s, d], Dist::STANDARD, sd + 2, DType::F32, device);
             let y = to_f32(
                 cache
                     .attend(layer, q, k, v, &ReferenceAttention, &opts)
@@ -240,7 +243,7 @@ fn cfg(rank: usize, budget: usize) -> ShadowKvConfig {
 /// Budget ≥ context at full rank: every chunk is selected and rebuilt exactly (up to
 /// rounding), so decoding equals the full cache; GQA, two head dims, a prime prompt length,
 /// batch 2 with different lengths (left padding), and truncation back into the prompt.
-fn budget_covers_context_matches_full<B: KvBackend>(device: &B::Device) {
+fn budget_covers_context_matches_full(device: &Device) {
     let steps = [1, 1, 3, 1, 2];
     for (b, hq, h, d, pads) in [
         (1, 4, 2, 32, vec![0]),
@@ -250,16 +253,18 @@ fn budget_covers_context_matches_full<B: KvBackend>(device: &B::Device) {
         let prompt = 61;
         let dims = (b, hq, h, d);
         let mut sk =
-            ShadowKvCache::<B>::new(LAYERS, h, d, cfg(h * d, 64), RopeParams::default()).unwrap();
-        let mut full = FullKvCache::<B>::new(LAYERS);
-        let y = drive(&mut sk, dims, prompt, &pads, &steps, None, 70, device);
+            ShadowKvCache::new(LAYERS, h, d, cfg(h * d, 64), RopeParams::default()).unwrap();
+        let mut full = FullKvCache::new(LAYERS);
+        let y = on_kernels(device, || {
+            drive(&mut sk, dims, prompt, &pads, &steps, None, 70, device)
+        });
         let e = drive(&mut full, dims, prompt, &pads, &steps, None, 70, device);
         assert!((0..LAYERS).all(|l| sk.is_sparse(l)));
         let name = format!("budget ≥ context b={b} hq={hq} h={h} d={d}");
         assert_eq!(y.prefill, e.prefill, "{name}: the prefill is exact");
         // The rebuilt keys pass through two f32 products over h·d terms (K·W, A·Wᵀ), in TF32
         // on CUDA.
-        assert_matmul_close::<B>(&name, &y.decode, &e.decode, 2 * h * d, device);
+        assert_matmul_close(&name, &y.decode, &e.decode, 2 * h * d, device);
         let t = sk.timings();
         assert_eq!(t.layer_steps, LAYERS * steps.len());
         assert!(t.chunks_reused > 0, "{t:?}");
@@ -271,18 +276,20 @@ fn budget_covers_context_matches_full<B: KvBackend>(device: &B::Device) {
 
         // Truncating into the prompt rebuilds it (full rank: exactly) as a full cache.
         let mut sk =
-            ShadowKvCache::<B>::new(LAYERS, h, d, cfg(h * d, 64), RopeParams::default()).unwrap();
-        let mut full = FullKvCache::<B>::new(LAYERS);
-        let y = drive(
-            &mut sk,
-            dims,
-            prompt,
-            &pads,
-            &steps,
-            Some((3, 50)),
-            90,
-            device,
-        );
+            ShadowKvCache::new(LAYERS, h, d, cfg(h * d, 64), RopeParams::default()).unwrap();
+        let mut full = FullKvCache::new(LAYERS);
+        let y = on_kernels(device, || {
+            drive(
+                &mut sk,
+                dims,
+                prompt,
+                &pads,
+                &steps,
+                Some((3, 50)),
+                90,
+                device,
+            )
+        });
         let e = drive(
             &mut full,
             dims,
@@ -294,7 +301,7 @@ fn budget_covers_context_matches_full<B: KvBackend>(device: &B::Device) {
             device,
         );
         assert!(!sk.is_sparse(0));
-        assert_matmul_close::<B>(
+        assert_matmul_close(
             &format!("{name} truncated"),
             &y.decode,
             &e.decode,
@@ -306,20 +313,24 @@ fn budget_covers_context_matches_full<B: KvBackend>(device: &B::Device) {
 
 /// Each sequence of a batch selects on its own: batch 2 of different lengths (left padded)
 /// gives each sequence what it gets alone, at a small budget and low rank.
-fn batch_matches_single<B: KvBackend>(device: &B::Device) {
+fn batch_matches_single(device: &Device) {
     let (hq, h, d) = (4, 2, 32);
     let steps = [1, 2, 1];
     let lens = [67, 53];
     let prompt = 67;
     let c = cfg(24, 16);
-    let mut batch = ShadowKvCache::<B>::new(LAYERS, h, d, c, RopeParams::default()).unwrap();
+    let mut batch = ShadowKvCache::new(LAYERS, h, d, c, RopeParams::default()).unwrap();
     let pads: Vec<usize> = lens.iter().map(|l| prompt - l).collect();
     // Each sequence's inputs are the batch's rows: drive the batch with per-row seeds by
     // running both sequences alone with the batch's data taken apart.
-    let both = drive_rows::<B>(&mut batch, (hq, h, d), &lens, prompt, &steps, device);
+    let both = on_kernels(device, || {
+        drive_rows(&mut batch, (hq, h, d), &lens, prompt, &steps, device)
+    });
     for (r, &len) in lens.iter().enumerate() {
-        let mut one = ShadowKvCache::<B>::new(LAYERS, h, d, c, RopeParams::default()).unwrap();
-        let alone = drive_rows::<B>(&mut one, (hq, h, d), &[len], len, &steps, device);
+        let mut one = ShadowKvCache::new(LAYERS, h, d, c, RopeParams::default()).unwrap();
+        let alone = on_kernels(device, || {
+            drive_rows(&mut one, (hq, h, d), &[len], len, &steps, device)
+        });
         let got: Vec<f32> = both
             .iter()
             .flat_map(|call| call[r].iter().copied())
@@ -328,7 +339,7 @@ fn batch_matches_single<B: KvBackend>(device: &B::Device) {
             .iter()
             .flat_map(|call| call[0].iter().copied())
             .collect();
-        assert_matmul_close::<B>(
+        assert_matmul_close(
             &format!("batch row {r} (pad {})", pads[r]),
             &got,
             &want,
@@ -340,13 +351,13 @@ fn batch_matches_single<B: KvBackend>(device: &B::Device) {
 
 /// Like [`drive`] but each row's Q/K/V come from its own seed (so a row alone gets the same
 /// data): returns per decode call, per row, the flattened output.
-fn drive_rows<B: KvBackend>(
-    cache: &mut dyn KvCache<B>,
+fn drive_rows(
+    cache: &mut dyn KvCache,
     (hq, h, d): (usize, usize, usize),
     lens: &[usize],
     prompt: usize,
     steps: &[usize],
-    device: &B::Device,
+    device: &Device,
 ) -> Vec<Vec<Vec<f32>>> {
     let b = lens.len();
     let pads: Vec<usize> = lens.iter().map(|l| prompt - l).collect();
@@ -360,7 +371,7 @@ fn drive_rows<B: KvBackend>(
             let data: Vec<bool> = (0..b)
                 .flat_map(|r| (0..total).map(|j| j < pads[r]).collect::<Vec<_>>())
                 .collect();
-            Tensor::<B, 2, Bool>::from_data(TensorData::new(data, [b, total]), device)
+            Tensor::<2, Bool>::from_data(TensorData::new(data, [b, total]), device)
         });
         let opts = AttnOptions {
             causal: true,
@@ -371,12 +382,12 @@ fn drive_rows<B: KvBackend>(
             // Row r's data: its own seed, its real tokens at the end (the prompt's padding
             // slots get filler).
             let make = |heads: usize, which: u64| {
-                let rows: Vec<Tensor<B, 4>> = lens
+                let rows: Vec<Tensor<4>> = lens
                     .iter()
                     .map(|&len| {
                         let sd = 1000 * len as u64 + (i * LAYERS + layer) as u64 * 3 + which;
                         let real = if i == 0 { len } else { s };
-                        let x = random_tensor::<B, 4>(
+                        let x = random_tensor::<4>(
                             [1, heads, real, d],
                             Dist::STANDARD,
                             sd,
@@ -384,7 +395,7 @@ fn drive_rows<B: KvBackend>(
                             device,
                         );
                         if real < s {
-                            let fill = random_tensor::<B, 4>(
+                            let fill = random_tensor::<4>(
                                 [1, heads, s - real, d],
                                 Dist::STANDARD,
                                 7,
@@ -418,7 +429,7 @@ fn drive_rows<B: KvBackend>(
 
 /// A chunk whose keys point along the query is found among many at a budget of a few
 /// chunks, at a rank well below full: the output is its value.
-fn retrieves_planted_chunk<B: KvBackend>(device: &B::Device) {
+fn retrieves_planted_chunk(device: &Device) {
     let (h, d, prompt) = (2, 32, 401);
     let c = ShadowKvConfig {
         rank: 16,
@@ -428,7 +439,7 @@ fn retrieves_planted_chunk<B: KvBackend>(device: &B::Device) {
         outlier_chunks: 2,
         min_prompt: 0,
     };
-    let mut sk = ShadowKvCache::<B>::new(1, h, d, c, RopeParams::default()).unwrap();
+    let mut sk = ShadowKvCache::new(1, h, d, c, RopeParams::default()).unwrap();
     let small = |n: usize, seed| {
         random_values(
             n,
@@ -452,16 +463,16 @@ fn retrieves_planted_chunk<B: KvBackend>(device: &B::Device) {
         }
     }
     // The model's keys arrive rotated; the query is the first planted key as rotated.
-    let (cos, sin) = rope_tables::<B>(d, prompt + 1, RopeParams::default(), device);
-    let kt = tensor::<B, 3>(k, [h, prompt, d], DType::F32, device);
-    let kt = rotate::<B>(kt, &cos, &sin, prompt);
-    let vt = tensor::<B, 3>(v, [h, prompt, d], DType::F32, device);
+    let (cos, sin) = rope_tables(d, prompt + 1, RopeParams::default(), device);
+    let kt = tensor::<3>(k, [h, prompt, d], DType::F32, device);
+    let kt = rotate(kt, &cos, &sin, prompt);
+    let vt = tensor::<3>(v, [h, prompt, d], DType::F32, device);
     let opts = AttnOptions {
         causal: true,
         scale: (d as f32).sqrt().recip(),
         key_padding: None,
     };
-    let q0 = tensor::<B, 4>(
+    let q0 = tensor::<4>(
         small(2 * h * prompt * d, 4),
         [1, 2 * h, prompt, d],
         DType::F32,
@@ -472,32 +483,31 @@ fn retrieves_planted_chunk<B: KvBackend>(device: &B::Device) {
         .slice([0..1, planted * 8..planted * 8 + 1, 0..d])
         .reshape([1, 1, 1, d])
         .repeat_dim(1, 2 * h);
-    sk.attend(
-        0,
-        q0,
-        kt.unsqueeze_dim(0),
-        vt.unsqueeze_dim(0),
-        &ReferenceAttention,
-        &opts,
-    );
+    on_kernels(device, || {
+        sk.attend(
+            0,
+            q0,
+            kt.unsqueeze_dim(0),
+            vt.unsqueeze_dim(0),
+            &ReferenceAttention,
+            &opts,
+        )
+    });
     assert!(sk.is_sparse(0));
-    let knew = tensor::<B, 4>(small(h * d, 5), [1, h, 1, d], DType::F32, device);
-    let vnew = tensor::<B, 4>(small(h * d, 6), [1, h, 1, d], DType::F32, device);
+    let knew = tensor::<4>(small(h * d, 5), [1, h, 1, d], DType::F32, device);
+    let vnew = tensor::<4>(small(h * d, 6), [1, h, 1, d], DType::F32, device);
     let y = to_f32(
-        sk.attend(0, q, knew, vnew, &ReferenceAttention, &opts)
-            .into_data(),
+        on_kernels(device, || {
+            sk.attend(0, q, knew, vnew, &ReferenceAttention, &opts)
+        })
+        .into_data(),
     );
     let mean = y.iter().sum::<f32>() / y.len() as f32;
     assert!(mean > 0.9, "planted chunk retrieved: mean output {mean}");
 }
 
 /// RoPE at positions `0..n` (the model's rotation), for building rotated keys.
-fn rotate<B: KvBackend>(
-    x: Tensor<B, 3>,
-    cos: &Tensor<B, 2>,
-    sin: &Tensor<B, 2>,
-    n: usize,
-) -> Tensor<B, 3> {
+fn rotate(x: Tensor<3>, cos: &Tensor<2>, sin: &Tensor<2>, n: usize) -> Tensor<3> {
     let [h, s, d] = x.dims();
     let half = d / 2;
     let c = cos.clone().slice([0..n, 0..half]).reshape([1, s, half]);
@@ -515,7 +525,7 @@ fn rotate<B: KvBackend>(
 
 /// The low-rank error falls with the rank, equals the truncated-SVD optimum
 /// `sqrt(Σ_{i≥r} λ_i / Σ λ)` and is ~0 at full rank.
-fn low_rank_error_vs_rank<B: KvBackend>(device: &B::Device) {
+fn low_rank_error_vs_rank(device: &Device) {
     let (s, n) = (211, 96);
     // Columns with decaying scales: a spread-out spectrum like real keys'.
     let x: Vec<f32> = random_values(s * n, Dist::STANDARD, 11)
@@ -523,12 +533,12 @@ fn low_rank_error_vs_rank<B: KvBackend>(device: &B::Device) {
         .enumerate()
         .map(|(i, v)| v * (-((i % n) as f32) / 12.0).exp())
         .collect();
-    let xt = tensor::<B, 2>(x.clone(), [s, n], DType::F32, device);
+    let xt = tensor::<2>(x.clone(), [s, n], DType::F32, device);
     let norm: f64 = x.iter().map(|v| (*v as f64).powi(2)).sum::<f64>().sqrt();
     let mut prev = f64::INFINITY;
     // The Gram matrix and the reconstruction are f32 products: exact-f32 rounding leaves
     // ~1e-5 of the norm; TF32 (CUDA) leaves up to its relative-L2 bound.
-    let (gap, lossless) = if f32_matmul_is_tf32::<B>(device) {
+    let (gap, lossless) = if f32_matmul_is_tf32(device) {
         (TF32_REL_L2, TF32_REL_L2)
     } else {
         (1e-4, 1e-5)
@@ -560,10 +570,10 @@ fn low_rank_error_vs_rank<B: KvBackend>(device: &B::Device) {
 }
 
 /// Values round-trip bit-exactly through host memory in every dtype.
-fn values_round_trip<B: KvBackend>(device: &B::Device) {
-    for dtype in float_dtypes::<B>(device) {
+fn values_round_trip(device: &Device) {
+    for dtype in float_dtypes(device) {
         let (h, chunks, chunk, d) = (3, 7, 5, 33);
-        let v = tensor::<B, 3>(
+        let v = tensor::<3>(
             random_values(h * (chunks * chunk + 3) * d, Dist::PEAKY, 21),
             [h, chunks * chunk + 3, d],
             dtype,
@@ -572,7 +582,7 @@ fn values_round_trip<B: KvBackend>(device: &B::Device) {
         let host = HostValues::from_tensor(v.clone(), chunk, chunks);
         assert_eq!(host.bytes(), h * chunks * chunk * d * dtype.size());
         let sel: Vec<Vec<usize>> = (0..h).map(|hh| vec![6, hh, 0, 6]).collect();
-        let got = host.gather::<B>(&sel, device);
+        let got = host.gather(&sel, device);
         assert_eq!(got.dtype(), dtype);
         for (hh, ids) in sel.iter().enumerate() {
             for (slot, &c) in ids.iter().enumerate() {
@@ -595,15 +605,17 @@ fn values_round_trip<B: KvBackend>(device: &B::Device) {
 }
 
 /// A prompt below the threshold keeps the full cache, exactly.
-fn short_prompt_is_full<B: KvBackend>(device: &B::Device) {
+fn short_prompt_is_full(device: &Device) {
     let (h, d) = (2, 16);
     let c = ShadowKvConfig {
         min_prompt: 100,
         ..cfg(8, 16)
     };
-    let mut sk = ShadowKvCache::<B>::new(LAYERS, h, d, c, RopeParams::default()).unwrap();
-    let mut full = FullKvCache::<B>::new(LAYERS);
-    let y = drive(&mut sk, (1, 4, h, d), 99, &[0], &[1, 2], None, 5, device);
+    let mut sk = ShadowKvCache::new(LAYERS, h, d, c, RopeParams::default()).unwrap();
+    let mut full = FullKvCache::new(LAYERS);
+    let y = on_kernels(device, || {
+        drive(&mut sk, (1, 4, h, d), 99, &[0], &[1, 2], None, 5, device)
+    });
     let e = drive(&mut full, (1, 4, h, d), 99, &[0], &[1, 2], None, 5, device);
     assert!(!sk.is_sparse(0));
     assert_eq!(y.decode, e.decode);
@@ -614,11 +626,11 @@ fn short_prompt_is_full<B: KvBackend>(device: &B::Device) {
 /// basis a prompt's own `low_rank` finds gives the same decode as no basis (batch 2, both
 /// sequences projected on the first one's basis; the second's own basis differs, so only the
 /// first sequence is compared), and a basis of the wrong shape is refused.
-fn key_basis_replaces_own_basis<B: KvBackend>(device: &B::Device) {
+fn key_basis_replaces_own_basis(device: &Device) {
     let (b, hq, h, d, len, rank) = (2, 4, 2, 16, 61, 12);
-    let k = random_tensor::<B, 4>([b, h, len, d], Dist::STANDARD, 31, DType::F32, device);
-    let v = random_tensor::<B, 4>([b, h, len, d], Dist::STANDARD, 32, DType::F32, device);
-    let (cos, sin) = rope_tables::<B>(d, len, RopeParams::default(), device);
+    let k = random_tensor::<4>([b, h, len, d], Dist::STANDARD, 31, DType::F32, device);
+    let v = random_tensor::<4>([b, h, len, d], Dist::STANDARD, 32, DType::F32, device);
+    let (cos, sin) = rope_tables(d, len, RopeParams::default(), device);
     let first = k
         .clone()
         .slice([0..1, 0..h, 0..len, 0..d])
@@ -628,23 +640,23 @@ fn key_basis_replaces_own_basis<B: KvBackend>(device: &B::Device) {
         .reshape([len, h * d]);
     let basis = low_rank(pre, rank).unwrap().wt;
     let c = cfg(rank, 16);
-    let step = |sk: &mut ShadowKvCache<B>| {
+    let step = |sk: &mut ShadowKvCache| {
         assert!(sk.compress_prompt(0, k.clone(), v.clone(), None).unwrap());
         let opts = AttnOptions {
             causal: true,
             scale: (d as f32).sqrt().recip(),
             key_padding: None,
         };
-        let q = random_tensor::<B, 4>([b, hq, 1, d], Dist::STANDARD, 33, DType::F32, device);
-        let kn = random_tensor::<B, 4>([b, h, 1, d], Dist::STANDARD, 34, DType::F32, device);
-        let vn = random_tensor::<B, 4>([b, h, 1, d], Dist::STANDARD, 35, DType::F32, device);
+        let q = random_tensor::<4>([b, hq, 1, d], Dist::STANDARD, 33, DType::F32, device);
+        let kn = random_tensor::<4>([b, h, 1, d], Dist::STANDARD, 34, DType::F32, device);
+        let vn = random_tensor::<4>([b, h, 1, d], Dist::STANDARD, 35, DType::F32, device);
         let y = sk.attend(0, q, kn, vn, &ReferenceAttention, &opts);
         to_f32(y.slice([0..1, 0..hq, 0..1, 0..d]).into_data())
     };
-    let mut own = ShadowKvCache::<B>::new(1, h, d, c, RopeParams::default()).unwrap();
-    let mut given = ShadowKvCache::<B>::new(1, h, d, c, RopeParams::default()).unwrap();
+    let mut own = ShadowKvCache::new(1, h, d, c, RopeParams::default()).unwrap();
+    let mut given = ShadowKvCache::new(1, h, d, c, RopeParams::default()).unwrap();
     given.set_key_basis(Some(basis)).unwrap();
-    let (y, e) = (step(&mut given), step(&mut own));
+    let (y, e) = on_kernels(device, || (step(&mut given), step(&mut own)));
     assert_close(
         "given basis",
         &y,
@@ -653,7 +665,7 @@ fn key_basis_replaces_own_basis<B: KvBackend>(device: &B::Device) {
     );
     assert_eq!(given.bytes_split(), own.bytes_split());
 
-    let wrong = Tensor::<B, 2>::zeros([rank + 1, h * d], device);
+    let wrong = Tensor::<2>::zeros([rank + 1, h * d], device);
     assert_eq!(
         given.set_key_basis(Some(wrong)).unwrap_err(),
         KvCacheError::ShapeMismatch {
@@ -666,7 +678,7 @@ fn key_basis_replaces_own_basis<B: KvBackend>(device: &B::Device) {
 macro_rules! on_all {
     ($($f:ident),* $(,)?) => {
         mod cpu {
-            $( #[test] fn $f() { super::$f::<super::Cpu>(&Default::default()); } )*
+            $( #[test] fn $f() { super::$f(&::burn::tensor::Device::flex()); } )*
         }
         burn_kernels_testing::testgen! { backend: [$($f),*], autodiff: [] }
     };
@@ -686,11 +698,10 @@ on_all!(
 /// A low budget on random data: fewer device bytes, values all on the host (exact count).
 #[test]
 fn low_budget_close_to_full() {
-    let device = Default::default();
+    let device = Device::flex();
     let (h, d) = (2, 32);
-    let mut sk =
-        ShadowKvCache::<Cpu>::new(LAYERS, h, d, cfg(32, 32), RopeParams::default()).unwrap();
-    let mut full = FullKvCache::<Cpu>::new(LAYERS);
+    let mut sk = ShadowKvCache::new(LAYERS, h, d, cfg(32, 32), RopeParams::default()).unwrap();
+    let mut full = FullKvCache::new(LAYERS);
     let y = drive(
         &mut sk,
         (1, 4, h, d),
@@ -723,7 +734,7 @@ fn low_budget_close_to_full() {
 #[test]
 fn config_errors() {
     let new = |c: ShadowKvConfig, h: usize, d: usize| {
-        ShadowKvCache::<Cpu>::new(4, h, d, c, RopeParams::default()).unwrap_err()
+        ShadowKvCache::new(4, h, d, c, RopeParams::default()).unwrap_err()
     };
     let base = ShadowKvConfig::default();
     assert_eq!(
@@ -776,10 +787,10 @@ fn config_errors() {
     assert_eq!(new(base, 8, 127), KvCacheError::OddHeadDim(127));
     assert_eq!(new(base, 0, 128), KvCacheError::NoKvHeads);
     assert_eq!(
-        ShadowKvCache::<Cpu>::new(0, 8, 128, base, RopeParams::default()).unwrap_err(),
+        ShadowKvCache::new(0, 8, 128, base, RopeParams::default()).unwrap_err(),
         KvCacheError::NoLayers
     );
-    assert!(ShadowKvCache::<Cpu>::new(32, 8, 128, base, RopeParams::default()).is_ok());
+    assert!(ShadowKvCache::new(32, 8, 128, base, RopeParams::default()).is_ok());
     let x = cpu(random_values(40, Dist::STANDARD, 1), [10, 4]);
     assert_eq!(
         low_rank(x.clone(), 5).unwrap_err(),
@@ -787,7 +798,7 @@ fn config_errors() {
     );
     assert_eq!(low_rank(x, 0).unwrap_err(), KvCacheError::ZeroRank);
     // Prompts computed elsewhere.
-    let mut sk = ShadowKvCache::<Cpu>::new(2, 2, 8, cfg(16, 16), RopeParams::default()).unwrap();
+    let mut sk = ShadowKvCache::new(2, 2, 8, cfg(16, 16), RopeParams::default()).unwrap();
     let kv = |h: usize, s: usize| cpu(random_values(h * s * 8, Dist::STANDARD, 4), [1, h, s, 8]);
     assert_eq!(
         sk.compress_prompt(2, kv(2, 40), kv(2, 40), None)
@@ -811,11 +822,11 @@ fn config_errors() {
     // Too short for local + outliers + one landmark chunk: kept full.
     assert!(!sk.compress_prompt(1, kv(2, 23), kv(2, 23), None).unwrap());
     // The op's own validation.
-    let dev = Default::default();
+    let dev = Device::flex();
     let a = cpu(random_values(24, Dist::STANDARD, 2), [1, 6, 4]);
     let wt = cpu(random_values(4 * 6, Dist::STANDARD, 3), [1, 1, 4, 6]);
-    let ids = Tensor::<Cpu, 3, Int>::zeros([1, 1, 2], &dev);
-    let (cos, sin) = rope_tables::<Cpu>(6, 6, RopeParams::default(), &dev);
+    let ids = Tensor::<3, Int>::zeros([1, 1, 2], &dev);
+    let (cos, sin) = rope_tables(6, 6, RopeParams::default(), &dev);
     assert_eq!(
         gather_reconstruct_rope(
             a.clone(),
@@ -834,7 +845,7 @@ fn config_errors() {
             .unwrap_err(),
         KvCacheError::OddHeadDim(5)
     );
-    let ids_bad = Tensor::<Cpu, 3, Int>::zeros([1, 2, 2], &dev);
+    let ids_bad = Tensor::<3, Int>::zeros([1, 2, 2], &dev);
     assert!(matches!(
         gather_reconstruct_rope(a, wt, ids_bad, cos, sin, 2).unwrap_err(),
         KvCacheError::ShapeMismatch { .. }

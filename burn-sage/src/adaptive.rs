@@ -4,10 +4,10 @@
 
 use std::sync::Mutex;
 
-use burn::tensor::{DType, Tensor, backend::Backend};
+use burn::tensor::{DType, Tensor};
 use burn_kernels_core::attention::{AttentionImpl, AttnOptions};
 
-use crate::{Accuracy, QkQuant, SageBackend, SageError, SageOptions, reference, sage_attention};
+use crate::{Accuracy, QkQuant, SageError, SageOptions, reference, sage_attention};
 
 /// Default score INT4 must reach to be kept for a layer.
 pub const DEFAULT_INT4_THRESHOLD: f64 = 0.99;
@@ -21,16 +21,16 @@ pub struct LayerReport {
     pub choice: QkQuant,
 }
 
-fn values<B: Backend>(x: Tensor<B, 4>) -> Vec<f32> {
+fn values(x: Tensor<4>) -> Vec<f32> {
     x.cast(DType::F32)
         .into_data()
         .convert::<f32>()
-        .to_vec()
+        .try_to_vec::<f32>()
         .expect("f32 data")
 }
 
 /// Accuracy of Sage attention under each of `variants` against exact f32 attention of the same
-/// `q`, `k`, `v` (computed once, on `B`). Every variant runs with `causal` and `scale` (`None`:
+/// `q`, `k`, `v` (computed once, on their device). Every variant runs with `causal` and `scale` (`None`:
 /// `1/√head_dim`) in place of its own.
 ///
 /// # Shapes
@@ -39,10 +39,10 @@ fn values<B: Backend>(x: Tensor<B, 4>) -> Vec<f32> {
 ///
 /// # Errors
 /// The input errors of [`sage_attention`].
-pub fn accuracies<B: SageBackend>(
-    q: Tensor<B, 4>,
-    k: Tensor<B, 4>,
-    v: Tensor<B, 4>,
+pub fn accuracies(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
     causal: bool,
     scale: Option<f32>,
     variants: &[SageOptions],
@@ -77,11 +77,11 @@ pub fn accuracies<B: SageBackend>(
 
 /// Measures INT4 (per-thread) and INT8 (per-thread) against exact attention on one layer's
 /// `q`, `k`, `v` and picks INT4 when its score reaches `threshold`.
-pub fn choose_layer<B: SageBackend>(
+pub fn choose_layer(
     layer: usize,
-    q: Tensor<B, 4>,
-    k: Tensor<B, 4>,
-    v: Tensor<B, 4>,
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
     base: &SageOptions,
     threshold: f64,
 ) -> Result<LayerReport, SageError> {
@@ -109,8 +109,8 @@ pub fn choose_layer<B: SageBackend>(
 }
 
 /// One choice per layer from captured `(q, k, v)` (e.g. by [`CaptureAttention`]).
-pub fn calibrate<B: SageBackend>(
-    captures: Vec<(Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>)>,
+pub fn calibrate(
+    captures: Vec<(Tensor<4>, Tensor<4>, Tensor<4>)>,
     base: &SageOptions,
     threshold: f64,
 ) -> Result<Vec<LayerReport>, SageError> {
@@ -122,18 +122,18 @@ pub fn calibrate<B: SageBackend>(
 }
 
 /// Q/K/V of one call with its causal flag.
-pub type Captured<B> = (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>, bool);
+pub type Captured = (Tensor<4>, Tensor<4>, Tensor<4>, bool);
 
 /// An attention implementation that records the first call of every layer (its Q, K, V) and
 /// forwards to `inner`: run the model once on a calibration batch, then [`calibrate`].
 #[derive(Debug)]
-pub struct CaptureAttention<B: Backend> {
-    pub inner: Box<dyn AttentionImpl<B>>,
-    captured: Mutex<Vec<Option<Captured<B>>>>,
+pub struct CaptureAttention {
+    pub inner: Box<dyn AttentionImpl>,
+    captured: Mutex<Vec<Option<Captured>>>,
 }
 
-impl<B: Backend> CaptureAttention<B> {
-    pub fn new(inner: Box<dyn AttentionImpl<B>>) -> Self {
+impl CaptureAttention {
+    pub fn new(inner: Box<dyn AttentionImpl>) -> Self {
         Self {
             inner,
             captured: Mutex::new(Vec::new()),
@@ -141,12 +141,12 @@ impl<B: Backend> CaptureAttention<B> {
     }
 
     /// The captured calls, by layer (`None` for a layer never called).
-    pub fn take(&self) -> Vec<Option<Captured<B>>> {
+    pub fn take(&self) -> Vec<Option<Captured>> {
         std::mem::take(&mut *self.captured.lock().expect("not poisoned"))
     }
 }
 
-impl<B: Backend> AttentionImpl<B> for CaptureAttention<B> {
+impl AttentionImpl for CaptureAttention {
     fn name(&self) -> String {
         format!("capture({})", self.inner.name())
     }
@@ -154,11 +154,11 @@ impl<B: Backend> AttentionImpl<B> for CaptureAttention<B> {
     fn attend(
         &self,
         layer: usize,
-        q: Tensor<B, 4>,
-        k: Tensor<B, 4>,
-        v: Tensor<B, 4>,
-        opts: &AttnOptions<B>,
-    ) -> Tensor<B, 4> {
+        q: Tensor<4>,
+        k: Tensor<4>,
+        v: Tensor<4>,
+        opts: &AttnOptions,
+    ) -> Tensor<4> {
         {
             let mut cap = self.captured.lock().expect("not poisoned");
             if cap.len() <= layer {

@@ -1,9 +1,9 @@
 //! Sage attention as the Llama model's attention implementation.
 
-use burn::tensor::{Tensor, backend::Backend};
+use burn::tensor::Tensor;
 use burn_kernels_core::attention::{AttentionImpl, AttnOptions, ReferenceAttention};
 
-use crate::{QkQuant, SageBackend, SageOptions, sage_attention};
+use crate::{QkQuant, SageOptions, sage_attention};
 
 /// [`sage_attention`] behind [`AttentionImpl`], with one Q/K quantization per layer.
 ///
@@ -35,7 +35,7 @@ impl SageAttention {
     }
 }
 
-impl<B: Backend + SageBackend> AttentionImpl<B> for SageAttention {
+impl AttentionImpl for SageAttention {
     fn name(&self) -> String {
         let pv = match self.opts.pv {
             crate::PvPrecision::Fp16 => "fp16",
@@ -57,11 +57,11 @@ impl<B: Backend + SageBackend> AttentionImpl<B> for SageAttention {
     fn attend(
         &self,
         layer: usize,
-        q: Tensor<B, 4>,
-        k: Tensor<B, 4>,
-        v: Tensor<B, 4>,
-        opts: &AttnOptions<B>,
-    ) -> Tensor<B, 4> {
+        q: Tensor<4>,
+        k: Tensor<4>,
+        v: Tensor<4>,
+        opts: &AttnOptions,
+    ) -> Tensor<4> {
         if opts.key_padding.is_some() {
             log::debug!("burn-sage: key padding mask; layer {layer} runs the reference attention");
             return ReferenceAttention.attend(layer, q, k, v, opts);

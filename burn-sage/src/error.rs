@@ -34,9 +34,17 @@ pub enum SageError {
     InvalidScale(f32),
 }
 
-/// Why a kernel path cannot run a configuration (the op then falls back, with a log line).
+/// Why no kernel runs a configuration (the op then runs the tensor-op reference, with a log
+/// line on a CubeCL device).
 #[derive(Debug, Clone, PartialEq, Error)]
 pub enum Unsupported {
+    /// The device is not a CubeCL device of a runtime this build enables (the crate's `cuda`,
+    /// `vulkan` or `wgpu` feature).
+    #[error("the device runs no kernels in this build")]
+    NoKernels,
+    /// The device has autodiff; the kernels have no backward.
+    #[error("the device has autodiff and the kernels have no backward")]
+    Autodiff,
     /// The runtime cannot store the quantized integers.
     #[error("the runtime has no {0:?} buffers")]
     Dtype(DType),

@@ -7,9 +7,11 @@
 //! scales; the softmax is computed online in f32; `P̃·V` runs in FP16 (f32 accumulation) or in
 //! FP8 E4M3 with a per-channel V scale.
 //!
-//! - [`sage_attention`]: the op, with typed errors for bad input.
-//! - [`SageBackend`]: `CubeBackend` runs the CubeCL kernels ([`kernels`]); `NdArray` runs the
-//!   tensor-op reference ([`reference`]), which applies exactly the same quantization.
+//! - [`sage_attention`]: the op, with typed errors for bad input. On a CubeCL device it runs
+//!   the CubeCL kernels ([`kernels`], through the backend extension [`SageKernels`], fused or
+//!   not); everywhere else (Burn's `Flex` CPU backend, an autodiff device, a configuration no
+//!   kernel takes: see [`sage_kernel`]) the tensor-op reference ([`reference`]), which applies
+//!   exactly the same quantization.
 //! - [`SageAttention`]: the op as the Llama model's attention implementation, with one
 //!   quantization choice per layer; [`adaptive`] picks INT4 or INT8 per layer from a
 //!   calibration batch.
@@ -22,113 +24,100 @@
 //!   `[batch, q_heads, q_len]` in f32 when asked for
 //!
 //! ```
-//! use burn::backend::NdArray;
-//! use burn::tensor::{Distribution, Tensor};
+//! use burn::tensor::{Device, Distribution, Tensor};
 //! use burn_sage::{SageOptions, sage_attention};
 //!
-//! let device = Default::default();
-//! let q = Tensor::<NdArray, 4>::random([1, 4, 17, 64], Distribution::Normal(0.0, 1.0), &device);
-//! let k = Tensor::<NdArray, 4>::random([1, 2, 17, 64], Distribution::Normal(0.0, 1.0), &device);
-//! let v = Tensor::<NdArray, 4>::random([1, 2, 17, 64], Distribution::Normal(0.0, 1.0), &device);
+//! let device = Device::flex();
+//! let q = Tensor::<4>::random([1, 4, 17, 64], Distribution::Normal(0.0, 1.0), &device);
+//! let k = Tensor::<4>::random([1, 2, 17, 64], Distribution::Normal(0.0, 1.0), &device);
+//! let v = Tensor::<4>::random([1, 2, 17, 64], Distribution::Normal(0.0, 1.0), &device);
 //! let out = sage_attention(q, k, v, &SageOptions { causal: true, ..Default::default() }).unwrap();
 //! assert_eq!(out.out.dims(), [1, 4, 17, 64]);
 //! ```
 
 pub mod adaptive;
 mod attention_impl;
-mod cpu;
+mod cube;
 mod error;
-mod forward;
 pub mod kernels;
 mod options;
 pub mod prep;
 pub mod reference;
 
 pub use attention_impl::SageAttention;
+pub use cube::{SageKernels, matmul_shape};
 pub use error::{SageError, Unsupported};
 pub use options::{Grid, GroupLayout, PvPrecision, Q_SMOOTH_BLOCK, QkQuant, SageOptions, SagePlan};
 
-use burn::tensor::{DType, Tensor, TensorPrimitive, backend::Backend, ops::FloatTensor};
+use burn::backend::Dispatch;
+use burn::tensor::{DType, Device, Tensor};
+use burn_kernels_core::route::{Grad, cube_device, route};
 
-/// Backends that run Sage attention.
-///
-/// `CubeBackend` runs the CubeCL kernels; the CPU backend (`NdArray`) uses the default method,
-/// the tensor-op reference. Another backend can opt in with an empty `impl`.
-pub trait SageBackend: Backend {
-    /// Sage attention on validated input (see [`sage_attention`] for shapes).
-    fn sage_forward(
-        q: FloatTensor<Self>,
-        k: FloatTensor<Self>,
-        v: FloatTensor<Self>,
-        plan: &SagePlan,
-    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
-        let t = |x| Tensor::<Self, 4>::from_primitive(TensorPrimitive::Float(x));
-        let (out, lse) = reference::sage_attention(t(q), t(k), t(v), plan);
-        (
-            out.into_primitive().tensor(),
-            lse.map(|l| l.into_primitive().tensor()),
-        )
-    }
+use kernels::KernelChoice;
 
-    /// The kernel [`SageBackend::sage_forward`] runs for `plan` on `device`; `None` is the
-    /// tensor-op reference.
-    fn sage_kernel(_device: &Self::Device, _plan: &SagePlan) -> Option<kernels::KernelChoice> {
-        None
+/// The kernel [`sage_attention`] runs for `plan` on `device`, or why it runs the tensor-op
+/// reference there instead: the device is no CubeCL device of a runtime this build enables,
+/// it has autodiff (the kernels have no backward), or the runtime or the configuration
+/// rules every kernel out (see [`kernels::choose`]).
+pub fn sage_kernel(device: &Device, plan: &SagePlan) -> Result<KernelChoice, Unsupported> {
+    let Some(cube) = cube_device(device) else {
+        return Err(Unsupported::NoKernels);
+    };
+    if device.is_autodiff() {
+        return Err(Unsupported::Autodiff);
     }
-
-    /// The quantization stage (see [`quantize_stage`]); integers returned as f32 values.
-    fn sage_quantize(
-        x: FloatTensor<Self>,
-        mean: FloatTensor<Self>,
-        mean_block: usize,
-        layout: GroupLayout,
-        qmax: f32,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        let t = |x| Tensor::<Self, 4>::from_primitive(TensorPrimitive::Float(x));
-        let (ints, scales) = reference::quantize(t(x), t(mean), mean_block, layout, qmax);
-        (
-            ints.into_primitive().tensor(),
-            scales.into_primitive().tensor(),
-        )
-    }
+    kernels::choose(&cube.client(), plan)
 }
 
 /// The quantization stage alone (for tests and inspection): `x − mean` quantized per group.
+/// Its kernel runs on CubeCL devices; elsewhere the tensor-op reference.
 ///
 /// # Shapes
 /// - `x`: `[b, h, s, d]`; `mean`: `[b, h, nm, d]` f32 (block `m` of `mean_block` rows uses
 ///   row `m`)
 /// - returns `(ints [b, h, s, d] as f32 values, scales [b, h, layout.groups(s)] f32)`
-pub fn quantize_stage<B: SageBackend>(
-    x: Tensor<B, 4>,
-    mean: Tensor<B, 4>,
+pub fn quantize_stage(
+    x: Tensor<4>,
+    mean: Tensor<4>,
     mean_block: usize,
     layout: GroupLayout,
     qmax: f32,
-) -> (Tensor<B, 4>, Tensor<B, 3>) {
-    let (ints, scales) = B::sage_quantize(
-        x.into_primitive().tensor(),
-        mean.into_primitive().tensor(),
+) -> (Tensor<4>, Tensor<3>) {
+    let device = x.device();
+    let unsupported = if mean.dtype() != DType::F32 {
+        Some(format!(
+            "the mean is {:?}, the kernel reads f32",
+            mean.dtype()
+        ))
+    } else {
+        cube_device(&device)
+            .and_then(|cube| kernels::int_storage(&cube.client()).err())
+            .map(|e| e.to_string())
+    };
+    if !route("sage_quantize", &device, Grad::ForwardOnly, unsupported) {
+        return reference::quantize(x, mean, mean_block, layout, qmax);
+    }
+    let (ints, scales) = Dispatch::sage_quantize(
+        x.into_dispatch(),
+        mean.into_dispatch(),
         mean_block,
         layout,
         qmax,
     );
-    (
-        Tensor::from_primitive(TensorPrimitive::Float(ints)),
-        Tensor::from_primitive(TensorPrimitive::Float(scales)),
-    )
+    (Tensor::from_dispatch(ints), Tensor::from_dispatch(scales))
 }
 
 /// Output of [`sage_attention`].
 #[derive(Debug, Clone)]
-pub struct SageOutput<B: Backend> {
+pub struct SageOutput {
     /// `[batch, q_heads, q_len, head_dim]`, in the input dtype.
-    pub out: Tensor<B, 4>,
+    pub out: Tensor<4>,
     /// `[batch, q_heads, q_len]` f32 log-sum-exp of the scaled scores, when asked for.
-    pub lse: Option<Tensor<B, 3>>,
+    pub lse: Option<Tensor<3>>,
 }
 
-/// Sage attention of `q` over `k`, `v`.
+/// Sage attention of `q` over `k`, `v`: the kernel [`sage_kernel`] names where there is
+/// one, else the tensor-op reference (logged once per reason on a CubeCL device).
 ///
 /// # Shapes
 /// - `q`: `[batch, q_heads, q_len, head_dim]`, `k`, `v`: `[batch, kv_heads, kv_len, head_dim]`
@@ -139,12 +128,12 @@ pub struct SageOutput<B: Backend> {
 /// # Errors
 /// Wrong rank, mismatched batch / head dim / KV shapes, KV heads not dividing Q heads, mixed or
 /// non-float dtypes, empty inputs, causal with `q_len > kv_len`, a bad scale.
-pub fn sage_attention<B: SageBackend, const R: usize>(
-    q: Tensor<B, R>,
-    k: Tensor<B, R>,
-    v: Tensor<B, R>,
+pub fn sage_attention<const R: usize>(
+    q: Tensor<R>,
+    k: Tensor<R>,
+    v: Tensor<R>,
     opts: &SageOptions,
-) -> Result<SageOutput<B>, SageError> {
+) -> Result<SageOutput, SageError> {
     let plan = plan(
         &q.dims(),
         &k.dims(),
@@ -152,19 +141,58 @@ pub fn sage_attention<B: SageBackend, const R: usize>(
         [q.dtype(), k.dtype(), v.dtype()],
         opts,
     )?;
-    let q4 = q.reshape([plan.batch, plan.q_heads, plan.q_len, plan.head_dim]);
+    let q = q.reshape([plan.batch, plan.q_heads, plan.q_len, plan.head_dim]);
     let kv = [plan.batch, plan.kv_heads, plan.kv_len, plan.head_dim];
-    let (k4, v4) = (k.reshape(kv), v.reshape(kv));
-    let (out, lse) = B::sage_forward(
-        q4.into_primitive().tensor(),
-        k4.into_primitive().tensor(),
-        v4.into_primitive().tensor(),
-        &plan,
-    );
-    Ok(SageOutput {
-        out: Tensor::from_primitive(TensorPrimitive::Float(out)),
-        lse: lse.map(|l| Tensor::from_primitive(TensorPrimitive::Float(l))),
-    })
+    let (k, v) = (k.reshape(kv), v.reshape(kv));
+    let device = q.device();
+    let choice = sage_kernel(&device, &plan);
+    let unsupported = choice.as_ref().err().map(ToString::to_string);
+    if !route("sage_attention", &device, Grad::ForwardOnly, unsupported) {
+        let (out, lse) = reference::sage_attention(q, k, v, &plan);
+        return Ok(SageOutput { out, lse });
+    }
+    let kernel = choice.expect("route takes the kernel only when one fits");
+    Ok(run_kernels(q, k, v, plan, kernel))
+}
+
+/// The kernel path: the shared tensor-op stages (ΔS by a GEMM that is not autotuned, see
+/// [`prep::prepare_with`]), then the quantization and attention kernels in one extension call.
+fn run_kernels(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    plan: SagePlan,
+    kernel: KernelChoice,
+) -> SageOutput {
+    let fixed_matmul = |a: Tensor<4>, b: Tensor<4>| {
+        Tensor::from_dispatch(Dispatch::sage_fixed_matmul(
+            a.into_dispatch(),
+            b.into_dispatch(),
+        ))
+    };
+    let prep = prep::prepare_with(&q, &k, &v, &plan, fixed_matmul);
+    // Without Q smoothing the kernels read no ΔS; the extension takes a tensor all the same.
+    let delta_s = prep
+        .delta_s
+        .unwrap_or_else(|| Tensor::<4>::zeros([1, 1, 1, 1], &q.device()).cast(DType::F32));
+    let d = Tensor::<4>::into_dispatch;
+    let (q, k, v) = (d(q), d(k), d(prep.v));
+    let (q_mean, k_mean, delta_s, post) =
+        (d(prep.q_mean), d(prep.k_mean), d(delta_s), d(prep.post));
+    if plan.opts.return_lse {
+        let (out, lse) =
+            Dispatch::sage_attention_lse(q, k, q_mean, k_mean, delta_s, v, post, plan, kernel);
+        SageOutput {
+            out: Tensor::from_dispatch(out),
+            lse: Some(Tensor::from_dispatch(lse)),
+        }
+    } else {
+        let out = Dispatch::sage_attention(q, k, q_mean, k_mean, delta_s, v, post, plan, kernel);
+        SageOutput {
+            out: Tensor::from_dispatch(out),
+            lse: None,
+        }
+    }
 }
 
 /// Validates the shapes, dtypes and options into a [`SagePlan`].

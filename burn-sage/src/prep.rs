@@ -2,7 +2,7 @@
 //! V scaling. They are cheap (one pass over Q, K, V, and one GEMV-like matmul per Q block);
 //! the quantization and the attention itself are the kernels.
 
-use burn::tensor::{DType, Tensor, TensorData, backend::Backend};
+use burn::tensor::{DType, Tensor, TensorData};
 
 use crate::{PvPrecision, SagePlan};
 
@@ -18,7 +18,7 @@ pub const MIN_SCALE: f32 = f32::MIN_POSITIVE;
 pub const AXIS_CHUNK: usize = 4096;
 
 /// `x` summed over `dim` (kept, size 1), at most [`AXIS_CHUNK`] elements per reduction.
-pub fn sum_dim_chunked<B: Backend, const D: usize>(x: Tensor<B, D>, dim: usize) -> Tensor<B, D> {
+pub fn sum_dim_chunked<const D: usize>(x: Tensor<D>, dim: usize) -> Tensor<D> {
     if x.dims()[dim] <= AXIS_CHUNK {
         return x.sum_dim(dim);
     }
@@ -31,7 +31,7 @@ pub fn sum_dim_chunked<B: Backend, const D: usize>(x: Tensor<B, D>, dim: usize) 
 }
 
 /// `x`'s maximum over `dim` (kept, size 1), at most [`AXIS_CHUNK`] elements per reduction.
-pub fn max_dim_chunked<B: Backend, const D: usize>(x: Tensor<B, D>, dim: usize) -> Tensor<B, D> {
+pub fn max_dim_chunked<const D: usize>(x: Tensor<D>, dim: usize) -> Tensor<D> {
     if x.dims()[dim] <= AXIS_CHUNK {
         return x.max_dim(dim);
     }
@@ -45,7 +45,7 @@ pub fn max_dim_chunked<B: Backend, const D: usize>(x: Tensor<B, D>, dim: usize) 
 
 /// `a · b` for `a` `[b, h, m, k]` and `b` `[b, h, k, n]`, summing products over chunks of at
 /// most [`AXIS_CHUNK`] of `k`.
-pub fn matmul_chunked<B: Backend>(a: Tensor<B, 4>, b: Tensor<B, 4>) -> Tensor<B, 4> {
+pub fn matmul_chunked(a: Tensor<4>, b: Tensor<4>) -> Tensor<4> {
     let k = a.dims()[3];
     if k <= AXIS_CHUNK {
         return a.matmul(b);
@@ -64,29 +64,29 @@ pub fn matmul_chunked<B: Backend>(a: Tensor<B, 4>, b: Tensor<B, 4>) -> Tensor<B,
 
 /// What the quantization and the attention consume besides Q, K, V.
 #[derive(Debug, Clone)]
-pub struct Prepared<B: Backend> {
+pub struct Prepared {
     /// `[batch, q_heads, q_mean_blocks, head_dim]` f32: subtracted from Q before quantizing
     /// (zeros when Q is not smoothed).
-    pub q_mean: Tensor<B, 4>,
+    pub q_mean: Tensor<4>,
     /// `[batch, kv_heads, 1, head_dim]` f32 (zeros when K is not smoothed).
-    pub k_mean: Tensor<B, 4>,
+    pub k_mean: Tensor<4>,
     /// `[batch, q_heads, q_mean_blocks, kv_len]` f32, `mean(Q_block)·(K − k_mean)ᵀ`, unscaled.
-    pub delta_s: Option<Tensor<B, 4>>,
+    pub delta_s: Option<Tensor<4>>,
     /// V as the PV product reads it: `V` (FP16 PV) or `V / v_scale` in f32 (FP8 PV).
-    pub v: Tensor<B, 4>,
+    pub v: Tensor<4>,
     /// `[batch, kv_heads, 1, head_dim]` f32 epilogue factor per channel: `v_scale / 448` (FP8)
     /// or 1.
-    pub post: Tensor<B, 4>,
+    pub post: Tensor<4>,
 }
 
 /// Per-block means of `x` over its rows: `[b, h, ceil(s / block), d]`, f32.
-pub fn block_means<B: Backend>(x: Tensor<B, 4>, block: usize) -> Tensor<B, 4> {
+pub fn block_means(x: Tensor<4>, block: usize) -> Tensor<4> {
     let [b, h, s, d] = x.dims();
     let x = x.cast(DType::F32);
     let nb = s.div_ceil(block);
     let padded = nb * block;
     let x = if padded > s {
-        let zeros = Tensor::<B, 4>::zeros([b, h, padded - s, d], &x.device()).cast(DType::F32);
+        let zeros = Tensor::<4>::zeros([b, h, padded - s, d], &x.device()).cast(DType::F32);
         Tensor::cat(vec![x, zeros], 2)
     } else {
         x
@@ -96,7 +96,7 @@ pub fn block_means<B: Backend>(x: Tensor<B, 4>, block: usize) -> Tensor<B, 4> {
         .sum_dim(3)
         .reshape([b, h, nb, d]);
     let counts: Vec<f32> = (0..nb).map(|i| (s - i * block).min(block) as f32).collect();
-    let counts = Tensor::<B, 1>::from_data(TensorData::new(counts, [nb]), &sums.device())
+    let counts = Tensor::<1>::from_data(TensorData::new(counts, [nb]), &sums.device())
         .cast(DType::F32)
         .reshape([1, 1, nb, 1]);
     sums / counts
@@ -104,7 +104,7 @@ pub fn block_means<B: Backend>(x: Tensor<B, 4>, block: usize) -> Tensor<B, 4> {
 
 /// Repeats each of the `nb` block rows `block` times and keeps the first `rows`:
 /// `[b, h, nb, c] → [b, h, rows, c]`.
-pub fn expand_blocks<B: Backend>(x: Tensor<B, 4>, block: usize, rows: usize) -> Tensor<B, 4> {
+pub fn expand_blocks(x: Tensor<4>, block: usize, rows: usize) -> Tensor<4> {
     let [b, h, nb, c] = x.dims();
     x.reshape([b, h, nb, 1, c])
         .expand([b, h, nb, block, c])
@@ -113,12 +113,7 @@ pub fn expand_blocks<B: Backend>(x: Tensor<B, 4>, block: usize, rows: usize) -> 
 }
 
 /// The shared stages for `plan`, with Burn's matmul for ΔS.
-pub fn prepare<B: Backend>(
-    q: &Tensor<B, 4>,
-    k: &Tensor<B, 4>,
-    v: &Tensor<B, 4>,
-    plan: &SagePlan,
-) -> Prepared<B> {
+pub fn prepare(q: &Tensor<4>, k: &Tensor<4>, v: &Tensor<4>, plan: &SagePlan) -> Prepared {
     prepare_with(q, k, v, plan, Tensor::matmul)
 }
 
@@ -127,16 +122,16 @@ pub fn prepare<B: Backend>(
 /// operations at the default 128-row Q blocks) cost 20–45 s per new sequence length on an H100,
 /// more than a whole benchmark problem; with the fixed GEMM the smoothed variant's time moved
 /// by under 2% at N = 8K and 16K (D = 128, H100, 2026-11-25).
-pub fn prepare_with<B: Backend>(
-    q: &Tensor<B, 4>,
-    k: &Tensor<B, 4>,
-    v: &Tensor<B, 4>,
+pub fn prepare_with(
+    q: &Tensor<4>,
+    k: &Tensor<4>,
+    v: &Tensor<4>,
     plan: &SagePlan,
-    matmul: impl Fn(Tensor<B, 4>, Tensor<B, 4>) -> Tensor<B, 4>,
-) -> Prepared<B> {
+    matmul: impl Fn(Tensor<4>, Tensor<4>) -> Tensor<4>,
+) -> Prepared {
     let (b, hq, hkv, d) = (plan.batch, plan.q_heads, plan.kv_heads, plan.head_dim);
     let device = q.device();
-    let zeros = |shape: [usize; 4]| Tensor::<B, 4>::zeros(shape, &device).cast(DType::F32);
+    let zeros = |shape: [usize; 4]| Tensor::<4>::zeros(shape, &device).cast(DType::F32);
     let k_mean = if plan.opts.smooth_k {
         sum_dim_chunked(k.clone().cast(DType::F32), 2) / plan.kv_len as f32
     } else {

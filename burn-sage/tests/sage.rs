@@ -2,19 +2,17 @@
 //! enabled runtime, accuracy against exact attention (the paper's metrics), special values,
 //! and typed errors.
 
-use burn::backend::NdArray;
-use burn::tensor::{DType, Tensor, TensorData, backend::Backend};
+use burn::tensor::{DType, Device, Tensor, TensorData};
+use burn_kernels_core::route::{cube_device, launches, require_kernels};
 use burn_kernels_testing::{
     Dist, Tolerance, assert_close, compare::to_f32, f32_matmul_is_tf32, float_dtypes, is_wgpu,
     poison_memory, random_tensor, random_values, testgen,
 };
 use burn_sage::kernels::{KernelChoice, UNIT_MAX_KV};
 use burn_sage::{
-    Accuracy, GroupLayout, PvPrecision, QkQuant, SageBackend, SageError, SageOptions, plan,
-    quantize_stage, reference, sage_attention,
+    Accuracy, GroupLayout, PvPrecision, QkQuant, SageError, SageOptions, Unsupported, plan,
+    quantize_stage, reference, sage_attention, sage_kernel,
 };
-
-type Cpu = NdArray<f32>;
 
 const QUANTS: [QkQuant; 4] = [
     QkQuant::Int8PerBlock,
@@ -49,14 +47,14 @@ const LONG_CASES: &[(usize, usize, usize, usize, usize, usize, bool)] = &[
 
 /// Q, K, V like a model's: K carries a large per-channel offset shared by all tokens (what K
 /// smoothing removes), Q and V are plain normals.
-fn qkv<B: Backend>(
+fn qkv(
     shape: (usize, usize, usize, usize, usize, usize),
     dtype: DType,
     seed: u64,
-    device: &B::Device,
-) -> (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>) {
+    device: &Device,
+) -> (Tensor<4>, Tensor<4>, Tensor<4>) {
     let (b, hq, hkv, sq, skv, d) = shape;
-    let q = random_tensor::<B, 4>([b, hq, sq, d], Dist::STANDARD, seed, dtype, device);
+    let q = random_tensor::<4>([b, hq, sq, d], Dist::STANDARD, seed, dtype, device);
     let bias = random_values(
         hkv * d,
         Dist::Normal {
@@ -73,26 +71,47 @@ fn qkv<B: Backend>(
             x + bias[h * d + i % d]
         })
         .collect();
-    let k = Tensor::<B, 4>::from_data(
+    let k = Tensor::<4>::from_data(
         TensorData::new(k, [b, hkv, skv, d]).convert_dtype(dtype),
         burn::tensor::TensorCreationOptions::new(device.clone()).with_dtype(dtype),
     );
-    let v = random_tensor::<B, 4>([b, hkv, skv, d], Dist::STANDARD, seed + 3, dtype, device);
+    let v = random_tensor::<4>([b, hkv, skv, d], Dist::STANDARD, seed + 3, dtype, device);
     (q, k, v)
 }
 
-fn to_cpu(x: &Tensor<impl Backend, 4>) -> Tensor<Cpu, 4> {
-    Tensor::from_data(x.to_data().convert::<f32>(), &Default::default())
+/// `x`'s values as f32 on the CPU (`Flex`), where the reference runs as the oracle.
+fn to_cpu(x: &Tensor<4>) -> Tensor<4> {
+    Tensor::from_data(x.to_data().convert::<f32>(), &Device::flex())
 }
 
-fn values<B: Backend, const D: usize>(x: Tensor<B, D>) -> Vec<f32> {
+/// Runs `f` with kernels required where `device` runs kernels (a CubeCL device): the calls
+/// in it must not take the reference there. On the CPU they take the reference anyway.
+fn kernels_where_possible<T>(device: &Device, f: impl FnOnce() -> T) -> T {
+    if cube_device(device).is_some() {
+        require_kernels(f)
+    } else {
+        f()
+    }
+}
+
+/// The launch counter of `kernel`'s attention op (see the `CubeBackend` implementation).
+fn kernel_op(kernel: KernelChoice) -> &'static str {
+    match kernel {
+        KernelChoice::Unit => "sage_attention_unit",
+        KernelChoice::Cmma => "sage_attention_cmma",
+        KernelChoice::Mma => "sage_attention_mma",
+    }
+}
+
+fn values<const D: usize>(x: Tensor<D>) -> Vec<f32> {
     to_f32(x.cast(DType::F32).into_data())
 }
 
 /// The quantization kernel writes the same integers and scales as the reference. A value
 /// exactly halfway between two integers may round differently after a one-ulp difference
 /// in the division, so at most one element in 10⁴ may differ, by one.
-fn quantize_matches_reference<B: SageBackend>(device: &B::Device) {
+fn quantize_matches_reference(device: &Device) {
+    let before = launches("sage_quantize");
     for (i, &(b, h, s, d)) in [
         (1, 1, 1, 64),
         (2, 3, 17, 64),
@@ -108,7 +127,7 @@ fn quantize_matches_reference<B: SageBackend>(device: &B::Device) {
     {
         for qk in QUANTS {
             for layout in [qk.q_layout(), qk.k_layout()] {
-                let x = random_tensor::<B, 4>(
+                let x = random_tensor::<4>(
                     [b, h, s, d],
                     Dist::PEAKY,
                     10 + i as u64,
@@ -117,7 +136,7 @@ fn quantize_matches_reference<B: SageBackend>(device: &B::Device) {
                 );
                 let mean_block = 16;
                 let nm = s.div_ceil(mean_block);
-                let mean = random_tensor::<B, 4>(
+                let mean = random_tensor::<4>(
                     [b, h, nm, d],
                     Dist::STANDARD,
                     20 + i as u64,
@@ -126,8 +145,9 @@ fn quantize_matches_reference<B: SageBackend>(device: &B::Device) {
                 );
                 let (r_ints, r_scales) =
                     reference::quantize(to_cpu(&x), to_cpu(&mean), mean_block, layout, qk.qmax());
-                poison_memory::<B>(device, b * h * s * d * 2, DType::F32);
-                let (ints, scales) = quantize_stage(x, mean, mean_block, layout, qk.qmax());
+                poison_memory(device, b * h * s * d * 2, DType::F32);
+                let (ints, scales) =
+                    require_kernels(|| quantize_stage(x, mean, mean_block, layout, qk.qmax()));
                 let name = format!("quantize {:?} {layout:?} [{b},{h},{s},{d}]", qk);
                 assert_eq!(scales.dims(), [b, h, layout.groups(s)], "{name}");
                 assert_close(
@@ -153,6 +173,12 @@ fn quantize_matches_reference<B: SageBackend>(device: &B::Device) {
             }
         }
     }
+    // The outputs were read back: the kernel ran (through `Dispatch` and, where Burn fuses,
+    // `Fusion`), and its `CubeBackend` implementation counted the launches.
+    assert!(
+        launches("sage_quantize") > before,
+        "no quantize launch counted"
+    );
 }
 
 /// Tolerance of the kernel against the reference: one rounding of `P̃` to the PV format (the
@@ -171,32 +197,35 @@ fn pv_tolerance(pv: PvPrecision, dtype: DType) -> Tolerance {
     }
 }
 
-fn attention_matches_reference<B: SageBackend>(device: &B::Device) {
-    check_cases::<B>(device, CASES, None);
+fn attention_matches_reference(device: &Device) {
+    check_cases(device, CASES, None);
 }
 
-fn attention_matches_reference_long<B: SageBackend>(device: &B::Device) {
-    check_cases::<B>(device, LONG_CASES, None);
+fn attention_matches_reference_long(device: &Device) {
+    check_cases(device, LONG_CASES, None);
 }
 
 /// The shared-memory-staged cmma kernel, which the op no longer picks where the register-tile
-/// kernel runs (head dims 64 and 128 on CUDA), asked for by name; runtimes without it (lavapipe)
-/// check the fallback to the reference instead.
-fn cmma_kernel_matches_reference<B: SageBackend>(device: &B::Device) {
-    check_cases::<B>(device, CASES, Some(KernelChoice::Cmma));
+/// kernel runs (head dims 64 and 128 on CUDA), asked for by name; runtimes without it (wgpu:
+/// WGSL has no cmma) refuse it in the public API, and what is checked there is the reference
+/// that then runs on the device.
+fn cmma_kernel_matches_reference(device: &Device) {
+    check_cases(device, CASES, Some(KernelChoice::Cmma));
 }
 
 /// Checks `sage_attention` against the CPU reference on `cases`, with `kernel` asked for by
-/// name where given. Where the backend does not run that kernel it must run its tensor-op
-/// reference path, which is then what is checked (on this backend, against the CPU's).
-fn check_cases<B: SageBackend>(
-    device: &B::Device,
+/// name where given. Where the device does not run that kernel ([`sage_kernel`] says why: a
+/// missing hardware feature, or past the portable kernel's longest KV length), the public API
+/// runs its tensor-op reference on the device, which is then what is checked (against the
+/// CPU's); everywhere else the kernel is required to run, and its launch is counted.
+fn check_cases(
+    device: &Device,
     cases: &[(usize, usize, usize, usize, usize, usize, bool)],
     kernel: Option<KernelChoice>,
 ) {
     let mut seed = 100;
     for &(b, hq, hkv, sq, skv, d, causal) in cases {
-        for dtype in float_dtypes::<B>(device) {
+        for dtype in float_dtypes(device) {
             for (qk, pv, smooth_q) in [
                 (QkQuant::Int8PerWarp, PvPrecision::Fp16, false),
                 (QkQuant::Int8PerBlock, PvPrecision::Fp8E4m3, true),
@@ -207,12 +236,12 @@ fn check_cases<B: SageBackend>(
                 // On wgpu (lavapipe in CI: each variant compiles its own kernels) 16-bit inputs
                 // run the default variant (INT8 per thread, smoothed Q, FP16 P·V); CUDA runs all.
                 if dtype != DType::F32
-                    && is_wgpu::<B>(device)
+                    && is_wgpu(device)
                     && (qk, pv) != (QkQuant::Int8PerThread, PvPrecision::Fp16)
                 {
                     continue;
                 }
-                let (q, k, v) = qkv::<B>((b, hq, hkv, sq, skv, d), dtype, seed, device);
+                let (q, k, v) = qkv((b, hq, hkv, sq, skv, d), dtype, seed, device);
                 let opts = SageOptions {
                     causal,
                     qk,
@@ -223,25 +252,37 @@ fn check_cases<B: SageBackend>(
                     ..Default::default()
                 };
                 let p = plan(&q.dims(), &k.dims(), &v.dims(), [dtype; 3], &opts).expect("valid");
-                let ran = B::sage_kernel(device, &p);
+                let ran = sage_kernel(device, &p);
                 // A kernel asked for that this runtime or shape does not take must fall back to
                 // the reference (checked against the CPU reference below), never to another
-                // kernel.
-                assert!(
-                    kernel.is_none() || ran == kernel || ran.is_none(),
-                    "{kernel:?} asked for, {ran:?} runs"
-                );
+                // kernel. The only configurations no kernel takes here: the cmma kernel asked
+                // for on a runtime without cmma (wgpu), the portable kernel past its longest KV
+                // length (where the matrix-unit kernels do not run, as on wgpu).
+                match (&ran, kernel) {
+                    (Ok(r), Some(k)) => assert_eq!(*r, k, "{k:?} asked for, {r:?} runs"),
+                    (Ok(_), None) => {}
+                    (Err(Unsupported::MatrixUnits(_)), Some(KernelChoice::Cmma)) => {}
+                    (Err(Unsupported::UnitKernelLength(n)), None) => assert!(*n > UNIT_MAX_KV),
+                    (Err(why), _) => panic!("{kernel:?} asked for: no kernel runs: {why}"),
+                }
                 let (qc, kc, vc) = (to_cpu(&q), to_cpu(&k), to_cpu(&v));
                 let expected = sage_attention(qc, kc, vc, &opts).expect("valid");
-                poison_memory::<B>(device, b * hq * sq * d * 2, dtype);
-                let actual = sage_attention(q, k, v, &opts).expect("valid");
+                poison_memory(device, b * hq * sq * d * 2, dtype);
+                let run = || sage_attention(q, k, v, &opts).expect("valid");
+                let (actual, counted) = match &ran {
+                    Ok(r) => (
+                        require_kernels(run),
+                        Some((kernel_op(*r), launches(kernel_op(*r)))),
+                    ),
+                    Err(_) => (run(), None),
+                };
                 let name = format!(
                     "sage {ran:?} [{b},{hq}/{hkv},{sq}x{skv},{d}] causal={causal} {dtype:?} {qk:?} {pv:?} smooth_q={smooth_q}"
                 );
                 assert_eq!(actual.out.dtype(), dtype, "{name}");
                 // ΔS comes from an f32 matmul, which CUDA runs in TF32: one TF32 rounding of the
                 // correction shifts scores and LSE by up to 2⁻¹¹ relative.
-                let tf32 = smooth_q && f32_matmul_is_tf32::<B>(device);
+                let tf32 = smooth_q && f32_matmul_is_tf32(device);
                 let widen = |t: Tolerance| {
                     if tf32 {
                         Tolerance {
@@ -264,6 +305,10 @@ fn check_cases<B: SageBackend>(
                     &values(expected.lse.expect("asked for")),
                     widen(Tolerance::for_reduction(DType::F32, skv)),
                 );
+                // The outputs were read back: the kernel that was picked did run.
+                if let Some((op, before)) = counted {
+                    assert!(launches(op) > before, "{name}: no {op} launch counted");
+                }
             }
         }
     }
@@ -271,14 +316,11 @@ fn check_cases<B: SageBackend>(
 
 /// The paper's accuracy metrics against exact f32 attention, and the bars:
 /// INT8 + FP16 cos sim ≥ 0.9995, INT8 + FP8 ≥ 0.999. Returns the table rows.
-fn accuracy_table<B: SageBackend>(
-    device: &B::Device,
-    shapes: &[(usize, usize, usize, usize, usize, usize, bool)],
-) {
+fn accuracy_table(device: &Device, shapes: &[(usize, usize, usize, usize, usize, usize, bool)]) {
     println!("| shape | causal | Q,K | PV | cos sim | rel L1 | RMSE |");
     println!("|---|---|---|---|---|---|---|");
     for (i, &(b, hq, hkv, sq, skv, d, causal)) in shapes.iter().enumerate() {
-        let (q, k, v) = qkv::<B>((b, hq, hkv, sq, skv, d), DType::F32, 500 + i as u64, device);
+        let (q, k, v) = qkv((b, hq, hkv, sq, skv, d), DType::F32, 500 + i as u64, device);
         let scale = 1.0 / (d as f32).sqrt();
         // The exact output comes from the CPU: the oracle should not share the device under test.
         let (exact, _) =
@@ -292,7 +334,9 @@ fn accuracy_table<B: SageBackend>(
                     pv,
                     ..Default::default()
                 };
-                let out = sage_attention(q.clone(), k.clone(), v.clone(), &opts).expect("valid");
+                let out = kernels_where_possible(device, || {
+                    sage_attention(q.clone(), k.clone(), v.clone(), &opts).expect("valid")
+                });
                 let acc = Accuracy::of(&values(out.out), &exact);
                 println!(
                     "| [{b},{hq}/{hkv},{sq}x{skv},{d}] | {causal} | {} | {pv:?} | {:.5} | {:.4} | {:.4} |",
@@ -313,9 +357,9 @@ fn accuracy_table<B: SageBackend>(
     }
 }
 
-fn accuracy_vs_exact<B: SageBackend>(device: &B::Device) {
-    accuracy_table::<B>(device, &LONG_CASES[..2]);
-    accuracy_table::<B>(
+fn accuracy_vs_exact(device: &Device) {
+    accuracy_table(device, &LONG_CASES[..2]);
+    accuracy_table(
         device,
         &[(1, 4, 2, 257, 257, 64, true), (1, 2, 1, 17, 200, 256, true)],
     );
@@ -323,10 +367,10 @@ fn accuracy_vs_exact<B: SageBackend>(device: &B::Device) {
 
 /// Inputs scaled by 10³ (f32) or 10² (f16/bf16): scores in the 10⁶ range still give finite,
 /// bounded outputs (the online softmax subtracts its running maximum).
-fn large_magnitudes_stay_finite<B: SageBackend>(device: &B::Device) {
-    for dtype in float_dtypes::<B>(device) {
+fn large_magnitudes_stay_finite(device: &Device) {
+    for dtype in float_dtypes(device) {
         let mag = if dtype == DType::F32 { 1000.0 } else { 100.0 };
-        let (q, k, v) = qkv::<B>((1, 2, 1, 33, 65, 64), dtype, 900, device);
+        let (q, k, v) = qkv((1, 2, 1, 33, 65, 64), dtype, 900, device);
         let vmax = values(v.clone()).iter().fold(0f32, |m, x| m.max(x.abs()));
         for pv in [PvPrecision::Fp16, PvPrecision::Fp8E4m3] {
             let opts = SageOptions {
@@ -335,8 +379,10 @@ fn large_magnitudes_stay_finite<B: SageBackend>(device: &B::Device) {
                 return_lse: true,
                 ..Default::default()
             };
-            let out =
-                sage_attention(q.clone() * mag, k.clone() * mag, v.clone(), &opts).expect("valid");
+            let (qm, km) = (q.clone() * mag, k.clone() * mag);
+            let out = kernels_where_possible(device, || {
+                sage_attention(qm, km, v.clone(), &opts).expect("valid")
+            });
             // An output is a convex combination of V rows up to the rounding of P̃: f16 P̃
             // is within 2⁻¹¹ of P, E4M3 P̃ within 2⁻⁴ (3 mantissa bits), relative.
             let bound = match pv {
@@ -356,6 +402,154 @@ fn large_magnitudes_stay_finite<B: SageBackend>(device: &B::Device) {
     }
 }
 
+/// The extension called on the unfused `CubeBackend` directly (outside Burn's `Dispatch` and
+/// `Fusion`) gives what the public op gives through them: the tensor-op stages run on the
+/// device as the op runs them (ΔS by the extension's fixed GEMM, here called unfused too), then
+/// the attention op (with and without the LSE output) and the quantization op run on
+/// `CubeBackend` primitives.
+#[cfg(feature = "cube")]
+fn unfused_matches_dispatch(device: &Device) {
+    use burn_cubecl::CubeBackend;
+    use burn_kernels_testing::unfused::{float, read_float};
+    use burn_sage::SageKernels;
+
+    let (b, hq, hkv, sq, skv, d) = (2, 4, 2, 17, 33, 64);
+    let from = |data: TensorData| Tensor::<4>::from_data(data, device);
+    for (qk, pv, smooth_q, return_lse) in [
+        (QkQuant::Int8PerThread, PvPrecision::Fp16, true, true),
+        (QkQuant::Int8PerBlock, PvPrecision::Fp8E4m3, false, false),
+    ] {
+        let (q, k, v) = qkv((b, hq, hkv, sq, skv, d), DType::F32, 700, device);
+        let opts = SageOptions {
+            causal: true,
+            qk,
+            pv,
+            smooth_q,
+            return_lse,
+            ..Default::default()
+        };
+        let p = plan(&q.dims(), &k.dims(), &v.dims(), [DType::F32; 3], &opts).expect("valid");
+        let kernel = sage_kernel(device, &p).expect("a kernel takes this configuration");
+        let fused = require_kernels(|| sage_attention(q.clone(), k.clone(), v.clone(), &opts))
+            .expect("valid");
+
+        let fixed_matmul = |a: Tensor<4>, b: Tensor<4>| {
+            from(read_float(CubeBackend::sage_fixed_matmul(
+                float(&a, device),
+                float(&b, device),
+            )))
+        };
+        let prep = burn_sage::prep::prepare_with(&q, &k, &v, &p, fixed_matmul);
+        let delta_s = prep
+            .delta_s
+            .clone()
+            .unwrap_or_else(|| Tensor::<4>::zeros([1, 1, 1, 1], device).cast(DType::F32));
+        let args = [
+            &q,
+            &k,
+            &prep.q_mean,
+            &prep.k_mean,
+            &delta_s,
+            &prep.v,
+            &prep.post,
+        ]
+        .map(|t| float(t, device));
+        let [uq, uk, uqm, ukm, uds, uv, upost] = args;
+        let name = format!("unfused {kernel:?} {qk:?} {pv:?} smooth_q={smooth_q}");
+        let (out, lse) = if return_lse {
+            let (out, lse) = CubeBackend::sage_attention_lse(
+                uq,
+                uk,
+                uqm,
+                ukm,
+                uds,
+                uv,
+                upost,
+                p.clone(),
+                kernel,
+            );
+            (out, Some(lse))
+        } else {
+            let out =
+                CubeBackend::sage_attention(uq, uk, uqm, ukm, uds, uv, upost, p.clone(), kernel);
+            (out, None)
+        };
+        let out = read_float(out);
+        assert_eq!(out.shape().dims::<4>(), [b, hq, sq, d], "{name}");
+        assert_close(
+            &name,
+            &to_f32(out),
+            &values(fused.out),
+            Tolerance::for_dtype(DType::F32),
+        );
+        assert_eq!(lse.is_some(), fused.lse.is_some(), "{name}");
+        if let (Some(lse), Some(fused_lse)) = (lse, fused.lse) {
+            let lse = read_float(lse);
+            assert_eq!(lse.shape().dims::<3>(), [b, hq, sq], "{name} lse");
+            assert_close(
+                &format!("{name} lse"),
+                &to_f32(lse),
+                &values(fused_lse),
+                Tolerance::for_dtype(DType::F32),
+            );
+        }
+
+        // The quantization op, unfused against the public op.
+        let layout = qk.k_layout();
+        let (ints, scales) = require_kernels(|| {
+            quantize_stage(k.clone(), prep.k_mean.clone(), skv, layout, qk.qmax())
+        });
+        let (u_ints, u_scales) = CubeBackend::sage_quantize(
+            float(&k, device),
+            float(&prep.k_mean, device),
+            skv,
+            layout,
+            qk.qmax(),
+        );
+        let (u_ints, u_scales) = (read_float(u_ints), read_float(u_scales));
+        assert_eq!(u_scales.shape().dims::<3>(), [b, hkv, layout.groups(skv)]);
+        assert_close(
+            &format!("{name} quantize ints"),
+            &to_f32(u_ints),
+            &values(ints),
+            Tolerance::for_dtype(DType::F32),
+        );
+        assert_close(
+            &format!("{name} quantize scales"),
+            &to_f32(u_scales),
+            &values(scales),
+            Tolerance::for_dtype(DType::F32),
+        );
+    }
+}
+
+/// On an autodiff device the kernels (which have no backward) are refused with a reason, and
+/// the reference runs there.
+fn autodiff_runs_reference(device: &Device) {
+    let (q, k, v) = qkv((1, 2, 1, 17, 33, 64), DType::F32, 800, device);
+    let opts = SageOptions {
+        causal: true,
+        return_lse: true,
+        ..Default::default()
+    };
+    let p = plan(&q.dims(), &k.dims(), &v.dims(), [DType::F32; 3], &opts).expect("valid");
+    assert_eq!(sage_kernel(device, &p), Err(Unsupported::Autodiff));
+    let expected = sage_attention(to_cpu(&q), to_cpu(&k), to_cpu(&v), &opts).expect("valid");
+    let actual = sage_attention(q, k, v, &opts).expect("valid");
+    assert_close(
+        "autodiff",
+        &values(actual.out),
+        &values(expected.out),
+        pv_tolerance(opts.pv, DType::F32),
+    );
+    assert_close(
+        "autodiff lse",
+        &values(actual.lse.expect("asked for")),
+        &values(expected.lse.expect("asked for")),
+        Tolerance::for_reduction(DType::F32, 33),
+    );
+}
+
 testgen! {
     backend: [
         quantize_matches_reference,
@@ -364,29 +558,41 @@ testgen! {
         cmma_kernel_matches_reference,
         accuracy_vs_exact,
         large_magnitudes_stay_finite,
+        unfused_matches_dispatch,
     ],
-    autodiff: [],
+    autodiff: [autodiff_runs_reference],
 }
 
 #[test]
 fn cpu_reference_accuracy() {
-    accuracy_table::<Cpu>(&Default::default(), &[(1, 2, 1, 257, 257, 64, true)]);
+    accuracy_table(&Device::flex(), &[(1, 2, 1, 257, 257, 64, true)]);
 }
 
 #[test]
 fn cpu_large_magnitudes() {
-    large_magnitudes_stay_finite::<Cpu>(&Default::default());
+    large_magnitudes_stay_finite(&Device::flex());
+}
+
+/// The CPU runs no kernel; the public API says so.
+#[test]
+fn cpu_runs_no_kernel() {
+    let s = [1, 2, 5, 64];
+    let p = plan(&s, &s, &s, [DType::F32; 3], &SageOptions::default()).expect("valid");
+    assert_eq!(
+        sage_kernel(&Device::flex(), &p),
+        Err(Unsupported::NoKernels)
+    );
 }
 
 #[test]
 fn bad_input_gives_typed_errors() {
-    let dev = Default::default();
-    let t = |s: [usize; 4]| Tensor::<Cpu, 4>::ones(s, &dev);
+    let dev = Device::flex();
+    let t = |s: [usize; 4]| Tensor::<4>::ones(s, &dev);
     let ok = SageOptions::default();
-    let err = |q: Tensor<Cpu, 4>, k: Tensor<Cpu, 4>, v: Tensor<Cpu, 4>, o: &SageOptions| {
+    let err = |q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, o: &SageOptions| {
         sage_attention(q, k, v, o).expect_err("must be rejected")
     };
-    let r3 = Tensor::<Cpu, 3>::ones([2, 3, 64], &dev);
+    let r3 = Tensor::<3>::ones([2, 3, 64], &dev);
     assert_eq!(
         sage_attention(r3.clone(), r3.clone(), r3, &ok).expect_err("rank 3"),
         SageError::Rank { name: "q", rank: 3 }

@@ -135,6 +135,17 @@ pub enum SpecDecError {
         /// The requested scheme.
         scheme: crate::Scheme,
     },
+    /// The tensors given to [`crate::device::verify_blocks`] live on a device that runs no kernel
+    /// of this crate (not a CubeCL device of a runtime this build enables, or a device with
+    /// autodiff: the kernel is forward only). There is no tensor-op fallback for this op;
+    /// verify on the host with [`crate::verify_block`] instead.
+    #[error("{device} runs no block-verification kernel ({reason}); verify on the host")]
+    NoDeviceKernel {
+        /// The tensors' device (its `Debug` form).
+        device: String,
+        /// Why it runs no kernel.
+        reason: &'static str,
+    },
     /// The scheme's device kernel is not trusted at this vocabulary size (importance sampling
     /// above [`crate::device::IS_MAX_VOCAB`]: wrong tokens were observed on lavapipe at larger
     /// V and the cause is not understood); verify on the host with [`crate::verify_block`].

@@ -46,10 +46,13 @@
 //! real model is `burn_llama::spec` (in `examples/llama`).
 //!
 //! ## On the device
-//! [`device::verify_blocks`] verifies a whole batch of blocks in one CubeCL kernel on a Burn
-//! `CubeBackend` (CUDA, wgpu/Vulkan), with the same uniforms as the host giving the same tokens
-//! up to `f32` rounding at thresholds; [`Scheme::Optimal`] is host-only
-//! ([`SpecDecError::UnsupportedOnDevice`]).
+//! [`device::verify_blocks`] verifies a whole batch of blocks in one CubeCL kernel where the
+//! tensors live on a CubeCL device (CUDA, wgpu/Vulkan; the backend extension
+//! [`device::SpecDecKernels`], fused or not), with the same uniforms as the host giving the same
+//! tokens up to `f32` rounding at thresholds; [`Scheme::Optimal`] is host-only
+//! ([`SpecDecError::UnsupportedOnDevice`]). It has no tensor-op fallback: on other devices
+//! (Burn's `Flex` CPU backend, autodiff devices) it returns [`SpecDecError::NoDeviceKernel`]
+//! and callers verify on the host.
 //!
 //! ## Randomness consumption
 //! Every scheme consumes exactly `K + 2` uniforms `u[0..K+2]` in `[0, 1)` per token, so that a

@@ -74,7 +74,7 @@ impl KvCache for FullKvCache {
             .iter()
             .flatten()
             .map(|(k, _)| k.dims()[2])
-            .last()
+            .next_back()
             .unwrap_or(0)
     }
 

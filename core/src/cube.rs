@@ -22,6 +22,7 @@ pub trait LayerKernels: Backend {
     /// # Shapes
     /// - `x`: `[..., cols]`, `gamma`: `[cols]` in `x`'s dtype; returns `x`'s shape
     #[fusion(dtype = x, shape = x)]
+    #[cfg_attr(not(feature = "cube"), allow(unused_variables))]
     fn rms_norm(x: FloatTensor<Self>, gamma: FloatTensor<Self>, eps: f64) -> FloatTensor<Self>;
 
     /// Rotate-half RoPE of `x` at `positions`, from f32 tables.

@@ -6,7 +6,7 @@
 
 use burn::tensor::module::{attention, attention_fallback};
 use burn::tensor::ops::AttentionModuleOptions;
-use burn::tensor::{DType, backend::Backend};
+use burn::tensor::{DType};
 use burn_kernels_testing::{Dist, random_tensor};
 use serde_json::json;
 
@@ -16,7 +16,7 @@ use crate::harness::{Candidate, PlotSpec, Problem, Suite, params};
 const BATCH: usize = 4;
 const HEADS: usize = 32;
 
-pub fn suite<B: Backend>(opts: SuiteOptions) -> Suite<B> {
+pub fn suite(opts: SuiteOptions) -> Suite {
     let seq_lens: &[usize] = if opts.quick {
         &[1024, 2048]
     } else {
@@ -26,7 +26,7 @@ pub fn suite<B: Backend>(opts: SuiteOptions) -> Suite<B> {
     for &head_dim in &[64usize, 128] {
         for &causal in &[false, true] {
             for &n in seq_lens {
-                problems.push(problem::<B>(n, head_dim, causal, opts.max_mem_bytes));
+                problems.push(problem(n, head_dim, causal, opts.max_mem_bytes));
             }
         }
     }
@@ -45,7 +45,7 @@ pub fn suite<B: Backend>(opts: SuiteOptions) -> Suite<B> {
     }
 }
 
-fn problem<B: Backend>(n: usize, d: usize, causal: bool, max_mem: f64) -> Problem<B> {
+fn problem(n: usize, d: usize, causal: bool, max_mem: f64) -> Problem {
     let elem = 2.0; // f16
     let qkv = (BATCH * HEADS * n * d) as f64;
     let flops = 4.0 * qkv * n as f64 / if causal { 2.0 } else { 1.0 };
@@ -67,9 +67,9 @@ fn problem<B: Backend>(n: usize, d: usize, causal: bool, max_mem: f64) -> Proble
         tokens: None,
         setup: Box::new(move |device| {
             let shape = [BATCH, HEADS, n, d];
-            let q = random_tensor::<B, 4>(shape, Dist::STANDARD, 1, DType::F16, device);
-            let k = random_tensor::<B, 4>(shape, Dist::STANDARD, 2, DType::F16, device);
-            let v = random_tensor::<B, 4>(shape, Dist::STANDARD, 3, DType::F16, device);
+            let q = random_tensor::<4>(shape, Dist::STANDARD, 1, DType::F16, device);
+            let k = random_tensor::<4>(shape, Dist::STANDARD, 2, DType::F16, device);
+            let v = random_tensor::<4>(shape, Dist::STANDARD, 3, DType::F16, device);
             let options = AttentionModuleOptions {
                 scale: None,
                 softcap: None,

@@ -10,7 +10,7 @@
 
 use burn::backend::Autodiff;
 use burn::tensor::DType;
-use burn::tensor::{Distribution, Int, Tensor, TensorData, backend::Backend};
+use burn::tensor::{Distribution, Int, Tensor, TensorData};
 use burn_cce::{
     CceBackend, CceOptions, FilterEps, GemmKernel, GemmStrategy, chunked, linear_cross_entropy,
     reference,
@@ -112,12 +112,12 @@ fn variants(
         .collect()
 }
 
-pub fn suite<B: Backend + CceBackend>(opts: SuiteOptions) -> Suite<B> {
+pub fn suite(opts: SuiteOptions) -> Suite {
     let shapes = if opts.quick { QUICK_SHAPES } else { SHAPES };
     let mut problems = Vec::new();
     for &(name, n, v, d) in shapes {
         for mode in ["loss", "grad", "both"] {
-            problems.push(problem::<B>(name, n, v, d, mode, &opts));
+            problems.push(problem(name, n, v, d, mode, &opts));
         }
     }
     Suite {
@@ -133,13 +133,13 @@ pub fn suite<B: Backend + CceBackend>(opts: SuiteOptions) -> Suite<B> {
 }
 
 /// The synthetic inputs (see the module docs), generated on the device.
-struct Inputs<B: Backend> {
-    e: Tensor<B, 2>,
-    c: Tensor<B, 2>,
-    targets: Tensor<B, 1, Int>,
+struct Inputs{
+    e: Tensor<2>,
+    c: Tensor<2>,
+    targets: Tensor<1, Int>,
 }
 
-fn inputs<B: Backend>(n: usize, v: usize, d: usize, dtype: DType, device: &B::Device) -> Inputs<B> {
+fn inputs(n: usize, v: usize, d: usize, dtype: DType, device: &Device) -> Inputs {
     let mut rng = StdRng::seed_from_u64(7);
     let mut rank: Vec<usize> = (1..=v).collect();
     rank.shuffle(&mut rng);
@@ -163,11 +163,11 @@ fn inputs<B: Backend>(n: usize, v: usize, d: usize, dtype: DType, device: &B::De
         })
         .collect();
 
-    let targets = Tensor::<B, 1, Int>::from_data(TensorData::new(targets, [n]), device);
-    let prior = Tensor::<B, 2>::from_data(TensorData::new(prior, [v, 1]), device);
-    let c = Tensor::<B, 2>::random([v, d - 1], Distribution::Normal(0.0, 1.0), device);
+    let targets = Tensor::<1, Int>::from_data(TensorData::new(targets, [n]), device);
+    let prior = Tensor::<2>::from_data(TensorData::new(prior, [v, 1]), device);
+    let c = Tensor::<2>::random([v, d - 1], Distribution::Normal(0.0, 1.0), device);
     let lean = c.clone().select(0, targets.clone()) * (10.0 / (d - 1) as f32);
-    let noise = Tensor::<B, 2>::random(
+    let noise = Tensor::<2>::random(
         [n, d - 1],
         Distribution::Normal(0.0, 1.5 / ((d - 1) as f64).sqrt()),
         device,
@@ -181,14 +181,14 @@ fn inputs<B: Backend>(n: usize, v: usize, d: usize, dtype: DType, device: &B::De
     }
 }
 
-fn problem<B: Backend + CceBackend>(
+fn problem(
     shape: &'static str,
     n: usize,
     v: usize,
     d: usize,
     mode: &'static str,
     opts: &SuiteOptions,
-) -> Problem<B> {
+) -> Problem {
     let gemm = 2.0 * (n * v * d) as f64;
     let flops = match mode {
         "loss" => gemm,
@@ -223,7 +223,7 @@ fn problem<B: Backend + CceBackend>(
             } else {
                 DType::F16
             };
-            let x = inputs::<B>(n, v, d, dtype, device);
+            let x = inputs(n, v, d, dtype, device);
             let mut cands = Vec::new();
             match mode {
                 "loss" => {
@@ -260,7 +260,7 @@ fn problem<B: Backend + CceBackend>(
                             x.targets.clone().into_primitive(),
                             &p,
                         );
-                        let dout = Tensor::<B, 1>::full([n], 1.0 / n as f32, (device, DType::F32));
+                        let dout = Tensor::<1>::full([n], 1.0 / n as f32, (device, DType::F32));
                         let (e, c, t) = (x.e.clone(), x.c.clone(), x.targets.clone());
                         let call = move || {
                             let _ = B::linear_ce_backward(
@@ -318,7 +318,7 @@ fn problem<B: Backend + CceBackend>(
                         }
                         let (e, c, t) = (x.e.clone(), x.c.clone(), x.targets.clone());
                         cands.push(Candidate::timed_here(name, move || {
-                            autodiff_step::<B>(&e, &c, &t, Some(o));
+                            autodiff_step(&e, &c, &t, Some(o));
                         }));
                     }
                 }
@@ -334,7 +334,7 @@ fn problem<B: Backend + CceBackend>(
                     let both = mode == "both";
                     cands.push(Candidate::timed_here("burn-plain", move || {
                         if both {
-                            autodiff_step::<B>(&e, &c, &t, None);
+                            autodiff_step(&e, &c, &t, None);
                         } else {
                             let _ = reference::plain_linear_cross_entropy(
                                 e.clone(),
@@ -375,17 +375,17 @@ fn too_slow_to_tune(shape: &str, o: CceOptions) -> Option<String> {
     })
 }
 
-/// One training-style step on `Autodiff<B>`: the loss (CCE with `options`, or the plain path)
+/// One training-style step on `Autodiff`: the loss (CCE with `options`, or the plain path)
 /// and its gradients with respect to E and C.
-fn autodiff_step<B: Backend + CceBackend>(
-    e: &Tensor<B, 2>,
-    c: &Tensor<B, 2>,
-    t: &Tensor<B, 1, Int>,
+fn autodiff_step(
+    e: &Tensor<2>,
+    c: &Tensor<2>,
+    t: &Tensor<1, Int>,
     options: Option<CceOptions>,
 ) {
-    let e = Tensor::<Autodiff<B>, 2>::from_inner(e.clone()).require_grad();
-    let c = Tensor::<Autodiff<B>, 2>::from_inner(c.clone()).require_grad();
-    let t = Tensor::<Autodiff<B>, 1, Int>::from_inner(t.clone());
+    let e = Tensor::<Autodiff, 2>::from_inner(e.clone()).require_grad();
+    let c = Tensor::<Autodiff, 2>::from_inner(c.clone()).require_grad();
+    let t = Tensor::<Autodiff, 1, Int>::from_inner(t.clone());
     let loss = match options {
         Some(o) => {
             linear_cross_entropy(e.clone(), c.clone(), t, None, &o)

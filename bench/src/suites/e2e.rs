@@ -10,7 +10,7 @@
 
 use burn::backend::Autodiff;
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
-use burn::tensor::{DType, Int, Tensor, TensorData, backend::Backend};
+use burn::tensor::{DType, Int, Tensor, TensorData};
 use burn_cce::CceBackend;
 use burn_kernels_core::ReferenceAttention;
 use burn_llama::train::{LossKind, next_token_loss};
@@ -20,7 +20,7 @@ use serde_json::json;
 use super::SuiteOptions;
 use crate::harness::{Candidate, Problem, Suite, params};
 
-pub fn suite<B: Backend + CceBackend>(opts: SuiteOptions) -> Suite<B> {
+pub fn suite(opts: SuiteOptions) -> Suite {
     let (cfg, seq, defaults): (LlamaConfig, usize, &[usize]) = if opts.quick {
         let tiny = super::tiny_llama(2, 4096);
         (tiny, 32, &[1, 2])
@@ -35,7 +35,7 @@ pub fn suite<B: Backend + CceBackend>(opts: SuiteOptions) -> Suite<B> {
     };
     let problems = batches
         .iter()
-        .map(|&b| problem::<B>(cfg.clone(), b, seq))
+        .map(|&b| problem(cfg.clone(), b, seq))
         .collect();
     Suite {
         name: "e2e",
@@ -49,7 +49,7 @@ pub fn suite<B: Backend + CceBackend>(opts: SuiteOptions) -> Suite<B> {
     }
 }
 
-fn problem<B: Backend + CceBackend>(cfg: LlamaConfig, batch: usize, seq: usize) -> Problem<B> {
+fn problem(cfg: LlamaConfig, batch: usize, seq: usize) -> Problem {
     let tokens = (batch * seq) as f64;
     let (h, v) = (cfg.hidden_size as f64, cfg.vocab_size as f64);
     let per_layer = h * (cfg.num_heads * cfg.head_dim) as f64 * 2.0
@@ -72,15 +72,15 @@ fn problem<B: Backend + CceBackend>(cfg: LlamaConfig, batch: usize, seq: usize) 
                 .into_iter()
                 .map(|(name, kind)| {
                     B::seed(device, 0);
-                    let model = Llama::<Autodiff<B>>::random(&cfg, device, DType::F32);
+                    let model = Llama::<Autodiff>::random(&cfg, device, DType::F32);
                     let ids: Vec<i64> = (0..batch * (seq + 1))
                         .map(|i| ((i * 7919) % cfg.vocab_size) as i64)
                         .collect();
-                    let tokens = Tensor::<Autodiff<B>, 2, Int>::from_data(
+                    let tokens = Tensor::<Autodiff, 2, Int>::from_data(
                         TensorData::new(ids, [batch, seq + 1]),
                         device,
                     );
-                    let mut state = Some((model, AdamWConfig::new().init::<Autodiff<B>, _>()));
+                    let mut state = Some((model, AdamWConfig::new().init::<Autodiff, _>()));
                     Candidate::timed_here(name, move || {
                         let (model, mut optim) = state.take().expect("state is put back");
                         let loss = next_token_loss(

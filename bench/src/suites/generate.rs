@@ -160,7 +160,7 @@ const COMBOS: &[Combo] = &[
     },
 ];
 
-pub fn suite<B: KvBackend + FusedBackend + SageBackend>(opts: SuiteOptions) -> Suite<B> {
+pub fn suite(opts: SuiteOptions) -> Suite {
     let (prompt_tokens, new_tokens) = if opts.quick {
         (64, 8)
     } else {
@@ -179,7 +179,7 @@ pub fn suite<B: KvBackend + FusedBackend + SageBackend>(opts: SuiteOptions) -> S
                       and the decode kernels, alone and together, vs the plain path (Burn's attention op, full cache, \
                       autoregressive); a repetition is prefill + decode",
         baseline: "plain",
-        problems: vec![problem::<B>(draft, prompt_tokens, new_tokens, opts.quick)],
+        problems: vec![problem(draft, prompt_tokens, new_tokens, opts.quick)],
         measure_memory: false,
         plot: Some(PlotSpec {
             y: "median_ms".into(),
@@ -191,11 +191,11 @@ pub fn suite<B: KvBackend + FusedBackend + SageBackend>(opts: SuiteOptions) -> S
 }
 
 /// The model, the prompt and whether the weights are real (the answer check needs them).
-fn model_and_prompt<B: Backend>(
-    device: &B::Device,
+fn model_and_prompt(
+    device: &Device,
     prompt_tokens: usize,
     quick: bool,
-) -> (Llama<B>, Vec<u32>, bool) {
+) -> (Llama, Vec<u32>, bool) {
     match checkpoint().filter(|_| !quick) {
         Some(ckpt) => {
             let model =
@@ -211,8 +211,8 @@ fn model_and_prompt<B: Backend>(
     }
 }
 
-fn attention<B: KvBackend + FusedBackend + SageBackend>(att: Att) -> Arc<dyn AttentionImpl<B>> {
-    let sage = || -> Arc<dyn AttentionImpl<B>> {
+fn attention(att: Att) -> Arc<dyn AttentionImpl> {
+    let sage = || -> Arc<dyn AttentionImpl> {
         let choice = AttentionChoice::parse("sage").expect("a known attention");
         let (built, _) = choice
             .build(None, 0.0)
@@ -229,7 +229,7 @@ fn attention<B: KvBackend + FusedBackend + SageBackend>(att: Att) -> Arc<dyn Att
 
 /// ShadowKV at [`BUDGET_FRACTION`] of a `prompt_len` prompt, outlier chunks scaled with the
 /// budget as the paper's defaults (48 per 2048 tokens).
-fn shadowkv<B: KvBackend>(cfg: &LlamaConfig, prompt_len: usize) -> ShadowKvCache<B> {
+fn shadowkv(cfg: &LlamaConfig, prompt_len: usize) -> ShadowKvCache {
     let chunk = 8;
     let budget = (((prompt_len as f64 * BUDGET_FRACTION) as usize) / chunk).max(4) * chunk;
     let sc = ShadowKvConfig {
@@ -256,12 +256,12 @@ struct Outcome {
     block_efficiency: Option<f64>,
 }
 
-fn problem<B: KvBackend + FusedBackend + SageBackend>(
+fn problem(
     draft: DraftChoice,
     prompt_tokens: usize,
     new_tokens: usize,
     quick: bool,
-) -> Problem<B> {
+) -> Problem {
     Problem {
         label: format!(
             "passkey ~{prompt_tokens} tokens + {new_tokens} new, draft={}",
@@ -279,14 +279,14 @@ fn problem<B: KvBackend + FusedBackend + SageBackend>(
         bytes: None,
         tokens: Some(new_tokens as f64),
         setup: Box::new(move |device| {
-            let (model, prompt, real) = model_and_prompt::<B>(device, prompt_tokens, quick);
+            let (model, prompt, real) = model_and_prompt(device, prompt_tokens, quick);
             let draft_model = draft.build(&model, device);
             let weights = if real { "real" } else { "random" };
             COMBOS
                 .iter()
                 .map(|&combo| {
                     let (m, d, p) = (model.clone(), draft_model.clone(), prompt.clone());
-                    let att = attention::<B>(combo.attention);
+                    let att = attention(combo.attention);
                     let last: Rc<RefCell<Outcome>> = Rc::default();
                     let seen = last.clone();
                     Candidate::timed_here(combo.name, move || {
@@ -302,11 +302,11 @@ fn problem<B: KvBackend + FusedBackend + SageBackend>(
 }
 
 /// One greedy generation with `combo`.
-fn run<B: KvBackend>(
-    model: &Llama<B>,
-    draft: &Llama<B>,
+fn run(
+    model: &Llama,
+    draft: &Llama,
     prompt: &[u32],
-    attention: &dyn AttentionImpl<B>,
+    attention: &dyn AttentionImpl,
     combo: Combo,
     new_tokens: usize,
 ) -> Outcome {
@@ -317,10 +317,10 @@ fn run<B: KvBackend>(
     };
     let prompts = [prompt.to_vec()];
     let Some(spec) = combo.spec else {
-        let mut cache: Box<dyn KvCache<B>> = if combo.shadowkv {
-            Box::new(shadowkv::<B>(cfg, prompt.len()))
+        let mut cache: Box<dyn KvCache> = if combo.shadowkv {
+            Box::new(shadowkv(cfg, prompt.len()))
         } else {
-            Box::new(FullKvCache::<B>::new(cfg.num_layers))
+            Box::new(FullKvCache::new(cfg.num_layers))
         };
         let opts = GenerateOptions {
             max_new_tokens: new_tokens,
@@ -357,7 +357,7 @@ fn run<B: KvBackend>(
         seed: 0,
     };
     let (tokens, stats, cache, cache_bytes) = if combo.shadowkv {
-        let cache = LinearSpecCache::new(Box::new(shadowkv::<B>(cfg, prompt.len())));
+        let cache = LinearSpecCache::new(Box::new(shadowkv(cfg, prompt.len())));
         let g = speculative_generate_with_cache(
             model,
             cache,

@@ -19,7 +19,7 @@ use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::Instant;
 
-use burn::tensor::{DType, Distribution, Int, Tensor, TensorData, backend::Backend};
+use burn::tensor::{DType, Distribution, Int, Tensor, TensorData};
 use burn_kernels_core::{AttentionImpl, AttnOptions, KvCache, Rope};
 use burn_llama::{Llama, LlamaConfig};
 
@@ -310,13 +310,13 @@ pub fn model_config(quick: bool) -> LlamaConfig {
 
 /// One random-weight model per suite run, built at the first problem and shared by the
 /// candidates (tensors are reference-counted: clones share the weights).
-pub struct SharedModel<B: Backend> {
+pub struct SharedModel{
     cfg: LlamaConfig,
     positions: usize,
-    model: RefCell<Option<Llama<B>>>,
+    model: RefCell<Option<Llama>>,
 }
 
-impl<B: Backend> SharedModel<B> {
+impl SharedModel {
     /// A model of `cfg` whose RoPE covers `positions` (the model's own tables stop at 32K).
     pub fn new(cfg: LlamaConfig, positions: usize) -> Rc<Self> {
         Rc::new(Self {
@@ -330,12 +330,12 @@ impl<B: Backend> SharedModel<B> {
         &self.cfg
     }
 
-    pub fn get(&self, device: &B::Device) -> Llama<B> {
+    pub fn get(&self, device: &Device) -> Llama {
         self.model
             .borrow_mut()
             .get_or_insert_with(|| {
                 let t0 = Instant::now();
-                let mut m = Llama::<B>::random(&self.cfg, device, DType::F16);
+                let mut m = Llama::random(&self.cfg, device, DType::F16);
                 let c = &self.cfg;
                 m.rope = Rope::new(
                     c.head_dim,
@@ -344,7 +344,7 @@ impl<B: Backend> SharedModel<B> {
                     c.rope_scaling,
                     device,
                 );
-                sync::<B>(device);
+                sync(device);
                 // Frees the pages of the f32 draws the f16 weights were cast from.
                 B::memory_cleanup(device);
                 eprintln!(
@@ -359,7 +359,7 @@ impl<B: Backend> SharedModel<B> {
     }
 }
 
-pub fn sync<B: Backend>(device: &B::Device) {
+pub fn sync(device: &Device) {
     B::sync(device).expect("device synchronization failed");
 }
 
@@ -368,7 +368,7 @@ pub fn sync<B: Backend>(device: &B::Device) {
 #[derive(Debug, Clone, Copy)]
 pub struct SkipAttention;
 
-impl<B: Backend> AttentionImpl<B> for SkipAttention {
+impl AttentionImpl for SkipAttention {
     fn name(&self) -> String {
         "skip".into()
     }
@@ -376,17 +376,17 @@ impl<B: Backend> AttentionImpl<B> for SkipAttention {
     fn attend(
         &self,
         _layer: usize,
-        q: Tensor<B, 4>,
-        _k: Tensor<B, 4>,
-        _v: Tensor<B, 4>,
-        _opts: &AttnOptions<B>,
-    ) -> Tensor<B, 4> {
+        q: Tensor<4>,
+        _k: Tensor<4>,
+        _v: Tensor<4>,
+        _opts: &AttnOptions,
+    ) -> Tensor<4> {
         q
     }
 }
 
 /// Options of a fill call: nothing is attended, no padding.
-pub fn fill_opts<B: Backend>(cfg: &LlamaConfig) -> AttnOptions<B> {
+pub fn fill_opts(cfg: &LlamaConfig) -> AttnOptions {
     AttnOptions {
         causal: true,
         scale: (cfg.head_dim as f32).sqrt().recip(),
@@ -395,7 +395,7 @@ pub fn fill_opts<B: Backend>(cfg: &LlamaConfig) -> AttnOptions<B> {
 }
 
 /// The query a fill call passes (ignored by [`SkipAttention`]).
-pub fn fill_query<B: Backend>(cfg: &LlamaConfig, batch: usize, device: &B::Device) -> Tensor<B, 4> {
+pub fn fill_query(cfg: &LlamaConfig, batch: usize, device: &Device) -> Tensor<4> {
     Tensor::zeros(
         [batch, cfg.num_heads, 1, cfg.head_dim],
         (device, DType::F16),
@@ -403,12 +403,12 @@ pub fn fill_query<B: Backend>(cfg: &LlamaConfig, batch: usize, device: &B::Devic
 }
 
 /// Standard-normal f16 `[batch, kv_heads, n, head_dim]`.
-pub fn random_states<B: Backend>(
+pub fn random_states(
     cfg: &LlamaConfig,
     batch: usize,
     n: usize,
-    device: &B::Device,
-) -> Tensor<B, 4> {
+    device: &Device,
+) -> Tensor<4> {
     Tensor::random(
         [batch, cfg.num_kv_heads, n, cfg.head_dim],
         Distribution::Normal(0.0, 1.0),
@@ -419,38 +419,38 @@ pub fn random_states<B: Backend>(
 /// One decode step of every sequence: a new token each (different per step and sequence, so
 /// queries change as in generation), the forward through `cache` with `attention`,
 /// and the logits; the caller synchronizes.
-pub fn decode_step<B: Backend>(
-    model: &Llama<B>,
-    cache: &mut dyn KvCache<B>,
+pub fn decode_step(
+    model: &Llama,
+    cache: &mut dyn KvCache,
     batch: usize,
     step: u64,
-    device: &B::Device,
-    attention: &dyn AttentionImpl<B>,
+    device: &Device,
+    attention: &dyn AttentionImpl,
 ) {
     let vocab = model.config.vocab_size as u64;
     let ids: Vec<i64> = (0..batch as u64)
         .map(|i| ((step * 1_000_003 + i * 7919 + 17) % vocab) as i64)
         .collect();
-    let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [batch, 1]), device);
+    let tokens = Tensor::<2, Int>::from_data(TensorData::new(ids, [batch, 1]), device);
     let h = model.forward(tokens, &[], cache, attention);
     let _ = model.logits(h);
 }
 
 /// Runs `n` decode steps, each synchronized, and returns their times in ms.
-pub fn timed_steps<B: Backend>(
-    model: &Llama<B>,
-    cache: &mut dyn KvCache<B>,
+pub fn timed_steps(
+    model: &Llama,
+    cache: &mut dyn KvCache,
     batch: usize,
     first_step: u64,
     n: usize,
-    device: &B::Device,
-    attention: &dyn AttentionImpl<B>,
+    device: &Device,
+    attention: &dyn AttentionImpl,
 ) -> Vec<f64> {
     (0..n as u64)
         .map(|i| {
             let t0 = Instant::now();
             decode_step(model, cache, batch, first_step + i, device, attention);
-            sync::<B>(device);
+            sync(device);
             t0.elapsed().as_secs_f64() * 1e3
         })
         .collect()

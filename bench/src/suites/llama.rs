@@ -7,7 +7,7 @@
 
 use std::path::PathBuf;
 
-use burn::tensor::{DType, Int, Tensor, TensorData, backend::Backend};
+use burn::tensor::{DType, Int, Tensor, TensorData};
 use burn_kernels_core::{BurnAttention, FullKvCache, KvCache};
 use burn_llama::{Llama, LlamaConfig};
 use serde_json::json;
@@ -15,7 +15,7 @@ use serde_json::json;
 use super::{SuiteOptions, run_python_peer};
 use crate::harness::{Candidate, PeerRun, Problem, Suite, params};
 
-pub fn suite<B: Backend>(opts: SuiteOptions) -> Suite<B> {
+pub fn suite(opts: SuiteOptions) -> Suite {
     let shapes: &[&str] = if opts.quick {
         &["smollm2-135m"]
     } else {
@@ -25,7 +25,7 @@ pub fn suite<B: Backend>(opts: SuiteOptions) -> Suite<B> {
     let mut problems = Vec::new();
     for (i, &shape) in shapes.iter().enumerate() {
         for phase in ["prefill", "decode"] {
-            problems.push(problem::<B>(
+            problems.push(problem(
                 shape,
                 i as f64,
                 phase,
@@ -45,13 +45,13 @@ pub fn suite<B: Backend>(opts: SuiteOptions) -> Suite<B> {
     }
 }
 
-fn problem<B: Backend>(
+fn problem(
     shape: &'static str,
     order: f64,
     phase: &'static str,
     len: usize,
     peers: PathBuf,
-) -> Problem<B> {
+) -> Problem {
     let cfg = LlamaConfig::preset(shape).expect("known preset");
     let tokens = if phase == "prefill" { len } else { 1 };
     Problem {
@@ -68,12 +68,12 @@ fn problem<B: Backend>(
         bytes: None,
         tokens: Some(tokens as f64),
         setup: Box::new(move |device| {
-            let model = Llama::<B>::random(&cfg, device, DType::F16);
+            let model = Llama::random(&cfg, device, DType::F16);
             let ids: Vec<i64> = (0..len as i64)
                 .map(|i| (i * 7919) % cfg.vocab_size as i64)
                 .collect();
-            let prompt = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, len]), device);
-            let step = Tensor::<B, 2, Int>::from_data(TensorData::new(vec![42i64], [1, 1]), device);
+            let prompt = Tensor::<2, Int>::from_data(TensorData::new(ids, [1, len]), device);
+            let step = Tensor::<2, Int>::from_data(TensorData::new(vec![42i64], [1, 1]), device);
             let layers = cfg.num_layers;
             let burn = match phase {
                 "prefill" => Candidate::timed_here("burn", move || {

@@ -3,7 +3,7 @@
 //! Memory-bound: the fewest bytes are one read of the `rows × cols` input and one write of
 //! `rows` outputs.
 
-use burn::tensor::{DType, backend::Backend};
+use burn::tensor::{DType};
 use burn_cce::{CceBackend, reference};
 use burn_kernels_testing::{Dist, random_tensor};
 use serde_json::json;
@@ -11,14 +11,14 @@ use serde_json::json;
 use super::SuiteOptions;
 use crate::harness::{Candidate, PlotSpec, Problem, Suite, params};
 
-pub fn suite<B: Backend + CceBackend>(opts: SuiteOptions) -> Suite<B> {
+pub fn suite(opts: SuiteOptions) -> Suite {
     let vocab: &[usize] = if opts.quick {
         &[4096, 32768]
     } else {
         &[4096, 32768, 131072, 262144]
     };
     let rows = if opts.quick { 256 } else { 2048 };
-    let problems = vocab.iter().map(|&cols| problem::<B>(rows, cols)).collect();
+    let problems = vocab.iter().map(|&cols| problem(rows, cols)).collect();
     Suite {
         name: "lse",
         description: "row-wise log-sum-exp of f32 logits: CubeCL kernel vs Burn tensor ops",
@@ -34,7 +34,7 @@ pub fn suite<B: Backend + CceBackend>(opts: SuiteOptions) -> Suite<B> {
     }
 }
 
-fn problem<B: Backend + CceBackend>(rows: usize, cols: usize) -> Problem<B> {
+fn problem(rows: usize, cols: usize) -> Problem {
     Problem {
         label: format!("{rows}x{cols}"),
         params: params([
@@ -46,7 +46,7 @@ fn problem<B: Backend + CceBackend>(rows: usize, cols: usize) -> Problem<B> {
         bytes: Some(((rows * cols + rows) * 4) as f64),
         tokens: None,
         setup: Box::new(move |device| {
-            let x = random_tensor::<B, 2>([rows, cols], Dist::PEAKY, 1, DType::F32, device);
+            let x = random_tensor::<2>([rows, cols], Dist::PEAKY, 1, DType::F32, device);
             let x2 = x.clone();
             vec![
                 Candidate::timed_here("cubecl-kernel", move || {

@@ -106,7 +106,7 @@ struct Steps {
     timed: usize,
 }
 
-pub fn suite<B: KvBackend>(opts: SuiteOptions) -> Suite<B> {
+pub fn suite(opts: SuiteOptions) -> Suite {
     let quick = opts.quick;
     let contexts: &[usize] = if quick { &[512] } else { &[8192, 32_768] };
     let cap = if quick { 2 } else { 512 };
@@ -125,7 +125,7 @@ pub fn suite<B: KvBackend>(opts: SuiteOptions) -> Suite<B> {
     let max_ctx = contexts.iter().max().copied().unwrap_or(0);
     let grow = steps.warmup + steps.timed;
     let positions = max_ctx + grow + 8;
-    let model = SharedModel::<B>::new(cfg.clone(), positions);
+    let model = SharedModel::new(cfg.clone(), positions);
     let steps = Rc::new(steps);
     eprintln!(
         "minicache: device budget {:.1} GB (--max-mem-gb)",
@@ -256,13 +256,13 @@ fn cache_estimate(cfg: &LlamaConfig, f: &Footprint, positions: usize) -> u64 {
     f.held.iter().map(|&(s, n)| s * n as u64).sum::<u64>() - weights
 }
 
-fn problem<B: KvBackend>(
+fn problem(
     opts: &SuiteOptions,
-    model: &Rc<SharedModel<B>>,
+    model: &Rc<SharedModel>,
     ctx: usize,
     plans: Vec<(Kind, Result<Plan, String>)>,
     steps: Rc<Steps>,
-) -> Problem<B> {
+) -> Problem {
     let label = format!("ctx={}", ctx_label(ctx));
     let model = model.clone();
     let probe = opts.probe.clone();
@@ -308,44 +308,44 @@ fn problem<B: KvBackend>(
 
 /// The deeper layer of a merged pair: `states` plus 5% noise, except at 5% of the positions,
 /// independent.
-fn aligned<B: KvBackend>(states: &Tensor<B, 4>) -> Tensor<B, 4> {
+fn aligned(states: &Tensor<4>) -> Tensor<4> {
     let device = states.device();
     let dtype = states.dtype();
     let [b, h, n, d] = states.dims();
-    let noise = Tensor::<B, 4>::random(
+    let noise = Tensor::<4>::random(
         [b, h, n, d],
         Distribution::Normal(0.0, PAIR_NOISE),
         (&device, dtype),
     );
-    let other = Tensor::<B, 4>::random(
+    let other = Tensor::<4>::random(
         [b, h, n, d],
         Distribution::Normal(0.0, 1.0),
         (&device, dtype),
     );
-    let unaligned = Tensor::<B, 4>::random([b, h, n, 1], Distribution::Uniform(0.0, 1.0), &device)
+    let unaligned = Tensor::<4>::random([b, h, n, 1], Distribution::Uniform(0.0, 1.0), &device)
         .lower_elem(UNALIGNED)
         .expand([b, h, n, d]);
     (states.clone() + noise).mask_where(unaligned, other)
 }
 
 /// Fills every layer of `cache` with `n` positions through `attend` (nothing attended).
-fn fill_part<B: KvBackend>(
-    cache: &mut dyn KvCache<B>,
+fn fill_part(
+    cache: &mut dyn KvCache,
     cfg: &LlamaConfig,
     b: usize,
     n: usize,
-    device: &B::Device,
+    device: &Device,
 ) {
     let start = MiniCacheConfig::default().start_for(cfg.num_layers);
-    let (q, opts) = (fill_query::<B>(cfg, b, device), fill_opts::<B>(cfg));
-    let mut below: Option<(Tensor<B, 4>, Tensor<B, 4>)> = None;
+    let (q, opts) = (fill_query(cfg, b, device), fill_opts(cfg));
+    let mut below: Option<(Tensor<4>, Tensor<4>)> = None;
     for layer in 0..cfg.num_layers {
         let second = layer > start && (layer - start) % 2 == 1;
         let (k, v) = match (second, below.take()) {
             (true, Some((k, v))) => (aligned(&k), aligned(&v)),
             _ => (
-                random_states::<B>(cfg, b, n, device),
-                random_states::<B>(cfg, b, n, device),
+                random_states(cfg, b, n, device),
+                random_states(cfg, b, n, device),
             ),
         };
         if layer >= start && !second {
@@ -356,14 +356,14 @@ fn fill_part<B: KvBackend>(
 }
 
 #[allow(clippy::too_many_arguments)]
-fn run<B: KvBackend>(
-    model: &SharedModel<B>,
+fn run(
+    model: &SharedModel,
     kind: Kind,
     p: &Plan,
     ctx: usize,
     steps: &Steps,
     probe: &Option<MemoryProbe>,
-    device: &B::Device,
+    device: &Device,
     label: &str,
     info: &RefCell<Extra>,
 ) -> Result<PeerRun, String> {
@@ -375,19 +375,19 @@ fn run<B: KvBackend>(
     let err = |e: burn_kvcache::KvCacheError| e.to_string();
     let mc = MiniCacheConfig::default();
     let mut cache = match kind {
-        Kind::Full => Held::Other(Box::new(FullKvCache::<B>::new(layers))),
+        Kind::Full => Held::Other(Box::new(FullKvCache::new(layers))),
         Kind::Quant4 | Kind::Quant4Dequant => Held::Other(Box::new(
-            QuantKv::<B>::new(layers, kind.quant().expect("quantized")).map_err(err)?,
+            QuantKv::new(layers, kind.quant().expect("quantized")).map_err(err)?,
         )),
-        Kind::MiniCache => Held::Mini(MiniCacheKv::<B>::new(layers, mc).map_err(err)?),
+        Kind::MiniCache => Held::Mini(MiniCacheKv::new(layers, mc).map_err(err)?),
         Kind::MiniCacheQuant4 => {
-            Held::Mini(MiniCacheKv::<B>::with_quant(layers, mc, QuantConfig::bits(4)).map_err(err)?)
+            Held::Mini(MiniCacheKv::with_quant(layers, mc, QuantConfig::bits(4)).map_err(err)?)
         }
     };
     let t0 = Instant::now();
     fill_part(cache.get(), cfg, b, ctx - TAIL, device);
     fill_part(cache.get(), cfg, b, TAIL, device);
-    sync::<B>(device);
+    sync(device);
     let fill_s = t0.elapsed().as_secs_f64();
     let filled = cache.get().bytes_held();
     let mut step = 0u64;
@@ -395,7 +395,7 @@ fn run<B: KvBackend>(
         decode_step(&m, cache.get(), b, step, device, &BurnAttention);
         step += 1;
     }
-    sync::<B>(device);
+    sync(device);
     let positions = m.rope.max_positions();
     let est = cache_estimate(
         cfg,
@@ -468,13 +468,13 @@ fn run<B: KvBackend>(
 }
 
 /// The cache under test; MiniCache's own type is kept for its merge counts.
-enum Held<B: KvBackend> {
-    Mini(MiniCacheKv<B>),
-    Other(Box<dyn KvCache<B>>),
+enum Held{
+    Mini(MiniCacheKv),
+    Other(Box<dyn KvCache>),
 }
 
-impl<B: KvBackend> Held<B> {
-    fn get(&mut self) -> &mut dyn KvCache<B> {
+impl Held {
+    fn get(&mut self) -> &mut dyn KvCache {
         match self {
             Held::Mini(c) => c,
             Held::Other(c) => c.as_mut(),

@@ -111,21 +111,21 @@ impl SuiteOptions {
 }
 
 /// Builds the suite called `name`.
-pub fn build<B: Backend + CceBackend + SageBackend + KvBackend + FusedBackend>(
+pub fn build(
     name: &str,
     opts: SuiteOptions,
-) -> Option<Suite<B>> {
+) -> Option<Suite> {
     match name {
-        "attention-baseline" => Some(attention::suite::<B>(opts)),
-        "lse" => Some(lse::suite::<B>(opts)),
-        "sage" => Some(sage::suite::<B>(opts)),
-        "cce" => Some(cce::suite::<B>(opts)),
-        "llama" => Some(llama::suite::<B>(opts)),
-        "shadowkv" => Some(shadowkv::suite::<B>(opts)),
-        "minicache" => Some(minicache::suite::<B>(opts)),
-        "specdec" => Some(specdec::suite::<B>(opts)),
-        "e2e" => Some(e2e::suite::<B>(opts)),
-        "e2e-generate" => Some(generate::suite::<B>(opts)),
+        "attention-baseline" => Some(attention::suite(opts)),
+        "lse" => Some(lse::suite(opts)),
+        "sage" => Some(sage::suite(opts)),
+        "cce" => Some(cce::suite(opts)),
+        "llama" => Some(llama::suite(opts)),
+        "shadowkv" => Some(shadowkv::suite(opts)),
+        "minicache" => Some(minicache::suite(opts)),
+        "specdec" => Some(specdec::suite(opts)),
+        "e2e" => Some(e2e::suite(opts)),
+        "e2e-generate" => Some(generate::suite(opts)),
         _ => None,
     }
 }

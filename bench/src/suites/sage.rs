@@ -4,7 +4,7 @@
 //! TOPS follow the paper: `4·B·H·N²·D` operations, halved when causal. Fewest bytes: read Q, K, V
 //! and write O once (f16).
 
-use burn::tensor::{DType, Distribution, Tensor, backend::Backend};
+use burn::tensor::{DType, Distribution, Tensor};
 use burn_kernels_core::attention::{AttentionImpl, AttnOptions, BurnAttention};
 use burn_sage::kernels::KernelChoice;
 use burn_sage::{PvPrecision, QkQuant, SageBackend, SageOptions, sage_attention};
@@ -74,7 +74,7 @@ const VARIANTS: [Variant; 5] = [
     ),
 ];
 
-pub fn suite<B: Backend + SageBackend>(opts: SuiteOptions) -> Suite<B> {
+pub fn suite(opts: SuiteOptions) -> Suite {
     let seq_lens: &[usize] = if opts.quick {
         &[1024, 2048]
     } else {
@@ -96,7 +96,7 @@ pub fn suite<B: Backend + SageBackend>(opts: SuiteOptions) -> Suite<B> {
     ));
     let problems = configs
         .into_iter()
-        .map(|(n, d, causal)| problem::<B>(n, d, causal, &opts, peers.clone()))
+        .map(|(n, d, causal)| problem(n, d, causal, &opts, peers.clone()))
         .collect();
     Suite {
         name: "sage",
@@ -168,13 +168,13 @@ impl PeerBatch {
     }
 }
 
-fn problem<B: Backend + SageBackend>(
+fn problem(
     n: usize,
     d: usize,
     causal: bool,
     opts: &SuiteOptions,
     peers: Rc<PeerBatch>,
-) -> Problem<B> {
+) -> Problem {
     let elem = 2.0;
     let qkv = (BATCH * HEADS * n * d) as f64;
     let flops = 4.0 * qkv * n as f64 / if causal { 2.0 } else { 1.0 };
@@ -200,13 +200,13 @@ fn problem<B: Backend + SageBackend>(
             // took longer than timing them.
             B::seed(device, 1);
             let normal = || {
-                Tensor::<B, 4>::random(shape, Distribution::Normal(0.0, 1.0), device)
+                Tensor::<4>::random(shape, Distribution::Normal(0.0, 1.0), device)
                     .cast(DType::F16)
             };
             let (q, k, v) = (normal(), normal(), normal());
             let mut out = Vec::new();
             let (q2, k2, v2) = (q.clone(), k.clone(), v.clone());
-            let attn_opts = AttnOptions::<B> {
+            let attn_opts = AttnOptions {
                 causal,
                 scale: 1.0 / (d as f32).sqrt(),
                 key_padding: None,

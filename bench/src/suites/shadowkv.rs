@@ -109,7 +109,7 @@ fn shadow_config(quick: bool) -> ShadowKvConfig {
     }
 }
 
-pub fn suite<B: KvBackend>(opts: SuiteOptions) -> Suite<B> {
+pub fn suite(opts: SuiteOptions) -> Suite {
     let quick = opts.quick;
     // Longest first: 128K is the issue's goal, and a run cut short by a time limit keeps it.
     let contexts: &[usize] = if quick {
@@ -123,7 +123,7 @@ pub fn suite<B: KvBackend>(opts: SuiteOptions) -> Suite<B> {
     let steps = Steps::new(quick);
     let max_ctx = contexts.iter().max().copied().unwrap_or(0);
     let positions = max_ctx + steps.total() + 8;
-    let model = SharedModel::<B>::new(cfg.clone(), positions);
+    let model = SharedModel::new(cfg.clone(), positions);
     eprintln!(
         "shadowkv: budgets {:.1} GB device (--max-mem-gb), {:.1} GB host (--max-host-mem-gb)",
         opts.max_mem_bytes / GB,
@@ -227,15 +227,15 @@ fn shadow_footprint(
     }
 }
 
-fn problem<B: KvBackend>(
+fn problem(
     opts: &SuiteOptions,
-    model: &Rc<SharedModel<B>>,
+    model: &Rc<SharedModel>,
     sk: ShadowKvConfig,
     ctx: usize,
     full: Result<Plan, String>,
     shadow: Result<Plan, String>,
     steps: Steps,
-) -> Problem<B> {
+) -> Problem {
     let label = format!("ctx={}", ctx_label(ctx));
     let model = model.clone();
     let probe = opts.probe.clone();
@@ -313,13 +313,13 @@ fn base_params(
 /// The same cache decoding with burn-kvcache's decode attention kernel (GQA without
 /// repeating K/V, split over the keys) instead of Burn's attention op: one warm-up step, then
 /// `steps.timed`; returns the record's params and a note.
-fn with_decode_kernel<B: KvBackend>(
-    m: &burn_llama::Llama<B>,
-    cache: &mut dyn burn_kernels_core::KvCache<B>,
+fn with_decode_kernel(
+    m: &burn_llama::Llama,
+    cache: &mut dyn burn_kernels_core::KvCache,
     b: usize,
     step: u64,
     steps: &Steps,
-    device: &B::Device,
+    device: &Device,
 ) -> (
     std::collections::BTreeMap<String, serde_json::Value>,
     String,
@@ -339,13 +339,13 @@ fn with_decode_kernel<B: KvBackend>(
 }
 
 #[allow(clippy::too_many_arguments)]
-fn run_full<B: KvBackend>(
-    model: &SharedModel<B>,
+fn run_full(
+    model: &SharedModel,
     p: &Plan,
     ctx: usize,
     steps: &Steps,
     probe: &Option<crate::harness::MemoryProbe>,
-    device: &B::Device,
+    device: &Device,
     label: &str,
     info: &RefCell<Extra>,
 ) -> Result<PeerRun, String> {
@@ -354,21 +354,21 @@ fn run_full<B: KvBackend>(
     let cfg = model.config();
     let b = p.batch;
     let t0 = Instant::now();
-    let mut cache = FullKvCache::<B>::new(cfg.num_layers);
-    let (q, opts) = (fill_query::<B>(cfg, b, device), fill_opts::<B>(cfg));
+    let mut cache = FullKvCache::new(cfg.num_layers);
+    let (q, opts) = (fill_query(cfg, b, device), fill_opts(cfg));
     for layer in 0..cfg.num_layers {
-        let k = random_states::<B>(cfg, b, ctx, device);
-        let v = random_states::<B>(cfg, b, ctx, device);
+        let k = random_states(cfg, b, ctx, device);
+        let v = random_states(cfg, b, ctx, device);
         let _ = cache.attend(layer, q.clone(), k, v, &SkipAttention, &opts);
     }
-    sync::<B>(device);
+    sync(device);
     let fill_s = t0.elapsed().as_secs_f64();
     let mut step = 0u64;
     for _ in 0..steps.warmup + steps.profiled {
         decode_step(&m, &mut cache, b, step, device, &BurnAttention);
         step += 1;
     }
-    sync::<B>(device);
+    sync(device);
     let pool = reserved(probe);
     eprintln!(
         "  {label} full: batch {b}, filled {} layers in {fill_s:.1} s; cache {}, pool {} \
@@ -390,14 +390,14 @@ fn run_full<B: KvBackend>(
 }
 
 #[allow(clippy::too_many_arguments)]
-fn run_shadow<B: KvBackend>(
-    model: &SharedModel<B>,
+fn run_shadow(
+    model: &SharedModel,
     p: &Plan,
     sk: ShadowKvConfig,
     ctx: usize,
     steps: &Steps,
     probe: &Option<crate::harness::MemoryProbe>,
-    device: &B::Device,
+    device: &Device,
     label: &str,
     info: &RefCell<Extra>,
 ) -> Result<PeerRun, String> {
@@ -411,21 +411,21 @@ fn run_shadow<B: KvBackend>(
         scaling: cfg.rope_scaling,
     };
     let mut cache =
-        ShadowKvCache::<B>::new(cfg.num_layers, hkv, d, sk, rope).map_err(|e| e.to_string())?;
-    let mix = Tensor::<B, 2>::random(
+        ShadowKvCache::new(cfg.num_layers, hkv, d, sk, rope).map_err(|e| e.to_string())?;
+    let mix = Tensor::<2>::random(
         [KEY_RANK, hkv * d],
         Distribution::Normal(0.0, (KEY_RANK as f64).sqrt().recip()),
         (device, DType::F16),
     );
     let positions: Vec<i64> = (0..ctx as i64).collect();
-    let positions = Tensor::<B, 2, Int>::from_data(TensorData::new(positions, [1, ctx]), device);
+    let positions = Tensor::<2, Int>::from_data(TensorData::new(positions, [1, ctx]), device);
     for layer in 0..cfg.num_layers {
-        let z = Tensor::<B, 2>::random(
+        let z = Tensor::<2>::random(
             [ctx, KEY_RANK],
             Distribution::Normal(0.0, 1.0),
             (device, DType::F16),
         );
-        let noise = Tensor::<B, 2>::random(
+        let noise = Tensor::<2>::random(
             [ctx, hkv * d],
             Distribution::Normal(0.0, KEY_NOISE),
             (device, DType::F16),
@@ -444,7 +444,7 @@ fn run_shadow<B: KvBackend>(
         // and values whatever the batch (a [batch, …] tensor past 2.7 GB would take a 21 GB
         // page of the pool).
         let k = m.rope.apply(k, positions.clone()).expand([b, hkv, ctx, d]);
-        let v = random_states::<B>(cfg, 1, ctx, device).expand([b, hkv, ctx, d]);
+        let v = random_states(cfg, 1, ctx, device).expand([b, hkv, ctx, d]);
         let sparse = cache
             .compress_prompt(layer, k, v, None)
             .map_err(|e| e.to_string())?;
@@ -460,7 +460,7 @@ fn run_shadow<B: KvBackend>(
             );
         }
     }
-    sync::<B>(device);
+    sync(device);
     let fill_s = t0.elapsed().as_secs_f64();
     let bytes = cache.bytes_split();
     let mut step = 0u64;
@@ -468,7 +468,7 @@ fn run_shadow<B: KvBackend>(
         decode_step(&m, &mut cache, b, step, device, &BurnAttention);
         step += 1;
     }
-    sync::<B>(device);
+    sync(device);
     let pool = reserved(probe);
     eprintln!(
         "  {label} shadowkv: batch {b}, filled in {fill_s:.1} s; cache {} device + {} host, \

@@ -20,7 +20,7 @@
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
-use burn::tensor::{DType, backend::Backend};
+use burn::tensor::{DType};
 use burn_kernels_core::{
     AttentionImpl, BurnAttention, FullKvCache, FusedBackend, FusedLayers, SamplingConfig,
 };
@@ -50,7 +50,7 @@ const DRAFT_LEN: usize = 4;
 /// Prompt tokens (the start of the committed paragraph, or token ids with random weights).
 const PROMPT_TOKENS: usize = 64;
 
-pub fn suite<B: KvBackend + FusedBackend>(opts: SuiteOptions) -> Suite<B> {
+pub fn suite(opts: SuiteOptions) -> Suite {
     let (default_drafts, new_tokens): (&[usize], usize) = if opts.quick {
         (&[1, 2], 8)
     } else {
@@ -78,7 +78,7 @@ pub fn suite<B: KvBackend + FusedBackend>(opts: SuiteOptions) -> Suite<B> {
                     len,
                     temperature: t,
                 };
-                problems.push(problem::<B>(
+                problems.push(problem(
                     c.clone(),
                     shape,
                     new_tokens,
@@ -139,7 +139,7 @@ fn sampling(temperature: f32, seed: u64) -> SamplingConfig {
 }
 
 /// The target model and one prompt on `device`, and whether the weights are real.
-fn target<B: Backend>(device: &B::Device, quick: bool) -> (Llama<B>, Vec<u32>, bool) {
+fn target(device: &Device, quick: bool) -> (Llama, Vec<u32>, bool) {
     let prompt_len = if quick { 16 } else { PROMPT_TOKENS };
     match checkpoint().filter(|_| !quick) {
         Some(ckpt) => {
@@ -162,11 +162,11 @@ fn target<B: Backend>(device: &B::Device, quick: bool) -> (Llama<B>, Vec<u32>, b
 
 /// Random weights of SmolLM2-135M's shape (a tiny model deep enough for the draft with
 /// `quick`) and a prompt of `prompt_len` spread token ids.
-pub(super) fn random_target<B: Backend>(
-    device: &B::Device,
+pub(super) fn random_target(
+    device: &Device,
     quick: bool,
     prompt_len: usize,
-) -> (Llama<B>, Vec<u32>) {
+) -> (Llama, Vec<u32>) {
     let cfg = if quick {
         super::tiny_llama(DRAFT_LAYERS + 2, 512)
     } else {
@@ -196,7 +196,7 @@ impl DraftChoice {
         }
     }
 
-    pub(super) fn build<B: Backend>(&self, target: &Llama<B>, device: &B::Device) -> Llama<B> {
+    pub(super) fn build(&self, target: &Llama, device: &Device) -> Llama {
         match self {
             Self::Truncated(n) => truncated_draft(target, *n).expect("enough layers"),
             Self::Trained(p) => load_draft(p, device, DType::F32)
@@ -213,13 +213,13 @@ struct Shape {
     temperature: f32,
 }
 
-fn problem<B: KvBackend + FusedBackend>(
+fn problem(
     choice: DraftChoice,
     shape: Shape,
     new_tokens: usize,
     quick: bool,
     decode_kernels: bool,
-) -> Problem<B> {
+) -> Problem {
     let Shape {
         k,
         len: draft_len,
@@ -233,7 +233,7 @@ fn problem<B: KvBackend + FusedBackend>(
     if decode_kernels {
         mode.push_str(" decode-kernels");
     }
-    let attention: Arc<dyn AttentionImpl<B>> = if decode_kernels {
+    let attention: Arc<dyn AttentionImpl> = if decode_kernels {
         Arc::new(FusedLayers::new(Arc::new(DecodeAttention::default())))
     } else {
         Arc::new(BurnAttention)
@@ -252,7 +252,7 @@ fn problem<B: KvBackend + FusedBackend>(
         bytes: None,
         tokens: Some(new_tokens as f64),
         setup: Box::new(move |device| {
-            let (model, prompt, real) = target::<B>(device, quick);
+            let (model, prompt, real) = target(device, quick);
             let draft = choice.build(&model, device);
             let weights = if real { "real" } else { "random" };
             let mut candidates = Vec::new();
@@ -322,12 +322,12 @@ fn problem<B: KvBackend + FusedBackend>(
 }
 
 /// One speculative generation with `cache` as the target cache: its tokens and statistics.
-fn run_spec<B: Backend, C: SpecCache<B>>(
-    target: &Llama<B>,
+fn run_spec<C: SpecCache>(
+    target: &Llama,
     cache: C,
     drafts: &[Draft<'_, B>],
     prompts: &[Vec<u32>],
-    attention: &dyn AttentionImpl<B>,
+    attention: &dyn AttentionImpl,
     opts: &SpecOptions,
 ) -> (Vec<Vec<u32>>, SpecStats) {
     let g = speculative_generate_with_cache(

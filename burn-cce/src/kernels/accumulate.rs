@@ -2,7 +2,8 @@
 //! `out[row0 + i, :] = round(out[row0 + i, :] + src[i, :])`. The backward accumulates dE with
 //! it, so that no `N × D` temporary is allocated beside dE.
 
-use burn_cubecl::{CubeRuntime, tensor::CubeTensor};
+use burn::backend::cubecl::dtype_to_storage_type;
+use burn_cubecl::tensor::CubeTensor;
 use cubecl::{calculate_cube_count_elemwise, prelude::*};
 
 const UNITS: u32 = 256;
@@ -12,7 +13,7 @@ fn add_rows_kernel<F: Float>(
     out: &mut Tensor<F>,
     src: &Tensor<f32>,
     row0: usize,
-    #[define(F)] _dtype: StorageType,
+    #[define(F)] _dtype: ElemType,
 ) {
     let idx = ABSOLUTE_POS;
     let cols = src.shape(1);
@@ -32,7 +33,7 @@ fn add_rows_kernel<F: Float>(
 /// # Shapes
 /// - `out`: `[n, d]` (f32, f16 or bf16), written in place; `src`: `[rows, d]` f32,
 ///   `row0 + rows ≤ n`
-pub fn add_rows<R: CubeRuntime>(out: &CubeTensor<R>, src: CubeTensor<R>, row0: usize) {
+pub fn add_rows(out: &CubeTensor, src: CubeTensor, row0: usize) {
     let [n, d] = out.meta.shape().dims::<2>();
     let [rows, src_d] = src.meta.shape().dims::<2>();
     assert!(
@@ -45,8 +46,8 @@ pub fn add_rows<R: CubeRuntime>(out: &CubeTensor<R>, src: CubeTensor<R>, row0: u
     let client = out.client.clone();
     let cube_dim = CubeDim::new_1d(UNITS);
     let cube_count = calculate_cube_count_elemwise(&client, rows * d, cube_dim);
-    let dtype = out.dtype.into();
-    add_rows_kernel::launch::<R>(
+    let dtype = dtype_to_storage_type(out.dtype);
+    add_rows_kernel::launch(
         &client,
         cube_count,
         cube_dim,

@@ -2,10 +2,10 @@
 //! the chunk's logits and the saved log-sum-exp, written in the dtype of the GEMMs that
 //! consume it (dE += G·C, dC = Gᵀ·E).
 
+use burn::backend::cubecl::dtype_to_storage_type;
 use burn::tensor::{DType, Shape};
 use burn_cubecl::{
-    CubeRuntime, kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype,
-    tensor::CubeTensor,
+    kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype, tensor::CubeTensor,
 };
 use cubecl::{calculate_cube_count_elemwise, prelude::*};
 
@@ -26,7 +26,7 @@ fn grad_kernel<F: Float, I: Numeric>(
     #[comptime] has_bias: bool,
     #[comptime] has_softcap: bool,
     #[comptime] gathered: bool,
-    #[define(F, I)] _dtypes: [StorageType; 2],
+    #[define(F, I)] _dtypes: [ElemType; 2],
 ) {
     // One unit per element, linear index: the plainest launch shape, which every runtime
     // handles alike.
@@ -69,22 +69,22 @@ fn grad_kernel<F: Float, I: Numeric>(
 ///   or `None`, `lse`, `dout`: `[n]` f32, `targets`: `[n]`, `vocab_ids`: `[chunk]`
 /// - returns `[rows, chunk]` in `dtype`
 #[allow(clippy::too_many_arguments)]
-pub fn grad_chunk<R: CubeRuntime>(
-    logits: CubeTensor<R>,
-    bias: Option<CubeTensor<R>>,
-    lse: CubeTensor<R>,
-    dout: CubeTensor<R>,
-    targets: CubeTensor<R>,
-    vocab_ids: Option<CubeTensor<R>>,
+pub fn grad_chunk(
+    logits: CubeTensor,
+    bias: Option<CubeTensor>,
+    lse: CubeTensor,
+    dout: CubeTensor,
+    targets: CubeTensor,
+    vocab_ids: Option<CubeTensor>,
     v0: usize,
     row0: usize,
     softcap: Option<f32>,
     dtype: DType,
-) -> CubeTensor<R> {
+) -> CubeTensor {
     let logits = into_contiguous(logits);
     let [n, chunk] = logits.meta.shape().dims::<2>();
     let client = logits.client.clone();
-    let out = empty_device_contiguous_dtype::<R>(
+    let out = empty_device_contiguous_dtype(
         client.clone(),
         logits.device.clone(),
         Shape::new([n, chunk]),
@@ -97,7 +97,7 @@ pub fn grad_chunk<R: CubeRuntime>(
     // Without a bias the kernel still needs a tensor of the output dtype; a separate one-element
     // buffer, since binding the written output twice is not allowed on every runtime.
     let bias = bias.map(into_contiguous).unwrap_or_else(|| {
-        empty_device_contiguous_dtype::<R>(
+        empty_device_contiguous_dtype(
             client.clone(),
             logits.device.clone(),
             Shape::new([1]),
@@ -109,11 +109,14 @@ pub fn grad_chunk<R: CubeRuntime>(
     let vocab_ids = vocab_ids
         .map(into_contiguous)
         .unwrap_or_else(|| targets.clone());
-    let dtypes = [dtype.into(), targets.dtype.into()];
+    let dtypes = [
+        dtype_to_storage_type(dtype),
+        dtype_to_storage_type(targets.dtype),
+    ];
     let cube_dim = CubeDim::new_1d(UNITS);
     let cube_count = calculate_cube_count_elemwise(&client, n * chunk, cube_dim);
 
-    grad_kernel::launch::<R>(
+    grad_kernel::launch(
         &client,
         cube_count,
         cube_dim,

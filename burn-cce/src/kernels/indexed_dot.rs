@@ -1,10 +1,10 @@
 //! Target logits `softcap(eᵢ · c[tᵢ] + b[tᵢ])`: one cube per token, f32 accumulation over `D`.
 //! Reads one classifier row per token and never forms a logit matrix.
 
+use burn::backend::cubecl::dtype_to_storage_type;
 use burn::tensor::{DType, Shape};
 use burn_cubecl::{
-    CubeRuntime, kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype,
-    tensor::CubeTensor,
+    kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype, tensor::CubeTensor,
 };
 use cubecl::prelude::*;
 
@@ -22,7 +22,7 @@ fn indexed_dot_kernel<F: Float, I: Numeric>(
     #[comptime] has_bias: bool,
     #[comptime] has_softcap: bool,
     #[comptime] units: usize,
-    #[define(F, I)] _dtypes: [StorageType; 2],
+    #[define(F, I)] _dtypes: [ElemType; 2],
 ) {
     let row = (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize;
     // The whole cube leaves together, so the barriers in the reduction stay uniform.
@@ -59,19 +59,19 @@ fn indexed_dot_kernel<F: Float, I: Numeric>(
 /// - `e`: `[n, D]`, `c`: `[V, D]` (same float dtype), `bias`: `[V]`, `targets`: `[n]` with
 ///   values in `[0, V)` (checked by the caller)
 /// - returns `[n]` f32
-pub fn indexed_dot<R: CubeRuntime>(
-    e: CubeTensor<R>,
-    c: CubeTensor<R>,
-    bias: Option<CubeTensor<R>>,
-    targets: CubeTensor<R>,
+pub fn indexed_dot(
+    e: CubeTensor,
+    c: CubeTensor,
+    bias: Option<CubeTensor>,
+    targets: CubeTensor,
     softcap: Option<f32>,
-) -> CubeTensor<R> {
+) -> CubeTensor {
     let e = into_contiguous(e);
     let c = into_contiguous(c);
     let targets = into_contiguous(targets);
     let [n, d] = e.meta.shape().dims::<2>();
     let client = e.client.clone();
-    let out = empty_device_contiguous_dtype::<R>(
+    let out = empty_device_contiguous_dtype(
         client.clone(),
         e.device.clone(),
         Shape::new([n]),
@@ -84,9 +84,12 @@ pub fn indexed_dot<R: CubeRuntime>(
     // Without a bias the kernel still needs a tensor argument of the right type.
     let bias = bias.map(into_contiguous).unwrap_or_else(|| e.clone());
     let units = row_units(&client, d);
-    let dtypes = [e.dtype.into(), targets.dtype.into()];
+    let dtypes = [
+        dtype_to_storage_type(e.dtype),
+        dtype_to_storage_type(targets.dtype),
+    ];
 
-    indexed_dot_kernel::launch::<R>(
+    indexed_dot_kernel::launch(
         &client,
         row_grid(&client, n),
         CubeDim::new_1d(units),

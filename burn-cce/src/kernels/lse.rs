@@ -1,9 +1,8 @@
 //! Row-wise log-sum-exp: one cube per row, f32 online accumulation, shared-memory tree merge.
 
+use burn::backend::cubecl::dtype_to_storage_type;
 use burn::tensor::Shape;
-use burn_cubecl::{
-    CubeRuntime, kernel::into_contiguous, ops::numeric::empty_device_dtype, tensor::CubeTensor,
-};
+use burn_cubecl::{kernel::into_contiguous, ops::numeric::empty_device_dtype, tensor::CubeTensor};
 use cubecl::prelude::*;
 
 use super::reduce::{cube_merge_lse, merge};
@@ -16,7 +15,7 @@ fn logsumexp_rows_kernel<F: Float>(
     softcap: f32,
     #[comptime] has_softcap: bool,
     #[comptime] units: usize,
-    #[define(F)] _dtype: StorageType,
+    #[define(F)] _dtype: ElemType,
 ) {
     let row = (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize;
     let rows = input.shape(0);
@@ -56,13 +55,13 @@ fn logsumexp_rows_kernel<F: Float>(
 ///
 /// # Shapes
 /// - `input`: `[rows, cols]` of any float dtype, `cols ≥ 1`; returns `[rows]` of that dtype.
-pub fn logsumexp_rows<R: CubeRuntime>(input: CubeTensor<R>, softcap: Option<f32>) -> CubeTensor<R> {
+pub fn logsumexp_rows(input: CubeTensor, softcap: Option<f32>) -> CubeTensor {
     let input = into_contiguous(input);
     let dims = input.meta.shape().dims::<2>();
     let [rows, cols] = [dims[0], dims[1]];
     let client = input.client.clone();
     let dtype = input.dtype;
-    let output = empty_device_dtype::<R>(
+    let output = empty_device_dtype(
         client.clone(),
         input.device.clone(),
         Shape::new([rows]),
@@ -73,7 +72,7 @@ pub fn logsumexp_rows<R: CubeRuntime>(input: CubeTensor<R>, softcap: Option<f32>
     }
 
     let units = row_units(&client, cols);
-    logsumexp_rows_kernel::launch::<R>(
+    logsumexp_rows_kernel::launch(
         &client,
         row_grid(&client, rows),
         CubeDim::new_1d(units),
@@ -82,7 +81,7 @@ pub fn logsumexp_rows<R: CubeRuntime>(input: CubeTensor<R>, softcap: Option<f32>
         softcap.unwrap_or(1.0),
         softcap.is_some(),
         units as usize,
-        dtype.into(),
+        dtype_to_storage_type(dtype),
     );
     output
 }

@@ -1,7 +1,8 @@
 //! Folds one chunk of logits into running per-token log-sum-exp state `(m, s)`:
 //! `lse = m + ln s` over every chunk seen so far. One cube per token row, f32 throughout.
 
-use burn_cubecl::{CubeRuntime, kernel::into_contiguous, tensor::CubeTensor};
+use burn::backend::cubecl::dtype_to_storage_type;
+use burn_cubecl::{kernel::into_contiguous, tensor::CubeTensor};
 use cubecl::prelude::*;
 
 use super::reduce::{cube_merge_lse, merge};
@@ -18,7 +19,7 @@ fn lse_chunk_kernel<F: Float>(
     #[comptime] has_bias: bool,
     #[comptime] has_softcap: bool,
     #[comptime] units: usize,
-    #[define(F)] _dtype: StorageType,
+    #[define(F)] _dtype: ElemType,
 ) {
     let row = (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize;
     if row >= logits.shape(0) {
@@ -57,11 +58,11 @@ fn lse_chunk_kernel<F: Float>(
 /// # Shapes
 /// - `logits`: `[n, chunk]` f32 (raw `E·Cᵀ`), `bias`: `[V]` or `None`, `m`, `s`: `[n]` f32,
 ///   starting at `s = 0` (empty)
-pub fn lse_chunk<R: CubeRuntime>(
-    logits: CubeTensor<R>,
-    bias: Option<CubeTensor<R>>,
-    m: &CubeTensor<R>,
-    s: &CubeTensor<R>,
+pub fn lse_chunk(
+    logits: CubeTensor,
+    bias: Option<CubeTensor>,
+    m: &CubeTensor,
+    s: &CubeTensor,
     v0: usize,
     softcap: Option<f32>,
 ) {
@@ -75,9 +76,9 @@ pub fn lse_chunk<R: CubeRuntime>(
     // Without a bias the kernel still needs a tensor argument; its dtype only has to be a float.
     let bias = bias.map(into_contiguous).unwrap_or_else(|| logits.clone());
     let units = row_units(&client, chunk);
-    let dtype = bias.dtype.into();
+    let dtype = dtype_to_storage_type(bias.dtype);
 
-    lse_chunk_kernel::launch::<R>(
+    lse_chunk_kernel::launch(
         &client,
         row_grid(&client, n),
         CubeDim::new_1d(units),

@@ -1,4 +1,4 @@
-//! CubeCL kernels, one file per stage; each is generic over the runtime.
+//! CubeCL kernels, one file per stage; each compiles for every CubeCL runtime.
 //!
 //! The linear cross-entropy kernels work on one chunk of logits at a time (`n × chunk`, f32,
 //! produced by the matmul): [`lse_chunk`] folds a chunk into running per-token log-sum-exp
@@ -21,7 +21,7 @@ use cubecl::prelude::*;
 
 /// Units for a one-cube-per-row reduction over `cols` values: a power of two (the tree merges
 /// halve evenly), 32 to 256.
-pub(crate) fn row_units<R: Runtime>(client: &ComputeClient<R>, cols: usize) -> u32 {
+pub(crate) fn row_units(client: &Client, cols: usize) -> u32 {
     let max_units = client.properties().hardware.max_cube_dim.0.min(256);
     (cols as u32)
         .next_power_of_two()
@@ -29,7 +29,7 @@ pub(crate) fn row_units<R: Runtime>(client: &ComputeClient<R>, cols: usize) -> u
 }
 
 /// A grid with one cube per row; rows beyond one grid dimension spill into the second.
-pub(crate) fn row_grid<R: Runtime>(client: &ComputeClient<R>, rows: usize) -> CubeCount {
+pub(crate) fn row_grid(client: &Client, rows: usize) -> CubeCount {
     let max_x = client.properties().hardware.max_cube_count.0.min(65_535) as usize;
     let cubes_x = rows.clamp(1, max_x);
     CubeCount::Static(cubes_x as u32, rows.div_ceil(cubes_x) as u32, 1)

@@ -31,8 +31,8 @@ pub fn merge(m1: f32, s1: f32, m2: f32, s2: f32) -> (f32, f32) {
 /// two. Returns the merged pair in every unit.
 #[cube]
 pub fn cube_merge_lse(m: f32, s: f32, #[comptime] units: usize) -> (f32, f32) {
-    let mut shared_m = SharedMemory::<f32>::new(units);
-    let mut shared_s = SharedMemory::<f32>::new(units);
+    let mut shared_m = Shared::<[f32]>::new_slice(units);
+    let mut shared_s = Shared::<[f32]>::new_slice(units);
     let unit = UNIT_POS_X as usize;
     shared_m[unit] = m;
     shared_s[unit] = s;
@@ -61,7 +61,7 @@ pub fn cube_merge_lse(m: f32, s: f32, #[comptime] units: usize) -> (f32, f32) {
 /// every unit.
 #[cube]
 pub fn cube_sum(value: f32, #[comptime] units: usize) -> f32 {
-    let mut shared = SharedMemory::<f32>::new(units);
+    let mut shared = Shared::<[f32]>::new_slice(units);
     let unit = UNIT_POS_X as usize;
     shared[unit] = value;
     sync_cube();

@@ -2,10 +2,10 @@
 //! `|softmax − onehot|` over a slice of tokens. An entry whose score stays below `filter_eps`
 //! for every token contributes nothing representable to dE or dC and is skipped.
 
+use burn::backend::cubecl::dtype_to_storage_type;
 use burn::tensor::{DType, Shape};
 use burn_cubecl::{
-    CubeRuntime, kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype,
-    tensor::CubeTensor,
+    kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype, tensor::CubeTensor,
 };
 use cubecl::prelude::*;
 
@@ -27,7 +27,7 @@ fn score_kernel<F: Float, I: Numeric>(
     #[comptime] has_bias: bool,
     #[comptime] has_softcap: bool,
     #[comptime] rows_per_slice: usize,
-    #[define(F, I)] _dtypes: [StorageType; 2],
+    #[define(F, I)] _dtypes: [ElemType; 2],
 ) {
     // Cube c covers column block c % blocks and row slice c / blocks; the grid is linear
     // (spilling into its second dimension), as in the row kernels.
@@ -79,19 +79,19 @@ fn score_kernel<F: Float, I: Numeric>(
 ///   `targets`: `[n]`
 /// - returns `[slices, chunk]` f32 partial maxima; their maximum over the first dimension is
 ///   the score
-pub fn score_chunk<R: CubeRuntime>(
-    logits: CubeTensor<R>,
-    bias: Option<CubeTensor<R>>,
-    lse: CubeTensor<R>,
-    targets: CubeTensor<R>,
+pub fn score_chunk(
+    logits: CubeTensor,
+    bias: Option<CubeTensor>,
+    lse: CubeTensor,
+    targets: CubeTensor,
     v0: usize,
     softcap: Option<f32>,
-) -> CubeTensor<R> {
+) -> CubeTensor {
     let logits = into_contiguous(logits);
     let [n, chunk] = logits.meta.shape().dims::<2>();
     let client = logits.client.clone();
     let slices = n.div_ceil(ROWS_PER_SLICE).max(1);
-    let partial = empty_device_contiguous_dtype::<R>(
+    let partial = empty_device_contiguous_dtype(
         client.clone(),
         logits.device.clone(),
         Shape::new([slices, chunk]),
@@ -99,9 +99,12 @@ pub fn score_chunk<R: CubeRuntime>(
     );
     let has_bias = bias.is_some();
     let bias = bias.map(into_contiguous).unwrap_or_else(|| logits.clone());
-    let dtypes = [bias.dtype.into(), targets.dtype.into()];
+    let dtypes = [
+        dtype_to_storage_type(bias.dtype),
+        dtype_to_storage_type(targets.dtype),
+    ];
 
-    score_kernel::launch::<R>(
+    score_kernel::launch(
         &client,
         super::row_grid(&client, chunk.div_ceil(UNITS as usize) * slices),
         CubeDim::new_1d(UNITS),

@@ -1,14 +1,14 @@
 //! Unpacking and dequantization, `min + code·scale`: one unit per output element.
 
-use burn::tensor::Shape;
+use burn::backend::cubecl::dtype_to_storage_type;
 use burn_cubecl::{
-    CubeRuntime, kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype,
-    tensor::CubeTensor,
+    kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype, tensor::CubeTensor,
 };
 use cubecl::{calculate_cube_count_elemwise, prelude::*};
 
 use super::UNITS;
 use crate::QuantLayout;
+use crate::shapes::dequantized_shape;
 
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
@@ -21,7 +21,7 @@ fn dequantize_kernel<F: Float>(
     groups: usize,
     words_per_group: usize,
     bits: u32,
-    #[define(F)] _dtype: StorageType,
+    #[define(F)] _dtype: ElemType,
 ) {
     let idx = ABSOLUTE_POS;
     if idx >= out.len() {
@@ -65,29 +65,24 @@ pub(crate) fn code_value<F: Float>(
 /// # Shapes
 /// - `words`: `[rows, groups · words_per_group]` u32, `scale`, `min`: `[rows, groups]`
 /// - returns `[rows, layout.cols]` in the dtype of `scale`
-pub fn dequantize<R: CubeRuntime>(
-    words: CubeTensor<R>,
-    scale: CubeTensor<R>,
-    min: CubeTensor<R>,
+pub fn dequantize(
+    words: CubeTensor,
+    scale: CubeTensor,
+    min: CubeTensor,
     layout: QuantLayout,
-) -> CubeTensor<R> {
+) -> CubeTensor {
     let scale = into_contiguous(scale);
-    let rows = scale.meta.shape().dims::<2>()[0];
-    let cols = layout.cols;
+    let shape = dequantized_shape(scale.meta.shape(), &layout);
+    let (rows, cols) = (shape[0], shape[1]);
     let client = scale.client.clone();
     let dtype = scale.dtype;
-    let out = empty_device_contiguous_dtype::<R>(
-        client.clone(),
-        scale.device.clone(),
-        Shape::new([rows, cols]),
-        dtype,
-    );
+    let out = empty_device_contiguous_dtype(client.clone(), scale.device.clone(), shape, dtype);
     if rows * cols == 0 {
         return out;
     }
     let cube_dim = CubeDim::new_1d(UNITS);
     let cube_count = calculate_cube_count_elemwise(&client, rows * cols, cube_dim);
-    dequantize_kernel::launch::<R>(
+    dequantize_kernel::launch(
         &client,
         cube_count,
         cube_dim,
@@ -99,7 +94,7 @@ pub fn dequantize<R: CubeRuntime>(
         layout.groups(),
         layout.words_per_group(),
         layout.bits,
-        dtype.into(),
+        dtype_to_storage_type(dtype),
     );
     out
 }

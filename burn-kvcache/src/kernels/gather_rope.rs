@@ -3,14 +3,14 @@
 //! per output pair `(j, j + d/2)`: both halves come out of the same two dot products of length
 //! `rank`, which is what the rotate-half RoPE needs.
 
-use burn::tensor::Shape;
+use burn::backend::cubecl::dtype_to_storage_type;
 use burn_cubecl::{
-    CubeRuntime, kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype,
-    tensor::CubeTensor,
+    kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype, tensor::CubeTensor,
 };
 use cubecl::{calculate_cube_count_elemwise, prelude::*};
 
 use super::UNITS;
+use crate::shapes::gather_rope_shape;
 
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
@@ -23,7 +23,7 @@ fn gather_rope_kernel<F: Float, I: Int>(
     out: &mut Tensor<F>,
     chunk: usize,
     pairs: usize,
-    #[define(F, I)] _dtypes: [StorageType; 2],
+    #[define(F, I)] _dtypes: [ElemType; 2],
 ) {
     let idx = ABSOLUTE_POS;
     if idx >= pairs {
@@ -79,14 +79,14 @@ fn gather_rope_kernel<F: Float, I: Int>(
 /// - `cos`, `sin`: `[positions, d/2]` f32 tables
 /// - returns `[batch, heads, k · chunk, d]` in `a`'s dtype; position `c·chunk + t` of chunk `c`
 ///   is `RoPE(a[b, pos] · wt[b, h], pos)`, or zeros when `pos ≥ rows` or `pos ≥ positions`
-pub fn gather_reconstruct_rope<R: CubeRuntime>(
-    a: CubeTensor<R>,
-    wt: CubeTensor<R>,
-    chunks: CubeTensor<R>,
-    cos: CubeTensor<R>,
-    sin: CubeTensor<R>,
+pub fn gather_reconstruct_rope(
+    a: CubeTensor,
+    wt: CubeTensor,
+    chunks: CubeTensor,
+    cos: CubeTensor,
+    sin: CubeTensor,
     chunk: usize,
-) -> CubeTensor<R> {
+) -> CubeTensor {
     let a = into_contiguous(a);
     let wt = into_contiguous(wt);
     let chunks = into_contiguous(chunks);
@@ -96,20 +96,23 @@ pub fn gather_reconstruct_rope<R: CubeRuntime>(
     let k = chunks.meta.shape().dims::<3>()[2];
     let client = a.client.clone();
     let dtype = a.dtype;
-    let out = empty_device_contiguous_dtype::<R>(
+    let out = empty_device_contiguous_dtype(
         client.clone(),
         a.device.clone(),
-        Shape::new([b, h, k * chunk, d]),
+        gather_rope_shape(wt.meta.shape(), chunks.meta.shape(), &chunk),
         dtype,
     );
     let pairs = b * h * k * chunk * (d / 2);
     if pairs == 0 {
         return out;
     }
-    let dtypes = [dtype.into(), chunks.dtype.into()];
+    let dtypes = [
+        dtype_to_storage_type(dtype),
+        dtype_to_storage_type(chunks.dtype),
+    ];
     let cube_dim = CubeDim::new_1d(UNITS);
     let cube_count = calculate_cube_count_elemwise(&client, pairs, cube_dim);
-    gather_rope_kernel::launch::<R>(
+    gather_rope_kernel::launch(
         &client,
         cube_count,
         cube_dim,

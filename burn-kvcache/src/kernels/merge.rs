@@ -1,15 +1,16 @@
 //! MiniCache merge of row pairs: one unit per row, three passes over its `d` columns (norms
 //! and angle, then the SLERP weights' output, then its renormalized write).
 
+use burn::backend::cubecl::dtype_to_storage_type;
 use burn::tensor::{DType, Shape};
 use burn_cubecl::{
-    CubeRuntime, kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype,
-    tensor::CubeTensor,
+    kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype, tensor::CubeTensor,
 };
 use cubecl::{calculate_cube_count_elemwise, prelude::*};
 
 use super::UNITS;
 use crate::reference::{NORM_EPS, SIN_EPS};
+use crate::shapes::merged_shapes;
 use std::f32::consts::FRAC_1_PI;
 
 #[cube(launch)]
@@ -23,7 +24,7 @@ fn merge_kernel<F: Float>(
     dist: &mut Tensor<f32>,
     t: f32,
     gamma: f32,
-    #[define(F)] _dtype: StorageType,
+    #[define(F)] _dtype: ElemType,
 ) {
     let row = ABSOLUTE_POS;
     if row >= mag_a.len() {
@@ -85,37 +86,33 @@ fn merge_kernel<F: Float>(
 }
 
 /// The merge outputs: `(dir [n, d], mag_a [n], mag_b [n], dist [n] f32)`.
-pub type MergeOutput<R> = (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>, CubeTensor<R>);
+pub type MergeOutput = (CubeTensor, CubeTensor, CubeTensor, CubeTensor);
 
 /// Launches the merge.
 ///
 /// # Shapes
 /// - `a`, `b`: `[n, d]`, one float dtype
 /// - returns `(dir [n, d], mag_a [n], mag_b [n])` in that dtype and `dist [n]` f32
-pub fn merge<R: CubeRuntime>(
-    a: CubeTensor<R>,
-    b: CubeTensor<R>,
-    t: f32,
-    gamma: f32,
-) -> MergeOutput<R> {
+pub fn merge(a: CubeTensor, b: CubeTensor, t: f32, gamma: f32) -> MergeOutput {
     let a = into_contiguous(a);
     let b = into_contiguous(b);
-    let [n, d] = a.meta.shape().dims::<2>();
+    let n = a.meta.shape()[0];
     let client = a.client.clone();
     let dtype = a.dtype;
     let alloc = |shape: Shape, dtype: DType| {
-        empty_device_contiguous_dtype::<R>(client.clone(), a.device.clone(), shape, dtype)
+        empty_device_contiguous_dtype(client.clone(), a.device.clone(), shape, dtype)
     };
-    let dir = alloc(Shape::new([n, d]), dtype);
-    let mag_a = alloc(Shape::new([n]), dtype);
-    let mag_b = alloc(Shape::new([n]), dtype);
-    let dist = alloc(Shape::new([n]), DType::F32);
+    let (dir_shape, rows_shape) = merged_shapes(a.meta.shape());
+    let dir = alloc(dir_shape, dtype);
+    let mag_a = alloc(rows_shape.clone(), dtype);
+    let mag_b = alloc(rows_shape.clone(), dtype);
+    let dist = alloc(rows_shape, DType::F32);
     if n == 0 {
         return (dir, mag_a, mag_b, dist);
     }
     let cube_dim = CubeDim::new_1d(UNITS);
     let cube_count = calculate_cube_count_elemwise(&client, n, cube_dim);
-    merge_kernel::launch::<R>(
+    merge_kernel::launch(
         &client,
         cube_count,
         cube_dim,
@@ -127,7 +124,7 @@ pub fn merge<R: CubeRuntime>(
         dist.clone().into_tensor_arg(),
         t,
         gamma,
-        dtype.into(),
+        dtype_to_storage_type(dtype),
     );
     (dir, mag_a, mag_b, dist)
 }

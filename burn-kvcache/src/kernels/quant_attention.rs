@@ -16,10 +16,10 @@
 //! unrolled (it is comptime) and a split is at most a few hundred keys, which keeps the
 //! kernel inside lavapipe's per-invocation loop budget.
 
+use burn::backend::cubecl::dtype_to_storage_type;
 use burn::tensor::Shape;
 use burn_cubecl::{
-    CubeRuntime, kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype,
-    tensor::CubeTensor,
+    kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype, tensor::CubeTensor,
 };
 use cubecl::{calculate_cube_count_elemwise, prelude::*};
 
@@ -59,7 +59,7 @@ pub struct QuantAttnArgs {
 }
 
 impl QuantAttnArgs {
-    pub fn launch_arg<R: Runtime>(self) -> QuantAttnArgsLaunch<R> {
+    pub fn launch_arg(self) -> QuantAttnArgsLaunch {
         QuantAttnArgsLaunch::new(
             self.rows,
             self.hkv,
@@ -101,7 +101,7 @@ fn partial_kernel<F: Float>(
     #[comptime] dim: usize,
     #[comptime] causal: bool,
     #[comptime] masked: bool,
-    #[define(F)] _dtype: StorageType,
+    #[define(F)] _dtype: ElemType,
 ) {
     let idx = ABSOLUTE_POS;
     if idx >= args.rows * args.splits {
@@ -212,7 +212,7 @@ fn combine_kernel<F: Float>(
     out: &mut Tensor<F>,
     splits: usize,
     dim: usize,
-    #[define(F)] _dtype: StorageType,
+    #[define(F)] _dtype: ElemType,
 ) {
     let idx = ABSOLUTE_POS;
     if idx >= out.len() {
@@ -241,28 +241,28 @@ fn combine_kernel<F: Float>(
 }
 
 /// The packed keys and values and the full-precision tail of one launch.
-pub struct QuantAttnInputs<R: CubeRuntime> {
+pub struct QuantAttnInputs {
     /// `[b, hq, sq, d]`
-    pub q: CubeTensor<R>,
+    pub q: CubeTensor,
     /// `[b·hkv·kblocks·d, kwords]` u32, scale and min `[b·hkv·kblocks·d]`; `None` when
     /// `qlen = 0` (full-precision keys only, all in the tail).
-    pub k: Option<(CubeTensor<R>, CubeTensor<R>, CubeTensor<R>)>,
+    pub k: Option<(CubeTensor, CubeTensor, CubeTensor)>,
     /// `[b·hkv·qlen·vgroups, vwords]` u32, scale and min `[b·hkv·qlen·vgroups]`; `None` when
     /// `qlen = 0`.
-    pub v: Option<(CubeTensor<R>, CubeTensor<R>, CubeTensor<R>)>,
+    pub v: Option<(CubeTensor, CubeTensor, CubeTensor)>,
     /// `[b, hkv, tail, d]` each, `q`'s dtype (`tail ≥ 1`).
-    pub tail: Option<(CubeTensor<R>, CubeTensor<R>)>,
+    pub tail: Option<(CubeTensor, CubeTensor)>,
     /// `[b, qlen + tail]` i32, non-zero = hidden.
-    pub mask: Option<CubeTensor<R>>,
+    pub mask: Option<CubeTensor>,
 }
 
 /// Launches both kernels; returns `[b, hq, sq, d]` in `q`'s dtype. `args.rows`, `splits` and
 /// `split` are filled in here.
-pub fn quant_attention<R: CubeRuntime>(
-    inputs: QuantAttnInputs<R>,
+pub fn quant_attention(
+    inputs: QuantAttnInputs,
     mut args: QuantAttnArgs,
     causal: bool,
-) -> CubeTensor<R> {
+) -> CubeTensor {
     let q = into_contiguous(inputs.q);
     let [b, hq, sq, d] = q.meta.shape().dims::<4>();
     let client = q.client.clone();
@@ -273,7 +273,7 @@ pub fn quant_attention<R: CubeRuntime>(
     args.split = SPLIT;
     args.splits = skv.div_ceil(SPLIT).max(1);
     let f32_buf = |shape: Vec<usize>| {
-        empty_device_contiguous_dtype::<R>(
+        empty_device_contiguous_dtype(
             client.clone(),
             device.clone(),
             Shape::from(shape),
@@ -283,7 +283,7 @@ pub fn quant_attention<R: CubeRuntime>(
     let m = f32_buf(vec![args.rows * args.splits]);
     let l = f32_buf(vec![args.rows * args.splits]);
     let acc = f32_buf(vec![args.rows * args.splits * d]);
-    let out = empty_device_contiguous_dtype::<R>(
+    let out = empty_device_contiguous_dtype(
         client.clone(),
         device.clone(),
         Shape::new([b, hq, sq, d]),
@@ -295,7 +295,7 @@ pub fn quant_attention<R: CubeRuntime>(
     // Unused inputs get one-element stand-ins (binding a tensor twice is not allowed on every
     // runtime).
     let stand_in = |dtype: burn::tensor::DType| {
-        empty_device_contiguous_dtype::<R>(client.clone(), device.clone(), Shape::new([1]), dtype)
+        empty_device_contiguous_dtype(client.clone(), device.clone(), Shape::new([1]), dtype)
     };
     let (tk, tv) = match inputs.tail {
         Some((k, v)) => (into_contiguous(k), into_contiguous(v)),
@@ -306,7 +306,7 @@ pub fn quant_attention<R: CubeRuntime>(
         .mask
         .map(into_contiguous)
         .unwrap_or_else(|| stand_in(burn::tensor::DType::I32));
-    let packed = |p: Option<(CubeTensor<R>, CubeTensor<R>, CubeTensor<R>)>| {
+    let packed = |p: Option<(CubeTensor, CubeTensor, CubeTensor)>| {
         p.unwrap_or_else(|| {
             (
                 stand_in(burn::tensor::DType::U32),
@@ -319,7 +319,7 @@ pub fn quant_attention<R: CubeRuntime>(
     let (vw, vs, vm) = packed(inputs.v);
     let cube_dim = CubeDim::new_1d(64);
     let units = args.rows * args.splits;
-    partial_kernel::launch::<R>(
+    partial_kernel::launch(
         &client,
         calculate_cube_count_elemwise(&client, units, cube_dim),
         cube_dim,
@@ -340,10 +340,10 @@ pub fn quant_attention<R: CubeRuntime>(
         d,
         causal,
         masked,
-        dtype.into(),
+        dtype_to_storage_type(dtype),
     );
     let cube_dim = CubeDim::new_1d(UNITS);
-    combine_kernel::launch::<R>(
+    combine_kernel::launch(
         &client,
         calculate_cube_count_elemwise(&client, args.rows * d, cube_dim),
         cube_dim,
@@ -353,7 +353,7 @@ pub fn quant_attention<R: CubeRuntime>(
         out.clone().into_tensor_arg(),
         args.splits,
         d,
-        dtype.into(),
+        dtype_to_storage_type(dtype),
     );
     out
 }

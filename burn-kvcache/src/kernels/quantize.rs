@@ -2,10 +2,10 @@
 //! group's min and max, then writes its codes into its own packed words (no two units share a
 //! word, so no atomics).
 
+use burn::backend::cubecl::dtype_to_storage_type;
 use burn::tensor::{DType, Shape};
 use burn_cubecl::{
-    CubeRuntime, kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype,
-    tensor::CubeTensor,
+    kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype, tensor::CubeTensor,
 };
 use cubecl::{calculate_cube_count_elemwise, prelude::*};
 
@@ -23,7 +23,7 @@ fn quantize_kernel<F: Float>(
     groups: usize,
     words_per_group: usize,
     bits: u32,
-    #[define(F)] _dtype: StorageType,
+    #[define(F)] _dtype: ElemType,
 ) {
     let gid = ABSOLUTE_POS;
     if gid >= scale.len() {
@@ -80,27 +80,26 @@ fn quantize_kernel<F: Float>(
 /// - `x`: `[rows, layout.cols]` of any float dtype
 /// - returns `(words [rows, groups · words_per_group] u32, scale [rows, groups], min [rows,
 ///   groups])`, scale and min in the dtype of `x`
-pub fn quantize<R: CubeRuntime>(
-    x: CubeTensor<R>,
-    layout: QuantLayout,
-) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
+pub fn quantize(x: CubeTensor, layout: QuantLayout) -> (CubeTensor, CubeTensor, CubeTensor) {
     let x = into_contiguous(x);
     let [rows, cols] = x.meta.shape().dims::<2>();
     let client = x.client.clone();
     let dtype = x.dtype;
-    let (ng, wpg) = (layout.groups(), layout.words_per_group());
+    let ng = layout.groups();
+    let wpg = layout.words_per_group();
+    let (words_shape, stats_shape) = layout.packed_shapes(rows);
     let alloc = |shape: Shape, dtype: DType| {
-        empty_device_contiguous_dtype::<R>(client.clone(), x.device.clone(), shape, dtype)
+        empty_device_contiguous_dtype(client.clone(), x.device.clone(), shape, dtype)
     };
-    let words = alloc(Shape::new([rows, ng * wpg]), DType::U32);
-    let scale = alloc(Shape::new([rows, ng]), dtype);
-    let min = alloc(Shape::new([rows, ng]), dtype);
+    let words = alloc(words_shape, DType::U32);
+    let scale = alloc(stats_shape.clone(), dtype);
+    let min = alloc(stats_shape, dtype);
     if rows == 0 || cols == 0 {
         return (words, scale, min);
     }
     let cube_dim = CubeDim::new_1d(UNITS);
     let cube_count = calculate_cube_count_elemwise(&client, rows * ng, cube_dim);
-    quantize_kernel::launch::<R>(
+    quantize_kernel::launch(
         &client,
         cube_count,
         cube_dim,
@@ -112,7 +111,7 @@ pub fn quantize<R: CubeRuntime>(
         ng,
         wpg,
         layout.bits,
-        dtype.into(),
+        dtype_to_storage_type(dtype),
     );
     (words, scale, min)
 }

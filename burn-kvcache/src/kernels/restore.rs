@@ -1,10 +1,10 @@
 //! MiniCache restore of one layer: `mag_i · dir_ij`, or the retained row where the slot map
 //! points at one. One unit per output element.
 
+use burn::backend::cubecl::dtype_to_storage_type;
 use burn::tensor::Shape;
 use burn_cubecl::{
-    CubeRuntime, kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype,
-    tensor::CubeTensor,
+    kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype, tensor::CubeTensor,
 };
 use cubecl::{calculate_cube_count_elemwise, prelude::*};
 
@@ -18,7 +18,7 @@ fn restore_kernel<F: Float, I: Int>(
     retained: &Tensor<F>,
     out: &mut Tensor<F>,
     #[comptime] has_retained: bool,
-    #[define(F, I)] _dtypes: [StorageType; 2],
+    #[define(F, I)] _dtypes: [ElemType; 2],
 ) {
     let idx = ABSOLUTE_POS;
     if idx >= out.len() {
@@ -44,16 +44,16 @@ fn restore_kernel<F: Float, I: Int>(
 /// - `dir`: `[n, d]`, `mag`: `[n]` (same float dtype); `retained`: `(slot [n] int, rows [r, d])`
 ///   with slots in `[0, r]`
 /// - returns `[n, d]` in the dtype of `dir`
-pub fn restore<R: CubeRuntime>(
-    dir: CubeTensor<R>,
-    mag: CubeTensor<R>,
-    retained: Option<(CubeTensor<R>, CubeTensor<R>)>,
-) -> CubeTensor<R> {
+pub fn restore(
+    dir: CubeTensor,
+    mag: CubeTensor,
+    retained: Option<(CubeTensor, CubeTensor)>,
+) -> CubeTensor {
     let dir = into_contiguous(dir);
     let [n, d] = dir.meta.shape().dims::<2>();
     let client = dir.client.clone();
     let dtype = dir.dtype;
-    let out = empty_device_contiguous_dtype::<R>(
+    let out = empty_device_contiguous_dtype(
         client.clone(),
         dir.device.clone(),
         Shape::new([n, d]),
@@ -70,7 +70,7 @@ pub fn restore<R: CubeRuntime>(
     let (slot, rows) = match retained {
         Some((slot, rows)) => (into_contiguous(slot), into_contiguous(rows)),
         None => {
-            let slot = empty_device_contiguous_dtype::<R>(
+            let slot = empty_device_contiguous_dtype(
                 client.clone(),
                 dir.device.clone(),
                 Shape::new([1]),
@@ -79,10 +79,13 @@ pub fn restore<R: CubeRuntime>(
             (slot, mag.clone())
         }
     };
-    let dtypes = [dtype.into(), slot.dtype.into()];
+    let dtypes = [
+        dtype_to_storage_type(dtype),
+        dtype_to_storage_type(slot.dtype),
+    ];
     let cube_dim = CubeDim::new_1d(UNITS);
     let cube_count = calculate_cube_count_elemwise(&client, n * d, cube_dim);
-    restore_kernel::launch::<R>(
+    restore_kernel::launch(
         &client,
         cube_count,
         cube_dim,

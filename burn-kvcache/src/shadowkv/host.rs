@@ -1,6 +1,6 @@
 //! Values offloaded to host memory, chunk-major.
 
-use burn::tensor::{DType, Tensor, TensorCreationOptions, TensorData, backend::Backend};
+use burn::tensor::{DType, Device, Tensor, TensorCreationOptions, TensorData};
 use rayon::prelude::*;
 
 /// One sequence's values in host memory: the raw bytes of `[heads, chunks, chunk, d]` in the
@@ -21,7 +21,7 @@ impl HostValues {
     ///
     /// # Shapes
     /// - `v`: `[heads, ≥ chunks · chunk, d]`
-    pub fn from_tensor<B: Backend>(v: Tensor<B, 3>, chunk: usize, chunks: usize) -> Self {
+    pub fn from_tensor(v: Tensor<3>, chunk: usize, chunks: usize) -> Self {
         let [heads, _, d] = v.dims();
         let dtype = v.dtype();
         let v = v.slice([0..heads, 0..chunks * chunk, 0..d]);
@@ -71,14 +71,14 @@ impl HostValues {
     /// # Shapes
     /// - `sel[h]`: the chunk ids of head `h`, every head the same count `k`
     /// - returns `[heads, k · chunk, d]` in the stored dtype
-    pub fn gather<B: Backend>(&self, sel: &[Vec<usize>], device: &B::Device) -> Tensor<B, 3> {
+    pub fn gather(&self, sel: &[Vec<usize>], device: &Device) -> Tensor<3> {
         let k = sel.first().map_or(0, Vec::len);
         let rows: Vec<&[u8]> = sel
             .iter()
             .enumerate()
             .flat_map(|(h, chunks)| chunks.iter().map(move |&c| self.chunk_slice(h, c)))
             .collect();
-        upload_rows::<B>(&rows, self.chunk * self.d, self.dtype, device).reshape([
+        upload_rows(&rows, self.chunk * self.d, self.dtype, device).reshape([
             sel.len(),
             k * self.chunk,
             self.d,
@@ -155,25 +155,25 @@ fn gather_piece(rows: &[&[u8]], row_bytes: usize) -> Vec<u8> {
 /// Uploads `rows` of raw bytes as a `[rows, row_len]` tensor of `dtype` (`rows ≥ 1`),
 /// gathered in parallel into pieces of whole rows of at most [`UPLOAD_PIECE_BYTES`] joined on
 /// the device.
-pub(crate) fn upload_rows<B: Backend>(
+pub(crate) fn upload_rows(
     rows: &[&[u8]],
     row_len: usize,
     dtype: DType,
-    device: &B::Device,
-) -> Tensor<B, 2> {
+    device: &Device,
+) -> Tensor<2> {
     upload_rows_in(rows, row_len, dtype, device, UPLOAD_PIECE_BYTES)
 }
 
-fn upload_rows_in<B: Backend>(
+fn upload_rows_in(
     rows: &[&[u8]],
     row_len: usize,
     dtype: DType,
-    device: &B::Device,
+    device: &Device,
     piece_bytes: usize,
-) -> Tensor<B, 2> {
+) -> Tensor<2> {
     let row_bytes = row_len * dtype.size();
     let per_piece = (piece_bytes / row_bytes.max(1)).max(1);
-    let mut pieces: Vec<Tensor<B, 2>> = rows
+    let mut pieces: Vec<Tensor<2>> = rows
         .chunks(per_piece)
         .map(|p| {
             upload(
@@ -192,12 +192,12 @@ fn upload_rows_in<B: Backend>(
 }
 
 /// Uploads raw bytes of `dtype` as a tensor.
-pub(crate) fn upload<B: Backend, const D: usize>(
+pub(crate) fn upload<const D: usize>(
     bytes: Vec<u8>,
     shape: [usize; D],
     dtype: DType,
-    device: &B::Device,
-) -> Tensor<B, D> {
+    device: &Device,
+) -> Tensor<D> {
     Tensor::from_data(
         TensorData::from_bytes_vec(bytes, shape, dtype),
         TensorCreationOptions::new(device.clone()).with_dtype(dtype),
@@ -207,7 +207,6 @@ pub(crate) fn upload<B: Backend, const D: usize>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use burn::backend::NdArray;
 
     /// Rows gathered in several pieces (and a ragged last one) upload to the same tensor as
     /// in one, in order.
@@ -222,9 +221,9 @@ mod tests {
         let refs: Vec<&[u8]> = bytes.chunks(row_bytes).rev().collect();
         let values: Vec<f32> = values.chunks(row_len).rev().flatten().copied().collect();
         for piece_bytes in [1, row_bytes, 4 * row_bytes + 5, 70 * row_bytes, 1 << 20] {
-            let t = upload_rows_in::<NdArray>(&refs, row_len, DType::F32, &device, piece_bytes);
+            let t = upload_rows_in(&refs, row_len, DType::F32, &device, piece_bytes);
             assert_eq!(t.dims(), [rows, row_len]);
-            let got = t.into_data().to_vec::<f32>().unwrap();
+            let got = t.into_data().try_to_vec::<f32>().unwrap();
             assert_eq!(got, values, "piece of {piece_bytes} bytes");
         }
     }

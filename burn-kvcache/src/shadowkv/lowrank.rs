@@ -1,7 +1,7 @@
 //! The host-side linear algebra of the prefill (Gram matrix on the device, its symmetric
 //! eigen-decomposition with `nalgebra` on the host), RoPE tables and un-rotation.
 
-use burn::tensor::{DType, Tensor, TensorCreationOptions, TensorData, backend::Backend};
+use burn::tensor::{DType, Device, Tensor, TensorCreationOptions, TensorData};
 use burn_kernels_core::RopeScaling;
 use burn_kernels_core::rope::inverse_frequencies;
 use nalgebra::{DMatrix, SymmetricEigen};
@@ -11,16 +11,16 @@ use crate::KvCacheError;
 /// A rank-`r` factorization `x ≈ a · wt` of an `[s, n]` matrix: `wt` holds the top-`r`
 /// right singular vectors of `x` (eigenvectors of `xᵀx`) as rows, `a = x · wtᵀ`.
 #[derive(Debug, Clone)]
-pub struct LowRank<B: Backend> {
+pub struct LowRank {
     /// `[s, r]`, the dtype of `x`.
-    pub a: Tensor<B, 2>,
+    pub a: Tensor<2>,
     /// `[r, n]`, the dtype of `x`; orthonormal rows.
-    pub wt: Tensor<B, 2>,
+    pub wt: Tensor<2>,
     /// Eigenvalues of `xᵀx` (squared singular values), descending, all `n` of them.
     pub eigenvalues: Vec<f64>,
 }
 
-impl<B: Backend> LowRank<B> {
+impl LowRank {
     /// The share of `‖x‖²_F` the kept rank captures: `Σ_{i<r} λ_i / Σ λ_i`.
     pub fn energy(&self) -> f64 {
         let r = self.a.dims()[1];
@@ -39,7 +39,7 @@ impl<B: Backend> LowRank<B> {
 ///
 /// # Errors
 /// [`KvCacheError::ZeroRank`], [`KvCacheError::RankTooLarge`] for `rank > n`.
-pub fn low_rank<B: Backend>(x: Tensor<B, 2>, rank: usize) -> Result<LowRank<B>, KvCacheError> {
+pub fn low_rank(x: Tensor<2>, rank: usize) -> Result<LowRank, KvCacheError> {
     let [_, n] = x.dims();
     if rank == 0 {
         return Err(KvCacheError::ZeroRank);
@@ -54,7 +54,7 @@ pub fn low_rank<B: Backend>(x: Tensor<B, 2>, rank: usize) -> Result<LowRank<B>, 
     let gram = gram
         .into_data()
         .convert::<f64>()
-        .to_vec::<f64>()
+        .try_to_vec::<f64>()
         .expect("f64 data");
     // Symmetrize: the device matmul need not give bitwise-symmetric sums.
     let g = DMatrix::<f64>::from_fn(n, n, |i, j| 0.5 * (gram[i * n + j] + gram[j * n + i]));
@@ -67,7 +67,7 @@ pub fn low_rank<B: Backend>(x: Tensor<B, 2>, rank: usize) -> Result<LowRank<B>, 
     for &c in &order[..rank] {
         wt.extend(eig.eigenvectors.column(c).iter().map(|&v| v as f32));
     }
-    let wt = Tensor::<B, 2>::from_data(
+    let wt = Tensor::<2>::from_data(
         TensorData::new(wt, [rank, n]),
         TensorCreationOptions::new(device).with_dtype(DType::F32),
     );
@@ -99,12 +99,12 @@ impl Default for RopeParams {
 
 /// `(cos, sin)` tables `[positions, head_dim / 2]` in f32, computed in f64 exactly as
 /// [`burn_kernels_core::Rope`] does, so rebuilt keys rotate as the model's did.
-pub fn rope_tables<B: Backend>(
+pub fn rope_tables(
     head_dim: usize,
     positions: usize,
     rope: RopeParams,
-    device: &B::Device,
-) -> (Tensor<B, 2>, Tensor<B, 2>) {
+    device: &Device,
+) -> (Tensor<2>, Tensor<2>) {
     let inv = inverse_frequencies(head_dim, rope.theta, rope.scaling);
     let half = head_dim / 2;
     let mut cos = Vec::with_capacity(positions * half);
@@ -127,7 +127,7 @@ pub fn rope_tables<B: Backend>(
 ///
 /// # Shapes
 /// - `x`: `[heads, len, d]`; `cos`, `sin`: `[≥ len, d/2]`; returns `[heads, len, d]` f32
-pub fn unrope<B: Backend>(x: Tensor<B, 3>, cos: &Tensor<B, 2>, sin: &Tensor<B, 2>) -> Tensor<B, 3> {
+pub fn unrope(x: Tensor<3>, cos: &Tensor<2>, sin: &Tensor<2>) -> Tensor<3> {
     let [h, s, d] = x.dims();
     let half = d / 2;
     let x = x.cast(DType::F32);

@@ -53,10 +53,12 @@ pub use lowrank::{LowRank, RopeParams, low_rank, rope_tables, unrope};
 
 use std::time::{Duration, Instant};
 
-use burn::tensor::{Bool, DType, Int, Tensor, TensorCreationOptions, TensorData, activation};
+use burn::tensor::{
+    Bool, DType, Device, Int, Tensor, TensorCreationOptions, TensorData, activation,
+};
 use burn_kernels_core::{AttentionImpl, AttnOptions, KvCache, append_kv};
 
-use crate::{KvBackend, KvCacheError, bytes_of};
+use crate::{KvCacheError, bytes_of, gather_reconstruct_rope};
 use host::upload_rows;
 use rayon::prelude::*;
 
@@ -185,51 +187,53 @@ pub struct ShadowBytes {
 
 /// The values uploaded by the previous step of a layer, for reuse.
 #[derive(Debug)]
-struct Prev<B: KvBackend> {
+struct Prev {
     /// `[b][h]`: the chunk ids of the slots (valid ones first, ascending).
     chunks: Vec<Vec<Vec<usize>>>,
     /// Valid slots per sequence.
     valid: Vec<usize>,
     /// `[b · h · k, chunk · d]`.
-    values: Tensor<B, 2>,
+    values: Tensor<2>,
 }
 
 /// One layer of a compressed prompt plus its generated tokens.
 #[derive(Debug)]
-struct Sparse<B: KvBackend> {
+struct Sparse {
     /// Slots of the prompt (padding included).
     prompt_len: usize,
     pads: Vec<usize>,
     /// Chunked positions per sequence.
     chunks: Vec<usize>,
     /// `[b, max chunks·chunk, rank]`.
-    a: Tensor<B, 3>,
+    a: Tensor<3>,
     /// `[b, h, rank, d]`.
-    wt: Tensor<B, 4>,
+    wt: Tensor<4>,
     /// `[b, h, C, d]`, zero rows past a sequence's landmark count.
-    landmarks: Tensor<B, 4>,
+    landmarks: Tensor<4>,
     /// `[b, 1, 1, C]`, `true` past a sequence's landmark count; `None` when all are valid.
-    land_pad: Option<Tensor<B, 4, Bool>>,
+    land_pad: Option<Tensor<4, Bool>>,
     /// Landmarks per sequence (`chunks − outliers`).
     n_land: Vec<usize>,
     /// `[b][h][landmark]` → chunk id.
     land_chunk: Vec<Vec<Vec<usize>>>,
     /// `[b, h, W, d]`, right-aligned: sequence `i` holds `local_len[i]` real slots at the end.
-    local: (Tensor<B, 4>, Tensor<B, 4>),
+    local: (Tensor<4>, Tensor<4>),
     local_len: Vec<usize>,
     /// Per sequence `[h][outliers]` chunk ids, and their keys/values `[b, h, O·chunk, d]`.
     outlier_chunk: Vec<Vec<Vec<usize>>>,
-    outliers: Option<(Tensor<B, 4>, Tensor<B, 4>)>,
+    outliers: Option<(Tensor<4>, Tensor<4>)>,
     values: Vec<HostValues>,
-    generated: Option<(Tensor<B, 4>, Tensor<B, 4>)>,
-    prev: Option<Prev<B>>,
+    generated: Option<(Tensor<4>, Tensor<4>)>,
+    prev: Option<Prev>,
 }
 
+// One per layer, rarely moved: the size of Burn's tensor values does not call for a box.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
-enum Layer<B: KvBackend> {
+enum Layer {
     Empty,
-    Full(Option<(Tensor<B, 4>, Tensor<B, 4>)>),
-    Sparse(Box<Sparse<B>>),
+    Full(Option<(Tensor<4>, Tensor<4>)>),
+    Sparse(Box<Sparse>),
 }
 
 /// ShadowKV over a model's layers. See the module docs.
@@ -238,43 +242,35 @@ enum Layer<B: KvBackend> {
 /// prompt is the prefill, later calls are decode steps; [`ShadowKvCache::timings`] gives the
 /// per-phase breakdown.
 #[derive(Debug)]
-pub struct ShadowKvCache<B: KvBackend> {
+pub struct ShadowKvCache {
     cfg: ShadowKvConfig,
     rope: RopeParams,
     kv_heads: usize,
     head_dim: usize,
-    layers: Vec<Layer<B>>,
+    layers: Vec<Layer>,
     lens: Vec<usize>,
     last: usize,
     /// `(cos, sin)` `[positions, d/2]` f32, grown to the longest prompt.
-    tables: Option<(Tensor<B, 2>, Tensor<B, 2>)>,
+    tables: Option<(Tensor<2>, Tensor<2>)>,
     profile: bool,
     timings: DecodeTimings,
     /// `Wᵀ [rank, kv_heads·head_dim]` every prompt is projected on, instead of its own.
-    key_basis: Option<Tensor<B, 2>>,
+    key_basis: Option<Tensor<2>>,
 }
 
 /// Row `i` of a batch tensor with positions `from..to`.
-fn item<B: KvBackend>(x: &Tensor<B, 4>, i: usize, from: usize, to: usize) -> Tensor<B, 3> {
+fn item(x: &Tensor<4>, i: usize, from: usize, to: usize) -> Tensor<3> {
     let [_, h, _, d] = x.dims();
     x.clone()
         .slice([i..i + 1, 0..h, from..to, 0..d])
         .reshape([h, to - from, d])
 }
 
-fn idx_tensor<B: KvBackend, const D: usize>(
-    v: Vec<i64>,
-    shape: [usize; D],
-    device: &B::Device,
-) -> Tensor<B, D, Int> {
+fn idx_tensor<const D: usize>(v: Vec<i64>, shape: [usize; D], device: &Device) -> Tensor<D, Int> {
     Tensor::from_data(TensorData::new(v, shape), device)
 }
 
-fn i32_tensor<B: KvBackend, const D: usize>(
-    v: Vec<i32>,
-    shape: [usize; D],
-    device: &B::Device,
-) -> Tensor<B, D, Int> {
+fn i32_tensor<const D: usize>(v: Vec<i32>, shape: [usize; D], device: &Device) -> Tensor<D, Int> {
     Tensor::from_data(
         TensorData::new(v, shape),
         TensorCreationOptions::new(device.clone()).with_dtype(DType::I32),
@@ -292,13 +288,13 @@ fn left_pads(mask: &[bool], b: usize, s: usize) -> Option<Vec<usize>> {
         .collect()
 }
 
-fn sync<B: KvBackend>(on: bool, device: &B::Device) {
+fn sync(on: bool, device: &Device) {
     if on {
-        let _ = B::sync(device);
+        let _ = device.sync();
     }
 }
 
-impl<B: KvBackend> ShadowKvCache<B> {
+impl ShadowKvCache {
     /// An empty cache for a model of `num_layers` layers of `kv_heads` KV heads of `head_dim`
     /// whose keys were rotated with `rope`. Tunes the process's allocator for the value
     /// uploads once ([`tune_host_allocator`]).
@@ -365,7 +361,7 @@ impl<B: KvBackend> ShadowKvCache<B> {
     ///
     /// # Errors
     /// [`KvCacheError::ShapeMismatch`] unless `basis` is `[rank, kv_heads·head_dim]`.
-    pub fn set_key_basis(&mut self, basis: Option<Tensor<B, 2>>) -> Result<(), KvCacheError> {
+    pub fn set_key_basis(&mut self, basis: Option<Tensor<2>>) -> Result<(), KvCacheError> {
         if let Some(w) = &basis {
             let want = [self.cfg.rank, self.kv_heads * self.head_dim];
             if w.dims() != want {
@@ -385,7 +381,7 @@ impl<B: KvBackend> ShadowKvCache<B> {
         if let Some((c, s)) = &self.tables {
             out.device += bytes_of(c) + bytes_of(s);
         }
-        let pair = |x: &Option<(Tensor<B, 4>, Tensor<B, 4>)>| {
+        let pair = |x: &Option<(Tensor<4>, Tensor<4>)>| {
             x.as_ref().map_or(0, |(k, v)| bytes_of(k) + bytes_of(v))
         };
         for layer in &self.layers {
@@ -409,11 +405,11 @@ impl<B: KvBackend> ShadowKvCache<B> {
     }
 
     /// The RoPE tables covering positions `0..n`.
-    fn tables_for(&mut self, n: usize, device: &B::Device) -> (Tensor<B, 2>, Tensor<B, 2>) {
+    fn tables_for(&mut self, n: usize, device: &Device) -> (Tensor<2>, Tensor<2>) {
         match &self.tables {
             Some((c, s)) if c.dims()[0] >= n => (c.clone(), s.clone()),
             _ => {
-                let t = rope_tables::<B>(self.head_dim, n, self.rope, device);
+                let t = rope_tables(self.head_dim, n, self.rope, device);
                 self.tables = Some(t.clone());
                 t
             }
@@ -426,7 +422,7 @@ impl<B: KvBackend> ShadowKvCache<B> {
         &self,
         b: usize,
         s: usize,
-        key_padding: Option<&Tensor<B, 2, Bool>>,
+        key_padding: Option<&Tensor<2, Bool>>,
     ) -> Option<Vec<usize>> {
         let pads = match key_padding {
             None => vec![0; b],
@@ -438,7 +434,7 @@ impl<B: KvBackend> ShadowKvCache<B> {
                     .int()
                     .into_data()
                     .convert::<i64>()
-                    .to_vec::<i64>()
+                    .try_to_vec::<i64>()
                     .ok()?
                     .into_iter()
                     .map(|x| x != 0)
@@ -459,9 +455,9 @@ impl<B: KvBackend> ShadowKvCache<B> {
     fn install(
         &mut self,
         layer: usize,
-        k: Tensor<B, 4>,
-        v: Tensor<B, 4>,
-        key_padding: Option<&Tensor<B, 2, Bool>>,
+        k: Tensor<4>,
+        v: Tensor<4>,
+        key_padding: Option<&Tensor<2, Bool>>,
     ) -> Result<bool, KvCacheError> {
         let [b, _, s, _] = k.dims();
         let state = match self.eligible(b, s, key_padding) {
@@ -487,9 +483,9 @@ impl<B: KvBackend> ShadowKvCache<B> {
     pub fn compress_prompt(
         &mut self,
         layer: usize,
-        k: Tensor<B, 4>,
-        v: Tensor<B, 4>,
-        key_padding: Option<&Tensor<B, 2, Bool>>,
+        k: Tensor<4>,
+        v: Tensor<4>,
+        key_padding: Option<&Tensor<2, Bool>>,
     ) -> Result<bool, KvCacheError> {
         let num_layers = self.layers.len();
         if layer >= num_layers {
@@ -521,10 +517,10 @@ impl<B: KvBackend> ShadowKvCache<B> {
     /// Compresses one layer's prompt. See the module docs.
     fn prefill(
         &mut self,
-        k: Tensor<B, 4>,
-        v: Tensor<B, 4>,
+        k: Tensor<4>,
+        v: Tensor<4>,
         pads: Vec<usize>,
-    ) -> Result<Sparse<B>, KvCacheError> {
+    ) -> Result<Sparse, KvCacheError> {
         let [b, h, s, d] = k.dims();
         let device = k.device();
         let dtype = k.dtype();
@@ -600,7 +596,7 @@ impl<B: KvBackend> ShadowKvCache<B> {
                 .min_dim(2)
                 .into_data()
                 .convert::<f32>()
-                .to_vec::<f32>()
+                .try_to_vec::<f32>()
                 .expect("f32");
             let mut out_ids = Vec::with_capacity(h);
             let mut land_ids = Vec::with_capacity(h);
@@ -625,13 +621,13 @@ impl<B: KvBackend> ShadowKvCache<B> {
             let li = flat(&land_ids);
             let lm = mean
                 .reshape([h * chunks, d])
-                .select(0, idx_tensor::<B, 1>(li, [h * n_land], &device))
+                .select(0, idx_tensor::<1>(li, [h * n_land], &device))
                 .reshape([h, n_land, d])
                 .cast(dtype);
             lms.push(lm);
             if o > 0 {
-                let oi = idx_tensor::<B, 1>(flat(&out_ids), [h * o], &device);
-                let rows = |x: Tensor<B, 3>| {
+                let oi = idx_tensor::<1>(flat(&out_ids), [h * o], &device);
+                let rows = |x: Tensor<3>| {
                     x.slice([0..h, 0..ctx, 0..d])
                         .reshape([h * chunks, cs * d])
                         .select(0, oi.clone())
@@ -653,7 +649,7 @@ impl<B: KvBackend> ShadowKvCache<B> {
 
         // Pad the per-sequence pieces to common sizes and stack them.
         let amax = sp.chunks.iter().max().copied().unwrap_or(0) * cs;
-        let a: Vec<Tensor<B, 3>> = a_rows
+        let a: Vec<Tensor<3>> = a_rows
             .into_iter()
             .map(|x| {
                 let rows = x.dims()[0];
@@ -671,7 +667,7 @@ impl<B: KvBackend> ShadowKvCache<B> {
         sp.a = Tensor::cat(a, 0);
         sp.wt = Tensor::cat(wts, 0);
         let cmax = sp.n_land.iter().max().copied().unwrap_or(0);
-        let pad_to = |x: Tensor<B, 3>, n: usize, left: bool| -> Tensor<B, 4> {
+        let pad_to = |x: Tensor<3>, n: usize, left: bool| -> Tensor<4> {
             let [hh, m, dd] = x.dims();
             let x = if m < n {
                 let z = Tensor::zeros([hh, n - m, dd], (&device, dtype));
@@ -689,7 +685,7 @@ impl<B: KvBackend> ShadowKvCache<B> {
                 .flat_map(|&n| (0..cmax).map(move |c| c >= n))
                 .collect();
             sp.land_pad = Some(
-                Tensor::<B, 1, Bool>::from_data(TensorData::new(mask, [b * cmax]), &device)
+                Tensor::<1, Bool>::from_data(TensorData::new(mask, [b * cmax]), &device)
                     .reshape([b, 1, 1, cmax]),
             );
         }
@@ -714,12 +710,12 @@ impl<B: KvBackend> ShadowKvCache<B> {
     fn decode(
         &mut self,
         layer: usize,
-        q: Tensor<B, 4>,
-        k: Tensor<B, 4>,
-        v: Tensor<B, 4>,
-        attention: &dyn AttentionImpl<B>,
-        opts: &AttnOptions<B>,
-    ) -> Tensor<B, 4> {
+        q: Tensor<4>,
+        k: Tensor<4>,
+        v: Tensor<4>,
+        attention: &dyn AttentionImpl,
+        opts: &AttnOptions,
+    ) -> Tensor<4> {
         let (cs, select) = (self.cfg.chunk, self.cfg.select_chunks());
         let profile = self.profile;
         let device = q.device();
@@ -752,7 +748,7 @@ impl<B: KvBackend> ShadowKvCache<B> {
             .max_dim(2)
             .into_data()
             .convert::<f32>()
-            .to_vec::<f32>()
+            .try_to_vec::<f32>()
             .expect("f32");
         let kk = select.min(sp.n_land.iter().max().copied().unwrap_or(0));
         let valid: Vec<usize> = sp.n_land.iter().map(|&n| kk.min(n)).collect();
@@ -788,10 +784,10 @@ impl<B: KvBackend> ShadowKvCache<B> {
             .iter()
             .flat_map(|per_head| per_head.iter().flat_map(|c| c.iter().map(|&c| c as i32)))
             .collect();
-        let ids = i32_tensor::<B, 3>(ids, [b, h, kk], &device);
-        let sel_k =
-            B::shadowkv_gather_reconstruct_rope(sp.a.clone(), sp.wt.clone(), ids, cos, sin, cs);
-        sync::<B>(profile, &device);
+        let ids = i32_tensor::<3>(ids, [b, h, kk], &device);
+        let sel_k = gather_reconstruct_rope(sp.a.clone(), sp.wt.clone(), ids, cos, sin, cs)
+            .expect("the layer's own factors");
+        sync(profile, &device);
         self.timings.reconstruct += t2.elapsed();
 
         // Transfer: reuse what the previous step uploaded, fetch the rest.
@@ -837,8 +833,8 @@ impl<B: KvBackend> ShadowKvCache<B> {
         self.timings.chunks_reused += b * h * kk - fetched;
         let t_up = Instant::now();
         self.timings.transfer_host += t_up - t1;
-        let fresh = (fetched > 0).then(|| upload_rows::<B>(&rows, cs * d, dtype, &device));
-        sync::<B>(profile, &device);
+        let fresh = (fetched > 0).then(|| upload_rows(&rows, cs * d, dtype, &device));
+        sync(profile, &device);
         let t_asm = Instant::now();
         self.timings.transfer_upload += t_asm - t_up;
         let pool = match (sp.prev.take(), fresh) {
@@ -851,14 +847,14 @@ impl<B: KvBackend> ShadowKvCache<B> {
         let values = if identity {
             pool
         } else {
-            pool.select(0, idx_tensor::<B, 1>(src, [b * h * kk], &device))
+            pool.select(0, idx_tensor::<1>(src, [b * h * kk], &device))
         };
         sp.prev = Some(Prev {
             chunks: sel.clone(),
             valid: valid.clone(),
             values: values.clone(),
         });
-        sync::<B>(profile, &device);
+        sync(profile, &device);
         self.timings.transfer_assemble += t_asm.elapsed();
         self.timings.transfer += t1.elapsed();
 
@@ -891,14 +887,14 @@ impl<B: KvBackend> ShadowKvCache<B> {
                 })
                 .collect();
             let cols = wmax + n_out + kk * cs;
-            let head = Tensor::<B, 1, Bool>::from_data(TensorData::new(head, [b * cols]), &device)
+            let head = Tensor::<1, Bool>::from_data(TensorData::new(head, [b * cols]), &device)
                 .reshape([b, cols]);
             let tail = match &opts.key_padding {
                 Some(m) => {
                     let total = m.dims()[1];
                     m.clone().slice([0..b, total - n_gen..total])
                 }
-                None => Tensor::<B, 1, Bool>::from_data(
+                None => Tensor::<1, Bool>::from_data(
                     TensorData::new(vec![false; b * n_gen], [b * n_gen]),
                     &device,
                 )
@@ -914,7 +910,7 @@ impl<B: KvBackend> ShadowKvCache<B> {
             key_padding,
         };
         let out = attention.attend(layer, q, keys, vals, &opts);
-        sync::<B>(profile, &device);
+        sync(profile, &device);
         self.timings.attention += t3.elapsed();
         self.timings.layer_steps += 1;
         out
@@ -922,7 +918,7 @@ impl<B: KvBackend> ShadowKvCache<B> {
 
     /// Rebuilds a sparse layer's prompt as full keys and values `[b, h, prompt_len, d]`:
     /// exact local window, outliers and values; low-rank keys elsewhere; zeros in padding.
-    fn densify(&self, sp: &Sparse<B>) -> (Tensor<B, 4>, Tensor<B, 4>) {
+    fn densify(&self, sp: &Sparse) -> (Tensor<4>, Tensor<4>) {
         let (cs, o) = (self.cfg.chunk, self.cfg.outlier_chunks);
         let (cos, sin) = self.tables.clone().expect("set at the prefill");
         let device = sp.a.device();
@@ -936,10 +932,11 @@ impl<B: KvBackend> ShadowKvCache<B> {
         for i in 0..b {
             let chunks = sp.chunks[i];
             let ids: Vec<i32> = (0..h).flat_map(|_| (0..chunks).map(|c| c as i32)).collect();
-            let ids = i32_tensor::<B, 3>(ids, [1, h, chunks], &device);
+            let ids = i32_tensor::<3>(ids, [1, h, chunks], &device);
             let a = sp.a.clone().slice([i..i + 1, 0..amax, 0..r]);
             let wt = sp.wt.clone().slice([i..i + 1, 0..h, 0..r, 0..d]);
-            let rec = B::shadowkv_gather_reconstruct_rope(a, wt, ids, cos.clone(), sin.clone(), cs)
+            let rec = gather_reconstruct_rope(a, wt, ids, cos.clone(), sin.clone(), cs)
+                .expect("the layer's own factors")
                 .reshape([h * chunks, cs * d]);
             // Outlier chunks from their exact copies.
             let key_rows = match &sp.outliers {
@@ -955,17 +952,17 @@ impl<B: KvBackend> ShadowKvCache<B> {
                         }
                     }
                     Tensor::cat(vec![rec, exact], 0)
-                        .select(0, idx_tensor::<B, 1>(src, [h * chunks], &device))
+                        .select(0, idx_tensor::<1>(src, [h * chunks], &device))
                 }
                 _ => rec,
             };
             let all: Vec<Vec<usize>> = (0..h).map(|_| (0..chunks).collect()).collect();
-            let vals = sp.values[i].gather::<B>(&all, &device);
+            let vals = sp.values[i].gather(&all, &device);
             let ll = sp.local_len[i];
             let lk = item(&sp.local.0, i, wmax - ll, wmax);
             let lv = item(&sp.local.1, i, wmax - ll, wmax);
             let pad = sp.pads[i];
-            let z = || Tensor::<B, 3>::zeros([h, pad, d], (&device, dtype));
+            let z = || Tensor::<3>::zeros([h, pad, d], (&device, dtype));
             let mut kparts = Vec::new();
             let mut vparts = Vec::new();
             if pad > 0 {
@@ -981,16 +978,16 @@ impl<B: KvBackend> ShadowKvCache<B> {
     }
 }
 
-impl<B: KvBackend> KvCache<B> for ShadowKvCache<B> {
+impl KvCache for ShadowKvCache {
     fn attend(
         &mut self,
         layer: usize,
-        q: Tensor<B, 4>,
-        k: Tensor<B, 4>,
-        v: Tensor<B, 4>,
-        attention: &dyn AttentionImpl<B>,
-        opts: &AttnOptions<B>,
-    ) -> Tensor<B, 4> {
+        q: Tensor<4>,
+        k: Tensor<4>,
+        v: Tensor<4>,
+        attention: &dyn AttentionImpl,
+        opts: &AttnOptions,
+    ) -> Tensor<4> {
         let s = k.dims()[2];
         self.lens[layer] += s;
         self.last = layer;

@@ -25,10 +25,10 @@
 //! numerics (CubeCL 0.10's CUDA cmma has no e4m3 shape); its f32 accumulator is exact, so the
 //! two-level accumulation the hardware FP8 path needs is not required here.
 
+use burn::backend::cubecl::dtype_to_storage_type;
 use burn::tensor::DType;
 use burn_cubecl::{
-    CubeRuntime, kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype,
-    tensor::CubeTensor,
+    kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype, tensor::CubeTensor,
 };
 use cubecl::prelude::*;
 
@@ -73,7 +73,7 @@ impl RoundArgs {
         }
     }
 
-    pub(super) fn launch_arg<R: Runtime>(self) -> RoundArgsLaunch<R> {
+    pub(super) fn launch_arg(self) -> RoundArgsLaunch {
         RoundArgsLaunch::new(
             self.drop,
             self.min_normal,
@@ -88,7 +88,7 @@ impl RoundArgs {
 /// operations instead of logarithms. Adding half a unit in the last kept place to the f32 bits
 /// and truncating rounds the magnitude half-up, carries into the exponent included.
 #[cube]
-pub fn round_bits(x: f32, g: RoundArgs) -> f32 {
+pub fn round_bits(x: f32, g: &RoundArgs) -> f32 {
     let a = f32::abs(x);
     let bits = u32::reinterpret(a);
     let keep = u32::MAX - ((1u32 << g.drop) - 1);
@@ -106,22 +106,24 @@ fn round_v_kernel<V: Float, P: Float>(
     out: &mut Tensor<P>,
     g: RoundArgs,
     #[comptime] round: bool,
-    #[define(V, P)] _dtypes: [StorageType; 2],
+    #[define(V, P)] _dtypes: [ElemType; 2],
 ) {
     let i = ABSOLUTE_POS;
     if i < out.len() {
         let mut x = f32::cast_from(v[i]);
         if round {
-            x = round_bits(x, g);
+            x = round_bits(x, &g);
         }
         out[i] = P::cast_from(x);
     }
 }
 
 #[cube(launch)]
+// `a = a * b` on indexed shared memory and register arrays, as written for CubeCL 0.10.
 #[allow(
     clippy::too_many_arguments,
     clippy::manual_div_ceil,
+    clippy::assign_op_pattern,
     unused_assignments
 )]
 fn attn_cmma_kernel<F: Float, P: Float, NK: Size, NV: Size>(
@@ -142,7 +144,7 @@ fn attn_cmma_kernel<F: Float, P: Float, NK: Size, NV: Size>(
     #[comptime] causal: bool,
     #[comptime] has_ds: bool,
     #[comptime] write_lse: bool,
-    #[define(F, P)] _dtypes: [StorageType; 2],
+    #[define(F, P)] _dtypes: [ElemType; 2],
 ) {
     let bq = planes * 16;
     let bkv = comptime!(BKV);
@@ -165,13 +167,13 @@ fn attn_cmma_kernel<F: Float, P: Float, NK: Size, NV: Size>(
     let threads = planes * 32;
     let offset = args.skv - args.sq;
 
-    let mut q_sm = SharedMemory::<i8>::new_aligned(bq * dim, 128usize);
-    let mut k_sm = SharedMemory::<Vector<i8, NK>>::new_aligned(bkv * dim / kvec, 128usize);
-    let mut v_sm = SharedMemory::<Vector<P, NV>>::new_aligned(bkv * dim / vvec, 128usize);
-    let mut s_sm = SharedMemory::<i32>::new_aligned(bq * bkv, 128usize);
-    let mut p_sm = SharedMemory::<P>::new_aligned(bq * bkv, 128usize);
-    let mut o_sm = SharedMemory::<f32>::new_aligned(planes * 256, 128usize);
-    let mut ks_sm = SharedMemory::<f32>::new(bkv);
+    let mut q_sm = Shared::<[i8]>::new_aligned_slice(bq * dim, 128usize);
+    let mut k_sm = Shared::<[Vector<i8, NK>]>::new_aligned_slice(bkv * dim / kvec, 128usize);
+    let mut v_sm = Shared::<[Vector<P, NV>]>::new_aligned_slice(bkv * dim / vvec, 128usize);
+    let mut s_sm = Shared::<[i32]>::new_aligned_slice(bq * bkv, 128usize);
+    let mut p_sm = Shared::<[P]>::new_aligned_slice(bq * bkv, 128usize);
+    let mut o_sm = Shared::<[f32]>::new_aligned_slice(planes * 256, 128usize);
+    let mut ks_sm = Shared::<[f32]>::new_slice(bkv);
 
     // Q tile, chunk-major; rows past the end are zero.
     let mut e = tid;
@@ -198,7 +200,7 @@ fn attn_cmma_kernel<F: Float, P: Float, NK: Size, NV: Size>(
             16usize,
             16usize,
             cmma::MatrixLayout::RowMajor,
-            &q_sm.slice(a_off, a_off + 256),
+            q_sm.slice(a_off, a_off + 256),
             16u32,
         ));
     }
@@ -216,7 +218,7 @@ fn attn_cmma_kernel<F: Float, P: Float, NK: Size, NV: Size>(
     }
 
     // B fragments are loaded from vectorized shared memory, which `from_slice` does not take.
-    let kb = unsafe {
+    let mut kb = unsafe {
         cmma::Matrix::<i8>::uninitialized(
             cmma::MatrixIdent::B,
             16usize,
@@ -225,7 +227,7 @@ fn attn_cmma_kernel<F: Float, P: Float, NK: Size, NV: Size>(
             cmma::MatrixLayout::ColMajor,
         )
     };
-    let vb = unsafe {
+    let mut vb = unsafe {
         cmma::Matrix::<P>::uninitialized(
             cmma::MatrixIdent::B,
             16usize,
@@ -324,12 +326,12 @@ fn attn_cmma_kernel<F: Float, P: Float, NK: Size, NV: Size>(
             #[unroll]
             for kk in 0..chunks {
                 let b_off = (kk * bkv * 16 + n * 256) / kvec;
-                cmma::load(&kb, &k_sm.slice(b_off, b_off + 256 / kvec), 16u32);
-                cmma::execute::<i8, i8, i32, i32>(qf.index(kk), &kb, &acc, &acc);
+                cmma::load(&mut kb, k_sm.slice(b_off, b_off + 256 / kvec), 16u32);
+                cmma::execute::<i8, i8, i32, i32, cmma::Plane>(qf.index(kk), &kb, &acc, &acc);
             }
             let s_off = s_plane + n * 16;
             cmma::store(
-                &mut s_sm.slice_mut(s_off, s_off + 15 * bkv + 16),
+                s_sm.slice_mut(s_off, s_off + 15 * bkv + 16),
                 &acc,
                 stride_kv,
                 cmma::MatrixLayout::RowMajor,
@@ -348,7 +350,7 @@ fn attn_cmma_kernel<F: Float, P: Float, NK: Size, NV: Size>(
         let mut sum = f32::new(0.0);
         if full {
             let st = softmax_tile::<P>(
-                &s_sm, &mut p_sm, &ks_sm, ds, &args, g, tau, m, row_base, ds_row, kv0, my_row,
+                &s_sm, &mut p_sm, &ks_sm, ds, &args, &g, tau, m, row_base, ds_row, kv0, my_row,
                 owner, qscale, lane, false, causal, has_ds,
             );
             m = st.m;
@@ -357,7 +359,7 @@ fn attn_cmma_kernel<F: Float, P: Float, NK: Size, NV: Size>(
             sum = st.sum;
         } else {
             let st = softmax_tile::<P>(
-                &s_sm, &mut p_sm, &ks_sm, ds, &args, g, tau, m, row_base, ds_row, kv0, my_row,
+                &s_sm, &mut p_sm, &ks_sm, ds, &args, &g, tau, m, row_base, ds_row, kv0, my_row,
                 owner, qscale, lane, true, causal, has_ds,
             );
             m = st.m;
@@ -373,7 +375,7 @@ fn attn_cmma_kernel<F: Float, P: Float, NK: Size, NV: Size>(
             #[unroll]
             for t in 0..chunks {
                 cmma::store(
-                    &mut o_sm.slice_mut(o_plane, o_plane + 256),
+                    o_sm.slice_mut(o_plane, o_plane + 256),
                     of.index(t),
                     16u32,
                     cmma::MatrixLayout::RowMajor,
@@ -387,8 +389,8 @@ fn attn_cmma_kernel<F: Float, P: Float, NK: Size, NV: Size>(
                 }
                 sync_plane();
                 cmma::load_with_layout(
-                    of.index(t),
-                    &o_sm.slice(o_plane, o_plane + 256),
+                    of.index_mut(t),
+                    o_sm.slice(o_plane, o_plane + 256),
                     16u32,
                     cmma::MatrixLayout::RowMajor,
                 );
@@ -408,7 +410,7 @@ fn attn_cmma_kernel<F: Float, P: Float, NK: Size, NV: Size>(
                 16usize,
                 16usize,
                 cmma::MatrixLayout::RowMajor,
-                &p_sm.slice(a_off, a_off + 15 * bkv + 16),
+                p_sm.slice(a_off, a_off + 15 * bkv + 16),
                 stride_kv,
             ));
         }
@@ -418,11 +420,16 @@ fn attn_cmma_kernel<F: Float, P: Float, NK: Size, NV: Size>(
             for kk in 0..bkv / 16 {
                 let b_off = (kk * 16 * dim + t * 16) / vvec;
                 cmma::load(
-                    &vb,
-                    &v_sm.slice(b_off, b_off + (15 * dim + 16) / vvec),
+                    &mut vb,
+                    v_sm.slice(b_off, b_off + (15 * dim + 16) / vvec),
                     comptime!(dim as u32),
                 );
-                cmma::execute::<P, P, f32, f32>(pf.index(kk), &vb, of.index(t), of.index(t));
+                cmma::execute::<P, P, f32, f32, cmma::Plane>(
+                    pf.index(kk),
+                    &vb,
+                    of.index(t),
+                    of.index(t),
+                );
             }
         }
         kv0 += bkv;
@@ -435,7 +442,7 @@ fn attn_cmma_kernel<F: Float, P: Float, NK: Size, NV: Size>(
     #[unroll]
     for t in 0..chunks {
         cmma::store(
-            &mut o_sm.slice_mut(o_plane, o_plane + 256),
+            o_sm.slice_mut(o_plane, o_plane + 256),
             of.index(t),
             16u32,
             cmma::MatrixLayout::RowMajor,
@@ -525,12 +532,12 @@ struct Step {
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn softmax_tile<P: Float>(
-    s_sm: &SharedMemory<i32>,
-    p_sm: &mut SharedMemory<P>,
-    ks_sm: &SharedMemory<f32>,
+    s_sm: &Shared<[i32]>,
+    p_sm: &mut Shared<[P]>,
+    ks_sm: &Shared<[f32]>,
     ds: &Tensor<f32>,
     args: &AttnArgs,
-    g: RoundArgs,
+    g: &RoundArgs,
     tau: f32,
     m: f32,
     row_base: usize,
@@ -596,23 +603,18 @@ fn softmax_tile<P: Float>(
 }
 
 /// The PV-grid copy of `v` in `dtype` (f16/bf16), rounded when `round`.
-fn round_v<R: CubeRuntime>(
-    v: CubeTensor<R>,
-    dtype: DType,
-    g: RoundArgs,
-    round: bool,
-) -> CubeTensor<R> {
+fn round_v(v: CubeTensor, dtype: DType, g: RoundArgs, round: bool) -> CubeTensor {
     let v = into_contiguous(v);
     let client = v.client.clone();
-    let out = empty_device_contiguous_dtype::<R>(
+    let out = empty_device_contiguous_dtype(
         client.clone(),
         v.device.clone(),
         v.meta.shape().clone(),
         dtype,
     );
     let n = v.meta.num_elements();
-    let dtypes = [v.dtype.into(), dtype.into()];
-    round_v_kernel::launch::<R>(
+    let dtypes = [dtype_to_storage_type(v.dtype), dtype_to_storage_type(dtype)];
+    round_v_kernel::launch(
         &client,
         grid(&client, n.div_ceil(256)),
         CubeDim::new_1d(256),
@@ -627,17 +629,17 @@ fn round_v<R: CubeRuntime>(
 
 /// Launches the matrix-unit kernel. Quantized Q/K must be i8.
 #[allow(clippy::too_many_arguments)]
-pub fn launch<R: CubeRuntime>(
-    qi: CubeTensor<R>,
-    ki: CubeTensor<R>,
-    qs: CubeTensor<R>,
-    ks: CubeTensor<R>,
-    ds: Option<CubeTensor<R>>,
-    v: CubeTensor<R>,
-    post: CubeTensor<R>,
+pub fn launch(
+    qi: CubeTensor,
+    ki: CubeTensor,
+    qs: CubeTensor,
+    ks: CubeTensor,
+    ds: Option<CubeTensor>,
+    v: CubeTensor,
+    post: CubeTensor,
     args: AttnArgs,
     plan: &SagePlan,
-) -> (CubeTensor<R>, Option<CubeTensor<R>>) {
+) -> (CubeTensor, Option<CubeTensor>) {
     let client = qi.client.clone();
     let [b, hq, sq, d] = qi.meta.shape().dims::<4>();
     let ml = MatrixLaunch::new(&qi, &qs, ds, plan);
@@ -647,9 +649,12 @@ pub fn launch<R: CubeRuntime>(
     } else {
         round_v(v, ml.pv_dtype, ml.g, ml.fp8 || plan.dtype == DType::F32)
     };
-    let dtypes = [plan.dtype.into(), ml.pv_dtype.into()];
+    let dtypes = [
+        dtype_to_storage_type(plan.dtype),
+        dtype_to_storage_type(ml.pv_dtype),
+    ];
     let cubes = b * hq * sq.div_ceil(PLANES * 16);
-    attn_cmma_kernel::launch::<R>(
+    attn_cmma_kernel::launch(
         &client,
         grid(&client, cubes),
         CubeDim::new_2d(32, PLANES as u32),

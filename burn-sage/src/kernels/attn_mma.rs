@@ -27,10 +27,10 @@
 //! unchecked: every index is in bounds by construction (Q rows past the end read nothing,
 //! keys past the end read zeros, `Vᵀ` is padded).
 
+use burn::backend::cubecl::dtype_to_storage_type;
 use burn::tensor::{DType, Shape};
 use burn_cubecl::{
-    CubeRuntime, kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype,
-    tensor::CubeTensor,
+    kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype, tensor::CubeTensor,
 };
 use cubecl::cmma::MmaDefinition;
 use cubecl::ir::{ElemType, FastMath, FloatKind, IntKind, features::MmaConfig};
@@ -50,13 +50,13 @@ pub const BKV: usize = 64;
 pub const PLANES: usize = 8;
 
 /// Whether the runtime has the manual MMA shapes this kernel uses for inputs in `dtype`.
-pub fn support<R: CubeRuntime>(client: &ComputeClient<R>, dtype: DType) -> Result<(), Unsupported> {
+pub fn support(client: &Client, dtype: DType) -> Result<(), Unsupported> {
     let props = client.properties();
     let has = |a: ElemType, cd: ElemType, k: u32| {
         props.features.matmul.mma.contains(&MmaConfig {
-            a_type: a.into(),
-            b_type: a.into(),
-            cd_type: cd.into(),
+            a_type: a,
+            b_type: a,
+            cd_type: cd,
             m: 16,
             n: 8,
             k,
@@ -87,7 +87,7 @@ fn v_transposed_kernel<V: Float, P: Float>(
     skv_pad: usize,
     #[comptime] dim: usize,
     #[comptime] round: bool,
-    #[define(V, P)] _dtypes: [StorageType; 2],
+    #[define(V, P)] _dtypes: [ElemType; 2],
 ) {
     let i = ABSOLUTE_POS;
     if i < out.len() {
@@ -98,7 +98,7 @@ fn v_transposed_kernel<V: Float, P: Float>(
         if key < skv {
             x = f32::cast_from(v[(bhk * skv + key) * dim + d]);
             if round {
-                x = round_bits(x, g);
+                x = round_bits(x, &g);
             }
         }
         out[i] = P::cast_from(x);
@@ -170,8 +170,8 @@ fn scores<N2: Size>(
     s: &Array<Vector<i32, N2>>,
     sf: &mut Array<f32>,
     mx: &mut Array<f32>,
-    ks_sm: &SharedMemory<f32>,
-    ds_sm: &SharedMemory<f32>,
+    ks_sm: &Shared<[f32]>,
+    ds_sm: &Shared<[f32]>,
     args: &AttnArgs,
     qsc: &Array<f32>,
     rows: &Array<usize>,
@@ -196,7 +196,7 @@ fn scores<N2: Size>(
             for e in 0..2usize {
                 let col = n * 8 + 2 * t + e;
                 let key = kv0 + col;
-                let mut x = f32::cast_from(cv[e]) * qsc[v] * ks_sm[col];
+                let mut x = f32::cast_from(cv.extract(e)) * qsc[v] * ks_sm[col];
                 if has_ds {
                     x += ds_sm[col];
                 }
@@ -224,7 +224,7 @@ fn probabilities<P: Float, N2: Size>(
     m: &Array<f32>,
     l: &mut Array<f32>,
     args: &AttnArgs,
-    g: RoundArgs,
+    g: &RoundArgs,
     #[comptime] masked: bool,
     #[comptime] native: bool,
 ) {
@@ -243,9 +243,9 @@ fn probabilities<P: Float, N2: Size>(
                 }
                 l[v] += pe;
                 if native {
-                    pv[e] = P::cast_from(pe * args.p_scale);
+                    pv.insert(e, P::cast_from(pe * args.p_scale));
                 } else {
-                    pv[e] = P::cast_from(round_bits(pe * args.p_scale, g));
+                    pv.insert(e, P::cast_from(round_bits(pe * args.p_scale, g)));
                 }
             }
             p[n * 2 + v] = pv;
@@ -257,9 +257,11 @@ fn probabilities<P: Float, N2: Size>(
     launch_unchecked,
     fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf
 )]
+// `a = a * b` on indexed shared memory and register arrays, as written for CubeCL 0.10.
 #[allow(
     clippy::too_many_arguments,
     clippy::manual_div_ceil,
+    clippy::assign_op_pattern,
     unused_assignments
 )]
 fn attn_mma_kernel<F: Float, P: Float, N2: Size, N4: Size, N8: Size, N16: Size>(
@@ -282,7 +284,7 @@ fn attn_mma_kernel<F: Float, P: Float, N2: Size, N4: Size, N8: Size, N16: Size>(
     #[comptime] write_lse: bool,
     #[comptime] native: bool,
     #[comptime] planes: usize,
-    #[define(F, P)] _dtypes: [StorageType; 2],
+    #[define(F, P)] _dtypes: [ElemType; 2],
 ) {
     let bq = comptime!(planes * 16);
     let threads = comptime!(planes * 32);
@@ -310,11 +312,11 @@ fn attn_mma_kernel<F: Float, P: Float, N2: Size, N4: Size, N8: Size, N16: Size>(
     let offset = args.skv - args.sq;
 
     let mut k_sm =
-        SharedMemory::<Vector<i8, N4>>::new_aligned(comptime!(BKV * (dim / 4 + 4)), 16usize);
+        Shared::<[Vector<i8, N4>]>::new_aligned_slice(comptime!(BKV * (dim / 4 + 4)), 16usize);
     let mut v_sm =
-        SharedMemory::<Vector<P, N2>>::new_aligned(comptime!(dim * (BKV / 2 + 4)), 16usize);
-    let mut ks_sm = SharedMemory::<f32>::new(bkv);
-    let mut ds_sm = SharedMemory::<f32>::new(bkv);
+        Shared::<[Vector<P, N2>]>::new_aligned_slice(comptime!(dim * (BKV / 2 + 4)), 16usize);
+    let mut ks_sm = Shared::<[f32]>::new_slice(bkv);
+    let mut ds_sm = Shared::<[f32]>::new_slice(bkv);
 
     let def_qk = MmaDefinition::<i8, i8, i32>::new(16usize, 8usize, 32usize);
     let def_pv = MmaDefinition::<P, P, f32>::new(16usize, 8usize, 16usize);
@@ -397,18 +399,18 @@ fn attn_mma_kernel<F: Float, P: Float, N2: Size, N4: Size, N8: Size, N16: Size>(
     while kv0 < kv_end {
         sync_cube();
         {
-            let mut k16 = k_sm
+            let k16 = k_sm
                 .slice_mut(0usize, comptime!(BKV * (dim / 4 + 4)))
-                .with_vector_size::<N16>();
+                .with_vector_size_mut::<N16>();
             #[unroll]
             for i in 0..comptime!(BKV * dim / 16 / threads) {
                 let e = tid + i * threads;
                 let key = e / comptime!(dim / 16);
                 k16[key * comptime!(dim / 16 + 1) + e % comptime!(dim / 16)] = kr[i];
             }
-            let mut v8 = v_sm
+            let v8 = v_sm
                 .slice_mut(0usize, comptime!(dim * (BKV / 2 + 4)))
-                .with_vector_size::<N8>();
+                .with_vector_size_mut::<N8>();
             #[unroll]
             for i in 0..comptime!(dim * BKV / 8 / threads) {
                 let e = tid + i * threads;
@@ -511,9 +513,9 @@ fn attn_mma_kernel<F: Float, P: Float, N2: Size, N4: Size, N8: Size, N16: Size>(
             }
         }
         if full {
-            probabilities::<P, N2>(&sf, &mut p, &m, &mut l, &args, g, false, native);
+            probabilities::<P, N2>(&sf, &mut p, &m, &mut l, &args, &g, false, native);
         } else {
-            probabilities::<P, N2>(&sf, &mut p, &m, &mut l, &args, g, true, native);
+            probabilities::<P, N2>(&sf, &mut p, &m, &mut l, &args, &g, true, native);
         }
 
         // O += P̃·V: the score pairs of 8-key blocks 2kk and 2kk+1 are the A operand of the
@@ -563,7 +565,7 @@ fn attn_mma_kernel<F: Float, P: Float, N2: Size, N4: Size, N8: Size, N16: Size>(
                 for e in 0..2usize {
                     let c = dn * 8 + 2 * t + e;
                     out[(bh * args.sq + rows[v]) * dim + c] =
-                        F::cast_from(ov[e] * post[bhk * dim + c] * inv);
+                        F::cast_from(ov.extract(e) * post[bhk * dim + c] * inv);
                 }
             }
         }
@@ -571,28 +573,28 @@ fn attn_mma_kernel<F: Float, P: Float, N2: Size, N4: Size, N8: Size, N16: Size>(
 }
 
 /// `Vᵀ` in the PV dtype, padded to whole tiles (see [`v_transposed_kernel`]).
-fn v_transposed<R: CubeRuntime>(
-    v: CubeTensor<R>,
+fn v_transposed(
+    v: CubeTensor,
     dtype: DType,
     g: RoundArgs,
     round: bool,
     skv_pad: usize,
-) -> CubeTensor<R> {
+) -> CubeTensor {
     let v = into_contiguous(v);
     let client = v.client.clone();
     let [b, h, skv, d] = v.meta.shape().dims::<4>();
-    let out = empty_device_contiguous_dtype::<R>(
+    let out = empty_device_contiguous_dtype(
         client.clone(),
         v.device.clone(),
         Shape::new([b * h, d, skv_pad]),
         dtype,
     );
     let n = b * h * d * skv_pad;
-    let dtypes = [v.dtype.into(), dtype.into()];
+    let dtypes = [dtype_to_storage_type(v.dtype), dtype_to_storage_type(dtype)];
     // SAFETY: every index the kernel forms is below its tensor's length (guarded by `out.len()`
     // for the output; `key < skv`, `d < dim`, `bhk < b·h` for the input).
     unsafe {
-        v_transposed_kernel::launch_unchecked::<R>(
+        v_transposed_kernel::launch_unchecked(
             &client,
             grid(&client, n.div_ceil(256)),
             CubeDim::new_1d(256),
@@ -611,17 +613,17 @@ fn v_transposed<R: CubeRuntime>(
 
 /// Launches the register-tile kernel (head dims 64 and 128). Quantized Q/K must be i8.
 #[allow(clippy::too_many_arguments)]
-pub fn launch<R: CubeRuntime>(
-    qi: CubeTensor<R>,
-    ki: CubeTensor<R>,
-    qs: CubeTensor<R>,
-    ks: CubeTensor<R>,
-    ds: Option<CubeTensor<R>>,
-    v: CubeTensor<R>,
-    post: CubeTensor<R>,
+pub fn launch(
+    qi: CubeTensor,
+    ki: CubeTensor,
+    qs: CubeTensor,
+    ks: CubeTensor,
+    ds: Option<CubeTensor>,
+    v: CubeTensor,
+    post: CubeTensor,
     args: AttnArgs,
     plan: &SagePlan,
-) -> (CubeTensor<R>, Option<CubeTensor<R>>) {
+) -> (CubeTensor, Option<CubeTensor>) {
     let client = qi.client.clone();
     let [b, hq, sq, d] = qi.meta.shape().dims::<4>();
     let skv = plan.kv_len;
@@ -638,7 +640,10 @@ pub fn launch<R: CubeRuntime>(
     // to even: it differs from the reference's ties-away rounding by one unit in the last place,
     // at exact ties only).
     let native = !ml.fp8;
-    let dtypes = [plan.dtype.into(), ml.pv_dtype.into()];
+    let dtypes = [
+        dtype_to_storage_type(plan.dtype),
+        dtype_to_storage_type(ml.pv_dtype),
+    ];
     let planes = PLANES;
     let cubes = b * hq * sq.div_ceil(planes * 16);
     // The kernel reads ΔS for one Q mean block per cube.
@@ -651,7 +656,7 @@ pub fn launch<R: CubeRuntime>(
     // length, scales and ΔS at indices the plan's group layouts bound, shared memory within its
     // declared sizes, outputs only for rows below `sq`.
     unsafe {
-        attn_mma_kernel::launch_unchecked::<R>(
+        attn_mma_kernel::launch_unchecked(
             &client,
             grid(&client, cubes),
             CubeDim::new_2d(32, planes as u32),

@@ -8,15 +8,15 @@
 //! (see [`super::LOOP_BUDGET`]), which per-channel loops exhausted after `65 535 / (2·dim + 1)`
 //! keys.
 
+use burn::backend::cubecl::dtype_to_storage_type;
 use burn::tensor::Shape;
 use burn_cubecl::{
-    CubeRuntime, kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype,
-    tensor::CubeTensor,
+    kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype, tensor::CubeTensor,
 };
 use cubecl::{calculate_cube_count_elemwise, prelude::*};
 
 use super::common::round_grid;
-use super::{AttnArgs, dummy};
+use super::{AttnArgs, dummy, lse_shape};
 
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
@@ -35,7 +35,7 @@ fn attn_unit_kernel<F: Float, I: Int, V: Float>(
     #[comptime] causal: bool,
     #[comptime] has_ds: bool,
     #[comptime] write_lse: bool,
-    #[define(F, I, V)] _dtypes: [StorageType; 3],
+    #[define(F, I, V)] _dtypes: [ElemType; 3],
 ) {
     let idx = ABSOLUTE_POS;
     if idx >= args.rows {
@@ -105,34 +105,34 @@ fn attn_unit_kernel<F: Float, I: Int, V: Float>(
 
 /// Launches the portable kernel. Inputs as [`super::attention`] documents.
 #[allow(clippy::too_many_arguments)]
-pub fn launch<R: CubeRuntime>(
-    qi: CubeTensor<R>,
-    ki: CubeTensor<R>,
-    qs: CubeTensor<R>,
-    ks: CubeTensor<R>,
-    ds: Option<CubeTensor<R>>,
-    v: CubeTensor<R>,
-    post: CubeTensor<R>,
+pub fn launch(
+    qi: CubeTensor,
+    ki: CubeTensor,
+    qs: CubeTensor,
+    ks: CubeTensor,
+    ds: Option<CubeTensor>,
+    v: CubeTensor,
+    post: CubeTensor,
     args: AttnArgs,
     out_dtype: burn::tensor::DType,
     dim: usize,
     causal: bool,
     write_lse: bool,
-) -> (CubeTensor<R>, Option<CubeTensor<R>>) {
+) -> (CubeTensor, Option<CubeTensor>) {
     let client = qi.client.clone();
     let device = qi.device.clone();
     let [b, hq, sq, d] = qi.meta.shape().dims::<4>();
-    let out = empty_device_contiguous_dtype::<R>(
+    let out = empty_device_contiguous_dtype(
         client.clone(),
         device.clone(),
         Shape::new([b, hq, sq, d]),
         out_dtype,
     );
     let lse = if write_lse {
-        empty_device_contiguous_dtype::<R>(
+        empty_device_contiguous_dtype(
             client.clone(),
             device.clone(),
-            Shape::new([b, hq, sq]),
+            lse_shape(qi.meta.shape()),
             burn::tensor::DType::F32,
         )
     } else {
@@ -140,10 +140,14 @@ pub fn launch<R: CubeRuntime>(
     };
     let has_ds = ds.is_some();
     let ds = ds.map(into_contiguous).unwrap_or_else(|| dummy(&qs));
-    let dtypes = [out_dtype.into(), qi.dtype.into(), v.dtype.into()];
+    let dtypes = [
+        dtype_to_storage_type(out_dtype),
+        dtype_to_storage_type(qi.dtype),
+        dtype_to_storage_type(v.dtype),
+    ];
     let cube_dim = CubeDim::new_1d(64);
     let cube_count = calculate_cube_count_elemwise(&client, args.rows, cube_dim);
-    attn_unit_kernel::launch::<R>(
+    attn_unit_kernel::launch(
         &client,
         cube_count,
         cube_dim,

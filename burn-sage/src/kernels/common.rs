@@ -2,6 +2,11 @@
 
 use cubecl::prelude::*;
 
+/// `log₂ e` as an f32 constant (kernel literals are written as f64).
+const LOG2_E: f64 = std::f32::consts::LOG2_E as f64;
+/// The smallest positive normal f32, as a kernel literal.
+pub(crate) const F32_MIN_POSITIVE: f64 = f32::MIN_POSITIVE as f64;
+
 /// `sign(x)·floor(|x| + 0.5)`: round half away from zero, as the reference does.
 #[cube]
 pub fn round_away(x: f32) -> f32 {
@@ -16,10 +21,7 @@ pub fn round_grid(x: f32, mantissa: f32, min_exp: f32, max: f32) -> f32 {
     let a = f32::abs(x);
     let mut r = a;
     if a > 0.0 {
-        let e = f32::max(
-            f32::floor(f32::ln(a) * f32::new(std::f32::consts::LOG2_E)),
-            min_exp,
-        );
+        let e = f32::max(f32::floor(f32::ln(a) * f32::new(LOG2_E)), min_exp);
         let step = f32::powf(f32::new(2.0), e - mantissa);
         r = f32::min(f32::floor(a / step + 0.5) * step, max);
     }
@@ -29,7 +31,7 @@ pub fn round_grid(x: f32, mantissa: f32, min_exp: f32, max: f32) -> f32 {
 /// The largest value of every unit's `value`; `units` is the cube size, a power of two.
 #[cube]
 pub fn cube_max(value: f32, #[comptime] units: usize) -> f32 {
-    let mut shared = SharedMemory::<f32>::new(units);
+    let mut shared = Shared::<[f32]>::new_slice(units);
     let unit = UNIT_POS_X as usize;
     shared[unit] = value;
     sync_cube();
@@ -47,7 +49,7 @@ pub fn cube_max(value: f32, #[comptime] units: usize) -> f32 {
 /// A grid of at least `cubes` cubes; beyond one grid dimension they spill into the second,
 /// split evenly so that fewer than `y` cubes are spare (a full first row would launch up to
 /// twice the cubes, e.g. 131 070 for 65 536). Kernels still skip the spare ones.
-pub fn grid<R: Runtime>(client: &ComputeClient<R>, cubes: usize) -> CubeCount {
+pub fn grid(client: &Client, cubes: usize) -> CubeCount {
     let max_x = client.properties().hardware.max_cube_count.0.min(65_535) as usize;
     let cubes = cubes.max(1);
     let y = cubes.div_ceil(max_x);

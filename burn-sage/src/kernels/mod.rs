@@ -1,4 +1,4 @@
-//! CubeCL kernels, one file per stage, each generic over the runtime:
+//! CubeCL kernels, one file per stage, for every CubeCL runtime:
 //!
 //! - [`quantize`]: smoothing (subtracting the prepared means) and group quantization to
 //!   integers, one scale per group.
@@ -8,7 +8,7 @@
 //! - [`attn_mma`]: the same on register-resident tiles (manual `mma.sync`, FlashAttention-2
 //!   structure), for head dims 64 and 128.
 //!
-//! [`sage_forward`] runs the whole pipeline on `CubeBackend`; [`choose`] picks the register
+//! [`sage_forward`] runs the kernels of the pipeline on `CubeBackend`; [`choose`] picks the register
 //! kernel where the runtime has manual i8 and f16/bf16 MMA and the head dim is 64 or 128, the
 //! cmma kernel where it has i8 and f16/bf16 cmma and the head dim is 64, 128 or 256, and the
 //! portable kernel otherwise; [`crate::SageOptions::kernel`] can ask for one.
@@ -19,16 +19,20 @@ pub mod attn_unit;
 mod common;
 pub mod quantize;
 
-use burn::tensor::{DType, Shape, Tensor, TensorPrimitive};
+use burn::backend::cubecl::dtype_to_storage_type;
+use burn::backend::ops::FloatTensorOps;
+use burn::tensor::{DType, Shape};
 use burn_cubecl::{
-    BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement,
-    kernel::matmul::MatmulStrategy, ops::numeric::empty_device_contiguous_dtype,
+    CubeBackend, kernel::matmul::MatmulStrategy, ops::numeric::empty_device_contiguous_dtype,
     tensor::CubeTensor,
 };
-use cubecl::ir::{ElemType, FloatKind, IntKind, StorageType, features::MmaConfig};
+use cubecl::ir::{
+    ElemType, FloatKind, IntKind,
+    features::{MmaConfig, TypeUsage},
+};
 use cubecl::prelude::*;
 
-use crate::{SagePlan, Unsupported, prep::prepare_with};
+use crate::{GroupLayout, SagePlan, Unsupported};
 
 /// The scalars every attention kernel takes.
 #[derive(CubeLaunch, CubeType, Clone, Copy, Debug)]
@@ -80,7 +84,7 @@ impl AttnArgs {
         }
     }
 
-    pub fn launch_arg<R: Runtime>(self) -> AttnArgsLaunch<R> {
+    pub fn launch_arg(self) -> AttnArgsLaunch {
         AttnArgsLaunch::new(
             self.rows,
             self.hq,
@@ -106,8 +110,8 @@ impl AttnArgs {
 
 /// A one-element f32 buffer for an optional input or output that is not used (binding one
 /// tensor twice is not allowed on every runtime).
-pub(crate) fn dummy<R: CubeRuntime>(like: &CubeTensor<R>) -> CubeTensor<R> {
-    empty_device_contiguous_dtype::<R>(
+pub(crate) fn dummy(like: &CubeTensor) -> CubeTensor {
+    empty_device_contiguous_dtype(
         like.client.clone(),
         like.device.clone(),
         Shape::new([1]),
@@ -116,14 +120,14 @@ pub(crate) fn dummy<R: CubeRuntime>(like: &CubeTensor<R>) -> CubeTensor<R> {
 }
 
 /// What both matrix-unit launchers allocate and derive from the plan before their launch.
-pub(crate) struct MatrixLaunch<R: CubeRuntime> {
+pub(crate) struct MatrixLaunch {
     /// `[b, hq, sq, d]` in the plan's dtype.
-    pub out: CubeTensor<R>,
+    pub out: CubeTensor,
     /// `[b, hq, sq]` f32 when the plan asks for the LSE, else a dummy.
-    pub lse: CubeTensor<R>,
+    pub lse: CubeTensor,
     pub write_lse: bool,
     /// ΔS, contiguous, or a dummy.
-    pub ds: CubeTensor<R>,
+    pub ds: CubeTensor,
     pub has_ds: bool,
     /// f16, or bf16 for bf16 inputs.
     pub pv_dtype: DType,
@@ -134,16 +138,11 @@ pub(crate) struct MatrixLaunch<R: CubeRuntime> {
     pub tau: f32,
 }
 
-impl<R: CubeRuntime> MatrixLaunch<R> {
-    pub fn new(
-        qi: &CubeTensor<R>,
-        qs: &CubeTensor<R>,
-        ds: Option<CubeTensor<R>>,
-        plan: &SagePlan,
-    ) -> Self {
+impl MatrixLaunch {
+    pub fn new(qi: &CubeTensor, qs: &CubeTensor, ds: Option<CubeTensor>, plan: &SagePlan) -> Self {
         let (client, device) = (qi.client.clone(), qi.device.clone());
         let [b, hq, sq, d] = qi.meta.shape().dims::<4>();
-        let out = empty_device_contiguous_dtype::<R>(
+        let out = empty_device_contiguous_dtype(
             client.clone(),
             device.clone(),
             Shape::new([b, hq, sq, d]),
@@ -151,7 +150,7 @@ impl<R: CubeRuntime> MatrixLaunch<R> {
         );
         let write_lse = plan.opts.return_lse;
         let lse = if write_lse {
-            empty_device_contiguous_dtype::<R>(client, device, Shape::new([b, hq, sq]), DType::F32)
+            empty_device_contiguous_dtype(client, device, lse_shape(qi.meta.shape()), DType::F32)
         } else {
             dummy(qs)
         };
@@ -179,17 +178,19 @@ impl<R: CubeRuntime> MatrixLaunch<R> {
     }
 
     /// `(out, lse when asked for)`.
-    pub fn outputs(self) -> (CubeTensor<R>, Option<CubeTensor<R>>) {
+    pub fn outputs(self) -> (CubeTensor, Option<CubeTensor>) {
         (self.out, self.write_lse.then_some(self.lse))
     }
 }
 
 /// The integer dtype the runtime stores quantized values in: i8, else i32.
-pub fn int_storage<R: CubeRuntime>(client: &ComputeClient<R>) -> Result<DType, Unsupported> {
+pub fn int_storage(client: &Client) -> Result<DType, Unsupported> {
     let props = client.properties();
     for dtype in [DType::I8, DType::I32] {
-        let st: StorageType = dtype.into();
-        if props.supports_type(st) {
+        if props
+            .type_usage(dtype_to_storage_type(dtype))
+            .contains(TypeUsage::Buffer)
+        {
             return Ok(dtype);
         }
     }
@@ -197,16 +198,13 @@ pub fn int_storage<R: CubeRuntime>(client: &ComputeClient<R>) -> Result<DType, U
 }
 
 /// Whether the runtime has the cmma shapes the matrix-unit kernel uses for inputs in `dtype`.
-pub fn cmma_support<R: CubeRuntime>(
-    client: &ComputeClient<R>,
-    dtype: DType,
-) -> Result<(), Unsupported> {
+pub fn cmma_support(client: &Client, dtype: DType) -> Result<(), Unsupported> {
     let props = client.properties();
     let has = |a: ElemType, cd: ElemType| {
         props.features.matmul.cmma.contains(&MmaConfig {
-            a_type: a.into(),
-            b_type: a.into(),
-            cd_type: cd.into(),
+            a_type: a,
+            b_type: a,
+            cd_type: cd,
             m: 16,
             n: 16,
             k: 16,
@@ -249,10 +247,7 @@ pub enum KernelChoice {
 }
 
 /// The kernel [`sage_forward`] would pick for `plan` on this client.
-pub fn choose<R: CubeRuntime>(
-    client: &ComputeClient<R>,
-    plan: &SagePlan,
-) -> Result<KernelChoice, Unsupported> {
+pub fn choose(client: &Client, plan: &SagePlan) -> Result<KernelChoice, Unsupported> {
     if plan.head_dim > 256 {
         return Err(Unsupported::HeadDim(plan.head_dim));
     }
@@ -287,74 +282,86 @@ pub fn choose<R: CubeRuntime>(
     }
 }
 
-type Cube<R, F, I, BT> = CubeBackend<R, F, I, BT>;
-
 /// `a · b` in f32 by cubek's default GEMM, without autotuning (see
 /// [`crate::prep::prepare_with`]); Burn's autotuned matmul where that GEMM cannot launch.
-fn fixed_matmul<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
-    a: Tensor<Cube<R, F, I, BT>, 4>,
-    b: Tensor<Cube<R, F, I, BT>, 4>,
-) -> Tensor<Cube<R, F, I, BT>, 4> {
-    let (l, r) = (
-        a.clone().into_primitive().tensor(),
-        b.clone().into_primitive().tensor(),
-    );
-    match burn_cubecl::kernel::matmul::matmul(l, r, None, MatmulStrategy::Cube, DType::F32) {
-        Ok(out) => Tensor::from_primitive(TensorPrimitive::Float(out)),
+pub fn fixed_matmul(a: CubeTensor, b: CubeTensor) -> CubeTensor {
+    match burn_cubecl::kernel::matmul::matmul(
+        a.clone(),
+        b.clone(),
+        None,
+        MatmulStrategy::Cube,
+        DType::F32,
+    ) {
+        Ok(out) => out,
         Err(err) => {
             log::debug!("burn-sage: fixed GEMM unavailable for ΔS ({err:?}); autotuned matmul");
-            a.matmul(b)
+            CubeBackend::float_matmul(a, b)
         }
     }
 }
 
-/// The whole pipeline on `CubeBackend` with a chosen kernel: shared tensor-op stages, the
-/// quantization kernels, the attention kernel. Returns `(out, lse)`.
-pub fn sage_forward<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
-    q: CubeTensor<R>,
-    k: CubeTensor<R>,
-    v: CubeTensor<R>,
+/// What the quantization and attention kernels consume: Q, K and the tensor-op stages'
+/// outputs ([`crate::prep::Prepared`]) as `CubeBackend` primitives.
+pub struct PreparedInputs {
+    /// `[b, hq, sq, d]` in the plan's dtype.
+    pub q: CubeTensor,
+    /// `[b, hkv, skv, d]` in the plan's dtype.
+    pub k: CubeTensor,
+    /// `[b, hq, nm, d]` f32.
+    pub q_mean: CubeTensor,
+    /// `[b, hkv, 1, d]` f32.
+    pub k_mean: CubeTensor,
+    /// `[b, hq, nm, skv]` f32 when Q is smoothed.
+    pub delta_s: Option<CubeTensor>,
+    /// V as the PV product reads it.
+    pub v: CubeTensor,
+    /// `[b, hkv, 1, d]` f32.
+    pub post: CubeTensor,
+}
+
+/// The kernels of the pipeline with a chosen kernel, after the shared tensor-op stages: the
+/// quantization kernels, the attention kernel. Returns `(out, lse when the plan asks for it)`.
+///
+/// `choice` must be what [`choose`] returned for `plan` on this client.
+pub fn sage_forward(
+    inputs: PreparedInputs,
     plan: &SagePlan,
     choice: KernelChoice,
-) -> Result<(CubeTensor<R>, Option<CubeTensor<R>>), Unsupported> {
-    let client = q.client.clone();
+) -> (CubeTensor, Option<CubeTensor>) {
+    let PreparedInputs {
+        q,
+        k,
+        q_mean,
+        k_mean,
+        delta_s,
+        v,
+        post,
+    } = inputs;
     let int_dtype = match choice {
         KernelChoice::Cmma | KernelChoice::Mma => DType::I8,
-        KernelChoice::Unit => int_storage(&client)?,
+        KernelChoice::Unit => {
+            int_storage(&q.client).expect("the kernel choice checked the integer storage")
+        }
     };
-    let t = |x: CubeTensor<R>| {
-        Tensor::<Cube<R, F, I, BT>, 4>::from_primitive(TensorPrimitive::Float(x))
-    };
-    let prim = |x: Tensor<Cube<R, F, I, BT>, 4>| x.into_primitive().tensor();
-    let (qt, kt, vt) = (t(q.clone()), t(k.clone()), t(v));
-    let prep = prepare_with(&qt, &kt, &vt, plan, fixed_matmul::<R, F, I, BT>);
+    let mean_blocks = q_mean.meta.shape().dims::<4>()[2];
     let qk = plan.opts.qk;
     let (qi, qs) = quantize::quantize(
         q,
-        prim(prep.q_mean.clone()),
+        q_mean,
         plan.q_mean_block(),
         qk.q_layout(),
         qk.qmax(),
         int_dtype,
     );
-    let (ki, ks) = quantize::quantize(
-        k,
-        prim(prep.k_mean.clone()),
-        plan.kv_len,
-        qk.k_layout(),
-        qk.qmax(),
-        int_dtype,
-    );
-    let args = AttnArgs::new(plan, prep.q_mean.dims()[2]);
-    let ds = prep.delta_s.map(prim);
-    let (v, post) = (prim(prep.v), prim(prep.post));
-    Ok(match choice {
+    let (ki, ks) = quantize::quantize(k, k_mean, plan.kv_len, qk.k_layout(), qk.qmax(), int_dtype);
+    let args = AttnArgs::new(plan, mean_blocks);
+    match choice {
         KernelChoice::Unit => attn_unit::launch(
             qi,
             ki,
             qs,
             ks,
-            ds,
+            delta_s,
             v,
             post,
             args,
@@ -363,7 +370,18 @@ pub fn sage_forward<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElem
             plan.opts.causal,
             plan.opts.return_lse,
         ),
-        KernelChoice::Cmma => attn_cmma::launch(qi, ki, qs, ks, ds, v, post, args, plan),
-        KernelChoice::Mma => attn_mma::launch(qi, ki, qs, ks, ds, v, post, args, plan),
-    })
+        KernelChoice::Cmma => attn_cmma::launch(qi, ki, qs, ks, delta_s, v, post, args, plan),
+        KernelChoice::Mma => attn_mma::launch(qi, ki, qs, ks, delta_s, v, post, args, plan),
+    }
+}
+
+/// The shape of the log-sum-exp of attention with `q` of shape `[b, h, sq, d]`: `[b, h, sq]`.
+pub fn lse_shape(q: &Shape) -> Shape {
+    Shape::new([q[0], q[1], q[2]])
+}
+
+/// The shape of the group scales of `x` `[b, h, s, d]` quantized with `layout`:
+/// `[b, h, layout.groups(s)]`.
+pub fn scales_shape(x: &Shape, layout: &GroupLayout) -> Shape {
+    Shape::new([x[0], x[1], layout.groups(x[2])])
 }

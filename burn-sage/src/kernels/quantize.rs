@@ -1,14 +1,15 @@
 //! Smoothing + group quantization: one cube per `(batch·head, group)` finds the group's
 //! `max|x − mean|`, then writes `round(x − mean) / scale` clamped to `±qmax` as integers.
 
-use burn::tensor::{DType, Shape};
+use burn::backend::cubecl::dtype_to_storage_type;
+use burn::tensor::DType;
 use burn_cubecl::{
-    CubeRuntime, kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype,
-    tensor::CubeTensor,
+    kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype, tensor::CubeTensor,
 };
 use cubecl::prelude::*;
 
-use super::common::{cube_max, grid, round_away};
+use super::common::{F32_MIN_POSITIVE, cube_max, grid, round_away};
+use super::scales_shape;
 use crate::GroupLayout;
 
 const UNITS: usize = 128;
@@ -29,7 +30,7 @@ fn quantize_kernel<F: Float, I: Int>(
     groups: usize,
     qmax: f32,
     #[comptime] units: usize,
-    #[define(F, I)] _dtypes: [StorageType; 2],
+    #[define(F, I)] _dtypes: [ElemType; 2],
 ) {
     let cube = (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize;
     if cube >= scales.len() {
@@ -53,7 +54,7 @@ fn quantize_kernel<F: Float, I: Int>(
         }
         e += units;
     }
-    let scale = f32::max(cube_max(amax, units) / qmax, f32::new(f32::MIN_POSITIVE));
+    let scale = f32::max(cube_max(amax, units) / qmax, f32::new(F32_MIN_POSITIVE));
     if unit == 0 {
         scales[cube] = scale;
     }
@@ -78,34 +79,37 @@ fn quantize_kernel<F: Float, I: Int>(
 /// - `x`: `[b, h, s, d]` float; `mean`: `[b, h, nm, d]` f32, rows `[m·mean_block, (m+1)·mean_block)`
 ///   use mean row `m`
 /// - returns `(ints [b, h, s, d], scales [b, h, layout.groups(s)] f32)`
-pub fn quantize<R: CubeRuntime>(
-    x: CubeTensor<R>,
-    mean: CubeTensor<R>,
+pub fn quantize(
+    x: CubeTensor,
+    mean: CubeTensor,
     mean_block: usize,
     layout: GroupLayout,
     qmax: f32,
     int_dtype: DType,
-) -> (CubeTensor<R>, CubeTensor<R>) {
+) -> (CubeTensor, CubeTensor) {
     let x = into_contiguous(x);
     let mean = into_contiguous(mean);
     let [b, h, s, d] = x.meta.shape().dims::<4>();
     let nm = mean.meta.shape().dims::<4>()[2];
     let client = x.client.clone();
     let groups = layout.groups(s);
-    let out = empty_device_contiguous_dtype::<R>(
+    let out = empty_device_contiguous_dtype(
         client.clone(),
         x.device.clone(),
-        Shape::new([b, h, s, d]),
+        x.meta.shape().clone(),
         int_dtype,
     );
-    let scales = empty_device_contiguous_dtype::<R>(
+    let scales = empty_device_contiguous_dtype(
         client.clone(),
         x.device.clone(),
-        Shape::new([b, h, groups]),
+        scales_shape(x.meta.shape(), &layout),
         DType::F32,
     );
-    let dtypes = [x.dtype.into(), int_dtype.into()];
-    quantize_kernel::launch::<R>(
+    let dtypes = [
+        dtype_to_storage_type(x.dtype),
+        dtype_to_storage_type(int_dtype),
+    ];
+    quantize_kernel::launch(
         &client,
         grid(&client, b * h * groups),
         CubeDim::new_1d(UNITS as u32),

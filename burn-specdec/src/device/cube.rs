@@ -29,7 +29,7 @@ pub fn ratio_capped(num: f32, den: f32) -> f32 {
 /// Sum of every unit's `value`, returned in every unit. `buf` holds one slot per unit and the
 /// cube size is a power of two. Ends with a barrier so that calls can follow each other.
 #[cube]
-pub fn cube_sum(buf: &mut SharedMemory<f32>, value: f32) -> f32 {
+pub fn cube_sum(buf: &mut Shared<[f32]>, value: f32) -> f32 {
     let unit = UNIT_POS_X as usize;
     buf[unit] = value;
     sync_cube();
@@ -49,7 +49,7 @@ pub fn cube_sum(buf: &mut SharedMemory<f32>, value: f32) -> f32 {
 
 /// Maximum of every unit's `value` (NaN-propagating), returned in every unit.
 #[cube]
-pub fn cube_max(buf: &mut SharedMemory<f32>, value: f32) -> f32 {
+pub fn cube_max(buf: &mut Shared<[f32]>, value: f32) -> f32 {
     let unit = UNIT_POS_X as usize;
     buf[unit] = value;
     sync_cube();
@@ -73,7 +73,7 @@ pub fn cube_max(buf: &mut SharedMemory<f32>, value: f32) -> f32 {
 
 /// Returns the `value` of the unit with `owner == true` (exactly one unit) in every unit.
 #[cube]
-pub fn broadcast(buf: &mut SharedMemory<f32>, value: f32, owner: bool) -> f32 {
+pub fn broadcast(buf: &mut Shared<[f32]>, value: f32, owner: bool) -> f32 {
     if owner {
         buf[0] = value;
     }
@@ -110,9 +110,9 @@ pub fn sample_row(
     lo: usize,
     hi: usize,
     u: f32,
-    sums: &mut SharedMemory<f32>,
-    idx: &mut SharedMemory<u32>,
-    scalars: &mut SharedMemory<f32>,
+    sums: &mut Shared<[f32]>,
+    idx: &mut Shared<[u32]>,
+    scalars: &mut Shared<[f32]>,
 ) -> u32 {
     let unit = UNIT_POS_X as usize;
     let units = CUBE_DIM_X as usize;

@@ -80,13 +80,7 @@ fn q_at(draft: &Tensor<f32>, qb: &Array<usize>, qn: &Array<f32>, i: usize, y: us
 
 /// Sum of a row; a negative entry poisons the sum so that it fails [`has_mass`].
 #[cube]
-fn row_sum(
-    row: &Tensor<f32>,
-    base: usize,
-    lo: usize,
-    hi: usize,
-    red: &mut SharedMemory<f32>,
-) -> f32 {
+fn row_sum(row: &Tensor<f32>, base: usize, lo: usize, hi: usize, red: &mut Shared<[f32]>) -> f32 {
     let mut part = f32::new(0.0);
     let mut negative = false;
     let mut y = lo;
@@ -127,7 +121,7 @@ fn residual_step(
     qn: &Array<f32>,
     i: usize,
     w: usize,
-    red: &mut SharedMemory<f32>,
+    red: &mut Shared<[f32]>,
 ) {
     let mut part = f32::new(0.0);
     let mut y = pos.lo;
@@ -152,7 +146,7 @@ fn owned_value(
     pos: &Pos,
     row: usize,
     x: usize,
-    scal: &mut SharedMemory<f32>,
+    scal: &mut Shared<[f32]>,
 ) -> f32 {
     let mut out = f32::new(0.0);
     if x < pos.v {
@@ -179,9 +173,9 @@ fn decide_specinfer(
     qb: &Array<usize>,
     qn: &Array<f32>,
     xs: &Array<u32>,
-    red: &mut SharedMemory<f32>,
-    idx: &mut SharedMemory<u32>,
-    scal: &mut SharedMemory<f32>,
+    red: &mut Shared<[f32]>,
+    idx: &mut Shared<[u32]>,
+    scal: &mut Shared<[f32]>,
 ) -> (bool, u32) {
     let w = pos.row(0);
     copy_target(target, scratch, pos);
@@ -190,7 +184,7 @@ fn decide_specinfer(
     let mut i = 0usize;
     while i < pos.m && !accepted {
         let x = xs[i] as usize;
-        let pk = owned_value(scratch, pos, w, x, scal);
+        let pk = owned_value(&*scratch, pos, w, x, scal);
         let mut thr = f32::new(0.0);
         if x < pos.v {
             thr = ratio_capped(pk, q_at(draft, qb, qn, i, x));
@@ -205,7 +199,7 @@ fn decide_specinfer(
     }
     if !accepted {
         let u = uniforms[pos.ubase + pos.m + 1];
-        token = sample_row(scratch, w, pos.lo, pos.hi, u, red, idx, scal);
+        token = sample_row(&*scratch, w, pos.lo, pos.hi, u, red, idx, scal);
     }
     (accepted, token)
 }
@@ -220,7 +214,7 @@ fn spectr_reach(
     qb: &Array<usize>,
     qn: &Array<f32>,
     rho: f32,
-    red: &mut SharedMemory<f32>,
+    red: &mut Shared<[f32]>,
 ) -> (f32, f32) {
     let mut c = f32::new(0.0);
     let mut reach = f32::new(1.0);
@@ -246,7 +240,7 @@ fn spectr_rho(
     pos: &Pos,
     qb: &Array<usize>,
     qn: &Array<f32>,
-    red: &mut SharedMemory<f32>,
+    red: &mut Shared<[f32]>,
 ) -> f32 {
     let (c1, _r) = spectr_reach(target, draft, pos, qb, qn, f32::new(1.0), red);
     let mut rho = f32::new(1.0);
@@ -286,9 +280,9 @@ fn decide_spectr(
     qb: &Array<usize>,
     qn: &Array<f32>,
     xs: &Array<u32>,
-    red: &mut SharedMemory<f32>,
-    idx: &mut SharedMemory<u32>,
-    scal: &mut SharedMemory<f32>,
+    red: &mut Shared<[f32]>,
+    idx: &mut Shared<[u32]>,
+    scal: &mut Shared<[f32]>,
     #[comptime] k_max: usize,
 ) -> (bool, u32) {
     let rho = spectr_rho(target, draft, pos, qb, qn, red);
@@ -340,7 +334,7 @@ fn decide_spectr(
             copy_target(target, scratch, pos);
         }
         let u = uniforms[pos.ubase + pos.m + 1];
-        token = sample_row(scratch, w, pos.lo, pos.hi, u, red, idx, scal);
+        token = sample_row(&*scratch, w, pos.lo, pos.hi, u, red, idx, scal);
     }
     (accepted, token)
 }
@@ -369,7 +363,7 @@ fn consider(
     qb: &Array<usize>,
     qn: &Array<f32>,
     slot: usize,
-    red: &mut SharedMemory<f32>,
+    red: &mut Shared<[f32]>,
     #[comptime] k_max: usize,
 ) -> f32 {
     let qt = slot_row(pos, slot, k_max - 1, k_max);
@@ -420,7 +414,7 @@ fn reserve_round(
     qn: &Array<f32>,
     reach_est: &mut Array<f32>,
     slot: usize,
-    red: &mut SharedMemory<f32>,
+    red: &mut Shared<[f32]>,
     #[comptime] k_max: usize,
 ) -> f32 {
     let last = pos.m - 1;
@@ -483,9 +477,9 @@ fn decide_importance(
     qb: &Array<usize>,
     qn: &Array<f32>,
     xs: &Array<u32>,
-    red: &mut SharedMemory<f32>,
-    idx: &mut SharedMemory<u32>,
-    scal: &mut SharedMemory<f32>,
+    red: &mut Shared<[f32]>,
+    idx: &mut Shared<[u32]>,
+    scal: &mut Shared<[f32]>,
     #[comptime] k_max: usize,
 ) -> (bool, u32) {
     let w = pos.row(0);
@@ -576,7 +570,7 @@ fn decide_importance(
     let mut k = 0usize;
     while k < last {
         let x = xs[k] as usize;
-        let s = owned_value(scratch, pos, slot_row(pos, best, k, k_max), x, scal);
+        let s = owned_value(&*scratch, pos, slot_row(pos, best, k, k_max), x, scal);
         if uniforms[pos.ubase + k] < s {
             selected = k;
             k = last;
@@ -586,7 +580,7 @@ fn decide_importance(
     }
     let y = xs[selected] as usize;
     let qt = slot_row(pos, best, k_max - 1, k_max);
-    let q_tilde = owned_value(scratch, pos, qt, y, scal);
+    let q_tilde = owned_value(&*scratch, pos, qt, y, scal);
     let mut thr = f32::new(0.0);
     if y < pos.v {
         thr = ratio_capped(pos.p(target, y), q_tilde);
@@ -607,7 +601,7 @@ fn decide_importance(
             copy_target(target, scratch, pos);
         }
         let u = uniforms[pos.ubase + pos.m + 1];
-        token = sample_row(scratch, w, pos.lo, pos.hi, u, red, idx, scal);
+        token = sample_row(&*scratch, w, pos.lo, pos.hi, u, red, idx, scal);
     }
     (accepted, token)
 }
@@ -636,7 +630,7 @@ pub fn verify_blocks_kernel<I: Numeric>(
     #[comptime] k_max: usize,
     #[comptime] units: usize,
     #[comptime] rows: usize,
-    #[define(I)] _dtype: StorageType,
+    #[define(I)] _dtype: ElemType,
 ) {
     let b = (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize;
     // The whole cube leaves together, so the barriers below stay uniform.
@@ -650,9 +644,9 @@ pub fn verify_blocks_kernel<I: Numeric>(
     let hi = min(lo + chunk, v);
     let srow = b * rows * v;
 
-    let mut red = SharedMemory::<f32>::new(units);
-    let mut idx = SharedMemory::<u32>::new(units + 2);
-    let mut scal = SharedMemory::<f32>::new(1usize);
+    let mut red = Shared::<[f32]>::new_slice(units);
+    let mut idx = Shared::<[u32]>::new_slice(units + 2);
+    let mut scal = Shared::<[f32]>::new_slice(1usize);
 
     // Survivors (draft indices, ascending), and per survivor its row offset, row sum and token.
     let mut surv = Array::<u32>::new(k_max);
@@ -762,7 +756,7 @@ pub fn verify_blocks_kernel<I: Numeric>(
         };
         copy_target(target, scratch, &pos);
         let u = uniforms[pos.ubase];
-        let token = sample_row(scratch, srow, lo, hi, u, &mut red, &mut idx, &mut scal);
+        let token = sample_row(&*scratch, srow, lo, hi, u, &mut red, &mut idx, &mut scal);
         if unit == 0 {
             tokens[b * (l + 1) + l] = I::cast_from(token);
         }

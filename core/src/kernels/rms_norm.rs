@@ -46,7 +46,7 @@ fn rms_norm_kernel<F: Float>(
     let mut half = CUBE_DIM_X as usize / 2;
     while half > 0 {
         if unit < half {
-            shared[unit] = shared[unit] + shared[unit + half];
+            shared[unit] += shared[unit + half];
         }
         sync_cube();
         half /= 2;

@@ -97,7 +97,7 @@ fn run_vulkan(_: &Args, _: Option<AttentionKind>) {
 }
 
 /// Milliseconds `f` takes, device work included.
-fn timed<B: Backend, T>(device: &B::Device, f: impl FnOnce() -> T) -> (T, f64) {
+fn timed<T>(device: &Device, f: impl FnOnce() -> T) -> (T, f64) {
     B::sync(device).expect("device sync");
     let t = Instant::now();
     let out = f();
@@ -110,18 +110,18 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-fn run<B: Backend + KvBackend + FusedBackend>(args: &Args, attention: Option<AttentionKind>) {
-    let device = B::Device::default();
+fn run(args: &Args, attention: Option<AttentionKind>) {
+    let device = Device::default();
     let mut cfg = LlamaConfig::smollm2_135m();
     if let Some(n) = args.layers {
         cfg.num_layers = n;
     }
-    let model = Llama::<B>::random(&cfg, &device, DType::F32);
-    let attention: Arc<dyn AttentionImpl<B>> = match attention {
-        Some(kind) => Arc::from(kind.build::<B>()),
+    let model = Llama::random(&cfg, &device, DType::F32);
+    let attention: Arc<dyn AttentionImpl> = match attention {
+        Some(kind) => Arc::from(kind.build()),
         None => Arc::new(DecodeAttention::default()),
     };
-    let attention: Arc<dyn AttentionImpl<B>> = if args.fused_ops {
+    let attention: Arc<dyn AttentionImpl> = if args.fused_ops {
         Arc::new(FusedLayers::new(attention))
     } else {
         attention
@@ -137,10 +137,10 @@ fn run<B: Backend + KvBackend + FusedBackend>(args: &Args, attention: Option<Att
 
     // The host cost of a launch: a chain of tiny element-wise kernels, synced once.
     let launches = 2000;
-    let x = Tensor::<B, 2>::ones([b, cfg.hidden_size], &device);
-    let chain = |x: Tensor<B, 2>| (0..launches).fold(x, |x, _| x + 1.0);
-    let _ = timed::<B, _>(&device, || chain(x.clone()));
-    let (_, ms) = timed::<B, _>(&device, || chain(x.clone()));
+    let x = Tensor::<2>::ones([b, cfg.hidden_size], &device);
+    let chain = |x: Tensor<2>| (0..launches).fold(x, |x, _| x + 1.0);
+    let _ = timed::<_>(&device, || chain(x.clone()));
+    let (_, ms) = timed::<_>(&device, || chain(x.clone()));
     println!(
         "launch: {:.1} µs per element-wise kernel ({launches} chained)",
         1e3 * ms / launches as f64
@@ -150,10 +150,10 @@ fn run<B: Backend + KvBackend + FusedBackend>(args: &Args, attention: Option<Att
         let v: Vec<i64> = (0..b * n)
             .map(|i| ((i * 7919 + offset) % cfg.vocab_size) as i64)
             .collect();
-        Tensor::<B, 2, Int>::from_data(TensorData::new(v, [b, n]), &device)
+        Tensor::<2, Int>::from_data(TensorData::new(v, [b, n]), &device)
     };
     let mut cache = FullKvCache::new(cfg.num_layers);
-    let (hidden, ms) = timed::<B, _>(&device, || {
+    let (hidden, ms) = timed::<_>(&device, || {
         model.forward(ids(args.context, 0), &[], &mut cache, attention.as_ref())
     });
     drop(hidden);
@@ -168,7 +168,7 @@ fn run<B: Backend + KvBackend + FusedBackend>(args: &Args, attention: Option<Att
     drop(model.forward(check_prompt(), &[], &mut plain_cache, &ReferenceAttention));
     let mut check_cache = FullKvCache::new(cfg.num_layers);
     drop(model.forward(check_prompt(), &[], &mut check_cache, attention.as_ref()));
-    let logits = |cache: &mut FullKvCache<B>, att: &dyn AttentionImpl<B>| {
+    let logits = |cache: &mut FullKvCache, att: &dyn AttentionImpl| {
         let h = model.forward(ids(2, 1), &[], cache, att);
         model
             .logits(h)
@@ -192,11 +192,11 @@ fn run<B: Backend + KvBackend + FusedBackend>(args: &Args, attention: Option<Att
     let (mut forward, mut logits_ms, mut read, mut total) = (vec![], vec![], vec![], vec![]);
     for step in 0..args.steps + 4 {
         let t = Instant::now();
-        let (hidden, f) = timed::<B, _>(&device, || {
+        let (hidden, f) = timed::<_>(&device, || {
             model.forward(ids(1, step), &[], &mut cache, attention.as_ref())
         });
-        let (logits, l) = timed::<B, _>(&device, || model.logits(hidden));
-        let (data, r) = timed::<B, _>(&device, || {
+        let (logits, l) = timed::<_>(&device, || model.logits(hidden));
+        let (data, r) = timed::<_>(&device, || {
             logits.into_data().to_vec::<f32>().expect("f32 logits")
         });
         let argmax = data

@@ -12,7 +12,6 @@
 //! quantization, MiniCache + 4-bit; then a γ sweep and a start-layer sweep of MiniCache, with
 //! the fraction of merged token pairs retained unmerged.
 
-use burn::backend::NdArray;
 use burn::tensor::DType;
 use burn_kernels_core::{KvCache, ReferenceAttention};
 use burn_kvcache::{MiniCacheConfig, MiniCacheKv, QuantConfig};

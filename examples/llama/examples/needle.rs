@@ -21,7 +21,6 @@
 
 use std::time::Instant;
 
-use burn::backend::NdArray;
 use burn::tensor::{DType, Int, Tensor, TensorData};
 use burn_kernels_core::{AttentionImpl, AttnOptions, KvCache, ReferenceAttention, append_kv};
 use burn_kvcache::ShadowKvConfig;

@@ -10,7 +10,6 @@
 //! exactly as the kernels do. Q/K/V are captured (after RoPE) from one forward pass with the
 //! reference attention, so every layer's inputs are the full-precision model's.
 
-use burn::backend::NdArray;
 use burn::tensor::DType;
 use burn_kernels_core::ReferenceAttention;
 use burn_llama::attention::{AttentionChoice, SAGE_VARIANTS, capture_qkv, sage_variant};

@@ -139,16 +139,16 @@ fn header(first: &str, ks: &[usize]) -> String {
 }
 
 /// Softmax rows of `model`'s logits at temperature `t` for every position of `tokens`.
-fn distributions<B: Backend>(
-    model: &Llama<B>,
+fn distributions(
+    model: &Llama,
     tokens: &[u32],
     temperatures: &[f32],
-    attention: &dyn AttentionImpl<B>,
+    attention: &dyn AttentionImpl,
 ) -> Vec<Vec<Vec<f64>>> {
     let n = tokens.len();
     let ids: Vec<i64> = tokens.iter().map(|&t| t as i64).collect();
     let device = model.embed.device();
-    let input = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, n]), &device);
+    let input = Tensor::<2, Int>::from_data(TensorData::new(ids, [1, n]), &device);
     let mut cache = FullKvCache::new(model.config.num_layers);
     let hidden = model.forward(input, &[], &mut cache, attention);
     let logits = model.logits(hidden).into_data().to_vec::<f32>().unwrap();
@@ -229,13 +229,13 @@ fn prompts(args: &Args, ckpt: &Checkpoint, paragraph: &[u32]) -> Vec<Vec<u32>> {
         .collect()
 }
 
-fn run<B: Backend>(
+fn run(
     args: &Args,
     ckpt: &Checkpoint,
-    device: &B::Device,
-    attention: &dyn AttentionImpl<B>,
+    device: &Device,
+    attention: &dyn AttentionImpl,
 ) {
-    let target = Llama::<B>::from_checkpoint(ckpt, device, DType::F32).expect("checkpoint");
+    let target = Llama::from_checkpoint(ckpt, device, DType::F32).expect("checkpoint");
     let text = include_str!("../data/paragraph.txt");
     let ids = ckpt.tokenizer.encode(text).expect("tokenize");
     let ks: Vec<usize> = (1..=args.max_k).collect();
@@ -244,7 +244,7 @@ fn run<B: Backend>(
     if args.prompts > 0 {
         let (draft, draft_name) = match &args.draft_model {
             Some(path) => (
-                load_draft::<B>(path, device, DType::F32).unwrap_or_else(|e| {
+                load_draft(path, device, DType::F32).unwrap_or_else(|e| {
                     eprintln!("error: --draft-model {}: {e}", path.display());
                     std::process::exit(2)
                 }),

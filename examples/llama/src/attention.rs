@@ -23,7 +23,7 @@ use burn_sage::{PvPrecision, QkQuant, SageAttention, SageBackend, SageError, Sag
 use crate::model::Llama;
 
 /// A built attention implementation and, for adaptive Sage, its per-layer calibration reports.
-pub type BuiltAttention<B> = (Box<dyn AttentionImpl<B>>, Vec<LayerReport>);
+pub type BuiltAttention = (Box<dyn AttentionImpl>, Vec<LayerReport>);
 
 /// Which quantization of `Q·Kᵀ` a Sage variant uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -113,13 +113,13 @@ impl AttentionChoice {
     /// # Errors
     /// [`AttentionError::NeedsCalibration`] for adaptive Sage without calibration tokens; a
     /// [`SageError`] from the calibration.
-    pub fn build<B: SageBackend + KvBackend>(
+    pub fn build(
         &self,
-        calibration: Option<(&Llama<B>, &[u32])>,
+        calibration: Option<(&Llama, &[u32])>,
         int4_threshold: f64,
-    ) -> Result<BuiltAttention<B>, AttentionError> {
+    ) -> Result<BuiltAttention, AttentionError> {
         let opts = match (self, self.sage_options()) {
-            (Self::Builtin(kind), _) => return Ok((kind.build::<B>(), Vec::new())),
+            (Self::Builtin(kind), _) => return Ok((kind.build(), Vec::new())),
             (Self::Decode, _) => return Ok((Box::new(DecodeAttention::default()), Vec::new())),
             (_, Some(opts)) => opts,
             (Self::Sage { .. }, None) => unreachable!("a Sage choice has Sage options"),
@@ -155,14 +155,14 @@ pub enum AttentionError {
 ///
 /// # Errors
 /// [`AttentionError::LayerNotCaptured`] if some layer was never called.
-pub fn capture_qkv<B: burn::tensor::backend::Backend>(
-    model: &Llama<B>,
+pub fn capture_qkv(
+    model: &Llama,
     tokens: &[u32],
-) -> Result<Vec<Captured<B>>, AttentionError> {
+) -> Result<Vec<Captured>, AttentionError> {
     let device = model.embed.device();
     let ids: Vec<i64> = tokens.iter().map(|&t| t as i64).collect();
-    let input = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, tokens.len()]), &device);
-    let capture = CaptureAttention::<B>::new(Box::new(ReferenceAttention));
+    let input = Tensor::<2, Int>::from_data(TensorData::new(ids, [1, tokens.len()]), &device);
+    let capture = CaptureAttention::new(Box::new(ReferenceAttention));
     let mut cache = FullKvCache::new(model.config.num_layers);
     drop(model.forward(input, &[], &mut cache, &capture));
     let captured = capture.take();
@@ -183,8 +183,8 @@ pub fn capture_qkv<B: burn::tensor::backend::Backend>(
 ///
 /// # Errors
 /// As [`capture_qkv`] and [`choose_layer`].
-pub fn calibrate<B: SageBackend>(
-    model: &Llama<B>,
+pub fn calibrate(
+    model: &Llama,
     tokens: &[u32],
     base: &SageOptions,
     int4_threshold: f64,

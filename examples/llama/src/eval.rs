@@ -8,7 +8,7 @@
 //! (compression happens after a call's attention), so scoring it would dilute the
 //! difference between caches.
 
-use burn::tensor::{Int, Tensor, TensorData, activation, backend::Backend};
+use burn::tensor::{Int, Tensor, TensorData, activation};
 use burn_kernels_core::{AttentionImpl, FullKvCache, KvCache};
 use burn_kvcache::{
     KvBackend, KvCacheError, MiniCacheConfig, MiniCacheKv, QuantConfig, QuantKv, RopeParams,
@@ -51,12 +51,12 @@ pub fn full_kv_bytes(config: &LlamaConfig, batch: usize, seq: usize, dtype_size:
 }
 
 /// [`perplexity_with_cache_chunked`] with steps of [`DEFAULT_CHUNK`] tokens.
-pub fn perplexity_with_cache<B: Backend>(
-    model: &Llama<B>,
+pub fn perplexity_with_cache(
+    model: &Llama,
     tokens: &[u32],
     prefix_len: usize,
-    cache: &mut dyn KvCache<B>,
-    attention: &dyn AttentionImpl<B>,
+    cache: &mut dyn KvCache,
+    attention: &dyn AttentionImpl,
 ) -> CacheEval {
     perplexity_with_cache_chunked(model, tokens, prefix_len, cache, attention, DEFAULT_CHUNK)
 }
@@ -67,12 +67,12 @@ pub fn perplexity_with_cache<B: Backend>(
 ///
 /// # Panics
 /// Unless `1 ≤ prefix_len < tokens.len()` and `chunk ≥ 1`.
-pub fn perplexity_with_cache_chunked<B: Backend>(
-    model: &Llama<B>,
+pub fn perplexity_with_cache_chunked(
+    model: &Llama,
     tokens: &[u32],
     prefix_len: usize,
-    cache: &mut dyn KvCache<B>,
-    attention: &dyn AttentionImpl<B>,
+    cache: &mut dyn KvCache,
+    attention: &dyn AttentionImpl,
     chunk: usize,
 ) -> CacheEval {
     let n = tokens.len();
@@ -83,16 +83,16 @@ pub fn perplexity_with_cache_chunked<B: Backend>(
     assert_eq!(cache.seq_len(), 0, "the cache must start empty");
     let device = model.embed.device();
     let dtype_size = model.embed.val().dtype().size();
-    let run = |cache: &mut dyn KvCache<B>, from: usize, to: usize| -> f64 {
+    let run = |cache: &mut dyn KvCache, from: usize, to: usize| -> f64 {
         // Feeds tokens[from..to] and scores tokens[from + 1..=to] (to ≤ n − 1).
         let ids: Vec<i64> = tokens[from..to].iter().map(|&t| t as i64).collect();
         let len = to - from;
-        let input = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, len]), &device);
+        let input = Tensor::<2, Int>::from_data(TensorData::new(ids, [1, len]), &device);
         let hidden = model.forward(input, &[], cache, attention);
         let log_probs = activation::log_softmax(model.logits(hidden), 2);
         let targets: Vec<i64> = tokens[from + 1..=to].iter().map(|&t| t as i64).collect();
         let targets =
-            Tensor::<B, 3, Int>::from_data(TensorData::new(targets, [1, len, 1]), &device);
+            Tensor::<3, Int>::from_data(TensorData::new(targets, [1, len, 1]), &device);
         let nll = log_probs.gather(2, targets).neg().sum();
         nll.into_data()
             .convert::<f64>()
@@ -101,12 +101,12 @@ pub fn perplexity_with_cache_chunked<B: Backend>(
     };
     // The prefill's last position scores tokens[prefix_len]; only that one is kept.
     let ids: Vec<i64> = tokens[..prefix_len].iter().map(|&t| t as i64).collect();
-    let input = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, prefix_len]), &device);
+    let input = Tensor::<2, Int>::from_data(TensorData::new(ids, [1, prefix_len]), &device);
     let hidden = model.forward(input, &[], cache, attention);
     let [_, _, h] = hidden.dims();
     let last = hidden.slice([0..1, prefix_len - 1..prefix_len, 0..h]);
     let log_probs = activation::log_softmax(model.logits(last), 2);
-    let target = Tensor::<B, 3, Int>::from_data(
+    let target = Tensor::<3, Int>::from_data(
         TensorData::new(vec![tokens[prefix_len] as i64], [1, 1, 1]),
         &device,
     );
@@ -198,12 +198,12 @@ impl CacheSpec {
     ///
     /// # Errors
     /// The configuration errors of `burn-kvcache`.
-    pub fn build_for<B: KvBackend>(
+    pub fn build_for(
         &self,
         config: &LlamaConfig,
-    ) -> Result<Box<dyn KvCache<B>>, KvCacheError> {
+    ) -> Result<Box<dyn KvCache>, KvCacheError> {
         match self.kind {
-            CacheKind::ShadowKv => Ok(Box::new(shadowkv_for::<B>(config, self.shadowkv)?)),
+            CacheKind::ShadowKv => Ok(Box::new(shadowkv_for(config, self.shadowkv)?)),
             _ => self.build(config.num_layers),
         }
     }
@@ -213,17 +213,17 @@ impl CacheSpec {
     /// # Errors
     /// The configuration errors of `burn-kvcache`; [`KvCacheError::NeedsModelShape`] for
     /// ShadowKV (use [`CacheSpec::build_for`]).
-    pub fn build<B: KvBackend>(
+    pub fn build(
         &self,
         num_layers: usize,
-    ) -> Result<Box<dyn KvCache<B>>, KvCacheError> {
+    ) -> Result<Box<dyn KvCache>, KvCacheError> {
         Ok(match self.kind {
             CacheKind::ShadowKv => return Err(KvCacheError::NeedsModelShape("shadowkv")),
-            CacheKind::Full => Box::new(FullKvCache::<B>::new(num_layers)),
-            CacheKind::MiniCache => Box::new(MiniCacheKv::<B>::new(num_layers, self.minicache)?),
-            CacheKind::Quant4 => Box::new(QuantKv::<B>::new(num_layers, self.quant_with(4))?),
-            CacheKind::Quant2 => Box::new(QuantKv::<B>::new(num_layers, self.quant_with(2))?),
-            CacheKind::MiniCacheQuant4 => Box::new(MiniCacheKv::<B>::with_quant(
+            CacheKind::Full => Box::new(FullKvCache::new(num_layers)),
+            CacheKind::MiniCache => Box::new(MiniCacheKv::new(num_layers, self.minicache)?),
+            CacheKind::Quant4 => Box::new(QuantKv::new(num_layers, self.quant_with(4))?),
+            CacheKind::Quant2 => Box::new(QuantKv::new(num_layers, self.quant_with(2))?),
+            CacheKind::MiniCacheQuant4 => Box::new(MiniCacheKv::with_quant(
                 num_layers,
                 self.minicache,
                 self.quant_with(4),
@@ -236,10 +236,10 @@ impl CacheSpec {
 ///
 /// # Errors
 /// [`ShadowKvConfig::validate`]'s.
-pub fn shadowkv_for<B: KvBackend>(
+pub fn shadowkv_for(
     config: &LlamaConfig,
     shadowkv: ShadowKvConfig,
-) -> Result<ShadowKvCache<B>, KvCacheError> {
+) -> Result<ShadowKvCache, KvCacheError> {
     ShadowKvCache::new(
         config.num_layers,
         config.num_kv_heads,

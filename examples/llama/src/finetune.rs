@@ -234,11 +234,11 @@ fn batch_windows(
 }
 
 /// Mean next-token loss of `model` over the validation windows (no gradient).
-pub fn validation_loss<B: AutodiffBackend + CceBackend>(
-    model: &Llama<B>,
+pub fn validation_loss(
+    model: &Llama,
     corpus: &Corpus,
     cfg: &TrainConfig,
-    attention: &dyn AttentionImpl<B::InnerBackend>,
+    attention: &dyn AttentionImpl,
     kind: LossKind,
 ) -> Result<f64, TrainError>
 where
@@ -254,7 +254,7 @@ where
             .iter()
             .map(|&t| t as i64)
             .collect();
-        let tokens = Tensor::<B::InnerBackend, 2, Int>::from_data(
+        let tokens = Tensor::<2, Int>::from_data(
             TensorData::new(ids, [1, cfg.seq + 1]),
             &device,
         );
@@ -281,19 +281,18 @@ where
 /// Invalid configuration (a teacher without `soft_labels`, or the flag without one, included),
 /// a checkpoint that cannot be read or written, the loss's errors.
 #[allow(clippy::too_many_arguments)]
-pub fn train<B>(
-    mut model: Llama<B>,
+pub fn train(
+    mut model: Llama,
     corpus: &Corpus,
     cfg: &TrainConfig,
     kind: LossKind,
-    teacher: Option<&Llama<B::InnerBackend>>,
-    attention: &dyn AttentionImpl<B>,
-    val_attention: &dyn AttentionImpl<B::InnerBackend>,
+    teacher: Option<&Llama>,
+    attention: &dyn AttentionImpl,
+    val_attention: &dyn AttentionImpl,
     checkpoint: Option<(&Path, usize, bool)>,
     mut on_step: impl FnMut(&StepLog) -> bool,
-) -> Result<(Llama<B>, Vec<StepLog>), TrainError>
+) -> Result<(Llama, Vec<StepLog>), TrainError>
 where
-    B: AutodiffBackend + CceBackend,
     B::InnerBackend: CceBackend,
 {
     cfg.validate(corpus)?;
@@ -306,7 +305,7 @@ where
     let device = model.embed.val().device();
     let mut optim = AdamWConfig::new()
         .with_weight_decay(cfg.weight_decay)
-        .init::<B, Llama<B>>();
+        .init::<Llama>();
     let mut log = Vec::new();
     if let Some((dir, _, true)) = checkpoint {
         let state_path = dir.join("state.json");
@@ -324,7 +323,7 @@ where
             model = model
                 .load_file(dir.join("model"), &Rec::new(), &device)
                 .map_err(|e| ckpt_err(dir, e))?;
-            let record = Recorder::<B>::load(&Rec::new(), dir.join("optimizer"), &device)
+            let record = Recorder::load(&Rec::new(), dir.join("optimizer"), &device)
                 .map_err(|e| ckpt_err(dir, e))?;
             optim = optim.load_record(record);
             log = state.log;
@@ -333,11 +332,11 @@ where
     let start = log.len();
     for step in start..cfg.steps {
         let lr = cfg.lr_at(step);
-        let mut acc = GradientsAccumulator::<Llama<B>>::new();
+        let mut acc = GradientsAccumulator::<Llama>::new();
         let mut loss_sum = 0.0;
         for micro in 0..cfg.grad_accum {
             let ids = batch_windows(cfg, &corpus.train, corpus.align, step, micro);
-            let tokens = Tensor::<B, 2, Int>::from_data(
+            let tokens = Tensor::<2, Int>::from_data(
                 TensorData::new(ids, [cfg.batch, cfg.seq + 1]),
                 &device,
             );
@@ -378,9 +377,9 @@ where
     Ok((model, log))
 }
 
-fn save_checkpoint<B: AutodiffBackend, R: burn::record::Record<B> + Clone>(
+fn save_checkpoint<R: burn::record::Record + Clone>(
     dir: &Path,
-    model: &Llama<B>,
+    model: &Llama,
     optim: &R,
     cfg: &TrainConfig,
     log: &[StepLog],
@@ -390,7 +389,7 @@ fn save_checkpoint<B: AutodiffBackend, R: burn::record::Record<B> + Clone>(
         .clone()
         .save_file(dir.join("model"), &Rec::new())
         .map_err(|e| ckpt_err(dir, e))?;
-    Recorder::<B>::record(&Rec::new(), optim.clone(), dir.join("optimizer"))
+    Recorder::record(&Rec::new(), optim.clone(), dir.join("optimizer"))
         .map_err(|e| ckpt_err(dir, e))?;
     let state = RunState {
         config: cfg.clone(),
@@ -448,11 +447,11 @@ pub fn checkpoint_dir(path: &Path) -> Option<PathBuf> {
 /// # Errors
 /// [`TrainError::Checkpoint`] when the folder is not a checkpoint, predates the saved model
 /// shape, or its record does not load.
-pub fn load_trained<B: Backend>(
+pub fn load_trained(
     path: &Path,
-    device: &B::Device,
+    device: &Device,
     dtype: DType,
-) -> Result<Llama<B>, TrainError> {
+) -> Result<Llama, TrainError> {
     let dir = checkpoint_dir(path)
         .ok_or_else(|| ckpt_err(path, "no state.json and model.mpk here or in checkpoint/"))?;
     let state_path = dir.join("state.json");
@@ -464,7 +463,7 @@ pub fn load_trained<B: Backend>(
             "written before checkpoints kept the model shape",
         )
     })?;
-    Llama::<B>::random(&cfg, device, dtype)
+    Llama::random(&cfg, device, dtype)
         .load_file(dir.join("model"), &Rec::new(), device)
         .map_err(|e| ckpt_err(&dir, e))
 }
@@ -492,11 +491,11 @@ pub struct TeacherOptions {
 /// # Errors
 /// [`TrainError::Config`] for zero sizes, `prompt_len >= sample_len` or a source shorter than a
 /// prompt.
-pub fn teacher_samples<B: Backend>(
-    teacher: &Llama<B>,
+pub fn teacher_samples(
+    teacher: &Llama,
     source: &[u32],
     opts: &TeacherOptions,
-    attention: &dyn AttentionImpl<B>,
+    attention: &dyn AttentionImpl,
     mut on_batch: impl FnMut(usize),
 ) -> Result<Vec<Vec<u32>>, TrainError> {
     let bad = |why: &str| Err(TrainError::Config(format!("teacher samples: {why}")));

@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use burn::tensor::{Int, Tensor, TensorData, activation, backend::Backend};
+use burn::tensor::{Int, Tensor, TensorData, activation};
 use burn_kernels_core::{AttentionImpl, FullKvCache, KvCache, Sampler};
 
 use crate::model::Llama;
@@ -42,7 +42,7 @@ impl Generation {
 }
 
 /// The last position's logits of every row, on the host.
-fn last_logits<B: Backend>(model: &Llama<B>, hidden: Tensor<B, 3>) -> Vec<Vec<f32>> {
+fn last_logits(model: &Llama, hidden: Tensor<3>) -> Vec<Vec<f32>> {
     let [b, s, h] = hidden.dims();
     let last = hidden.slice([0..b, s - 1..s, 0..h]);
     let logits = model.logits(last);
@@ -56,11 +56,11 @@ fn last_logits<B: Backend>(model: &Llama<B>, hidden: Tensor<B, 3>) -> Vec<Vec<f3
 /// Prompts of different lengths are left-padded into one batch (padding is masked and RoPE
 /// positions start at each prompt's first token), so each gets the tokens it would get alone.
 /// `on_token(i, token)` is called as each token of prompt `i` is produced.
-pub fn generate<B: Backend>(
-    model: &Llama<B>,
+pub fn generate(
+    model: &Llama,
     prompts: &[Vec<u32>],
-    cache: &mut dyn KvCache<B>,
-    attention: &dyn AttentionImpl<B>,
+    cache: &mut dyn KvCache,
+    attention: &dyn AttentionImpl,
     sampler: &mut dyn Sampler,
     opts: &GenerateOptions,
     on_token: &mut dyn FnMut(usize, u32),
@@ -78,7 +78,7 @@ pub fn generate<B: Backend>(
         .zip(&pad)
         .flat_map(|(p, &n)| std::iter::repeat_n(p[0] as i64, n).chain(p.iter().map(|&t| t as i64)))
         .collect();
-    let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [b, longest]), &device);
+    let tokens = Tensor::<2, Int>::from_data(TensorData::new(ids, [b, longest]), &device);
 
     let t0 = Instant::now();
     let hidden = model.forward(tokens, &pad, cache, attention);
@@ -103,7 +103,7 @@ pub fn generate<B: Backend>(
         if done.iter().all(|&d| d) {
             break;
         }
-        let step = Tensor::<B, 2, Int>::from_data(TensorData::new(next, [b, 1]), &device);
+        let step = Tensor::<2, Int>::from_data(TensorData::new(next, [b, 1]), &device);
         let hidden = model.forward(step, &pad, cache, attention);
         logits = last_logits(model, hidden);
         steps += 1;
@@ -120,23 +120,23 @@ pub fn generate<B: Backend>(
 
 /// Perplexity of `tokens` under the model: `exp(mean −log p(tᵢ | t<ᵢ))` over positions 1.., in
 /// one forward pass with a full cache.
-pub fn perplexity<B: Backend>(
-    model: &Llama<B>,
+pub fn perplexity(
+    model: &Llama,
     tokens: &[u32],
-    attention: &dyn AttentionImpl<B>,
+    attention: &dyn AttentionImpl,
 ) -> f64 {
     assert!(tokens.len() >= 2, "perplexity needs at least two tokens");
     let device = model.embed.device();
     let n = tokens.len();
     let ids: Vec<i64> = tokens.iter().map(|&t| t as i64).collect();
-    let input = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, n]), &device);
+    let input = Tensor::<2, Int>::from_data(TensorData::new(ids, [1, n]), &device);
     let mut cache = FullKvCache::new(model.config.num_layers);
     let hidden = model.forward(input, &[], &mut cache, attention);
     let [_, _, h] = hidden.dims();
     let logits = model.logits(hidden.slice([0..1, 0..n - 1, 0..h]));
     let log_probs = activation::log_softmax(logits, 2);
     let targets: Vec<i64> = tokens[1..].iter().map(|&t| t as i64).collect();
-    let targets = Tensor::<B, 3, Int>::from_data(TensorData::new(targets, [1, n - 1, 1]), &device);
+    let targets = Tensor::<3, Int>::from_data(TensorData::new(targets, [1, n - 1, 1]), &device);
     let nll = log_probs.gather(2, targets).neg().mean();
     let nll = nll.into_data().to_vec::<f32>().expect("f32")[0] as f64;
     nll.exp()

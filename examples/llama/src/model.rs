@@ -13,33 +13,33 @@ use crate::loader::{Checkpoint, HostTensor, LoadError};
 
 /// One transformer block. Projection weights are stored `[in, out]`.
 #[derive(Module, Debug)]
-pub struct Block<B: Backend> {
-    pub attn_norm: RmsNorm<B>,
-    pub wq: Param<Tensor<B, 2>>,
-    pub wk: Param<Tensor<B, 2>>,
-    pub wv: Param<Tensor<B, 2>>,
-    pub wo: Param<Tensor<B, 2>>,
-    pub mlp_norm: RmsNorm<B>,
-    pub w_gate: Param<Tensor<B, 2>>,
-    pub w_up: Param<Tensor<B, 2>>,
-    pub w_down: Param<Tensor<B, 2>>,
+pub struct Block{
+    pub attn_norm: RmsNorm,
+    pub wq: Param<Tensor<2>>,
+    pub wk: Param<Tensor<2>>,
+    pub wv: Param<Tensor<2>>,
+    pub wo: Param<Tensor<2>>,
+    pub mlp_norm: RmsNorm,
+    pub w_gate: Param<Tensor<2>>,
+    pub w_up: Param<Tensor<2>>,
+    pub w_down: Param<Tensor<2>>,
 }
 
 /// A Llama-architecture causal language model.
 #[derive(Module, Debug)]
-pub struct Llama<B: Backend> {
+pub struct Llama{
     /// `[vocab, hidden]`.
-    pub embed: Param<Tensor<B, 2>>,
-    pub layers: Vec<Block<B>>,
-    pub norm: RmsNorm<B>,
+    pub embed: Param<Tensor<2>>,
+    pub layers: Vec<Block>,
+    pub norm: RmsNorm,
     /// `[hidden, vocab]`; `None` when tied to the embedding.
-    pub lm_head: Option<Param<Tensor<B, 2>>>,
+    pub lm_head: Option<Param<Tensor<2>>>,
     #[module(skip)]
     pub config: LlamaConfig,
-    pub rope: Rope<B>,
+    pub rope: Rope,
 }
 
-fn norm<B: Backend>(gamma: Tensor<B, 1>, eps: f32) -> RmsNorm<B> {
+fn norm(gamma: Tensor<1>, eps: f32) -> RmsNorm {
     RmsNorm {
         gamma: Param::from_tensor(gamma),
         epsilon: eps as f64,
@@ -49,25 +49,25 @@ fn norm<B: Backend>(gamma: Tensor<B, 1>, eps: f32) -> RmsNorm<B> {
 /// Positions beyond this are not precomputed unless the model's context is shorter.
 const MAX_ROPE_POSITIONS: usize = 32_768;
 
-impl<B: Backend> Block<B> {
+impl Block {
     #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
         layer: usize,
-        x: Tensor<B, 3>,
+        x: Tensor<3>,
         cfg: &LlamaConfig,
-        rope: &Rope<B>,
-        positions: &Tensor<B, 2, Int>,
-        cache: &mut dyn KvCache<B>,
-        attention: &dyn AttentionImpl<B>,
-        opts: &AttnOptions<B>,
-    ) -> Tensor<B, 3> {
+        rope: &Rope,
+        positions: &Tensor<2, Int>,
+        cache: &mut dyn KvCache,
+        attention: &dyn AttentionImpl,
+        opts: &AttnOptions,
+    ) -> Tensor<3> {
         let [b, s, _] = x.dims();
         let (hq, hkv, d) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
         let ops = attention.layer_ops().unwrap_or(&TensorOps);
         let h = ops.rms_norm(&self.attn_norm, x.clone());
-        let heads = |t: Tensor<B, 3>, n: usize| t.reshape([b, s, n, d]).swap_dims(1, 2);
-        let linear = |x: Tensor<B, 3>, w: &Param<Tensor<B, 2>>| ops.linear(x, w.val());
+        let heads = |t: Tensor<3>, n: usize| t.reshape([b, s, n, d]).swap_dims(1, 2);
+        let linear = |x: Tensor<3>, w: &Param<Tensor<2>>| ops.linear(x, w.val());
         let q = ops.rope(
             rope,
             heads(linear(h.clone(), &self.wq), hq),
@@ -88,7 +88,7 @@ impl<B: Backend> Block<B> {
     }
 }
 
-impl<B: Backend> Llama<B> {
+impl Llama {
     /// Runs `tokens` through the model after what `cache` holds and returns the final hidden
     /// states (after the last norm).
     ///
@@ -98,11 +98,11 @@ impl<B: Backend> Llama<B> {
     /// - returns `[batch, seq, hidden]`
     pub fn forward(
         &self,
-        tokens: Tensor<B, 2, Int>,
+        tokens: Tensor<2, Int>,
         left_pad: &[usize],
-        cache: &mut dyn KvCache<B>,
-        attention: &dyn AttentionImpl<B>,
-    ) -> Tensor<B, 3> {
+        cache: &mut dyn KvCache,
+        attention: &dyn AttentionImpl,
+    ) -> Tensor<3> {
         let [b, s] = tokens.dims();
         let device = tokens.device();
         let start = cache.seq_len();
@@ -110,7 +110,7 @@ impl<B: Backend> Llama<B> {
         let positions: Vec<i64> = (0..b)
             .flat_map(|i| (0..s).map(move |t| (start + t).saturating_sub(pad(i)) as i64))
             .collect();
-        let positions = Tensor::<B, 2, Int>::from_data(TensorData::new(positions, [b, s]), &device);
+        let positions = Tensor::<2, Int>::from_data(TensorData::new(positions, [b, s]), &device);
         let key_padding = left_pad.iter().any(|&p| p > 0).then(|| {
             let total = start + s;
             let data: Vec<bool> = (0..b)
@@ -149,7 +149,7 @@ impl<B: Backend> Llama<B> {
 
     /// The output classifier as `[vocab, hidden]`: the embedding when tied, else the LM head
     /// transposed (a view, no copy). This is the `C` of a linear cross-entropy.
-    pub fn classifier(&self) -> Tensor<B, 2> {
+    pub fn classifier(&self) -> Tensor<2> {
         match &self.lm_head {
             Some(w) => w.val().transpose(),
             None => self.embed.val(),
@@ -160,7 +160,7 @@ impl<B: Backend> Llama<B> {
     ///
     /// # Shapes
     /// - `hidden`: `[batch, seq, hidden]`; returns `[batch, seq, vocab]`
-    pub fn logits(&self, hidden: Tensor<B, 3>) -> Tensor<B, 3> {
+    pub fn logits(&self, hidden: Tensor<3>) -> Tensor<3> {
         // One 2-D product over all rows: broadcasting the weight over the batch makes some
         // backends (NdArray) copy it per row.
         let [b, s, h] = hidden.dims();
@@ -178,7 +178,7 @@ impl<B: Backend> Llama<B> {
     /// Builds the model from loaded weights, stored as `dtype` on `device`.
     pub fn from_checkpoint(
         ckpt: &Checkpoint,
-        device: &B::Device,
+        device: &Device,
         dtype: DType,
     ) -> Result<Self, LoadError> {
         crate::loader::validate(&ckpt.config, &ckpt.tensors)?;
@@ -191,7 +191,7 @@ impl<B: Backend> Llama<B> {
                 })
         };
         let opts = TensorCreationOptions::new(device.clone()).with_dtype(dtype);
-        let tensor = |t: &HostTensor, transpose: bool| -> Tensor<B, 2> {
+        let tensor = |t: &HostTensor, transpose: bool| -> Tensor<2> {
             let (rows, cols) = (t.shape[0], t.shape.get(1).copied().unwrap_or(1));
             let (data, shape) = if transpose {
                 let mut out = vec![0f32; t.data.len()];
@@ -209,13 +209,13 @@ impl<B: Backend> Llama<B> {
                 opts.clone(),
             )
         };
-        let vector = |t: &HostTensor| -> Tensor<B, 1> {
+        let vector = |t: &HostTensor| -> Tensor<1> {
             Tensor::from_data(
                 TensorData::new(t.data.clone(), [t.data.len()]).convert_dtype(dtype),
                 opts.clone(),
             )
         };
-        let proj = |name: String| -> Result<Param<Tensor<B, 2>>, LoadError> {
+        let proj = |name: String| -> Result<Param<Tensor<2>>, LoadError> {
             Ok(Param::from_tensor(tensor(get(&name)?, true)))
         };
         let mut layers = Vec::with_capacity(cfg.num_layers);
@@ -255,15 +255,15 @@ impl<B: Backend> Llama<B> {
     }
 
     /// A model of `cfg`'s shape with random weights (N(0, 0.02), norms 1), for benchmarks.
-    pub fn random(cfg: &LlamaConfig, device: &B::Device, dtype: DType) -> Self {
+    pub fn random(cfg: &LlamaConfig, device: &Device, dtype: DType) -> Self {
         let opts = TensorCreationOptions::new(device.clone()).with_dtype(dtype);
         let w = |rows: usize, cols: usize| {
             Param::from_tensor(
-                Tensor::<B, 2>::random([rows, cols], Distribution::Normal(0.0, 0.02), device)
+                Tensor::<2>::random([rows, cols], Distribution::Normal(0.0, 0.02), device)
                     .cast(dtype),
             )
         };
-        let ones = |n: usize| norm(Tensor::<B, 1>::ones([n], opts.clone()), cfg.rms_norm_eps);
+        let ones = |n: usize| norm(Tensor::<1>::ones([n], opts.clone()), cfg.rms_norm_eps);
         let (h, d) = (cfg.hidden_size, cfg.head_dim);
         let layers = (0..cfg.num_layers)
             .map(|_| Block {
@@ -288,7 +288,7 @@ impl<B: Backend> Llama<B> {
         }
     }
 
-    fn rope(cfg: &LlamaConfig, device: &B::Device) -> Rope<B> {
+    fn rope(cfg: &LlamaConfig, device: &Device) -> Rope {
         Rope::new(
             cfg.head_dim,
             cfg.max_seq_len.min(MAX_ROPE_POSITIONS),

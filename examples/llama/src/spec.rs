@@ -65,7 +65,7 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
-use burn::tensor::{Bool, Int, Tensor, TensorData, backend::Backend};
+use burn::tensor::{Bool, Int, Tensor, TensorData};
 use burn_kernels_core::{
     AttentionImpl, AttnOptions, Greedy, KvCache, Sampler, SamplingConfig, TopKTopP, append_kv,
 };
@@ -154,42 +154,42 @@ pub enum SpecError {
 
 /// Where a draft's tokens come from.
 #[derive(Debug)]
-pub enum DraftSource<'a, B: Backend> {
+pub enum DraftSource<'a> {
     /// A model that shares the target's tokenizer (drafts may share one), sampled with the
     /// draft's settings.
-    Model(&'a Llama<B>),
+    Model(&'a Llama),
     /// Prompt lookup over the sequence so far ([`PromptLookup`]): no model and no forward
     /// passes; its distribution is one-hot at the drafted token.
     Lookup(PromptLookup),
 }
 
-impl<B: Backend> Clone for DraftSource<'_, B> {
+impl Clone for DraftSource<'_, B> {
     fn clone(&self) -> Self {
         *self
     }
 }
 
-impl<B: Backend> Copy for DraftSource<'_, B> {}
+impl Copy for DraftSource<'_, B> {}
 
 /// One draft: its source and the sampling settings a model draft's tokens are drawn with
 /// (temperature, top-k, top-p; the seed is unused, see [`SpecOptions::seed`]).
 #[derive(Debug)]
-pub struct Draft<'a, B: Backend> {
+pub struct Draft<'a> {
     pub source: DraftSource<'a, B>,
     pub sampling: SamplingConfig,
 }
 
-impl<B: Backend> Clone for Draft<'_, B> {
+impl Clone for Draft<'_, B> {
     fn clone(&self) -> Self {
         *self
     }
 }
 
-impl<B: Backend> Copy for Draft<'_, B> {}
+impl Copy for Draft<'_, B> {}
 
-impl<'a, B: Backend> Draft<'a, B> {
+impl<'a> Draft<'a, B> {
     /// A draft model sampled with `sampling`.
-    pub fn model(model: &'a Llama<B>, sampling: SamplingConfig) -> Self {
+    pub fn model(model: &'a Llama, sampling: SamplingConfig) -> Self {
         Self {
             source: DraftSource::Model(model),
             sampling,
@@ -205,7 +205,7 @@ impl<'a, B: Backend> Draft<'a, B> {
     }
 
     /// The model, for a model draft.
-    pub fn model_ref(&self) -> Option<&'a Llama<B>> {
+    pub fn model_ref(&self) -> Option<&'a Llama> {
         match self.source {
             DraftSource::Model(m) => Some(m),
             DraftSource::Lookup(_) => None,
@@ -281,7 +281,7 @@ impl SpecStats {
 /// What [`speculative_generate`] (or [`speculative_generate_with_cache`], with its target
 /// cache type `C`) produced.
 #[derive(Debug)]
-pub struct SpecGeneration<B: Backend, C = BranchKvCache<B>> {
+pub struct SpecGeneration<C = BranchKvCache> {
     /// The new tokens of each prompt (a stop token, if hit, is the last one).
     pub tokens: Vec<Vec<u32>>,
     pub stats: SpecStats,
@@ -289,7 +289,7 @@ pub struct SpecGeneration<B: Backend, C = BranchKvCache<B>> {
     /// the last ([`BranchKvCache::sequence_len`]).
     pub target_cache: C,
     /// One cache per distinct draft model (in order of first use in the draft list).
-    pub draft_caches: Vec<BranchKvCache<B>>,
+    pub draft_caches: Vec<BranchKvCache>,
 }
 
 /// A draft model from `path`: a training checkpoint (a `finetune --init-layers` run folder, see
@@ -298,11 +298,11 @@ pub struct SpecGeneration<B: Backend, C = BranchKvCache<B>> {
 ///
 /// # Errors
 /// The loader's or the checkpoint's error, as text.
-pub fn load_draft<B: Backend>(
+pub fn load_draft(
     path: &std::path::Path,
-    device: &B::Device,
+    device: &Device,
     dtype: burn::tensor::DType,
-) -> Result<Llama<B>, String> {
+) -> Result<Llama, String> {
     if crate::finetune::checkpoint_dir(path).is_some() {
         return crate::finetune::load_trained(path, device, dtype).map_err(|e| e.to_string());
     }
@@ -315,10 +315,10 @@ pub fn load_draft<B: Backend>(
 ///
 /// # Errors
 /// [`SpecError::DraftLayers`] unless `1 <= layers <= target layers`.
-pub fn truncated_draft<B: Backend>(
-    target: &Llama<B>,
+pub fn truncated_draft(
+    target: &Llama,
     layers: usize,
-) -> Result<Llama<B>, SpecError> {
+) -> Result<Llama, SpecError> {
     let available = target.layers.len();
     if layers == 0 || layers > available {
         return Err(SpecError::DraftLayers {
@@ -341,9 +341,9 @@ pub fn truncated_draft<B: Backend>(
 /// Per layer: committed keys/values `[batch, kv_heads, s, head_dim]` and, while forked, branch
 /// keys/values `[batch × fan, kv_heads, t, head_dim]`.
 #[derive(Debug, Clone, Default)]
-struct LayerKv<B: Backend> {
-    prefix: Option<(Tensor<B, 4>, Tensor<B, 4>)>,
-    branch: Option<(Tensor<B, 4>, Tensor<B, 4>)>,
+struct LayerKv{
+    prefix: Option<(Tensor<4>, Tensor<4>)>,
+    branch: Option<(Tensor<4>, Tensor<4>)>,
 }
 
 /// A KV cache for speculative decoding: a committed *prefix* per sequence and, while a block is
@@ -360,8 +360,8 @@ struct LayerKv<B: Backend> {
 /// - `attend`: `q` `[rows, q_heads, s_new, head_dim]`, `k`/`v` `[rows, kv_heads, s_new,
 ///   head_dim]`, with `rows` = `batch` or `batch × fan`
 #[derive(Debug, Clone)]
-pub struct BranchKvCache<B: Backend> {
-    layers: Vec<LayerKv<B>>,
+pub struct BranchKvCache{
+    layers: Vec<LayerKv>,
     /// `[batch][s]`.
     prefix_valid: Vec<Vec<bool>>,
     /// `[batch × fan][t]` while forked.
@@ -370,10 +370,10 @@ pub struct BranchKvCache<B: Backend> {
     /// Validity of the tokens of the next forward pass, `[rows][s_new]` (all valid if `None`).
     incoming: Option<Vec<Vec<bool>>>,
     /// The key mask of the current layout, built once for all layers.
-    mask: Option<Option<Tensor<B, 2, Bool>>>,
+    mask: Option<Option<Tensor<2, Bool>>>,
 }
 
-impl<B: Backend> BranchKvCache<B> {
+impl BranchKvCache {
     /// An empty cache for `batch` sequences of a `num_layers` model.
     pub fn new(num_layers: usize, batch: usize) -> Self {
         Self {
@@ -486,8 +486,8 @@ impl<B: Backend> BranchKvCache<B> {
                 (None, None) => continue,
             };
             let rows =
-                Tensor::<B, 1, Int>::from_data(TensorData::new(rows.clone(), [batch]), &device);
-            let pick = |t: Tensor<B, 4>| t.select(0, rows.clone());
+                Tensor::<1, Int>::from_data(TensorData::new(rows.clone(), [batch]), &device);
+            let pick = |t: Tensor<4>| t.select(0, rows.clone());
             let (k, v) = match (prefix, branch) {
                 (Some((pk, pv)), Some((bk, bv))) => (
                     Tensor::cat(vec![pk, pick(bk)], 2),
@@ -512,7 +512,7 @@ impl<B: Backend> BranchKvCache<B> {
                             }
                         }
                     }
-                    Tensor::<B, 4, Int>::from_data(
+                    Tensor::<4, Int>::from_data(
                         TensorData::new(data, [batch, h, new_len, d]),
                         &device,
                     )
@@ -541,7 +541,7 @@ impl<B: Backend> BranchKvCache<B> {
     }
 
     /// The `[rows, total]` key mask (`true` = hidden), `None` if every key is visible.
-    fn key_mask(&mut self, device: &B::Device) -> Option<Tensor<B, 2, Bool>> {
+    fn key_mask(&mut self, device: &Device) -> Option<Tensor<2, Bool>> {
         if let Some(mask) = &self.mask {
             return mask.clone();
         }
@@ -565,16 +565,16 @@ impl<B: Backend> BranchKvCache<B> {
     }
 }
 
-impl<B: Backend> KvCache<B> for BranchKvCache<B> {
+impl KvCache for BranchKvCache {
     fn attend(
         &mut self,
         layer: usize,
-        q: Tensor<B, 4>,
-        k: Tensor<B, 4>,
-        v: Tensor<B, 4>,
-        attention: &dyn AttentionImpl<B>,
-        opts: &AttnOptions<B>,
-    ) -> Tensor<B, 4> {
+        q: Tensor<4>,
+        k: Tensor<4>,
+        v: Tensor<4>,
+        attention: &dyn AttentionImpl,
+        opts: &AttnOptions,
+    ) -> Tensor<4> {
         let [rows, _, s_new, _] = k.dims();
         assert_eq!(rows, self.rows(), "attention rows vs cache layout");
         let device = k.device();
@@ -591,7 +591,7 @@ impl<B: Backend> KvCache<B> for BranchKvCache<B> {
                 let (k, v) = match &slot.prefix {
                     Some((pk, pv)) => {
                         // The shared prefix is broadcast to the fan rows of its sequence.
-                        let widen = |t: Tensor<B, 4>| {
+                        let widen = |t: Tensor<4>| {
                             let [b, h, s, d] = t.dims();
                             t.unsqueeze_dim::<5>(1).expand([b, fan, h, s, d]).reshape([
                                 b * fan,
@@ -639,7 +639,7 @@ impl<B: Backend> KvCache<B> for BranchKvCache<B> {
             .rev()
             .find(|l| l.prefix.is_some() || l.branch.is_some());
         last.map_or(0, |l| {
-            let len = |s: &Option<(Tensor<B, 4>, Tensor<B, 4>)>| {
+            let len = |s: &Option<(Tensor<4>, Tensor<4>)>| {
                 s.as_ref().map_or(0, |(k, _)| k.dims()[2])
             };
             len(&l.prefix) + len(&l.branch)
@@ -650,7 +650,7 @@ impl<B: Backend> KvCache<B> for BranchKvCache<B> {
     /// per-sequence rollback is [`BranchKvCache::merge`].
     fn truncate(&mut self, len: usize) {
         let prefix_len = self.prefix_valid.first().map_or(0, Vec::len);
-        let cut = |slot: &mut Option<(Tensor<B, 4>, Tensor<B, 4>)>, keep: usize| {
+        let cut = |slot: &mut Option<(Tensor<4>, Tensor<4>)>, keep: usize| {
             if let Some((k, v)) = slot.take()
                 && keep > 0
             {
@@ -676,7 +676,7 @@ impl<B: Backend> KvCache<B> for BranchKvCache<B> {
     }
 
     fn bytes_held(&self) -> usize {
-        let bytes = |s: &Option<(Tensor<B, 4>, Tensor<B, 4>)>| {
+        let bytes = |s: &Option<(Tensor<4>, Tensor<4>)>| {
             s.as_ref().map_or(0, |(k, v)| {
                 (k.shape().num_elements() + v.shape().num_elements()) * k.dtype().size()
             })
@@ -695,7 +695,7 @@ impl<B: Backend> KvCache<B> for BranchKvCache<B> {
 /// A target KV cache that speculative decoding can fork into draft branches and roll back:
 /// [`BranchKvCache`] (any batch, any K) or a [`LinearSpecCache`] around any [`KvCache`] (the
 /// compressed ones: one sequence, one draft).
-pub trait SpecCache<B: Backend>: KvCache<B> {
+pub trait SpecCache: KvCache {
     /// Number of sequences.
     fn batch(&self) -> usize;
     /// The most branch rows per sequence [`SpecCache::fork`] accepts.
@@ -712,7 +712,7 @@ pub trait SpecCache<B: Backend>: KvCache<B> {
     fn set_incoming_validity(&mut self, valid: Vec<Vec<bool>>);
 }
 
-impl<B: Backend> SpecCache<B> for BranchKvCache<B> {
+impl SpecCache for BranchKvCache {
     fn batch(&self) -> usize {
         BranchKvCache::batch(self)
     }
@@ -751,15 +751,15 @@ impl<B: Backend> SpecCache<B> for BranchKvCache<B> {
 /// A ShadowKV cache scores its landmarks with all L + 1 queries of a block (summed, as for a
 /// multi-token step), so its selection, and thus its sampled tokens, can differ from
 /// one-token decoding unless the budget covers the whole prompt.
-pub struct LinearSpecCache<B: Backend> {
-    inner: Box<dyn KvCache<B>>,
+pub struct LinearSpecCache{
+    inner: Box<dyn KvCache>,
     /// Positions held when the current block forked.
     forked_at: Option<usize>,
 }
 
-impl<B: Backend> LinearSpecCache<B> {
+impl LinearSpecCache {
     /// Wraps an empty `inner` cache.
-    pub fn new(inner: Box<dyn KvCache<B>>) -> Self {
+    pub fn new(inner: Box<dyn KvCache>) -> Self {
         Self {
             inner,
             forked_at: None,
@@ -767,7 +767,7 @@ impl<B: Backend> LinearSpecCache<B> {
     }
 }
 
-impl<B: Backend> std::fmt::Debug for LinearSpecCache<B> {
+impl std::fmt::Debug for LinearSpecCache {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("LinearSpecCache")
             .field("inner", &self.inner.name())
@@ -776,16 +776,16 @@ impl<B: Backend> std::fmt::Debug for LinearSpecCache<B> {
     }
 }
 
-impl<B: Backend> KvCache<B> for LinearSpecCache<B> {
+impl KvCache for LinearSpecCache {
     fn attend(
         &mut self,
         layer: usize,
-        q: Tensor<B, 4>,
-        k: Tensor<B, 4>,
-        v: Tensor<B, 4>,
-        attention: &dyn AttentionImpl<B>,
-        opts: &AttnOptions<B>,
-    ) -> Tensor<B, 4> {
+        q: Tensor<4>,
+        k: Tensor<4>,
+        v: Tensor<4>,
+        attention: &dyn AttentionImpl,
+        opts: &AttnOptions,
+    ) -> Tensor<4> {
         self.inner.attend(layer, q, k, v, attention, opts)
     }
 
@@ -806,7 +806,7 @@ impl<B: Backend> KvCache<B> for LinearSpecCache<B> {
     }
 }
 
-impl<B: Backend> SpecCache<B> for LinearSpecCache<B> {
+impl SpecCache for LinearSpecCache {
     fn batch(&self) -> usize {
         1
     }
@@ -855,12 +855,12 @@ impl<B: Backend> SpecCache<B> for LinearSpecCache<B> {
 /// - `rows.len()` = [`BranchKvCache::rows`]
 /// - returns `[rows, s, hidden]` with `s` the longest row; row r's tokens are its last
 ///   `rows[r].len()` positions
-pub fn forward_rows<B: Backend>(
-    model: &Llama<B>,
-    cache: &mut dyn SpecCache<B>,
+pub fn forward_rows(
+    model: &Llama,
+    cache: &mut dyn SpecCache,
     rows: &[Vec<u32>],
-    attention: &dyn AttentionImpl<B>,
-) -> Tensor<B, 3> {
+    attention: &dyn AttentionImpl,
+) -> Tensor<3> {
     let n = rows.len();
     let s = rows.iter().map(Vec::len).max().unwrap_or(0);
     assert!(s > 0, "forward_rows needs at least one token");
@@ -883,7 +883,7 @@ pub fn forward_rows<B: Backend>(
     }
     cache.set_incoming_validity(valid);
     let device = model.embed.device();
-    let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [n, s]), &device);
+    let tokens = Tensor::<2, Int>::from_data(TensorData::new(ids, [n, s]), &device);
     model.forward(tokens, &left_pad, cache, attention)
 }
 
@@ -892,14 +892,14 @@ pub fn forward_rows<B: Backend>(
 ///
 /// # Shapes
 /// - `hidden`: `[rows, s, hidden]`; returns `[positions.len()][vocab]` flattened
-fn logits_at<B: Backend>(model: &Llama<B>, hidden: Tensor<B, 3>, positions: &[usize]) -> Vec<f32> {
+fn logits_at(model: &Llama, hidden: Tensor<3>, positions: &[usize]) -> Vec<f32> {
     if positions.is_empty() {
         return Vec::new();
     }
     let [b, s, h] = hidden.dims();
     let device = hidden.device();
     let index: Vec<i64> = positions.iter().map(|&p| p as i64).collect();
-    let index = Tensor::<B, 1, Int>::from_data(TensorData::new(index, [positions.len()]), &device);
+    let index = Tensor::<1, Int>::from_data(TensorData::new(index, [positions.len()]), &device);
     let x = hidden.reshape([b * s, h]).select(0, index);
     model
         .logits(x.unsqueeze::<3>())
@@ -996,13 +996,13 @@ fn sample_drafts(
 }
 
 /// Draft models with the drafts (global indices) that run on each.
-struct Group<'a, B: Backend> {
-    model: &'a Llama<B>,
+struct Group<'a> {
+    model: &'a Llama,
     members: Vec<usize>,
 }
 
-fn validate<B: Backend>(
-    target: &Llama<B>,
+fn validate(
+    target: &Llama,
     drafts: &[Draft<'_, B>],
     prompts: &[Vec<u32>],
     opts: &SpecOptions,
@@ -1057,11 +1057,11 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
 }
 
 /// Prefills `cache` with every prompt token but the last (the first block feeds the last).
-fn prefill<B: Backend>(
-    model: &Llama<B>,
-    cache: &mut dyn SpecCache<B>,
+fn prefill(
+    model: &Llama,
+    cache: &mut dyn SpecCache,
     prompts: &[Vec<u32>],
-    attention: &dyn AttentionImpl<B>,
+    attention: &dyn AttentionImpl,
 ) {
     let rows: Vec<Vec<u32>> = prompts.iter().map(|p| p[..p.len() - 1].to_vec()).collect();
     if rows.iter().any(|r| !r.is_empty()) {
@@ -1077,14 +1077,14 @@ fn prefill<B: Backend>(
 /// [`SpecError`] for a bad configuration (K = 0, L = 0, single-draft SD with K ≠ 1, a draft
 /// vocabulary ≠ the target's, no or empty prompts, a prompt token outside the vocabulary);
 /// [`SpecError::Verify`] if a scheme rejects its inputs.
-pub fn speculative_generate<B: Backend>(
-    target: &Llama<B>,
+pub fn speculative_generate(
+    target: &Llama,
     drafts: &[Draft<'_, B>],
     prompts: &[Vec<u32>],
-    attention: &dyn AttentionImpl<B>,
+    attention: &dyn AttentionImpl,
     opts: &SpecOptions,
     on_token: &mut dyn FnMut(usize, u32),
-) -> Result<SpecGeneration<B>, SpecError> {
+) -> Result<SpecGeneration, SpecError> {
     let cache = BranchKvCache::new(target.layers.len(), prompts.len());
     speculative_generate_with_cache(target, cache, drafts, prompts, attention, opts, on_token)
 }
@@ -1094,8 +1094,8 @@ pub fn speculative_generate<B: Backend>(
 ///
 /// # Errors
 /// [`SpecError::CacheLayout`], [`SpecError::CacheNotEmpty`].
-pub fn check_cache<B: Backend>(
-    cache: &dyn SpecCache<B>,
+pub fn check_cache(
+    cache: &dyn SpecCache,
     batch: usize,
     drafts: usize,
 ) -> Result<(), SpecError> {
@@ -1121,15 +1121,15 @@ pub fn check_cache<B: Backend>(
 /// # Errors
 /// Those of [`speculative_generate`]; [`SpecError::CacheLayout`] if the cache cannot hold the
 /// batch or K branch rows, [`SpecError::CacheNotEmpty`] if it holds tokens.
-pub fn speculative_generate_with_cache<B: Backend, C: SpecCache<B>>(
-    target: &Llama<B>,
+pub fn speculative_generate_with_cache<C: SpecCache>(
+    target: &Llama,
     mut target_cache: C,
     drafts: &[Draft<'_, B>],
     prompts: &[Vec<u32>],
-    attention: &dyn AttentionImpl<B>,
+    attention: &dyn AttentionImpl,
     opts: &SpecOptions,
     on_token: &mut dyn FnMut(usize, u32),
-) -> Result<SpecGeneration<B, C>, SpecError> {
+) -> Result<SpecGeneration<C>, SpecError> {
     validate(target, drafts, prompts, opts)?;
     check_cache(&target_cache, prompts.len(), drafts.len())?;
     let batch = prompts.len();
@@ -1168,7 +1168,7 @@ pub fn speculative_generate_with_cache<B: Backend, C: SpecCache<B>>(
 
     let t0 = Instant::now();
     prefill(target, &mut target_cache, prompts, attention);
-    let mut draft_caches: Vec<BranchKvCache<B>> = groups
+    let mut draft_caches: Vec<BranchKvCache> = groups
         .iter()
         .map(|g| {
             let mut cache = BranchKvCache::new(g.model.layers.len(), batch);

@@ -31,13 +31,13 @@ impl LossKind {
 ///
 /// # Errors
 /// The loss's typed errors (token ids outside the vocabulary, …).
-pub fn next_token_loss<B: CceBackend>(
-    model: &Llama<B>,
-    tokens: Tensor<B, 2, Int>,
-    attention: &dyn AttentionImpl<B>,
+pub fn next_token_loss(
+    model: &Llama,
+    tokens: Tensor<2, Int>,
+    attention: &dyn AttentionImpl,
     kind: LossKind,
     ignore_index: i64,
-) -> Result<Tensor<B, 1>, CceError> {
+) -> Result<Tensor<1>, CceError> {
     next_token_loss_with_targets(model, tokens.clone(), tokens, attention, kind, ignore_index)
 }
 
@@ -50,14 +50,14 @@ pub fn next_token_loss<B: CceBackend>(
 ///
 /// # Errors
 /// The loss's typed errors (target ids outside the vocabulary, …).
-pub fn next_token_loss_with_targets<B: CceBackend>(
-    model: &Llama<B>,
-    tokens: Tensor<B, 2, Int>,
-    targets: Tensor<B, 2, Int>,
-    attention: &dyn AttentionImpl<B>,
+pub fn next_token_loss_with_targets(
+    model: &Llama,
+    tokens: Tensor<2, Int>,
+    targets: Tensor<2, Int>,
+    attention: &dyn AttentionImpl,
     kind: LossKind,
     ignore_index: i64,
-) -> Result<Tensor<B, 1>, CceError> {
+) -> Result<Tensor<1>, CceError> {
     let mut cache = FullKvCache::new(model.config.num_layers);
     let hidden = model.forward(tokens, &[], &mut cache, attention);
     match kind {
@@ -104,13 +104,13 @@ pub fn next_token_loss_with_targets<B: CceBackend>(
 ///
 /// # Panics
 /// If `seq < 2` or the vocabularies differ.
-pub fn soft_label_loss<B: burn::tensor::backend::AutodiffBackend>(
-    student: &Llama<B>,
-    teacher: &Llama<B::InnerBackend>,
-    tokens: Tensor<B, 2, Int>,
-    attention: &dyn AttentionImpl<B>,
-    teacher_attention: &dyn AttentionImpl<B::InnerBackend>,
-) -> Tensor<B, 1> {
+pub fn soft_label_loss(
+    student: &Llama,
+    teacher: &Llama,
+    tokens: Tensor<2, Int>,
+    attention: &dyn AttentionImpl,
+    teacher_attention: &dyn AttentionImpl,
+) -> Tensor<1> {
     use burn::tensor::activation::log_softmax;
     let [b, s] = tokens.dims();
     assert!(s >= 2, "a window needs at least two tokens");
@@ -124,8 +124,8 @@ pub fn soft_label_loss<B: burn::tensor::backend::AutodiffBackend>(
     let log_p = log_softmax(teacher.logits(hidden), 2);
     // Constants of the loss: p and sum p log p (the teacher's negative entropy).
     let p = log_p.clone().exp();
-    let neg_entropy = Tensor::<B, 1>::from_inner((p.clone() * log_p).sum());
-    let p = Tensor::<B, 3>::from_inner(p);
+    let neg_entropy = Tensor::<1>::from_inner((p.clone() * log_p).sum());
+    let p = Tensor::<3>::from_inner(p);
     let mut cache = FullKvCache::new(student.config.num_layers);
     let hidden = student.forward(inputs, &[], &mut cache, attention);
     let log_q = log_softmax(student.logits(hidden), 2);

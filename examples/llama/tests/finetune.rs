@@ -5,7 +5,7 @@
 
 use burn::backend::{Autodiff, NdArray};
 use burn::module::AutodiffModule;
-use burn::tensor::{DType, Int, Tensor, TensorData, backend::Backend};
+use burn::tensor::{DType, Int, Tensor, TensorData};
 use burn_kernels_core::{FullKvCache, ReferenceAttention};
 use burn_llama::config::LlamaConfig;
 use burn_llama::finetune::{
@@ -52,7 +52,7 @@ fn corpus() -> Corpus {
 
 /// A random model; the backend's generator is process-wide and the tests run in parallel, so
 /// a test that needs two equal models clones one.
-fn model(seed: u64) -> Llama<B> {
+fn model(seed: u64) -> Llama {
     let device = Default::default();
     B::seed(&device, seed);
     Llama::random(&tiny(), &device, DType::F32)
@@ -73,7 +73,7 @@ fn cfg(steps: usize) -> TrainConfig {
 }
 
 fn try_run(
-    m: Llama<B>,
+    m: Llama,
     c: &TrainConfig,
     kind: LossKind,
     ckpt: Option<(&std::path::Path, usize, bool)>,
@@ -96,7 +96,7 @@ fn try_run(
 }
 
 fn run(
-    m: Llama<B>,
+    m: Llama,
     c: &TrainConfig,
     kind: LossKind,
     ckpt: Option<(&std::path::Path, usize, bool)>,
@@ -241,10 +241,10 @@ fn windows(len: usize) -> Vec<Vec<u32>> {
 
 /// The teacher of the distillation tests: trained on the cycle, so its rows are peaked and a
 /// truncated copy of it does not match them.
-fn cycle_teacher() -> Llama<B> {
+fn cycle_teacher() -> Llama {
     let device = Default::default();
     B::seed(&device, 5);
-    let random = Llama::<B>::random(
+    let random = Llama::random(
         &LlamaConfig {
             num_layers: 3,
             ..tiny()
@@ -279,7 +279,7 @@ fn soft_label_loss_is_the_mean_kl() {
     let w = windows(11);
     let device = Default::default();
     let ids: Vec<i64> = w.iter().flatten().map(|&t| t as i64).collect();
-    let tokens = || Tensor::<B, 2, Int>::from_data(TensorData::new(ids.clone(), [4, 11]), &device);
+    let tokens = || Tensor::<2, Int>::from_data(TensorData::new(ids.clone(), [4, 11]), &device);
     let att = &ReferenceAttention;
     let loss = soft_label_loss(&student, &teacher, tokens(), att, att);
     let got = f64::from(loss.clone().into_scalar());

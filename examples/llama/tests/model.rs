@@ -2,8 +2,7 @@
 
 use crate::common::{checkpoint, paragraph_tokens, paragraph_tokens_on};
 
-use burn::backend::NdArray;
-use burn::tensor::{DType, backend::Backend};
+use burn::tensor::{DType};
 use std::sync::Arc;
 
 use burn_kernels_core::{
@@ -17,15 +16,15 @@ use burn_llama::model::Llama;
 
 type Cpu = NdArray<f32>;
 
-fn model<B: Backend>(device: &B::Device) -> Llama<B> {
+fn model(device: &Device) -> Llama {
     Llama::from_checkpoint(checkpoint(), device, DType::F32).expect("valid checkpoint")
 }
 
-fn greedy<B: Backend>(
-    model: &Llama<B>,
+fn greedy(
+    model: &Llama,
     prompts: &[Vec<u32>],
     max_new_tokens: usize,
-    attention: &dyn AttentionImpl<B>,
+    attention: &dyn AttentionImpl,
 ) -> Vec<Vec<u32>> {
     let mut cache = FullKvCache::new(model.config.num_layers);
     let opts = GenerateOptions {
@@ -120,15 +119,15 @@ fn perplexity_of_the_committed_paragraph_is_low() {
 /// The CPU's perplexity comes out on `B` too, with both attention implementations (on the
 /// paragraph's first tokens on wgpu, see `paragraph_tokens_on`).
 #[allow(dead_code)]
-fn perplexity_matches_cpu<B: Backend>(device: &B::Device) {
-    let ids = paragraph_tokens_on::<B>(device);
+fn perplexity_matches_cpu(device: &Device) {
+    let ids = paragraph_tokens_on(device);
     let cpu = perplexity(
         &model::<Cpu>(&Default::default()),
         &ids,
         &ReferenceAttention,
     );
-    let gpu_model = model::<B>(device);
-    for attention in [&ReferenceAttention as &dyn AttentionImpl<B>, &BurnAttention] {
+    let gpu_model = model(device);
+    for attention in [&ReferenceAttention as &dyn AttentionImpl, &BurnAttention] {
         let other = perplexity(&gpu_model, &ids, attention);
         println!(
             "perplexity cpu {cpu:.5}, {}/{} {other:.5}",
@@ -143,8 +142,8 @@ fn perplexity_matches_cpu<B: Backend>(device: &B::Device) {
 /// the paragraph in decode steps of 1 and 4 tokens through a full cache give the CPU's
 /// perplexity of those positions (prefill: Burn's attention op with the fused layer ops).
 #[allow(dead_code)]
-fn decode_kernels_match_cpu<B: Backend + KvBackend + FusedBackend>(device: &B::Device) {
-    let ids = paragraph_tokens_on::<B>(device);
+fn decode_kernels_match_cpu(device: &Device) {
+    let ids = paragraph_tokens_on(device);
     let prefix = ids.len() / 2;
     let cpu_model = model::<Cpu>(&Default::default());
     let mut cpu_cache = FullKvCache::new(cpu_model.config.num_layers);
@@ -155,8 +154,8 @@ fn decode_kernels_match_cpu<B: Backend + KvBackend + FusedBackend>(device: &B::D
         &mut cpu_cache,
         &ReferenceAttention,
     );
-    let gpu_model = model::<B>(device);
-    let kernels = FusedLayers::<B>::new(Arc::new(DecodeAttention::default()));
+    let gpu_model = model(device);
+    let kernels = FusedLayers::new(Arc::new(DecodeAttention::default()));
     for chunk in [1, 4] {
         let mut cache = FullKvCache::new(gpu_model.config.num_layers);
         let got =
@@ -182,27 +181,27 @@ fn decode_kernels_match_cpu<B: Backend + KvBackend + FusedBackend>(device: &B::D
 #[cfg(feature = "vulkan")]
 #[test]
 fn perplexity_is_the_same_on_vulkan() {
-    type Vk = burn_cubecl::CubeBackend<burn::backend::wgpu::WgpuRuntime, f32, i32, u32>;
+    type Vk = burn_cubecl::CubeBackend;
     perplexity_matches_cpu::<Vk>(&Default::default());
 }
 
 #[cfg(feature = "vulkan")]
 #[test]
 fn decode_kernels_are_the_same_on_vulkan() {
-    type Vk = burn_cubecl::CubeBackend<burn::backend::wgpu::WgpuRuntime, f32, i32, u32>;
+    type Vk = burn_cubecl::CubeBackend;
     decode_kernels_match_cpu::<Vk>(&Default::default());
 }
 
 #[cfg(feature = "cuda")]
 #[test]
 fn decode_kernels_are_the_same_on_cuda() {
-    type Cuda = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
+    type Cuda = burn_cubecl::CubeBackend;
     decode_kernels_match_cpu::<Cuda>(&Default::default());
 }
 
 #[cfg(feature = "cuda")]
 #[test]
 fn perplexity_is_the_same_on_cuda() {
-    type Cuda = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
+    type Cuda = burn_cubecl::CubeBackend;
     perplexity_matches_cpu::<Cuda>(&Default::default());
 }

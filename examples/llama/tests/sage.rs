@@ -6,8 +6,7 @@
 
 use crate::common::{checkpoint, paragraph_tokens_on};
 
-use burn::backend::NdArray;
-use burn::tensor::{DType, backend::Backend};
+use burn::tensor::{DType};
 use burn_kernels_core::ReferenceAttention;
 use burn_kernels_testing::is_wgpu;
 use burn_llama::attention::{AttentionChoice, SAGE_VARIANTS, capture_qkv, sage_variant};
@@ -18,15 +17,15 @@ use burn_sage::{PvPrecision, QkQuant, SageBackend, SageOptions};
 
 type Cpu = NdArray<f32>;
 
-fn model<B: Backend>(device: &B::Device) -> Llama<B> {
+fn model(device: &Device) -> Llama {
     Llama::from_checkpoint(checkpoint(), device, DType::F32).expect("valid checkpoint")
 }
 
 /// Perplexity with full-precision attention and with every Sage variant of the CLI; `sage`
 /// (INT8 + FP16 P·V) must be within 0.5% of full precision, the others finite.
-fn sage_perplexity_close_to_full<B: SageBackend + burn_kvcache::KvBackend>(device: &B::Device) {
-    let ids = paragraph_tokens_on::<B>(device);
-    let model = model::<B>(device);
+fn sage_perplexity_close_to_full(device: &Device) {
+    let ids = paragraph_tokens_on(device);
+    let model = model(device);
     let full = perplexity(&model, &ids, &ReferenceAttention);
     println!(
         "{}: perplexity over {} tokens: full {full:.4}",
@@ -39,7 +38,7 @@ fn sage_perplexity_close_to_full<B: SageBackend + burn_kvcache::KvBackend>(devic
     );
     // On wgpu (lavapipe in CI, where each variant compiles its own kernels) only `sage`, the
     // variant with the bar; CUDA and the CPU run every variant.
-    let wgpu = is_wgpu::<B>(device);
+    let wgpu = is_wgpu(device);
     for name in SAGE_VARIANTS.iter().copied().chain(["sage-adaptive"]) {
         if wgpu && name != "sage" {
             continue;
@@ -89,15 +88,15 @@ fn int8_warp() -> SageOptions {
 /// the CLI's `sage` (INT8 per thread, Q and K smoothing) reaches cos sim 0.9995 with FP16 P·V
 /// and `sage-fp8` 0.999 (the bars); the INT4 variants and per-warp INT8 are printed
 /// and must be finite.
-fn sage_accuracy_on_captured_layers<B: SageBackend + burn_kvcache::KvBackend>(device: &B::Device) {
-    let ids = paragraph_tokens_on::<B>(device);
-    let model = model::<B>(device);
+fn sage_accuracy_on_captured_layers(device: &Device) {
+    let ids = paragraph_tokens_on(device);
+    let model = model(device);
     let mut names: Vec<&str> = SAGE_VARIANTS.to_vec();
     let mut variants: Vec<SageOptions> = SAGE_VARIANTS.iter().map(|&n| sage_variant(n)).collect();
     names.push("int8-warp");
     variants.push(int8_warp());
     // On wgpu only the variants with bars, `sage` and `sage-fp8` (see the perplexity test).
-    if is_wgpu::<B>(device) {
+    if is_wgpu(device) {
         (names, variants) = names
             .into_iter()
             .zip(variants)
@@ -151,7 +150,7 @@ fn cpu_sage_accuracy_on_captured_layers() {
 
 #[cfg(feature = "vulkan")]
 mod vulkan {
-    type Vk = burn_cubecl::CubeBackend<burn::backend::wgpu::WgpuRuntime, f32, i32, u32>;
+    type Vk = burn_cubecl::CubeBackend;
 
     #[test]
     fn sage_perplexity_close_to_full() {
@@ -166,7 +165,7 @@ mod vulkan {
 
 #[cfg(feature = "cuda")]
 mod cuda {
-    type Cuda = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
+    type Cuda = burn_cubecl::CubeBackend;
 
     #[test]
     fn sage_perplexity_close_to_full() {

@@ -6,7 +6,6 @@ use crate::common::checkpoint;
 use std::sync::OnceLock;
 use std::time::Instant;
 
-use burn::backend::NdArray;
 use burn::tensor::{DType, Int, Tensor, TensorData};
 use burn_kernels_core::{FullKvCache, Greedy, KvCache, ReferenceAttention, SamplingConfig};
 use burn_kvcache::ShadowKvConfig;

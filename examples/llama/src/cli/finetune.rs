@@ -304,12 +304,12 @@ where
 
 /// The teacher samples of a distillation run: read back from `--out` when an earlier run with
 /// the same sizes saved them, else drawn from the checkpoint (on the training device) and saved.
-fn distillation_samples<B: Backend>(
+fn distillation_samples(
     cli: &Cli,
     ckpt: &Checkpoint,
     corpus: &Corpus,
     n: usize,
-    device: &B::Device,
+    device: &Device,
 ) -> Result<Vec<Vec<u32>>, String> {
     let len = cli.seq + 1;
     let path = cli.out.join("teacher-samples.u32");
@@ -327,7 +327,7 @@ fn distillation_samples<B: Backend>(
         return Ok(ids.chunks(len).map(<[u32]>::to_vec).collect());
     }
     let teacher =
-        Llama::<B>::from_checkpoint(ckpt, device, DType::F32).map_err(|e| e.to_string())?;
+        Llama::from_checkpoint(ckpt, device, DType::F32).map_err(|e| e.to_string())?;
     let opts = TeacherOptions {
         samples: n,
         prompt_len: cli.teacher_prompt,

@@ -14,7 +14,7 @@ use crate::spec::{
     speculative_generate_with_cache, truncated_draft,
 };
 use crate::tokenizer::Tokenizer;
-use burn::tensor::{DType, backend::Backend};
+use burn::tensor::{DType};
 use burn_kernels_core::{AttentionImpl, FusedBackend, FusedLayers, KvCache, SamplingConfig};
 use burn_kvcache::{KvBackend, MiniCacheConfig, QuantConfig, ShadowKvConfig};
 use burn_sage::SageBackend;
@@ -280,9 +280,9 @@ fn run_cuda(_: &Cli) -> Result<(), String> {
     Err(super::missing_feature("cuda"))
 }
 
-fn run<B: KvBackend + SageBackend + FusedBackend>(
+fn run(
     cli: &Cli,
-    device: &B::Device,
+    device: &Device,
 ) -> Result<(), String> {
     let common = match &cli.cmd {
         Cmd::Generate { common, .. } | Cmd::Perplexity { common, .. } => common,
@@ -303,7 +303,7 @@ fn run<B: KvBackend + SageBackend + FusedBackend>(
     eprintln!("loading {} ...", path.display());
     let t = std::time::Instant::now();
     let ckpt = load(&path).map_err(|e| e.to_string())?;
-    let model = Llama::<B>::from_checkpoint(&ckpt, device, dtype).map_err(|e| e.to_string())?;
+    let model = Llama::from_checkpoint(&ckpt, device, dtype).map_err(|e| e.to_string())?;
     let tokenizer = &ckpt.tokenizer;
     eprintln!(
         "loaded {} layers, hidden {}, vocab {} in {:.1}s on {} ({:?})",
@@ -362,7 +362,7 @@ fn run<B: KvBackend + SageBackend + FusedBackend>(
             let mut sampler = sampling.build();
             let cache = kv
                 .spec()?
-                .build_for::<B>(&model.config)
+                .build_for(&model.config)
                 .map_err(|e| e.to_string())?;
             let opts = GenerateOptions {
                 max_new_tokens: *max_new_tokens,
@@ -389,7 +389,7 @@ fn run<B: KvBackend + SageBackend + FusedBackend>(
             let mut cache = match decoding {
                 Decoding::Plain(cache) => cache,
                 Decoding::Speculative(scheme, target_cache) => {
-                    return run_speculative::<B>(
+                    return run_speculative(
                         &model,
                         target_cache,
                         spec,
@@ -450,7 +450,7 @@ fn run<B: KvBackend + SageBackend + FusedBackend>(
             }
             let mut cache = kv
                 .spec()?
-                .build_for::<B>(&model.config)
+                .build_for(&model.config)
                 .map_err(|e| e.to_string())?;
             let prefix = kv
                 .kv_prefix
@@ -474,12 +474,12 @@ fn run<B: KvBackend + SageBackend + FusedBackend>(
 
 /// The attention implementation; adaptive Sage calibrates on `tokens` and reports its choice
 /// per layer.
-fn build_attention<B: SageBackend + KvBackend>(
+fn build_attention(
     choice: &AttentionChoice,
-    model: &Llama<B>,
+    model: &Llama,
     tokens: &[u32],
     int4_threshold: f64,
-) -> Result<Box<dyn AttentionImpl<B>>, String> {
+) -> Result<Box<dyn AttentionImpl>, String> {
     let t = std::time::Instant::now();
     let (attention, reports) = choice
         .build(Some((model, tokens)), int4_threshold)
@@ -506,23 +506,23 @@ fn build_attention<B: SageBackend + KvBackend>(
 
 /// How `llama generate` decodes: through the chosen cache, or speculatively (with a
 /// compressed target cache wrapped for truncation rollback, or the branching full cache).
-enum Decoding<B: Backend> {
-    Plain(Box<dyn KvCache<B>>),
-    Speculative(SpecScheme, Option<LinearSpecCache<B>>),
+enum Decoding{
+    Plain(Box<dyn KvCache>),
+    Speculative(SpecScheme, Option<LinearSpecCache>),
 }
 
 /// `llama generate --spec ...`: speculative decoding of one prompt, streamed, then its metrics.
 /// `compressed` is the target cache when `--kv-cache` is not the full one.
 #[allow(clippy::too_many_arguments)]
-fn run_speculative<B: Backend>(
-    target: &Llama<B>,
-    compressed: Option<LinearSpecCache<B>>,
+fn run_speculative(
+    target: &Llama,
+    compressed: Option<LinearSpecCache>,
     args: &SpecArgs,
     opts: SpecOptions,
     ids: &[u32],
-    device: &B::Device,
+    device: &Device,
     dtype: DType,
-    attention: &dyn AttentionImpl<B>,
+    attention: &dyn AttentionImpl,
     stream: &mut StreamPrinter<'_>,
 ) -> Result<(), String> {
     let lookups = usize::from(args.lookup_draft).min(args.drafts);
@@ -531,7 +531,7 @@ fn run_speculative<B: Backend>(
         (_, 0) => None,
         (Some(path), _) => {
             eprintln!("loading draft {} ...", path.display());
-            Some(load_draft::<B>(path, device, dtype)?)
+            Some(load_draft(path, device, dtype)?)
         }
         (None, _) => Some(truncated_draft(target, args.draft_layers).map_err(|e| e.to_string())?),
     };

@@ -7,11 +7,11 @@ pub mod llama;
 
 /// Burn's CubeCL backend on Vulkan (wgpu), as the command lines run it.
 #[cfg(feature = "vulkan")]
-pub type VulkanBackend = burn_cubecl::CubeBackend<burn::backend::wgpu::WgpuRuntime, f32, i32, u32>;
+pub type VulkanBackend = burn_cubecl::CubeBackend;
 
 /// Burn's CubeCL backend on CUDA, as the command lines run it.
 #[cfg(feature = "cuda")]
-pub type CudaBackend = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
+pub type CudaBackend = burn_cubecl::CubeBackend;
 
 /// The error of a command asked for a backend this build lacks.
 pub fn missing_feature(feature: &str) -> String {

@@ -25,9 +25,9 @@ pub fn paragraph_tokens() -> Vec<u32> {
 /// Tokens of the paragraph a model-sized test runs on `device`: all of them, or on wgpu its
 /// first [`WGPU_TOKENS`] (see [`burn_kernels_testing::is_wgpu`]: in CI that is lavapipe, where
 /// a forward pass of the 135M-parameter model over the whole paragraph takes minutes).
-pub fn paragraph_tokens_on<B: Backend>(device: &B::Device) -> Vec<u32> {
+pub fn paragraph_tokens_on(device: &Device) -> Vec<u32> {
     let mut ids = paragraph_tokens();
-    if burn_kernels_testing::is_wgpu::<B>(device) {
+    if burn_kernels_testing::is_wgpu(device) {
         ids.truncate(WGPU_TOKENS);
     }
     ids

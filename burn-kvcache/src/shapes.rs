@@ -1,0 +1,34 @@
+//! Output shapes of the ops, from their input shapes: what the kernel launchers allocate and
+//! what `Fusion` registers before the kernels run (one definition for both).
+
+use burn::tensor::Shape;
+
+use crate::QuantLayout;
+
+/// The merge's outputs for `a` `[n, d]`: `dir [n, d]` and the per-row `[n]` (magnitudes and
+/// distance).
+pub fn merged_shapes(a: &Shape) -> (Shape, Shape) {
+    let [n, d] = a.dims::<2>();
+    (Shape::new([n, d]), Shape::new([n]))
+}
+
+/// The dequantized rows for scales `[rows, groups]`: `[rows, layout.cols]`.
+pub fn dequantized_shape(scale: &Shape, layout: &QuantLayout) -> Shape {
+    Shape::new([scale[0], layout.cols])
+}
+
+/// The rebuilt keys for `wt` `[batch, heads, rank, d]` and `chunks` `[batch, heads, k]`:
+/// `[batch, heads, k · chunk, d]`.
+pub fn gather_rope_shape(wt: &Shape, chunks: &Shape, chunk: &usize) -> Shape {
+    let [b, h, _, d] = wt.dims::<4>();
+    Shape::new([b, h, chunks[2] * chunk, d])
+}
+
+impl QuantLayout {
+    /// The packed form of `rows` rows: words `[rows, groups · words_per_group]` (u32) and the
+    /// per-group scale and min `[rows, groups]`.
+    pub fn packed_shapes(&self, rows: usize) -> (Shape, Shape) {
+        let (ng, wpg) = (self.groups(), self.words_per_group());
+        (Shape::new([rows, ng * wpg]), Shape::new([rows, ng]))
+    }
+}
