@@ -140,7 +140,7 @@ impl<'a> Candidate<'a> {
 
 /// One problem of a suite. `setup` allocates its inputs and returns the candidates; they are
 /// dropped (freeing device memory) before the next problem is set up.
-pub struct Problem{
+pub struct Problem {
     pub label: String,
     pub params: BTreeMap<String, serde_json::Value>,
     /// Floating-point operations of one run, where meaningful.
@@ -172,7 +172,7 @@ pub struct PlotSpec {
 }
 
 /// A suite: problems × implementations, one of them the baseline for the speed-up ratios.
-pub struct Suite{
+pub struct Suite {
     pub name: &'static str,
     pub description: &'static str,
     pub baseline: &'static str,
@@ -269,11 +269,7 @@ fn sync(device: &Device) {
 /// each repetition is timed from enqueue to device synchronization. Returns sorted times in ms.
 /// Memory of one synchronized call: the bytes it allocates exact-size, and the pool's growth
 /// after freeing unused pages (so that the call has to reserve what it needs).
-fn measure_memory(
-    device: &Device,
-    run: &mut dyn FnMut(),
-    probe: &MemoryProbe,
-) -> CallMemory {
+fn measure_memory(device: &Device, run: &mut dyn FnMut(), probe: &MemoryProbe) -> CallMemory {
     sync(device);
     let before = (probe.reserved)(true);
     run();
@@ -529,7 +525,7 @@ pub fn params<const N: usize>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    
+
     /// A panic on another thread during a candidate's run (as the device runtime's server
     /// thread panics when out of memory) fails that candidate, not the next one.
     #[test]

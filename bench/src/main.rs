@@ -170,13 +170,7 @@ fn run_cuda(args: &Args) -> Result<(), String> {
     type B = burn_cubecl::CubeBackend;
     let device = Default::default();
     let pool = pool_props(&device);
-    run(
-        args,
-        &device,
-        "cuda",
-        Some(memory_probe(&device)),
-        pool,
-    )
+    run(args, &device, "cuda", Some(memory_probe(&device)), pool)
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -190,13 +184,7 @@ fn run_vulkan(args: &Args) -> Result<(), String> {
     type B = burn_cubecl::CubeBackend;
     let device = Default::default();
     let pool = pool_props(&device);
-    run(
-        args,
-        &device,
-        "vulkan",
-        Some(memory_probe(&device)),
-        pool,
-    )
+    run(args, &device, "vulkan", Some(memory_probe(&device)), pool)
 }
 
 #[cfg(not(feature = "vulkan"))]
@@ -321,8 +309,7 @@ fn commit(args: &Args) -> String {
     bundled().or_else(git).unwrap_or_else(|| "unknown".into())
 }
 
-fn run<
-    >(
+fn run(
     args: &Args,
     device: &Device,
     backend: &str,

@@ -139,7 +139,7 @@ impl<B: CceKernels, C: CheckpointStrategy> CceKernels for Autodiff<B, C> {
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         let (e, e_node) = e.into_parts();
         let (c, c_node) = c.into_parts();
-        let (loss, lse) = B::linear_ce_loss(e.clone(), c.clone(), targets.clone(), params.clone());
+        let (loss, lse) = B::linear_ce_loss(e.clone(), c.clone(), targets.clone(), params);
         let loss = match LinearCeBackward::<2>
             .prepare::<C>([e_node, c_node])
             .compute_bound()
@@ -164,13 +164,8 @@ impl<B: CceKernels, C: CheckpointStrategy> CceKernels for Autodiff<B, C> {
         let (e, e_node) = e.into_parts();
         let (c, c_node) = c.into_parts();
         let (bias, bias_node) = bias.into_parts();
-        let (loss, lse) = B::linear_ce_loss_bias(
-            e.clone(),
-            c.clone(),
-            bias.clone(),
-            targets.clone(),
-            params.clone(),
-        );
+        let (loss, lse) =
+            B::linear_ce_loss_bias(e.clone(), c.clone(), bias.clone(), targets.clone(), params);
         let loss = match LinearCeBackward::<3>
             .prepare::<C>([e_node, c_node, bias_node])
             .compute_bound()

@@ -428,18 +428,18 @@ type ChunkRows = (CubeTensor, Option<CubeTensor>, usize);
 /// A plan chunk ready to run: its entries' ids on the device when gathered.
 enum Part {
     Natural(Range<usize>),
-    /// The ids, an int tensor of the targets' dtype.
-    Gathered(CubeTensor),
+    /// The ids, an int tensor of the targets' dtype (boxed: a tensor handle is large).
+    Gathered(Box<CubeTensor>),
 }
 
 impl Part {
     fn new(plan: &Plan, targets: &CubeTensor) -> Self {
         match plan {
             Plan::Natural(range) => Part::Natural(range.clone()),
-            Plan::Gathered(ids) => Part::Gathered(Cb::int_from_data(
+            Plan::Gathered(ids) => Part::Gathered(Box::new(Cb::int_from_data(
                 TensorData::new(ids.clone(), [ids.len()]).convert_dtype(targets.dtype),
                 &targets.device,
-            )),
+            ))),
         }
     }
 
@@ -449,8 +449,8 @@ impl Part {
         match self {
             Part::Natural(range) => (rows_of(c.clone(), range.clone()), None, range.start),
             Part::Gathered(ids) => (
-                Cb::float_select(c.clone(), 0, ids.clone()),
-                Some(ids.clone()),
+                Cb::float_select(c.clone(), 0, (**ids).clone()),
+                Some((**ids).clone()),
                 0,
             ),
         }
@@ -838,10 +838,11 @@ pub fn backward(
                     .map(|(db, x)| Cb::float_slice_assign(db, &[Slice::from(range.clone())], x));
             }
             Part::Gathered(ids) => {
-                dc = Cb::float_select_assign(dc, 0, ids.clone(), dc_chunk, IndexingUpdateOp::Add);
+                dc =
+                    Cb::float_select_assign(dc, 0, (*ids).clone(), dc_chunk, IndexingUpdateOp::Add);
                 db = db
                     .zip(db_chunk)
-                    .map(|(db, x)| Cb::float_select_assign(db, 0, ids, x, IndexingUpdateOp::Add));
+                    .map(|(db, x)| Cb::float_select_assign(db, 0, *ids, x, IndexingUpdateOp::Add));
             }
         }
         live::sample(&dc, "dC chunk written");

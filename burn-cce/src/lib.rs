@@ -94,6 +94,7 @@ pub trait CceKernels: Backend {
     ///
     /// With `softcap = Some(c)` each logit `x` is first mapped to `c·tanh(x / c)`, `c > 0`.
     #[fusion(dtype = logits, shape = rows_shape(logits))]
+    #[cfg_attr(not(feature = "cube"), allow(unused_variables))]
     fn logsumexp_rows(logits: FloatTensor<Self>, softcap: Option<f32>) -> FloatTensor<Self>;
 
     /// Linear cross-entropy forward on valid tokens, without a bias: the per-token log-sum-exp
@@ -105,6 +106,7 @@ pub trait CceKernels: Backend {
     /// - `targets`: `[n]`, every value in `[0, V)` (ignored tokens are already removed)
     /// - returns `(lse [n], target_logit [n])`, f32
     #[fusion(meta = |e, _c, _targets, _params| (token_spec(e), token_spec(e)))]
+    #[cfg_attr(not(feature = "cube"), allow(unused_variables))]
     fn linear_ce_forward(
         e: FloatTensor<Self>,
         c: FloatTensor<Self>,
@@ -114,6 +116,7 @@ pub trait CceKernels: Backend {
 
     /// [`CceKernels::linear_ce_forward`] with logits `E·Cᵀ + b`, `bias`: `[V]` in `e`'s dtype.
     #[fusion(meta = |e, _c, _bias, _targets, _params| (token_spec(e), token_spec(e)))]
+    #[cfg_attr(not(feature = "cube"), allow(unused_variables))]
     fn linear_ce_forward_bias(
         e: FloatTensor<Self>,
         c: FloatTensor<Self>,
@@ -129,6 +132,7 @@ pub trait CceKernels: Backend {
     /// - `lse`, `dout`: `[n]` f32
     /// - returns `(dE [n, D], dC [V, D])` in the dtypes of `e` and `c`
     #[fusion(meta = |e, c, _targets, _lse, _dout, _params| (e.clone(), c.clone()))]
+    #[cfg_attr(not(feature = "cube"), allow(unused_variables))]
     fn linear_ce_backward(
         e: FloatTensor<Self>,
         c: FloatTensor<Self>,
@@ -144,6 +148,7 @@ pub trait CceKernels: Backend {
         (e.clone(), c.clone(), bias.clone())
     })]
     #[allow(clippy::too_many_arguments)]
+    #[cfg_attr(not(feature = "cube"), allow(unused_variables))]
     fn linear_ce_backward_bias(
         e: FloatTensor<Self>,
         c: FloatTensor<Self>,
@@ -158,6 +163,7 @@ pub trait CceKernels: Backend {
     /// bias. On an autodiff backend the loss is differentiable with respect to `e` and `c`
     /// ([`CceKernels::linear_ce_backward`] is its gradient); the log-sum-exp is not.
     #[fusion(meta = |e, _c, _targets, _params| (token_spec(e), token_spec(e)))]
+    #[cfg_attr(not(feature = "cube"), allow(unused_variables))]
     fn linear_ce_loss(
         e: FloatTensor<Self>,
         c: FloatTensor<Self>,
@@ -167,6 +173,7 @@ pub trait CceKernels: Backend {
 
     /// [`CceKernels::linear_ce_loss`] with a bias (differentiable with respect to it too).
     #[fusion(meta = |e, _c, _bias, _targets, _params| (token_spec(e), token_spec(e)))]
+    #[cfg_attr(not(feature = "cube"), allow(unused_variables))]
     fn linear_ce_loss_bias(
         e: FloatTensor<Self>,
         c: FloatTensor<Self>,

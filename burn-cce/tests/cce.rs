@@ -1138,6 +1138,7 @@ fn plain_ce_matches_host_f64() {
 /// `Fusion`) gives exactly the `Dispatch` (fused) results: the same kernels on the same inputs,
 /// for the forward and the filtered backward with a bias and softcap, and the row-wise
 /// log-sum-exp.
+#[cfg(feature = "cube")]
 fn unfused_backend_matches_dispatch(device: &Device) {
     use burn_cubecl::CubeBackend;
     use burn_kernels_testing::unfused::{float as unfused, int, read_float};

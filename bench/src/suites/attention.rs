@@ -4,9 +4,9 @@
 //! FLOPs follow the FlashAttention/SageAttention convention: `4·B·H·N²·D`, halved when causal.
 //! Fewest bytes: read Q, K, V and write O once, `4·B·H·N·D` f16 values.
 
+use burn::tensor::DType;
 use burn::tensor::module::{attention, attention_fallback};
 use burn::tensor::ops::AttentionModuleOptions;
-use burn::tensor::{DType};
 use burn_kernels_testing::{Dist, random_tensor};
 use serde_json::json;
 

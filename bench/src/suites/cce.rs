@@ -133,7 +133,7 @@ pub fn suite(opts: SuiteOptions) -> Suite {
 }
 
 /// The synthetic inputs (see the module docs), generated on the device.
-struct Inputs{
+struct Inputs {
     e: Tensor<2>,
     c: Tensor<2>,
     targets: Tensor<1, Int>,
@@ -377,12 +377,7 @@ fn too_slow_to_tune(shape: &str, o: CceOptions) -> Option<String> {
 
 /// One training-style step on `Autodiff`: the loss (CCE with `options`, or the plain path)
 /// and its gradients with respect to E and C.
-fn autodiff_step(
-    e: &Tensor<2>,
-    c: &Tensor<2>,
-    t: &Tensor<1, Int>,
-    options: Option<CceOptions>,
-) {
+fn autodiff_step(e: &Tensor<2>, c: &Tensor<2>, t: &Tensor<1, Int>, options: Option<CceOptions>) {
     let e = Tensor::<Autodiff, 2>::from_inner(e.clone()).require_grad();
     let c = Tensor::<Autodiff, 2>::from_inner(c.clone()).require_grad();
     let t = Tensor::<Autodiff, 1, Int>::from_inner(t.clone());

@@ -191,11 +191,7 @@ pub fn suite(opts: SuiteOptions) -> Suite {
 }
 
 /// The model, the prompt and whether the weights are real (the answer check needs them).
-fn model_and_prompt(
-    device: &Device,
-    prompt_tokens: usize,
-    quick: bool,
-) -> (Llama, Vec<u32>, bool) {
+fn model_and_prompt(device: &Device, prompt_tokens: usize, quick: bool) -> (Llama, Vec<u32>, bool) {
     match checkpoint().filter(|_| !quick) {
         Some(ckpt) => {
             let model =
@@ -256,12 +252,7 @@ struct Outcome {
     block_efficiency: Option<f64>,
 }
 
-fn problem(
-    draft: DraftChoice,
-    prompt_tokens: usize,
-    new_tokens: usize,
-    quick: bool,
-) -> Problem {
+fn problem(draft: DraftChoice, prompt_tokens: usize, new_tokens: usize, quick: bool) -> Problem {
     Problem {
         label: format!(
             "passkey ~{prompt_tokens} tokens + {new_tokens} new, draft={}",

@@ -310,7 +310,7 @@ pub fn model_config(quick: bool) -> LlamaConfig {
 
 /// One random-weight model per suite run, built at the first problem and shared by the
 /// candidates (tensors are reference-counted: clones share the weights).
-pub struct SharedModel{
+pub struct SharedModel {
     cfg: LlamaConfig,
     positions: usize,
     model: RefCell<Option<Llama>>,
@@ -403,12 +403,7 @@ pub fn fill_query(cfg: &LlamaConfig, batch: usize, device: &Device) -> Tensor<4>
 }
 
 /// Standard-normal f16 `[batch, kv_heads, n, head_dim]`.
-pub fn random_states(
-    cfg: &LlamaConfig,
-    batch: usize,
-    n: usize,
-    device: &Device,
-) -> Tensor<4> {
+pub fn random_states(cfg: &LlamaConfig, batch: usize, n: usize, device: &Device) -> Tensor<4> {
     Tensor::random(
         [batch, cfg.num_kv_heads, n, cfg.head_dim],
         Distribution::Normal(0.0, 1.0),

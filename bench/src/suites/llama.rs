@@ -25,13 +25,7 @@ pub fn suite(opts: SuiteOptions) -> Suite {
     let mut problems = Vec::new();
     for (i, &shape) in shapes.iter().enumerate() {
         for phase in ["prefill", "decode"] {
-            problems.push(problem(
-                shape,
-                i as f64,
-                phase,
-                len,
-                opts.peers_dir.clone(),
-            ));
+            problems.push(problem(shape, i as f64, phase, len, opts.peers_dir.clone()));
         }
     }
     Suite {

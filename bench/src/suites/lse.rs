@@ -3,7 +3,7 @@
 //! Memory-bound: the fewest bytes are one read of the `rows × cols` input and one write of
 //! `rows` outputs.
 
-use burn::tensor::{DType};
+use burn::tensor::DType;
 use burn_cce::{CceBackend, reference};
 use burn_kernels_testing::{Dist, random_tensor};
 use serde_json::json;

@@ -329,13 +329,7 @@ fn aligned(states: &Tensor<4>) -> Tensor<4> {
 }
 
 /// Fills every layer of `cache` with `n` positions through `attend` (nothing attended).
-fn fill_part(
-    cache: &mut dyn KvCache,
-    cfg: &LlamaConfig,
-    b: usize,
-    n: usize,
-    device: &Device,
-) {
+fn fill_part(cache: &mut dyn KvCache, cfg: &LlamaConfig, b: usize, n: usize, device: &Device) {
     let start = MiniCacheConfig::default().start_for(cfg.num_layers);
     let (q, opts) = (fill_query(cfg, b, device), fill_opts(cfg));
     let mut below: Option<(Tensor<4>, Tensor<4>)> = None;
@@ -468,7 +462,7 @@ fn run(
 }
 
 /// The cache under test; MiniCache's own type is kept for its merge counts.
-enum Held{
+enum Held {
     Mini(MiniCacheKv),
     Other(Box<dyn KvCache>),
 }

@@ -111,10 +111,7 @@ impl SuiteOptions {
 }
 
 /// Builds the suite called `name`.
-pub fn build(
-    name: &str,
-    opts: SuiteOptions,
-) -> Option<Suite> {
+pub fn build(name: &str, opts: SuiteOptions) -> Option<Suite> {
     match name {
         "attention-baseline" => Some(attention::suite(opts)),
         "lse" => Some(lse::suite(opts)),

@@ -168,13 +168,7 @@ impl PeerBatch {
     }
 }
 
-fn problem(
-    n: usize,
-    d: usize,
-    causal: bool,
-    opts: &SuiteOptions,
-    peers: Rc<PeerBatch>,
-) -> Problem {
+fn problem(n: usize, d: usize, causal: bool, opts: &SuiteOptions, peers: Rc<PeerBatch>) -> Problem {
     let elem = 2.0;
     let qkv = (BATCH * HEADS * n * d) as f64;
     let flops = 4.0 * qkv * n as f64 / if causal { 2.0 } else { 1.0 };
@@ -200,8 +194,7 @@ fn problem(
             // took longer than timing them.
             B::seed(device, 1);
             let normal = || {
-                Tensor::<4>::random(shape, Distribution::Normal(0.0, 1.0), device)
-                    .cast(DType::F16)
+                Tensor::<4>::random(shape, Distribution::Normal(0.0, 1.0), device).cast(DType::F16)
             };
             let (q, k, v) = (normal(), normal(), normal());
             let mut out = Vec::new();

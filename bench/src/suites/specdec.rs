@@ -20,7 +20,7 @@
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
-use burn::tensor::{DType};
+use burn::tensor::DType;
 use burn_kernels_core::{
     AttentionImpl, BurnAttention, FullKvCache, FusedBackend, FusedLayers, SamplingConfig,
 };
@@ -162,11 +162,7 @@ fn target(device: &Device, quick: bool) -> (Llama, Vec<u32>, bool) {
 
 /// Random weights of SmolLM2-135M's shape (a tiny model deep enough for the draft with
 /// `quick`) and a prompt of `prompt_len` spread token ids.
-pub(super) fn random_target(
-    device: &Device,
-    quick: bool,
-    prompt_len: usize,
-) -> (Llama, Vec<u32>) {
+pub(super) fn random_target(device: &Device, quick: bool, prompt_len: usize) -> (Llama, Vec<u32>) {
     let cfg = if quick {
         super::tiny_llama(DRAFT_LAYERS + 2, 512)
     } else {

@@ -70,7 +70,7 @@ pub fn cube_sum(value: f32, #[comptime] units: usize) -> f32 {
     let mut half = CUBE_DIM_X as usize / 2;
     while half > 0 {
         if unit < half {
-            shared[unit] = shared[unit] + shared[unit + half];
+            shared[unit] += shared[unit + half];
         }
         sync_cube();
         half /= 2;

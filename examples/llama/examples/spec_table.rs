@@ -229,12 +229,7 @@ fn prompts(args: &Args, ckpt: &Checkpoint, paragraph: &[u32]) -> Vec<Vec<u32>> {
         .collect()
 }
 
-fn run(
-    args: &Args,
-    ckpt: &Checkpoint,
-    device: &Device,
-    attention: &dyn AttentionImpl,
-) {
+fn run(args: &Args, ckpt: &Checkpoint, device: &Device, attention: &dyn AttentionImpl) {
     let target = Llama::from_checkpoint(ckpt, device, DType::F32).expect("checkpoint");
     let text = include_str!("../data/paragraph.txt");
     let ids = ckpt.tokenizer.encode(text).expect("tokenize");

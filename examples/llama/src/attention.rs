@@ -155,10 +155,7 @@ pub enum AttentionError {
 ///
 /// # Errors
 /// [`AttentionError::LayerNotCaptured`] if some layer was never called.
-pub fn capture_qkv(
-    model: &Llama,
-    tokens: &[u32],
-) -> Result<Vec<Captured>, AttentionError> {
+pub fn capture_qkv(model: &Llama, tokens: &[u32]) -> Result<Vec<Captured>, AttentionError> {
     let device = model.embed.device();
     let ids: Vec<i64> = tokens.iter().map(|&t| t as i64).collect();
     let input = Tensor::<2, Int>::from_data(TensorData::new(ids, [1, tokens.len()]), &device);

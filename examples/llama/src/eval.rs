@@ -91,8 +91,7 @@ pub fn perplexity_with_cache_chunked(
         let hidden = model.forward(input, &[], cache, attention);
         let log_probs = activation::log_softmax(model.logits(hidden), 2);
         let targets: Vec<i64> = tokens[from + 1..=to].iter().map(|&t| t as i64).collect();
-        let targets =
-            Tensor::<3, Int>::from_data(TensorData::new(targets, [1, len, 1]), &device);
+        let targets = Tensor::<3, Int>::from_data(TensorData::new(targets, [1, len, 1]), &device);
         let nll = log_probs.gather(2, targets).neg().sum();
         nll.into_data()
             .convert::<f64>()
@@ -198,10 +197,7 @@ impl CacheSpec {
     ///
     /// # Errors
     /// The configuration errors of `burn-kvcache`.
-    pub fn build_for(
-        &self,
-        config: &LlamaConfig,
-    ) -> Result<Box<dyn KvCache>, KvCacheError> {
+    pub fn build_for(&self, config: &LlamaConfig) -> Result<Box<dyn KvCache>, KvCacheError> {
         match self.kind {
             CacheKind::ShadowKv => Ok(Box::new(shadowkv_for(config, self.shadowkv)?)),
             _ => self.build(config.num_layers),
@@ -213,10 +209,7 @@ impl CacheSpec {
     /// # Errors
     /// The configuration errors of `burn-kvcache`; [`KvCacheError::NeedsModelShape`] for
     /// ShadowKV (use [`CacheSpec::build_for`]).
-    pub fn build(
-        &self,
-        num_layers: usize,
-    ) -> Result<Box<dyn KvCache>, KvCacheError> {
+    pub fn build(&self, num_layers: usize) -> Result<Box<dyn KvCache>, KvCacheError> {
         Ok(match self.kind {
             CacheKind::ShadowKv => return Err(KvCacheError::NeedsModelShape("shadowkv")),
             CacheKind::Full => Box::new(FullKvCache::new(num_layers)),

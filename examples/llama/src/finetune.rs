@@ -254,10 +254,7 @@ where
             .iter()
             .map(|&t| t as i64)
             .collect();
-        let tokens = Tensor::<2, Int>::from_data(
-            TensorData::new(ids, [1, cfg.seq + 1]),
-            &device,
-        );
+        let tokens = Tensor::<2, Int>::from_data(TensorData::new(ids, [1, cfg.seq + 1]), &device);
         let loss = next_token_loss(&inner, tokens, attention, kind, -100)?;
         total += loss.into_scalar().elem::<f64>();
     }
@@ -447,11 +444,7 @@ pub fn checkpoint_dir(path: &Path) -> Option<PathBuf> {
 /// # Errors
 /// [`TrainError::Checkpoint`] when the folder is not a checkpoint, predates the saved model
 /// shape, or its record does not load.
-pub fn load_trained(
-    path: &Path,
-    device: &Device,
-    dtype: DType,
-) -> Result<Llama, TrainError> {
+pub fn load_trained(path: &Path, device: &Device, dtype: DType) -> Result<Llama, TrainError> {
     let dir = checkpoint_dir(path)
         .ok_or_else(|| ckpt_err(path, "no state.json and model.mpk here or in checkpoint/"))?;
     let state_path = dir.join("state.json");

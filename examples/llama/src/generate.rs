@@ -120,11 +120,7 @@ pub fn generate(
 
 /// Perplexity of `tokens` under the model: `exp(mean −log p(tᵢ | t<ᵢ))` over positions 1.., in
 /// one forward pass with a full cache.
-pub fn perplexity(
-    model: &Llama,
-    tokens: &[u32],
-    attention: &dyn AttentionImpl,
-) -> f64 {
+pub fn perplexity(model: &Llama, tokens: &[u32], attention: &dyn AttentionImpl) -> f64 {
     assert!(tokens.len() >= 2, "perplexity needs at least two tokens");
     let device = model.embed.device();
     let n = tokens.len();

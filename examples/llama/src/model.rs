@@ -13,7 +13,7 @@ use crate::loader::{Checkpoint, HostTensor, LoadError};
 
 /// One transformer block. Projection weights are stored `[in, out]`.
 #[derive(Module, Debug)]
-pub struct Block{
+pub struct Block {
     pub attn_norm: RmsNorm,
     pub wq: Param<Tensor<2>>,
     pub wk: Param<Tensor<2>>,
@@ -27,7 +27,7 @@ pub struct Block{
 
 /// A Llama-architecture causal language model.
 #[derive(Module, Debug)]
-pub struct Llama{
+pub struct Llama {
     /// `[vocab, hidden]`.
     pub embed: Param<Tensor<2>>,
     pub layers: Vec<Block>,

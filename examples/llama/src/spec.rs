@@ -315,10 +315,7 @@ pub fn load_draft(
 ///
 /// # Errors
 /// [`SpecError::DraftLayers`] unless `1 <= layers <= target layers`.
-pub fn truncated_draft(
-    target: &Llama,
-    layers: usize,
-) -> Result<Llama, SpecError> {
+pub fn truncated_draft(target: &Llama, layers: usize) -> Result<Llama, SpecError> {
     let available = target.layers.len();
     if layers == 0 || layers > available {
         return Err(SpecError::DraftLayers {
@@ -341,7 +338,7 @@ pub fn truncated_draft(
 /// Per layer: committed keys/values `[batch, kv_heads, s, head_dim]` and, while forked, branch
 /// keys/values `[batch × fan, kv_heads, t, head_dim]`.
 #[derive(Debug, Clone, Default)]
-struct LayerKv{
+struct LayerKv {
     prefix: Option<(Tensor<4>, Tensor<4>)>,
     branch: Option<(Tensor<4>, Tensor<4>)>,
 }
@@ -360,7 +357,7 @@ struct LayerKv{
 /// - `attend`: `q` `[rows, q_heads, s_new, head_dim]`, `k`/`v` `[rows, kv_heads, s_new,
 ///   head_dim]`, with `rows` = `batch` or `batch × fan`
 #[derive(Debug, Clone)]
-pub struct BranchKvCache{
+pub struct BranchKvCache {
     layers: Vec<LayerKv>,
     /// `[batch][s]`.
     prefix_valid: Vec<Vec<bool>>,
@@ -485,8 +482,7 @@ impl BranchKvCache {
                 (Some((k, _)), _) | (None, Some((k, _))) => k.device(),
                 (None, None) => continue,
             };
-            let rows =
-                Tensor::<1, Int>::from_data(TensorData::new(rows.clone(), [batch]), &device);
+            let rows = Tensor::<1, Int>::from_data(TensorData::new(rows.clone(), [batch]), &device);
             let pick = |t: Tensor<4>| t.select(0, rows.clone());
             let (k, v) = match (prefix, branch) {
                 (Some((pk, pv)), Some((bk, bv))) => (
@@ -639,9 +635,8 @@ impl KvCache for BranchKvCache {
             .rev()
             .find(|l| l.prefix.is_some() || l.branch.is_some());
         last.map_or(0, |l| {
-            let len = |s: &Option<(Tensor<4>, Tensor<4>)>| {
-                s.as_ref().map_or(0, |(k, _)| k.dims()[2])
-            };
+            let len =
+                |s: &Option<(Tensor<4>, Tensor<4>)>| s.as_ref().map_or(0, |(k, _)| k.dims()[2]);
             len(&l.prefix) + len(&l.branch)
         })
     }
@@ -751,7 +746,7 @@ impl SpecCache for BranchKvCache {
 /// A ShadowKV cache scores its landmarks with all L + 1 queries of a block (summed, as for a
 /// multi-token step), so its selection, and thus its sampled tokens, can differ from
 /// one-token decoding unless the budget covers the whole prompt.
-pub struct LinearSpecCache{
+pub struct LinearSpecCache {
     inner: Box<dyn KvCache>,
     /// Positions held when the current block forked.
     forked_at: Option<usize>,
@@ -1094,11 +1089,7 @@ pub fn speculative_generate(
 ///
 /// # Errors
 /// [`SpecError::CacheLayout`], [`SpecError::CacheNotEmpty`].
-pub fn check_cache(
-    cache: &dyn SpecCache,
-    batch: usize,
-    drafts: usize,
-) -> Result<(), SpecError> {
+pub fn check_cache(cache: &dyn SpecCache, batch: usize, drafts: usize) -> Result<(), SpecError> {
     if cache.batch() != batch || drafts > cache.max_fan() {
         return Err(SpecError::CacheLayout {
             cache: cache.name(),

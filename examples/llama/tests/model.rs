@@ -2,7 +2,7 @@
 
 use crate::common::{checkpoint, paragraph_tokens, paragraph_tokens_on};
 
-use burn::tensor::{DType};
+use burn::tensor::DType;
 use std::sync::Arc;
 
 use burn_kernels_core::{

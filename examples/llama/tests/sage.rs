@@ -6,7 +6,7 @@
 
 use crate::common::{checkpoint, paragraph_tokens_on};
 
-use burn::tensor::{DType};
+use burn::tensor::DType;
 use burn_kernels_core::ReferenceAttention;
 use burn_kernels_testing::is_wgpu;
 use burn_llama::attention::{AttentionChoice, SAGE_VARIANTS, capture_qkv, sage_variant};

@@ -326,8 +326,7 @@ fn distillation_samples(
         );
         return Ok(ids.chunks(len).map(<[u32]>::to_vec).collect());
     }
-    let teacher =
-        Llama::from_checkpoint(ckpt, device, DType::F32).map_err(|e| e.to_string())?;
+    let teacher = Llama::from_checkpoint(ckpt, device, DType::F32).map_err(|e| e.to_string())?;
     let opts = TeacherOptions {
         samples: n,
         prompt_len: cli.teacher_prompt,

@@ -14,7 +14,7 @@ use crate::spec::{
     speculative_generate_with_cache, truncated_draft,
 };
 use crate::tokenizer::Tokenizer;
-use burn::tensor::{DType};
+use burn::tensor::DType;
 use burn_kernels_core::{AttentionImpl, FusedBackend, FusedLayers, KvCache, SamplingConfig};
 use burn_kvcache::{KvBackend, MiniCacheConfig, QuantConfig, ShadowKvConfig};
 use burn_sage::SageBackend;
@@ -280,10 +280,7 @@ fn run_cuda(_: &Cli) -> Result<(), String> {
     Err(super::missing_feature("cuda"))
 }
 
-fn run(
-    cli: &Cli,
-    device: &Device,
-) -> Result<(), String> {
+fn run(cli: &Cli, device: &Device) -> Result<(), String> {
     let common = match &cli.cmd {
         Cmd::Generate { common, .. } | Cmd::Perplexity { common, .. } => common,
     };
@@ -506,7 +503,7 @@ fn build_attention(
 
 /// How `llama generate` decodes: through the chosen cache, or speculatively (with a
 /// compressed target cache wrapped for truncation rollback, or the branching full cache).
-enum Decoding{
+enum Decoding {
     Plain(Box<dyn KvCache>),
     Speculative(SpecScheme, Option<LinearSpecCache>),
 }
