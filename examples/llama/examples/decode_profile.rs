@@ -173,7 +173,7 @@ fn run(args: &Args, attention: Option<AttentionKind>) {
         model
             .logits(h)
             .into_data()
-            .to_vec::<f32>()
+            .try_to_vec::<f32>()
             .expect("f32 logits")
     };
     let want = logits(&mut plain_cache, &ReferenceAttention);
@@ -197,7 +197,7 @@ fn run(args: &Args, attention: Option<AttentionKind>) {
         });
         let (logits, l) = timed::<_>(&device, || model.logits(hidden));
         let (data, r) = timed::<_>(&device, || {
-            logits.into_data().to_vec::<f32>().expect("f32 logits")
+            logits.into_data().try_to_vec::<f32>().expect("f32 logits")
         });
         let argmax = data
             .iter()

@@ -121,7 +121,7 @@ fn argmax_last(model: &Llama<Cpu>, hidden: Tensor<Cpu, 3>) -> u32 {
         .argmax(2)
         .into_data()
         .convert::<i64>()
-        .to_vec::<i64>()
+        .try_to_vec::<i64>()
         .expect("int")[0] as u32
 }
 

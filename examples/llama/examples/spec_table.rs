@@ -151,7 +151,7 @@ fn distributions(
     let input = Tensor::<2, Int>::from_data(TensorData::new(ids, [1, n]), &device);
     let mut cache = FullKvCache::new(model.config.num_layers);
     let hidden = model.forward(input, &[], &mut cache, attention);
-    let logits = model.logits(hidden).into_data().to_vec::<f32>().unwrap();
+    let logits = model.logits(hidden).into_data().try_to_vec::<f32>().unwrap();
     let vocab = logits.len() / n;
     temperatures
         .iter()

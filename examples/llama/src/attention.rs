@@ -16,9 +16,9 @@
 
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_kernels_core::{AttentionImpl, AttentionKind, FullKvCache, ReferenceAttention};
-use burn_kvcache::{DecodeAttention, KvBackend};
+use burn_kvcache::DecodeAttention;
 use burn_sage::adaptive::{CaptureAttention, Captured, LayerReport, choose_layer};
-use burn_sage::{PvPrecision, QkQuant, SageAttention, SageBackend, SageError, SageOptions};
+use burn_sage::{PvPrecision, QkQuant, SageAttention, SageError, SageOptions};
 
 use crate::model::Llama;
 

@@ -11,7 +11,7 @@
 use burn::tensor::{Int, Tensor, TensorData, activation};
 use burn_kernels_core::{AttentionImpl, FullKvCache, KvCache};
 use burn_kvcache::{
-    KvBackend, KvCacheError, MiniCacheConfig, MiniCacheKv, QuantConfig, QuantKv, RopeParams,
+    KvCacheError, MiniCacheConfig, MiniCacheKv, QuantConfig, QuantKv, RopeParams,
     ShadowKvCache, ShadowKvConfig,
 };
 
@@ -95,7 +95,7 @@ pub fn perplexity_with_cache_chunked(
         let nll = log_probs.gather(2, targets).neg().sum();
         nll.into_data()
             .convert::<f64>()
-            .to_vec::<f64>()
+            .try_to_vec::<f64>()
             .expect("float")[0]
     };
     // The prefill's last position scores tokens[prefix_len]; only that one is kept.
@@ -115,7 +115,7 @@ pub fn perplexity_with_cache_chunked(
         .sum()
         .into_data()
         .convert::<f64>()
-        .to_vec::<f64>()
+        .try_to_vec::<f64>()
         .expect("float")[0];
     let mut from = prefix_len;
     while from < n - 1 {

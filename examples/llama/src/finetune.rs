@@ -9,12 +9,9 @@
 
 use std::path::{Path, PathBuf};
 
-use burn::module::{AutodiffModule, Module};
-use burn::optim::{AdamWConfig, GradientsAccumulator, GradientsParams, Optimizer};
-use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder, Recorder};
-use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{DType, ElementConversion, Int, Tensor, TensorData};
-use burn_cce::CceBackend;
+use burn::module::Module;
+use burn::optim::{AdamWConfig, GradientsAccumulator, GradientsParams};
+use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use burn_kernels_core::{AttentionImpl, FullKvCache, SamplingConfig};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use serde::{Deserialize, Serialize};
@@ -203,7 +200,10 @@ struct RunState {
     model: Option<LlamaConfig>,
 }
 
-type Rec = NamedMpkFileRecorder<FullPrecisionSettings>;
+/// The model's parameters in a checkpoint folder (burnpack).
+const MODEL_FILE: &str = "model.bpk";
+/// The optimizer state in a checkpoint folder (burnpack).
+const OPTIMIZER_FILE: &str = "optimizer.bpk";
 
 fn ckpt_err(path: &Path, reason: impl ToString) -> TrainError {
     TrainError::Checkpoint {
@@ -240,10 +240,7 @@ pub fn validation_loss(
     cfg: &TrainConfig,
     attention: &dyn AttentionImpl,
     kind: LossKind,
-) -> Result<f64, TrainError>
-where
-    B::InnerBackend: CceBackend,
-{
+) -> Result<f64, TrainError> {
     let inner = model.valid();
     let device = inner.embed.val().device();
     let n = cfg.val_windows.max(1);
@@ -256,7 +253,7 @@ where
             .collect();
         let tokens = Tensor::<2, Int>::from_data(TensorData::new(ids, [1, cfg.seq + 1]), &device);
         let loss = next_token_loss(&inner, tokens, attention, kind, -100)?;
-        total += loss.into_scalar().elem::<f64>();
+        total += loss.into_scalar::<f64>();
     }
     Ok(total / n as f64)
 }
@@ -288,10 +285,7 @@ pub fn train(
     val_attention: &dyn AttentionImpl,
     checkpoint: Option<(&Path, usize, bool)>,
     mut on_step: impl FnMut(&StepLog) -> bool,
-) -> Result<(Llama, Vec<StepLog>), TrainError>
-where
-    B::InnerBackend: CceBackend,
-{
+) -> Result<(Llama, Vec<StepLog>), TrainError> {
     cfg.validate(corpus)?;
     if cfg.soft_labels != teacher.is_some() {
         return Err(TrainError::Config(match cfg.soft_labels {
@@ -302,7 +296,7 @@ where
     let device = model.embed.val().device();
     let mut optim = AdamWConfig::new()
         .with_weight_decay(cfg.weight_decay)
-        .init::<Llama>();
+        .init();
     let mut log = Vec::new();
     if let Some((dir, _, true)) = checkpoint {
         let state_path = dir.join("state.json");
@@ -318,11 +312,11 @@ where
                 ));
             }
             model = model
-                .load_file(dir.join("model"), &Rec::new(), &device)
+                .try_load_file(dir.join(MODEL_FILE))
                 .map_err(|e| ckpt_err(dir, e))?;
-            let record = Recorder::load(&Rec::new(), dir.join("optimizer"), &device)
+            optim = optim
+                .load(dir.join(OPTIMIZER_FILE))
                 .map_err(|e| ckpt_err(dir, e))?;
-            optim = optim.load_record(record);
             log = state.log;
         }
     }
@@ -341,7 +335,7 @@ where
                 Some(teacher) => soft_label_loss(&model, teacher, tokens, attention, val_attention),
                 None => next_token_loss(&model, tokens, attention, kind, -100)?,
             };
-            loss_sum += loss.clone().into_scalar().elem::<f64>();
+            loss_sum += loss.clone().into_scalar::<f64>();
             // Mean over micro-batches: each one's gradient is scaled before they are summed.
             let grads = (loss / cfg.grad_accum as f32).backward();
             acc.accumulate(&model, GradientsParams::from_grads(grads, &model));
@@ -365,7 +359,7 @@ where
         if let Some((dir, every, _)) = checkpoint
             && (done == cfg.steps || !go_on || (every > 0 && done % every == 0))
         {
-            save_checkpoint(dir, &model, &optim.to_record(), cfg, &log)?;
+            save_checkpoint(dir, &model, &optim, cfg, &log)?;
         }
         if !go_on {
             break;
@@ -374,19 +368,20 @@ where
     Ok((model, log))
 }
 
-fn save_checkpoint<R: burn::record::Record + Clone>(
+fn save_checkpoint(
     dir: &Path,
     model: &Llama,
-    optim: &R,
+    optim: &burn::optim::ModuleOptimizer,
     cfg: &TrainConfig,
     log: &[StepLog],
 ) -> Result<(), TrainError> {
     std::fs::create_dir_all(dir).map_err(|e| ckpt_err(dir, e))?;
     model
         .clone()
-        .save_file(dir.join("model"), &Rec::new())
+        .save_file(dir.join(MODEL_FILE))
         .map_err(|e| ckpt_err(dir, e))?;
-    Recorder::record(&Rec::new(), optim.clone(), dir.join("optimizer"))
+    optim
+        .save(dir.join(OPTIMIZER_FILE))
         .map_err(|e| ckpt_err(dir, e))?;
     let state = RunState {
         config: cfg.clone(),
@@ -436,7 +431,7 @@ pub fn read_corpus(path: &Path, max_chars: usize) -> Result<String, String> {
 pub fn checkpoint_dir(path: &Path) -> Option<PathBuf> {
     [path.to_path_buf(), path.join("checkpoint")]
         .into_iter()
-        .find(|d| d.join("state.json").is_file() && d.join("model.mpk").is_file())
+        .find(|d| d.join("state.json").is_file() && d.join(MODEL_FILE).is_file())
 }
 
 /// The model a training run saved (see [`checkpoint_dir`]), at `dtype` on `device`.
@@ -446,7 +441,7 @@ pub fn checkpoint_dir(path: &Path) -> Option<PathBuf> {
 /// shape, or its record does not load.
 pub fn load_trained(path: &Path, device: &Device, dtype: DType) -> Result<Llama, TrainError> {
     let dir = checkpoint_dir(path)
-        .ok_or_else(|| ckpt_err(path, "no state.json and model.mpk here or in checkpoint/"))?;
+        .ok_or_else(|| ckpt_err(path, "no state.json and model.bpk here or in checkpoint/"))?;
     let state_path = dir.join("state.json");
     let text = std::fs::read_to_string(&state_path).map_err(|e| ckpt_err(&state_path, e))?;
     let state: RunState = serde_json::from_str(&text).map_err(|e| ckpt_err(&state_path, e))?;
@@ -457,7 +452,7 @@ pub fn load_trained(path: &Path, device: &Device, dtype: DType) -> Result<Llama,
         )
     })?;
     Llama::random(&cfg, device, dtype)
-        .load_file(dir.join("model"), &Rec::new(), device)
+        .try_load_file(dir.join(MODEL_FILE))
         .map_err(|e| ckpt_err(&dir, e))
 }
 

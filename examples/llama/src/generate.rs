@@ -47,7 +47,7 @@ fn last_logits(model: &Llama, hidden: Tensor<3>) -> Vec<Vec<f32>> {
     let last = hidden.slice([0..b, s - 1..s, 0..h]);
     let logits = model.logits(last);
     let vocab = logits.dims()[2];
-    let data = logits.into_data().to_vec::<f32>().expect("f32 logits");
+    let data = logits.into_data().try_to_vec::<f32>().expect("f32 logits");
     data.chunks(vocab).map(|c| c.to_vec()).collect()
 }
 
@@ -134,6 +134,6 @@ pub fn perplexity(model: &Llama, tokens: &[u32], attention: &dyn AttentionImpl) 
     let targets: Vec<i64> = tokens[1..].iter().map(|&t| t as i64).collect();
     let targets = Tensor::<3, Int>::from_data(TensorData::new(targets, [1, n - 1, 1]), &device);
     let nll = log_probs.gather(2, targets).neg().mean();
-    let nll = nll.into_data().to_vec::<f32>().expect("f32")[0] as f64;
+    let nll = nll.into_data().try_to_vec::<f32>().expect("f32")[0] as f64;
     nll.exp()
 }

@@ -4,7 +4,7 @@
 use burn::module::{Module, Param};
 use burn::nn::RmsNorm;
 use burn::tensor::{
-    DType, Distribution, Int, Tensor, TensorCreationOptions, TensorData, backend::Backend,
+    DType, Device, Distribution, Int, Tensor, TensorCreationOptions, TensorData,
 };
 use burn_kernels_core::{AttentionImpl, AttnOptions, KvCache, Rope, TensorOps};
 

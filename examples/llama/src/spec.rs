@@ -65,7 +65,7 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
-use burn::tensor::{Bool, Int, Tensor, TensorData};
+use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 use burn_kernels_core::{
     AttentionImpl, AttnOptions, Greedy, KvCache, Sampler, SamplingConfig, TopKTopP, append_kv,
 };
@@ -163,31 +163,31 @@ pub enum DraftSource<'a> {
     Lookup(PromptLookup),
 }
 
-impl Clone for DraftSource<'_, B> {
+impl Clone for DraftSource<'_> {
     fn clone(&self) -> Self {
         *self
     }
 }
 
-impl Copy for DraftSource<'_, B> {}
+impl Copy for DraftSource<'_> {}
 
 /// One draft: its source and the sampling settings a model draft's tokens are drawn with
 /// (temperature, top-k, top-p; the seed is unused, see [`SpecOptions::seed`]).
 #[derive(Debug)]
 pub struct Draft<'a> {
-    pub source: DraftSource<'a, B>,
+    pub source: DraftSource<'a>,
     pub sampling: SamplingConfig,
 }
 
-impl Clone for Draft<'_, B> {
+impl Clone for Draft<'_> {
     fn clone(&self) -> Self {
         *self
     }
 }
 
-impl Copy for Draft<'_, B> {}
+impl Copy for Draft<'_> {}
 
-impl<'a> Draft<'a, B> {
+impl<'a> Draft<'a> {
     /// A draft model sampled with `sampling`.
     pub fn model(model: &'a Llama, sampling: SamplingConfig) -> Self {
         Self {
@@ -899,7 +899,7 @@ fn logits_at(model: &Llama, hidden: Tensor<3>, positions: &[usize]) -> Vec<f32> 
     model
         .logits(x.unsqueeze::<3>())
         .into_data()
-        .to_vec::<f32>()
+        .try_to_vec::<f32>()
         .expect("f32 logits")
 }
 
@@ -998,7 +998,7 @@ struct Group<'a> {
 
 fn validate(
     target: &Llama,
-    drafts: &[Draft<'_, B>],
+    drafts: &[Draft<'_>],
     prompts: &[Vec<u32>],
     opts: &SpecOptions,
 ) -> Result<(), SpecError> {
@@ -1074,7 +1074,7 @@ fn prefill(
 /// [`SpecError::Verify`] if a scheme rejects its inputs.
 pub fn speculative_generate(
     target: &Llama,
-    drafts: &[Draft<'_, B>],
+    drafts: &[Draft<'_>],
     prompts: &[Vec<u32>],
     attention: &dyn AttentionImpl,
     opts: &SpecOptions,
@@ -1115,7 +1115,7 @@ pub fn check_cache(cache: &dyn SpecCache, batch: usize, drafts: usize) -> Result
 pub fn speculative_generate_with_cache<C: SpecCache>(
     target: &Llama,
     mut target_cache: C,
-    drafts: &[Draft<'_, B>],
+    drafts: &[Draft<'_>],
     prompts: &[Vec<u32>],
     attention: &dyn AttentionImpl,
     opts: &SpecOptions,
@@ -1126,7 +1126,7 @@ pub fn speculative_generate_with_cache<C: SpecCache>(
     let batch = prompts.len();
     let k_drafts = drafts.len();
     let len = opts.draft_len;
-    let mut groups: Vec<Group<'_, B>> = Vec::new();
+    let mut groups: Vec<Group<'_>> = Vec::new();
     let mut lookups: Vec<(usize, PromptLookup)> = Vec::new();
     for (k, d) in drafts.iter().enumerate() {
         let model = match d.source {

@@ -2,7 +2,7 @@
 //! cross-entropy on the same model.
 
 use burn::tensor::{Int, Tensor};
-use burn_cce::{CceBackend, CceError, CceOptions, LinearCrossEntropyLoss, Reduction, reference};
+use burn_cce::{CceError, CceOptions, LinearCrossEntropyLoss, Reduction, reference};
 use burn_kernels_core::{AttentionImpl, FullKvCache};
 
 use crate::model::Llama;

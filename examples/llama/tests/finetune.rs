@@ -3,9 +3,8 @@
 //! the plain loss give the same curve, a bad configuration is a typed error, and draft
 //! distillation on the teacher's samples raises speculative acceptance.
 
-use burn::backend::{Autodiff, NdArray};
-use burn::module::AutodiffModule;
-use burn::tensor::{DType, Int, Tensor, TensorData};
+use burn::module::Module;
+use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use burn_kernels_core::{FullKvCache, ReferenceAttention};
 use burn_llama::config::LlamaConfig;
 use burn_llama::finetune::{
@@ -16,7 +15,10 @@ use burn_llama::spec::{load_draft, truncated_draft};
 use burn_llama::train::{LossKind, soft_label_loss};
 use burn_specdec::{Scheme, Verifier};
 
-type B = Autodiff<NdArray<f32>>;
+/// The training device: Burn's CPU backend with autodiff.
+fn train_device() -> Device {
+    Device::flex().autodiff()
+}
 
 fn tiny() -> LlamaConfig {
     LlamaConfig {
@@ -53,8 +55,8 @@ fn corpus() -> Corpus {
 /// A random model; the backend's generator is process-wide and the tests run in parallel, so
 /// a test that needs two equal models clones one.
 fn model(seed: u64) -> Llama {
-    let device = Default::default();
-    B::seed(&device, seed);
+    let device = train_device();
+    device.seed(seed);
     Llama::random(&tiny(), &device, DType::F32)
 }
 
@@ -191,15 +193,15 @@ fn bad_configuration_is_a_typed_error() {
 }
 
 /// Next-token distributions of `m` at every position of `samples` (equal lengths), in f64.
-fn rows(m: &Llama<NdArray<f32>>, samples: &[Vec<u32>]) -> Vec<Vec<f64>> {
-    let device = Default::default();
+fn rows(m: &Llama, samples: &[Vec<u32>]) -> Vec<Vec<f64>> {
+    let device = Device::flex();
     let (n, len) = (samples.len(), samples[0].len());
     let ids: Vec<i64> = samples.iter().flatten().map(|&t| t as i64).collect();
-    let input = Tensor::<NdArray<f32>, 2, Int>::from_data(TensorData::new(ids, [n, len]), &device);
+    let input = Tensor::<2, Int>::from_data(TensorData::new(ids, [n, len]), &device);
     let mut cache = FullKvCache::new(m.config.num_layers);
     let logits = m.logits(m.forward(input, &[], &mut cache, &ReferenceAttention));
     let v = logits.dims()[2];
-    let data = logits.into_data().to_vec::<f32>().expect("f32");
+    let data = logits.into_data().try_to_vec::<f32>().expect("f32");
     data.chunks(v)
         .map(|r| {
             let max = r.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -213,8 +215,8 @@ fn rows(m: &Llama<NdArray<f32>>, samples: &[Vec<u32>]) -> Vec<Vec<f64>> {
 /// Mean probability that single-draft speculative sampling accepts `draft`'s token, over every
 /// position of `samples`, with the teacher as target (both at temperature 1): 1 − TV(p, q).
 fn acceptance(
-    teacher: &Llama<NdArray<f32>>,
-    draft: &Llama<NdArray<f32>>,
+    teacher: &Llama,
+    draft: &Llama,
     samples: &[Vec<u32>],
 ) -> f64 {
     let (p, q) = (rows(teacher, samples), rows(draft, samples));
@@ -242,8 +244,8 @@ fn windows(len: usize) -> Vec<Vec<u32>> {
 /// The teacher of the distillation tests: trained on the cycle, so its rows are peaked and a
 /// truncated copy of it does not match them.
 fn cycle_teacher() -> Llama {
-    let device = Default::default();
-    B::seed(&device, 5);
+    let device = train_device();
+    device.seed(5);
     let random = Llama::random(
         &LlamaConfig {
             num_layers: 3,
@@ -277,12 +279,12 @@ fn soft_label_loss_is_the_mean_kl() {
     let teacher = teacher_ad.valid();
     let student = model(22);
     let w = windows(11);
-    let device = Default::default();
+    let device = train_device();
     let ids: Vec<i64> = w.iter().flatten().map(|&t| t as i64).collect();
     let tokens = || Tensor::<2, Int>::from_data(TensorData::new(ids.clone(), [4, 11]), &device);
     let att = &ReferenceAttention;
     let loss = soft_label_loss(&student, &teacher, tokens(), att, att);
-    let got = f64::from(loss.clone().into_scalar());
+    let got = loss.clone().into_scalar::<f64>();
 
     let inputs: Vec<Vec<u32>> = w.iter().map(|x| x[..10].to_vec()).collect();
     let (p, q) = (rows(&teacher, &inputs), rows(&student.valid(), &inputs));
@@ -304,10 +306,10 @@ fn soft_label_loss_is_the_mean_kl() {
         .embed
         .grad(&grads)
         .expect("the student's embedding gets a gradient");
-    let norm = f64::from(grad.abs().sum().into_scalar());
+    let norm = grad.abs().sum().into_scalar::<f64>();
     assert!(norm > 0.0, "gradient norm {norm}");
 
-    let same = f64::from(soft_label_loss(&teacher_ad, &teacher, tokens(), att, att).into_scalar());
+    let same = soft_label_loss(&teacher_ad, &teacher, tokens(), att, att).into_scalar::<f64>();
     assert!(same.abs() < 1e-5, "KL of the teacher to itself {same}");
 }
 
@@ -379,7 +381,7 @@ fn soft_label_distillation_raises_acceptance() {
 /// saved checkpoint loads back (from the run folder) as the same draft.
 #[test]
 fn distilled_draft_accepts_more_and_reloads() {
-    let device = Default::default();
+    let device = Device::flex();
     // A random model's distributions are nearly uniform (any draft matches them); a teacher
     // trained on the cycle is peaked, and its first layer alone is not.
     let teacher = cycle_teacher();
@@ -443,24 +445,24 @@ fn distilled_draft_accepts_more_and_reloads() {
     );
 
     // The run folder (or its checkpoint/) loads as the trained draft, logits for logits.
-    let loaded = load_draft::<NdArray<f32>>(&dir, &device, DType::F32).expect("loads");
+    let loaded = load_draft(&dir, &device, DType::F32).expect("loads");
     assert_eq!(loaded.layers.len(), 1);
-    let ids = Tensor::<NdArray<f32>, 2, Int>::from_data(
+    let ids = Tensor::<2, Int>::from_data(
         TensorData::new(
             samples[0].iter().map(|&t| i64::from(t)).collect::<Vec<_>>(),
             [1, 25],
         ),
         &device,
     );
-    let logits = |m: &Llama<NdArray<f32>>| {
+    let logits = |m: &Llama| {
         let mut cache = FullKvCache::new(m.config.num_layers);
         m.logits(m.forward(ids.clone(), &[], &mut cache, &ReferenceAttention))
             .into_data()
-            .to_vec::<f32>()
+            .try_to_vec::<f32>()
             .expect("f32")
     };
     assert_eq!(logits(&loaded), logits(&trained.valid()));
-    let missing = load_trained::<NdArray<f32>>(&dir.join("nothing"), &device, DType::F32);
+    let missing = load_trained(&dir.join("nothing"), &device, DType::F32);
     let _ = std::fs::remove_dir_all(&dir);
     assert!(matches!(missing, Err(TrainError::Checkpoint { .. })));
 }

@@ -2,19 +2,19 @@
 
 use crate::common::{checkpoint, paragraph_tokens, paragraph_tokens_on};
 
-use burn::tensor::DType;
+use burn::tensor::{DType, Device};
 use std::sync::Arc;
 
 use burn_kernels_core::{
-    AttentionImpl, BurnAttention, FullKvCache, FusedBackend, FusedLayers, Greedy,
+    AttentionImpl, BurnAttention, FullKvCache, FusedLayers, Greedy,
     ReferenceAttention,
 };
-use burn_kvcache::{DecodeAttention, KvBackend};
+use burn_kvcache::DecodeAttention;
+use burn_kernels_testing::testgen;
 use burn_llama::eval::{perplexity_with_cache, perplexity_with_cache_chunked};
 use burn_llama::generate::{GenerateOptions, generate, perplexity};
 use burn_llama::model::Llama;
 
-type Cpu = NdArray<f32>;
 
 fn model(device: &Device) -> Llama {
     Llama::from_checkpoint(checkpoint(), device, DType::F32).expect("valid checkpoint")
@@ -46,7 +46,7 @@ fn greedy(
 #[test]
 fn greedy_capital_of_france_is_paris() {
     let tok = &checkpoint().tokenizer;
-    let model = model::<Cpu>(&Default::default());
+    let model = model(&Device::flex());
     let prompt = tok.encode("The capital of France is").unwrap();
     let out = greedy(&model, &[prompt], 8, &ReferenceAttention);
     let text = tok.decode(&out[0]).unwrap();
@@ -57,7 +57,7 @@ fn greedy_capital_of_france_is_paris() {
 #[test]
 fn chat_prompt_gets_an_english_answer() {
     let tok = &checkpoint().tokenizer;
-    let model = model::<Cpu>(&Default::default());
+    let model = model(&Device::flex());
     let prompt = tok.chat_prompt(&[("user", "What is the capital of France?")], true);
     let out = greedy(
         &model,
@@ -76,7 +76,7 @@ fn chat_prompt_gets_an_english_answer() {
 #[test]
 fn batched_generation_matches_one_prompt_at_a_time() {
     let tok = &checkpoint().tokenizer;
-    let model = model::<Cpu>(&Default::default());
+    let model = model(&Device::flex());
     let prompts: Vec<Vec<u32>> = [
         "The capital of France is",
         "Once upon a time, in a small village by the sea, there lived",
@@ -101,7 +101,7 @@ fn batched_generation_matches_one_prompt_at_a_time() {
 #[test]
 fn perplexity_of_the_committed_paragraph_is_low() {
     let ids = paragraph_tokens();
-    let model = model::<Cpu>(&Default::default());
+    let model = model(&Device::flex());
     let ppl = perplexity(&model, &ids, &ReferenceAttention);
     println!(
         "perplexity (cpu, reference attention) {ppl:.4} over {} tokens",
@@ -118,11 +118,10 @@ fn perplexity_of_the_committed_paragraph_is_low() {
 
 /// The CPU's perplexity comes out on `B` too, with both attention implementations (on the
 /// paragraph's first tokens on wgpu, see `paragraph_tokens_on`).
-#[allow(dead_code)]
 fn perplexity_matches_cpu(device: &Device) {
     let ids = paragraph_tokens_on(device);
     let cpu = perplexity(
-        &model::<Cpu>(&Default::default()),
+        &model(&Device::flex()),
         &ids,
         &ReferenceAttention,
     );
@@ -131,7 +130,7 @@ fn perplexity_matches_cpu(device: &Device) {
         let other = perplexity(&gpu_model, &ids, attention);
         println!(
             "perplexity cpu {cpu:.5}, {}/{} {other:.5}",
-            B::name(device),
+            format!("{device:?}"),
             attention.name()
         );
         assert!(((other - cpu) / cpu).abs() < 1e-3, "{other} vs cpu {cpu}");
@@ -141,11 +140,10 @@ fn perplexity_matches_cpu(device: &Device) {
 /// The decode kernels (fused layer ops, split-K decode attention) scoring the second half of
 /// the paragraph in decode steps of 1 and 4 tokens through a full cache give the CPU's
 /// perplexity of those positions (prefill: Burn's attention op with the fused layer ops).
-#[allow(dead_code)]
 fn decode_kernels_match_cpu(device: &Device) {
     let ids = paragraph_tokens_on(device);
     let prefix = ids.len() / 2;
-    let cpu_model = model::<Cpu>(&Default::default());
+    let cpu_model = model(&Device::flex());
     let mut cpu_cache = FullKvCache::new(cpu_model.config.num_layers);
     let cpu = perplexity_with_cache(
         &cpu_model,
@@ -165,7 +163,7 @@ fn decode_kernels_match_cpu(device: &Device) {
              {:.5}",
             cpu.scored,
             cpu.perplexity,
-            B::name(device),
+            format!("{device:?}"),
             got.perplexity
         );
         assert_eq!(got.scored, cpu.scored);
@@ -178,30 +176,7 @@ fn decode_kernels_match_cpu(device: &Device) {
     }
 }
 
-#[cfg(feature = "vulkan")]
-#[test]
-fn perplexity_is_the_same_on_vulkan() {
-    type Vk = burn_cubecl::CubeBackend;
-    perplexity_matches_cpu::<Vk>(&Default::default());
-}
-
-#[cfg(feature = "vulkan")]
-#[test]
-fn decode_kernels_are_the_same_on_vulkan() {
-    type Vk = burn_cubecl::CubeBackend;
-    decode_kernels_match_cpu::<Vk>(&Default::default());
-}
-
-#[cfg(feature = "cuda")]
-#[test]
-fn decode_kernels_are_the_same_on_cuda() {
-    type Cuda = burn_cubecl::CubeBackend;
-    decode_kernels_match_cpu::<Cuda>(&Default::default());
-}
-
-#[cfg(feature = "cuda")]
-#[test]
-fn perplexity_is_the_same_on_cuda() {
-    type Cuda = burn_cubecl::CubeBackend;
-    perplexity_matches_cpu::<Cuda>(&Default::default());
+testgen! {
+    backend: [perplexity_matches_cpu, decode_kernels_match_cpu],
+    autodiff: [],
 }

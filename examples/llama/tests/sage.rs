@@ -6,16 +6,14 @@
 
 use crate::common::{checkpoint, paragraph_tokens_on};
 
-use burn::tensor::DType;
+use burn::tensor::{DType, Device};
 use burn_kernels_core::ReferenceAttention;
-use burn_kernels_testing::is_wgpu;
+use burn_kernels_testing::{is_wgpu, testgen};
 use burn_llama::attention::{AttentionChoice, SAGE_VARIANTS, capture_qkv, sage_variant};
 use burn_llama::generate::perplexity;
 use burn_llama::model::Llama;
 use burn_sage::adaptive::{DEFAULT_INT4_THRESHOLD, accuracies};
-use burn_sage::{PvPrecision, QkQuant, SageBackend, SageOptions};
-
-type Cpu = NdArray<f32>;
+use burn_sage::{PvPrecision, QkQuant, SageOptions};
 
 fn model(device: &Device) -> Llama {
     Llama::from_checkpoint(checkpoint(), device, DType::F32).expect("valid checkpoint")
@@ -29,7 +27,7 @@ fn sage_perplexity_close_to_full(device: &Device) {
     let full = perplexity(&model, &ids, &ReferenceAttention);
     println!(
         "{}: perplexity over {} tokens: full {full:.4}",
-        B::name(device),
+        format!("{device:?}"),
         ids.len()
     );
     assert!(
@@ -55,7 +53,7 @@ fn sage_perplexity_close_to_full(device: &Device) {
             .count();
         println!(
             "{}: {name} ({}) {ppl:.4} ({:+.3}% vs full){}",
-            B::name(device),
+            format!("{device:?}"),
             attention.name(),
             rel * 100.0,
             if reports.is_empty() {
@@ -140,40 +138,15 @@ fn sage_accuracy_on_captured_layers(device: &Device) {
 
 #[test]
 fn cpu_sage_perplexity_close_to_full() {
-    sage_perplexity_close_to_full::<Cpu>(&Default::default());
+    sage_perplexity_close_to_full(&Device::flex());
 }
 
 #[test]
 fn cpu_sage_accuracy_on_captured_layers() {
-    sage_accuracy_on_captured_layers::<Cpu>(&Default::default());
+    sage_accuracy_on_captured_layers(&Device::flex());
 }
 
-#[cfg(feature = "vulkan")]
-mod vulkan {
-    type Vk = burn_cubecl::CubeBackend;
-
-    #[test]
-    fn sage_perplexity_close_to_full() {
-        super::sage_perplexity_close_to_full::<Vk>(&Default::default());
-    }
-
-    #[test]
-    fn sage_accuracy_on_captured_layers() {
-        super::sage_accuracy_on_captured_layers::<Vk>(&Default::default());
-    }
-}
-
-#[cfg(feature = "cuda")]
-mod cuda {
-    type Cuda = burn_cubecl::CubeBackend;
-
-    #[test]
-    fn sage_perplexity_close_to_full() {
-        super::sage_perplexity_close_to_full::<Cuda>(&Default::default());
-    }
-
-    #[test]
-    fn sage_accuracy_on_captured_layers() {
-        super::sage_accuracy_on_captured_layers::<Cuda>(&Default::default());
-    }
+testgen! {
+    backend: [sage_perplexity_close_to_full, sage_accuracy_on_captured_layers],
+    autodiff: [],
 }

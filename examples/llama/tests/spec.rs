@@ -6,7 +6,7 @@ use crate::common::checkpoint;
 use std::sync::OnceLock;
 use std::time::Instant;
 
-use burn::tensor::{DType, Int, Tensor, TensorData};
+use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use burn_kernels_core::{FullKvCache, Greedy, KvCache, ReferenceAttention, SamplingConfig};
 use burn_kvcache::ShadowKvConfig;
 use burn_llama::eval::{CacheKind, CacheSpec};
@@ -18,12 +18,11 @@ use burn_llama::spec::{
 };
 use burn_specdec::{PromptLookup, Scheme};
 
-type Cpu = NdArray<f32>;
 
 const DRAFT_LAYERS: usize = 8;
 
-fn target() -> Llama<Cpu> {
-    Llama::from_checkpoint(checkpoint(), &Default::default(), DType::F32).expect("valid checkpoint")
+fn target() -> Llama {
+    Llama::from_checkpoint(checkpoint(), &Device::flex(), DType::F32).expect("valid checkpoint")
 }
 
 fn prompts() -> Vec<Vec<u32>> {
@@ -43,7 +42,7 @@ fn eos() -> Vec<u32> {
     checkpoint().tokenizer.eos_token_ids().to_vec()
 }
 
-fn plain_greedy(model: &Llama<Cpu>, prompts: &[Vec<u32>], n: usize, stop: &[u32]) -> Vec<Vec<u32>> {
+fn plain_greedy(model: &Llama, prompts: &[Vec<u32>], n: usize, stop: &[u32]) -> Vec<Vec<u32>> {
     let mut cache = FullKvCache::new(model.config.num_layers);
     let opts = GenerateOptions {
         max_new_tokens: n,
@@ -79,7 +78,7 @@ fn options(scheme: Scheme, draft_len: usize, target_temperature: f32, n: usize) 
     }
 }
 
-fn identical<'a>(model: &'a Llama<Cpu>, k: usize, temperature: f32) -> Vec<Draft<'a, Cpu>> {
+fn identical<'a>(model: &'a Llama, k: usize, temperature: f32) -> Vec<Draft<'a>> {
     vec![Draft::model(model, sampling(temperature)); k]
 }
 
@@ -259,28 +258,28 @@ fn sampled_speculation_respects_limits_and_reports_metrics() {
 
 /// Last-position logits of `rows` continued from `cache`, `[rows][vocab]`.
 fn continue_from(
-    model: &Llama<Cpu>,
-    cache: &mut BranchKvCache<Cpu>,
+    model: &Llama,
+    cache: &mut BranchKvCache,
     rows: &[Vec<u32>],
 ) -> Vec<Vec<f32>> {
     let hidden = forward_rows(model, cache, rows, &ReferenceAttention);
     let [b, s, h] = hidden.dims();
     let logits = model.logits(hidden.slice([0..b, s - 1..s, 0..h]));
     let vocab = logits.dims()[2];
-    let data = logits.into_data().to_vec::<f32>().unwrap();
+    let data = logits.into_data().try_to_vec::<f32>().unwrap();
     data.chunks(vocab).map(<[f32]>::to_vec).collect()
 }
 
 /// Last-position logits of `tokens` from scratch.
-fn fresh(model: &Llama<Cpu>, tokens: &[u32]) -> Vec<f32> {
+fn fresh(model: &Llama, tokens: &[u32]) -> Vec<f32> {
     let n = tokens.len();
     let ids: Vec<i64> = tokens.iter().map(|&t| t as i64).collect();
-    let input = Tensor::<Cpu, 2, Int>::from_data(TensorData::new(ids, [1, n]), &Default::default());
+    let input = Tensor::<2, Int>::from_data(TensorData::new(ids, [1, n]), &Device::flex());
     let mut cache = FullKvCache::new(model.config.num_layers);
     let hidden = model.forward(input, &[], &mut cache, &ReferenceAttention);
     let h = hidden.dims()[2];
     let logits = model.logits(hidden.slice([0..1, n - 1..n, 0..h]));
-    logits.into_data().to_vec::<f32>().unwrap()
+    logits.into_data().try_to_vec::<f32>().unwrap()
 }
 
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
@@ -338,7 +337,7 @@ fn caches_hold_exactly_the_emitted_tokens_after_rollback() {
             "sequence {b}"
         );
     }
-    let check = |name: &str, model: &Llama<Cpu>, cache: &mut BranchKvCache<Cpu>| {
+    let check = |name: &str, model: &Llama, cache: &mut BranchKvCache| {
         let rows: Vec<Vec<u32>> = seqs
             .iter()
             .enumerate()
@@ -370,7 +369,7 @@ fn bad_configurations_are_typed_errors() {
     let model = target();
     let draft = truncated_draft(&model, 2).unwrap();
     let prompts = prompts();
-    let run = |drafts: &[Draft<'_, Cpu>], prompts: &[Vec<u32>], opts: &SpecOptions| {
+    let run = |drafts: &[Draft<'_>], prompts: &[Vec<u32>], opts: &SpecOptions| {
         speculative_generate(
             &model,
             drafts,
@@ -501,7 +500,7 @@ fn truncated_draft_shares_the_target_weights() {
 /// A compressed target cache (in a [`LinearSpecCache`]) of `kind`, with ShadowKV's rank at the
 /// full key width (exact keys) and a budget over the whole prompt, so that it attends exactly
 /// as the full cache does while still offloading values and selecting chunks.
-fn compressed_cache(model: &Llama<Cpu>, kind: CacheKind) -> LinearSpecCache<Cpu> {
+fn compressed_cache(model: &Llama, kind: CacheKind) -> LinearSpecCache {
     let mut spec = CacheSpec::new(kind);
     let cfg = &model.config;
     spec.shadowkv = ShadowKvConfig {
@@ -513,7 +512,7 @@ fn compressed_cache(model: &Llama<Cpu>, kind: CacheKind) -> LinearSpecCache<Cpu>
         min_prompt: 4,
     };
     spec.quant.residual = 4;
-    LinearSpecCache::new(spec.build_for::<Cpu>(cfg).expect("valid cache config"))
+    LinearSpecCache::new(spec.build_for(cfg).expect("valid cache config"))
 }
 
 /// (d) Compressed caches speculate through truncation: with a greedy target, single-draft SD on
@@ -571,12 +570,12 @@ fn linear_caches_speculate_with_one_draft() {
         assert_eq!(cache.seq_len(), prompt[0].len() + new.len() - 1, "{kind:?}");
         if kind == CacheKind::Full {
             let seq = [prompt[0].as_slice(), new].concat();
-            let last = Tensor::<Cpu, 2, Int>::from_data(
+            let last = Tensor::<2, Int>::from_data(
                 TensorData::new(vec![i64::from(*new.last().unwrap())], [1, 1]),
-                &Default::default(),
+                &Device::flex(),
             );
             let hidden = model.forward(last, &[], &mut cache, &ReferenceAttention);
-            let cont = model.logits(hidden).into_data().to_vec::<f32>().unwrap();
+            let cont = model.logits(hidden).into_data().try_to_vec::<f32>().unwrap();
             let diff = max_abs_diff(&cont, &fresh(&model, &seq));
             println!("full linear cache after rollback: max |Δlogit| {diff:.2e}");
             assert!(diff < 1e-3, "max |Δlogit| {diff}");
@@ -591,7 +590,7 @@ fn linear_cache_layout_errors_are_typed() {
     let draft = truncated_draft(&model, 2).unwrap();
     let prompts = prompts();
     let opts = options(Scheme::SpecInfer, 2, 0.0, 4);
-    let run = |cache: LinearSpecCache<Cpu>, k: usize, prompts: &[Vec<u32>]| {
+    let run = |cache: LinearSpecCache, k: usize, prompts: &[Vec<u32>]| {
         speculative_generate_with_cache(
             &model,
             cache,
@@ -614,9 +613,9 @@ fn linear_cache_layout_errors_are_typed() {
     assert_eq!(run(full(), 2, &prompts[..1]), layout(1, 2));
     assert_eq!(run(full(), 1, &prompts), layout(2, 1));
     let mut used = full();
-    let ids = Tensor::<Cpu, 2, Int>::from_data(
+    let ids = Tensor::<2, Int>::from_data(
         TensorData::new(vec![1i64, 2], [1, 2]),
-        &Default::default(),
+        &Device::flex(),
     );
     draft.forward(ids, &[], &mut used, &ReferenceAttention);
     assert_eq!(

@@ -3,11 +3,9 @@
 
 use crate::common::checkpoint;
 
-use burn::backend::{Autodiff, NdArray};
-use burn::tensor::{DType, Int, Tensor, TensorData, backend::AutodiffBackend};
-use burn_cce::CceBackend;
+use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use burn_kernels_core::ReferenceAttention;
-use burn_kernels_testing::{Tolerance, assert_close, compare::to_f32};
+use burn_kernels_testing::{Tolerance, assert_close, compare::to_f32, testgen};
 use burn_llama::model::Llama;
 use burn_llama::train::{LossKind, next_token_loss};
 
@@ -109,14 +107,13 @@ fn cce_matches_plain(device: &Device) {
 
 #[test]
 fn cpu_cce_training_step_matches_plain() {
-    cce_matches_plain::<Autodiff<NdArray<f32>>>(&Default::default());
+    cce_matches_plain(&Device::flex().autodiff());
 }
 
 #[test]
 fn next_token_loss_shifts() {
     // The public helper that shifts one token tensor agrees with explicit targets.
-    type B = Autodiff<NdArray<f32>>;
-    let device = Default::default();
+    let device = Device::flex().autodiff();
     let model = Llama::from_checkpoint(checkpoint(), &device, DType::F32).expect("checkpoint");
     let (ids, _) = batch();
     let row: Vec<i64> = ids[..16].to_vec();
@@ -138,16 +135,7 @@ fn next_token_loss_shifts() {
     );
 }
 
-#[cfg(feature = "vulkan")]
-#[test]
-fn vulkan_cce_training_step_matches_plain() {
-    type B = Autodiff<burn_cubecl::CubeBackend>;
-    cce_matches_plain(&Default::default());
-}
-
-#[cfg(feature = "cuda")]
-#[test]
-fn cuda_cce_training_step_matches_plain() {
-    type B = Autodiff<burn_cubecl::CubeBackend>;
-    cce_matches_plain(&Default::default());
+testgen! {
+    backend: [],
+    autodiff: [cce_matches_plain],
 }

@@ -27,21 +27,13 @@ use crate::loader::{Checkpoint, default_model_path, load};
 use crate::model::Llama;
 use crate::spec::truncated_draft;
 use crate::train::LossKind;
-use burn::backend::Autodiff;
-use burn::tensor::DType;
-use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn_cce::CceBackend;
+use burn::tensor::{DType, Device};
 use burn_kernels_core::{BurnAttention, ReferenceAttention};
 use clap::{Parser, ValueEnum};
+
+use super::BackendArg;
 use indicatif::{ProgressBar, ProgressStyle};
 use plotters::prelude::*;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum BackendArg {
-    Cpu,
-    Vulkan,
-    Cuda,
-}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum LossArg {
@@ -135,32 +127,8 @@ struct Cli {
 
 pub fn main() {
     let cli = Cli::parse();
-    let result = match cli.backend {
-        BackendArg::Cpu => run::<Autodiff<burn::backend::NdArray<f32>>>(&cli, &Default::default()),
-        BackendArg::Vulkan => run_vulkan(&cli),
-        BackendArg::Cuda => run_cuda(&cli),
-    };
+    let result = cli.backend.device().and_then(|device| run(&cli, &device));
     super::exit_on_error(result);
-}
-
-#[cfg(feature = "vulkan")]
-fn run_vulkan(cli: &Cli) -> Result<(), String> {
-    run::<Autodiff<super::VulkanBackend>>(cli, &Default::default())
-}
-
-#[cfg(not(feature = "vulkan"))]
-fn run_vulkan(_: &Cli) -> Result<(), String> {
-    Err(super::missing_feature("vulkan"))
-}
-
-#[cfg(feature = "cuda")]
-fn run_cuda(cli: &Cli) -> Result<(), String> {
-    run::<Autodiff<super::CudaBackend>>(cli, &Default::default())
-}
-
-#[cfg(not(feature = "cuda"))]
-fn run_cuda(_: &Cli) -> Result<(), String> {
-    Err(super::missing_feature("cuda"))
 }
 
 /// Same rule as xtask's `fetch-corpus`.
@@ -169,10 +137,9 @@ fn default_corpus() -> PathBuf {
     PathBuf::from(home).join(".cache/burn-kernels/corpus/shakespeare")
 }
 
-fn run<A: AutodiffBackend + CceBackend>(cli: &Cli, device: &A::Device) -> Result<(), String>
-where
-    A::InnerBackend: CceBackend,
-{
+/// Trains on `device.autodiff()`; the teacher (distillation) runs on `device` itself.
+fn run(cli: &Cli, device: &Device) -> Result<(), String> {
+    let train_device = device.clone().autodiff();
     let corpus_path = cli.corpus.clone().unwrap_or_else(default_corpus);
     if !corpus_path.exists() {
         return Err(format!(
@@ -194,7 +161,7 @@ where
     std::fs::create_dir_all(&cli.out).map_err(|e| format!("{}: {e}", cli.out.display()))?;
     let corpus = match cli.teacher_samples {
         Some(n) => {
-            let samples = distillation_samples::<A::InnerBackend>(cli, &ckpt, &corpus, n, device)?;
+            let samples = distillation_samples(cli, &ckpt, &corpus, n, device)?;
             Corpus::from_samples(samples, cli.val_fraction).map_err(|e| e.to_string())?
         }
         None => corpus,
@@ -205,11 +172,11 @@ where
                 num_layers: layers.max(1),
                 ..ckpt.config.clone()
             };
-            A::seed(device, cli.seed);
-            Llama::<A>::random(&cfg, device, DType::F32)
+            train_device.seed(cli.seed);
+            Llama::random(&cfg, &train_device, DType::F32)
         }
         (None, init) => {
-            let full = Llama::<A>::from_checkpoint(&ckpt, device, DType::F32)
+            let full = Llama::from_checkpoint(&ckpt, &train_device, DType::F32)
                 .map_err(|e| e.to_string())?;
             match init {
                 Some(layers) => truncated_draft(&full, layers).map_err(|e| e.to_string())?,
@@ -243,7 +210,7 @@ where
     );
     let teacher = match cli.soft_labels {
         true => Some(
-            Llama::<A::InnerBackend>::from_checkpoint(&ckpt, device, DType::F32)
+            Llama::from_checkpoint(&ckpt, device, DType::F32)
                 .map_err(|e| e.to_string())?,
         ),
         false => None,

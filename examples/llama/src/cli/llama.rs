@@ -14,20 +14,14 @@ use crate::spec::{
     speculative_generate_with_cache, truncated_draft,
 };
 use crate::tokenizer::Tokenizer;
-use burn::tensor::DType;
-use burn_kernels_core::{AttentionImpl, FusedBackend, FusedLayers, KvCache, SamplingConfig};
-use burn_kvcache::{KvBackend, MiniCacheConfig, QuantConfig, ShadowKvConfig};
-use burn_sage::SageBackend;
+use burn::tensor::{DType, Device};
+
+use super::BackendArg;
+use burn_kernels_core::{AttentionImpl, FusedLayers, KvCache, SamplingConfig};
+use burn_kvcache::{MiniCacheConfig, QuantConfig, ShadowKvConfig};
 use burn_sage::adaptive::DEFAULT_INT4_THRESHOLD;
 use burn_specdec::{PromptLookup, Scheme};
 use clap::{Args, Parser, Subcommand, ValueEnum};
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum BackendArg {
-    Cpu,
-    Vulkan,
-    Cuda,
-}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum DTypeArg {
@@ -42,7 +36,7 @@ struct Common {
     /// Default: the SmolLM2-135M-Instruct GGUF that `cargo xtask fetch-model` caches.
     #[arg(long)]
     model: Option<PathBuf>,
-    /// Where to run: cpu (Burn's NdArray), vulkan or cuda.
+    /// Where to run: cpu (Burn's Flex backend), vulkan, wgpu or cuda.
     #[arg(long, value_enum, default_value = "cpu")]
     backend: BackendArg,
     /// Weight and activation dtype (f16/bf16 on GPUs).
@@ -252,32 +246,8 @@ pub fn main() {
     let common = match &cli.cmd {
         Cmd::Generate { common, .. } | Cmd::Perplexity { common, .. } => common,
     };
-    let result = match common.backend {
-        BackendArg::Cpu => run::<burn::backend::NdArray<f32>>(&cli, &Default::default()),
-        BackendArg::Vulkan => run_vulkan(&cli),
-        BackendArg::Cuda => run_cuda(&cli),
-    };
+    let result = common.backend.device().and_then(|device| run(&cli, &device));
     super::exit_on_error(result);
-}
-
-#[cfg(feature = "vulkan")]
-fn run_vulkan(cli: &Cli) -> Result<(), String> {
-    run::<super::VulkanBackend>(cli, &Default::default())
-}
-
-#[cfg(not(feature = "vulkan"))]
-fn run_vulkan(_: &Cli) -> Result<(), String> {
-    Err(super::missing_feature("vulkan"))
-}
-
-#[cfg(feature = "cuda")]
-fn run_cuda(cli: &Cli) -> Result<(), String> {
-    run::<super::CudaBackend>(cli, &Default::default())
-}
-
-#[cfg(not(feature = "cuda"))]
-fn run_cuda(_: &Cli) -> Result<(), String> {
-    Err(super::missing_feature("cuda"))
 }
 
 fn run(cli: &Cli, device: &Device) -> Result<(), String> {
@@ -303,12 +273,12 @@ fn run(cli: &Cli, device: &Device) -> Result<(), String> {
     let model = Llama::from_checkpoint(&ckpt, device, dtype).map_err(|e| e.to_string())?;
     let tokenizer = &ckpt.tokenizer;
     eprintln!(
-        "loaded {} layers, hidden {}, vocab {} in {:.1}s on {} ({:?})",
+        "loaded {} layers, hidden {}, vocab {} in {:.1}s on {:?} ({:?})",
         ckpt.config.num_layers,
         ckpt.config.hidden_size,
         ckpt.config.vocab_size,
         t.elapsed().as_secs_f64(),
-        B::name(device),
+        device,
         dtype,
     );
     // The tokens adaptive Sage calibrates on: the prompt (as fed) or the text.
@@ -542,7 +512,7 @@ fn run_speculative(
             ));
         }
     };
-    let mut drafts: Vec<Draft<'_, B>> = vec![Draft::lookup(PromptLookup::default()); lookups];
+    let mut drafts: Vec<Draft<'_>> = vec![Draft::lookup(PromptLookup::default()); lookups];
     if let Some(model) = &draft_model {
         drafts.extend(temperatures.iter().map(|&temperature| {
             let sampling = SamplingConfig {

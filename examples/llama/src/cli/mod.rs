@@ -5,13 +5,43 @@
 pub mod finetune;
 pub mod llama;
 
-/// Burn's CubeCL backend on Vulkan (wgpu), as the command lines run it.
-#[cfg(feature = "vulkan")]
-pub type VulkanBackend = burn_cubecl::CubeBackend;
+use burn::tensor::Device;
+use clap::ValueEnum;
 
-/// Burn's CubeCL backend on CUDA, as the command lines run it.
-#[cfg(feature = "cuda")]
-pub type CudaBackend = burn_cubecl::CubeBackend;
+/// Where a command runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BackendArg {
+    /// Burn's pure-Rust CPU backend (`Flex`); every op runs its tensor-op reference.
+    Cpu,
+    /// Burn's CubeCL backend on Vulkan (SPIR-V kernels; needs the `vulkan` feature).
+    Vulkan,
+    /// Burn's CubeCL backend on wgpu (WGSL kernels; needs the `wgpu` feature).
+    Wgpu,
+    /// Burn's CubeCL backend on CUDA GPU 0 (needs the `cuda` feature).
+    Cuda,
+}
+
+impl BackendArg {
+    /// The Burn device, or why this build cannot run there.
+    ///
+    /// # Errors
+    /// The Cargo feature the backend needs, when this build lacks it.
+    pub fn device(self) -> Result<Device, String> {
+        match self {
+            BackendArg::Cpu => Ok(Device::flex()),
+            #[cfg(feature = "vulkan")]
+            BackendArg::Vulkan => Ok(Device::vulkan(burn::tensor::DeviceKind::DefaultDevice)),
+            #[cfg(feature = "wgpu")]
+            BackendArg::Wgpu => Ok(Device::wgpu(burn::tensor::DeviceKind::DefaultDevice)),
+            #[cfg(feature = "cuda")]
+            BackendArg::Cuda => Ok(Device::cuda(0)),
+            #[allow(unreachable_patterns)]
+            other => Err(missing_feature(
+                other.to_possible_value().expect("no skipped variant").get_name(),
+            )),
+        }
+    }
+}
 
 /// The error of a command asked for a backend this build lacks.
 pub fn missing_feature(feature: &str) -> String {

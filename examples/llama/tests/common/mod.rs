@@ -2,7 +2,7 @@
 
 use std::sync::OnceLock;
 
-use burn::tensor::backend::Backend;
+use burn::tensor::Device;
 
 use burn_llama::loader::{Checkpoint, default_model_path, load};
 
