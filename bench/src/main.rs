@@ -5,15 +5,49 @@
 
 use burn_kernels_bench::{harness, report, suites};
 
-use burn::tensor::backend::Backend;
-use burn_cce::CceBackend;
+use burn::tensor::Device;
 use clap::{Parser, ValueEnum};
 use std::path::PathBuf;
 
+/// The runtime the benchmarks measure on: Burn's CubeCL backend (fused, as a Burn user gets
+/// it) on one of its runtimes, each behind the Cargo feature of the same name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum BackendKind {
+    /// CUDA GPU 0.
     Cuda,
+    /// Vulkan (SPIR-V kernels).
     Vulkan,
+    /// wgpu (WGSL kernels).
+    Wgpu,
+}
+
+impl BackendKind {
+    /// The `--backend` value, also the Cargo feature of the runtime.
+    fn name(self) -> &'static str {
+        match self {
+            BackendKind::Cuda => "cuda",
+            BackendKind::Vulkan => "vulkan",
+            BackendKind::Wgpu => "wgpu",
+        }
+    }
+
+    /// The Burn device, or why this build cannot run there.
+    fn device(self) -> Result<Device, String> {
+        match self {
+            #[cfg(feature = "cuda")]
+            BackendKind::Cuda => Ok(Device::cuda(0)),
+            #[cfg(feature = "vulkan")]
+            BackendKind::Vulkan => Ok(Device::vulkan(burn::tensor::DeviceKind::DefaultDevice)),
+            #[cfg(feature = "wgpu")]
+            BackendKind::Wgpu => Ok(Device::wgpu(burn::tensor::DeviceKind::DefaultDevice)),
+            #[allow(unreachable_patterns)]
+            other => Err(format!(
+                "this binary was built without the `{0}` feature (cargo xtask bench --backend \
+                 {0} builds it with)",
+                other.name()
+            )),
+        }
+    }
 }
 
 #[derive(Debug, Parser)]
@@ -138,10 +172,10 @@ fn main() {
         eprintln!("error: {e}");
         std::process::exit(1);
     }
-    let result = match args.backend {
-        BackendKind::Cuda => run_cuda(&args),
-        BackendKind::Vulkan => run_vulkan(&args),
-    };
+    let result = args.backend.device().and_then(|device| {
+        let (probe, pool) = runtime(&device)?;
+        run(&args, &device, args.backend.name(), Some(probe), pool)
+    });
     if let Err(e) = result {
         eprintln!("error: {e}");
         std::process::exit(1);
@@ -164,88 +198,68 @@ fn check_drafts(paths: &[PathBuf]) -> Result<(), String> {
     Ok(())
 }
 
-#[cfg(feature = "cuda")]
-fn run_cuda(args: &Args) -> Result<(), String> {
-    type R = cubecl::cuda::CudaRuntime;
-    type B = burn_cubecl::CubeBackend;
-    let device = Default::default();
-    let pool = pool_props(&device);
-    run(args, &device, "cuda", Some(memory_probe(&device)), pool)
+/// The runtime's memory probe and pool limits for `device` (a CubeCL device).
+#[cfg(feature = "cube")]
+fn runtime(device: &Device) -> Result<(harness::MemoryProbe, suites::PoolProps), String> {
+    let cube = burn_kernels_core::route::cube_device(device)
+        .ok_or_else(|| format!("{device:?} is not a CubeCL device"))?;
+    let client = cube.client();
+    let mem = &client.properties().memory;
+    let pool = suites::PoolProps {
+        max_page: mem.max_page_size,
+        alignment: mem.alignment,
+    };
+    Ok((memory_probe(client, device.clone()), pool))
 }
 
-#[cfg(not(feature = "cuda"))]
-fn run_cuda(_: &Args) -> Result<(), String> {
-    Err("this binary was built without the `cuda` feature (cargo xtask bench --backend cuda builds it with)".into())
+#[cfg(not(feature = "cube"))]
+fn runtime(device: &Device) -> Result<(harness::MemoryProbe, suites::PoolProps), String> {
+    Err(format!(
+        "{device:?}: this binary was built without a CubeCL runtime (features cuda, vulkan, wgpu)"
+    ))
 }
 
-#[cfg(feature = "vulkan")]
-fn run_vulkan(args: &Args) -> Result<(), String> {
-    type R = burn::backend::wgpu::WgpuRuntime;
-    type B = burn_cubecl::CubeBackend;
-    let device = Default::default();
-    let pool = pool_props(&device);
-    run(args, &device, "vulkan", Some(memory_probe(&device)), pool)
-}
-
-#[cfg(not(feature = "vulkan"))]
-fn run_vulkan(_: &Args) -> Result<(), String> {
-    Err("this binary was built without the `vulkan` feature (cargo xtask bench --backend vulkan builds it with)".into())
-}
-
-/// The runtime's memory-pool readings for `device` (see [`harness::MemoryProbe`]).
-#[cfg(any(feature = "cuda", feature = "vulkan"))]
-fn memory_probe<R: cubecl::Runtime>(device: &R::Device) -> harness::MemoryProbe {
+/// The runtime's memory-pool readings (see [`harness::MemoryProbe`]), for the pools of this
+/// thread's stream (the one Burn's fusion executes this thread's work on).
+#[cfg(feature = "cube")]
+fn memory_probe(client: cubecl::client::Client, device: Device) -> harness::MemoryProbe {
+    use cubecl::MemoryScope;
     use std::sync::Arc;
-    let client = R::client(device);
+    let usage =
+        |client: &cubecl::client::Client| client.memory_report(MemoryScope::CurrentStream).usage();
     let reserved = {
         let client = client.clone();
         Arc::new(move |cleanup| {
             if cleanup {
-                client.memory_cleanup();
+                client.memory_cleanup().ok()?;
             }
-            client.memory_usage().ok().map(|u| u.bytes_reserved)
+            Some(usage(&client).bytes_reserved)
         })
     };
     let allocated = Arc::new(move |run: &mut dyn FnMut()| -> Option<u64> {
-        client.memory_cleanup();
-        let before = client.memory_usage().ok()?.bytes_reserved;
+        client.memory_cleanup().ok()?;
+        let before = usage(&client).bytes_reserved;
         // SAFETY: the mode is set for this thread's stream, which runs `run`, and set back
         // before returning; the exact-size buffers left free are released below.
         unsafe { client.allocation_mode(cubecl::MemoryAllocationMode::Persistent) };
         run();
         unsafe { client.allocation_mode(cubecl::MemoryAllocationMode::Auto) };
-        let after = client.memory_usage().ok().map(|u| u.bytes_reserved);
-        client.memory_cleanup();
-        after.map(|a| a.saturating_sub(before))
+        let after = usage(&client).bytes_reserved;
+        client.memory_cleanup().ok()?;
+        Some(after.saturating_sub(before))
     });
-    let live = {
-        let client = R::client(device);
-        Arc::new(move |run: &mut dyn FnMut()| -> Option<u64> {
-            let before = client.memory_usage().ok()?.bytes_in_use;
-            let peak = burn_cce::live::track_live_peak(run)?;
-            let bytes = peak.bytes.saturating_sub(before);
-            eprintln!(
-                "  live peak {bytes} B, reached after step \"{}\"",
-                peak.step
-            );
-            Some(bytes)
-        })
-    };
+    let live = Arc::new(move |run: &mut dyn FnMut()| -> Option<u64> {
+        let peak = burn_cce::track_live_peak(&device, run)?;
+        eprintln!(
+            "  live peak {} B, reached after step \"{}\"",
+            peak.bytes, peak.step
+        );
+        Some(peak.bytes)
+    });
     harness::MemoryProbe {
         reserved,
         allocated,
         live,
-    }
-}
-
-/// The runtime's memory pool limits for `device`.
-#[cfg(any(feature = "cuda", feature = "vulkan"))]
-fn pool_props<R: cubecl::Runtime>(device: &R::Device) -> suites::PoolProps {
-    let client = R::client(device);
-    let mem = &client.properties().memory;
-    suites::PoolProps {
-        max_page: mem.max_page_size,
-        alignment: mem.alignment,
     }
 }
 
@@ -282,7 +296,7 @@ fn device_name(args: &Args, device: &Device, backend: &str) -> String {
     {
         return line.trim().to_string();
     }
-    B::name(device)
+    format!("{device:?}")
 }
 
 fn commit(args: &Args) -> String {

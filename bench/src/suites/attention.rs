@@ -6,7 +6,7 @@
 
 use burn::tensor::DType;
 use burn::tensor::module::{attention, attention_fallback};
-use burn::tensor::ops::AttentionModuleOptions;
+use burn::tensor::ops::{AttentionModuleOptions, CausalAlignment};
 use burn_kernels_testing::{Dist, random_tensor};
 use serde_json::json;
 
@@ -74,6 +74,7 @@ fn problem(n: usize, d: usize, causal: bool, max_mem: f64) -> Problem {
                 scale: None,
                 softcap: None,
                 is_causal: causal,
+                causal_alignment: CausalAlignment::BottomRight,
             };
             let (q2, k2, v2) = (q.clone(), k.clone(), v.clone());
             let fused = Candidate::timed_here("burn-fused", move || {

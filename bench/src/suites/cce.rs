@@ -8,11 +8,10 @@
 //! FLOPs: the forward is one `N·V·D` GEMM (2NVD); the backward recomputes it and runs two more
 //! (6NVD without filtering, less with it).
 
-use burn::backend::Autodiff;
-use burn::tensor::DType;
-use burn::tensor::{Distribution, Int, Tensor, TensorData};
+use burn::backend::Dispatch;
+use burn::tensor::{DType, Device, Distribution, Int, Tensor, TensorData};
 use burn_cce::{
-    CceBackend, CceOptions, FilterEps, GemmKernel, GemmStrategy, chunked, linear_cross_entropy,
+    CceKernels, CceOptions, FilterEps, GemmKernel, GemmStrategy, chunked, linear_cross_entropy,
     reference,
 };
 use rand::{Rng, SeedableRng, rngs::StdRng, seq::SliceRandom};
@@ -218,7 +217,7 @@ fn problem(
         tokens: Some(n as f64),
         setup: Box::new(move |device| {
             // bf16 as in the paper; f16 where the runtime lacks bf16 (lavapipe smoke runs).
-            let dtype = if B::supports_dtype(device, DType::BF16) {
+            let dtype = if device.supports_dtype(DType::BF16) {
                 DType::BF16
             } else {
                 DType::F16
@@ -247,38 +246,47 @@ fn problem(
                     }
                 }
                 "grad" => {
+                    // The backward alone: burn-cce's extension ops, which `linear_cross_entropy`
+                    // calls on a CubeCL device (under Burn's fusion, custom operations).
+                    let kernels = burn_kernels_core::route::cube_device(device).is_some();
                     for (name, o) in variants(sweep, &pass_blocks, &chunk_blocks) {
+                        if !kernels {
+                            cands.push(Candidate::skipped(name, "not a CubeCL device".into()));
+                            continue;
+                        }
                         if let Some(why) = too_slow_to_tune(shape, o) {
                             cands.push(Candidate::skipped(name, why));
                             continue;
                         }
                         let p = o.params(dtype);
-                        let (lse, _) = B::linear_ce_forward(
-                            x.e.clone().into_primitive().tensor(),
-                            x.c.clone().into_primitive().tensor(),
-                            None,
-                            x.targets.clone().into_primitive(),
-                            &p,
+                        let (lse, _) = Dispatch::linear_ce_forward(
+                            x.e.clone().into_dispatch(),
+                            x.c.clone().into_dispatch(),
+                            x.targets.clone().into_dispatch(),
+                            p,
                         );
+                        let lse = Tensor::<1>::from_dispatch(lse);
                         let dout = Tensor::<1>::full([n], 1.0 / n as f32, (device, DType::F32));
                         let (e, c, t) = (x.e.clone(), x.c.clone(), x.targets.clone());
                         let call = move || {
-                            let _ = B::linear_ce_backward(
-                                e.clone().into_primitive().tensor(),
-                                c.clone().into_primitive().tensor(),
-                                None,
-                                t.clone().into_primitive(),
-                                lse.clone(),
-                                dout.clone().into_primitive().tensor(),
-                                &p,
+                            let _ = Dispatch::linear_ce_backward(
+                                e.clone().into_dispatch(),
+                                c.clone().into_dispatch(),
+                                t.clone().into_dispatch(),
+                                lse.clone().into_dispatch(),
+                                dout.clone().into_dispatch(),
+                                p,
                             );
                         };
                         let timed = call.clone();
                         let mut reported = false;
+                        let dev = device.clone();
                         let candidate = Candidate::timed_here(name, move || {
                             call();
                             if !reported {
                                 reported = true;
+                                // Under fusion the backward runs at the synchronization.
+                                let _ = dev.sync();
                                 if let Some(plan) = chunked::last_backward_plan() {
                                     eprintln!(
                                         "  {name}: gradient computed for {} of {v} vocabulary entries in {} chunks",
@@ -288,9 +296,10 @@ fn problem(
                             }
                         });
                         // One more call, synchronized between the backward's passes.
+                        let dev = device.clone();
                         cands.push(candidate.with_extra(move || {
                             let mut x = Extra::default();
-                            if let Some(ph) = chunked::time_backward_phases(timed) {
+                            if let Some(ph) = chunked::time_backward_phases(&dev, timed) {
                                 x.params.extend(params([
                                     ("scoring_ms", json!(ph.scoring_ms)),
                                     ("vocabulary_pass_ms", json!(ph.vocabulary_ms)),
@@ -375,12 +384,12 @@ fn too_slow_to_tune(shape: &str, o: CceOptions) -> Option<String> {
     })
 }
 
-/// One training-style step on `Autodiff`: the loss (CCE with `options`, or the plain path)
+/// One training-style step with autodiff: the loss (CCE with `options`, or the plain path)
 /// and its gradients with respect to E and C.
 fn autodiff_step(e: &Tensor<2>, c: &Tensor<2>, t: &Tensor<1, Int>, options: Option<CceOptions>) {
-    let e = Tensor::<Autodiff, 2>::from_inner(e.clone()).require_grad();
-    let c = Tensor::<Autodiff, 2>::from_inner(c.clone()).require_grad();
-    let t = Tensor::<Autodiff, 1, Int>::from_inner(t.clone());
+    let e = e.clone().autodiff().require_grad();
+    let c = c.clone().autodiff().require_grad();
+    let t = t.clone().autodiff();
     let loss = match options {
         Some(o) => {
             linear_cross_entropy(e.clone(), c.clone(), t, None, &o)

@@ -8,10 +8,8 @@
 //! FLOPs: ~6 · parameters · tokens for the model (the 28M-parameter embedding counted once, as
 //! the tied classifier) plus 6 · tokens · vocab · hidden for the classifier GEMMs.
 
-use burn::backend::Autodiff;
-use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
+use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{DType, Int, Tensor, TensorData};
-use burn_cce::CceBackend;
 use burn_kernels_core::ReferenceAttention;
 use burn_llama::train::{LossKind, next_token_loss};
 use burn_llama::{Llama, LlamaConfig};
@@ -68,19 +66,20 @@ fn problem(cfg: LlamaConfig, batch: usize, seq: usize) -> Problem {
         bytes: None,
         tokens: Some(tokens),
         setup: Box::new(move |device| {
+            let device = device.clone().autodiff();
             [("cce", LossKind::cce()), ("plain loss", LossKind::Plain)]
                 .into_iter()
                 .map(|(name, kind)| {
-                    B::seed(device, 0);
-                    let model = Llama::<Autodiff>::random(&cfg, device, DType::F32);
+                    device.seed(0);
+                    let model = Llama::random(&cfg, &device, DType::F32);
                     let ids: Vec<i64> = (0..batch * (seq + 1))
                         .map(|i| ((i * 7919) % cfg.vocab_size) as i64)
                         .collect();
-                    let tokens = Tensor::<Autodiff, 2, Int>::from_data(
+                    let tokens = Tensor::<2, Int>::from_data(
                         TensorData::new(ids, [batch, seq + 1]),
-                        device,
+                        &device,
                     );
-                    let mut state = Some((model, AdamWConfig::new().init::<Autodiff, _>()));
+                    let mut state = Some((model, AdamWConfig::new().init()));
                     Candidate::timed_here(name, move || {
                         let (model, mut optim) = state.take().expect("state is put back");
                         let loss = next_token_loss(

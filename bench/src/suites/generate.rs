@@ -26,12 +26,11 @@ use std::cell::RefCell;
 use std::rc::Rc;
 use std::sync::Arc;
 
-use burn::tensor::DType;
-use burn::tensor::backend::Backend;
+use burn::tensor::{DType, Device};
 use burn_kernels_core::{
-    AttentionImpl, BurnAttention, FullKvCache, FusedBackend, FusedLayers, KvCache, SamplingConfig,
+    AttentionImpl, BurnAttention, FullKvCache, FusedLayers, KvCache, SamplingConfig,
 };
-use burn_kvcache::{DecodeAttention, KvBackend, ShadowKvCache, ShadowKvConfig};
+use burn_kvcache::{DecodeAttention, ShadowKvCache, ShadowKvConfig};
 use burn_llama::attention::AttentionChoice;
 use burn_llama::eval::shadowkv_for;
 use burn_llama::generate::{GenerateOptions, generate};
@@ -40,7 +39,6 @@ use burn_llama::spec::{
     Draft, LinearSpecCache, SpecOptions, speculative_generate, speculative_generate_with_cache,
 };
 use burn_llama::{Llama, LlamaConfig};
-use burn_sage::SageBackend;
 use burn_specdec::{PromptLookup, Scheme};
 use serde_json::json;
 

@@ -19,7 +19,7 @@ use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::Instant;
 
-use burn::tensor::{DType, Distribution, Int, Tensor, TensorData};
+use burn::tensor::{DType, Device, Distribution, Int, Tensor, TensorData};
 use burn_kernels_core::{AttentionImpl, AttnOptions, KvCache, Rope};
 use burn_llama::{Llama, LlamaConfig};
 
@@ -346,7 +346,7 @@ impl SharedModel {
                 );
                 sync(device);
                 // Frees the pages of the f32 draws the f16 weights were cast from.
-                B::memory_cleanup(device);
+                device.memory_cleanup();
                 eprintln!(
                     "  random-weight model: {} layers, {:.1} GB of f16 weights, built in {:.1} s",
                     c.num_layers,
@@ -360,7 +360,7 @@ impl SharedModel {
 }
 
 pub fn sync(device: &Device) {
-    B::sync(device).expect("device synchronization failed");
+    device.sync().expect("device synchronization failed");
 }
 
 /// Attention that computes nothing: fills a cache through `KvCache::attend` without the

@@ -34,9 +34,9 @@ use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::Instant;
 
-use burn::tensor::{Distribution, Tensor};
+use burn::tensor::{Device, Distribution, Tensor};
 use burn_kernels_core::{BurnAttention, FullKvCache, KvCache};
-use burn_kvcache::{KvBackend, MiniCacheConfig, MiniCacheKv, QuantConfig, QuantKv};
+use burn_kvcache::{MiniCacheConfig, MiniCacheKv, QuantConfig, QuantKv};
 use burn_llama::LlamaConfig;
 use serde_json::json;
 
@@ -361,7 +361,7 @@ fn run(
     label: &str,
     info: &RefCell<Extra>,
 ) -> Result<PeerRun, String> {
-    B::memory_cleanup(device);
+    device.memory_cleanup();
     let m = model.get(device);
     let cfg = model.config();
     let layers = cfg.num_layers;

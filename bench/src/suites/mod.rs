@@ -12,12 +12,6 @@ pub mod sage;
 pub mod shadowkv;
 pub mod specdec;
 
-use burn::tensor::backend::Backend;
-use burn_cce::CceBackend;
-use burn_kernels_core::FusedBackend;
-use burn_kvcache::KvBackend;
-use burn_sage::SageBackend;
-
 use crate::harness::{MemoryProbe, Suite};
 
 /// A tiny Llama (hidden 64, 4 query / 2 KV heads of 16) with `num_layers` and `vocab_size`, for

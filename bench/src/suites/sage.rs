@@ -7,7 +7,7 @@
 use burn::tensor::{DType, Distribution, Tensor};
 use burn_kernels_core::attention::{AttentionImpl, AttnOptions, BurnAttention};
 use burn_sage::kernels::KernelChoice;
-use burn_sage::{PvPrecision, QkQuant, SageBackend, SageOptions, sage_attention};
+use burn_sage::{PvPrecision, QkQuant, SageOptions, sage_attention};
 use serde_json::json;
 
 use std::cell::RefCell;
@@ -192,7 +192,7 @@ fn problem(n: usize, d: usize, causal: bool, opts: &SuiteOptions, peers: Rc<Peer
             let shape = [BATCH, HEADS, n, d];
             // Drawn on the device: host generation of 3 × 537M values at N = 32K, D = 128
             // took longer than timing them.
-            B::seed(device, 1);
+            device.seed(1);
             let normal = || {
                 Tensor::<4>::random(shape, Distribution::Normal(0.0, 1.0), device).cast(DType::F16)
             };

@@ -43,10 +43,10 @@ use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::Instant;
 
-use burn::tensor::{DType, Distribution, Int, Tensor, TensorData};
+use burn::tensor::{DType, Device, Distribution, Int, Tensor, TensorData};
 use burn_kernels_core::{BurnAttention, FullKvCache, KvCache};
 use burn_kvcache::shadowkv::low_rank;
-use burn_kvcache::{DecodeAttention, KvBackend, RopeParams, ShadowKvCache, ShadowKvConfig};
+use burn_kvcache::{DecodeAttention, RopeParams, ShadowKvCache, ShadowKvConfig};
 use burn_llama::LlamaConfig;
 use serde_json::json;
 
@@ -349,7 +349,7 @@ fn run_full(
     label: &str,
     info: &RefCell<Extra>,
 ) -> Result<PeerRun, String> {
-    B::memory_cleanup(device);
+    device.memory_cleanup();
     let m = model.get(device);
     let cfg = model.config();
     let b = p.batch;
@@ -401,7 +401,7 @@ fn run_shadow(
     label: &str,
     info: &RefCell<Extra>,
 ) -> Result<PeerRun, String> {
-    B::memory_cleanup(device);
+    device.memory_cleanup();
     let m = model.get(device);
     let cfg = model.config();
     let (b, hkv, d) = (p.batch, cfg.num_kv_heads, cfg.head_dim);

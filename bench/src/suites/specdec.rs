@@ -20,11 +20,9 @@
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
-use burn::tensor::DType;
-use burn_kernels_core::{
-    AttentionImpl, BurnAttention, FullKvCache, FusedBackend, FusedLayers, SamplingConfig,
-};
-use burn_kvcache::{DecodeAttention, KvBackend};
+use burn::tensor::{DType, Device};
+use burn_kernels_core::{AttentionImpl, BurnAttention, FullKvCache, FusedLayers, SamplingConfig};
+use burn_kvcache::DecodeAttention;
 use burn_llama::generate::{GenerateOptions, generate};
 use burn_llama::loader::{Checkpoint, default_model_path, load};
 use burn_llama::spec::{
@@ -321,7 +319,7 @@ fn problem(
 fn run_spec<C: SpecCache>(
     target: &Llama,
     cache: C,
-    drafts: &[Draft<'_, B>],
+    drafts: &[Draft<'_>],
     prompts: &[Vec<u32>],
     attention: &dyn AttentionImpl,
     opts: &SpecOptions,

@@ -13,24 +13,16 @@
 
 use std::time::Instant;
 
-use burn::tensor::backend::Backend;
-use burn::tensor::{DType, Int, Tensor, TensorData};
+use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use std::sync::Arc;
 
 use burn_kernels_core::{
-    AttentionImpl, AttentionKind, FullKvCache, FusedBackend, FusedLayers, KvCache,
-    ReferenceAttention,
+    AttentionImpl, AttentionKind, FullKvCache, FusedLayers, KvCache, ReferenceAttention,
 };
-use burn_kvcache::{DecodeAttention, KvBackend};
+use burn_kvcache::DecodeAttention;
+use burn_llama::cli::BackendArg;
 use burn_llama::{Llama, LlamaConfig};
-use clap::{Parser, ValueEnum};
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum BackendArg {
-    Cpu,
-    Vulkan,
-    Cuda,
-}
+use clap::Parser;
 
 #[derive(Debug, Parser)]
 #[command(about = "Split of a decode step's wall time")]
@@ -69,39 +61,19 @@ fn main() {
             std::process::exit(1)
         })),
     };
-    match args.backend {
-        BackendArg::Cpu => run::<burn::backend::NdArray<f32>>(&args, attention),
-        BackendArg::Vulkan => run_vulkan(&args, attention),
-        BackendArg::Cuda => run_cuda(&args, attention),
-    }
-}
-
-#[cfg(feature = "cuda")]
-fn run_cuda(args: &Args, attention: Option<AttentionKind>) {
-    run::<burn_llama::cli::CudaBackend>(args, attention);
-}
-
-#[cfg(not(feature = "cuda"))]
-fn run_cuda(_: &Args, _: Option<AttentionKind>) {
-    burn_llama::cli::exit_on_error(Err(burn_llama::cli::missing_feature("cuda")));
-}
-
-#[cfg(feature = "vulkan")]
-fn run_vulkan(args: &Args, attention: Option<AttentionKind>) {
-    run::<burn_llama::cli::VulkanBackend>(args, attention);
-}
-
-#[cfg(not(feature = "vulkan"))]
-fn run_vulkan(_: &Args, _: Option<AttentionKind>) {
-    burn_llama::cli::exit_on_error(Err(burn_llama::cli::missing_feature("vulkan")));
+    burn_llama::cli::exit_on_error(
+        args.backend
+            .device()
+            .map(|device| run(&args, &device, attention)),
+    );
 }
 
 /// Milliseconds `f` takes, device work included.
 fn timed<T>(device: &Device, f: impl FnOnce() -> T) -> (T, f64) {
-    B::sync(device).expect("device sync");
+    device.sync().expect("device sync");
     let t = Instant::now();
     let out = f();
-    B::sync(device).expect("device sync");
+    device.sync().expect("device sync");
     (out, t.elapsed().as_secs_f64() * 1e3)
 }
 
@@ -110,13 +82,12 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-fn run(args: &Args, attention: Option<AttentionKind>) {
-    let device = Device::default();
+fn run(args: &Args, device: &Device, attention: Option<AttentionKind>) {
     let mut cfg = LlamaConfig::smollm2_135m();
     if let Some(n) = args.layers {
         cfg.num_layers = n;
     }
-    let model = Llama::random(&cfg, &device, DType::F32);
+    let model = Llama::random(&cfg, device, DType::F32);
     let attention: Arc<dyn AttentionImpl> = match attention {
         Some(kind) => Arc::from(kind.build()),
         None => Arc::new(DecodeAttention::default()),
@@ -137,10 +108,10 @@ fn run(args: &Args, attention: Option<AttentionKind>) {
 
     // The host cost of a launch: a chain of tiny element-wise kernels, synced once.
     let launches = 2000;
-    let x = Tensor::<2>::ones([b, cfg.hidden_size], &device);
+    let x = Tensor::<2>::ones([b, cfg.hidden_size], device);
     let chain = |x: Tensor<2>| (0..launches).fold(x, |x, _| x + 1.0);
-    let _ = timed::<_>(&device, || chain(x.clone()));
-    let (_, ms) = timed::<_>(&device, || chain(x.clone()));
+    let _ = timed(device, || chain(x.clone()));
+    let (_, ms) = timed(device, || chain(x.clone()));
     println!(
         "launch: {:.1} µs per element-wise kernel ({launches} chained)",
         1e3 * ms / launches as f64
@@ -150,10 +121,10 @@ fn run(args: &Args, attention: Option<AttentionKind>) {
         let v: Vec<i64> = (0..b * n)
             .map(|i| ((i * 7919 + offset) % cfg.vocab_size) as i64)
             .collect();
-        Tensor::<2, Int>::from_data(TensorData::new(v, [b, n]), &device)
+        Tensor::<2, Int>::from_data(TensorData::new(v, [b, n]), device)
     };
     let mut cache = FullKvCache::new(cfg.num_layers);
-    let (hidden, ms) = timed::<_>(&device, || {
+    let (hidden, ms) = timed(device, || {
         model.forward(ids(args.context, 0), &[], &mut cache, attention.as_ref())
     });
     drop(hidden);
@@ -192,11 +163,11 @@ fn run(args: &Args, attention: Option<AttentionKind>) {
     let (mut forward, mut logits_ms, mut read, mut total) = (vec![], vec![], vec![], vec![]);
     for step in 0..args.steps + 4 {
         let t = Instant::now();
-        let (hidden, f) = timed::<_>(&device, || {
+        let (hidden, f) = timed(device, || {
             model.forward(ids(1, step), &[], &mut cache, attention.as_ref())
         });
-        let (logits, l) = timed::<_>(&device, || model.logits(hidden));
-        let (data, r) = timed::<_>(&device, || {
+        let (logits, l) = timed(device, || model.logits(hidden));
+        let (data, r) = timed(device, || {
             logits.into_data().try_to_vec::<f32>().expect("f32 logits")
         });
         let argmax = data
@@ -232,7 +203,7 @@ fn run(args: &Args, attention: Option<AttentionKind>) {
     let t = Instant::now();
     let hidden = model.forward(ids(1, 0), &[], &mut cache, attention.as_ref());
     let enqueue = t.elapsed().as_secs_f64() * 1e3;
-    B::sync(&device).expect("device sync");
+    device.sync().expect("device sync");
     let wall = t.elapsed().as_secs_f64() * 1e3;
     drop(hidden);
     println!("forward enqueue (host only) {enqueue:.2} ms, with the device done {wall:.2} ms");

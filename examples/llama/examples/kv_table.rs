@@ -1,5 +1,5 @@
 //! Compression ratio and perplexity of the KV caches of `burn-kvcache` on real text (CPU,
-//! NdArray, SmolLM2-135M); prints markdown tables to stdout.
+//! Flex, SmolLM2-135M); prints markdown tables to stdout.
 //!
 //! ```sh
 //! cargo run --release -p burn-llama --example kv_table -- --text examples/llama/data/paragraph.txt
@@ -12,7 +12,7 @@
 //! quantization, MiniCache + 4-bit; then a γ sweep and a start-layer sweep of MiniCache, with
 //! the fraction of merged token pairs retained unmerged.
 
-use burn::tensor::DType;
+use burn::tensor::{DType, Device};
 use burn_kernels_core::{KvCache, ReferenceAttention};
 use burn_kvcache::{MiniCacheConfig, MiniCacheKv, QuantConfig};
 use burn_llama::eval::{CacheEval, CacheKind, CacheSpec, perplexity_with_cache_chunked};
@@ -20,10 +20,8 @@ use burn_llama::loader::{default_model_path, load};
 use burn_llama::model::Llama;
 use clap::Parser;
 
-type Cpu = NdArray<f32>;
-
 #[derive(Debug, Parser)]
-#[command(about = "KV-cache compression vs perplexity (CPU, NdArray)")]
+#[command(about = "KV-cache compression vs perplexity (CPU, Flex)")]
 struct Args {
     /// The text to score.
     #[arg(long, default_value = "examples/llama/data/paragraph.txt")]
@@ -68,11 +66,11 @@ struct Row {
 
 fn main() {
     let args = Args::parse();
-    let device = Default::default();
+    let device = Device::flex();
     let ckpt = load(&default_model_path()).unwrap_or_else(|e| {
         panic!("{e}\n(the SmolLM2 weights come from `cargo xtask fetch-model`)")
     });
-    let model = Llama::<Cpu>::from_checkpoint(&ckpt, &device, DType::F32).expect("model");
+    let model = Llama::from_checkpoint(&ckpt, &device, DType::F32).expect("model");
     let text = std::fs::read_to_string(&args.text).expect("readable text");
     let mut tokens = ckpt.tokenizer.encode(&text).expect("tokenizes");
     if let Some(m) = args.max_tokens {
@@ -105,7 +103,7 @@ fn main() {
         cfg.head_dim
     );
 
-    let eval = |cache: &mut dyn KvCache<Cpu>| {
+    let eval = |cache: &mut dyn KvCache| {
         let t = std::time::Instant::now();
         let e =
             perplexity_with_cache_chunked(&model, &tokens, prefix, cache, &attention, args.chunk);
@@ -125,8 +123,8 @@ fn main() {
     };
     let minicache_row = |label: String, cfg: MiniCacheConfig, q: Option<QuantConfig>| {
         let mut c = match q {
-            Some(q) => MiniCacheKv::<Cpu>::with_quant(layers, cfg, q),
-            None => MiniCacheKv::<Cpu>::new(layers, cfg),
+            Some(q) => MiniCacheKv::with_quant(layers, cfg, q),
+            None => MiniCacheKv::new(layers, cfg),
         }
         .expect("valid config");
         let e = eval(&mut c);
@@ -143,7 +141,7 @@ fn main() {
         ("quant4", CacheKind::Quant4),
         ("quant2", CacheKind::Quant2),
     ] {
-        let mut c = spec(kind).build::<Cpu>(layers).expect("valid config");
+        let mut c = spec(kind).build(layers).expect("valid config");
         main_rows.push(Row {
             label: label.into(),
             eval: eval(c.as_mut()),

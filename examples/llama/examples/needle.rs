@@ -21,7 +21,7 @@
 
 use std::time::Instant;
 
-use burn::tensor::{DType, Int, Tensor, TensorData};
+use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use burn_kernels_core::{AttentionImpl, AttnOptions, KvCache, ReferenceAttention, append_kv};
 use burn_kvcache::ShadowKvConfig;
 use burn_llama::eval::shadowkv_for;
@@ -30,10 +30,8 @@ use burn_llama::model::Llama;
 use burn_llama::passkey::{fillers_for, holds_key, passkey_text};
 use clap::Parser;
 
-type Cpu = NdArray<f32>;
-
 #[derive(Debug, Parser)]
-#[command(about = "Pass-key retrieval: full cache vs ShadowKV (CPU, NdArray)")]
+#[command(about = "Pass-key retrieval: full cache vs ShadowKV (CPU, Flex)")]
 struct Args {
     /// Approximate prompt length in tokens.
     #[arg(long, default_value_t = 7000)]
@@ -64,19 +62,19 @@ struct Args {
 /// A full cache whose tensors can be read and cloned (to seed the caches compared).
 #[derive(Debug, Clone)]
 struct Recorder {
-    layers: Vec<Option<(Tensor<Cpu, 4>, Tensor<Cpu, 4>)>>,
+    layers: Vec<Option<(Tensor<4>, Tensor<4>)>>,
 }
 
-impl KvCache<Cpu> for Recorder {
+impl KvCache for Recorder {
     fn attend(
         &mut self,
         layer: usize,
-        q: Tensor<Cpu, 4>,
-        k: Tensor<Cpu, 4>,
-        v: Tensor<Cpu, 4>,
-        attention: &dyn AttentionImpl<Cpu>,
-        opts: &AttnOptions<Cpu>,
-    ) -> Tensor<Cpu, 4> {
+        q: Tensor<4>,
+        k: Tensor<4>,
+        v: Tensor<4>,
+        attention: &dyn AttentionImpl,
+        opts: &AttnOptions,
+    ) -> Tensor<4> {
         append_kv(&mut self.layers[layer], k, v);
         let (k, v) = self.layers[layer].clone().expect("just appended");
         attention.attend(layer, q, k, v, opts)
@@ -113,7 +111,7 @@ impl KvCache<Cpu> for Recorder {
     }
 }
 
-fn argmax_last(model: &Llama<Cpu>, hidden: Tensor<Cpu, 3>) -> u32 {
+fn argmax_last(model: &Llama, hidden: Tensor<3>) -> u32 {
     let [_, s, h] = hidden.dims();
     let last = hidden.slice([0..1, s - 1..s, 0..h]);
     model
@@ -126,12 +124,12 @@ fn argmax_last(model: &Llama<Cpu>, hidden: Tensor<Cpu, 3>) -> u32 {
 }
 
 /// Greedy tokens after `first` (already sampled from the prefill).
-fn decode(model: &Llama<Cpu>, cache: &mut dyn KvCache<Cpu>, first: u32, n: usize) -> Vec<u32> {
-    let device = Default::default();
+fn decode(model: &Llama, cache: &mut dyn KvCache, first: u32, n: usize) -> Vec<u32> {
+    let device = model.embed.val().device();
     let mut out = vec![first];
     while out.len() < n {
         let last = *out.last().expect("non-empty") as i64;
-        let input = Tensor::<Cpu, 2, Int>::from_data(TensorData::new(vec![last], [1, 1]), &device);
+        let input = Tensor::<2, Int>::from_data(TensorData::new(vec![last], [1, 1]), &device);
         let hidden = model.forward(input, &[], cache, &ReferenceAttention);
         out.push(argmax_last(model, hidden));
     }
@@ -140,11 +138,11 @@ fn decode(model: &Llama<Cpu>, cache: &mut dyn KvCache<Cpu>, first: u32, n: usize
 
 fn main() {
     let args = Args::parse();
-    let device = Default::default();
+    let device = Device::flex();
     let ckpt = load(&default_model_path()).unwrap_or_else(|e| {
         panic!("{e}\n(the SmolLM2 weights come from `cargo xtask fetch-model`)")
     });
-    let model = Llama::<Cpu>::from_checkpoint(&ckpt, &device, DType::F32).expect("model");
+    let model = Llama::from_checkpoint(&ckpt, &device, DType::F32).expect("model");
     let tok = &ckpt.tokenizer;
     let cfg = model.config.clone();
     let fillers = fillers_for(tok, args.tokens).expect("encode");
@@ -172,10 +170,8 @@ fn main() {
             for from in (0..n).step_by(args.piece) {
                 let to = (from + args.piece).min(n);
                 let piece: Vec<i64> = ids[from..to].iter().map(|&x| x as i64).collect();
-                let input = Tensor::<Cpu, 2, Int>::from_data(
-                    TensorData::new(piece, [1, to - from]),
-                    &device,
-                );
+                let input =
+                    Tensor::<2, Int>::from_data(TensorData::new(piece, [1, to - from]), &device);
                 hidden = Some(model.forward(input, &[], &mut rec, &ReferenceAttention));
             }
             let first = argmax_last(&model, hidden.expect("n ≥ 1"));
@@ -207,7 +203,7 @@ fn main() {
                     ));
                 }
                 let t = Instant::now();
-                let mut sk = shadowkv_for::<Cpu>(&cfg, sc).expect("valid config");
+                let mut sk = shadowkv_for(&cfg, sc).expect("valid config");
                 for (layer, kv) in rec.layers.iter().enumerate() {
                     let (k, v) = kv.clone().expect("prefilled");
                     let sparse = sk.compress_prompt(layer, k, v, None).expect("valid prompt");

@@ -6,11 +6,11 @@
 //! cargo run --release -p burn-llama --example sage_table -- --text examples/llama/data/paragraph.txt
 //! ```
 //!
-//! On the CPU (NdArray) every Sage variant runs burn-sage's tensor-op reference, which rounds
+//! On the CPU (Flex) every Sage variant runs burn-sage's tensor-op reference, which rounds
 //! exactly as the kernels do. Q/K/V are captured (after RoPE) from one forward pass with the
 //! reference attention, so every layer's inputs are the full-precision model's.
 
-use burn::tensor::DType;
+use burn::tensor::{DType, Device};
 use burn_kernels_core::ReferenceAttention;
 use burn_llama::attention::{AttentionChoice, SAGE_VARIANTS, capture_qkv, sage_variant};
 use burn_llama::generate::perplexity;
@@ -20,10 +20,8 @@ use burn_sage::adaptive::{DEFAULT_INT4_THRESHOLD, accuracies};
 use burn_sage::{Accuracy, SageOptions};
 use clap::Parser;
 
-type Cpu = NdArray<f32>;
-
 #[derive(Debug, Parser)]
-#[command(about = "Sage attention accuracy per layer and perplexity on SmolLM2 (CPU, NdArray)")]
+#[command(about = "Sage attention accuracy per layer and perplexity on SmolLM2 (CPU, Flex)")]
 struct Args {
     /// The text the model reads.
     #[arg(long, default_value = "examples/llama/data/paragraph.txt")]
@@ -35,11 +33,11 @@ struct Args {
 
 fn main() {
     let args = Args::parse();
-    let device = Default::default();
+    let device = Device::flex();
     let ckpt = load(&default_model_path()).unwrap_or_else(|e| {
         panic!("{e}\n(the SmolLM2 weights come from `cargo xtask fetch-model`)")
     });
-    let model = Llama::<Cpu>::from_checkpoint(&ckpt, &device, DType::F32).expect("model");
+    let model = Llama::from_checkpoint(&ckpt, &device, DType::F32).expect("model");
     let text = std::fs::read_to_string(&args.text).expect("readable text");
     let tokens = ckpt.tokenizer.encode(&text).expect("tokenizes");
     let cfg = &model.config;
@@ -76,7 +74,7 @@ fn main() {
     println!(
         "Sage attention against exact f32 attention on the Q/K/V of every layer of \
          SmolLM2-135M-Instruct reading `{}` ({} tokens, causal; {} query / {} KV heads, head \
-         dim {}), CPU (NdArray: burn-sage's reference path, same rounding as the kernels).\n",
+         dim {}), CPU (Flex: burn-sage's reference path, same rounding as the kernels).\n",
         args.text.display(),
         tokens.len(),
         cfg.num_heads,

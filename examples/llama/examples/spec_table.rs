@@ -25,8 +25,7 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use burn::tensor::backend::Backend;
-use burn::tensor::{DType, Int, Tensor, TensorData};
+use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use burn_kernels_core::{AttentionImpl, FullKvCache, ReferenceAttention, SamplingConfig};
 use burn_llama::finetune::{Corpus, read_corpus};
 use burn_llama::loader::{Checkpoint, default_model_path, load};
@@ -39,7 +38,7 @@ use clap::{Parser, ValueEnum};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum BackendArg {
-    /// NdArray f32 with the reference attention.
+    /// Burn's CPU backend (Flex), f32, with the reference attention.
     Cpu,
     /// CUDA f32 with the decode kernels (fused layer ops, split-K decode attention; build with
     /// `--features cuda`).
@@ -151,7 +150,11 @@ fn distributions(
     let input = Tensor::<2, Int>::from_data(TensorData::new(ids, [1, n]), &device);
     let mut cache = FullKvCache::new(model.config.num_layers);
     let hidden = model.forward(input, &[], &mut cache, attention);
-    let logits = model.logits(hidden).into_data().try_to_vec::<f32>().unwrap();
+    let logits = model
+        .logits(hidden)
+        .into_data()
+        .try_to_vec::<f32>()
+        .unwrap();
     let vocab = logits.len() / n;
     temperatures
         .iter()
@@ -176,28 +179,18 @@ fn main() {
     let args = Args::parse();
     let ckpt = load(&default_model_path()).expect("model (cargo xtask fetch-model)");
     match args.backend {
-        BackendArg::Cpu => run::<burn::backend::NdArray<f32>>(
-            &args,
-            &ckpt,
-            &Default::default(),
-            &ReferenceAttention,
-        ),
-        BackendArg::Cuda => run_cuda(&args, &ckpt),
+        BackendArg::Cpu => run(&args, &ckpt, &Device::flex(), &ReferenceAttention),
+        BackendArg::Cuda => {
+            let device = burn_llama::cli::BackendArg::Cuda.device();
+            burn_llama::cli::exit_on_error(device.map(|device| {
+                // The decode kernels: fused layer ops and the split-K decode attention.
+                let kernels = burn_kernels_core::FusedLayers::new(std::sync::Arc::new(
+                    burn_kvcache::DecodeAttention::default(),
+                ));
+                run(&args, &ckpt, &device, &kernels);
+            }));
+        }
     }
-}
-
-#[cfg(feature = "cuda")]
-fn run_cuda(args: &Args, ckpt: &Checkpoint) {
-    // The decode kernels: fused layer ops and the split-K decode attention.
-    let kernels = burn_kernels_core::FusedLayers::new(std::sync::Arc::new(
-        burn_kvcache::DecodeAttention::default(),
-    ));
-    run::<burn_llama::cli::CudaBackend>(args, ckpt, &Default::default(), &kernels);
-}
-
-#[cfg(not(feature = "cuda"))]
-fn run_cuda(_: &Args, _: &Checkpoint) {
-    burn_llama::cli::exit_on_error(Err(burn_llama::cli::missing_feature("cuda")));
 }
 
 /// The prompt windows: consecutive ones of the paragraph, or evenly spaced ones over the

@@ -129,8 +129,7 @@ fn perplexity_matches_cpu(device: &Device) {
     for attention in [&ReferenceAttention as &dyn AttentionImpl, &BurnAttention] {
         let other = perplexity(&gpu_model, &ids, attention);
         println!(
-            "perplexity cpu {cpu:.5}, {}/{} {other:.5}",
-            format!("{device:?}"),
+            "perplexity cpu {cpu:.5}, {device:?}/{} {other:.5}",
             attention.name()
         );
         assert!(((other - cpu) / cpu).abs() < 1e-3, "{other} vs cpu {cpu}");
@@ -159,11 +158,10 @@ fn decode_kernels_match_cpu(device: &Device) {
         let got =
             perplexity_with_cache_chunked(&gpu_model, &ids, prefix, &mut cache, &kernels, chunk);
         println!(
-            "perplexity of {} decoded positions: cpu {:.5}, {} decode kernels (steps of {chunk}) \
-             {:.5}",
+            "perplexity of {} decoded positions: cpu {:.5}, {device:?} decode kernels (steps of \
+             {chunk}) {:.5}",
             cpu.scored,
             cpu.perplexity,
-            format!("{device:?}"),
             got.perplexity
         );
         assert_eq!(got.scored, cpu.scored);

@@ -26,8 +26,7 @@ fn sage_perplexity_close_to_full(device: &Device) {
     let model = model(device);
     let full = perplexity(&model, &ids, &ReferenceAttention);
     println!(
-        "{}: perplexity over {} tokens: full {full:.4}",
-        format!("{device:?}"),
+        "{device:?}: perplexity over {} tokens: full {full:.4}",
         ids.len()
     );
     assert!(
@@ -52,8 +51,7 @@ fn sage_perplexity_close_to_full(device: &Device) {
             .filter(|r| r.choice == burn_sage::QkQuant::Int4PerThread)
             .count();
         println!(
-            "{}: {name} ({}) {ppl:.4} ({:+.3}% vs full){}",
-            format!("{device:?}"),
+            "{device:?}: {name} ({}) {ppl:.4} ({:+.3}% vs full){}",
             attention.name(),
             rel * 100.0,
             if reports.is_empty() {
