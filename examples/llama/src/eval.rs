@@ -11,8 +11,8 @@
 use burn::tensor::{Int, Tensor, TensorData, activation};
 use burn_kernels_core::{AttentionImpl, FullKvCache, KvCache};
 use burn_kvcache::{
-    KvCacheError, MiniCacheConfig, MiniCacheKv, QuantConfig, QuantKv, RopeParams,
-    ShadowKvCache, ShadowKvConfig,
+    KvCacheError, MiniCacheConfig, MiniCacheKv, QuantConfig, QuantKv, RopeParams, ShadowKvCache,
+    ShadowKvConfig,
 };
 
 use crate::config::LlamaConfig;

@@ -3,9 +3,7 @@
 
 use burn::module::{Module, Param};
 use burn::nn::RmsNorm;
-use burn::tensor::{
-    DType, Device, Distribution, Int, Tensor, TensorCreationOptions, TensorData,
-};
+use burn::tensor::{DType, Device, Distribution, Int, Tensor, TensorCreationOptions, TensorData};
 use burn_kernels_core::{AttentionImpl, AttnOptions, KvCache, Rope, TensorOps};
 
 use crate::config::LlamaConfig;

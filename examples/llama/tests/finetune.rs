@@ -214,11 +214,7 @@ fn rows(m: &Llama, samples: &[Vec<u32>]) -> Vec<Vec<f64>> {
 
 /// Mean probability that single-draft speculative sampling accepts `draft`'s token, over every
 /// position of `samples`, with the teacher as target (both at temperature 1): 1 − TV(p, q).
-fn acceptance(
-    teacher: &Llama,
-    draft: &Llama,
-    samples: &[Vec<u32>],
-) -> f64 {
+fn acceptance(teacher: &Llama, draft: &Llama, samples: &[Vec<u32>]) -> f64 {
     let (p, q) = (rows(teacher, samples), rows(draft, samples));
     let total: f64 = p
         .iter()

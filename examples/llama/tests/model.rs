@@ -6,15 +6,13 @@ use burn::tensor::{DType, Device};
 use std::sync::Arc;
 
 use burn_kernels_core::{
-    AttentionImpl, BurnAttention, FullKvCache, FusedLayers, Greedy,
-    ReferenceAttention,
+    AttentionImpl, BurnAttention, FullKvCache, FusedLayers, Greedy, ReferenceAttention,
 };
-use burn_kvcache::DecodeAttention;
 use burn_kernels_testing::testgen;
+use burn_kvcache::DecodeAttention;
 use burn_llama::eval::{perplexity_with_cache, perplexity_with_cache_chunked};
 use burn_llama::generate::{GenerateOptions, generate, perplexity};
 use burn_llama::model::Llama;
-
 
 fn model(device: &Device) -> Llama {
     Llama::from_checkpoint(checkpoint(), device, DType::F32).expect("valid checkpoint")
@@ -120,11 +118,7 @@ fn perplexity_of_the_committed_paragraph_is_low() {
 /// paragraph's first tokens on wgpu, see `paragraph_tokens_on`).
 fn perplexity_matches_cpu(device: &Device) {
     let ids = paragraph_tokens_on(device);
-    let cpu = perplexity(
-        &model(&Device::flex()),
-        &ids,
-        &ReferenceAttention,
-    );
+    let cpu = perplexity(&model(&Device::flex()), &ids, &ReferenceAttention);
     let gpu_model = model(device);
     for attention in [&ReferenceAttention as &dyn AttentionImpl, &BurnAttention] {
         let other = perplexity(&gpu_model, &ids, attention);
@@ -160,9 +154,7 @@ fn decode_kernels_match_cpu(device: &Device) {
         println!(
             "perplexity of {} decoded positions: cpu {:.5}, {device:?} decode kernels (steps of \
              {chunk}) {:.5}",
-            cpu.scored,
-            cpu.perplexity,
-            got.perplexity
+            cpu.scored, cpu.perplexity, got.perplexity
         );
         assert_eq!(got.scored, cpu.scored);
         assert!(

@@ -18,7 +18,6 @@ use burn_llama::spec::{
 };
 use burn_specdec::{PromptLookup, Scheme};
 
-
 const DRAFT_LAYERS: usize = 8;
 
 fn target() -> Llama {
@@ -257,11 +256,7 @@ fn sampled_speculation_respects_limits_and_reports_metrics() {
 }
 
 /// Last-position logits of `rows` continued from `cache`, `[rows][vocab]`.
-fn continue_from(
-    model: &Llama,
-    cache: &mut BranchKvCache,
-    rows: &[Vec<u32>],
-) -> Vec<Vec<f32>> {
+fn continue_from(model: &Llama, cache: &mut BranchKvCache, rows: &[Vec<u32>]) -> Vec<Vec<f32>> {
     let hidden = forward_rows(model, cache, rows, &ReferenceAttention);
     let [b, s, h] = hidden.dims();
     let logits = model.logits(hidden.slice([0..b, s - 1..s, 0..h]));
@@ -575,7 +570,11 @@ fn linear_caches_speculate_with_one_draft() {
                 &Device::flex(),
             );
             let hidden = model.forward(last, &[], &mut cache, &ReferenceAttention);
-            let cont = model.logits(hidden).into_data().try_to_vec::<f32>().unwrap();
+            let cont = model
+                .logits(hidden)
+                .into_data()
+                .try_to_vec::<f32>()
+                .unwrap();
             let diff = max_abs_diff(&cont, &fresh(&model, &seq));
             println!("full linear cache after rollback: max |Δlogit| {diff:.2e}");
             assert!(diff < 1e-3, "max |Δlogit| {diff}");
@@ -613,10 +612,7 @@ fn linear_cache_layout_errors_are_typed() {
     assert_eq!(run(full(), 2, &prompts[..1]), layout(1, 2));
     assert_eq!(run(full(), 1, &prompts), layout(2, 1));
     let mut used = full();
-    let ids = Tensor::<2, Int>::from_data(
-        TensorData::new(vec![1i64, 2], [1, 2]),
-        &Device::flex(),
-    );
+    let ids = Tensor::<2, Int>::from_data(TensorData::new(vec![1i64, 2], [1, 2]), &Device::flex());
     draft.forward(ids, &[], &mut used, &ReferenceAttention);
     assert_eq!(
         run(used, 1, &prompts[..1]),

@@ -209,10 +209,7 @@ fn run(cli: &Cli, device: &Device) -> Result<(), String> {
         start_val.exp()
     );
     let teacher = match cli.soft_labels {
-        true => Some(
-            Llama::from_checkpoint(&ckpt, device, DType::F32)
-                .map_err(|e| e.to_string())?,
-        ),
+        true => Some(Llama::from_checkpoint(&ckpt, device, DType::F32).map_err(|e| e.to_string())?),
         false => None,
     };
     let bar = progress(cfg.steps as u64, "steps");

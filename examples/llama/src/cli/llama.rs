@@ -246,7 +246,10 @@ pub fn main() {
     let common = match &cli.cmd {
         Cmd::Generate { common, .. } | Cmd::Perplexity { common, .. } => common,
     };
-    let result = common.backend.device().and_then(|device| run(&cli, &device));
+    let result = common
+        .backend
+        .device()
+        .and_then(|device| run(&cli, &device));
     super::exit_on_error(result);
 }
 

@@ -37,7 +37,10 @@ impl BackendArg {
             BackendArg::Cuda => Ok(Device::cuda(0)),
             #[allow(unreachable_patterns)]
             other => Err(missing_feature(
-                other.to_possible_value().expect("no skipped variant").get_name(),
+                other
+                    .to_possible_value()
+                    .expect("no skipped variant")
+                    .get_name(),
             )),
         }
     }
