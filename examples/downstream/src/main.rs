@@ -21,16 +21,31 @@ fn device() -> Device {
 
 /// Largest absolute difference, and the largest magnitude of `want`.
 fn max_diff<const D: usize>(got: Tensor<D>, want: Tensor<D>) -> (f32, f32) {
-    let g = got.into_data().convert::<f32>().try_to_vec::<f32>().expect("f32");
-    let w = want.into_data().convert::<f32>().try_to_vec::<f32>().expect("f32");
+    let g = got
+        .into_data()
+        .convert::<f32>()
+        .try_to_vec::<f32>()
+        .expect("f32");
+    let w = want
+        .into_data()
+        .convert::<f32>()
+        .try_to_vec::<f32>()
+        .expect("f32");
     assert_eq!(g.len(), w.len(), "output sizes");
-    let diff = g.iter().zip(&w).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+    let diff = g
+        .iter()
+        .zip(&w)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f32::max);
     (diff, w.iter().map(|x| x.abs()).fold(0.0, f32::max))
 }
 
 fn check(what: &str, (diff, scale): (f32, f32), rel: f32) {
     println!("{what}: max |diff| {diff:.3e} (scale {scale:.3e})");
-    assert!(diff.is_finite() && diff <= rel * scale.max(1e-6), "{what}: {diff} > {rel} × {scale}");
+    assert!(
+        diff.is_finite() && diff <= rel * scale.max(1e-6),
+        "{what}: {diff} > {rel} × {scale}"
+    );
 }
 
 /// Cut cross-entropy forward and backward on an autodiff device, against Burn's plain loss.
@@ -44,7 +59,13 @@ fn cce(device: &Device) {
 
     let before = launches("linear_ce_forward") + launches("linear_ce_backward");
     let loss = require_kernels(|| {
-        linear_cross_entropy(e.clone(), c.clone(), targets.clone(), None, &CceOptions::default())
+        linear_cross_entropy(
+            e.clone(),
+            c.clone(),
+            targets.clone(),
+            None,
+            &CceOptions::default(),
+        )
     })
     .expect("valid input")
     .loss;
@@ -82,10 +103,21 @@ fn layer_ops(device: &Device) {
     let norm = RmsNormConfig::new(96).init(device);
     let before = launches("rms_norm") + launches("silu_mul");
     let (normed, gated) = require_kernels(|| {
-        (FusedOps.rms_norm(&norm, x.clone()), FusedOps.silu_mul(x.clone(), up.clone()))
+        (
+            FusedOps.rms_norm(&norm, x.clone()),
+            FusedOps.silu_mul(x.clone(), up.clone()),
+        )
     });
-    assert_eq!(launches("rms_norm") + launches("silu_mul") - before, 2, "layer-op kernels");
-    check("RMSNorm", max_diff(normed, TensorOps.rms_norm(&norm, x.clone())), 1e-5);
+    assert_eq!(
+        launches("rms_norm") + launches("silu_mul") - before,
+        2,
+        "layer-op kernels"
+    );
+    check(
+        "RMSNorm",
+        max_diff(normed, TensorOps.rms_norm(&norm, x.clone())),
+        1e-5,
+    );
     check("SiLU·up", max_diff(gated, TensorOps.silu_mul(x, up)), 1e-5);
 }
 
@@ -97,13 +129,21 @@ fn kv_quant(device: &Device) {
         let (packed, layout) = burn_kvcache::quantize(x.clone(), 4, 32).expect("valid layout");
         burn_kvcache::dequantize(&packed, layout)
     });
-    assert_eq!(launches("kv_quantize") + launches("kv_dequantize") - before, 2, "KV kernels");
+    assert_eq!(
+        launches("kv_quantize") + launches("kv_dequantize") - before,
+        2,
+        "KV kernels"
+    );
     let cpu = Device::flex();
     let x_cpu = Tensor::<2>::from_data(x.to_data(), &cpu);
     let (packed, layout) = burn_kvcache::quantize(x_cpu, 4, 32).expect("valid layout");
     let want = burn_kvcache::dequantize(&packed, layout);
     let got = Tensor::<2>::from_data(back.into_data(), &cpu);
-    check("KIVI-4 round trip vs CPU reference", max_diff(got, want), 1e-5);
+    check(
+        "KIVI-4 round trip vs CPU reference",
+        max_diff(got, want),
+        1e-5,
+    );
 }
 
 fn main() {
