@@ -70,9 +70,6 @@ fn cce(device: &Device) {
     .expect("valid input")
     .loss;
     let grads = require_kernels(|| loss.backward());
-    let ran = launches("linear_ce_forward") + launches("linear_ce_backward") - before;
-    assert!(ran >= 2, "CCE forward and backward kernels ran {ran} times");
-
     let plain = reference::plain_linear_cross_entropy(
         e.clone(),
         c.clone(),
@@ -94,6 +91,8 @@ fn cce(device: &Device) {
         max_diff(c.grad(&grads).unwrap(), c.grad(&plain_grads).unwrap()),
         1e-3,
     );
+    let ran = launches("linear_ce_forward") + launches("linear_ce_backward") - before;
+    assert!(ran >= 2, "CCE forward and backward kernels ran {ran} times");
 }
 
 /// The fused layer ops (RMSNorm, SwiGLU gate) against Burn's modules and tensor ops.
@@ -108,17 +107,18 @@ fn layer_ops(device: &Device) {
             FusedOps.silu_mul(x.clone(), up.clone()),
         )
     });
-    assert_eq!(
-        launches("rms_norm") + launches("silu_mul") - before,
-        2,
-        "layer-op kernels"
-    );
     check(
         "RMSNorm",
         max_diff(normed, TensorOps.rms_norm(&norm, x.clone())),
         1e-5,
     );
     check("SiLU·up", max_diff(gated, TensorOps.silu_mul(x, up)), 1e-5);
+    // Burn's fusion defers a custom op until its output is read: count after the reads.
+    assert_eq!(
+        launches("rms_norm") + launches("silu_mul") - before,
+        2,
+        "layer-op kernels"
+    );
 }
 
 /// KIVI 4-bit quantization of a KV block and back: the kernels against the reference.
@@ -129,16 +129,16 @@ fn kv_quant(device: &Device) {
         let (packed, layout) = burn_kvcache::quantize(x.clone(), 4, 32).expect("valid layout");
         burn_kvcache::dequantize(&packed, layout)
     });
-    assert_eq!(
-        launches("kv_quantize") + launches("kv_dequantize") - before,
-        2,
-        "KV kernels"
-    );
     let cpu = Device::flex();
     let x_cpu = Tensor::<2>::from_data(x.to_data(), &cpu);
     let (packed, layout) = burn_kvcache::quantize(x_cpu, 4, 32).expect("valid layout");
     let want = burn_kvcache::dequantize(&packed, layout);
     let got = Tensor::<2>::from_data(back.into_data(), &cpu);
+    assert_eq!(
+        launches("kv_quantize") + launches("kv_dequantize") - before,
+        2,
+        "KV kernels"
+    );
     check(
         "KIVI-4 round trip vs CPU reference",
         max_diff(got, want),
