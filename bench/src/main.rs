@@ -35,7 +35,9 @@ impl BackendKind {
     fn device(self) -> Result<Device, String> {
         match self {
             #[cfg(feature = "cuda")]
-            BackendKind::Cuda => Ok(Device::cuda(0)),
+            BackendKind::Cuda => burn_kernels_core::setup::cuda_preflight()
+                .map(|_| Device::cuda(0))
+                .map_err(|e| e.to_string()),
             #[cfg(feature = "vulkan")]
             BackendKind::Vulkan => Ok(Device::vulkan(burn::tensor::DeviceKind::DefaultDevice)),
             #[cfg(feature = "wgpu")]

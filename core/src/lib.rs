@@ -22,6 +22,7 @@ pub mod layer_ops;
 pub mod rope;
 pub mod route;
 pub mod sampling;
+pub mod setup;
 
 pub use attention::{AttentionImpl, AttentionKind, AttnOptions, BurnAttention, ReferenceAttention};
 pub use cache::{FullKvCache, KvCache, append_kv};

@@ -427,3 +427,25 @@ fn sampling_distributions() {
         );
     }
 }
+
+/// `find_libdevice` finds the file under a given CUDA_PATH and, when it is missing, names the
+/// file and every folder searched (what `llama --backend cuda` and the bench print).
+#[test]
+fn libdevice_lookup_and_its_error() {
+    use burn_kernels_core::setup::{LIBDEVICE, SetupError, find_libdevice};
+    let dir = std::env::temp_dir().join(format!("burn-kernels-setup-{}", std::process::id()));
+    let file = dir.join(LIBDEVICE);
+    std::fs::create_dir_all(file.parent().unwrap()).unwrap();
+    let missing = find_libdevice(Some(&dir)).unwrap_err();
+    assert_eq!(
+        missing,
+        SetupError::MissingLibdevice {
+            searched: vec![dir.clone()]
+        }
+    );
+    let msg = missing.to_string();
+    assert!(msg.contains("libdevice.10.bc") && msg.contains(&dir.display().to_string()));
+    std::fs::write(&file, b"BC").unwrap();
+    assert_eq!(find_libdevice(Some(&dir)).unwrap(), file);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

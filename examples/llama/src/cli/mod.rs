@@ -25,7 +25,8 @@ impl BackendArg {
     /// The Burn device, or why this build cannot run there.
     ///
     /// # Errors
-    /// The Cargo feature the backend needs, when this build lacks it.
+    /// The Cargo feature the backend needs, when this build lacks it; for CUDA, a missing
+    /// libdevice ([`burn_kernels_core::setup::cuda_preflight`]).
     pub fn device(self) -> Result<Device, String> {
         match self {
             BackendArg::Cpu => Ok(Device::flex()),
@@ -34,7 +35,9 @@ impl BackendArg {
             #[cfg(feature = "wgpu")]
             BackendArg::Wgpu => Ok(Device::wgpu(burn::tensor::DeviceKind::DefaultDevice)),
             #[cfg(feature = "cuda")]
-            BackendArg::Cuda => Ok(Device::cuda(0)),
+            BackendArg::Cuda => burn_kernels_core::setup::cuda_preflight()
+                .map(|_| Device::cuda(0))
+                .map_err(|e| e.to_string()),
             #[allow(unreachable_patterns)]
             other => Err(missing_feature(
                 other

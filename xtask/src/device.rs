@@ -1,0 +1,292 @@
+//! `cargo xtask device-build`: everything a GPU machine without Rust needs, in parts that each
+//! fit one device call.
+//!
+//! One `cargo build --release --workspace --features cuda --tests --bins --examples` builds every
+//! CUDA test binary, the bench runner and burn-llama's tools with one feature set (two cargo
+//! invocations with different package sets would build the Burn stack twice). The stripped
+//! binaries each hold the same statically linked LLVM (CubeCL's NVPTX compiler), so they are packed
+//! into one tar compressed by xz with a dictionary larger than one binary: the second and later
+//! copies of LLVM cost little. The archive is cut into parts of at most [`PART_BYTES`]; with
+//! libdevice (CUDA 13's math library, which CubeCL's LLVM path links when a kernel calls exp, log,
+//! ...), the peer wheels and, with `--model`, the SmolLM2 file cut the same way.
+
+use crate::{cargo, check, fail, model_path, pip_download, root};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+/// Largest part: a device call carries 64 MiB with the working tree (a few MiB).
+const PART_BYTES: u64 = 56 << 20;
+
+/// The PyTorch peers of the benchmarks that are not on the device (pure-Python wheels).
+const PEER_WHEELS: &[&str] = &[
+    "cut-cross-entropy==25.1.1",
+    "liger-kernel==0.8.5",
+    "sageattention==1.0.6",
+];
+
+/// CUDA 13's libdevice: the wheel and the member inside it.
+const NVVM_WHEEL: &str = "nvidia-nvvm==13.0.88";
+const LIBDEVICE_MEMBER_SUFFIX: &str = "nvvm/libdevice/libdevice.10.bc";
+
+/// burn-llama's tools in the bundle: (cargo target kind, name).
+const LLAMA_TOOLS: &[(&str, &str)] = &[
+    ("bin", "llama"),
+    ("bin", "finetune"),
+    ("example", "spec_table"),
+    ("example", "decode_profile"),
+];
+
+/// What one cargo build produced: test executables and named binaries.
+struct Built {
+    tests: Vec<PathBuf>,
+    bins: Vec<(String, PathBuf)>,
+}
+
+fn build_all() -> Built {
+    let out = cargo()
+        .args([
+            "build",
+            "--release",
+            "--workspace",
+            "--features",
+            "cuda",
+            "--tests",
+            "--bins",
+            "--examples",
+            "--message-format=json-render-diagnostics",
+        ])
+        .stderr(Stdio::inherit())
+        .output()
+        .unwrap_or_else(|e| fail(&format!("cargo build: {e}")));
+    if !out.status.success() {
+        fail("building the CUDA binaries failed");
+    }
+    let mut built = Built {
+        tests: Vec::new(),
+        bins: Vec::new(),
+    };
+    for m in String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|m| m["reason"] == "compiler-artifact")
+    {
+        let Some(exe) = m["executable"].as_str().map(PathBuf::from) else {
+            continue;
+        };
+        if m["profile"]["test"] == true {
+            built.tests.push(exe);
+            continue;
+        }
+        let name = m["target"]["name"].as_str().unwrap_or_default().to_string();
+        let kind = m["target"]["kind"][0].as_str().unwrap_or_default();
+        let wanted = name == "burn-kernels-bench"
+            || LLAMA_TOOLS.iter().any(|(k, n)| *k == kind && *n == name);
+        if wanted {
+            built.bins.push((name, exe));
+        }
+    }
+    built
+}
+
+pub fn device_build(dir: &Path, no_tests: bool, with_model: bool) {
+    let built = build_all();
+    let stage = dir.join("stage");
+    let _ = std::fs::remove_dir_all(&stage);
+    for sub in ["tests", "bin", "cuda/nvvm/libdevice", "wheels"] {
+        std::fs::create_dir_all(stage.join(sub)).expect("create the staging folder");
+    }
+    let copy = |from: &Path, to: &Path| {
+        std::fs::copy(from, to).unwrap_or_else(|e| fail(&format!("copy {}: {e}", from.display())));
+        let _ = Command::new("strip").arg(to).status();
+    };
+    for (name, exe) in &built.bins {
+        copy(exe, &stage.join("bin").join(name));
+    }
+    if !no_tests {
+        for t in &built.tests {
+            copy(
+                t,
+                &stage.join("tests").join(t.file_name().expect("file name")),
+            );
+        }
+    }
+    fetch_libdevice(&stage.join("cuda/nvvm/libdevice/libdevice.10.bc"));
+    fetch_peer_wheels(&stage.join("wheels"));
+    let commit = git_commit();
+    std::fs::write(stage.join("COMMIT"), format!("{commit}\n")).expect("write COMMIT");
+
+    for old in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let name = old.file_name().to_string_lossy().to_string();
+        if name.starts_with("bundle.") || name.starts_with("model.") {
+            let _ = std::fs::remove_file(old.path());
+        }
+    }
+    let archive = dir.join("bundle.tar.xz");
+    pack(&stage, &archive);
+    let _ = std::fs::remove_dir_all(&stage);
+    let mut parts = split(&archive, dir, "bundle");
+    let _ = std::fs::remove_file(&archive);
+    if with_model {
+        let model = model_path();
+        if !model.is_file() {
+            fail(&format!(
+                "--model: {} is missing (run `cargo xtask fetch-model`)",
+                model.display()
+            ));
+        }
+        parts.extend(split(&model, dir, "model"));
+    }
+    std::fs::write(dir.join("MANIFEST"), manifest(&commit, &parts)).expect("write MANIFEST");
+    write_run_sh(dir);
+    println!(
+        "{}: {} test binaries, {} tools, commit {commit}; carry `.device/run.sh`, \
+         `.device/MANIFEST` and one part per call:",
+        dir.display(),
+        if no_tests { 0 } else { built.tests.len() },
+        built.bins.len()
+    );
+    for p in &parts {
+        let size = std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
+        println!(
+            "  {} {:.1} MiB",
+            p.display(),
+            size as f64 / (1 << 20) as f64
+        );
+    }
+}
+
+fn git_commit() -> String {
+    Command::new("git")
+        .args(["rev-parse", "--short", "HEAD"])
+        .current_dir(root())
+        .output()
+        .ok()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_default()
+}
+
+/// `tar | xz -9` with a 256 MiB dictionary (one thread: threads cut the stream into blocks that
+/// cannot refer to each other, and the binaries' shared LLVM is what compresses).
+fn pack(stage: &Path, archive: &Path) {
+    let out = std::fs::File::create(archive)
+        .unwrap_or_else(|e| fail(&format!("create {}: {e}", archive.display())));
+    let mut tar = Command::new("tar")
+        .arg("cf")
+        .arg("-")
+        .arg("-C")
+        .arg(stage)
+        .arg(".")
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| fail(&format!("tar: {e}")));
+    let xz = Command::new("xz")
+        .args(["-c", "-T1", "--lzma2=preset=9,dict=256MiB"])
+        .stdin(tar.stdout.take().expect("tar stdout"))
+        .stdout(out)
+        .status();
+    check(tar.wait(), "tar");
+    check(xz, "xz");
+}
+
+/// Cuts `file` into `<dir>/<prefix>.NN` parts of at most [`PART_BYTES`]; returns them in order.
+fn split(file: &Path, dir: &Path, prefix: &str) -> Vec<PathBuf> {
+    let data = std::fs::read(file).unwrap_or_else(|e| fail(&format!("{}: {e}", file.display())));
+    data.chunks(PART_BYTES as usize)
+        .enumerate()
+        .map(|(i, chunk)| {
+            let p = dir.join(format!("{prefix}.{i:02}"));
+            std::fs::write(&p, chunk).unwrap_or_else(|e| fail(&format!("{}: {e}", p.display())));
+            p
+        })
+        .collect()
+}
+
+/// One line per part: `name sha256`, after a `commit` line.
+fn manifest(commit: &str, parts: &[PathBuf]) -> String {
+    let mut s = format!("commit {commit}\n");
+    for p in parts {
+        let out = Command::new("sha256sum")
+            .arg(p)
+            .output()
+            .unwrap_or_else(|e| fail(&format!("sha256sum: {e}")));
+        let sum = String::from_utf8_lossy(&out.stdout)
+            .split_whitespace()
+            .next()
+            .unwrap_or_default()
+            .to_string();
+        let name = p.file_name().expect("name").to_string_lossy();
+        s.push_str(&format!("{name} {sum}\n"));
+    }
+    s
+}
+
+/// Extracts libdevice.10.bc from the `nvidia-nvvm` wheel (downloaded once into the pip cache).
+fn fetch_libdevice(dest: &Path) {
+    let scratch = root().join(".device/.nvvm");
+    let _ = std::fs::create_dir_all(&scratch);
+    let wheel = std::fs::read_dir(&scratch)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.to_string_lossy().ends_with(".whl"))
+        .map(Ok)
+        .unwrap_or_else(|| pip_download(&scratch, NVVM_WHEEL, &[], ".whl"))
+        .unwrap_or_else(|e| fail(&format!("libdevice: {e}")));
+    let py = format!(
+        "import sys, zipfile\nz = zipfile.ZipFile(sys.argv[1])\n\
+         m = [n for n in z.namelist() if n.endswith('{LIBDEVICE_MEMBER_SUFFIX}')]\n\
+         if not m: sys.exit('no {LIBDEVICE_MEMBER_SUFFIX} in ' + sys.argv[1])\n\
+         open(sys.argv[2], 'wb').write(z.read(m[0]))\n"
+    );
+    check(
+        Command::new("python3")
+            .args(["-c", &py])
+            .arg(&wheel)
+            .arg(dest)
+            .status(),
+        "extracting libdevice",
+    );
+}
+
+/// Downloads the peer wheels (once, into `.device/wheels`) and copies them into the stage.
+fn fetch_peer_wheels(stage: &Path) {
+    let cache = root().join(".device/wheels");
+    let _ = std::fs::create_dir_all(&cache);
+    let have = std::fs::read_dir(&cache)
+        .map(|d| {
+            d.flatten()
+                .filter(|e| e.path().extension().is_some_and(|x| x == "whl"))
+                .count()
+        })
+        .unwrap_or(0);
+    if have < PEER_WHEELS.len() {
+        let ok = Command::new("python3")
+            .args(["-m", "pip", "download", "--quiet", "--no-deps", "-d"])
+            .arg(&cache)
+            .args(PEER_WHEELS)
+            .status()
+            .is_ok_and(|s| s.success());
+        if !ok {
+            eprintln!(
+                "warning: could not download the peer wheels ({}); the bench will report those \
+                 peers as skipped",
+                PEER_WHEELS.join(", ")
+            );
+        }
+    }
+    for w in std::fs::read_dir(&cache).into_iter().flatten().flatten() {
+        let _ = std::fs::copy(w.path(), stage.join(w.file_name()));
+    }
+}
+
+fn write_run_sh(dir: &Path) {
+    let path = dir.join("run.sh");
+    std::fs::write(&path, RUN_SH).expect("write run.sh");
+    let mut perms = std::fs::metadata(&path).expect("run.sh").permissions();
+    std::os::unix::fs::PermissionsExt::set_mode(&mut perms, 0o755);
+    std::fs::set_permissions(&path, perms).expect("chmod run.sh");
+}
+
+/// Gathers the parts, unpacks once per commit, sets the environment, runs.
+const RUN_SH: &str = include_str!("run.sh");

@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# Runs what `cargo xtask device-build` bundled, on a machine with a CUDA driver and no Rust.
+#   run.sh stash                 keep the parts that came with this call in $stash (/tmp survives
+#                                between calls of a warm machine); a later call finds them there
+#   run.sh tests [libtest args]  every CUDA test binary; exits non-zero if any fails
+#   run.sh bench [runner args]   the benchmark runner (give --out an absolute path)
+#   run.sh bin NAME [args]       a bundled tool: llama, finetune, spec_table, decode_profile
+#   run.sh env                   print the environment the others run in
+# The bundle unpacks once per commit into $dest. Binaries run from $dest, so CubeCL keeps its
+# autotune and kernel caches under $XDG_CACHE_HOME/cubecl (default /tmp/burn-kernels-cache).
+set -uo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+dest=${BURN_KERNELS_DEVICE_DIR:-/tmp/burn-kernels-device}
+stash=${BURN_KERNELS_DEVICE_STASH:-/tmp/burn-kernels-stash}
+mkdir -p "$stash"
+export XDG_CACHE_HOME=${XDG_CACHE_HOME:-/tmp/burn-kernels-cache}
+
+# The path of part $1 (this call's copy or the stash's), checked against the MANIFEST.
+part() {
+  local want f
+  want=$(awk -v n="$1" '$1 == n { print $2 }' "$here/MANIFEST")
+  for f in "$here/$1" "$stash/$1"; do
+    if [ -f "$f" ] && [ "$(sha256sum "$f" | cut -d' ' -f1)" = "$want" ]; then
+      echo "$f"; return 0
+    fi
+  done
+  return 1
+}
+
+parts_of() { awk -v p="$1." 'index($1, p) == 1 { print $1 }' "$here/MANIFEST"; }
+
+# Unpack the bundle when $dest does not hold this commit's.
+commit=$(awk '$1 == "commit" { print $2 }' "$here/MANIFEST")
+if [ "${1:-}" != stash ] && [ "$(cat "$dest/COMMIT" 2>/dev/null)" != "$commit" ]; then
+  files=()
+  for p in $(parts_of bundle); do
+    f=$(part "$p") || { echo "run.sh: bundle part $p is missing: carry .device/$p in this call, or run 'run.sh stash' in an earlier call that carried it" >&2; exit 3; }
+    files+=("$f")
+  done
+  rm -rf "$dest" && mkdir -p "$dest"
+  cat "${files[@]}" | xz -dc | tar xf - -C "$dest" || { echo "run.sh: unpacking failed" >&2; exit 3; }
+fi
+
+# The model, when its parts were bundled (device-build --model) and all are here or stashed.
+model_file="$stash/SmolLM2-135M-Instruct.Q4_1.gguf"
+if [ ! -f "$model_file" ] && [ -n "$(parts_of model)" ]; then
+  files=()
+  for p in $(parts_of model); do f=$(part "$p") && files+=("$f") || { files=(); break; }; done
+  [ ${#files[@]} -gt 0 ] && cat "${files[@]}" > "$model_file"
+fi
+[ -f "$model_file" ] && export BURN_KERNELS_MODEL=${BURN_KERNELS_MODEL:-$model_file}
+
+# libdevice: the machine's CUDA toolkit if it has one, else the bundled copy.
+if [ -z "${CUDA_PATH:-}" ]; then
+  has=""
+  for r in /usr/local/cuda /opt/cuda /usr/lib/cuda /usr; do
+    [ -f "$r/nvvm/libdevice/libdevice.10.bc" ] && has=$r && break
+  done
+  export CUDA_PATH=${has:-$dest/cuda}
+fi
+
+# Peer wheels (pure Python; torch and triton are on the device) install once.
+if [ -d "$dest/wheels" ] && [ ! -f "$dest/py/.installed" ] && compgen -G "$dest/wheels/*.whl" > /dev/null; then
+  python3 -m pip install --quiet --no-deps --no-index --target "$dest/py" "$dest"/wheels/*.whl \
+    && touch "$dest/py/.installed"
+fi
+[ -d "$dest/py" ] && export PYTHONPATH="$dest/py${PYTHONPATH:+:$PYTHONPATH}"
+
+what=${1:-}; shift || true
+case "$what" in
+  stash)
+    for p in $(parts_of bundle) $(parts_of model); do
+      [ -f "$here/$p" ] && cp "$here/$p" "$stash/$p" && echo "stashed $p"
+    done
+    ls -la "$stash" ;;
+  env)
+    echo "dest=$dest commit=$commit CUDA_PATH=$CUDA_PATH XDG_CACHE_HOME=$XDG_CACHE_HOME"
+    echo "BURN_KERNELS_MODEL=${BURN_KERNELS_MODEL:-} PYTHONPATH=${PYTHONPATH:-}" ;;
+  tests)
+    cd "$dest" || exit 3
+    status=0
+    for t in "$dest"/tests/*; do
+      echo "== $(basename "$t")"
+      "$t" "$@" || status=1
+    done
+    exit $status ;;
+  bench)
+    # The peer scripts are in the repository (run.sh lives in its .device folder).
+    peers=()
+    case " $* " in *" --peers-dir "*) ;; *) peers=(--peers-dir "$here/../bench/peers") ;; esac
+    cd "$dest" || exit 3
+    exec "$dest/bin/burn-kernels-bench" "${peers[@]}" "$@" ;;
+  bin)
+    name=${1:?usage: $0 bin NAME [args]}; shift
+    cd "$dest" || exit 3
+    exec "$dest/bin/$name" "$@" ;;
+  *) echo "usage: $0 stash|tests|bench|bin|env [args]" >&2; exit 2 ;;
+esac
