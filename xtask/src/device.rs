@@ -5,10 +5,12 @@
 //! CUDA test binary, the bench runner and burn-llama's tools with one feature set (two cargo
 //! invocations with different package sets would build the Burn stack twice). The stripped
 //! binaries each hold the same statically linked LLVM (CubeCL's NVPTX compiler), so they are packed
-//! into one tar compressed by xz with a dictionary larger than one binary: the second and later
-//! copies of LLVM cost little. The archive is cut into parts of at most [`PART_BYTES`]; with
-//! libdevice (CUDA 13's math library, which CubeCL's LLVM path links when a kernel calls exp, log,
-//! ...), the peer wheels and, with `--model`, the SmolLM2 file cut the same way.
+//! three at a time into archives compressed by xz with a dictionary larger than one binary (a
+//! later copy of LLVM costs less than the first), each with libdevice (CUDA 13's math library,
+//! which CubeCL's LLVM path links when a kernel calls exp, log, ...) and the peer wheels. Each
+//! group fits one device call and unpacks on its own; with `--model` the SmolLM2 file is cut into
+//! parts of at most [`PART_BYTES`]. (One archive of every binary took 25 minutes to pack on two
+//! cores and came to ~140 MiB; groups pack in parallel in ~6 minutes.)
 
 use crate::{cargo, check, fail, model_path, pip_download, root};
 use std::path::{Path, PathBuf};
@@ -88,44 +90,61 @@ fn build_all() -> Built {
     built
 }
 
+/// Binaries per group archive: three stripped binaries (~130 MB each, mostly the same LLVM) pack
+/// into ~45 MiB with xz's 256 MiB dictionary (measured 2026-11-27: sage + cce tests + the bench
+/// runner, 43 MiB).
+const BINARIES_PER_GROUP: usize = 3;
+
 pub fn device_build(dir: &Path, no_tests: bool, with_model: bool) {
     let built = build_all();
-    let stage = dir.join("stage");
-    let _ = std::fs::remove_dir_all(&stage);
-    for sub in ["tests", "bin", "cuda/nvvm/libdevice", "wheels"] {
-        std::fs::create_dir_all(stage.join(sub)).expect("create the staging folder");
-    }
-    let copy = |from: &Path, to: &Path| {
-        std::fs::copy(from, to).unwrap_or_else(|e| fail(&format!("copy {}: {e}", from.display())));
-        let _ = Command::new("strip").arg(to).status();
-    };
-    for (name, exe) in &built.bins {
-        copy(exe, &stage.join("bin").join(name));
-    }
-    if !no_tests {
-        for t in &built.tests {
-            copy(
-                t,
-                &stage.join("tests").join(t.file_name().expect("file name")),
-            );
-        }
-    }
-    fetch_libdevice(&stage.join("cuda/nvvm/libdevice/libdevice.10.bc"));
-    fetch_peer_wheels(&stage.join("wheels"));
     let commit = git_commit();
-    std::fs::write(stage.join("COMMIT"), format!("{commit}\n")).expect("write COMMIT");
+    // (folder in the bundle, executable): the bench runner first, so group 0 runs the benches.
+    let mut items: Vec<(&str, PathBuf)> = Vec::new();
+    let mut bins = built.bins.clone();
+    bins.sort_by_key(|(name, _)| name != "burn-kernels-bench");
+    items.extend(bins.into_iter().map(|(_, exe)| ("bin", exe)));
+    if !no_tests {
+        items.extend(built.tests.iter().map(|t| ("tests", t.clone())));
+    }
+    let shared = dir.join("shared");
+    let _ = std::fs::remove_dir_all(&shared);
+    std::fs::create_dir_all(shared.join("cuda/nvvm/libdevice")).expect("create the shared folder");
+    std::fs::create_dir_all(shared.join("wheels")).expect("create the shared folder");
+    fetch_libdevice(&shared.join("cuda/nvvm/libdevice/libdevice.10.bc"));
+    fetch_peer_wheels(&shared.join("wheels"));
 
     for old in std::fs::read_dir(dir).into_iter().flatten().flatten() {
         let name = old.file_name().to_string_lossy().to_string();
-        if name.starts_with("bundle.") || name.starts_with("model.") {
+        if name.starts_with('g') && name.ends_with(".tar.xz") || name.starts_with("model.") {
             let _ = std::fs::remove_file(old.path());
         }
     }
-    let archive = dir.join("bundle.tar.xz");
-    pack(&stage, &archive);
-    let _ = std::fs::remove_dir_all(&stage);
-    let mut parts = split(&archive, dir, "bundle");
-    let _ = std::fs::remove_file(&archive);
+    // Each group is its own archive, so a call can run what it carries before the rest arrives,
+    // and the groups pack in parallel.
+    let groups: Vec<Vec<(&str, PathBuf)>> = items
+        .chunks(BINARIES_PER_GROUP)
+        .map(<[_]>::to_vec)
+        .collect();
+    let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let mut parts: Vec<PathBuf> = Vec::new();
+    for batch in groups
+        .iter()
+        .enumerate()
+        .collect::<Vec<_>>()
+        .chunks(threads)
+    {
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = batch
+                .iter()
+                .map(|(i, group)| {
+                    let (dir, shared, commit) = (dir, &shared, &commit);
+                    scope.spawn(move || pack_group(dir, shared, commit, *i, group))
+                })
+                .collect();
+            parts.extend(handles.into_iter().map(|h| h.join().expect("pack thread")));
+        });
+    }
+    let _ = std::fs::remove_dir_all(&shared);
     if with_model {
         let model = model_path();
         if !model.is_file() {
@@ -140,19 +159,57 @@ pub fn device_build(dir: &Path, no_tests: bool, with_model: bool) {
     write_run_sh(dir);
     println!(
         "{}: {} test binaries, {} tools, commit {commit}; carry `.device/run.sh`, \
-         `.device/MANIFEST` and one part per call:",
+         `.device/MANIFEST` and the parts a call needs (each fits one call):",
         dir.display(),
         if no_tests { 0 } else { built.tests.len() },
         built.bins.len()
     );
     for p in &parts {
         let size = std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
+        let warn = if size > PART_BYTES {
+            "  (over one call's share: split the group)"
+        } else {
+            ""
+        };
         println!(
-            "  {} {:.1} MiB",
+            "  {} {:.1} MiB{warn}",
             p.display(),
             size as f64 / (1 << 20) as f64
         );
     }
+}
+
+/// Stages group `i` (its binaries stripped, libdevice, the peer wheels, COMMIT) and packs it into
+/// `<dir>/gNN.tar.xz`.
+fn pack_group(
+    dir: &Path,
+    shared: &Path,
+    commit: &str,
+    i: usize,
+    group: &[(&str, PathBuf)],
+) -> PathBuf {
+    let stage = dir.join(format!("stage-{i:02}"));
+    let _ = std::fs::remove_dir_all(&stage);
+    for (folder, exe) in group {
+        let to = stage.join(folder).join(exe.file_name().expect("file name"));
+        std::fs::create_dir_all(to.parent().expect("parent")).expect("create the staging folder");
+        std::fs::copy(exe, &to).unwrap_or_else(|e| fail(&format!("copy {}: {e}", exe.display())));
+        let _ = Command::new("strip").arg(&to).status();
+    }
+    check(
+        Command::new("cp")
+            .arg("-r")
+            .arg(shared.join("cuda"))
+            .arg(shared.join("wheels"))
+            .arg(&stage)
+            .status(),
+        "copying libdevice and the wheels",
+    );
+    std::fs::write(stage.join("COMMIT"), format!("{commit}\n")).expect("write COMMIT");
+    let archive = dir.join(format!("g{i:02}.tar.xz"));
+    pack(&stage, &archive);
+    let _ = std::fs::remove_dir_all(&stage);
+    archive
 }
 
 fn git_commit() -> String {

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Runs what `cargo xtask device-build` bundled, on a machine with a CUDA driver and no Rust.
-#   run.sh stash                 keep the parts that came with this call in $stash (/tmp survives
-#                                between calls of a warm machine); a later call finds them there
+#   run.sh stash                 keep the groups/parts that came with this call in $stash (/tmp
+#                                survives between calls of a warm machine); later calls find them
 #   run.sh tests [libtest args]  every CUDA test binary; exits non-zero if any fails
 #   run.sh bench [runner args]   the benchmark runner (give --out an absolute path)
 #   run.sh bin NAME [args]       a bundled tool: llama, finetune, spec_table, decode_profile
 #   run.sh env                   print the environment the others run in
-# The bundle unpacks once per commit into $dest. Binaries run from $dest, so CubeCL keeps its
+# Each bundle group (gNN.tar.xz: three binaries, libdevice, the peer wheels) unpacks once into $dest. Binaries run from $dest, so CubeCL keeps its
 # autotune and kernel caches under $XDG_CACHE_HOME/cubecl (default /tmp/burn-kernels-cache).
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -27,25 +27,27 @@ part() {
   return 1
 }
 
-parts_of() { awk -v p="$1." 'index($1, p) == 1 { print $1 }' "$here/MANIFEST"; }
+parts_of() { awk -v p="$1" '$1 != "commit" && index($1, p) == 1 { print $1 }' "$here/MANIFEST"; }
 
-# Unpack the bundle when $dest does not hold this commit's.
+# Unpack every group of this commit that is here or stashed and not yet unpacked; a new commit
+# starts $dest afresh. Missing groups are fine: what arrived runs.
 commit=$(awk '$1 == "commit" { print $2 }' "$here/MANIFEST")
-if [ "${1:-}" != stash ] && [ "$(cat "$dest/COMMIT" 2>/dev/null)" != "$commit" ]; then
-  files=()
-  for p in $(parts_of bundle); do
-    f=$(part "$p") || { echo "run.sh: bundle part $p is missing: carry .device/$p in this call, or run 'run.sh stash' in an earlier call that carried it" >&2; exit 3; }
-    files+=("$f")
+if [ "${1:-}" != stash ]; then
+  [ "$(cat "$dest/COMMIT" 2>/dev/null)" = "$commit" ] || { rm -rf "$dest"; mkdir -p "$dest"; }
+  for g in $(parts_of g | grep '\.tar\.xz$'); do
+    [ -f "$dest/.$g" ] && continue
+    f=$(part "$g") || continue
+    xz -dc "$f" | tar xf - -C "$dest" && touch "$dest/.$g" && echo "unpacked $g" >&2 \
+      || { echo "run.sh: unpacking $g failed" >&2; exit 3; }
   done
-  rm -rf "$dest" && mkdir -p "$dest"
-  cat "${files[@]}" | xz -dc | tar xf - -C "$dest" || { echo "run.sh: unpacking failed" >&2; exit 3; }
+  [ -f "$dest/COMMIT" ] || { echo "run.sh: no bundle group of commit $commit is here or stashed: carry .device/gNN.tar.xz" >&2; exit 3; }
 fi
 
 # The model, when its parts were bundled (device-build --model) and all are here or stashed.
 model_file="$stash/SmolLM2-135M-Instruct.Q4_1.gguf"
-if [ ! -f "$model_file" ] && [ -n "$(parts_of model)" ]; then
+if [ ! -f "$model_file" ] && [ -n "$(parts_of model.)" ]; then
   files=()
-  for p in $(parts_of model); do f=$(part "$p") && files+=("$f") || { files=(); break; }; done
+  for p in $(parts_of model.); do f=$(part "$p") && files+=("$f") || { files=(); break; }; done
   [ ${#files[@]} -gt 0 ] && cat "${files[@]}" > "$model_file"
 fi
 [ -f "$model_file" ] && export BURN_KERNELS_MODEL=${BURN_KERNELS_MODEL:-$model_file}
@@ -69,7 +71,7 @@ fi
 what=${1:-}; shift || true
 case "$what" in
   stash)
-    for p in $(parts_of bundle) $(parts_of model); do
+    for p in $(parts_of g) $(parts_of model); do
       [ -f "$here/$p" ] && cp "$here/$p" "$stash/$p" && echo "stashed $p"
     done
     ls -la "$stash" ;;
