@@ -10,7 +10,7 @@ use burn_kernels_core::{
     ReferenceAttention, Rope, RopeScaling, Sampler, SamplingConfig, TensorOps, TopKTopP,
 };
 use burn_kernels_testing::{
-    Dist, Tolerance, assert_close, assert_close_unless_tf32, assert_matmul_close, compare::to_f32,
+    Dist, Tolerance, assert_close, assert_matmul_close, assert_product_close, compare::to_f32,
     float_dtypes, poison_memory, random_tensor, random_values, testgen,
 };
 
@@ -281,18 +281,14 @@ fn fused_layer_ops_match_tensor_ops(device: &Device) {
             // Past GEMV_MAX_ROWS the projection is Burn's matmul, not a fallback.
             let got = require_kernels(|| FusedOps.linear(x, w));
             assert_eq!(got.dims(), [b, s, n]);
-            let (name, got) = (
-                format!("linear {dtype:?} {b}x{s}x{k} · {k}x{n}"),
-                to_f32(got.into_data()),
+            assert_product_close(
+                &format!("linear {dtype:?} {b}x{s}x{k} · {k}x{n}"),
+                &to_f32(got.into_data()),
+                &want,
+                dtype,
+                k,
+                device,
             );
-            let tol = Tolerance::for_reduction(dtype, k);
-            // Only f32 products run in TF32 on CUDA; 16-bit inputs are exact in the f32
-            // accumulator, and their error is the final rounding into `dtype`, element-wise.
-            if dtype == DType::F32 {
-                assert_close_unless_tf32(&name, &got, &want, tol, device);
-            } else {
-                assert_close(&name, &got, &want, tol);
-            }
         }
 
         for (i, shape) in [[1, 1, 1], [2, 3, 131]].into_iter().enumerate() {

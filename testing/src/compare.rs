@@ -219,13 +219,26 @@ pub fn assert_matmul_close(
     reduction_len: usize,
     device: &burn::tensor::Device,
 ) {
-    assert_close_unless_tf32(
-        name,
-        actual,
-        expected,
-        Tolerance::for_reduction(DType::F32, reduction_len),
-        device,
-    );
+    assert_product_close(name, actual, expected, DType::F32, reduction_len, device);
+}
+
+/// Checks an output of matrix products whose inputs are stored in `dtype` (f32 accumulation):
+/// f32 as [`assert_matmul_close`]; 16-bit inputs are exact in the f32 accumulator (no TF32
+/// rounding), so they are checked element-wise within the reduction tolerance of `dtype`.
+pub fn assert_product_close(
+    name: &str,
+    actual: &[f32],
+    expected: &[f32],
+    dtype: DType,
+    reduction_len: usize,
+    device: &burn::tensor::Device,
+) {
+    let tol = Tolerance::for_reduction(dtype, reduction_len);
+    if dtype == DType::F32 {
+        assert_close_unless_tf32(name, actual, expected, tol, device);
+    } else {
+        assert_close(name, actual, expected, tol);
+    }
 }
 
 /// Checks an output of f32 matrix products element-wise within `tol` where the backend

@@ -13,7 +13,7 @@ pub mod unfused;
 
 pub use compare::{
     Metrics, TF32_REL_L2, Tolerance, assert_close, assert_close_data, assert_close_unless_tf32,
-    assert_matmul_close, f32_matmul_is_tf32, metrics,
+    assert_matmul_close, assert_product_close, f32_matmul_is_tf32, metrics,
 };
 pub use random::{Dist, random_tensor, random_values};
 pub use runtimes::{float_dtypes, is_cuda, is_wgpu, poison_memory};
