@@ -261,8 +261,24 @@ impl Timing {
     }
 }
 
-fn sync(device: &Device) {
+thread_local! {
+    static KEPT: std::cell::RefCell<Vec<Box<dyn std::any::Any>>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Keeps a timed call's outputs alive until the harness has synchronized the device after the
+/// call. Burn's fused backend runs queued work lazily: outputs dropped before the
+/// synchronization need not be computed at all, and a timing would then measure work that never
+/// ran (Burn plain's SmolLM2 loss step timed 1.9 ms that way on an H200, 2026-11-27, less than
+/// its matmuls take). Every in-process candidate hands its outputs here.
+pub fn keep<T: 'static>(outputs: T) {
+    KEPT.with(|k| k.borrow_mut().push(Box::new(outputs)));
+}
+
+/// Synchronizes the device, then drops what the call [`keep`]s.
+pub fn sync(device: &Device) {
     device.sync().expect("device synchronization failed");
+    KEPT.with(|k| k.borrow_mut().clear());
 }
 
 /// Times `run`: the first call (JIT compilation, autotune) and a warm-up are discarded, then

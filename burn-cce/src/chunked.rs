@@ -56,51 +56,17 @@ use burn::backend::{
 use burn::tensor::{
     DType, Device, FloatDType, IndexingUpdateOp, Shape, Slice, TensorData, read_sync,
 };
-use burn_cubecl::{
-    CubeBackend, CubeDevice,
-    kernel::matmul::{MatmulStrategy, matmul},
-    ops::numeric::empty_device_contiguous_dtype,
-    tensor::CubeTensor,
-};
-use cubecl::client::Client;
-use cubek::{
-    matmul::{
-        definition::{MatmulElems, MatmulGlobalElems},
-        launch::launch_ref,
-        multi_level::{
-            Strategy as MultiLevel,
-            components::tile::TileMatmulKind,
-            routines::{
-                TileSizeSelection,
-                batch::{
-                    double_buffering::DoubleBufferingArgs,
-                    ordered_double_buffering::OrderedSelectionArgs, simple::SimpleArgs,
-                    simple_unit::SimpleUnitSelectionArgs,
-                },
-            },
-        },
-        routine::BlueprintStrategy,
-        strategy::Strategy,
-    },
-    std::InputBinding,
-};
+use burn_cubecl::{CubeBackend, CubeDevice, tensor::CubeTensor};
 use std::ops::Range;
-use std::sync::atomic::{AtomicBool, Ordering};
 
-use burn::backend::cubecl::dtype_to_storage_type;
-
+use crate::gemm::{cast, dims2, matmul_to};
 use crate::kernels::{
     accumulate::add_rows, grad::grad_chunk, indexed_dot::indexed_dot, lse_chunk::lse_chunk, score,
 };
 use crate::live::{self, PerStream};
-use crate::{GemmKernel, GemmStrategy, LceParams};
+use crate::{GemmStrategy, LceParams};
 
 type Cb = CubeBackend;
-
-/// `[rows, cols]` of a matrix.
-fn dims2(t: &CubeTensor) -> [usize; 2] {
-    t.meta.shape().dims::<2>()
-}
 
 /// Rows `range` of a matrix (a view).
 fn rows_of(t: CubeTensor, range: Range<usize>) -> CubeTensor {
@@ -112,156 +78,8 @@ fn transpose(t: CubeTensor) -> CubeTensor {
     Cb::float_transpose(t)
 }
 
-/// `t` in `dtype` (the same tensor when it already is).
-fn cast(t: CubeTensor, dtype: DType) -> CubeTensor {
-    if t.dtype == dtype {
-        t
-    } else {
-        Cb::float_cast(t, FloatDType::from(dtype))
-    }
-}
-
 fn zeros<const D: usize>(shape: [usize; D], dtype: DType, device: &CubeDevice) -> CubeTensor {
     Cb::float_zeros(Shape::new(shape), device, FloatDType::from(dtype))
-}
-
-/// `lhs · rhs` with the output in `dtype` (f32 accumulation inside the GEMM), by the kernel
-/// `strategy` selects. Falls back to casting the inputs when the runtime's matmul rejects the
-/// mixed-precision setup.
-fn matmul_to(
-    lhs: CubeTensor,
-    rhs: CubeTensor,
-    dtype: DType,
-    strategy: GemmStrategy,
-    tf32: bool,
-    step: &'static str,
-) -> CubeTensor {
-    static WARNED: AtomicBool = AtomicBool::new(false);
-    let kernel = match strategy {
-        GemmStrategy::Fixed => Some(GemmKernel::DEFAULT),
-        GemmStrategy::Kernel(kernel) => Some(kernel),
-        GemmStrategy::Autotune => None,
-    };
-    // Each exit reads the live memory with the inputs still held (see `crate::live`).
-    if let Some(kernel) = kernel
-        && let Some(out) = fixed_gemm(lhs.clone(), rhs.clone(), dtype, kernel, tf32)
-    {
-        live::sample(&out, step);
-        return out;
-    }
-    let out = match matmul(
-        lhs.clone(),
-        rhs.clone(),
-        None,
-        MatmulStrategy::default(),
-        dtype,
-    ) {
-        Ok(out) => out,
-        Err(err) => {
-            if !WARNED.swap(true, Ordering::Relaxed) {
-                log::warn!(
-                    "burn-cce: mixed-precision matmul unavailable ({err:?}); casting the inputs"
-                );
-            }
-            Cb::float_matmul(cast(lhs, dtype), cast(rhs, dtype))
-        }
-    };
-    live::sample(&out, step);
-    out
-}
-
-/// cubek's launch strategy for `kernel`.
-fn cubek_strategy(kernel: GemmKernel) -> Strategy {
-    let simple = |multi_rows| SimpleArgs {
-        multi_rows,
-        tile_matmul: TileMatmulKind::Mma,
-    };
-    let double = |specialized| DoubleBufferingArgs {
-        specialized,
-        tile_matmul: TileMatmulKind::Mma,
-    };
-    let ordered = |row_count| OrderedSelectionArgs {
-        partition_k: Some(2),
-        row_count: Some(row_count),
-        rows_per_plane: Some(2),
-        tile_matmul: TileMatmulKind::Mma,
-    };
-    use BlueprintStrategy::Inferred;
-    let strategy = match kernel {
-        GemmKernel::DoubleCyclic => MultiLevel::DoubleCyclicMma(Inferred(double(false))),
-        GemmKernel::DoubleCyclicSpecialized => MultiLevel::DoubleCyclicMma(Inferred(double(true))),
-        GemmKernel::SimpleCyclic => MultiLevel::SimpleCyclicMma(Inferred(simple(false))),
-        GemmKernel::SimpleCyclicMultiRow => MultiLevel::SimpleCyclicMma(Inferred(simple(true))),
-        GemmKernel::OrderedDouble4 => MultiLevel::OrderedDoubleMma(Inferred(ordered(4))),
-        GemmKernel::OrderedDouble8 => MultiLevel::OrderedDoubleMma(Inferred(ordered(8))),
-        GemmKernel::SpecializedCyclic => MultiLevel::SpecializedCyclicMma(Inferred(().into())),
-        GemmKernel::SimpleTma => MultiLevel::SimpleTmaMma(Inferred(simple(false))),
-        GemmKernel::SimpleTmaMultiRow => MultiLevel::SimpleTmaMma(Inferred(simple(true))),
-        GemmKernel::SpecializedTma => MultiLevel::SpecializedTmaMma(Inferred(().into())),
-    };
-    strategy.into()
-}
-
-/// `kernel` (or the unit kernel) for `lhs · rhs`, or `None` where the runtime cannot run either
-/// (checked at setup, before anything is launched); the caller then autotunes.
-fn fixed_gemm(
-    lhs: CubeTensor,
-    rhs: CubeTensor,
-    dtype: DType,
-    kernel: GemmKernel,
-    tf32: bool,
-) -> Option<CubeTensor> {
-    let [m, k] = dims2(&lhs);
-    let [_, n] = dims2(&rhs);
-    let in_dtype = lhs.dtype;
-    // Tensor-core tiles for half-precision inputs, and for f32 where TF32 is allowed; no
-    // dimension smaller than a tile.
-    let tensor_cores = (matches!(in_dtype, DType::F16 | DType::BF16)
-        || (tf32 && in_dtype == DType::F32))
-        && m.min(n).min(k) >= 16;
-    let unit: Strategy =
-        MultiLevel::SimpleUnit(BlueprintStrategy::Inferred(SimpleUnitSelectionArgs {
-            tile_size: TileSizeSelection::MinTileSize,
-        }))
-        .into();
-    let mma = cubek_strategy(kernel);
-    // A kernel the device cannot run (TMA before Hopper, on Vulkan) falls back to the
-    // portable double-buffered one, then to the unit kernel.
-    let candidates = match (tensor_cores, kernel == GemmKernel::DoubleCyclic) {
-        (true, true) => vec![mma, unit],
-        (true, false) => vec![mma, cubek_strategy(GemmKernel::DoubleCyclic), unit],
-        (false, _) => vec![unit],
-    };
-    let out = empty_device_contiguous_dtype(
-        lhs.client.clone(),
-        lhs.device.clone(),
-        Shape::new([m, n]),
-        dtype,
-    );
-    let client: Client = lhs.client.clone();
-    let (in_storage, out_storage) = (
-        dtype_to_storage_type(in_dtype),
-        dtype_to_storage_type(dtype),
-    );
-    for strategy in candidates {
-        let mut elems = MatmulElems::from_globals(&MatmulGlobalElems {
-            lhs: in_storage,
-            rhs: in_storage,
-            out: out_storage,
-        });
-        match launch_ref(
-            &strategy,
-            &client,
-            InputBinding::new(lhs.clone().binding(), in_storage),
-            InputBinding::new(rhs.clone().binding(), in_storage),
-            out.clone().binding(),
-            &mut elems,
-        ) {
-            Ok(()) => return Some(out),
-            Err(err) => log::debug!("burn-cce: {strategy} unavailable here ({err:?})"),
-        }
-    }
-    None
 }
 
 fn chunks(vocab: usize, chunk: usize) -> impl Iterator<Item = Range<usize>> {

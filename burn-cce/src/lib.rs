@@ -51,6 +51,7 @@ pub mod chunked;
 mod error;
 #[cfg(feature = "cube")]
 mod forward;
+mod gemm;
 pub mod kernels;
 pub mod live;
 mod loss;

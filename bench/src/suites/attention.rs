@@ -11,7 +11,7 @@ use burn_kernels_testing::{Dist, random_tensor};
 use serde_json::json;
 
 use super::SuiteOptions;
-use crate::harness::{Candidate, PlotSpec, Problem, Suite, params};
+use crate::harness::{Candidate, PlotSpec, Problem, Suite, keep, params};
 
 const BATCH: usize = 4;
 const HEADS: usize = 32;
@@ -78,7 +78,14 @@ fn problem(n: usize, d: usize, causal: bool, max_mem: f64) -> Problem {
             };
             let (q2, k2, v2) = (q.clone(), k.clone(), v.clone());
             let fused = Candidate::timed_here("burn-fused", move || {
-                let _ = attention(q.clone(), k.clone(), v.clone(), None, None, options);
+                keep(attention(
+                    q.clone(),
+                    k.clone(),
+                    v.clone(),
+                    None,
+                    None,
+                    options,
+                ));
             });
             let fallback = if fallback_bytes > max_mem {
                 Candidate::skipped(
@@ -91,8 +98,14 @@ fn problem(n: usize, d: usize, causal: bool, max_mem: f64) -> Problem {
                 )
             } else {
                 Candidate::timed_here("burn-fallback", move || {
-                    let _ =
-                        attention_fallback(q2.clone(), k2.clone(), v2.clone(), None, None, options);
+                    keep(attention_fallback(
+                        q2.clone(),
+                        k2.clone(),
+                        v2.clone(),
+                        None,
+                        None,
+                        options,
+                    ));
                 })
             };
             vec![fused, fallback]

@@ -18,7 +18,7 @@ use rand::{Rng, SeedableRng, rngs::StdRng, seq::SliceRandom};
 use serde_json::json;
 
 use super::{SuiteOptions, run_python_peer};
-use crate::harness::{Candidate, Extra, Problem, Suite, params};
+use crate::harness::{Candidate, Extra, Problem, Suite, keep, params};
 
 const SHAPES: &[(&str, usize, usize, usize)] = &[
     ("gemma", 8192, 256_000, 2304),
@@ -239,9 +239,10 @@ fn problem(
                     for (name, opts) in kernels {
                         let (e, c, t) = (x.e.clone(), x.c.clone(), x.targets.clone());
                         cands.push(Candidate::timed_here(name, move || {
-                            let _ =
+                            keep(
                                 linear_cross_entropy(e.clone(), c.clone(), t.clone(), None, &opts)
-                                    .expect("valid input");
+                                    .expect("valid input"),
+                            );
                         }));
                     }
                 }
@@ -269,14 +270,14 @@ fn problem(
                         let dout = Tensor::<1>::full([n], 1.0 / n as f32, (device, DType::F32));
                         let (e, c, t) = (x.e.clone(), x.c.clone(), x.targets.clone());
                         let call = move || {
-                            let _ = Dispatch::linear_ce_backward(
+                            keep(Dispatch::linear_ce_backward(
                                 e.clone().into_dispatch(),
                                 c.clone().into_dispatch(),
                                 t.clone().into_dispatch(),
                                 lse.clone().into_dispatch(),
                                 dout.clone().into_dispatch(),
                                 p,
-                            );
+                            ));
                         };
                         let timed = call.clone();
                         let mut reported = false;
@@ -326,9 +327,8 @@ fn problem(
                             continue;
                         }
                         let (e, c, t) = (x.e.clone(), x.c.clone(), x.targets.clone());
-                        let mut outputs = Held::default();
                         cands.push(Candidate::timed_here(name, move || {
-                            outputs.hold(autodiff_step(&e, &c, &t, Some(o)));
+                            keep(autodiff_step(&e, &c, &t, Some(o)));
                         }));
                     }
                 }
@@ -342,9 +342,8 @@ fn problem(
                 } else {
                     let (e, c, t) = (x.e.clone(), x.c.clone(), x.targets.clone());
                     let both = mode == "both";
-                    let mut outputs = Held::default();
                     cands.push(Candidate::timed_here("burn-plain", move || {
-                        outputs.hold(if both {
+                        keep(if both {
                             autodiff_step(&e, &c, &t, None)
                         } else {
                             vec![reference::plain_linear_cross_entropy(
@@ -387,22 +386,7 @@ fn too_slow_to_tune(shape: &str, o: CceOptions) -> Option<String> {
 }
 
 /// One training-style step with autodiff: the loss (CCE with `options`, or the plain path)
-/// and its gradients with respect to E and C.
-/// A timed call's outputs, kept until the next call replaces them (so through the harness's
-/// synchronization).
-#[derive(Default)]
-struct Held(Option<Vec<Tensor<1>>>);
-
-impl Held {
-    fn hold(&mut self, outputs: Vec<Tensor<1>>) {
-        let _previous = self.0.replace(outputs);
-    }
-}
-
-/// One loss + gradient step under autodiff. Returns the loss and both gradients, which the
-/// timed closure keeps until its next call: Burn's fused backend runs queued work lazily, and
-/// outputs dropped before the harness synchronizes need not be computed at all (Burn plain's
-/// SmolLM2 step timed 1.9 ms that way on 2026-11-27, less than its matmuls take).
+/// and its gradients with respect to E and C, returned for the timed closure to [`keep`].
 fn autodiff_step(
     e: &Tensor<2>,
     c: &Tensor<2>,

@@ -13,7 +13,7 @@ use burn_llama::{Llama, LlamaConfig};
 use serde_json::json;
 
 use super::{SuiteOptions, run_python_peer};
-use crate::harness::{Candidate, PeerRun, Problem, Suite, params};
+use crate::harness::{Candidate, PeerRun, Problem, Suite, keep, params};
 
 pub fn suite(opts: SuiteOptions) -> Suite {
     let shapes: &[&str] = if opts.quick {
@@ -74,14 +74,14 @@ fn problem(
                     let mut cache = FullKvCache::new(layers);
                     let h = model.forward(prompt.clone(), &[], &mut cache, &BurnAttention);
                     let [b, s, d] = h.dims();
-                    let _ = model.logits(h.slice([0..b, s - 1..s, 0..d]));
+                    keep(model.logits(h.slice([0..b, s - 1..s, 0..d])));
                 }),
                 _ => {
                     let mut cache = FullKvCache::new(layers);
                     let _ = model.forward(prompt, &[], &mut cache, &BurnAttention);
                     Candidate::timed_here("burn", move || {
                         let h = model.forward(step.clone(), &[], &mut cache, &BurnAttention);
-                        let _ = model.logits(h);
+                        keep(model.logits(h));
                         cache.truncate(len);
                     })
                 }

@@ -9,7 +9,7 @@ use burn_kernels_testing::{Dist, random_tensor};
 use serde_json::json;
 
 use super::SuiteOptions;
-use crate::harness::{Candidate, PlotSpec, Problem, Suite, params};
+use crate::harness::{Candidate, PlotSpec, Problem, Suite, keep, params};
 
 pub fn suite(opts: SuiteOptions) -> Suite {
     let vocab: &[usize] = if opts.quick {
@@ -52,10 +52,10 @@ fn problem(rows: usize, cols: usize) -> Problem {
                 // burn-cce's public op: its kernel on a CubeCL device (through Burn's fusion as a
                 // custom operation), the same tensor ops as the baseline elsewhere.
                 Candidate::timed_here("cubecl-kernel", move || {
-                    let _ = logsumexp(x.clone(), 1, LseOptions::default()).expect("valid input");
+                    keep(logsumexp(x.clone(), 1, LseOptions::default()).expect("valid input"));
                 }),
                 Candidate::timed_here("burn-tensor-ops", move || {
-                    let _ = reference::logsumexp(x2.clone(), 1, None);
+                    keep(reference::logsumexp(x2.clone(), 1, None));
                 }),
             ]
         }),

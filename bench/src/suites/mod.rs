@@ -3,6 +3,7 @@
 pub mod attention;
 pub mod cce;
 pub mod e2e;
+pub mod gemm;
 pub mod generate;
 mod kv_decode;
 pub mod llama;
@@ -32,6 +33,7 @@ pub fn tiny_llama(num_layers: usize, vocab_size: usize) -> burn_llama::LlamaConf
 /// Names of every suite, in the order `--suite all` runs them.
 pub const ALL: &[&str] = &[
     "attention-baseline",
+    "gemm",
     "sage",
     "lse",
     "cce",
@@ -108,6 +110,7 @@ impl SuiteOptions {
 pub fn build(name: &str, opts: SuiteOptions) -> Option<Suite> {
     match name {
         "attention-baseline" => Some(attention::suite(opts)),
+        "gemm" => Some(gemm::suite(opts)),
         "lse" => Some(lse::suite(opts)),
         "sage" => Some(sage::suite(opts)),
         "cce" => Some(cce::suite(opts)),

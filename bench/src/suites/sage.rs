@@ -16,7 +16,7 @@ use std::path::PathBuf;
 use std::rc::Rc;
 
 use super::{SuiteOptions, peer_run, python_json};
-use crate::harness::{Candidate, PeerRun, PlotSpec, Problem, Suite, params};
+use crate::harness::{Candidate, PeerRun, PlotSpec, Problem, Suite, keep, params};
 
 const BATCH: usize = 4;
 const HEADS: usize = 32;
@@ -205,7 +205,7 @@ fn problem(n: usize, d: usize, causal: bool, opts: &SuiteOptions, peers: Rc<Peer
                 key_padding: None,
             };
             out.push(Candidate::timed_here("burn-fused", move || {
-                let _ = BurnAttention.attend(0, q2.clone(), k2.clone(), v2.clone(), &attn_opts);
+                keep(BurnAttention.attend(0, q2.clone(), k2.clone(), v2.clone(), &attn_opts));
             }));
             for (name, qk, smooth_q, pv, kernel) in VARIANTS {
                 let (q, k, v) = (q.clone(), k.clone(), v.clone());
@@ -218,7 +218,7 @@ fn problem(n: usize, d: usize, causal: bool, opts: &SuiteOptions, peers: Rc<Peer
                     ..Default::default()
                 };
                 out.push(Candidate::timed_here(name, move || {
-                    let _ = sage_attention(q.clone(), k.clone(), v.clone(), &o);
+                    keep(sage_attention(q.clone(), k.clone(), v.clone(), &o));
                 }));
             }
             for (peer, name) in PEERS {
@@ -248,12 +248,12 @@ fn problem(n: usize, d: usize, causal: bool, opts: &SuiteOptions, peers: Rc<Peer
                     let plan =
                         burn_sage::plan(&q.dims(), &k.dims(), &v.dims(), [DType::F16; 3], &o)
                             .expect("valid");
-                    let _ = burn_sage::reference::sage_attention(
+                    keep(burn_sage::reference::sage_attention(
                         q.clone(),
                         k.clone(),
                         v.clone(),
                         &plan,
-                    );
+                    ));
                 }));
             }
             out

@@ -1,0 +1,273 @@
+//! The chunk GEMMs: cubek's tensor-core kernels launched directly, with the output in f32
+//! (f32 accumulation from f16/bf16 inputs), or Burn's autotuned matmul.
+//!
+//! A launch can fail after `launch_ref` returned: CubeCL 0.12's CUDA server checks a kernel's
+//! tensor-memory-accelerator descriptors when it launches it, on the device thread, and records
+//! a failure on the output buffer instead of returning it. On an H200 (2026-11-27) the default
+//! `SpecializedTma` kernel failed that way at the Gemma-2 shape's backward ("Tile shape must be
+//! non-zero and <= 256"), and every read of the gradients failed with it. So the first launch
+//! of each kernel at each problem is checked (`ComputeClient::check`, a round trip to the
+//! device thread, no device synchronization) and a kernel that failed is replaced by the next
+//! candidate for that problem from then on, with a log line.
+
+use burn::backend::ops::FloatTensorOps;
+use burn::tensor::{DType, FloatDType, Shape};
+use burn_cubecl::{
+    CubeBackend,
+    kernel::matmul::{MatmulStrategy, matmul},
+    ops::numeric::empty_device_contiguous_dtype,
+    tensor::CubeTensor,
+};
+use cubecl::client::Client;
+use cubek::{
+    matmul::{
+        definition::{MatmulElems, MatmulGlobalElems},
+        launch::launch_ref,
+        multi_level::{
+            Strategy as MultiLevel,
+            components::tile::TileMatmulKind,
+            routines::{
+                TileSizeSelection,
+                batch::{
+                    double_buffering::DoubleBufferingArgs,
+                    ordered_double_buffering::OrderedSelectionArgs, simple::SimpleArgs,
+                    simple_unit::SimpleUnitSelectionArgs,
+                },
+            },
+        },
+        routine::BlueprintStrategy,
+        strategy::Strategy,
+    },
+    std::InputBinding,
+};
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use burn::backend::cubecl::dtype_to_storage_type;
+
+use crate::live;
+use crate::{GemmKernel, GemmStrategy};
+
+type Cb = CubeBackend;
+
+/// `[rows, cols]` of a matrix.
+pub(crate) fn dims2(t: &CubeTensor) -> [usize; 2] {
+    t.meta.shape().dims::<2>()
+}
+
+/// `t` in `dtype` (the same tensor when it already is).
+pub(crate) fn cast(t: CubeTensor, dtype: DType) -> CubeTensor {
+    if t.dtype == dtype {
+        t
+    } else {
+        Cb::float_cast(t, FloatDType::from(dtype))
+    }
+}
+
+/// `lhs · rhs` with the output in `dtype` (f32 accumulation inside the GEMM), by the kernel
+/// `strategy` selects. Falls back to casting the inputs when the runtime's matmul rejects the
+/// mixed-precision setup.
+pub(crate) fn matmul_to(
+    lhs: CubeTensor,
+    rhs: CubeTensor,
+    dtype: DType,
+    strategy: GemmStrategy,
+    tf32: bool,
+    step: &'static str,
+) -> CubeTensor {
+    static WARNED: AtomicBool = AtomicBool::new(false);
+    let kernel = match strategy {
+        GemmStrategy::Fixed => Some(GemmKernel::DEFAULT),
+        GemmStrategy::Kernel(kernel) => Some(kernel),
+        GemmStrategy::Autotune => None,
+    };
+    // Each exit reads the live memory with the inputs still held (see `crate::live`).
+    if let Some(kernel) = kernel
+        && let Some(out) = fixed_gemm(lhs.clone(), rhs.clone(), dtype, kernel, tf32)
+    {
+        live::sample(&out, step);
+        return out;
+    }
+    let out = match matmul(
+        lhs.clone(),
+        rhs.clone(),
+        None,
+        MatmulStrategy::default(),
+        dtype,
+    ) {
+        Ok(out) => out,
+        Err(err) => {
+            if !WARNED.swap(true, Ordering::Relaxed) {
+                log::warn!(
+                    "burn-cce: mixed-precision matmul unavailable ({err:?}); casting the inputs"
+                );
+            }
+            Cb::float_matmul(cast(lhs, dtype), cast(rhs, dtype))
+        }
+    };
+    live::sample(&out, step);
+    out
+}
+
+/// cubek's launch strategy for `kernel`.
+fn cubek_strategy(kernel: GemmKernel) -> Strategy {
+    let simple = |multi_rows| SimpleArgs {
+        multi_rows,
+        tile_matmul: TileMatmulKind::Mma,
+    };
+    let double = |specialized| DoubleBufferingArgs {
+        specialized,
+        tile_matmul: TileMatmulKind::Mma,
+    };
+    let ordered = |row_count| OrderedSelectionArgs {
+        partition_k: Some(2),
+        row_count: Some(row_count),
+        rows_per_plane: Some(2),
+        tile_matmul: TileMatmulKind::Mma,
+    };
+    use BlueprintStrategy::Inferred;
+    let strategy = match kernel {
+        GemmKernel::DoubleCyclic => MultiLevel::DoubleCyclicMma(Inferred(double(false))),
+        GemmKernel::DoubleCyclicSpecialized => MultiLevel::DoubleCyclicMma(Inferred(double(true))),
+        GemmKernel::SimpleCyclic => MultiLevel::SimpleCyclicMma(Inferred(simple(false))),
+        GemmKernel::SimpleCyclicMultiRow => MultiLevel::SimpleCyclicMma(Inferred(simple(true))),
+        GemmKernel::OrderedDouble4 => MultiLevel::OrderedDoubleMma(Inferred(ordered(4))),
+        GemmKernel::OrderedDouble8 => MultiLevel::OrderedDoubleMma(Inferred(ordered(8))),
+        GemmKernel::SpecializedCyclic => MultiLevel::SpecializedCyclicMma(Inferred(().into())),
+        GemmKernel::SimpleTma => MultiLevel::SimpleTmaMma(Inferred(simple(false))),
+        GemmKernel::SimpleTmaMultiRow => MultiLevel::SimpleTmaMma(Inferred(simple(true))),
+        GemmKernel::SpecializedTma => MultiLevel::SpecializedTmaMma(Inferred(().into())),
+    };
+    strategy.into()
+}
+
+/// One GEMM problem under one strategy: what decides whether a launch can succeed.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct LaunchKey {
+    device: String,
+    strategy: String,
+    lhs: (Vec<usize>, Vec<usize>),
+    rhs: (Vec<usize>, Vec<usize>),
+    dtypes: (DType, DType),
+}
+
+/// Whether each strategy launched at each problem it was tried on.
+static VERDICTS: Mutex<Option<HashMap<LaunchKey, bool>>> = Mutex::new(None);
+
+fn verdict(key: &LaunchKey) -> Option<bool> {
+    let verdicts = VERDICTS.lock().unwrap_or_else(|e| e.into_inner());
+    verdicts.as_ref().and_then(|v| v.get(key).copied())
+}
+
+fn record(key: LaunchKey, ran: bool) {
+    let mut verdicts = VERDICTS.lock().unwrap_or_else(|e| e.into_inner());
+    verdicts.get_or_insert_with(HashMap::new).insert(key, ran);
+}
+
+/// The last cause in a CubeCL error chain (its root), on one line.
+fn root_cause(err: &impl std::fmt::Display) -> String {
+    let text = err.to_string();
+    let lines: Vec<&str> = text.lines().map(str::trim).collect();
+    lines
+        .iter()
+        .rposition(|l| *l == "Caused by:")
+        .and_then(|i| lines.get(i + 1))
+        .unwrap_or(&lines.first().copied().unwrap_or_default())
+        .to_string()
+}
+
+/// `kernel` (or the unit kernel) for `lhs · rhs`, or `None` where the runtime cannot run either
+/// (checked at setup, before anything is launched); the caller then autotunes.
+fn fixed_gemm(
+    lhs: CubeTensor,
+    rhs: CubeTensor,
+    dtype: DType,
+    kernel: GemmKernel,
+    tf32: bool,
+) -> Option<CubeTensor> {
+    let [m, k] = dims2(&lhs);
+    let [_, n] = dims2(&rhs);
+    let in_dtype = lhs.dtype;
+    // Tensor-core tiles for half-precision inputs, and for f32 where TF32 is allowed; no
+    // dimension smaller than a tile.
+    let tensor_cores = (matches!(in_dtype, DType::F16 | DType::BF16)
+        || (tf32 && in_dtype == DType::F32))
+        && m.min(n).min(k) >= 16;
+    let unit: Strategy =
+        MultiLevel::SimpleUnit(BlueprintStrategy::Inferred(SimpleUnitSelectionArgs {
+            tile_size: TileSizeSelection::MinTileSize,
+        }))
+        .into();
+    let mma = cubek_strategy(kernel);
+    // A kernel the device cannot run (TMA before Hopper, on Vulkan) falls back to the
+    // portable double-buffered one, then to the unit kernel.
+    let candidates = match (tensor_cores, kernel == GemmKernel::DoubleCyclic) {
+        (true, true) => vec![mma, unit],
+        (true, false) => vec![mma, cubek_strategy(GemmKernel::DoubleCyclic), unit],
+        (false, _) => vec![unit],
+    };
+    let client: Client = lhs.client.clone();
+    let (in_storage, out_storage) = (
+        dtype_to_storage_type(in_dtype),
+        dtype_to_storage_type(dtype),
+    );
+    let layout = |t: &CubeTensor| (t.meta.shape().to_vec(), t.meta.strides().to_vec());
+    for strategy in candidates {
+        let key = LaunchKey {
+            device: format!("{:?}", lhs.device),
+            strategy: strategy.to_string(),
+            lhs: layout(&lhs),
+            rhs: layout(&rhs),
+            dtypes: (in_dtype, dtype),
+        };
+        let known = verdict(&key);
+        if known == Some(false) {
+            continue;
+        }
+        let out = empty_device_contiguous_dtype(
+            lhs.client.clone(),
+            lhs.device.clone(),
+            Shape::new([m, n]),
+            dtype,
+        );
+        let mut elems = MatmulElems::from_globals(&MatmulGlobalElems {
+            lhs: in_storage,
+            rhs: in_storage,
+            out: out_storage,
+        });
+        let launched = launch_ref(
+            &strategy,
+            &client,
+            InputBinding::new(lhs.clone().binding(), in_storage),
+            InputBinding::new(rhs.clone().binding(), in_storage),
+            out.clone().binding(),
+            &mut elems,
+        );
+        if let Err(err) = launched {
+            log::debug!("burn-cce: {strategy} unavailable here ({err:?})");
+            record(key, false);
+            continue;
+        }
+        if known == Some(true) {
+            return Some(out);
+        }
+        // The first launch of this kernel at this problem: did the device thread run it?
+        match client.check([&out.handle]) {
+            Ok(()) => {
+                record(key, true);
+                return Some(out);
+            }
+            Err(err) => {
+                log::warn!(
+                    "burn-cce: {strategy} failed to launch for [{m}×{k}]·[{k}×{n}] {in_dtype:?} \
+                     ({}); the next kernel runs this GEMM",
+                    root_cause(&err)
+                );
+                log::debug!("burn-cce: {err}");
+                record(key, false);
+            }
+        }
+    }
+    None
+}
