@@ -1,5 +1,7 @@
 //! `llama generate` and `llama perplexity` on CPU, Vulkan or CUDA (see [`burn_llama::cli::llama`]).
 
 fn main() {
+    // Warnings (e.g. an op falling back to its reference) show by default; RUST_LOG for more.
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
     burn_llama::cli::llama::main()
 }
