@@ -157,7 +157,7 @@ struct Args {
 
 fn main() {
     // Warnings (e.g. a kernel replaced after a failed launch) show by default; RUST_LOG for more.
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
+    burn_kernels_core::logging::init();
     let args = Args::parse();
     if args.list {
         for s in suites::ALL {

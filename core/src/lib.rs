@@ -19,6 +19,7 @@ pub mod cache;
 mod cube;
 pub mod kernels;
 pub mod layer_ops;
+pub mod logging;
 pub mod rope;
 pub mod route;
 pub mod sampling;

@@ -3,6 +3,7 @@
 #   run.sh stash                 keep the groups/parts that came with this call in $stash (/tmp
 #                                survives between calls of a warm machine); later calls find them
 #   run.sh tests [libtest args]  every CUDA test binary; exits non-zero if any fails
+#   run.sh test NAME [args]      one test binary (core, cce_tests, sage, llama_tests, ...)
 #   run.sh bench [runner args]   the benchmark runner (give --out an absolute path)
 #   run.sh bin NAME [args]       a bundled tool: llama, finetune, spec_table, decode_profile
 #   run.sh env                   print the environment the others run in
@@ -86,6 +87,12 @@ case "$what" in
       "$t" "$@" || status=1
     done
     exit $status ;;
+  test)
+    name=${1:?usage: $0 test NAME [libtest args]}; shift
+    t=$(ls "$dest"/tests/"$name"-* 2>/dev/null | head -n 1)
+    [ -n "$t" ] || { echo "run.sh: no test binary $name in the groups here" >&2; exit 3; }
+    cd "$dest" || exit 3
+    exec "$t" "$@" ;;
   bench)
     # The peer scripts are in the repository (run.sh lives in its .device folder).
     peers=()
@@ -96,5 +103,5 @@ case "$what" in
     name=${1:?usage: $0 bin NAME [args]}; shift
     cd "$dest" || exit 3
     exec "$dest/bin/$name" "$@" ;;
-  *) echo "usage: $0 stash|tests|bench|bin|env [args]" >&2; exit 2 ;;
+  *) echo "usage: $0 stash|tests|test|bench|bin|env [args]" >&2; exit 2 ;;
 esac

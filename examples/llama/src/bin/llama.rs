@@ -2,6 +2,6 @@
 
 fn main() {
     // Warnings (e.g. an op falling back to its reference) show by default; RUST_LOG for more.
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
+    burn_kernels_core::logging::init();
     burn_llama::cli::llama::main()
 }
