@@ -16,10 +16,38 @@ use std::path::PathBuf;
 use std::rc::Rc;
 
 use super::{SuiteOptions, peer_run, python_json};
-use crate::harness::{Candidate, PeerRun, PlotSpec, Problem, Suite, keep, params};
+use crate::harness::{Candidate, Extra, PeerRun, PlotSpec, Problem, Suite, keep, params};
 
 const BATCH: usize = 4;
 const HEADS: usize = 32;
+/// Lowest cosine similarity to Burn's output a timed variant may have: below what INT4 QK (the
+/// least accurate variant) should reach, far above an unwritten or half-written output's.
+const MIN_COSINE: f64 = 0.95;
+
+/// The first sequence's first two heads of an attention output, on the host.
+fn head_sample(out: &Tensor<4>) -> Result<Vec<f32>, String> {
+    let [_, h, n, d] = out.dims();
+    out.clone()
+        .slice([0..1, 0..h.min(2), 0..n, 0..d])
+        .cast(DType::F32)
+        .try_into_data()
+        .map_err(|e| e.to_string())?
+        .try_into_vec::<f32>()
+        .map_err(|e| format!("{e:?}"))
+}
+
+fn cosine(a: &[f32], b: &[f32]) -> f64 {
+    let (mut ab, mut aa, mut bb) = (0f64, 0f64, 0f64);
+    for (&x, &y) in a.iter().zip(b) {
+        let (x, y) = (x as f64, y as f64);
+        ab += x * y;
+        aa += x * x;
+        bb += y * y;
+    }
+    // NaN (e.g. an all-zero output) fails the `>=` check.
+    ab / (aa * bb).sqrt()
+}
+
 /// Longest sequence the tensor-op reference runs at (see its candidate).
 const REFERENCE_MAX_N: usize = 2048;
 
@@ -204,6 +232,10 @@ fn problem(n: usize, d: usize, causal: bool, opts: &SuiteOptions, peers: Rc<Peer
                 scale: 1.0 / (d as f32).sqrt(),
                 key_padding: None,
             };
+            // Every timed output is checked once against Burn's: a launch that failed (and left
+            // its output unwritten) would otherwise time as the fastest row.
+            let want =
+                head_sample(&BurnAttention.attend(0, q.clone(), k.clone(), v.clone(), &attn_opts));
             out.push(Candidate::timed_here("burn-fused", move || {
                 keep(BurnAttention.attend(0, q2.clone(), k2.clone(), v2.clone(), &attn_opts));
             }));
@@ -217,9 +249,23 @@ fn problem(n: usize, d: usize, causal: bool, opts: &SuiteOptions, peers: Rc<Peer
                     kernel,
                     ..Default::default()
                 };
-                out.push(Candidate::timed_here(name, move || {
-                    keep(sage_attention(q.clone(), k.clone(), v.clone(), &o));
-                }));
+                let run = move || sage_attention(q.clone(), k.clone(), v.clone(), &o);
+                let checked = match (&want, run()) {
+                    (Ok(want), Ok(got)) => head_sample(&got.out).map(|got| cosine(&got, want)),
+                    (Err(e), _) => Err(format!("Burn's output unreadable: {e}")),
+                    (_, Err(e)) => Err(e.to_string()),
+                };
+                out.push(match checked {
+                    Ok(cos) if cos >= MIN_COSINE => Candidate::timed_here(name, move || {
+                        keep(run());
+                    })
+                    .with_extra(move || Extra {
+                        params: params([("cosine_vs_burn", json!(cos))]),
+                        note: Some(format!("cos sim vs Burn {cos:.5}")),
+                    }),
+                    Ok(cos) => Candidate::skipped(name, format!("wrong output: cos sim {cos:.4}")),
+                    Err(e) => Candidate::skipped(name, format!("output unreadable: {e}")),
+                });
             }
             for (peer, name) in PEERS {
                 let peers = peers.clone();
