@@ -377,6 +377,7 @@ pub fn run_suite(
         bar.set_message(problem.label.clone());
         count_panics();
         let mut panics_seen = PANICS.load(Ordering::Relaxed);
+        let mut failures_seen = burn_kernels_core::logging::device_failures();
         let candidates = (problem.setup)(device);
         let mut rows: Vec<Record> = Vec::new();
         for cand in candidates {
@@ -433,7 +434,13 @@ pub fn run_suite(
                     rec.pool_growth_mb = pool;
                     rec.live_peak_mb = live;
                     let panics = PANICS.load(Ordering::Relaxed) - panics_seen;
+                    let failures = burn_kernels_core::logging::device_failures() - failures_seen;
                     let res = match res {
+                        Ok(Ok(_)) if failures > 0 => Err(Box::new(format!(
+                            "{failures} device launch failure(s) logged during this run (see the \
+                             log): outputs left unwritten, timings not trusted"
+                        ))
+                            as Box<dyn std::any::Any + Send>),
                         Ok(Ok(_)) if panics > 0 => Err(Box::new(format!(
                             "{panics} panic(s) in the process during this run (see the log; \
                              e.g. the device runtime out of memory): timings not trusted"
@@ -504,6 +511,7 @@ pub fn run_suite(
                 bar.println(line);
             }
             panics_seen = PANICS.load(Ordering::Relaxed);
+            failures_seen = burn_kernels_core::logging::device_failures();
             rows.push(rec);
         }
         let base = rows

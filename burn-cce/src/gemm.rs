@@ -1,14 +1,16 @@
 //! The chunk GEMMs: cubek's tensor-core kernels launched directly, with the output in f32
 //! (f32 accumulation from f16/bf16 inputs), or Burn's autotuned matmul.
 //!
-//! A launch can fail after `launch_ref` returned: CubeCL 0.12's CUDA server checks a kernel's
-//! tensor-memory-accelerator descriptors when it launches it, on the device thread, and records
-//! a failure on the output buffer instead of returning it. On an H200 (2026-11-27) the default
-//! `SpecializedTma` kernel failed that way at the Gemma-2 shape's backward ("Tile shape must be
-//! non-zero and <= 256"), and every read of the gradients failed with it. So the first launch
-//! of each kernel at each problem is checked (`ComputeClient::check`, a round trip to the
-//! device thread, no device synchronization) and a kernel that failed is replaced by the next
-//! candidate for that problem from then on, with a log line.
+//! A launch can fail after `launch_ref` returned: CubeCL 0.12's CUDA server validates a kernel's
+//! tensor-memory-accelerator descriptors when it launches it, on the device thread, and marks
+//! the launch's buffers as carrying the failure instead of returning it; kernels that later read
+//! those buffers, or memory the pool hands out again from them, are skipped and fail in turn. On
+//! an H200 (2026-11-27) Burn's autotuned matmul failed that way ("Tile shape must be non-zero and
+//! <= 256") at the Gemma-2 chunk shape, and every GEMM of the backward after it read as failed.
+//! So the first launch of each kernel at each problem is checked (`ComputeClient::check`, a
+//! round trip to the device thread, no device synchronization); a kernel that failed is replaced
+//! by the next candidate for that problem from then on, with a log line, and its output is kept
+//! out of the pool.
 
 use burn::backend::ops::FloatTensorOps;
 use burn::tensor::{DType, FloatDType, Shape};
@@ -160,6 +162,11 @@ fn verdict(key: &LaunchKey) -> Option<bool> {
     verdicts.as_ref().and_then(|v| v.get(key).copied())
 }
 
+/// Outputs of launches that failed, kept for the process's lifetime: CubeCL marks a failed
+/// launch's buffers as carrying the failure, and a later allocation reusing that memory would
+/// carry it too (every following kernel then reads as failed).
+static QUARANTINE: Mutex<Vec<CubeTensor>> = Mutex::new(Vec::new());
+
 fn record(key: LaunchKey, ran: bool) {
     let mut verdicts = VERDICTS.lock().unwrap_or_else(|e| e.into_inner());
     verdicts.get_or_insert_with(HashMap::new).insert(key, ran);
@@ -266,6 +273,10 @@ fn fixed_gemm(
                 );
                 log::debug!("burn-cce: {err}");
                 record(key, false);
+                QUARANTINE
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push(out);
             }
         }
     }

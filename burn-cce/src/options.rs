@@ -122,6 +122,8 @@ pub enum GemmStrategy {
     /// As [`GemmStrategy::Fixed`] with the given tensor-core kernel (for comparing kernels).
     Kernel(GemmKernel),
     /// Burn's autotuned matmul (cubek) for every GEMM: faster at steady state, slow to warm up.
+    /// On Burn 0.23.0-pre.1 it fails on Hopper at the Gemma-2 chunk shape (a TMA kernel the
+    /// CUDA runtime refuses at launch, which leaves the output unwritten; H200, 2026-11-27).
     Autotune,
 }
 

@@ -6,8 +6,27 @@
 //! `target=level` for targets starting with `target` (`burn_cce=debug,warn`). The most specific
 //! matching directive wins.
 
-use log::{LevelFilter, Log, Metadata, Record};
+use log::{Level, LevelFilter, Log, Metadata, Record};
 use std::sync::OnceLock;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// Warnings from CubeCL's runtime that say work did not run: a launch refused on the device
+/// thread, an autotune that found no working kernel. Neither reaches the caller as an error:
+/// the outputs are left unwritten and only a later read fails. Counted whatever `RUST_LOG` says.
+static DEVICE_FAILURES: AtomicUsize = AtomicUsize::new(0);
+
+/// How many CubeCL launch failures this process has logged since [`init`] (see
+/// `DEVICE_FAILURES`). A benchmark whose run raised it timed work that did not all run.
+pub fn device_failures() -> usize {
+    DEVICE_FAILURES.load(Ordering::Relaxed)
+}
+
+fn is_device_failure(record: &Record) -> bool {
+    record.level() <= Level::Warn && record.target().starts_with("cubecl_runtime") && {
+        let text = record.args().to_string();
+        text.contains("launch error") || text.contains("measured no candidate")
+    }
+}
 
 struct StderrLogger {
     /// `(target prefix, level)`, longest prefix first.
@@ -27,10 +46,14 @@ impl StderrLogger {
 impl Log for StderrLogger {
     fn enabled(&self, metadata: &Metadata) -> bool {
         metadata.level() <= self.level_for(metadata.target())
+            || (metadata.level() <= Level::Warn && metadata.target().starts_with("cubecl_runtime"))
     }
 
     fn log(&self, record: &Record) {
-        if self.enabled(record.metadata()) {
+        if is_device_failure(record) {
+            DEVICE_FAILURES.fetch_add(1, Ordering::Relaxed);
+        }
+        if record.level() <= self.level_for(record.target()) {
             eprintln!("[{} {}] {}", record.level(), record.target(), record.args());
         }
     }
@@ -75,11 +98,12 @@ pub fn init() {
             LevelFilter::Warn,
         )
     });
+    // Warnings always pass the global filter, for the device-failure count.
     let max = logger
         .directives
         .iter()
         .map(|(_, level)| *level)
-        .fold(logger.default, std::cmp::max);
+        .fold(logger.default.max(LevelFilter::Warn), std::cmp::max);
     if log::set_logger(logger).is_ok() {
         log::set_max_level(max);
     }
@@ -100,5 +124,32 @@ mod tests {
         assert_eq!(l.level_for("anything"), LevelFilter::Warn);
         let l = parse("nonsense,x=loud", LevelFilter::Warn);
         assert_eq!(l.level_for("x"), LevelFilter::Warn);
+    }
+
+    #[test]
+    fn cubecl_launch_failures_are_recognized() {
+        let check = |level, target, text: &str| {
+            is_device_failure(
+                &Record::builder()
+                    .level(level)
+                    .target(target)
+                    .args(format_args!("{text}"))
+                    .build(),
+            )
+        };
+        let server = "cubecl_runtime::logging::server";
+        assert!(check(Level::Warn, server, "A launch error happened"));
+        assert!(check(
+            Level::Warn,
+            "cubecl_runtime::tune::schedule",
+            "Autotune measured no candidate for key K"
+        ));
+        assert!(!check(Level::Info, server, "A launch error happened"));
+        assert!(!check(
+            Level::Warn,
+            "burn_cce::gemm",
+            "A launch error happened"
+        ));
+        assert!(!check(Level::Warn, server, "a slow kernel"));
     }
 }

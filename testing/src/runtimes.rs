@@ -42,6 +42,7 @@ macro_rules! testgen {
         #[cfg(feature = "cuda")]
         mod cuda {
             fn device() -> ::burn::tensor::Device {
+                $crate::runtimes::exact_f32_matmul();
                 ::burn::tensor::Device::cuda(0)
             }
             $( #[test] fn $b() { super::$b(&device()); } )*
@@ -62,6 +63,29 @@ pub fn quick_software_shaders() {
             // SAFETY: set once, before this process creates its first Vulkan device (the only
             // reader); the other test threads read the environment through std, which locks.
             unsafe { std::env::set_var("GALLIVM_PERF", "nopt") };
+        }
+    });
+}
+
+/// Turns off cubek's TF32 rounding of f32 matmul inputs (`MatmulConfig::allow_tf32`, on by
+/// default) for this test process, before its first CUDA device exists, so that tensor-op
+/// references are exact f32. With TF32 on, Burn's f32 matmul on CUDA is accurate to ~1e-3, and
+/// kernels held to f32 tolerances against it failed on the H200 (2026-11-27: the fused 4-bit
+/// KV read, rel. L2 4.7e-4 from the reference; a model's gradient through 30 layers, 1.9e-3).
+/// burn-cce's chunk GEMMs follow the same setting, so its `tf32` option runs exact f32 in these
+/// tests (its f32 tolerances allow TF32 either way).
+/// [`testgen!`](crate::testgen) calls it for its CUDA tests.
+pub fn exact_f32_matmul() {
+    use cubek::std::config::{CubekConfig, MatmulConfig, RuntimeConfig};
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let exact = CubekConfig {
+            matmul: MatmulConfig { allow_tf32: false },
+        };
+        if !CubekConfig::try_set(exact) {
+            eprintln!(
+                "exact_f32_matmul: cubek's config was read already; f32 matmuls may use TF32"
+            );
         }
     });
 }

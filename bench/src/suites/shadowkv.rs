@@ -412,25 +412,19 @@ fn run_shadow(
     };
     let mut cache =
         ShadowKvCache::new(cfg.num_layers, hkv, d, sk, rope).map_err(|e| e.to_string())?;
-    let mix = Tensor::<2>::random(
-        [KEY_RANK, hkv * d],
-        Distribution::Normal(0.0, (KEY_RANK as f64).sqrt().recip()),
-        (device, DType::F16),
+    let base = Tensor::<2>::from_data(
+        TensorData::new(low_rank_keys(ctx, hkv * d), [ctx, hkv * d]).convert_dtype(DType::F16),
+        device,
     );
     let positions: Vec<i64> = (0..ctx as i64).collect();
     let positions = Tensor::<2, Int>::from_data(TensorData::new(positions, [1, ctx]), device);
     for layer in 0..cfg.num_layers {
-        let z = Tensor::<2>::random(
-            [ctx, KEY_RANK],
-            Distribution::Normal(0.0, 1.0),
-            (device, DType::F16),
-        );
         let noise = Tensor::<2>::random(
             [ctx, hkv * d],
             Distribution::Normal(0.0, KEY_NOISE),
             (device, DType::F16),
         );
-        let pre = z.matmul(mix.clone()) + noise;
+        let pre = base.clone() + noise;
         if layer == 0 {
             let rows = ctx.min(BASIS_ROWS);
             let basis = low_rank(pre.clone().slice([0..rows, 0..hkv * d]), sk.rank)
@@ -558,6 +552,30 @@ fn run_shadow(
     ));
     *info.borrow_mut() = x;
     Ok(times.into())
+}
+
+/// Rank-[`KEY_RANK`] pre-RoPE keys `z · mix`, `[ctx, width]` row-major, `z` ~ N(0, 1) and `mix`
+/// ~ N(0, 1/KEY_RANK), computed on the host and shared by every layer (each adds its own noise).
+/// On the device this is a `[ctx, 64] · [64, width]` f16 matmul, which Burn 0.23.0-pre.1's
+/// autotuned matmul fails at 128K on Hopper (a TMA launch error that spreads to the work after
+/// it; `gemm` suite, H200, 2026-11-27).
+fn low_rank_keys(ctx: usize, width: usize) -> Vec<f32> {
+    use burn_kernels_testing::{Dist, random_values};
+    let z = random_values(ctx * KEY_RANK, Dist::STANDARD, 11);
+    let scale = (KEY_RANK as f32).sqrt().recip();
+    let mix: Vec<f32> = random_values(KEY_RANK * width, Dist::STANDARD, 12)
+        .into_iter()
+        .map(|x| x * scale)
+        .collect();
+    let mut keys = vec![0f32; ctx * width];
+    for (row, zr) in keys.chunks_exact_mut(width).zip(z.chunks_exact(KEY_RANK)) {
+        for (&zi, mr) in zr.iter().zip(mix.chunks_exact(width)) {
+            for (k, &m) in row.iter_mut().zip(mr) {
+                *k += zi * m;
+            }
+        }
+    }
+    keys
 }
 
 #[cfg(test)]
