@@ -47,6 +47,7 @@
 //! ```
 
 mod backward;
+mod blocks;
 pub mod chunked;
 mod error;
 #[cfg(feature = "cube")]

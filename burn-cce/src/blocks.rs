@@ -1,0 +1,166 @@
+//! Block sizes of the chunked backward ([`crate::chunked::backward`]): vocabulary chunks, how dE
+//! is accumulated, and the row blocks of its f32 accumulator.
+
+use burn::tensor::DType;
+use std::ops::Range;
+
+use crate::LceParams;
+
+/// How the backward accumulates dE; see [`BackwardBlocks`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeAccumulation {
+    /// In dE itself, in its dtype (`accum_fp32` off, or f32 inputs): per chunk, the f32
+    /// products `G[rows]·C_chunk` are added in place and rounded once.
+    Direct,
+    /// In one f32 accumulator for all of dE (`N·D·4` bytes), rounded to dE's dtype at the end.
+    Whole,
+    /// In a second pass over the kept vocabulary, one block of `rows` rows at a time, each
+    /// block's f32 accumulator rounded into dE once: one more logits GEMM over the kept
+    /// entries, but only `rows·D·4` bytes of accumulator.
+    RowBlocks,
+}
+
+/// Block sizes of the chunked backward for `n` tokens, `V` entries, hidden size `D` and input
+/// dtype size `s` (bytes).
+///
+/// The vocabulary pass walks the plan in chunks of `chunk` entries over all `n` rows, holding
+/// one chunk's f32 logits (`4·n·chunk` bytes), its `G` in the input dtype (`s·n·chunk`) and
+/// its gathered classifier rows (`s·chunk·D`): `S = (4 + s)·n·chunk + s·chunk·D`. dE's f32
+/// blocks are sized to stay within `S`: products of `rows` rows no larger than the logits, and
+/// with [`DeAccumulation::RowBlocks`] a second pass over chunks of `pass2_chunk` entries (the
+/// kept chunks regrouped, about `D` entries, for GEMMs that are neither narrow nor deep) with
+/// `rows` such that accumulator, logits or product, `G` and classifier rows fit `S`.
+/// [`BackwardBlocks::working_bytes`] is the resulting peak beside dE and dC.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BackwardBlocks {
+    /// Vocabulary entries per chunk of the plan (see [`crate::LceParams::grad_chunk_len`]).
+    pub chunk: usize,
+    /// How dE is accumulated.
+    pub de: DeAccumulation,
+    /// Rows per f32 block: of each product `G[rows]·C_chunk` ([`DeAccumulation::Direct`],
+    /// [`DeAccumulation::Whole`]), or of each accumulator block
+    /// ([`DeAccumulation::RowBlocks`]).
+    pub rows: usize,
+    /// Entries per chunk of the second pass ([`DeAccumulation::RowBlocks`]).
+    pub pass2_chunk: usize,
+}
+
+/// Splits `n` rows into equal blocks of at most `max` rows, a multiple of 32 where that stays
+/// within `max` (full GEMM tiles).
+fn balanced_rows(n: usize, max: usize) -> usize {
+    let n = n.max(1);
+    let max = max.clamp(1, n);
+    let even = n.div_ceil(n.div_ceil(max));
+    let aligned = even.next_multiple_of(32);
+    if aligned <= max { aligned } else { even }
+}
+
+pub(crate) fn row_ranges(n: usize, rows: usize) -> impl Iterator<Item = Range<usize>> {
+    (0..n)
+        .step_by(rows.max(1))
+        .map(move |r0| r0..(r0 + rows.max(1)).min(n))
+}
+
+impl BackwardBlocks {
+    /// The blocks for `n` tokens, `vocab` entries, hidden size `d` and inputs of `dtype`.
+    ///
+    /// At the benchmark shapes (8192 tokens, bf16, automatic sizes):
+    /// - Gemma-2 (V = 256000, D = 2304): chunks of 672 entries; dE in a second pass over 7
+    ///   blocks of 1184 rows and chunks of 2016 entries; working set 36 126 720 bytes, 2.97% of
+    ///   dE + dC (1 217 396 736 bytes): peak 1 253 523 456 bytes, 1.030×.
+    /// - SmolLM2 (V = 49152, D = 576): chunks of 256 entries (the 2²¹-logit floor); second pass
+    ///   over 4 blocks of 2048 rows and chunks of 512 entries; working set 12 877 824 bytes,
+    ///   19.5% of dE + dC (66 060 288 bytes): peak 78 938 112 bytes, 1.195×.
+    pub fn new(params: &LceParams, n: usize, vocab: usize, d: usize, dtype: DType) -> Self {
+        let s = dtype.size();
+        let chunk = params.grad_chunk_len(n, vocab, d, dtype);
+        let rows_n = n.max(1);
+        let logits = 4 * rows_n * chunk;
+        // Products no larger than the logits block, which is freed by then.
+        let product_rows = balanced_rows(rows_n, logits / (4 * d.max(1)));
+        let blocks = |de, rows, pass2_chunk| Self {
+            chunk,
+            de,
+            rows,
+            pass2_chunk,
+        };
+        if !params.accum_fp32 || s >= 4 {
+            let rows = params
+                .de_block_rows
+                .map_or(product_rows, |r| r.clamp(1, rows_n));
+            return blocks(DeAccumulation::Direct, rows, chunk);
+        }
+        let whole = blocks(DeAccumulation::Whole, product_rows, chunk);
+        let pass1 = Self::pass1_bytes(rows_n, chunk, d, s);
+        let fit = |c2: usize| {
+            let per_row = 4 * d + s * c2 + 4 * c2.max(d);
+            pass1.saturating_sub(s * c2 * d) / per_row
+        };
+        // Second-pass chunks of about D entries: the logits GEMM [rows, c2] and the product
+        // GEMM [rows, D] then have about as many output tiles.
+        let widest = ((d as f64 / chunk as f64).round() as usize).max(1);
+        match params.de_block_rows {
+            Some(r) if r >= n => whole,
+            Some(r) => {
+                let k = (1..=widest)
+                    .rev()
+                    .find(|&k| fit(chunk * k) >= r)
+                    .unwrap_or(1);
+                blocks(DeAccumulation::RowBlocks, r.max(1), chunk * k)
+            }
+            None if 4 * rows_n * d <= logits => whole,
+            None => {
+                let min_rows = rows_n.min(32);
+                let k = (1..=widest)
+                    .rev()
+                    .find(|&k| fit(chunk * k) >= min_rows)
+                    .unwrap_or(1);
+                let rows = balanced_rows(rows_n, fit(chunk * k).max(min_rows));
+                if rows >= rows_n {
+                    whole
+                } else {
+                    blocks(DeAccumulation::RowBlocks, rows, chunk * k)
+                }
+            }
+        }
+    }
+
+    /// The vocabulary pass's working set while a chunk's `G` is formed: f32 logits, `G` and
+    /// the gathered classifier rows.
+    fn pass1_bytes(n: usize, chunk: usize, d: usize, s: usize) -> usize {
+        (4 + s) * n * chunk + s * chunk * d
+    }
+
+    /// Bytes the backward holds at its peak besides its inputs, dE and dC, and the `O(n + V)`
+    /// vectors (log-sum-exp, scores, ids), for `n` tokens, hidden size `d` and inputs of
+    /// `dtype`, with or without a bias. Gathered chunks are assumed (a natural chunk's
+    /// classifier rows are a view).
+    pub fn working_bytes(&self, n: usize, d: usize, dtype: DType, bias: bool) -> usize {
+        let s = dtype.size();
+        let (c, rows) = (self.chunk, self.rows);
+        let g = s * n * c;
+        let classifier = s * c * d;
+        let at_grad = Self::pass1_bytes(n, c, d, s);
+        // After G is formed (the logits are freed): dE products (or the second pass), the dC
+        // rows, and with a bias G's f32 copy for db.
+        let product = match self.de {
+            DeAccumulation::RowBlocks => 0,
+            _ => 4 * rows * d,
+        };
+        let mut after = product.max(classifier);
+        if bias {
+            after = after.max(4 * n * c);
+        }
+        let pass1 = at_grad.max(g + classifier + after);
+        match self.de {
+            DeAccumulation::Direct => pass1,
+            // The accumulator lives through the pass, then beside the rounded dE.
+            DeAccumulation::Whole => 4 * n * d + pass1,
+            DeAccumulation::RowBlocks => {
+                let c2 = self.pass2_chunk;
+                let pass2 = 4 * rows * d + s * c2 * d + s * rows * c2 + 4 * rows * c2.max(d);
+                pass1.max(pass2)
+            }
+        }
+    }
+}
