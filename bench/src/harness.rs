@@ -267,10 +267,11 @@ thread_local! {
 }
 
 /// Keeps a timed call's outputs alive until the harness has synchronized the device after the
-/// call. Burn's fused backend runs queued work lazily: outputs dropped before the
-/// synchronization need not be computed at all, and a timing would then measure work that never
-/// ran (Burn plain's SmolLM2 loss step timed 1.9 ms that way on an H200, 2026-11-27, less than
-/// its matmuls take). Every in-process candidate hands its outputs here.
+/// call. Burn's fused backend runs queued work lazily, so outputs dropped before the
+/// synchronization need not be computed, and a timing could then measure work that never ran.
+/// (Burn plain's SmolLM2 loss step timing 1.9 ms on an H200 was first blamed on this; session 22
+/// found Burn's matmul failing at launch there instead, which [`run_suite`] now also rejects.)
+/// Every in-process candidate hands its outputs here.
 pub fn keep<T: 'static>(outputs: T) {
     KEPT.with(|k| k.borrow_mut().push(Box::new(outputs)));
 }

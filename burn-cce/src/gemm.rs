@@ -220,6 +220,10 @@ fn fixed_gemm(
         dtype_to_storage_type(dtype),
     );
     let layout = |t: &CubeTensor| (t.meta.shape().to_vec(), t.meta.strides().to_vec());
+    // Kernels whose checked launch failed. They are marked as failing only once a later kernel
+    // runs: when every kernel fails, the failure is the process's (an earlier failure spreading
+    // through reused memory), not theirs.
+    let mut failed: Vec<LaunchKey> = Vec::new();
     for strategy in candidates {
         let key = LaunchKey {
             device: format!("{:?}", lhs.device),
@@ -263,6 +267,9 @@ fn fixed_gemm(
         match client.check([&out.handle]) {
             Ok(()) => {
                 record(key, true);
+                for key in failed {
+                    record(key, false);
+                }
                 return Some(out);
             }
             Err(err) => {
@@ -272,7 +279,7 @@ fn fixed_gemm(
                     root_cause(&err)
                 );
                 log::debug!("burn-cce: {err}");
-                record(key, false);
+                failed.push(key);
                 QUARANTINE
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
