@@ -20,6 +20,9 @@ pub mod single;
 pub mod specinfer;
 pub mod spectr;
 
+#[cfg(test)]
+mod grid_tests;
+
 use crate::Outcome;
 use crate::lp::{Flow, Symbol};
 use crate::prob::inverse_cdf;
