@@ -204,9 +204,11 @@ pub fn assert_close(name: &str, actual: &[f32], expected: &[f32], tol: Tolerance
 pub const TF32_REL_L2: f64 = 1e-3;
 
 /// Whether f32 matrix products on this backend run in TF32 (CUDA's matrix units) rather than in
-/// full f32, which decides how closely their results can match an f64 oracle.
+/// full f32, which decides how closely their results can match an f64 oracle: on CUDA unless
+/// cubek's `MatmulConfig::allow_tf32` is off, as [`crate::runtimes::exact_f32_matmul`] sets it
+/// for the CUDA tests.
 pub fn f32_matmul_is_tf32(device: &burn::tensor::Device) -> bool {
-    crate::runtimes::is_cuda(device)
+    crate::runtimes::is_cuda(device) && cubek::std::config::MatmulConfig::get().allow_tf32
 }
 
 /// Checks an output of f32 matrix products: element-wise within the f32 reduction tolerance

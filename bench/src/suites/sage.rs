@@ -6,6 +6,7 @@
 
 use burn::tensor::{DType, Distribution, Tensor};
 use burn_kernels_core::attention::{AttentionImpl, AttnOptions, BurnAttention};
+use burn_kernels_testing::metrics;
 use burn_sage::kernels::KernelChoice;
 use burn_sage::{PvPrecision, QkQuant, SageOptions, sage_attention};
 use serde_json::json;
@@ -34,18 +35,6 @@ fn head_sample(out: &Tensor<4>) -> Result<Vec<f32>, String> {
         .map_err(|e| e.to_string())?
         .try_into_vec::<f32>()
         .map_err(|e| format!("{e:?}"))
-}
-
-fn cosine(a: &[f32], b: &[f32]) -> f64 {
-    let (mut ab, mut aa, mut bb) = (0f64, 0f64, 0f64);
-    for (&x, &y) in a.iter().zip(b) {
-        let (x, y) = (x as f64, y as f64);
-        ab += x * y;
-        aa += x * x;
-        bb += y * y;
-    }
-    // NaN (e.g. an all-zero output) fails the `>=` check.
-    ab / (aa * bb).sqrt()
 }
 
 /// Longest sequence the tensor-op reference runs at (see its candidate).
@@ -251,7 +240,9 @@ fn problem(n: usize, d: usize, causal: bool, opts: &SuiteOptions, peers: Rc<Peer
                 };
                 let run = move || sage_attention(q.clone(), k.clone(), v.clone(), &o);
                 let checked = match (&want, run()) {
-                    (Ok(want), Ok(got)) => head_sample(&got.out).map(|got| cosine(&got, want)),
+                    (Ok(want), Ok(got)) => {
+                        head_sample(&got.out).map(|got| metrics(&got, want).cos_sim)
+                    }
                     (Err(e), _) => Err(format!("Burn's output unreadable: {e}")),
                     (_, Err(e)) => Err(e.to_string()),
                 };

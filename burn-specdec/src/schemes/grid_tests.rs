@@ -8,6 +8,7 @@
 
 use super::{Plan, SelectionPlan, SequentialPlan};
 use crate::{LpTruncation, Scheme, Verifier};
+use burn_kernels_testing::{Dist, random_values};
 
 /// Running sums of `weights` over their total: where `inverse_cdf` changes its answer.
 fn cdf_cuts(weights: &[f64]) -> Vec<f64> {
@@ -129,14 +130,10 @@ fn tuples(vocab: usize, k: usize) -> Vec<Vec<usize>> {
 /// A distribution over `vocab` tokens from a seed, with one zero entry when `zero` (so plans
 /// meet tokens the target or a draft never produces).
 fn dist(vocab: usize, seed: u64, zero: Option<usize>) -> Vec<f64> {
-    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    let mut w: Vec<f64> = (0..vocab)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            0.05 + (state >> 11) as f64 / (1u64 << 53) as f64
-        })
+    let uniform = Dist::Uniform { lo: 0.05, hi: 1.05 };
+    let mut w: Vec<f64> = random_values(vocab, uniform, seed)
+        .into_iter()
+        .map(f64::from)
         .collect();
     if let Some(z) = zero {
         w[z] = 0.0;
