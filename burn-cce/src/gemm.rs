@@ -15,15 +15,23 @@
 use burn::backend::ops::FloatTensorOps;
 use burn::tensor::{DType, FloatDType, Shape};
 use burn_cubecl::{
-    CubeBackend,
+    CubeBackend, CubeTuneId,
     kernel::matmul::{MatmulStrategy, matmul},
     ops::numeric::empty_device_contiguous_dtype,
     tensor::CubeTensor,
 };
 use cubecl::client::Client;
+use cubecl::std::tensor::TensorHandle;
 use cubek::{
     matmul::{
         definition::{MatmulElems, MatmulGlobalElems},
+        kernels::{
+            MatmulOpStrategy,
+            plan::{MatmulCall, MatmulCallInput},
+            select::{problem::MatmulProblem, selector::select},
+            tensor::PlainTensor,
+            tune::MatmulTableGroups,
+        },
         launch::launch_ref,
         multi_level::{
             Strategy as MultiLevel,
@@ -40,7 +48,7 @@ use cubek::{
         routine::BlueprintStrategy,
         strategy::Strategy,
     },
-    std::InputBinding,
+    std::{Hardware, InputBinding, plan::Plan},
 };
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -112,7 +120,102 @@ pub(crate) fn matmul_to(
     out
 }
 
-/// cubek's launch strategy for `kernel`.
+/// How one candidate kernel is launched: a cubek multi-level strategy through `launch_ref`, or
+/// cubek's tile-DSL routines through their selection and autotune tables.
+#[derive(Clone)]
+enum Launch {
+    Cubek(Strategy),
+    TileDsl,
+}
+
+impl std::fmt::Display for Launch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Launch::Cubek(strategy) => write!(f, "{strategy}"),
+            Launch::TileDsl => f.write_str("tile-dsl (cubek tables)"),
+        }
+    }
+}
+
+impl Launch {
+    fn of(kernel: GemmKernel) -> Self {
+        match kernel {
+            GemmKernel::TileDsl => Launch::TileDsl,
+            other => Launch::Cubek(cubek_strategy(other)),
+        }
+    }
+
+    /// Writes `lhs · rhs` into `out` (contiguous `[m, n]` in `out_dtype`); an error where the
+    /// kernel refuses the problem before launching.
+    fn launch(
+        &self,
+        lhs: &CubeTensor,
+        rhs: &CubeTensor,
+        out: &CubeTensor,
+        out_dtype: DType,
+    ) -> Result<(), String> {
+        let client: Client = lhs.client.clone();
+        let in_storage = dtype_to_storage_type(lhs.dtype);
+        let out_storage = dtype_to_storage_type(out_dtype);
+        match self {
+            Launch::Cubek(strategy) => {
+                let mut elems = MatmulElems::from_globals(&MatmulGlobalElems {
+                    lhs: in_storage,
+                    rhs: in_storage,
+                    out: out_storage,
+                });
+                launch_ref(
+                    strategy,
+                    &client,
+                    InputBinding::new(lhs.clone().binding(), in_storage),
+                    InputBinding::new(rhs.clone().binding(), in_storage),
+                    out.clone().binding(),
+                    &mut elems,
+                )
+                .map_err(|err| format!("{err:?}"))
+            }
+            Launch::TileDsl => {
+                let input = |t: &CubeTensor| {
+                    MatmulCallInput::plain(PlainTensor::new(t.clone().binding(), in_storage))
+                };
+                let (lhs_in, rhs_in) = (input(lhs), input(rhs));
+                let problem = MatmulProblem::new(
+                    (lhs.meta.shape(), lhs_in.tensor.kind()),
+                    (rhs.meta.shape(), rhs_in.tensor.kind()),
+                );
+                let hw = Hardware::from_client(&client);
+                let plan = select(
+                    MatmulOpStrategy::Autotune,
+                    &problem,
+                    &hw,
+                    MatmulTableGroups::default(),
+                )
+                .map_err(|why| format!("{why}"))?;
+                let destination = TensorHandle::new(
+                    out.handle.clone(),
+                    out.meta.shape().clone(),
+                    out.meta.strides().clone(),
+                    out_storage,
+                );
+                let call = MatmulCall {
+                    hw,
+                    tune_id: CubeTuneId::new(&client, &lhs.device),
+                    client,
+                    lhs: lhs_in,
+                    rhs: rhs_in,
+                    out: out_storage,
+                    routes: None,
+                    destination: Some(destination),
+                };
+                plan.launch(&call)
+                    .map(|_| ())
+                    .map_err(|why| format!("{why}"))
+            }
+        }
+    }
+}
+
+/// cubek's launch strategy for `kernel` (every kernel but [`GemmKernel::TileDsl`]).
 fn cubek_strategy(kernel: GemmKernel) -> Strategy {
     let simple = |multi_rows| SimpleArgs {
         multi_rows,
@@ -139,7 +242,9 @@ fn cubek_strategy(kernel: GemmKernel) -> Strategy {
         GemmKernel::SpecializedCyclic => MultiLevel::SpecializedCyclicMma(Inferred(().into())),
         GemmKernel::SimpleTma => MultiLevel::SimpleTmaMma(Inferred(simple(false))),
         GemmKernel::SimpleTmaMultiRow => MultiLevel::SimpleTmaMma(Inferred(simple(true))),
-        GemmKernel::SpecializedTma => MultiLevel::SpecializedTmaMma(Inferred(().into())),
+        GemmKernel::SpecializedTma | GemmKernel::TileDsl => {
+            MultiLevel::SpecializedTmaMma(Inferred(().into()))
+        }
     };
     strategy.into()
 }
@@ -201,24 +306,21 @@ fn fixed_gemm(
     let tensor_cores = (matches!(in_dtype, DType::F16 | DType::BF16)
         || (tf32 && in_dtype == DType::F32))
         && m.min(n).min(k) >= 16;
-    let unit: Strategy =
+    let unit = Launch::Cubek(
         MultiLevel::SimpleUnit(BlueprintStrategy::Inferred(SimpleUnitSelectionArgs {
             tile_size: TileSizeSelection::MinTileSize,
         }))
-        .into();
-    let mma = cubek_strategy(kernel);
+        .into(),
+    );
+    let mma = Launch::of(kernel);
     // A kernel the device cannot run (TMA before Hopper, on Vulkan) falls back to the
     // portable double-buffered one, then to the unit kernel.
     let candidates = match (tensor_cores, kernel == GemmKernel::DoubleCyclic) {
         (true, true) => vec![mma, unit],
-        (true, false) => vec![mma, cubek_strategy(GemmKernel::DoubleCyclic), unit],
+        (true, false) => vec![mma, Launch::of(GemmKernel::DoubleCyclic), unit],
         (false, _) => vec![unit],
     };
     let client: Client = lhs.client.clone();
-    let (in_storage, out_storage) = (
-        dtype_to_storage_type(in_dtype),
-        dtype_to_storage_type(dtype),
-    );
     let layout = |t: &CubeTensor| (t.meta.shape().to_vec(), t.meta.strides().to_vec());
     // Kernels whose checked launch failed. They are marked as failing only once a later kernel
     // runs: when every kernel fails, the failure is the process's (an earlier failure spreading
@@ -242,21 +344,8 @@ fn fixed_gemm(
             Shape::new([m, n]),
             dtype,
         );
-        let mut elems = MatmulElems::from_globals(&MatmulGlobalElems {
-            lhs: in_storage,
-            rhs: in_storage,
-            out: out_storage,
-        });
-        let launched = launch_ref(
-            &strategy,
-            &client,
-            InputBinding::new(lhs.clone().binding(), in_storage),
-            InputBinding::new(rhs.clone().binding(), in_storage),
-            out.clone().binding(),
-            &mut elems,
-        );
-        if let Err(err) = launched {
-            log::debug!("burn-cce: {strategy} unavailable here ({err:?})");
+        if let Err(err) = strategy.launch(&lhs, &rhs, &out, dtype) {
+            log::debug!("burn-cce: {strategy} unavailable here ({err})");
             record(key, false);
             continue;
         }

@@ -151,6 +151,11 @@ pub enum GemmKernel {
     SimpleTmaMultiRow,
     /// Specialized, loads by the tensor memory accelerator.
     SpecializedTma,
+    /// cubek's tile-DSL routines (`cubek::matmul::kernels`) under cubek's own autotune tables:
+    /// the cube-staged boxes, filled by the tensor memory accelerator and on the warpgroup MMA
+    /// where the device has them (Hopper). What Burn's `tile-kernels-only` feature runs. Each
+    /// new GEMM shape is tuned once per process (and cached by CubeCL's autotune cache).
+    TileDsl,
 }
 
 impl GemmKernel {
@@ -163,7 +168,7 @@ impl GemmKernel {
     pub const DEFAULT: GemmKernel = GemmKernel::SpecializedTma;
 
     /// Every kernel, for sweeps.
-    pub const ALL: [GemmKernel; 10] = [
+    pub const ALL: [GemmKernel; 11] = [
         GemmKernel::DoubleCyclic,
         GemmKernel::DoubleCyclicSpecialized,
         GemmKernel::SimpleCyclic,
@@ -174,6 +179,7 @@ impl GemmKernel {
         GemmKernel::SimpleTma,
         GemmKernel::SimpleTmaMultiRow,
         GemmKernel::SpecializedTma,
+        GemmKernel::TileDsl,
     ];
 
     /// A short name for tables.
@@ -189,6 +195,7 @@ impl GemmKernel {
             GemmKernel::SimpleTma => "simple-tma",
             GemmKernel::SimpleTmaMultiRow => "simple-tma-rows",
             GemmKernel::SpecializedTma => "specialized-tma",
+            GemmKernel::TileDsl => "tile-dsl",
         }
     }
 }

@@ -7,7 +7,7 @@
 use burn::backend::{Dispatch, DispatchTensor};
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use burn_cce::{
-    CceError, CceKernels, CceOptions, FilterEps, GemmStrategy, LceParams, Reduction,
+    CceError, CceKernels, CceOptions, FilterEps, GemmKernel, GemmStrategy, LceParams, Reduction,
     chunked::{BackwardBlocks, DeAccumulation, last_backward_plan},
     linear_cross_entropy, reference,
 };
@@ -359,6 +359,12 @@ fn cases() -> Vec<Case> {
             ignore: 0.2,
             gemm: GemmStrategy::Autotune,
             ..base.clone()
+        },
+        // cubek's tile-DSL routines under their own tables (TMA and warpgroup MMA on Hopper).
+        Case {
+            softcap: Some(4.0),
+            gemm: GemmStrategy::Kernel(GemmKernel::TileDsl),
+            ..Case::new([3, 41], 96, 1031, 17)
         },
         Case {
             softcap: Some(4.0),
