@@ -412,10 +412,13 @@ fn run_shadow(
     };
     let mut cache =
         ShadowKvCache::new(cfg.num_layers, hkv, d, sk, rope).map_err(|e| e.to_string())?;
+    // Uploaded as f32 (`from_data` stores the device's default float type) and cast on the
+    // device, to the f16 of the noise and the model.
     let base = Tensor::<2>::from_data(
-        TensorData::new(low_rank_keys(ctx, hkv * d), [ctx, hkv * d]).convert_dtype(DType::F16),
+        TensorData::new(low_rank_keys(ctx, hkv * d), [ctx, hkv * d]),
         device,
-    );
+    )
+    .cast(DType::F16);
     let positions: Vec<i64> = (0..ctx as i64).collect();
     let positions = Tensor::<2, Int>::from_data(TensorData::new(positions, [1, ctx]), device);
     for layer in 0..cfg.num_layers {
