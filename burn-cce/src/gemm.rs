@@ -184,6 +184,12 @@ impl Launch {
                     (rhs.meta.shape(), rhs_in.tensor.kind()),
                 );
                 let hw = Hardware::from_client(&client);
+                // Its point is the Hopper boxes (TMA fills, warpgroup MMA). Elsewhere the
+                // portable kernels serve; on Vulkan (lavapipe) the tables' first autotune also hung
+                // in wgpu's device poll (2026-11-27), as Burn's does from cold caches.
+                if !hw.bulk_tensor_copy() {
+                    return Err("no tensor memory accelerator on this device".into());
+                }
                 let plan = select(
                     MatmulOpStrategy::Autotune,
                     &problem,

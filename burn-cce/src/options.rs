@@ -155,6 +155,8 @@ pub enum GemmKernel {
     /// the cube-staged boxes, filled by the tensor memory accelerator and on the warpgroup MMA
     /// where the device has them (Hopper). What Burn's `tile-kernels-only` feature runs. Each
     /// new GEMM shape is tuned once per process (and cached by CubeCL's autotune cache).
+    /// Devices without the tensor memory accelerator run [`GemmKernel::DoubleCyclic`]. On an
+    /// H200 (2026-11-27, Gemma-2 gradient) 219.5 ms against the default's 186.3 ms.
     TileDsl,
 }
 
