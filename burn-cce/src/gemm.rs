@@ -227,6 +227,10 @@ fn cubek_strategy(kernel: GemmKernel) -> Strategy {
         multi_rows,
         tile_matmul: TileMatmulKind::Mma,
     };
+    let simple_cmma = |multi_rows| SimpleArgs {
+        multi_rows,
+        tile_matmul: TileMatmulKind::Cmma,
+    };
     let double = |specialized| DoubleBufferingArgs {
         specialized,
         tile_matmul: TileMatmulKind::Mma,
@@ -248,6 +252,9 @@ fn cubek_strategy(kernel: GemmKernel) -> Strategy {
         GemmKernel::SpecializedCyclic => MultiLevel::SpecializedCyclicMma(Inferred(().into())),
         GemmKernel::SimpleTma => MultiLevel::SimpleTmaMma(Inferred(simple(false))),
         GemmKernel::SimpleTmaMultiRow => MultiLevel::SimpleTmaMma(Inferred(simple(true))),
+        GemmKernel::SimpleTmaCmma => MultiLevel::SimpleTmaCmma(Inferred(simple_cmma(false))),
+        GemmKernel::SimpleTmaMultiRowCmma => MultiLevel::SimpleTmaCmma(Inferred(simple_cmma(true))),
+        GemmKernel::SpecializedTmaCmma => MultiLevel::SpecializedTmaCmma(Inferred(().into())),
         GemmKernel::SpecializedTma | GemmKernel::TileDsl => {
             MultiLevel::SpecializedTmaMma(Inferred(().into()))
         }

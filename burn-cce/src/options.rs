@@ -128,7 +128,8 @@ pub enum GemmStrategy {
 }
 
 /// The cubek tensor-core GEMM kernels that [`GemmStrategy::Kernel`] can name: the ones Burn's
-/// matmul autotuner chooses among, with the `mma` tile instruction.
+/// matmul autotuner chooses among, with the `mma` tile instruction (and the TMA kernels on `cmma`
+/// too, which Burn's autotune also tries), and cubek's tile-DSL routines.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GemmKernel {
     /// Double-buffered, cyclic global-to-shared loading (cubek `DoubleCyclicMma`).
@@ -158,6 +159,12 @@ pub enum GemmKernel {
     /// Devices without the tensor memory accelerator run [`GemmKernel::DoubleCyclic`]. On an
     /// H200 (2026-11-27, Gemma-2 gradient) 219.5 ms against the default's 186.3 ms.
     TileDsl,
+    /// [`GemmKernel::SimpleTma`] on the `cmma` tile instruction, as Burn's autotune also tries.
+    SimpleTmaCmma,
+    /// [`GemmKernel::SimpleTmaMultiRow`] on the `cmma` tile instruction.
+    SimpleTmaMultiRowCmma,
+    /// [`GemmKernel::SpecializedTma`] on the `cmma` tile instruction.
+    SpecializedTmaCmma,
 }
 
 impl GemmKernel {
@@ -170,7 +177,7 @@ impl GemmKernel {
     pub const DEFAULT: GemmKernel = GemmKernel::SpecializedTma;
 
     /// Every kernel, for sweeps.
-    pub const ALL: [GemmKernel; 11] = [
+    pub const ALL: [GemmKernel; 14] = [
         GemmKernel::DoubleCyclic,
         GemmKernel::DoubleCyclicSpecialized,
         GemmKernel::SimpleCyclic,
@@ -182,6 +189,9 @@ impl GemmKernel {
         GemmKernel::SimpleTmaMultiRow,
         GemmKernel::SpecializedTma,
         GemmKernel::TileDsl,
+        GemmKernel::SimpleTmaCmma,
+        GemmKernel::SimpleTmaMultiRowCmma,
+        GemmKernel::SpecializedTmaCmma,
     ];
 
     /// A short name for tables.
@@ -198,6 +208,9 @@ impl GemmKernel {
             GemmKernel::SimpleTmaMultiRow => "simple-tma-rows",
             GemmKernel::SpecializedTma => "specialized-tma",
             GemmKernel::TileDsl => "tile-dsl",
+            GemmKernel::SimpleTmaCmma => "simple-tma-cmma",
+            GemmKernel::SimpleTmaMultiRowCmma => "simple-tma-rows-cmma",
+            GemmKernel::SpecializedTmaCmma => "specialized-tma-cmma",
         }
     }
 }
