@@ -335,9 +335,13 @@ fn time_candidate(device: &Device, run: &mut dyn FnMut(), t: Timing) -> Vec<f64>
     times
 }
 
+/// The `p` quantile of ascending `sorted` (non-empty), interpolated linearly between the two
+/// nearest ranks: the true median for an even count (the mean of the middle two), not the
+/// slower of them.
 fn percentile(sorted: &[f64], p: f64) -> f64 {
-    let i = ((sorted.len() - 1) as f64 * p).round() as usize;
-    sorted[i]
+    let pos = (sorted.len() - 1) as f64 * p.clamp(0.0, 1.0);
+    let (lo, hi) = (pos.floor() as usize, pos.ceil() as usize);
+    sorted[lo] + (sorted[hi] - sorted[lo]) * (pos - lo as f64)
 }
 
 /// Runs every problem × implementation of `suite` with a progress bar.
@@ -549,6 +553,17 @@ pub fn params<const N: usize>(
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn percentile_is_the_true_median() {
+        assert_eq!(super::percentile(&[1.0, 3.0], 0.5), 2.0);
+        assert_eq!(super::percentile(&[1.0, 2.0, 10.0], 0.5), 2.0);
+        assert_eq!(super::percentile(&[4.0], 0.9), 4.0);
+        let ten: Vec<f64> = (1..=10).map(f64::from).collect();
+        assert!((super::percentile(&ten, 0.9) - 9.1).abs() < 1e-12);
+        assert_eq!(super::percentile(&ten, 0.0), 1.0);
+        assert_eq!(super::percentile(&ten, 1.0), 10.0);
+    }
+
     use super::*;
 
     /// A panic on another thread during a candidate's run (as the device runtime's server

@@ -126,7 +126,7 @@ pub fn markdown(report: &Report) -> String {
         }
         let _ = write!(
             md,
-            "\n## {}\n\n{}. Baseline: `{}`. Commit `{}`.\n\n| problem | implementation | median ms | p90 ms | TFLOP/s | GB/s | tokens/s |{mem_head} speed-up | note |\n|---|---|---:|---:|---:|---:|---:|{mem_rule}---:|---|\n",
+            "\n## {}\n\n{}. Baseline: `{}`. Commit `{}`.\n\n| problem | implementation | median ms | min ms | p90 ms | TFLOP/s | GB/s | tokens/s |{mem_head} speed-up | note |\n|---|---|---:|---:|---:|---:|---:|---:|{mem_rule}---:|---|\n",
             s.suite, s.description, s.baseline, s.commit
         );
         for r in &s.records {
@@ -143,10 +143,11 @@ pub fn markdown(report: &Report) -> String {
             }
             let _ = writeln!(
                 md,
-                "| {} | {} | {} | {} | {} | {} | {} |{mem_cell} {} | {} |",
+                "| {} | {} | {} | {} | {} | {} | {} | {} |{mem_cell} {} | {} |",
                 r.problem,
                 r.implementation,
                 fmt_opt(r.median_ms, 3),
+                fmt_opt(r.min_ms, 3),
                 fmt_opt(r.p90_ms, 3),
                 fmt_opt(r.tflops, 1),
                 fmt_opt(r.gbps, 0),

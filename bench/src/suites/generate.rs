@@ -323,7 +323,8 @@ fn run(
             greedy.build().as_mut(),
             &opts,
             &mut |_, _| {},
-        );
+        )
+        .expect("the prompt fits the model's context");
         return Outcome {
             tokens: g.tokens[0].clone(),
             prefill_secs: g.prefill_secs,

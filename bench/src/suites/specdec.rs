@@ -269,7 +269,8 @@ fn problem(
                         sampling(temperature, seed).build().as_mut(),
                         &opts,
                         &mut |_, _| {},
-                    );
+                    )
+                    .expect("the prompt fits the model's context");
                     assert_eq!(g.tokens[0].len(), new_tokens, "no stop tokens");
                 })
                 .with_extra(move || weights_extra(weights)),

@@ -477,8 +477,8 @@ pub struct TeacherOptions {
 /// what raises speculative acceptance. `on_batch(done)` reports progress.
 ///
 /// # Errors
-/// [`TrainError::Config`] for zero sizes, `prompt_len >= sample_len` or a source shorter than a
-/// prompt.
+/// [`TrainError::Config`] for zero sizes, `prompt_len >= sample_len`, a source shorter than a
+/// prompt, or a sample longer than the teacher's context.
 pub fn teacher_samples(
     teacher: &Llama,
     source: &[u32],
@@ -523,7 +523,8 @@ pub fn teacher_samples(
                 stop_tokens: Vec::new(),
             },
             &mut |_, _| {},
-        );
+        )
+        .map_err(|e| TrainError::Config(format!("teacher samples: {e}")))?;
         out.extend(prompts.into_iter().zip(g.tokens).map(|(mut p, t)| {
             p.extend(t);
             p

@@ -16,6 +16,33 @@ pub struct GenerateOptions {
     pub stop_tokens: Vec<u32>,
 }
 
+/// Why [`generate`] refused its input.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum GenerateError {
+    #[error("no prompts to continue")]
+    NoPrompts,
+    #[error("prompt {index} is empty: every prompt needs at least one token")]
+    EmptyPrompt { index: usize },
+    /// The longest prompt plus the new tokens reach past the positions the model's RoPE tables
+    /// cover (its context length).
+    #[error(
+        "context too long: {prompt} prompt tokens + {new_tokens} new tokens need {needed} \
+         positions, the model covers {max}"
+    )]
+    ContextTooLong {
+        prompt: usize,
+        new_tokens: usize,
+        needed: usize,
+        max: usize,
+    },
+}
+
+/// Positions a generation of `new_tokens` after a `prompt`-token prompt feeds through the model:
+/// the prompt's, then every new token but the last (which is sampled, not fed back).
+pub fn positions_needed(prompt: usize, new_tokens: usize) -> usize {
+    prompt + new_tokens.saturating_sub(1)
+}
+
 /// What [`generate`] produced and how fast.
 #[derive(Debug, Clone)]
 pub struct Generation {
@@ -56,6 +83,10 @@ fn last_logits(model: &Llama, hidden: Tensor<3>) -> Vec<Vec<f32>> {
 /// Prompts of different lengths are left-padded into one batch (padding is masked and RoPE
 /// positions start at each prompt's first token), so each gets the tokens it would get alone.
 /// `on_token(i, token)` is called as each token of prompt `i` is produced.
+///
+/// # Errors
+/// [`GenerateError`] for no prompts, an empty prompt, or a prompt plus `max_new_tokens` longer
+/// than the model's context ([`Llama::max_positions`]); nothing runs then.
 pub fn generate(
     model: &Llama,
     prompts: &[Vec<u32>],
@@ -64,14 +95,26 @@ pub fn generate(
     sampler: &mut dyn Sampler,
     opts: &GenerateOptions,
     on_token: &mut dyn FnMut(usize, u32),
-) -> Generation {
-    assert!(
-        prompts.iter().all(|p| !p.is_empty()),
-        "every prompt needs at least one token"
-    );
+) -> Result<Generation, GenerateError> {
+    if prompts.is_empty() {
+        return Err(GenerateError::NoPrompts);
+    }
+    if let Some(index) = prompts.iter().position(Vec::is_empty) {
+        return Err(GenerateError::EmptyPrompt { index });
+    }
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    let needed = positions_needed(longest, opts.max_new_tokens);
+    let max = model.max_positions();
+    if needed > max {
+        return Err(GenerateError::ContextTooLong {
+            prompt: longest,
+            new_tokens: opts.max_new_tokens,
+            needed,
+            max,
+        });
+    }
     let device = model.embed.device();
     let b = prompts.len();
-    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
     let pad: Vec<usize> = prompts.iter().map(|p| longest - p.len()).collect();
     let ids: Vec<i64> = prompts
         .iter()
@@ -108,14 +151,14 @@ pub fn generate(
         logits = last_logits(model, hidden);
         steps += 1;
     }
-    Generation {
+    Ok(Generation {
         tokens: out,
         prefill_tokens: prompts.iter().map(Vec::len).sum(),
         prefill_secs,
         decode_steps: steps,
         decode_secs: t1.elapsed().as_secs_f64(),
         cache_bytes: cache.bytes_held(),
-    }
+    })
 }
 
 /// Perplexity of `tokens` under the model: `exp(mean −log p(tᵢ | t<ᵢ))` over positions 1.., in

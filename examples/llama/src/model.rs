@@ -145,6 +145,12 @@ impl Llama {
             .rms_norm(&self.norm, x)
     }
 
+    /// Positions the model's RoPE tables cover, its context length here: the config's
+    /// `max_seq_len`, at most [`MAX_ROPE_POSITIONS`].
+    pub fn max_positions(&self) -> usize {
+        self.rope.max_positions()
+    }
+
     /// The output classifier as `[vocab, hidden]`: the embedding when tied, else the LM head
     /// transposed (a view, no copy). This is the `C` of a linear cross-entropy.
     pub fn classifier(&self) -> Tensor<2> {

@@ -38,6 +38,7 @@ fn greedy(
         &opts,
         &mut |_, _| {},
     )
+    .expect("valid prompts")
     .tokens
 }
 
@@ -169,4 +170,70 @@ fn decode_kernels_match_cpu(device: &Device) {
 testgen! {
     backend: [perplexity_matches_cpu, decode_kernels_match_cpu],
     autodiff: [],
+}
+
+/// Bad input to `generate` is a typed error, and nothing runs: no prompts, an empty prompt, and
+/// a prompt plus new tokens past the model's context (its RoPE tables), on a tiny random model.
+/// The longest generation that fits runs to its end.
+#[test]
+fn generate_refuses_bad_input_with_typed_errors() {
+    use burn_llama::config::LlamaConfig;
+    use burn_kernels_core::KvCache;
+    use burn_llama::generate::{GenerateError, positions_needed};
+    let cfg = LlamaConfig {
+        vocab_size: 29,
+        hidden_size: 16,
+        intermediate_size: 24,
+        num_layers: 1,
+        num_heads: 2,
+        num_kv_heads: 1,
+        head_dim: 8,
+        max_seq_len: 12,
+        ..LlamaConfig::smollm2_135m()
+    };
+    let device = Device::flex();
+    let model = Llama::random(&cfg, &device, DType::F32);
+    assert_eq!(model.max_positions(), 12);
+    let run = |prompts: &[Vec<u32>], max_new_tokens: usize| {
+        let mut cache = FullKvCache::new(cfg.num_layers);
+        let opts = GenerateOptions {
+            max_new_tokens,
+            stop_tokens: Vec::new(),
+        };
+        let mut streamed = 0;
+        let out = generate(
+            &model,
+            prompts,
+            &mut cache,
+            &ReferenceAttention,
+            &mut Greedy,
+            &opts,
+            &mut |_, _| streamed += 1,
+        );
+        (out, streamed, cache.seq_len())
+    };
+    let (out, streamed, held) = run(&[], 4);
+    assert_eq!(out.unwrap_err(), GenerateError::NoPrompts);
+    assert_eq!((streamed, held), (0, 0));
+    let (out, _, held) = run(&[vec![3, 4], vec![]], 4);
+    assert_eq!(out.unwrap_err(), GenerateError::EmptyPrompt { index: 1 });
+    assert_eq!(held, 0, "nothing ran");
+    // 5 prompt tokens + 9 new ones feed 13 positions; the tables cover 12.
+    let (out, streamed, held) = run(&[vec![1, 2], vec![5, 6, 7, 8, 9]], 9);
+    assert_eq!(
+        out.unwrap_err(),
+        GenerateError::ContextTooLong {
+            prompt: 5,
+            new_tokens: 9,
+            needed: 13,
+            max: 12
+        }
+    );
+    assert_eq!((streamed, held), (0, 0));
+    // 5 + 8 feed exactly 12: runs, every token produced.
+    assert_eq!(positions_needed(5, 8), 12);
+    let (out, streamed, _) = run(&[vec![1, 2], vec![5, 6, 7, 8, 9]], 8);
+    let g = out.expect("fits the context");
+    assert!(g.tokens.iter().all(|t| t.len() == 8));
+    assert_eq!(streamed, 16);
 }

@@ -56,6 +56,7 @@ fn plain_greedy(model: &Llama, prompts: &[Vec<u32>], n: usize, stop: &[u32]) -> 
         &opts,
         &mut |_, _| {},
     )
+    .expect("valid prompts")
     .tokens
 }
 

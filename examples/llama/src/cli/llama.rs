@@ -387,7 +387,8 @@ fn run(cli: &Cli, device: &Device) -> Result<(), String> {
                 sampler.as_mut(),
                 &opts,
                 &mut |_, tok| stream.push(tok),
-            );
+            )
+            .map_err(|e| e.to_string())?;
             println!();
             eprintln!(
                 "prefill {} tokens at {:.1} tok/s, decode {} tokens at {:.1} tok/s, KV cache {:.1} MB",
