@@ -7,6 +7,9 @@
 //! those buffers, or memory the pool hands out again from them, are skipped and fail in turn. On
 //! an H200 (2026-11-27) Burn's autotuned matmul failed that way ("Tile shape must be non-zero and
 //! <= 256") at the Gemma-2 chunk shape, and every GEMM of the backward after it read as failed.
+//! The refused kernels are cubek's TMA routines on the `cmma` tile instruction (simple, multi-row
+//! and specialized, at bf16 `[8192 × 2304] · [2304 × 2048 | 4096]`); their `mma` twins, which
+//! burn-cce's default uses, run.
 //! So the first launch of each kernel at each problem is checked (`ComputeClient::check`, a
 //! round trip to the device thread, no device synchronization); a kernel that failed is replaced
 //! by the next candidate for that problem from then on, with a log line, and its output is kept
@@ -363,6 +366,10 @@ fn fixed_gemm(
             continue;
         }
         if known == Some(true) {
+            // A kernel known to run at this problem ran after the ones that failed here.
+            for key in failed {
+                record(key, false);
+            }
             return Some(out);
         }
         // The first launch of this kernel at this problem: did the device thread run it?

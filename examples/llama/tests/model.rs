@@ -177,8 +177,8 @@ testgen! {
 /// The longest generation that fits runs to its end.
 #[test]
 fn generate_refuses_bad_input_with_typed_errors() {
-    use burn_llama::config::LlamaConfig;
     use burn_kernels_core::KvCache;
+    use burn_llama::config::LlamaConfig;
     use burn_llama::generate::{GenerateError, positions_needed};
     let cfg = LlamaConfig {
         vocab_size: 29,
