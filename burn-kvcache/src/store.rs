@@ -4,9 +4,54 @@
 use burn::tensor::{Int, Tensor};
 
 use crate::{
-    Packed, QuantAttnView, QuantLayout, bytes_of, bytes_of_int, cache::QuantConfig, dequantize,
+    KvCacheError, Packed, QuantAttnView, QuantLayout, bytes_of, bytes_of_int, dequantize,
     kv_has_quant_attention, quantize_rows,
 };
+
+/// KIVI-style quantization settings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QuantConfig {
+    /// Bits per code: 2 or 4.
+    pub bits: u32,
+    /// Tokens per key group (per-channel quantization) and channels per value group
+    /// (per-token quantization).
+    pub group_size: usize,
+    /// Most recent tokens kept in full precision (at least this many, fewer than
+    /// `residual + group_size`).
+    pub residual: usize,
+    /// On backends with the kernel ([`crate::kv_has_quant_attention`]), attend
+    /// straight from the packed keys and values ([`crate::quant_attention`]) instead of
+    /// dequantizing the layer for the model's attention. The model's `AttentionImpl` is then
+    /// not called for quantized layers.
+    pub fused_attention: bool,
+}
+
+impl Default for QuantConfig {
+    fn default() -> Self {
+        Self {
+            bits: 4,
+            group_size: 32,
+            residual: 32,
+            fused_attention: true,
+        }
+    }
+}
+
+impl QuantConfig {
+    /// The default settings with `bits` bits.
+    pub fn bits(bits: u32) -> Self {
+        Self {
+            bits,
+            ..Self::default()
+        }
+    }
+
+    /// # Errors
+    /// [`KvCacheError::InvalidBits`] unless `bits` is 2 or 4, [`KvCacheError::ZeroGroupSize`].
+    pub fn validate(&self) -> Result<(), KvCacheError> {
+        crate::QuantLayout::new(self.bits, self.group_size, 1).map(|_| ())
+    }
+}
 
 /// Which way a quantized sequence is grouped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -7,17 +7,14 @@
 //! gathers, six element-wise ops, a two-part concatenation), `silu(g)·u` seven. The kernels
 //! here do each in one, and a projection of a few rows is a GEMV with a lighter launch than
 //! Burn's matmul. They ride along with the attention implementation
-//! ([`FusedLayers`]), which every forward pass already receives, so a model enables them for
+//! ([`crate::FusedLayers`]), which every forward pass already receives, so a model enables them for
 //! inference without a new parameter and training keeps the tensor ops.
-
-use std::sync::Arc;
 
 use burn::backend::Dispatch;
 use burn::nn::RmsNorm;
 use burn::tensor::{DType, Int, Tensor, activation};
 
 use crate::LayerKernels;
-use crate::attention::{AttentionImpl, AttnOptions};
 use crate::rope::Rope;
 use crate::route::{Grad, route};
 
@@ -121,45 +118,5 @@ impl LayerOps for FusedOps {
             return TensorOps.silu_mul(gate, up);
         }
         Tensor::from_dispatch(Dispatch::silu_mul(gate.into_dispatch(), up.into_dispatch()))
-    }
-}
-
-/// An attention implementation that also brings the layer's [`LayerOps`]: what a model uses
-/// to run its small ops as kernels (`Llama::forward` takes them from
-/// [`AttentionImpl::layer_ops`]).
-#[derive(Debug, Clone)]
-pub struct FusedLayers {
-    pub attention: Arc<dyn AttentionImpl>,
-    pub ops: Arc<dyn LayerOps>,
-}
-
-impl FusedLayers {
-    /// `attention` with the [`FusedOps`].
-    pub fn new(attention: Arc<dyn AttentionImpl>) -> Self {
-        Self {
-            attention,
-            ops: Arc::new(FusedOps),
-        }
-    }
-}
-
-impl AttentionImpl for FusedLayers {
-    fn name(&self) -> String {
-        format!("{} + fused layer ops", self.attention.name())
-    }
-
-    fn attend(
-        &self,
-        layer: usize,
-        q: Tensor<4>,
-        k: Tensor<4>,
-        v: Tensor<4>,
-        opts: &AttnOptions,
-    ) -> Tensor<4> {
-        self.attention.attend(layer, q, k, v, opts)
-    }
-
-    fn layer_ops(&self) -> Option<&dyn LayerOps> {
-        Some(self.ops.as_ref())
     }
 }

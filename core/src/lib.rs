@@ -7,7 +7,7 @@
 //!   (the full cache here; ShadowKV, MiniCache and quantized caches later);
 //! - [`rope::Rope`]: rotary embeddings (HF rotate-half, Llama-3 frequency scaling);
 //! - [`layer_ops::LayerOps`]: the layer's projections, RMSNorm, RoPE and SwiGLU gate as tensor
-//!   ops or as one CubeCL kernel each ([`layer_ops::FusedLayers`], inference), the kernels a
+//!   ops or as one CubeCL kernel each ([`fused_layers::FusedLayers`], inference), the kernels a
 //!   Burn backend extension ([`LayerKernels`]) that runs on `Fusion<CubeBackend>` and Burn's
 //!   `Dispatch`;
 //! - [`route`]: the one place where every crate decides between a kernel and the reference;
@@ -17,6 +17,7 @@
 pub mod attention;
 pub mod cache;
 mod cube;
+pub mod fused_layers;
 pub mod kernels;
 pub mod layer_ops;
 pub mod logging;
@@ -28,6 +29,7 @@ pub mod setup;
 pub use attention::{AttentionImpl, AttentionKind, AttnOptions, BurnAttention, ReferenceAttention};
 pub use cache::{FullKvCache, KvCache, append_kv};
 pub use cube::{LayerKernels, gemv_shape};
-pub use layer_ops::{FusedLayers, FusedOps, GEMV_MAX_ROWS, LayerOps, TensorOps};
+pub use fused_layers::FusedLayers;
+pub use layer_ops::{FusedOps, GEMV_MAX_ROWS, LayerOps, TensorOps};
 pub use rope::{Rope, RopeScaling};
 pub use sampling::{Greedy, Sampler, SamplingConfig, TopKTopP};

@@ -26,7 +26,7 @@ use burn_kvcache::DecodeAttention;
 use burn_llama::generate::{GenerateOptions, generate};
 use burn_llama::loader::{Checkpoint, default_model_path, load};
 use burn_llama::spec::{
-    BranchKvCache, Draft, LinearSpecCache, SpecCache, SpecOptions, SpecStats, load_draft,
+    BranchKvCache, Draft, LinearSpecCache, SpecCache, SpecOptions, SpecStats,
     speculative_generate_with_cache, truncated_draft,
 };
 use burn_llama::{Llama, LlamaConfig};
@@ -193,7 +193,7 @@ impl DraftChoice {
     pub(super) fn build(&self, target: &Llama, device: &Device) -> Llama {
         match self {
             Self::Truncated(n) => truncated_draft(target, *n).expect("enough layers"),
-            Self::Trained(p) => load_draft(p, device, DType::F32)
+            Self::Trained(p) => burn_llama::finetune::load_model(p, device, DType::F32)
                 .unwrap_or_else(|e| panic!("draft model {}: {e}", p.display())),
         }
     }

@@ -30,9 +30,7 @@ use burn_kernels_core::{AttentionImpl, FullKvCache, ReferenceAttention, Sampling
 use burn_llama::finetune::{Corpus, read_corpus};
 use burn_llama::loader::{Checkpoint, default_model_path, load};
 use burn_llama::model::Llama;
-use burn_llama::spec::{
-    Draft, SpecOptions, SpecStats, load_draft, speculative_generate, truncated_draft,
-};
+use burn_llama::spec::{Draft, SpecOptions, SpecStats, speculative_generate, truncated_draft};
 use burn_specdec::{Scheme, Verifier};
 use clap::{Parser, ValueEnum};
 
@@ -232,7 +230,7 @@ fn run(args: &Args, ckpt: &Checkpoint, device: &Device, attention: &dyn Attentio
     if args.prompts > 0 {
         let (draft, draft_name) = match &args.draft_model {
             Some(path) => (
-                load_draft(path, device, DType::F32).unwrap_or_else(|e| {
+                burn_llama::finetune::load_model(path, device, DType::F32).unwrap_or_else(|e| {
                     eprintln!("error: --draft-model {}: {e}", path.display());
                     std::process::exit(2)
                 }),

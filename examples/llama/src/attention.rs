@@ -51,28 +51,60 @@ pub enum AttentionChoice {
     },
 }
 
-impl AttentionChoice {
-    pub const NAMES: &'static str = "reference, burn-fused, decode, sage, sage-fp8, sage-int4, \
-         sage-int4-fp8, sage-adaptive, sage-adaptive-fp8";
+/// The attention implementations by their CLI names (`--attention`), one variant each; the
+/// names and help the CLI shows come from this enum.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum AttentionName {
+    /// Exact attention in f32 tensor ops.
+    Reference,
+    /// Burn's attention op (its fused kernel where the backend has one).
+    #[value(alias = "burn")]
+    BurnFused,
+    /// burn-kvcache's split-K decode kernel for up to 16 queries, Burn's op otherwise.
+    Decode,
+    /// SageAttention2: INT8 Q·Kᵀ per thread, Q and K smoothed, FP16 P̃·V.
+    Sage,
+    /// As `sage` with FP8 E4M3 P̃·V (per-channel V scale).
+    SageFp8,
+    /// INT4 Q·Kᵀ per thread, Q and K smoothed, FP16 P̃·V.
+    SageInt4,
+    /// As `sage-int4` with FP8 E4M3 P̃·V.
+    SageInt4Fp8,
+    /// INT4 or INT8 per layer, chosen on a calibration pass over the prompt or text; FP16 P̃·V.
+    SageAdaptive,
+    /// As `sage-adaptive` with FP8 E4M3 P̃·V.
+    SageAdaptiveFp8,
+}
 
+impl From<AttentionName> for AttentionChoice {
+    fn from(name: AttentionName) -> Self {
+        use AttentionName as N;
+        let sage = |qk, pv| AttentionChoice::Sage { qk, pv };
+        match name {
+            N::Reference => Self::Builtin(AttentionKind::Reference),
+            N::BurnFused => Self::Builtin(AttentionKind::BurnFused),
+            N::Decode => Self::Decode,
+            N::Sage => sage(SageQk::Int8, PvPrecision::Fp16),
+            N::SageFp8 => sage(SageQk::Int8, PvPrecision::Fp8E4m3),
+            N::SageInt4 => sage(SageQk::Int4, PvPrecision::Fp16),
+            N::SageInt4Fp8 => sage(SageQk::Int4, PvPrecision::Fp8E4m3),
+            N::SageAdaptive => sage(SageQk::Adaptive, PvPrecision::Fp16),
+            N::SageAdaptiveFp8 => sage(SageQk::Adaptive, PvPrecision::Fp8E4m3),
+        }
+    }
+}
+
+impl AttentionChoice {
+    /// The CLI names, comma-separated.
+    pub fn names() -> String {
+        crate::cli::value_names::<AttentionName>()
+    }
+
+    /// The implementation a CLI name stands for (`burn` is accepted for `burn-fused`).
     pub fn parse(s: &str) -> Option<Self> {
-        if let Some(kind) = AttentionKind::parse(s) {
-            return Some(Self::Builtin(kind));
-        }
-        if s == "decode" {
-            return Some(Self::Decode);
-        }
-        let (base, pv) = match s.strip_suffix("-fp8") {
-            Some(base) => (base, PvPrecision::Fp8E4m3),
-            None => (s, PvPrecision::Fp16),
-        };
-        let qk = match base {
-            "sage" => SageQk::Int8,
-            "sage-int4" => SageQk::Int4,
-            "sage-adaptive" => SageQk::Adaptive,
-            _ => return None,
-        };
-        Some(Self::Sage { qk, pv })
+        <AttentionName as clap::ValueEnum>::from_str(s, false)
+            .ok()
+            .map(Self::from)
     }
 
     /// The Sage options of a Sage variant (for `Adaptive`, the base options the per-layer

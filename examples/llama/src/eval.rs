@@ -135,30 +135,36 @@ pub fn perplexity_with_cache_chunked(
     }
 }
 
-/// The KV caches of the CLI (`--kv-cache`) and the `kv_table` example.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// The KV caches of the CLI (`--kv-cache`) and the `kv_table` example; the names and help
+/// the CLI shows come from this enum.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum CacheKind {
+    /// Every key and value, uncompressed.
     Full,
+    /// MiniCache: the upper half of the layers merged pairwise (SLERP), outliers kept.
+    #[value(name = "minicache")]
     MiniCache,
+    /// KIVI 4-bit keys (per channel) and values (per token), recent tokens in full precision.
     Quant4,
+    /// KIVI 2-bit.
     Quant2,
+    /// MiniCache over a 4-bit KIVI cache.
+    #[value(name = "minicache+quant4")]
     MiniCacheQuant4,
+    /// ShadowKV: low-rank pre-RoPE keys on the device, values in host memory, sparse decode.
+    #[value(name = "shadowkv")]
     ShadowKv,
 }
 
 impl CacheKind {
-    pub const NAMES: &'static str = "full, minicache, quant4, quant2, minicache+quant4, shadowkv";
+    /// The CLI names, comma-separated.
+    pub fn names() -> String {
+        crate::cli::value_names::<Self>()
+    }
 
+    /// The cache a CLI name stands for.
     pub fn parse(s: &str) -> Option<Self> {
-        match s {
-            "full" => Some(Self::Full),
-            "minicache" => Some(Self::MiniCache),
-            "quant4" => Some(Self::Quant4),
-            "quant2" => Some(Self::Quant2),
-            "minicache+quant4" => Some(Self::MiniCacheQuant4),
-            "shadowkv" => Some(Self::ShadowKv),
-            _ => None,
-        }
+        <Self as clap::ValueEnum>::from_str(s, false).ok()
     }
 }
 

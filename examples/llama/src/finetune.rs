@@ -533,3 +533,21 @@ pub fn teacher_samples(
     }
     Ok(out)
 }
+
+/// A model from `path`: a training checkpoint (a run folder, see [`load_trained`]) or a model the
+/// loader reads (.gguf or HF folder); e.g. a draft for [`crate::spec::speculative_generate`],
+/// which checks that its vocabulary matches the target's.
+///
+/// # Errors
+/// The loader's or the checkpoint's error, as text.
+pub fn load_model(
+    path: &std::path::Path,
+    device: &Device,
+    dtype: burn::tensor::DType,
+) -> Result<Llama, String> {
+    if checkpoint_dir(path).is_some() {
+        return load_trained(path, device, dtype).map_err(|e| e.to_string());
+    }
+    let ckpt = crate::loader::load(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    Llama::from_checkpoint(&ckpt, device, dtype).map_err(|e| e.to_string())
+}

@@ -9,6 +9,7 @@
 pub mod attention;
 pub mod cli;
 pub mod config;
+pub mod error;
 pub mod eval;
 pub mod finetune;
 pub mod generate;

@@ -1,7 +1,7 @@
 //! Text ↔ token ids, with Hugging Face `tokenizers` underneath: from a `tokenizer.json`, or
 //! rebuilt from the vocabulary a GGUF file embeds (GPT-2 style byte-level BPE).
 
-use crate::loader::LoadError;
+use crate::error::LoadError;
 use std::fmt;
 use std::path::Path;
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;

@@ -8,10 +8,11 @@ use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use burn_kernels_core::{FullKvCache, ReferenceAttention};
 use burn_llama::config::LlamaConfig;
 use burn_llama::finetune::{
-    Corpus, StepLog, TeacherOptions, TrainConfig, TrainError, load_trained, teacher_samples, train,
+    Corpus, StepLog, TeacherOptions, TrainConfig, TrainError, load_model, load_trained,
+    teacher_samples, train,
 };
 use burn_llama::model::Llama;
-use burn_llama::spec::{load_draft, truncated_draft};
+use burn_llama::spec::truncated_draft;
 use burn_llama::train::{LossKind, soft_label_loss};
 use burn_specdec::{Scheme, Verifier};
 
@@ -441,7 +442,7 @@ fn distilled_draft_accepts_more_and_reloads() {
     );
 
     // The run folder (or its checkpoint/) loads as the trained draft, logits for logits.
-    let loaded = load_draft(&dir, &device, DType::F32).expect("loads");
+    let loaded = load_model(&dir, &device, DType::F32).expect("loads");
     assert_eq!(loaded.layers.len(), 1);
     let ids = Tensor::<2, Int>::from_data(
         TensorData::new(

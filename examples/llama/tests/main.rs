@@ -11,4 +11,5 @@ mod loader;
 mod model;
 mod sage;
 mod spec;
+mod spec_law;
 mod train;

@@ -237,3 +237,65 @@ fn generate_refuses_bad_input_with_typed_errors() {
     assert!(g.tokens.iter().all(|t| t.len() == 8));
     assert_eq!(streamed, 16);
 }
+
+/// The CLI's attention and KV-cache names come from their enums: every name the CLI documented
+/// before they were typed still parses, to the implementation it named, and an unknown name
+/// does not.
+#[test]
+fn cli_names_parse_to_their_choices() {
+    use burn_kernels_core::AttentionKind;
+    use burn_llama::attention::{AttentionChoice, SageQk};
+    use burn_llama::eval::CacheKind;
+    use burn_sage::PvPrecision;
+    let sage = |qk, pv| Some(AttentionChoice::Sage { qk, pv });
+    let expected = [
+        (
+            "reference",
+            Some(AttentionChoice::Builtin(AttentionKind::Reference)),
+        ),
+        (
+            "burn-fused",
+            Some(AttentionChoice::Builtin(AttentionKind::BurnFused)),
+        ),
+        (
+            "burn",
+            Some(AttentionChoice::Builtin(AttentionKind::BurnFused)),
+        ),
+        ("decode", Some(AttentionChoice::Decode)),
+        ("sage", sage(SageQk::Int8, PvPrecision::Fp16)),
+        ("sage-fp8", sage(SageQk::Int8, PvPrecision::Fp8E4m3)),
+        ("sage-int4", sage(SageQk::Int4, PvPrecision::Fp16)),
+        ("sage-int4-fp8", sage(SageQk::Int4, PvPrecision::Fp8E4m3)),
+        ("sage-adaptive", sage(SageQk::Adaptive, PvPrecision::Fp16)),
+        (
+            "sage-adaptive-fp8",
+            sage(SageQk::Adaptive, PvPrecision::Fp8E4m3),
+        ),
+        ("sage-int8", None),
+        ("", None),
+    ];
+    for (name, choice) in expected {
+        assert_eq!(AttentionChoice::parse(name), choice, "--attention {name}");
+    }
+    assert_eq!(
+        AttentionChoice::names(),
+        "reference, burn-fused, decode, sage, sage-fp8, sage-int4, sage-int4-fp8, \
+         sage-adaptive, sage-adaptive-fp8"
+    );
+    let caches = [
+        ("full", Some(CacheKind::Full)),
+        ("minicache", Some(CacheKind::MiniCache)),
+        ("quant4", Some(CacheKind::Quant4)),
+        ("quant2", Some(CacheKind::Quant2)),
+        ("minicache+quant4", Some(CacheKind::MiniCacheQuant4)),
+        ("shadowkv", Some(CacheKind::ShadowKv)),
+        ("quant3", None),
+    ];
+    for (name, kind) in caches {
+        assert_eq!(CacheKind::parse(name), kind, "--kv-cache {name}");
+    }
+    assert_eq!(
+        CacheKind::names(),
+        "full, minicache, quant4, quant2, minicache+quant4, shadowkv"
+    );
+}

@@ -4,13 +4,13 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use crate::attention::AttentionChoice;
+use crate::attention::{AttentionChoice, AttentionName};
 use crate::eval::{CacheKind, CacheSpec, full_kv_bytes, perplexity_with_cache};
 use crate::generate::{GenerateOptions, generate, perplexity};
 use crate::loader::{default_model_path, load};
 use crate::model::Llama;
 use crate::spec::{
-    Draft, LinearSpecCache, SpecOptions, check_cache, load_draft, speculative_generate,
+    Draft, LinearSpecCache, SpecOptions, check_cache, speculative_generate,
     speculative_generate_with_cache, truncated_draft,
 };
 use crate::tokenizer::Tokenizer;
@@ -42,14 +42,10 @@ struct Common {
     /// Weight and activation dtype (f16/bf16 on GPUs).
     #[arg(long, value_enum, default_value = "f32")]
     dtype: DTypeArg,
-    /// Attention implementation: reference, burn-fused, or a SageAttention2 variant
-    /// (burn-sage): sage (INT8 Q·Kᵀ per thread with Q and K smoothing, FP16 P·V), sage-fp8 (FP8 E4M3
-    /// P·V), sage-int4 (INT4 per thread with Q and K smoothing), sage-adaptive (INT4 or INT8 per
-    /// layer, chosen on a calibration pass over the prompt or text); -fp8 also goes with
-    /// sage-int4 and sage-adaptive. On the CPU Sage runs its tensor-op reference (same
-    /// rounding as the kernels).
-    #[arg(long, default_value = "reference")]
-    attention: String,
+    /// Attention implementation (the Sage variants are burn-sage's SageAttention2; on the CPU
+    /// they run their tensor-op reference, with the kernels' rounding).
+    #[arg(long, value_enum, default_value = "reference")]
+    attention: AttentionName,
     /// Run each layer's RMSNorms, RoPE and SwiGLU gate as one kernel each (burn-kernels-core's
     /// fused layer ops; inference only) instead of Burn tensor ops.
     #[arg(long)]
@@ -63,10 +59,10 @@ struct Common {
 /// KV-cache compression (burn-kvcache).
 #[derive(Debug, Args)]
 struct KvArgs {
-    /// KV cache: full, minicache, quant4, quant2, minicache+quant4, shadowkv. For `perplexity`, giving
-    /// it scores the second half of the text in decode steps through that cache.
-    #[arg(long)]
-    kv_cache: Option<String>,
+    /// KV cache (burn-kvcache). For `perplexity`, giving it scores the second half of the text
+    /// in decode steps through that cache.
+    #[arg(long, value_enum)]
+    kv_cache: Option<CacheKind>,
     /// MiniCache: first merged layer (default: num_layers / 2).
     #[arg(long)]
     kv_start_layer: Option<usize>,
@@ -113,9 +109,7 @@ struct KvArgs {
 
 impl KvArgs {
     fn spec(&self) -> Result<CacheSpec, String> {
-        let name = self.kv_cache.as_deref().unwrap_or("full");
-        let kind = CacheKind::parse(name)
-            .ok_or_else(|| format!("unknown --kv-cache `{name}` ({})", CacheKind::NAMES))?;
+        let kind = self.kv_cache.unwrap_or(CacheKind::Full);
         Ok(CacheSpec {
             kind,
             minicache: MiniCacheConfig {
@@ -258,13 +252,7 @@ fn run(cli: &Cli, device: &Device) -> Result<(), String> {
         Cmd::Generate { common, .. } | Cmd::Perplexity { common, .. } => common,
     };
     let path = common.model.clone().unwrap_or_else(default_model_path);
-    let choice = AttentionChoice::parse(&common.attention).ok_or_else(|| {
-        format!(
-            "unknown attention `{}` ({})",
-            common.attention,
-            AttentionChoice::NAMES
-        )
-    })?;
+    let choice = AttentionChoice::from(common.attention);
     let dtype = match common.dtype {
         DTypeArg::F32 => DType::F32,
         DTypeArg::F16 => DType::F16,
@@ -341,7 +329,7 @@ fn run(cli: &Cli, device: &Device) -> Result<(), String> {
             // The full cache speculates with draft branches (any K); a compressed cache
             // appends each block and truncates what was rejected. Its layout is checked
             // before anything streams.
-            let compressed = kv.kv_cache.as_deref().is_some_and(|n| n != "full");
+            let compressed = kv.kv_cache.is_some_and(|k| k != CacheKind::Full);
             let decoding = match spec.spec {
                 None => Decoding::Plain(cache),
                 Some(scheme) if compressed => {
@@ -502,7 +490,7 @@ fn run_speculative(
         (_, 0) => None,
         (Some(path), _) => {
             eprintln!("loading draft {} ...", path.display());
-            Some(load_draft(path, device, dtype)?)
+            Some(crate::finetune::load_model(path, device, dtype)?)
         }
         (None, _) => Some(truncated_draft(target, args.draft_layers).map_err(|e| e.to_string())?),
     };

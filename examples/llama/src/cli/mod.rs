@@ -49,6 +49,16 @@ impl BackendArg {
     }
 }
 
+/// The CLI names of a value enum's variants, comma-separated (for messages and docs).
+pub fn value_names<T: ValueEnum>() -> String {
+    T::value_variants()
+        .iter()
+        .filter_map(|v| v.to_possible_value())
+        .map(|v| v.get_name().to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// The error of a command asked for a backend this build lacks.
 pub fn missing_feature(feature: &str) -> String {
     format!(

@@ -1,0 +1,287 @@
+//! The decode side of [`ShadowKvCache`]: score the landmarks, select chunks, fetch their values
+//! from host memory, rebuild their keys, attend (see the module docs).
+
+use std::time::Instant;
+
+use burn::tensor::{Bool, DType, Tensor, TensorData, activation};
+use burn_kernels_core::{AttentionImpl, AttnOptions, append_kv};
+
+use super::host::upload_rows;
+use crate::gather_reconstruct_rope;
+use rayon::prelude::*;
+
+use super::*;
+
+impl ShadowKvCache {
+    /// One decode step of a sparse layer. See the module docs.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn decode(
+        &mut self,
+        layer: usize,
+        q: Tensor<4>,
+        k: Tensor<4>,
+        v: Tensor<4>,
+        attention: &dyn AttentionImpl,
+        opts: &AttnOptions,
+    ) -> Tensor<4> {
+        let (cs, select) = (self.cfg.chunk, self.cfg.select_chunks());
+        let profile = self.profile;
+        let device = q.device();
+        let (cos, sin) = self.tables.clone().expect("set at the prefill");
+        let Layer::Sparse(sp) = &mut self.layers[layer] else {
+            unreachable!("decode on a sparse layer")
+        };
+        let [b, hq, sq, d] = q.dims();
+        let h = self.kv_heads;
+        let g = hq / h;
+        let dtype = v.dtype();
+        append_kv(&mut sp.generated, k, v);
+
+        // Scoring: softmax over chunks, summed over queries, max over the GQA group.
+        let t0 = Instant::now();
+        let cmax = sp.landmarks.dims()[2];
+        let scores = q
+            .clone()
+            .cast(DType::F32)
+            .reshape([b, h, g * sq, d])
+            .matmul(sp.landmarks.clone().cast(DType::F32).swap_dims(2, 3))
+            * opts.scale;
+        let scores = match &sp.land_pad {
+            Some(m) => scores.mask_fill(m.clone().expand([b, h, g * sq, cmax]), -1.0e30),
+            None => scores,
+        };
+        let scores = activation::softmax(scores, 3)
+            .reshape([b, h, g, sq, cmax])
+            .sum_dim(3)
+            .max_dim(2)
+            .into_data()
+            .convert::<f32>()
+            .try_to_vec::<f32>()
+            .expect("f32");
+        let kk = select.min(sp.n_land.iter().max().copied().unwrap_or(0));
+        let valid: Vec<usize> = sp.n_land.iter().map(|&n| kk.min(n)).collect();
+        // Top-k per (sequence, KV head), on every core: at batch 8 and 128K a layer has 64
+        // rows of 16K landmarks.
+        let (n_land, land_chunk) = (&sp.n_land, &sp.land_chunk);
+        let flat: Vec<Vec<usize>> = (0..b * h)
+            .into_par_iter()
+            .map(|ih| {
+                let (i, hh) = (ih / h, ih % h);
+                let (n, nv) = (n_land[i], valid[i]);
+                let row = &scores[ih * cmax..ih * cmax + n];
+                let mut ids: Vec<usize> = (0..n).collect();
+                if nv < n {
+                    ids.select_nth_unstable_by(nv, |&x, &y| row[y].total_cmp(&row[x]));
+                    ids.truncate(nv);
+                }
+                let mut chunks: Vec<usize> = ids.iter().map(|&l| land_chunk[i][hh][l]).collect();
+                chunks.sort_unstable();
+                // Padding slots (masked below) repeat a valid chunk.
+                chunks.resize(kk, chunks[0]);
+                chunks
+            })
+            .collect();
+        let mut flat = flat.into_iter();
+        let sel: Vec<Vec<Vec<usize>>> = (0..b).map(|_| flat.by_ref().take(h).collect()).collect();
+        self.timings.scoring += t0.elapsed();
+
+        // Reconstruct the selected keys, launched before the transfer: the device rebuilds
+        // them while the host gathers and copies the values.
+        let t2 = Instant::now();
+        let ids: Vec<i32> = sel
+            .iter()
+            .flat_map(|per_head| per_head.iter().flat_map(|c| c.iter().map(|&c| c as i32)))
+            .collect();
+        let ids = i32_tensor::<3>(ids, [b, h, kk], &device);
+        let sel_k = gather_reconstruct_rope(sp.a.clone(), sp.wt.clone(), ids, cos, sin, cs)
+            .expect("the layer's own factors");
+        sync(profile, &device);
+        self.timings.reconstruct += t2.elapsed();
+
+        // Transfer: reuse what the previous step uploaded, fetch the rest.
+        let t1 = Instant::now();
+        let prev_rows = sp.prev.as_ref().map_or(0, |p| p.values.dims()[0]);
+        let prev_ids = sp.prev.as_ref().map(|p| (&p.chunks, &p.valid));
+        // Per valid slot: the previous step's row holding its chunk, if any.
+        let hits: Vec<Vec<Option<i64>>> = (0..b * h)
+            .into_par_iter()
+            .map(|ih| {
+                let (i, hh) = (ih / h, ih % h);
+                sel[i][hh][..valid[i]]
+                    .iter()
+                    .map(|&c| {
+                        let (chunks, pvalid) = prev_ids?;
+                        let ids = &chunks[i][hh];
+                        ids[..pvalid[i]]
+                            .binary_search(&c)
+                            .ok()
+                            .map(|j| (ih * ids.len() + j) as i64)
+                    })
+                    .collect()
+            })
+            .collect();
+        let mut src = vec![0i64; b * h * kk];
+        let mut rows: Vec<&[u8]> = Vec::new();
+        for (ih, hit) in hits.iter().enumerate() {
+            let (i, hh) = (ih / h, ih % h);
+            let base = ih * kk;
+            for (slot, r) in hit.iter().enumerate() {
+                src[base + slot] = r.unwrap_or_else(|| {
+                    rows.push(sp.values[i].chunk_slice(hh, sel[i][hh][slot]));
+                    (prev_rows + rows.len() - 1) as i64
+                });
+            }
+            // Padding slots reuse the sequence-head's first slot.
+            for slot in valid[i]..kk {
+                src[base + slot] = src[base];
+            }
+        }
+        let fetched = rows.len();
+        self.timings.chunks_fetched += fetched;
+        self.timings.chunks_reused += b * h * kk - fetched;
+        let t_up = Instant::now();
+        self.timings.transfer_host += t_up - t1;
+        let fresh = (fetched > 0).then(|| upload_rows(&rows, cs * d, dtype, &device));
+        sync(profile, &device);
+        let t_asm = Instant::now();
+        self.timings.transfer_upload += t_asm - t_up;
+        let pool = match (sp.prev.take(), fresh) {
+            (Some(p), Some(f)) => Tensor::cat(vec![p.values, f], 0),
+            (Some(p), None) => p.values,
+            (None, Some(f)) => f,
+            (None, None) => unreachable!("k ≥ 1 slots"),
+        };
+        let identity = sp.prev.is_none() && fetched == b * h * kk;
+        let values = if identity {
+            pool
+        } else {
+            pool.select(0, idx_tensor::<1>(src, [b * h * kk], &device))
+        };
+        sp.prev = Some(Prev {
+            chunks: sel.clone(),
+            valid: valid.clone(),
+            values: values.clone(),
+        });
+        sync(profile, &device);
+        self.timings.transfer_assemble += t_asm.elapsed();
+        self.timings.transfer += t1.elapsed();
+
+        // Attention over local | outliers | selected | generated.
+        let t3 = Instant::now();
+        let sel_v = values.reshape([b, h, kk * cs, d]);
+        let (gk, gv) = sp.generated.clone().expect("appended above");
+        let mut ks = vec![sp.local.0.clone()];
+        let mut vs = vec![sp.local.1.clone()];
+        if let Some((ok, ov)) = &sp.outliers {
+            ks.push(ok.clone());
+            vs.push(ov.clone());
+        }
+        ks.extend([sel_k, gk]);
+        vs.extend([sel_v, gv]);
+        let keys = Tensor::cat(ks, 2);
+        let vals = Tensor::cat(vs, 2);
+        let wmax = sp.local.0.dims()[2];
+        let n_out = sp.outliers.as_ref().map_or(0, |(k, _)| k.dims()[2]);
+        let n_gen = keys.dims()[2] - wmax - n_out - kk * cs;
+        let masked = sp.local_len.iter().any(|&l| l < wmax) || valid.iter().any(|&n| n < kk);
+        let key_padding = if masked || opts.key_padding.is_some() {
+            let head: Vec<bool> = (0..b)
+                .flat_map(|i| {
+                    let (ll, nv) = (sp.local_len[i], valid[i]);
+                    (0..wmax)
+                        .map(move |j| j < wmax - ll)
+                        .chain((0..n_out).map(|_| false))
+                        .chain((0..kk * cs).map(move |j| j / cs >= nv))
+                })
+                .collect();
+            let cols = wmax + n_out + kk * cs;
+            let head = Tensor::<1, Bool>::from_data(TensorData::new(head, [b * cols]), &device)
+                .reshape([b, cols]);
+            let tail = match &opts.key_padding {
+                Some(m) => {
+                    let total = m.dims()[1];
+                    m.clone().slice([0..b, total - n_gen..total])
+                }
+                None => Tensor::<1, Bool>::from_data(
+                    TensorData::new(vec![false; b * n_gen], [b * n_gen]),
+                    &device,
+                )
+                .reshape([b, n_gen]),
+            };
+            Some(Tensor::cat(vec![head, tail], 1))
+        } else {
+            None
+        };
+        let opts = AttnOptions {
+            causal: opts.causal,
+            scale: opts.scale,
+            key_padding,
+        };
+        let out = attention.attend(layer, q, keys, vals, &opts);
+        sync(profile, &device);
+        self.timings.attention += t3.elapsed();
+        self.timings.layer_steps += 1;
+        out
+    }
+
+    /// Rebuilds a sparse layer's prompt as full keys and values `[b, h, prompt_len, d]`:
+    /// exact local window, outliers and values; low-rank keys elsewhere; zeros in padding.
+    pub(super) fn densify(&self, sp: &Sparse) -> (Tensor<4>, Tensor<4>) {
+        let (cs, o) = (self.cfg.chunk, self.cfg.outlier_chunks);
+        let (cos, sin) = self.tables.clone().expect("set at the prefill");
+        let device = sp.a.device();
+        let dtype = sp.a.dtype();
+        let [b, h, _, d] = sp.wt.dims();
+        let r = sp.a.dims()[2];
+        let amax = sp.a.dims()[1];
+        let wmax = sp.local.0.dims()[2];
+        let mut ks = Vec::with_capacity(b);
+        let mut vs = Vec::with_capacity(b);
+        for i in 0..b {
+            let chunks = sp.chunks[i];
+            let ids: Vec<i32> = (0..h).flat_map(|_| (0..chunks).map(|c| c as i32)).collect();
+            let ids = i32_tensor::<3>(ids, [1, h, chunks], &device);
+            let a = sp.a.clone().slice([i..i + 1, 0..amax, 0..r]);
+            let wt = sp.wt.clone().slice([i..i + 1, 0..h, 0..r, 0..d]);
+            let rec = gather_reconstruct_rope(a, wt, ids, cos.clone(), sin.clone(), cs)
+                .expect("the layer's own factors")
+                .reshape([h * chunks, cs * d]);
+            // Outlier chunks from their exact copies.
+            let key_rows = match &sp.outliers {
+                Some((ok, _)) if o > 0 => {
+                    let exact = ok
+                        .clone()
+                        .slice([i..i + 1, 0..h, 0..o * cs, 0..d])
+                        .reshape([h * o, cs * d]);
+                    let mut src: Vec<i64> = (0..(h * chunks) as i64).collect();
+                    for (hh, cids) in sp.outlier_chunk[i].iter().enumerate() {
+                        for (j, &c) in cids.iter().enumerate() {
+                            src[hh * chunks + c] = (h * chunks + hh * o + j) as i64;
+                        }
+                    }
+                    Tensor::cat(vec![rec, exact], 0)
+                        .select(0, idx_tensor::<1>(src, [h * chunks], &device))
+                }
+                _ => rec,
+            };
+            let all: Vec<Vec<usize>> = (0..h).map(|_| (0..chunks).collect()).collect();
+            let vals = sp.values[i].gather(&all, &device);
+            let ll = sp.local_len[i];
+            let lk = item(&sp.local.0, i, wmax - ll, wmax);
+            let lv = item(&sp.local.1, i, wmax - ll, wmax);
+            let pad = sp.pads[i];
+            let z = || Tensor::<3>::zeros([h, pad, d], (&device, dtype));
+            let mut kparts = Vec::new();
+            let mut vparts = Vec::new();
+            if pad > 0 {
+                kparts.push(z());
+                vparts.push(z());
+            }
+            kparts.extend([key_rows.reshape([h, chunks * cs, d]), lk]);
+            vparts.extend([vals, lv]);
+            ks.push(Tensor::cat(kparts, 1).unsqueeze_dim::<4>(0));
+            vs.push(Tensor::cat(vparts, 1).unsqueeze_dim::<4>(0));
+        }
+        (Tensor::cat(ks, 0), Tensor::cat(vs, 0))
+    }
+}
