@@ -697,7 +697,7 @@ on_all!(
 
 /// A low budget on random data: fewer device bytes, values all on the host (exact count).
 #[test]
-fn low_budget_close_to_full() {
+fn low_budget_on_random_data_keeps_signal_and_splits_memory() {
     let device = Device::flex();
     let (h, d) = (2, 32);
     let mut sk = ShadowKvCache::new(LAYERS, h, d, cfg(32, 32), RopeParams::default()).unwrap();
@@ -724,8 +724,14 @@ fn low_budget_close_to_full() {
     );
     let m = metrics(&y.decode, &e.decode);
     // Random keys have no low-rank structure and diffuse attention: this is the hard case
-    // (the planted-chunk test is the easy one); only reported.
+    // (the planted-chunk test is the easy one), far from the full cache (2026-11-27, Flex:
+    // cos sim 0.499, rel. L2 1.73). What must hold is that the output still follows the full
+    // cache's: an unwritten, zero or misrouted output has cos sim ≈ 0.
     println!("random data, budget 32 of 301, rank 32 of 64: {m}");
+    assert!(
+        m.cos_sim >= 0.25,
+        "ShadowKV's output no longer follows the full cache's: {m}"
+    );
     let bytes = sk.bytes_split();
     assert!(bytes.device < full.bytes_held(), "{bytes:?}");
     assert_eq!(bytes.host, LAYERS * h * (301 / 4 - 2) * 4 * d * 4);
