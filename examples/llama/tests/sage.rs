@@ -19,8 +19,23 @@ fn model(device: &Device) -> Llama {
     Llama::from_checkpoint(checkpoint(), device, DType::F32).expect("valid checkpoint")
 }
 
-/// Perplexity with full-precision attention and with every Sage variant of the CLI; `sage`
-/// (INT8 + FP16 P·V) must be within 0.5% of full precision, the others finite.
+/// The relative perplexity change each Sage variant of the CLI may make against full-precision
+/// attention. Measured on the CPU (2026-11-27, the committed paragraph, 280 tokens): sage
+/// +0.021%, sage-fp8 +0.34%, sage-int4 +6.6%, sage-int4-fp8 +6.1%, sage-adaptive +0.021% (every
+/// layer INT8). The bounds leave the INT8 variants at the paper's "no end-to-end loss" and INT4,
+/// its lossy setting, at 10%; attention that is broken (scores zeroed: uniform attention) takes
+/// the perplexity to the hundreds.
+const PERPLEXITY_BOUNDS: [(&str, f64); 5] = [
+    ("sage", 0.005),
+    ("sage-fp8", 0.01),
+    ("sage-int4", 0.10),
+    ("sage-int4-fp8", 0.10),
+    ("sage-adaptive", 0.10),
+];
+
+/// Perplexity with full-precision attention and with every Sage variant of the CLI, each within
+/// its bound of [`PERPLEXITY_BOUNDS`]; adaptive Sage, which keeps INT8 where INT4 falls short,
+/// no worse than all-INT4.
 fn sage_perplexity_close_to_full(device: &Device) {
     let ids = paragraph_tokens_on(device);
     let model = model(device);
@@ -36,6 +51,7 @@ fn sage_perplexity_close_to_full(device: &Device) {
     // On wgpu (lavapipe in CI, where each variant compiles its own kernels) only `sage`, the
     // variant with the bar; CUDA and the CPU run every variant.
     let wgpu = is_wgpu(device);
+    let mut seen = Vec::new();
     for name in SAGE_VARIANTS.iter().copied().chain(["sage-adaptive"]) {
         if wgpu && name != "sage" {
             continue;
@@ -61,13 +77,25 @@ fn sage_perplexity_close_to_full(device: &Device) {
             }
         );
         assert!(ppl.is_finite(), "{name}: perplexity {ppl}");
-        if name == "sage" {
-            assert!(
-                rel.abs() <= 0.005,
-                "{name}: perplexity {ppl} vs full {full} ({:+.3}%)",
-                rel * 100.0
-            );
-        }
+        let bound = PERPLEXITY_BOUNDS
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, b)| *b)
+            .expect("a bound for every variant");
+        assert!(
+            rel.abs() <= bound,
+            "{name}: perplexity {ppl} vs full {full} ({:+.3}%, bound {:.1}%)",
+            rel * 100.0,
+            bound * 100.0
+        );
+        seen.push((name, ppl));
+    }
+    let of = |n: &str| seen.iter().find(|(m, _)| *m == n).map(|(_, p)| *p);
+    if let (Some(adaptive), Some(int4)) = (of("sage-adaptive"), of("sage-int4")) {
+        assert!(
+            adaptive <= int4 + 0.005 * full,
+            "adaptive Sage {adaptive} worse than all-INT4 {int4}"
+        );
     }
 }
 
