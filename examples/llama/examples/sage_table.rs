@@ -123,7 +123,7 @@ fn main() {
         return;
     }
     let t = std::time::Instant::now();
-    let full = perplexity(&model, &tokens, &ReferenceAttention);
+    let full = perplexity(&model, &tokens, &ReferenceAttention).expect("the text fits the context");
     println!(
         "\nPerplexity of `{}` ({} tokens), CPU:\n",
         args.text.display(),
@@ -137,7 +137,8 @@ fn main() {
         let (attention, reports) = choice
             .build(Some((&model, &tokens)), DEFAULT_INT4_THRESHOLD)
             .expect("builds");
-        let ppl = perplexity(&model, &tokens, attention.as_ref());
+        let ppl =
+            perplexity(&model, &tokens, attention.as_ref()).expect("the text fits the context");
         let label = if reports.is_empty() {
             format!("`{name}`")
         } else {

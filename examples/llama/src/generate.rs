@@ -23,6 +23,9 @@ pub enum GenerateError {
     NoPrompts,
     #[error("prompt {index} is empty: every prompt needs at least one token")]
     EmptyPrompt { index: usize },
+    /// Perplexity scores each token after the first: it needs two.
+    #[error("perplexity needs at least two tokens, got {got}")]
+    TooFewTokens { got: usize },
     /// The longest prompt plus the new tokens reach past the positions the model's RoPE tables
     /// cover (its context length).
     #[error(
@@ -163,10 +166,28 @@ pub fn generate(
 
 /// Perplexity of `tokens` under the model: `exp(mean −log p(tᵢ | t<ᵢ))` over positions 1.., in
 /// one forward pass with a full cache.
-pub fn perplexity(model: &Llama, tokens: &[u32], attention: &dyn AttentionImpl) -> f64 {
-    assert!(tokens.len() >= 2, "perplexity needs at least two tokens");
-    let device = model.embed.device();
+///
+/// # Errors
+/// [`GenerateError::TooFewTokens`] for fewer than two tokens, [`GenerateError::ContextTooLong`]
+/// for more than the model's context ([`Llama::max_positions`]).
+pub fn perplexity(
+    model: &Llama,
+    tokens: &[u32],
+    attention: &dyn AttentionImpl,
+) -> Result<f64, GenerateError> {
     let n = tokens.len();
+    if n < 2 {
+        return Err(GenerateError::TooFewTokens { got: n });
+    }
+    if n > model.max_positions() {
+        return Err(GenerateError::ContextTooLong {
+            prompt: n,
+            new_tokens: 0,
+            needed: n,
+            max: model.max_positions(),
+        });
+    }
+    let device = model.embed.device();
     let ids: Vec<i64> = tokens.iter().map(|&t| t as i64).collect();
     let input = Tensor::<2, Int>::from_data(TensorData::new(ids, [1, n]), &device);
     let mut cache = FullKvCache::new(model.config.num_layers);
@@ -178,5 +199,5 @@ pub fn perplexity(model: &Llama, tokens: &[u32], attention: &dyn AttentionImpl) 
     let targets = Tensor::<3, Int>::from_data(TensorData::new(targets, [1, n - 1, 1]), &device);
     let nll = log_probs.gather(2, targets).neg().mean();
     let nll = nll.into_data().try_to_vec::<f32>().expect("f32")[0] as f64;
-    nll.exp()
+    Ok(nll.exp())
 }

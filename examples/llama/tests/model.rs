@@ -101,14 +101,14 @@ fn batched_generation_matches_one_prompt_at_a_time() {
 fn perplexity_of_the_committed_paragraph_is_low() {
     let ids = paragraph_tokens();
     let model = model(&Device::flex());
-    let ppl = perplexity(&model, &ids, &ReferenceAttention);
+    let ppl = perplexity(&model, &ids, &ReferenceAttention).expect("fits the context");
     println!(
         "perplexity (cpu, reference attention) {ppl:.4} over {} tokens",
         ids.len()
     );
     assert!(ids.len() >= 200, "paragraph has {} tokens", ids.len());
     assert!(ppl < 30.0, "perplexity {ppl}");
-    let ppl_fused = perplexity(&model, &ids, &BurnAttention);
+    let ppl_fused = perplexity(&model, &ids, &BurnAttention).expect("fits the context");
     assert!(
         ((ppl_fused - ppl) / ppl).abs() < 1e-3,
         "burn-fused {ppl_fused} vs reference {ppl}"
@@ -119,10 +119,11 @@ fn perplexity_of_the_committed_paragraph_is_low() {
 /// paragraph's first tokens on wgpu, see `paragraph_tokens_on`).
 fn perplexity_matches_cpu(device: &Device) {
     let ids = paragraph_tokens_on(device);
-    let cpu = perplexity(&model(&Device::flex()), &ids, &ReferenceAttention);
+    let cpu =
+        perplexity(&model(&Device::flex()), &ids, &ReferenceAttention).expect("fits the context");
     let gpu_model = model(device);
     for attention in [&ReferenceAttention as &dyn AttentionImpl, &BurnAttention] {
-        let other = perplexity(&gpu_model, &ids, attention);
+        let other = perplexity(&gpu_model, &ids, attention).expect("fits the context");
         println!(
             "perplexity cpu {cpu:.5}, {device:?}/{} {other:.5}",
             attention.name()
@@ -236,6 +237,23 @@ fn generate_refuses_bad_input_with_typed_errors() {
     let g = out.expect("fits the context");
     assert!(g.tokens.iter().all(|t| t.len() == 8));
     assert_eq!(streamed, 16);
+    // Perplexity: two tokens at least, and no more than the context.
+    assert_eq!(
+        perplexity(&model, &[3], &ReferenceAttention).unwrap_err(),
+        GenerateError::TooFewTokens { got: 1 }
+    );
+    let text: Vec<u32> = (0..13).map(|i| (i * 5 % 29) as u32).collect();
+    assert_eq!(
+        perplexity(&model, &text, &ReferenceAttention).unwrap_err(),
+        GenerateError::ContextTooLong {
+            prompt: 13,
+            new_tokens: 0,
+            needed: 13,
+            max: 12
+        }
+    );
+    let ppl = perplexity(&model, &text[..12], &ReferenceAttention).expect("fits");
+    assert!(ppl.is_finite() && ppl > 1.0, "{ppl}");
 }
 
 /// The CLI's attention and KV-cache names come from their enums: every name the CLI documented

@@ -39,7 +39,7 @@ const PERPLEXITY_BOUNDS: [(&str, f64); 5] = [
 fn sage_perplexity_close_to_full(device: &Device) {
     let ids = paragraph_tokens_on(device);
     let model = model(device);
-    let full = perplexity(&model, &ids, &ReferenceAttention);
+    let full = perplexity(&model, &ids, &ReferenceAttention).expect("fits the context");
     println!(
         "{device:?}: perplexity over {} tokens: full {full:.4}",
         ids.len()
@@ -60,7 +60,7 @@ fn sage_perplexity_close_to_full(device: &Device) {
             .expect("a CLI name")
             .build(Some((&model, &ids)), DEFAULT_INT4_THRESHOLD)
             .expect("builds");
-        let ppl = perplexity(&model, &ids, attention.as_ref());
+        let ppl = perplexity(&model, &ids, attention.as_ref()).expect("fits the context");
         let rel = (ppl - full) / full;
         let int4 = reports
             .iter()

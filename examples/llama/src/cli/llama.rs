@@ -403,7 +403,8 @@ fn run(cli: &Cli, device: &Device) -> Result<(), String> {
         Cmd::Perplexity { kv, .. } => {
             let ids = input_ids;
             if kv.kv_cache.is_none() {
-                let ppl = perplexity(&model, &ids, attention.as_ref());
+                let ppl =
+                    perplexity(&model, &ids, attention.as_ref()).map_err(|e| e.to_string())?;
                 println!("perplexity {ppl:.4} over {} tokens", ids.len());
                 return Ok(());
             }
