@@ -2,7 +2,7 @@
 //! composition [`MiniCacheKv::with_quant`]. The design choices are in the crate docs.
 
 use burn::tensor::{DType, Int, Tensor, TensorCreationOptions, TensorData};
-use burn_kernels_core::{AttentionImpl, AttnOptions, KvCache};
+use burn_kernels_core::{AttentionImpl, AttnOptions, CacheError, KvCache};
 
 pub use crate::store::QuantConfig;
 use crate::store::{Axis, RowStore, SeqStore};
@@ -103,10 +103,18 @@ impl KvCache for QuantKv {
         v: Tensor<4>,
         attention: &dyn AttentionImpl,
         opts: &AttnOptions,
-    ) -> Tensor<4> {
+    ) -> Result<Tensor<4>, CacheError> {
         self.last = layer;
         // The call's own tokens are attended exactly; they are quantized afterwards.
-        SeqStore::attend_then_store(&mut self.layers[layer], layer, q, k, v, attention, opts)
+        Ok(SeqStore::attend_then_store(
+            &mut self.layers[layer],
+            layer,
+            q,
+            k,
+            v,
+            attention,
+            opts,
+        ))
     }
 
     fn seq_len(&self) -> usize {
@@ -473,11 +481,11 @@ impl KvCache for MiniCacheKv {
         v: Tensor<4>,
         attention: &dyn AttentionImpl,
         opts: &AttnOptions,
-    ) -> Tensor<4> {
+    ) -> Result<Tensor<4>, CacheError> {
         self.lens[layer] += k.dims()[2];
         self.last = layer;
         // The call's own tokens are attended exactly; compression happens afterwards.
-        match self.roles[layer] {
+        Ok(match self.roles[layer] {
             Role::Full(i) => {
                 SeqStore::attend_then_store(&mut self.full[i], layer, q, k, v, attention, opts)
             }
@@ -500,7 +508,7 @@ impl KvCache for MiniCacheKv {
                 }
                 out
             }
-        }
+        })
     }
 
     fn seq_len(&self) -> usize {

@@ -65,8 +65,11 @@ fn drive(
             // The compressed cache `a` runs its kernels on a CubeCL device.
             let ya = on_kernels(device, || {
                 a.attend(layer, q.clone(), k.clone(), v.clone(), &att, &opts)
+                    .expect("the cache attends")
             });
-            let yb = b.attend(layer, q, k, v, &att, &opts);
+            let yb = b
+                .attend(layer, q, k, v, &att, &opts)
+                .expect("the cache attends");
             oa.extend(to_f32(ya.into_data()));
             ob.extend(to_f32(yb.into_data()));
         }
@@ -277,7 +280,8 @@ fn minicache_bytes_are_exact() {
                 v.clone(),
                 &ReferenceAttention,
                 &opts,
-            );
+            )
+            .expect("the cache attends");
         }
     }
     assert_eq!(c.seq_len(), 40);
@@ -304,8 +308,10 @@ fn drive_one(a: &mut dyn KvCache, b: &mut dyn KvCache, s: usize, d: usize, devic
         v.clone(),
         &ReferenceAttention,
         &opts,
-    );
-    b.attend(0, q, k, v, &ReferenceAttention, &opts);
+    )
+    .expect("the cache attends");
+    b.attend(0, q, k, v, &ReferenceAttention, &opts)
+        .expect("the cache attends");
 }
 
 #[test]

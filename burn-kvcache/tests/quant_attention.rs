@@ -411,6 +411,7 @@ fn cache_fused_matches_dequantized(device: &Device) {
                             &ReferenceAttention,
                             &opts,
                         )
+                        .expect("the cache attends")
                     });
                     to_f32(y.into_data())
                 });

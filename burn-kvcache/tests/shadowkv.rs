@@ -217,6 +217,7 @@ fn drive(
             let y = to_f32(
                 cache
                     .attend(layer, q, k, v, &ReferenceAttention, &opts)
+                    .expect("the cache attends")
                     .into_data(),
             );
             if i == 0 {
@@ -411,7 +412,9 @@ fn drive_rows(
                 Tensor::cat(rows, 0)
             };
             let (q, k, v) = (make(hq, 0), make(h, 1), make(h, 2));
-            let y = cache.attend(layer, q, k, v, &ReferenceAttention, &opts);
+            let y = cache
+                .attend(layer, q, k, v, &ReferenceAttention, &opts)
+                .expect("the cache attends");
             if i > 0 {
                 let [_, hh, ss, dd] = y.dims();
                 outs.push(
@@ -492,6 +495,7 @@ fn retrieves_planted_chunk(device: &Device) {
             &ReferenceAttention,
             &opts,
         )
+        .expect("the cache attends")
     });
     assert!(sk.is_sparse(0));
     let knew = tensor::<4>(small(h * d, 5), [1, h, 1, d], DType::F32, device);
@@ -499,6 +503,7 @@ fn retrieves_planted_chunk(device: &Device) {
     let y = to_f32(
         on_kernels(device, || {
             sk.attend(0, q, knew, vnew, &ReferenceAttention, &opts)
+                .expect("the cache attends")
         })
         .into_data(),
     );
@@ -650,7 +655,9 @@ fn key_basis_replaces_own_basis(device: &Device) {
         let q = random_tensor::<4>([b, hq, 1, d], Dist::STANDARD, 33, DType::F32, device);
         let kn = random_tensor::<4>([b, h, 1, d], Dist::STANDARD, 34, DType::F32, device);
         let vn = random_tensor::<4>([b, h, 1, d], Dist::STANDARD, 35, DType::F32, device);
-        let y = sk.attend(0, q, kn, vn, &ReferenceAttention, &opts);
+        let y = sk
+            .attend(0, q, kn, vn, &ReferenceAttention, &opts)
+            .expect("the cache attends");
         to_f32(y.slice([0..1, 0..hq, 0..1, 0..d]).into_data())
     };
     let mut own = ShadowKvCache::new(1, h, d, c, RopeParams::default()).unwrap();

@@ -4,6 +4,10 @@ use burn::tensor::Tensor;
 
 use crate::attention::{AttentionImpl, AttnOptions};
 
+/// Why a KV cache could not attend: the cache's own error, boxed (each cache crate has its own
+/// error type).
+pub type CacheError = Box<dyn std::error::Error + Send + Sync>;
+
 /// A KV cache over all layers of a model, which also runs attention over what it holds, so
 /// that compressed caches (sparse retrieval, cross-layer merging, quantization) decide what
 /// the attention reads.
@@ -17,6 +21,9 @@ use crate::attention::{AttentionImpl, AttnOptions};
 /// `opts.key_padding`, when present, covers all `seq_len() + s_new` positions.
 pub trait KvCache: Send {
     /// Appends the new keys and values of `layer` and attends `q` over every cached position.
+    ///
+    /// # Errors
+    /// The cache's own error ([`CacheError`]) where it cannot hold or read the new positions.
     fn attend(
         &mut self,
         layer: usize,
@@ -25,7 +32,7 @@ pub trait KvCache: Send {
         v: Tensor<4>,
         attention: &dyn AttentionImpl,
         opts: &AttnOptions,
-    ) -> Tensor<4>;
+    ) -> Result<Tensor<4>, CacheError>;
 
     /// Positions cached (in the last layer written).
     fn seq_len(&self) -> usize;
@@ -63,10 +70,10 @@ impl KvCache for FullKvCache {
         v: Tensor<4>,
         attention: &dyn AttentionImpl,
         opts: &AttnOptions,
-    ) -> Tensor<4> {
+    ) -> Result<Tensor<4>, CacheError> {
         append_kv(&mut self.layers[layer], k, v);
         let (k, v) = self.layers[layer].clone().expect("just appended");
-        attention.attend(layer, q, k, v, opts)
+        Ok(attention.attend(layer, q, k, v, opts))
     }
 
     fn seq_len(&self) -> usize {

@@ -27,7 +27,7 @@ pub mod sampling;
 pub mod setup;
 
 pub use attention::{AttentionImpl, AttentionKind, AttnOptions, BurnAttention, ReferenceAttention};
-pub use cache::{FullKvCache, KvCache, append_kv};
+pub use cache::{CacheError, FullKvCache, KvCache, append_kv};
 pub use cube::{LayerKernels, gemv_shape};
 pub use fused_layers::FusedLayers;
 pub use layer_ops::{FusedOps, GEMV_MAX_ROWS, LayerOps, TensorOps};

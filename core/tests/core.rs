@@ -186,8 +186,12 @@ fn full_cache_decode_equals_one_shot(device: &Device) {
     // A prefill of 6, then single steps; layer 1 sees the same to check layers stay separate.
     for (lo, hi) in [(0, 6), (6, 7), (7, 8), (8, 9), (9, 10)] {
         let cut = |t: &Tensor<4>| t.clone().slice([0..b, 0..t.dims()[1], lo..hi, 0..d]);
-        let o = cache.attend(0, cut(&qt), cut(&kt), cut(&vt), &ReferenceAttention, &opts);
-        cache.attend(1, cut(&qt), cut(&kt), cut(&vt), &ReferenceAttention, &opts);
+        let o = cache
+            .attend(0, cut(&qt), cut(&kt), cut(&vt), &ReferenceAttention, &opts)
+            .expect("the cache attends");
+        cache
+            .attend(1, cut(&qt), cut(&kt), cut(&vt), &ReferenceAttention, &opts)
+            .expect("the cache attends");
         parts.push(o);
     }
     assert_eq!(cache.seq_len(), s);

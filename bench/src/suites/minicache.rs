@@ -345,7 +345,9 @@ fn fill_part(cache: &mut dyn KvCache, cfg: &LlamaConfig, b: usize, n: usize, dev
         if layer >= start && !second {
             below = Some((k.clone(), v.clone()));
         }
-        let _ = cache.attend(layer, q.clone(), k, v, &SkipAttention, &opts);
+        cache
+            .attend(layer, q.clone(), k, v, &SkipAttention, &opts)
+            .expect("the fill attends");
     }
 }
 

@@ -359,7 +359,9 @@ fn run_full(
     for layer in 0..cfg.num_layers {
         let k = random_states(cfg, b, ctx, device);
         let v = random_states(cfg, b, ctx, device);
-        let _ = cache.attend(layer, q.clone(), k, v, &SkipAttention, &opts);
+        cache
+            .attend(layer, q.clone(), k, v, &SkipAttention, &opts)
+            .map_err(|e| e.to_string())?;
     }
     sync(device);
     let fill_s = t0.elapsed().as_secs_f64();

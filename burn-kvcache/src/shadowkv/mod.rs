@@ -56,7 +56,7 @@ pub use lowrank::{LowRank, RopeParams, low_rank, rope_tables, unrope};
 use std::time::Duration;
 
 use burn::tensor::{Bool, DType, Device, Int, Tensor, TensorCreationOptions, TensorData};
-use burn_kernels_core::{AttentionImpl, AttnOptions, KvCache, append_kv};
+use burn_kernels_core::{AttentionImpl, AttnOptions, CacheError, KvCache, append_kv};
 
 use crate::{KvCacheError, bytes_of};
 
@@ -412,11 +412,11 @@ impl KvCache for ShadowKvCache {
         v: Tensor<4>,
         attention: &dyn AttentionImpl,
         opts: &AttnOptions,
-    ) -> Tensor<4> {
+    ) -> Result<Tensor<4>, CacheError> {
         let s = k.dims()[2];
         self.lens[layer] += s;
         self.last = layer;
-        match &mut self.layers[layer] {
+        Ok(match &mut self.layers[layer] {
             Layer::Full(slot) => {
                 append_kv(slot, k, v);
                 let (k, v) = slot.clone().expect("just appended");
@@ -433,7 +433,7 @@ impl KvCache for ShadowKvCache {
                 }
                 out
             }
-        }
+        })
     }
 
     fn seq_len(&self) -> usize {

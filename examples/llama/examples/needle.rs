@@ -74,10 +74,10 @@ impl KvCache for Recorder {
         v: Tensor<4>,
         attention: &dyn AttentionImpl,
         opts: &AttnOptions,
-    ) -> Tensor<4> {
+    ) -> Result<Tensor<4>, burn_kernels_core::CacheError> {
         append_kv(&mut self.layers[layer], k, v);
         let (k, v) = self.layers[layer].clone().expect("just appended");
-        attention.attend(layer, q, k, v, opts)
+        Ok(attention.attend(layer, q, k, v, opts))
     }
 
     fn seq_len(&self) -> usize {

@@ -23,6 +23,9 @@ pub enum GenerateError {
     NoPrompts,
     #[error("prompt {index} is empty: every prompt needs at least one token")]
     EmptyPrompt { index: usize },
+    /// The model's forward pass failed (its KV cache could not attend).
+    #[error(transparent)]
+    Forward(#[from] crate::model::ForwardError),
     /// Perplexity scores each token after the first: it needs two.
     #[error("perplexity needs at least two tokens, got {got}")]
     TooFewTokens { got: usize },
@@ -127,7 +130,7 @@ pub fn generate(
     let tokens = Tensor::<2, Int>::from_data(TensorData::new(ids, [b, longest]), &device);
 
     let t0 = Instant::now();
-    let hidden = model.forward(tokens, &pad, cache, attention);
+    let hidden = model.try_forward(tokens, &pad, cache, attention)?;
     let mut logits = last_logits(model, hidden);
     let prefill_secs = t0.elapsed().as_secs_f64();
 
@@ -150,7 +153,7 @@ pub fn generate(
             break;
         }
         let step = Tensor::<2, Int>::from_data(TensorData::new(next, [b, 1]), &device);
-        let hidden = model.forward(step, &pad, cache, attention);
+        let hidden = model.try_forward(step, &pad, cache, attention)?;
         logits = last_logits(model, hidden);
         steps += 1;
     }
@@ -191,7 +194,7 @@ pub fn perplexity(
     let ids: Vec<i64> = tokens.iter().map(|&t| t as i64).collect();
     let input = Tensor::<2, Int>::from_data(TensorData::new(ids, [1, n]), &device);
     let mut cache = FullKvCache::new(model.config.num_layers);
-    let hidden = model.forward(input, &[], &mut cache, attention);
+    let hidden = model.try_forward(input, &[], &mut cache, attention)?;
     let [_, _, h] = hidden.dims();
     let logits = model.logits(hidden.slice([0..1, 0..n - 1, 0..h]));
     let log_probs = activation::log_softmax(logits, 2);

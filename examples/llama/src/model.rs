@@ -4,7 +4,7 @@
 use burn::module::{Module, Param};
 use burn::nn::RmsNorm;
 use burn::tensor::{DType, Device, Distribution, Int, Tensor, TensorCreationOptions, TensorData};
-use burn_kernels_core::{AttentionImpl, AttnOptions, KvCache, Rope, TensorOps};
+use burn_kernels_core::{AttentionImpl, AttnOptions, CacheError, KvCache, Rope, TensorOps};
 
 use crate::config::LlamaConfig;
 use crate::loader::{Checkpoint, HostTensor, LoadError};
@@ -44,8 +44,22 @@ fn norm(gamma: Tensor<1>, eps: f32) -> RmsNorm {
     }
 }
 
-/// Positions beyond this are not precomputed unless the model's context is shorter.
-const MAX_ROPE_POSITIONS: usize = 32_768;
+/// Why [`Llama::try_forward`] could not run.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ForwardError {
+    /// The cached positions plus the new tokens reach past the model's RoPE tables.
+    #[error("context too long: {needed} positions, the model covers {max}")]
+    ContextTooLong { needed: usize, max: usize },
+    /// The KV cache could not attend.
+    #[error("KV cache, layer {layer}: {message}")]
+    Cache { layer: usize, message: String },
+}
+
+/// Positions beyond this are not precomputed unless the model's context is shorter: Llama-3's
+/// 128K context (its tables are 2 × 131072 × head_dim/2 f32, 67 MB at head_dim 128). It was
+/// 32768, and the ShadowKV bench's 128K fill and decode read RoPE angles past the tables
+/// unchecked; [`Llama::try_forward`] now refuses positions past them.
+const MAX_ROPE_POSITIONS: usize = 131_072;
 
 impl Block {
     #[allow(clippy::too_many_arguments)]
@@ -59,7 +73,7 @@ impl Block {
         cache: &mut dyn KvCache,
         attention: &dyn AttentionImpl,
         opts: &AttnOptions,
-    ) -> Tensor<3> {
+    ) -> Result<Tensor<3>, CacheError> {
         let [b, s, _] = x.dims();
         let (hq, hkv, d) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
         let ops = attention.layer_ops().unwrap_or(&TensorOps);
@@ -77,12 +91,12 @@ impl Block {
             positions.clone(),
         );
         let v = heads(linear(h, &self.wv), hkv);
-        let o = cache.attend(layer, q, k, v, attention, opts);
+        let o = cache.attend(layer, q, k, v, attention, opts)?;
         let o = o.swap_dims(1, 2).reshape([b, s, hq * d]);
         let x = x + linear(o, &self.wo);
         let h = ops.rms_norm(&self.mlp_norm, x.clone());
         let gate = linear(h.clone(), &self.w_gate);
-        x + linear(ops.silu_mul(gate, linear(h, &self.w_up)), &self.w_down)
+        Ok(x + linear(ops.silu_mul(gate, linear(h, &self.w_up)), &self.w_down))
     }
 }
 
@@ -94,6 +108,9 @@ impl Llama {
     /// - `tokens`: `[batch, seq]`; `left_pad[i]` leading entries of row `i` are padding (masked
     ///   as keys, RoPE positions start after them); an empty slice means no padding
     /// - returns `[batch, seq, hidden]`
+    ///
+    /// # Panics
+    /// Where [`Llama::try_forward`] returns an error.
     pub fn forward(
         &self,
         tokens: Tensor<2, Int>,
@@ -101,9 +118,31 @@ impl Llama {
         cache: &mut dyn KvCache,
         attention: &dyn AttentionImpl,
     ) -> Tensor<3> {
+        self.try_forward(tokens, left_pad, cache, attention)
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// [`Llama::forward`], with its failures as errors: positions past the model's context
+    /// ([`Llama::max_positions`]) and a KV cache that could not attend.
+    ///
+    /// # Errors
+    /// [`ForwardError`].
+    pub fn try_forward(
+        &self,
+        tokens: Tensor<2, Int>,
+        left_pad: &[usize],
+        cache: &mut dyn KvCache,
+        attention: &dyn AttentionImpl,
+    ) -> Result<Tensor<3>, ForwardError> {
         let [b, s] = tokens.dims();
         let device = tokens.device();
         let start = cache.seq_len();
+        if start + s > self.max_positions() {
+            return Err(ForwardError::ContextTooLong {
+                needed: start + s,
+                max: self.max_positions(),
+            });
+        }
         let pad = |i: usize| left_pad.get(i).copied().unwrap_or(0);
         let positions: Vec<i64> = (0..b)
             .flat_map(|i| (0..s).map(move |t| (start + t).saturating_sub(pad(i)) as i64))
@@ -128,21 +167,26 @@ impl Llama {
             .select(0, tokens.reshape([b * s]))
             .reshape([b, s, hidden]);
         for (layer, block) in self.layers.iter().enumerate() {
-            x = block.forward(
-                layer,
-                x,
-                &self.config,
-                &self.rope,
-                &positions,
-                cache,
-                attention,
-                &opts,
-            );
+            x = block
+                .forward(
+                    layer,
+                    x,
+                    &self.config,
+                    &self.rope,
+                    &positions,
+                    cache,
+                    attention,
+                    &opts,
+                )
+                .map_err(|e| ForwardError::Cache {
+                    layer,
+                    message: e.to_string(),
+                })?;
         }
-        attention
+        Ok(attention
             .layer_ops()
             .unwrap_or(&TensorOps)
-            .rms_norm(&self.norm, x)
+            .rms_norm(&self.norm, x))
     }
 
     /// Positions the model's RoPE tables cover, its context length here: the config's

@@ -317,3 +317,94 @@ fn cli_names_parse_to_their_choices() {
         "full, minicache, quant4, quant2, minicache+quant4, shadowkv"
     );
 }
+
+/// A KV cache that cannot attend: its error reaches `generate`'s caller typed, with the layer.
+#[test]
+fn cache_failures_are_typed_errors() {
+    use burn::tensor::Tensor;
+    use burn_kernels_core::{AttnOptions, CacheError, KvCache};
+    use burn_llama::config::LlamaConfig;
+    use burn_llama::generate::GenerateError;
+    use burn_llama::model::ForwardError;
+
+    #[derive(Debug)]
+    struct Broken;
+    impl KvCache for Broken {
+        fn attend(
+            &mut self,
+            _layer: usize,
+            _q: Tensor<4>,
+            _k: Tensor<4>,
+            _v: Tensor<4>,
+            _attention: &dyn AttentionImpl,
+            _opts: &AttnOptions,
+        ) -> Result<Tensor<4>, CacheError> {
+            Err("out of slots".into())
+        }
+        fn seq_len(&self) -> usize {
+            0
+        }
+        fn truncate(&mut self, _len: usize) {}
+        fn bytes_held(&self) -> usize {
+            0
+        }
+        fn name(&self) -> String {
+            "broken".into()
+        }
+    }
+
+    let cfg = LlamaConfig {
+        vocab_size: 29,
+        hidden_size: 16,
+        intermediate_size: 24,
+        num_layers: 2,
+        num_heads: 2,
+        num_kv_heads: 1,
+        head_dim: 8,
+        max_seq_len: 12,
+        ..LlamaConfig::smollm2_135m()
+    };
+    let model = Llama::random(&cfg, &Device::flex(), DType::F32);
+    let opts = GenerateOptions {
+        max_new_tokens: 3,
+        stop_tokens: Vec::new(),
+    };
+    let err = generate(
+        &model,
+        &[vec![1, 2, 3]],
+        &mut Broken,
+        &ReferenceAttention,
+        &mut Greedy,
+        &opts,
+        &mut |_, _| panic!("no token without attention"),
+    )
+    .unwrap_err();
+    assert_eq!(
+        err,
+        GenerateError::Forward(ForwardError::Cache {
+            layer: 0,
+            message: "out of slots".into()
+        })
+    );
+    assert_eq!(
+        err.to_string(),
+        "KV cache, layer 0: out of slots",
+        "the message names the layer and the cache's reason"
+    );
+    // The model refuses positions past its RoPE tables itself.
+    let ids: Vec<i64> = (0..13).collect();
+    let tokens = burn::tensor::Tensor::<2, burn::tensor::Int>::from_data(
+        burn::tensor::TensorData::new(ids, [1, 13]),
+        &Device::flex(),
+    );
+    let mut cache = FullKvCache::new(cfg.num_layers);
+    assert_eq!(
+        model
+            .try_forward(tokens, &[], &mut cache, &ReferenceAttention)
+            .unwrap_err(),
+        ForwardError::ContextTooLong {
+            needed: 13,
+            max: 12
+        }
+    );
+}

@@ -3,7 +3,7 @@
 //! rolled back after rejections).
 
 use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
-use burn_kernels_core::{AttentionImpl, AttnOptions, KvCache, append_kv};
+use burn_kernels_core::{AttentionImpl, AttnOptions, CacheError, KvCache, append_kv};
 
 /// Per layer: committed keys/values `[batch, kv_heads, s, head_dim]` and, while forked, branch
 /// keys/values `[batch × fan, kv_heads, t, head_dim]`.
@@ -240,9 +240,15 @@ impl KvCache for BranchKvCache {
         v: Tensor<4>,
         attention: &dyn AttentionImpl,
         opts: &AttnOptions,
-    ) -> Tensor<4> {
+    ) -> Result<Tensor<4>, CacheError> {
         let [rows, _, s_new, _] = k.dims();
-        assert_eq!(rows, self.rows(), "attention rows vs cache layout");
+        if rows != self.rows() {
+            return Err(format!(
+                "branching cache: {rows} attention rows, the cache's layout has {}",
+                self.rows()
+            )
+            .into());
+        }
         let device = k.device();
         let slot = &mut self.layers[layer];
         let (keys, values, len, valid) = match self.fan {
@@ -295,7 +301,7 @@ impl KvCache for BranchKvCache {
             scale: opts.scale,
             key_padding: self.key_mask(&device),
         };
-        attention.attend(layer, q, keys, values, &opts)
+        Ok(attention.attend(layer, q, keys, values, &opts))
     }
 
     fn seq_len(&self) -> usize {
@@ -450,7 +456,7 @@ impl KvCache for LinearSpecCache {
         v: Tensor<4>,
         attention: &dyn AttentionImpl,
         opts: &AttnOptions,
-    ) -> Tensor<4> {
+    ) -> Result<Tensor<4>, CacheError> {
         self.inner.attend(layer, q, k, v, attention, opts)
     }
 
