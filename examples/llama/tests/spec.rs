@@ -258,7 +258,7 @@ fn sampled_speculation_respects_limits_and_reports_metrics() {
 
 /// Last-position logits of `rows` continued from `cache`, `[rows][vocab]`.
 fn continue_from(model: &Llama, cache: &mut BranchKvCache, rows: &[Vec<u32>]) -> Vec<Vec<f32>> {
-    let hidden = forward_rows(model, cache, rows, &ReferenceAttention);
+    let hidden = forward_rows(model, cache, rows, &ReferenceAttention).expect("forward");
     let [b, s, h] = hidden.dims();
     let logits = model.logits(hidden.slice([0..b, s - 1..s, 0..h]));
     let vocab = logits.dims()[2];

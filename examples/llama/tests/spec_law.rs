@@ -177,3 +177,37 @@ fn sampled_speculation_has_the_targets_law() {
         );
     }
 }
+
+/// Speculation past the model's context stops with a typed error (it read RoPE angles past the
+/// tables before), not a panic.
+#[test]
+fn speculation_past_the_context_is_a_typed_error() {
+    use burn_llama::model::ForwardError;
+    use burn_llama::spec::SpecError;
+    let target = tiny(3);
+    let drafts = vec![Draft::model(&target, SamplingConfig::default()); 2];
+    let opts = SpecOptions {
+        scheme: Scheme::SpecTr,
+        draft_len: 3,
+        target_sampling: SamplingConfig::default(),
+        max_new_tokens: 40,
+        stop_tokens: Vec::new(),
+        seed: 1,
+    };
+    let err = speculative_generate(
+        &target,
+        &drafts,
+        &[PROMPT.to_vec()],
+        &ReferenceAttention,
+        &opts,
+        &mut |_, _| {},
+    )
+    .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            SpecError::Forward(ForwardError::ContextTooLong { max: 16, .. })
+        ),
+        "{err:?}"
+    );
+}

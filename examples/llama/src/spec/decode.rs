@@ -21,12 +21,18 @@ use super::*;
 /// - `rows.len()` = [`BranchKvCache::rows`]
 /// - returns `[rows, s, hidden]` with `s` the longest row; row r's tokens are its last
 ///   `rows[r].len()` positions
+///
+/// # Errors
+/// As [`Llama::try_forward`].
+///
+/// # Panics
+/// When every row is empty.
 pub fn forward_rows(
     model: &Llama,
     cache: &mut dyn SpecCache,
     rows: &[Vec<u32>],
     attention: &dyn AttentionImpl,
-) -> Tensor<3> {
+) -> Result<Tensor<3>, crate::model::ForwardError> {
     let n = rows.len();
     let s = rows.iter().map(Vec::len).max().unwrap_or(0);
     assert!(s > 0, "forward_rows needs at least one token");
@@ -50,7 +56,7 @@ pub fn forward_rows(
     cache.set_incoming_validity(valid);
     let device = model.embed.device();
     let tokens = Tensor::<2, Int>::from_data(TensorData::new(ids, [n, s]), &device);
-    model.forward(tokens, &left_pad, cache, attention)
+    model.try_forward(tokens, &left_pad, cache, attention)
 }
 
 /// Logits of selected positions, on the host: `positions` index the rows of `hidden` flattened
@@ -228,11 +234,12 @@ fn prefill(
     cache: &mut dyn SpecCache,
     prompts: &[Vec<u32>],
     attention: &dyn AttentionImpl,
-) {
+) -> Result<(), SpecError> {
     let rows: Vec<Vec<u32>> = prompts.iter().map(|p| p[..p.len() - 1].to_vec()).collect();
     if rows.iter().any(|r| !r.is_empty()) {
-        forward_rows(model, cache, &rows, attention);
+        forward_rows(model, cache, &rows, attention)?;
     }
+    Ok(())
 }
 
 /// Generates a continuation of every prompt by multi-draft speculative decoding (algorithm,
@@ -329,15 +336,15 @@ pub fn speculative_generate_with_cache<C: SpecCache>(
     };
 
     let t0 = Instant::now();
-    prefill(target, &mut target_cache, prompts, attention);
+    prefill(target, &mut target_cache, prompts, attention)?;
     let mut draft_caches: Vec<BranchKvCache> = groups
         .iter()
         .map(|g| {
             let mut cache = BranchKvCache::new(g.model.layers.len(), batch);
-            prefill(g.model, &mut cache, prompts, attention);
-            cache
+            prefill(g.model, &mut cache, prompts, attention)?;
+            Ok(cache)
         })
-        .collect();
+        .collect::<Result<_, SpecError>>()?;
     stats.prefill_secs = t0.elapsed().as_secs_f64();
 
     // Full sequences; each cache holds a prefix of every sequence and is fed the rest.
@@ -390,7 +397,7 @@ pub fn speculative_generate_with_cache<C: SpecCache>(
                     false => seqs[b][draft_held[g][b]..].to_vec(),
                 })
                 .collect();
-            let hidden = forward_rows(group.model, cache, &rows, attention);
+            let hidden = forward_rows(group.model, cache, &rows, attention)?;
             stats.draft_calls += 1;
             for &b in &active {
                 draft_held[g][b] = seqs[b].len();
@@ -413,7 +420,7 @@ pub fn speculative_generate_with_cache<C: SpecCache>(
                 let rows: Vec<Vec<u32>> = (0..batch * fan)
                     .map(|r| vec![tokens[group.members[r % fan]][r / fan][j - 1]])
                     .collect();
-                let hidden = forward_rows(group.model, cache, &rows, attention);
+                let hidden = forward_rows(group.model, cache, &rows, attention)?;
                 stats.draft_calls += 1;
                 let live: Vec<usize> = (0..batch * fan).filter(|&r| !done[r / fan]).collect();
                 let logits = logits_at(group.model, hidden, &live);
@@ -441,7 +448,7 @@ pub fn speculative_generate_with_cache<C: SpecCache>(
             })
             .collect();
         let width = rows.iter().map(Vec::len).max().unwrap_or(0);
-        let hidden = forward_rows(target, &mut target_cache, &rows, attention);
+        let hidden = forward_rows(target, &mut target_cache, &rows, attention)?;
         stats.target_calls += 1;
         // Logits only for the distinct nodes of each token tree: drafts that share their first
         // j tokens share the target distribution at position j.

@@ -76,6 +76,10 @@ use burn_specdec::{Scheme, SpecDecError};
 /// Bad configuration or a failed verification.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum SpecError {
+    /// A model's forward pass failed (positions past its context, a cache that could not
+    /// attend).
+    #[error(transparent)]
+    Forward(#[from] crate::model::ForwardError),
     /// No draft was given (K = 0).
     #[error("at least one draft is required (K = 0)")]
     NoDrafts,
