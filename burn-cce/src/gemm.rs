@@ -142,10 +142,7 @@ impl std::fmt::Display for Launch {
 
 impl Launch {
     fn of(kernel: GemmKernel) -> Self {
-        match kernel {
-            GemmKernel::TileDsl => Launch::TileDsl,
-            other => Launch::Cubek(cubek_strategy(other)),
-        }
+        cubek_strategy(kernel).map_or(Launch::TileDsl, Launch::Cubek)
     }
 
     /// Writes `lhs · rhs` into `out` (contiguous `[m, n]` in `out_dtype`); an error where the
@@ -224,8 +221,9 @@ impl Launch {
     }
 }
 
-/// cubek's launch strategy for `kernel` (every kernel but [`GemmKernel::TileDsl`]).
-fn cubek_strategy(kernel: GemmKernel) -> Strategy {
+/// cubek's multi-level launch strategy for `kernel`; `None` for [`GemmKernel::TileDsl`], which
+/// goes through cubek's tile-DSL selection instead.
+fn cubek_strategy(kernel: GemmKernel) -> Option<Strategy> {
     let simple = |multi_rows| SimpleArgs {
         multi_rows,
         tile_matmul: TileMatmulKind::Mma,
@@ -258,11 +256,10 @@ fn cubek_strategy(kernel: GemmKernel) -> Strategy {
         GemmKernel::SimpleTmaCmma => MultiLevel::SimpleTmaCmma(Inferred(simple_cmma(false))),
         GemmKernel::SimpleTmaMultiRowCmma => MultiLevel::SimpleTmaCmma(Inferred(simple_cmma(true))),
         GemmKernel::SpecializedTmaCmma => MultiLevel::SpecializedTmaCmma(Inferred(().into())),
-        GemmKernel::SpecializedTma | GemmKernel::TileDsl => {
-            MultiLevel::SpecializedTmaMma(Inferred(().into()))
-        }
+        GemmKernel::SpecializedTma => MultiLevel::SpecializedTmaMma(Inferred(().into())),
+        GemmKernel::TileDsl => return None,
     };
-    strategy.into()
+    Some(strategy.into())
 }
 
 /// One GEMM problem under one strategy: what decides whether a launch can succeed.

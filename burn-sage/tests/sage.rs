@@ -8,8 +8,8 @@
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use burn_kernels_core::route::{cube_device, launches, require_kernels};
 use burn_kernels_testing::{
-    Dist, Tolerance, assert_close, compare::to_f32, f32_matmul_is_tf32, float_dtypes, is_cuda,
-    is_wgpu, poison_memory, random_tensor, random_values, testgen,
+    Dist, Tolerance, assert_close, compare::to_f32, float_dtypes, is_cuda, is_wgpu, poison_memory,
+    random_tensor, random_values, testgen,
 };
 use burn_sage::kernels::{KernelChoice, UNIT_MAX_KV};
 use burn_sage::{
@@ -310,13 +310,13 @@ fn check_cases(
                 assert_eq!(actual.out.dtype(), dtype, "{name}");
                 // The smoothing stages (Q's block means, ΔS = mean(Q)·Kᵀ) run on the device in
                 // another summation order than the CPU reference (and in TF32 where Burn's f32
-                // matmul uses it). Either can move a smoothed Q entry across an INT8 rounding
+                // matmul uses it; TF32 exists on CUDA only). Either can move a smoothed Q entry across an INT8 rounding
                 // boundary, one quantization level, which shifts that row's scores. Seen on an
                 // H200 with exact f32 matmuls (2026-11-27): LSE 1.7e-4 from the reference at 4.5,
                 // one output of 256000 off by 5.8e-4. The widening (2⁻¹⁰ absolute, TF32's
                 // relative) is the bound these tests had on CUDA before; a wrong or unwritten
                 // output is off by O(1).
-                let device_smoothing = smooth_q && (f32_matmul_is_tf32(device) || is_cuda(device));
+                let device_smoothing = smooth_q && is_cuda(device);
                 let widen = |t: Tolerance| {
                     if device_smoothing {
                         Tolerance {

@@ -5,10 +5,10 @@
 //! draft chains, blocks are verified with [`verify_block`] and concatenated until N = 3 tokens
 //! exist; the empirical law of the 27 sequences must match the target chain's (χ²).
 
+use burn_kernels_testing::chi_square_p_value;
 use burn_specdec::{Scheme, SpecDecError, inverse_cdf, verify_block};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use statrs::distribution::{ChiSquared, ContinuousCDF};
 
 const V: usize = 3;
 const START: usize = V;
@@ -95,19 +95,6 @@ fn exact_law() -> Vec<f64> {
             prob
         })
         .collect()
-}
-
-fn chi_square_p_value(counts: &[u64], p: &[f64]) -> f64 {
-    let n: u64 = counts.iter().sum();
-    let stat: f64 = counts
-        .iter()
-        .zip(p)
-        .map(|(&c, &px)| {
-            let e = px * n as f64;
-            (c as f64 - e).powi(2) / e
-        })
-        .sum();
-    ChiSquared::new((counts.len() - 1) as f64).unwrap().sf(stat)
 }
 
 fn check(scheme: Scheme, chains: &[Chain], len: usize, seed: u64) {

@@ -2,10 +2,10 @@
 //! rate matches the analytic one (5σ binomial bound), for every scheme on the seeded cases.
 
 use crate::common::{Case, TINY_LP, cases, schemes_for};
+use burn_kernels_testing::chi_square_p_value;
 use burn_specdec::{Scheme, Verifier, inverse_cdf};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use statrs::distribution::{ChiSquared, ContinuousCDF};
 
 const SAMPLES: usize = 200_000;
 /// Fixed seeds make the tests deterministic; the threshold keeps false alarms rare even across
@@ -35,35 +35,6 @@ fn run(verifier: &Verifier, seed: u64) -> Run {
         }
     }
     Run { counts, accepted }
-}
-
-/// χ² p-value of `counts` against `p`; cells with expected count < 5 are pooled. Panics if a
-/// token with `p = 0` was produced.
-fn chi_square_p_value(counts: &[u64], p: &[f64]) -> f64 {
-    let n: u64 = counts.iter().sum();
-    let mut cells: Vec<(f64, f64)> = Vec::new();
-    let mut pooled = (0.0, 0.0);
-    for (&c, &px) in counts.iter().zip(p) {
-        if px == 0.0 {
-            assert_eq!(c, 0, "token with p = 0 was sampled");
-            continue;
-        }
-        let expected = px * n as f64;
-        if expected < 5.0 {
-            pooled.0 += c as f64;
-            pooled.1 += expected;
-        } else {
-            cells.push((c as f64, expected));
-        }
-    }
-    if pooled.1 > 0.0 {
-        cells.push(pooled);
-    }
-    if cells.len() < 2 {
-        return 1.0;
-    }
-    let stat: f64 = cells.iter().map(|(o, e)| (o - e) * (o - e) / e).sum();
-    ChiSquared::new((cells.len() - 1) as f64).unwrap().sf(stat)
 }
 
 fn check(case: &Case, scheme: Scheme, seed: u64) {

@@ -9,6 +9,7 @@
 pub mod compare;
 pub mod random;
 pub mod runtimes;
+pub mod stats;
 pub mod unfused;
 
 pub use compare::{
@@ -17,3 +18,4 @@ pub use compare::{
 };
 pub use random::{Dist, random_tensor, random_values};
 pub use runtimes::{float_dtypes, is_cuda, is_wgpu, poison_memory};
+pub use stats::chi_square_p_value;

@@ -171,8 +171,8 @@ pub fn generate(
 /// one forward pass with a full cache.
 ///
 /// # Errors
-/// [`GenerateError::TooFewTokens`] for fewer than two tokens, [`GenerateError::ContextTooLong`]
-/// for more than the model's context ([`Llama::max_positions`]).
+/// [`GenerateError::TooFewTokens`] for fewer than two tokens; [`GenerateError::Forward`] for more
+/// than the model's context ([`Llama::max_positions`]) or a failed forward pass.
 pub fn perplexity(
     model: &Llama,
     tokens: &[u32],
@@ -181,14 +181,6 @@ pub fn perplexity(
     let n = tokens.len();
     if n < 2 {
         return Err(GenerateError::TooFewTokens { got: n });
-    }
-    if n > model.max_positions() {
-        return Err(GenerateError::ContextTooLong {
-            prompt: n,
-            new_tokens: 0,
-            needed: n,
-            max: model.max_positions(),
-        });
     }
     let device = model.embed.device();
     let ids: Vec<i64> = tokens.iter().map(|&t| t as i64).collect();

@@ -1,6 +1,6 @@
 //! The model on the real SmolLM2-135M-Instruct weights (fetched by `./scripts/setup.sh`).
 
-use crate::common::{checkpoint, paragraph_tokens, paragraph_tokens_on};
+use crate::common::{checkpoint, paragraph_tokens, paragraph_tokens_on, tiny_config};
 
 use burn::tensor::{DType, Device};
 use std::sync::Arc;
@@ -179,19 +179,8 @@ testgen! {
 #[test]
 fn generate_refuses_bad_input_with_typed_errors() {
     use burn_kernels_core::KvCache;
-    use burn_llama::config::LlamaConfig;
     use burn_llama::generate::{GenerateError, positions_needed};
-    let cfg = LlamaConfig {
-        vocab_size: 29,
-        hidden_size: 16,
-        intermediate_size: 24,
-        num_layers: 1,
-        num_heads: 2,
-        num_kv_heads: 1,
-        head_dim: 8,
-        max_seq_len: 12,
-        ..LlamaConfig::smollm2_135m()
-    };
+    let cfg = tiny_config(29, 1, 12);
     let device = Device::flex();
     let model = Llama::random(&cfg, &device, DType::F32);
     assert_eq!(model.max_positions(), 12);
@@ -245,12 +234,10 @@ fn generate_refuses_bad_input_with_typed_errors() {
     let text: Vec<u32> = (0..13).map(|i| (i * 5 % 29) as u32).collect();
     assert_eq!(
         perplexity(&model, &text, &ReferenceAttention).unwrap_err(),
-        GenerateError::ContextTooLong {
-            prompt: 13,
-            new_tokens: 0,
+        GenerateError::Forward(burn_llama::model::ForwardError::ContextTooLong {
             needed: 13,
             max: 12
-        }
+        })
     );
     let ppl = perplexity(&model, &text[..12], &ReferenceAttention).expect("fits");
     assert!(ppl.is_finite() && ppl > 1.0, "{ppl}");
@@ -323,7 +310,6 @@ fn cli_names_parse_to_their_choices() {
 fn cache_failures_are_typed_errors() {
     use burn::tensor::Tensor;
     use burn_kernels_core::{AttnOptions, CacheError, KvCache};
-    use burn_llama::config::LlamaConfig;
     use burn_llama::generate::GenerateError;
     use burn_llama::model::ForwardError;
 
@@ -353,17 +339,7 @@ fn cache_failures_are_typed_errors() {
         }
     }
 
-    let cfg = LlamaConfig {
-        vocab_size: 29,
-        hidden_size: 16,
-        intermediate_size: 24,
-        num_layers: 2,
-        num_heads: 2,
-        num_kv_heads: 1,
-        head_dim: 8,
-        max_seq_len: 12,
-        ..LlamaConfig::smollm2_135m()
-    };
+    let cfg = tiny_config(29, 2, 12);
     let model = Llama::random(&cfg, &Device::flex(), DType::F32);
     let opts = GenerateOptions {
         max_new_tokens: 3,

@@ -1,7 +1,7 @@
 //! Speculative decoding on the real SmolLM2-135M-Instruct weights (fetched by
 //! `./scripts/setup.sh` or `cargo xtask fetch-model`), CPU backend, truncated-layer drafts.
 
-use crate::common::checkpoint;
+use crate::common::{checkpoint, last_logits};
 
 use std::sync::OnceLock;
 use std::time::Instant;
@@ -266,18 +266,6 @@ fn continue_from(model: &Llama, cache: &mut BranchKvCache, rows: &[Vec<u32>]) ->
     data.chunks(vocab).map(<[f32]>::to_vec).collect()
 }
 
-/// Last-position logits of `tokens` from scratch.
-fn fresh(model: &Llama, tokens: &[u32]) -> Vec<f32> {
-    let n = tokens.len();
-    let ids: Vec<i64> = tokens.iter().map(|&t| t as i64).collect();
-    let input = Tensor::<2, Int>::from_data(TensorData::new(ids, [1, n]), &Device::flex());
-    let mut cache = FullKvCache::new(model.config.num_layers);
-    let hidden = model.forward(input, &[], &mut cache, &ReferenceAttention);
-    let h = hidden.dims()[2];
-    let logits = model.logits(hidden.slice([0..1, n - 1..n, 0..h]));
-    logits.into_data().try_to_vec::<f32>().unwrap()
-}
-
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     a.iter()
         .zip(b)
@@ -345,7 +333,7 @@ fn caches_hold_exactly_the_emitted_tokens_after_rollback() {
             .collect();
         let cont = continue_from(model, cache, &rows);
         for (b, s) in seqs.iter().enumerate() {
-            let diff = max_abs_diff(&cont[b], &fresh(model, s));
+            let diff = max_abs_diff(&cont[b], &last_logits(model, s));
             println!(
                 "{name} sequence {b}: pending {}, max |Δlogit| {diff:.2e}",
                 rows[b].len()
@@ -490,7 +478,7 @@ fn truncated_draft_shares_the_target_weights() {
         .tokenizer
         .encode("The capital of France is")
         .unwrap();
-    assert!(fresh(&draft, &ids).iter().all(|x| x.is_finite()));
+    assert!(last_logits(&draft, &ids).iter().all(|x| x.is_finite()));
 }
 
 /// A compressed target cache (in a [`LinearSpecCache`]) of `kind`, with ShadowKV's rank at the
@@ -576,7 +564,7 @@ fn linear_caches_speculate_with_one_draft() {
                 .into_data()
                 .try_to_vec::<f32>()
                 .unwrap();
-            let diff = max_abs_diff(&cont, &fresh(&model, &seq));
+            let diff = max_abs_diff(&cont, &last_logits(&model, &seq));
             println!("full linear cache after rollback: max |Δlogit| {diff:.2e}");
             assert!(diff < 1e-3, "max |Δlogit| {diff}");
         }

@@ -1,11 +1,14 @@
 //! Sampled speculative decoding has the target's law: whole two-token continuations drawn by
 //! `speculative_generate` (K = 2 drafts of another random model, L = 3) against the exact law of
 //! plain sampling from the target, computed from its logits, on a tiny random-weight Llama
-//! (vocabulary 8, CPU). A χ² test per scheme; shown able to fail against a wrong law.
+//! (vocabulary 8, CPU). A χ² test per scheme (cells expected below 5 pooled); shown able to fail
+//! against a wrong law.
 
-use burn::tensor::{DType, Device, Int, Tensor, TensorData};
-use burn_kernels_core::{FullKvCache, ReferenceAttention, SamplingConfig};
-use burn_llama::config::LlamaConfig;
+use crate::common::{last_logits, tiny_config};
+use burn_kernels_testing::chi_square_p_value;
+
+use burn::tensor::{DType, Device};
+use burn_kernels_core::{ReferenceAttention, SamplingConfig};
 use burn_llama::model::Llama;
 use burn_llama::spec::{Draft, SpecOptions, speculative_generate};
 use burn_specdec::Scheme;
@@ -19,35 +22,14 @@ const TARGET_T: f32 = 0.4;
 const DRAFT_T: f32 = 1.0;
 
 fn tiny(seed: u64) -> Llama {
-    let cfg = LlamaConfig {
-        vocab_size: V,
-        hidden_size: 16,
-        intermediate_size: 24,
-        num_layers: 1,
-        num_heads: 2,
-        num_kv_heads: 1,
-        head_dim: 8,
-        max_seq_len: 16,
-        ..LlamaConfig::smollm2_135m()
-    };
     let device = Device::flex();
     device.seed(seed);
-    Llama::random(&cfg, &device, DType::F32)
+    Llama::random(&tiny_config(V, 1, 16), &device, DType::F32)
 }
 
 /// The next-token law after `tokens` at temperature `t`, in f64.
 fn next_law(model: &Llama, tokens: &[u32], t: f32) -> Vec<f64> {
-    let n = tokens.len();
-    let ids: Vec<i64> = tokens.iter().map(|&x| x as i64).collect();
-    let input = Tensor::<2, Int>::from_data(TensorData::new(ids, [1, n]), &Device::flex());
-    let mut cache = FullKvCache::new(model.config.num_layers);
-    let hidden = model.forward(input, &[], &mut cache, &ReferenceAttention);
-    let h = hidden.dims()[2];
-    let logits = model.logits(hidden.slice([0..1, n - 1..n, 0..h]));
-    let z: Vec<f64> = logits
-        .into_data()
-        .try_to_vec::<f32>()
-        .unwrap()
+    let z: Vec<f64> = last_logits(model, tokens)
         .iter()
         .map(|&l| l as f64 / t as f64)
         .collect();
@@ -70,36 +52,8 @@ fn two_token_law(model: &Llama, t: f32) -> Vec<f64> {
     law
 }
 
-/// Pearson's χ² of `counts` against `law`, cells expected below 5 pooled into one, and its
-/// degrees of freedom.
-fn chi_square(counts: &[u64], law: &[f64]) -> (f64, usize) {
-    let n: u64 = counts.iter().sum();
-    let (mut stat, mut cells) = (0.0, 0);
-    let (mut pooled_c, mut pooled_e) = (0.0, 0.0);
-    for (&c, &p) in counts.iter().zip(law) {
-        let e = p * n as f64;
-        if e < 5.0 {
-            pooled_c += c as f64;
-            pooled_e += e;
-        } else {
-            stat += (c as f64 - e).powi(2) / e;
-            cells += 1;
-        }
-    }
-    if pooled_e > 0.0 {
-        stat += (pooled_c - pooled_e).powi(2) / pooled_e.max(1e-12);
-        cells += 1;
-    }
-    (stat, cells - 1)
-}
-
-/// The χ² value a statistic with `df` degrees of freedom exceeds with probability 1e-4
-/// (Wilson–Hilferty: `(χ²/df)^(1/3)` is close to normal; z = 3.719).
-fn critical(df: usize) -> f64 {
-    let k = df as f64;
-    let v = 2.0 / (9.0 * k);
-    k * (1.0 - v + 3.719 * v.sqrt()).powi(3)
-}
+/// A χ² p-value below this rejects a law (per scheme).
+const P_MIN: f64 = 1e-4;
 
 fn counts(scheme: Scheme, target: &Llama, draft: &Llama) -> Vec<u64> {
     let drafts = vec![
@@ -157,22 +111,20 @@ fn sampled_speculation_has_the_targets_law() {
         Scheme::OPTIMAL,
     ] {
         let c = counts(scheme, &target, &draft);
-        let (stat, df) = chi_square(&c, &law);
-        assert!(
-            stat <= critical(df),
-            "{}: χ² {stat:.1} > {:.1} ({df} df) against the target's law; counts {c:?}",
-            scheme.name(),
-            critical(df)
-        );
-        let (wrong_stat, wrong_df) = chi_square(&c, &wrong);
+        let p = chi_square_p_value(&c, &law);
+        let wrong_p = chi_square_p_value(&c, &wrong);
         println!(
-            "{}: χ² {stat:.1} ({df} df, bound {:.1}); against the wrong law {wrong_stat:.1}",
-            scheme.name(),
-            critical(df)
+            "{}: χ² p-value {p:.3e} against the target's law, {wrong_p:.1e} against the wrong one",
+            scheme.name()
         );
         assert!(
-            wrong_stat > critical(wrong_df),
-            "{}: the test cannot tell the target's law from a wrong one (χ² {wrong_stat:.1})",
+            p >= P_MIN,
+            "{}: χ² p-value {p:.3e} against the target's law; counts {c:?}",
+            scheme.name()
+        );
+        assert!(
+            wrong_p < P_MIN,
+            "{}: the test cannot tell the target's law from a wrong one (p {wrong_p:.3e})",
             scheme.name()
         );
     }

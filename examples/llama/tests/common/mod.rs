@@ -1,8 +1,13 @@
-//! Shared by the tests that use the real SmolLM2-135M-Instruct weights.
+//! Shared by the tests: the real SmolLM2-135M-Instruct weights, tiny random-weight configs, and
+//! a model's last-position logits.
 
 use std::sync::OnceLock;
 
-use burn::tensor::Device;
+use burn::tensor::{Device, Int, Tensor, TensorData};
+
+use burn_kernels_core::{FullKvCache, ReferenceAttention};
+use burn_llama::config::LlamaConfig;
+use burn_llama::model::Llama;
 
 use burn_llama::loader::{Checkpoint, default_model_path, load};
 
@@ -35,3 +40,33 @@ pub fn paragraph_tokens_on(device: &Device) -> Vec<u32> {
 
 /// See [`paragraph_tokens_on`].
 pub const WGPU_TOKENS: usize = 96;
+
+/// A tiny Llama configuration (hidden 16, two query heads on one KV head of 8) with `vocab`
+/// tokens, `layers` layers and a context of `max_seq_len` positions, for CPU tests of the
+/// generation code on random weights.
+pub fn tiny_config(vocab: usize, layers: usize, max_seq_len: usize) -> LlamaConfig {
+    LlamaConfig {
+        vocab_size: vocab,
+        hidden_size: 16,
+        intermediate_size: 24,
+        num_layers: layers,
+        num_heads: 2,
+        num_kv_heads: 1,
+        head_dim: 8,
+        max_seq_len,
+        ..LlamaConfig::smollm2_135m()
+    }
+}
+
+/// Last-position logits of `tokens` from scratch (one forward pass, a fresh full cache, exact
+/// attention), on the CPU.
+pub fn last_logits(model: &Llama, tokens: &[u32]) -> Vec<f32> {
+    let n = tokens.len();
+    let ids: Vec<i64> = tokens.iter().map(|&t| t as i64).collect();
+    let input = Tensor::<2, Int>::from_data(TensorData::new(ids, [1, n]), &Device::flex());
+    let mut cache = FullKvCache::new(model.config.num_layers);
+    let hidden = model.forward(input, &[], &mut cache, &ReferenceAttention);
+    let h = hidden.dims()[2];
+    let logits = model.logits(hidden.slice([0..1, n - 1..n, 0..h]));
+    logits.into_data().try_to_vec::<f32>().unwrap()
+}
