@@ -53,9 +53,7 @@ use burn::backend::{
     Backend,
     ops::{FloatTensorOps, IntTensorOps},
 };
-use burn::tensor::{
-    DType, Device, FloatDType, IndexingUpdateOp, Shape, Slice, TensorData, read_sync,
-};
+use burn::tensor::{DType, Device, FloatDType, Shape, Slice, TensorData, read_sync};
 use burn_cubecl::{CubeBackend, CubeDevice, tensor::CubeTensor};
 use std::ops::Range;
 
@@ -63,7 +61,8 @@ use crate::blocks::row_ranges;
 pub use crate::blocks::{BackwardBlocks, DeAccumulation};
 use crate::gemm::{cast, dims2, matmul_to};
 use crate::kernels::{
-    accumulate::add_rows, grad::grad_chunk, indexed_dot::indexed_dot, lse_chunk::lse_chunk, score,
+    accumulate::add_rows, grad::grad_chunk, indexed_dot::indexed_dot, lse_chunk::lse_chunk,
+    scatter::add_rows_at, score,
 };
 use crate::live::{self, PerStream};
 use crate::{GemmStrategy, LceParams};
@@ -499,11 +498,14 @@ pub fn backward(
                     .map(|(db, x)| Cb::float_slice_assign(db, &[Slice::from(range.clone())], x));
             }
             Part::Gathered(ids) => {
-                dc =
-                    Cb::float_select_assign(dc, 0, (*ids).clone(), dc_chunk, IndexingUpdateOp::Add);
-                db = db
-                    .zip(db_chunk)
-                    .map(|(db, x)| Cb::float_select_assign(db, 0, *ids, x, IndexingUpdateOp::Add));
+                // In place, one unit per value (Burn's select_assign would round-trip all of a
+                // half-precision dC through f32 per chunk; see kernels::scatter).
+                add_rows_at(&dc, dc_chunk, (*ids).clone());
+                if let (Some(db), Some(x)) = (&db, db_chunk) {
+                    let len = dims1(&x);
+                    let column = |t: CubeTensor, rows| Cb::float_reshape(t, Shape::new([rows, 1]));
+                    add_rows_at(&column(db.clone(), vocab), column(x, len), *ids);
+                }
             }
         }
         live::sample(&dc, "dC chunk written");

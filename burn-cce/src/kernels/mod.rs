@@ -4,7 +4,7 @@
 //! produced by the matmul): [`lse_chunk`] folds a chunk into running per-token log-sum-exp
 //! state, [`score`] finds the vocabulary entries whose gradient passes the filter, [`grad`]
 //! forms `(softmax − onehot)·dout` for a chunk, [`accumulate`] adds f32 blocks of dE rows in
-//! place, and [`indexed_dot`] computes the target logits without any logits at all.
+//! place, [`scatter`] adds a gathered chunk's dC rows at their vocabulary ids, and [`indexed_dot`] computes the target logits without any logits at all.
 //!
 //! Outputs are allocated with `empty_device_contiguous_dtype`: the kernels index them linearly,
 //! and CubeCL's CUDA runtime may pitch (row-pad) a plain 2-D allocation.
@@ -15,6 +15,7 @@ pub mod indexed_dot;
 pub mod lse;
 pub mod lse_chunk;
 mod reduce;
+pub mod scatter;
 pub mod score;
 
 use cubecl::prelude::*;
