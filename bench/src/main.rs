@@ -77,8 +77,8 @@ struct Args {
     /// Device name for the results (default: nvidia-smi's name on CUDA, else the backend's).
     #[arg(long)]
     device_name: Option<String>,
-    /// Commit the binary was built from (default: the COMMIT file next to the executable,
-    /// written by `cargo xtask device-build`, else `git rev-parse`).
+    /// Commit the binary was built from (default: the COMMIT file `cargo xtask device-build`
+    /// writes, next to the executable or in its parent folder, else `git rev-parse`).
     #[arg(long)]
     commit: Option<String>,
     /// Folder of the peer scripts (PyTorch), relative to the working directory.
@@ -307,13 +307,15 @@ fn commit(args: &Args) -> String {
     if let Some(c) = &args.commit {
         return c.clone();
     }
-    // The COMMIT file `cargo xtask device-build` writes beside a bundled binary names the
-    // commit it was built from; the working tree it runs in may be a copy whose git state is
-    // older (the device tool's copy kept the session's first HEAD).
+    // The COMMIT file `cargo xtask device-build` writes at the bundle's root (binaries in its
+    // `bin/`) names the commit they were built from; the working tree it runs in may be a copy
+    // whose git state is older (the device tool's copy kept the session's first HEAD).
     let bundled = || {
         let exe = std::env::current_exe().ok()?;
-        std::fs::read_to_string(exe.parent()?.join("COMMIT"))
-            .ok()
+        exe.ancestors()
+            .skip(1)
+            .take(2)
+            .find_map(|dir| std::fs::read_to_string(dir.join("COMMIT")).ok())
             .map(|s| s.trim().to_string())
     };
     let git = || {
