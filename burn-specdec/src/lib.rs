@@ -43,7 +43,7 @@
 //! token-tree verification): at each position the drafts still consistent with the accepted
 //! tokens compete, a rejected draft drops out, a residual token ends the block, and a bonus
 //! token follows L accepted positions. The derivation is in [`block`]; the generation loop on a
-//! real model is `burn_llama::spec` (in `examples/llama`).
+//! real model is `burn_llama::spec` (the `burn-llama` library, `llama/`).
 //!
 //! ## On the device
 //! [`device::verify_blocks`] verifies a whole batch of blocks in one CubeCL kernel where the

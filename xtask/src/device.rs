@@ -2,7 +2,7 @@
 //! fit one device call.
 //!
 //! One `cargo build --release --workspace --features cuda --tests --bins --examples` builds every
-//! CUDA test binary, the bench runner and burn-llama's tools with one feature set (two cargo
+//! CUDA test binary, the bench runner and burn-llama-examples' tools with one feature set (two cargo
 //! invocations with different package sets would build the Burn stack twice). The stripped
 //! binaries each hold the same statically linked LLVM (CubeCL's NVPTX compiler), so they are packed
 //! three at a time into archives compressed by xz with a dictionary larger than one binary (a
@@ -30,7 +30,7 @@ const PEER_WHEELS: &[&str] = &[
 const NVVM_WHEEL: &str = "nvidia-nvvm==13.0.88";
 const LIBDEVICE_MEMBER_SUFFIX: &str = "nvvm/libdevice/libdevice.10.bc";
 
-/// burn-llama's tools in the bundle: (cargo target kind, name).
+/// burn-llama-examples' tools in the bundle: (cargo target kind, name).
 const LLAMA_TOOLS: &[(&str, &str)] = &[
     ("bin", "llama"),
     ("bin", "finetune"),

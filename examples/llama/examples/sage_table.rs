@@ -3,7 +3,7 @@
 //! metrics), and the text's perplexity under each variant. Prints markdown to stdout.
 //!
 //! ```sh
-//! cargo run --release -p burn-llama --example sage_table -- --text examples/llama/data/paragraph.txt
+//! cargo run --release -p burn-llama-examples --example sage_table -- --text llama/data/paragraph.txt
 //! ```
 //!
 //! On the CPU (Flex) every Sage variant runs burn-sage's tensor-op reference, which rounds
@@ -24,7 +24,7 @@ use clap::Parser;
 #[command(about = "Sage attention accuracy per layer and perplexity on SmolLM2 (CPU, Flex)")]
 struct Args {
     /// The text the model reads.
-    #[arg(long, default_value = "examples/llama/data/paragraph.txt")]
+    #[arg(long, default_value = "llama/data/paragraph.txt")]
     text: std::path::PathBuf,
     /// Skip the perplexity table.
     #[arg(long)]

@@ -3,16 +3,16 @@
 //! prints markdown tables to stdout (each row as soon as it is measured).
 //!
 //! ```sh
-//! cargo run --release -p burn-llama --example spec_table -- --prompts 5 --new-tokens 32
+//! cargo run --release -p burn-llama-examples --example spec_table -- --prompts 5 --new-tokens 32
 //! # a few hundred prompts of held-out Shakespeare on a GPU, with a distilled draft
-//! cargo run --release -p burn-llama --features cuda --example spec_table -- --backend cuda \
+//! cargo run --release -p burn-llama-examples --features cuda --example spec_table -- --backend cuda \
 //!     --corpus ~/.cache/burn-kernels/corpus/shakespeare --prompts 256 --draft-model runs/draft4
 //! ```
 //!
 //! 1. *Measured block efficiency*: speculative decoding of `--prompts` windows of
 //!    `--prompt-len` tokens, decoded `--batch` at a time per configuration (target at
 //!    `--target-temperature`, no stop tokens); every configuration uses the same seeds. The
-//!    windows are consecutive tokens of `examples/llama/data/paragraph.txt`, or, with
+//!    windows are consecutive tokens of `llama/data/paragraph.txt`, or, with
 //!    `--corpus`, evenly spaced over the corpus's last `--heldout-fraction` (the part
 //!    `finetune` holds out, so a draft distilled from the rest never saw them). K = 1 is
 //!    single-draft SD, shared by every row.
@@ -179,8 +179,8 @@ fn main() {
     match args.backend {
         BackendArg::Cpu => run(&args, &ckpt, &Device::flex(), &ReferenceAttention),
         BackendArg::Cuda => {
-            let device = burn_llama::cli::BackendArg::Cuda.device();
-            burn_llama::cli::exit_on_error(device.map(|device| {
+            let device = burn_llama_examples::cli::BackendArg::Cuda.device();
+            burn_llama_examples::cli::exit_on_error(device.map(|device| {
                 // The decode kernels: fused layer ops and the split-K decode attention.
                 let kernels = burn_kernels_core::FusedLayers::new(std::sync::Arc::new(
                     burn_kvcache::DecodeAttention::default(),
@@ -222,7 +222,7 @@ fn prompts(args: &Args, ckpt: &Checkpoint, paragraph: &[u32]) -> Vec<Vec<u32>> {
 
 fn run(args: &Args, ckpt: &Checkpoint, device: &Device, attention: &dyn AttentionImpl) {
     let target = Llama::from_checkpoint(ckpt, device, DType::F32).expect("checkpoint");
-    let text = include_str!("../data/paragraph.txt");
+    let text = include_str!("../../../llama/data/paragraph.txt");
     let ids = ckpt.tokenizer.encode(text).expect("tokenize");
     let ks: Vec<usize> = (1..=args.max_k).collect();
     let started = Instant::now();

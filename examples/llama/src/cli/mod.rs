@@ -1,6 +1,6 @@
-//! The `llama` and `finetune` command lines. Their code lives in the library, and the binaries
-//! (`src/bin/`) only call [`llama::main`] and [`finetune::main`], so that the backends they
-//! dispatch to are compiled once, not once per binary (minutes of a two-core CI build).
+//! The `llama` and `finetune` command lines over `burn_llama`'s public API. Their code lives in
+//! this crate's library, and the binaries (`src/bin/`) only call [`llama::main`] and
+//! [`finetune::main`], so that it is compiled once, not once per binary.
 
 pub mod finetune;
 pub mod llama;
@@ -49,20 +49,12 @@ impl BackendArg {
     }
 }
 
-/// The CLI names of a value enum's variants, comma-separated (for messages and docs).
-pub fn value_names<T: ValueEnum>() -> String {
-    T::value_variants()
-        .iter()
-        .filter_map(|v| v.to_possible_value())
-        .map(|v| v.get_name().to_string())
-        .collect::<Vec<_>>()
-        .join(", ")
-}
+pub use burn_llama::names::value_names;
 
 /// The error of a command asked for a backend this build lacks.
 pub fn missing_feature(feature: &str) -> String {
     format!(
-        "built without the `{feature}` feature: cargo run --release -p burn-llama --features {feature}"
+        "built without the `{feature}` feature: cargo run --release -p burn-llama-examples --features {feature}"
     )
 }
 

@@ -97,7 +97,7 @@ impl From<AttentionName> for AttentionChoice {
 impl AttentionChoice {
     /// The CLI names, comma-separated.
     pub fn names() -> String {
-        crate::cli::value_names::<AttentionName>()
+        crate::names::value_names::<AttentionName>()
     }
 
     /// The implementation a CLI name stands for (`burn` is accepted for `burn-fused`).

@@ -159,7 +159,7 @@ pub enum CacheKind {
 impl CacheKind {
     /// The CLI names, comma-separated.
     pub fn names() -> String {
-        crate::cli::value_names::<Self>()
+        crate::names::value_names::<Self>()
     }
 
     /// The cache a CLI name stands for.
