@@ -48,7 +48,8 @@
 
 mod backward;
 mod blocks;
-pub mod chunked;
+mod chunked;
+pub mod diagnostics;
 mod error;
 #[cfg(feature = "cube")]
 mod forward;

@@ -8,7 +8,7 @@ use burn::backend::{Dispatch, DispatchTensor};
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use burn_cce::{
     CceError, CceKernels, CceOptions, FilterEps, GemmKernel, GemmStrategy, LceParams, Reduction,
-    chunked::{BackwardBlocks, DeAccumulation, last_backward_plan},
+    diagnostics::{BackwardBlocks, DeAccumulation, last_backward_plan},
     linear_cross_entropy, reference,
 };
 use burn_kernels_core::route::launches;
@@ -838,7 +838,7 @@ fn blocked_backward_matches_single_pass(device: &Device) {
 }
 
 /// The analytic working set of the backward at the benchmark shapes (8192 tokens, bf16,
-/// default options): the numbers documented in `burn_cce::chunked`.
+/// default options): the numbers documented in `burn_cce::diagnostics::BackwardBlocks`.
 #[test]
 fn working_set_at_bench_shapes() {
     let params = CceOptions::default().params(DType::BF16);

@@ -12,6 +12,13 @@ pub fn merged_shapes(a: &Shape) -> (Shape, Shape) {
     (Shape::new([n, d]), Shape::new([n]))
 }
 
+/// Key splits of the fused quantized attention read over `keys` cached keys: each split's f32
+/// partial results (`[rows, splits, d]` outputs and `[rows, splits]` maxima and sums) are its
+/// working set, merged after.
+pub fn quant_attention_splits(keys: usize) -> usize {
+    keys.div_ceil(crate::kernels::quant_attention::SPLIT).max(1)
+}
+
 /// The dequantized rows for scales `[rows, groups]`: `[rows, layout.cols]`.
 pub fn dequantized_shape(scale: &Shape, layout: &QuantLayout) -> Shape {
     Shape::new([scale[0], layout.cols])

@@ -11,7 +11,7 @@
 use burn::backend::Dispatch;
 use burn::tensor::{DType, Device, Distribution, Int, Tensor, TensorData};
 use burn_cce::{
-    CceKernels, CceOptions, FilterEps, GemmKernel, GemmStrategy, chunked, linear_cross_entropy,
+    CceKernels, CceOptions, FilterEps, GemmKernel, GemmStrategy, diagnostics, linear_cross_entropy,
     reference,
 };
 use rand::{Rng, SeedableRng, rngs::StdRng, seq::SliceRandom};
@@ -288,7 +288,7 @@ fn problem(
                                 reported = true;
                                 // Under fusion the backward runs at the synchronization.
                                 let _ = dev.sync();
-                                if let Some(plan) = chunked::last_backward_plan() {
+                                if let Some(plan) = diagnostics::last_backward_plan() {
                                     eprintln!(
                                         "  {name}: gradient computed for {} of {v} vocabulary entries in {} chunks",
                                         plan.entries, plan.chunks
@@ -300,7 +300,7 @@ fn problem(
                         let dev = device.clone();
                         cands.push(candidate.with_extra(move || {
                             let mut x = Extra::default();
-                            if let Some(ph) = chunked::time_backward_phases(&dev, timed) {
+                            if let Some(ph) = diagnostics::time_backward_phases(&dev, timed) {
                                 x.params.extend(params([
                                     ("scoring_ms", json!(ph.scoring_ms)),
                                     ("vocabulary_pass_ms", json!(ph.vocabulary_ms)),

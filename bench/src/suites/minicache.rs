@@ -232,7 +232,7 @@ fn footprint(
     // rebuilds nothing: its working set is the f32 partial results of its key splits.
     let step = match kind {
         Kind::Quant4 => {
-            let splits = grown.div_ceil(burn_kvcache::kernels::quant_attention::SPLIT) as u64;
+            let splits = burn_kvcache::shapes::quant_attention_splits(grown) as u64;
             let rows = (b * cfg.num_heads) as u64;
             vec![(rows * splits * d as u64 * 4, 1), (rows * splits * 4, 2)]
         }
