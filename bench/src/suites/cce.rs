@@ -250,23 +250,29 @@ fn problem(
                     // The backward alone: burn-cce's extension ops, which `linear_cross_entropy`
                     // calls on a CubeCL device (under Burn's fusion, custom operations).
                     let kernels = burn_kernels_core::route::cube_device(device).is_some();
+                    // One log-sum-exp for every variant, from the default options: computing it
+                    // with each variant's kernel would launch the kernels of variants the run
+                    // leaves out (`--skip-impl`), and a kernel refused at launch poisons the
+                    // process's later work.
+                    let lse = kernels.then(|| {
+                        let (lse, _) = Dispatch::linear_ce_forward(
+                            x.e.clone().into_dispatch(),
+                            x.c.clone().into_dispatch(),
+                            x.targets.clone().into_dispatch(),
+                            CceOptions::default().params(dtype),
+                        );
+                        Tensor::<1>::from_dispatch(lse)
+                    });
                     for (name, o) in variants(sweep, &pass_blocks, &chunk_blocks) {
-                        if !kernels {
+                        let Some(lse) = lse.clone() else {
                             cands.push(Candidate::skipped(name, "not a CubeCL device".into()));
                             continue;
-                        }
+                        };
                         if let Some(why) = too_slow_to_tune(shape, o) {
                             cands.push(Candidate::skipped(name, why));
                             continue;
                         }
                         let p = o.params(dtype);
-                        let (lse, _) = Dispatch::linear_ce_forward(
-                            x.e.clone().into_dispatch(),
-                            x.c.clone().into_dispatch(),
-                            x.targets.clone().into_dispatch(),
-                            p,
-                        );
-                        let lse = Tensor::<1>::from_dispatch(lse);
                         let dout = Tensor::<1>::full([n], 1.0 / n as f32, (device, DType::F32));
                         let (e, c, t) = (x.e.clone(), x.c.clone(), x.targets.clone());
                         let call = move || {
