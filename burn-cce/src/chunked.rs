@@ -513,6 +513,7 @@ pub fn backward(
     clock.lap(&device, |p| &mut p.vocabulary_ms);
 
     if two_pass && let Some(de) = &de {
+        let gemm = params.gemm.for_row_blocks();
         let parts: Vec<Part> = regroup(&plan, blocks.pass2_chunk)
             .iter()
             .map(|p| Part::new(p, &targets))
@@ -527,7 +528,7 @@ pub fn backward(
                     e_rows.clone(),
                     transpose(c_chunk.clone()),
                     DType::F32,
-                    params.gemm,
+                    gemm,
                     params.tf32,
                     "dE pass: logits",
                 );
@@ -549,7 +550,7 @@ pub fn backward(
                     g,
                     c_chunk,
                     DType::F32,
-                    params.gemm,
+                    gemm,
                     params.tf32,
                     "dE pass: product",
                 );

@@ -127,6 +127,19 @@ pub enum GemmStrategy {
     Autotune,
 }
 
+impl GemmStrategy {
+    /// The strategy for the GEMMs of the backward's second dE pass, whose row blocks (about a
+    /// thousand rows at the Gemma-2 shape) are a seventh of the other passes' `N` rows:
+    /// [`GemmStrategy::Fixed`] takes [`GemmKernel::ROW_BLOCKS`] there; any other strategy is
+    /// kept.
+    pub fn for_row_blocks(self) -> Self {
+        match self {
+            GemmStrategy::Fixed => GemmStrategy::Kernel(GemmKernel::ROW_BLOCKS),
+            other => other,
+        }
+    }
+}
+
 /// The cubek tensor-core GEMM kernels that [`GemmStrategy::Kernel`] can name: the ones Burn's
 /// matmul autotuner chooses among, with the `mma` tile instruction (and the TMA kernels on `cmma`
 /// too, which Burn's autotune also tries), and cubek's tile-DSL routines.
@@ -175,6 +188,13 @@ impl GemmKernel {
     /// (5.55 ms). Devices without the tensor memory accelerator (before Hopper, Vulkan) run
     /// [`GemmKernel::DoubleCyclic`] instead.
     pub const DEFAULT: GemmKernel = GemmKernel::SpecializedTma;
+
+    /// The kernel [`GemmStrategy::Fixed`] uses in the backward's second dE pass (row blocks of
+    /// `E`, see [`GemmStrategy::for_row_blocks`]): the fastest there in a sweep on an NVIDIA
+    /// H200 (Burn 0.23, 2026-11-27, Gemma-2 shape, bf16): dE pass 28.8 ms against 40.7 ms with
+    /// [`GemmKernel::SpecializedTma`], which stays the fastest for the full-`N` passes
+    /// (scoring 53.2 against 80.1 ms, vocabulary 22.2 against 25.6 ms).
+    pub const ROW_BLOCKS: GemmKernel = GemmKernel::SimpleTma;
 
     /// Every kernel, for sweeps.
     pub const ALL: [GemmKernel; 14] = [
