@@ -4,9 +4,7 @@
 
 use burn::backend::cubecl::dtype_to_storage_type;
 use burn_cubecl::tensor::CubeTensor;
-use cubecl::{calculate_cube_count_elemwise, prelude::*};
-
-const UNITS: u32 = 256;
+use cubecl::prelude::*;
 
 #[cube(launch)]
 fn add_rows_kernel<F: Float>(
@@ -44,8 +42,7 @@ pub fn add_rows(out: &CubeTensor, src: CubeTensor, row0: usize) {
         return;
     }
     let client = out.client.clone();
-    let cube_dim = CubeDim::new_1d(UNITS);
-    let cube_count = calculate_cube_count_elemwise(&client, rows * d, cube_dim);
+    let (cube_count, cube_dim) = super::elementwise_grid(&client, rows * d);
     let dtype = dtype_to_storage_type(out.dtype);
     add_rows_kernel::launch(
         &client,

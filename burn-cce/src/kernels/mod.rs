@@ -35,3 +35,10 @@ pub(crate) fn row_grid(client: &Client, rows: usize) -> CubeCount {
     let cubes_x = rows.clamp(1, max_x);
     CubeCount::Static(cubes_x as u32, rows.div_ceil(cubes_x) as u32, 1)
 }
+
+/// One unit per value for `count` values: cubes of 256 units, as many as needed.
+pub(crate) fn elementwise_grid(client: &Client, count: usize) -> (CubeCount, CubeDim) {
+    let cube_dim = CubeDim::new_1d(256);
+    let cube_count = cubecl::calculate_cube_count_elemwise(client, count, cube_dim);
+    (cube_count, cube_dim)
+}

@@ -9,9 +9,7 @@
 
 use burn::backend::cubecl::dtype_to_storage_type;
 use burn_cubecl::tensor::CubeTensor;
-use cubecl::{calculate_cube_count_elemwise, prelude::*};
-
-const UNITS: u32 = 256;
+use cubecl::prelude::*;
 
 #[cube(launch)]
 fn add_rows_at_kernel<F: Float, G: Float, I: Numeric>(
@@ -57,8 +55,7 @@ pub fn add_rows_at(out: &CubeTensor, src: CubeTensor, ids: CubeTensor) {
         return;
     }
     let client = out.client.clone();
-    let cube_dim = CubeDim::new_1d(UNITS);
-    let cube_count = calculate_cube_count_elemwise(&client, rows * d, cube_dim);
+    let (cube_count, cube_dim) = super::elementwise_grid(&client, rows * d);
     let dtypes = [
         dtype_to_storage_type(out.dtype),
         dtype_to_storage_type(src.dtype),
