@@ -1,7 +1,7 @@
 //! The benchmark runner behind `cargo xtask bench`.
 //!
 //! Runs suites of problems × implementations on one backend, prints a markdown table, and
-//! writes `<out>/<date>-<device>.json`, `.md` and an SVG chart per suite.
+//! writes `<out>/<date>/<device>.json`, `.md` and an SVG chart per suite.
 
 use burn_kernels_bench::{harness, report, suites};
 
@@ -280,7 +280,11 @@ fn render(path: &std::path::Path) -> Result<(), String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
     let report: report::Report =
         serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
-    let dir = path.parent().unwrap_or(std::path::Path::new("."));
+    // Beside the file: `write` adds the day's folder, which a results file already sits in.
+    let mut dir = path.parent().unwrap_or(std::path::Path::new("."));
+    if dir.file_name().is_some_and(|d| d == report.date.as_str()) {
+        dir = dir.parent().unwrap_or(std::path::Path::new("."));
+    }
     for p in report::write(dir, report).map_err(|e| format!("writing results: {e}"))? {
         eprintln!("wrote {}", p.display());
     }

@@ -1,4 +1,4 @@
-//! Result files: `<date>-<device>.json` (merged across runs of the same day and device),
+//! Result files: `<date>/<device>.json` (merged across runs of the same day and device),
 //! a markdown table, and an SVG chart per suite.
 
 use plotters::prelude::*;
@@ -51,10 +51,11 @@ fn slug(s: &str) -> String {
 }
 
 /// Writes (merging with an existing file of the same day and device) the JSON, markdown and
-/// plots; returns the paths written.
+/// plots into the day's folder `dir/<date>/`, named after the device; returns the paths written.
 pub fn write(dir: &Path, mut report: Report) -> std::io::Result<Vec<PathBuf>> {
+    let dir = &dir.join(&report.date);
     std::fs::create_dir_all(dir)?;
-    let stem = format!("{}-{}", report.date, slug(&report.device));
+    let stem = slug(&report.device);
     let json_path = dir.join(format!("{stem}.json"));
     if let Ok(old) = std::fs::read_to_string(&json_path)
         && let Ok(old) = serde_json::from_str::<Report>(&old)

@@ -398,7 +398,7 @@ fn too_slow_to_tune(shape: &str, o: CceOptions) -> Option<String> {
         ),
         "gemma" => Some(
             "Burn 0.23.0-pre.1's autotuned matmul fails at this shape on Hopper (a TMA launch \
-             error that spreads to later work; bench/results/2026-11-27-burn-0.23-before-after.md)"
+             error that spreads to later work; bench/results/2026-11-27/burn-0.23-before-after.md)"
                 .into(),
         ),
         _ => None,
