@@ -4,7 +4,8 @@
 //! - [`attention::AttentionImpl`]: how `softmax(q·kᵀ)·v` is computed (reference, Burn's fused
 //!   kernel, SageAttention later), with GQA and bottom-right-aligned causal masks;
 //! - [`cache::KvCache`]: a per-layer KV cache that also runs the attention over what it holds
-//!   (the full cache here; ShadowKV, MiniCache and quantized caches later);
+//!   (the full cache and [`static_cache::StaticKvCache`], written in place for captured decode
+//!   steps, here; ShadowKV, MiniCache and quantized caches in burn-kvcache);
 //! - [`rope::Rope`]: rotary embeddings (HF rotate-half, Llama-3 frequency scaling);
 //! - [`layer_ops::LayerOps`]: the layer's projections, RMSNorm, RoPE and SwiGLU gate as tensor
 //!   ops or as one CubeCL kernel each ([`fused_layers::FusedLayers`], inference), the kernels a
@@ -25,6 +26,7 @@ pub mod rope;
 pub mod route;
 pub mod sampling;
 pub mod setup;
+pub mod static_cache;
 
 pub use attention::{AttentionImpl, AttentionKind, AttnOptions, BurnAttention, ReferenceAttention};
 pub use cache::{CacheError, FullKvCache, KvCache, append_kv};
@@ -33,3 +35,4 @@ pub use fused_layers::FusedLayers;
 pub use layer_ops::{FusedOps, GEMV_MAX_ROWS, LayerOps, TensorOps};
 pub use rope::{Rope, RopeScaling};
 pub use sampling::{Greedy, Sampler, SamplingConfig, TopKTopP};
+pub use static_cache::{IndexedWrite, StaticCacheError, StaticKvCache};

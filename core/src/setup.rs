@@ -55,3 +55,73 @@ pub fn cuda_preflight() -> Result<PathBuf, SetupError> {
     let env = std::env::var_os("CUDA_PATH").filter(|p| !p.is_empty());
     find_libdevice(env.as_deref().map(Path::new))
 }
+
+/// Where [`persistent_caches`] keeps CubeCL's caches unless told otherwise:
+/// `$BURN_KERNELS_CUBECL_CACHE`, else `$XDG_CACHE_HOME/burn-kernels/cubecl`, else
+/// `~/.cache/burn-kernels/cubecl`.
+pub fn default_cache_dir() -> PathBuf {
+    let var = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty());
+    if let Some(dir) = var("BURN_KERNELS_CUBECL_CACHE") {
+        return PathBuf::from(dir);
+    }
+    let base = var("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| var("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .unwrap_or_else(std::env::temp_dir);
+    base.join("burn-kernels").join("cubecl")
+}
+
+/// Which CubeCL caches a process keeps across runs (see [`persistent_caches`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PersistentCaches {
+    /// The folder holding CubeCL's environment database.
+    pub dir: PathBuf,
+    /// Compiled kernels (PTX/SPIR-V) are cached, not only autotune results: the build has the
+    /// `persistence` feature.
+    pub compiled_kernels: bool,
+}
+
+impl std::fmt::Display for PersistentCaches {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.compiled_kernels {
+            write!(
+                f,
+                "compiled kernels and autotune results in {}",
+                self.dir.display()
+            )
+        } else {
+            write!(
+                f,
+                "autotune results in {} (built without `persistence`: kernels are compiled every run)",
+                self.dir.display()
+            )
+        }
+    }
+}
+
+/// Makes CubeCL keep its autotune results and (with the `persistence` feature) its compiled
+/// kernels in `dir` across runs, so a second run on the same machine neither re-tunes nor
+/// re-compiles. Call it first thing in `main`, before any device is opened. A `cubecl.toml`
+/// (or `burn.toml`) found from the current directory up, and CubeCL's environment variables,
+/// are read as usual; an environment path set there wins over `dir`.
+///
+/// Returns `None` when CubeCL's configuration was already set or read (it is fixed for the
+/// life of the process).
+pub fn persistent_caches(dir: &Path) -> Option<PersistentCaches> {
+    use cubecl::config::cache::CacheConfig;
+    use cubecl::config::{CubeClRuntimeConfig, RuntimeConfig};
+
+    let mut cfg = CubeClRuntimeConfig::from_current_dir().override_from_env();
+    if matches!(cfg.environment.path, CacheConfig::Target) {
+        cfg.environment.path = CacheConfig::Directory(dir.to_path_buf());
+    }
+    #[cfg(feature = "persistence")]
+    {
+        cfg.compilation.cache = true;
+    }
+    let dir = cfg.environment.path.root();
+    CubeClRuntimeConfig::try_set(cfg).then_some(PersistentCaches {
+        dir,
+        compiled_kernels: cfg!(feature = "persistence"),
+    })
+}

@@ -75,13 +75,53 @@ impl Generation {
 }
 
 /// The last position's logits of every row, on the host.
-fn last_logits(model: &Llama, hidden: Tensor<3>) -> Vec<Vec<f32>> {
+pub(crate) fn last_logits(model: &Llama, hidden: Tensor<3>) -> Vec<Vec<f32>> {
     let [b, s, h] = hidden.dims();
     let last = hidden.slice([0..b, s - 1..s, 0..h]);
     let logits = model.logits(last);
     let vocab = logits.dims()[2];
     let data = logits.into_data().try_to_vec::<f32>().expect("f32 logits");
     data.chunks(vocab).map(|c| c.to_vec()).collect()
+}
+
+/// The prompts left-padded into one `[batch, longest]` batch (each row padded with its own
+/// first token, masked) and each row's padding, after checking them.
+///
+/// # Errors
+/// [`GenerateError`] for no prompts, an empty prompt, or a prompt plus `max_new_tokens` longer
+/// than the model's context.
+pub(crate) fn padded_batch(
+    model: &Llama,
+    prompts: &[Vec<u32>],
+    max_new_tokens: usize,
+) -> Result<(Tensor<2, Int>, Vec<usize>), GenerateError> {
+    if prompts.is_empty() {
+        return Err(GenerateError::NoPrompts);
+    }
+    if let Some(index) = prompts.iter().position(Vec::is_empty) {
+        return Err(GenerateError::EmptyPrompt { index });
+    }
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    let needed = positions_needed(longest, max_new_tokens);
+    let max = model.max_positions();
+    if needed > max {
+        return Err(GenerateError::ContextTooLong {
+            prompt: longest,
+            new_tokens: max_new_tokens,
+            needed,
+            max,
+        });
+    }
+    let b = prompts.len();
+    let pad: Vec<usize> = prompts.iter().map(|p| longest - p.len()).collect();
+    let ids: Vec<i64> = prompts
+        .iter()
+        .zip(&pad)
+        .flat_map(|(p, &n)| std::iter::repeat_n(p[0] as i64, n).chain(p.iter().map(|&t| t as i64)))
+        .collect();
+    let device = model.embed.device();
+    let tokens = Tensor::<2, Int>::from_data(TensorData::new(ids, [b, longest]), &device);
+    Ok((tokens, pad))
 }
 
 /// Generates a continuation of every prompt.
@@ -102,32 +142,9 @@ pub fn generate(
     opts: &GenerateOptions,
     on_token: &mut dyn FnMut(usize, u32),
 ) -> Result<Generation, GenerateError> {
-    if prompts.is_empty() {
-        return Err(GenerateError::NoPrompts);
-    }
-    if let Some(index) = prompts.iter().position(Vec::is_empty) {
-        return Err(GenerateError::EmptyPrompt { index });
-    }
-    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
-    let needed = positions_needed(longest, opts.max_new_tokens);
-    let max = model.max_positions();
-    if needed > max {
-        return Err(GenerateError::ContextTooLong {
-            prompt: longest,
-            new_tokens: opts.max_new_tokens,
-            needed,
-            max,
-        });
-    }
+    let (tokens, pad) = padded_batch(model, prompts, opts.max_new_tokens)?;
     let device = model.embed.device();
     let b = prompts.len();
-    let pad: Vec<usize> = prompts.iter().map(|p| longest - p.len()).collect();
-    let ids: Vec<i64> = prompts
-        .iter()
-        .zip(&pad)
-        .flat_map(|(p, &n)| std::iter::repeat_n(p[0] as i64, n).chain(p.iter().map(|&t| t as i64)))
-        .collect();
-    let tokens = Tensor::<2, Int>::from_data(TensorData::new(ids, [b, longest]), &device);
 
     let t0 = Instant::now();
     let hidden = model.try_forward(tokens, &pad, cache, attention)?;

@@ -12,6 +12,7 @@ pub mod error;
 pub mod eval;
 pub mod finetune;
 pub mod generate;
+pub mod graph;
 pub mod loader;
 pub mod model;
 pub mod names;

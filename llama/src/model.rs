@@ -157,9 +157,36 @@ impl Llama {
         });
         let opts = AttnOptions {
             causal: true,
-            scale: (self.config.head_dim as f32).sqrt().recip(),
+            scale: self.attention_scale(),
             key_padding,
         };
+        self.forward_at(tokens, positions, &opts, cache, attention)
+    }
+
+    /// The softmax scale of the model's attention, `1/√head_dim`.
+    pub fn attention_scale(&self) -> f32 {
+        (self.config.head_dim as f32).sqrt().recip()
+    }
+
+    /// [`Llama::try_forward`] with the RoPE positions and the attention options given as device
+    /// tensors: it reads no host value and uploads nothing, so with a cache of fixed shapes
+    /// (`StaticKvCache::at`) it is a step a CUDA graph can capture. Positions are not checked
+    /// against the RoPE tables here.
+    ///
+    /// # Shapes
+    /// - `tokens`, `positions`: `[batch, seq]`; returns `[batch, seq, hidden]`
+    ///
+    /// # Errors
+    /// [`ForwardError::Cache`] when the cache could not attend.
+    pub fn forward_at(
+        &self,
+        tokens: Tensor<2, Int>,
+        positions: Tensor<2, Int>,
+        opts: &AttnOptions,
+        cache: &mut dyn KvCache,
+        attention: &dyn AttentionImpl,
+    ) -> Result<Tensor<3>, ForwardError> {
+        let [b, s] = tokens.dims();
         let [_, hidden] = self.embed.dims();
         let mut x = self
             .embed
@@ -176,7 +203,7 @@ impl Llama {
                     &positions,
                     cache,
                     attention,
-                    &opts,
+                    opts,
                 )
                 .map_err(|e| ForwardError::Cache {
                     layer,

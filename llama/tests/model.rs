@@ -11,7 +11,8 @@ use burn_kernels_core::{
 use burn_kernels_testing::testgen;
 use burn_kvcache::DecodeAttention;
 use burn_llama::eval::{perplexity_with_cache, perplexity_with_cache_chunked};
-use burn_llama::generate::{GenerateOptions, generate, perplexity};
+use burn_llama::generate::{GenerateError, GenerateOptions, generate, perplexity};
+use burn_llama::graph::generate_captured;
 use burn_llama::model::Llama;
 
 fn model(device: &Device) -> Llama {
@@ -98,6 +99,47 @@ fn batched_generation_matches_one_prompt_at_a_time() {
 }
 
 #[test]
+fn captured_decode_on_the_cpu() {
+    captured_decode_matches_eager(&Device::flex());
+    // One new token needs no decode step; none needs nothing; bad input is the eager path's
+    // typed error.
+    let model = model(&Device::flex());
+    let prompt = vec![checkpoint().tokenizer.encode("Hello").unwrap()];
+    for n in [0, 1] {
+        let opts = GenerateOptions {
+            max_new_tokens: n,
+            stop_tokens: vec![],
+        };
+        let (g, info) = generate_captured(
+            &model,
+            &prompt,
+            &ReferenceAttention,
+            &mut Greedy,
+            &opts,
+            &mut |_, _| {},
+        )
+        .expect("valid prompt");
+        assert_eq!(g.tokens[0].len(), n);
+        assert_eq!(g.decode_steps, 0);
+        assert!(!info.graph && info.reason.is_none(), "{info}");
+    }
+    let opts = GenerateOptions {
+        max_new_tokens: 4,
+        stop_tokens: vec![],
+    };
+    let err = generate_captured(
+        &model,
+        &[],
+        &ReferenceAttention,
+        &mut Greedy,
+        &opts,
+        &mut |_, _| {},
+    )
+    .expect_err("no prompts");
+    assert_eq!(err, GenerateError::NoPrompts);
+}
+
+#[test]
 fn perplexity_of_the_committed_paragraph_is_low() {
     let ids = paragraph_tokens();
     let model = model(&Device::flex());
@@ -168,8 +210,59 @@ fn decode_kernels_match_cpu(device: &Device) {
     }
 }
 
+/// Greedy generation with the decode step captured once and replayed (a CUDA graph on CUDA, the
+/// step re-run elsewhere) gives the eager path's tokens: two prompts of different lengths (the
+/// shorter left-padded), the decode kernels (fused layer ops, decode attention) on GPUs, the
+/// reference on the CPU. On CUDA the step must have replayed as a hardware graph (CubeCL's
+/// wgpu runtime replays one too).
+fn captured_decode_matches_eager(device: &Device) {
+    let tok = &checkpoint().tokenizer;
+    let model = model(device);
+    let prompts: Vec<Vec<u32>> = ["The capital of France is", "Once upon a time, there lived"]
+        .iter()
+        .map(|p| tok.encode(p).unwrap())
+        .collect();
+    assert_ne!(prompts[0].len(), prompts[1].len());
+    let attention: Box<dyn AttentionImpl> = if *device == Device::flex() {
+        Box::new(ReferenceAttention)
+    } else {
+        Box::new(FusedLayers::new(Arc::new(DecodeAttention::default())))
+    };
+    let n = if burn_kernels_testing::is_wgpu(device) {
+        5
+    } else {
+        12
+    };
+    let eager = greedy(&model, &prompts, n, attention.as_ref());
+    let opts = GenerateOptions {
+        max_new_tokens: n,
+        stop_tokens: vec![],
+    };
+    let (g, info) = generate_captured(
+        &model,
+        &prompts,
+        attention.as_ref(),
+        &mut Greedy,
+        &opts,
+        &mut |_, _| {},
+    )
+    .expect("valid prompts");
+    println!("{device:?}: {info}; {:?}", g.tokens);
+    assert_eq!(g.tokens, eager, "captured vs eager decode");
+    assert_eq!(g.decode_steps, n - 1);
+    assert_eq!(info.capacity, prompts[1].len().max(prompts[0].len()) + n);
+    // CUDA must replay a hardware graph; CubeCL's wgpu runtime also replays one, the CPU
+    // re-runs the step.
+    if burn_kernels_testing::is_cuda(device) {
+        assert!(info.graph, "{info}");
+    }
+    if *device == Device::flex() {
+        assert!(!info.graph, "{info}");
+    }
+}
+
 testgen! {
-    backend: [perplexity_matches_cpu, decode_kernels_match_cpu],
+    backend: [perplexity_matches_cpu, decode_kernels_match_cpu, captured_decode_matches_eager],
     autodiff: [],
 }
 

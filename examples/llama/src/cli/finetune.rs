@@ -127,6 +127,9 @@ struct Cli {
 
 pub fn main() {
     let cli = Cli::parse();
+    if cli.backend != super::BackendArg::Cpu {
+        super::keep_compiled_kernels();
+    }
     let result = cli.backend.device().and_then(|device| run(&cli, &device));
     super::exit_on_error(result);
 }

@@ -8,6 +8,7 @@ use burn::tensor::{DType, Device};
 use burn_llama::attention::{AttentionChoice, AttentionName};
 use burn_llama::eval::{CacheKind, CacheSpec, full_kv_bytes, perplexity_with_cache};
 use burn_llama::generate::{GenerateOptions, generate, perplexity};
+use burn_llama::graph::{DecodeMode, generate_captured};
 use burn_llama::loader::{default_model_path, load};
 use burn_llama::model::Llama;
 use burn_llama::spec::{
@@ -16,7 +17,7 @@ use burn_llama::spec::{
 };
 use burn_llama::tokenizer::Tokenizer;
 
-use super::BackendArg;
+use super::{BackendArg, value_name};
 use burn_kernels_core::{AttentionImpl, FusedLayers, KvCache, SamplingConfig};
 use burn_kvcache::{MiniCacheConfig, QuantConfig, ShadowKvConfig};
 use burn_sage::adaptive::DEFAULT_INT4_THRESHOLD;
@@ -28,6 +29,15 @@ enum DTypeArg {
     F32,
     F16,
     Bf16,
+}
+
+/// How the layer's small ops run (`--ops`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum OpsArg {
+    /// One CubeCL kernel per op (burn-kernels-core's `FusedLayers`).
+    Fused,
+    /// Burn tensor ops.
+    Tensor,
 }
 
 #[derive(Debug, Args)]
@@ -43,12 +53,17 @@ struct Common {
     #[arg(long, value_enum, default_value = "f32")]
     dtype: DTypeArg,
     /// Attention implementation (the Sage variants are burn-sage's SageAttention2; on the CPU
-    /// they run their tensor-op reference, with the kernels' rounding).
-    #[arg(long, value_enum, default_value = "reference")]
-    attention: AttentionName,
-    /// Run each layer's RMSNorms, RoPE and SwiGLU gate as one kernel each (burn-kernels-core's
-    /// fused layer ops; inference only) instead of Burn tensor ops.
-    #[arg(long)]
+    /// they run their tensor-op reference, with the kernels' rounding). Default: the fastest
+    /// exact one, `decode` on a GPU backend, `reference` on the CPU.
+    #[arg(long, value_enum)]
+    attention: Option<AttentionName>,
+    /// The layer's RMSNorms, RoPE and SwiGLU gate: one kernel each (`fused`, burn-kernels-core's
+    /// fused layer ops; inference only) or Burn tensor ops (`tensor`). Default: `fused` on a GPU
+    /// backend, `tensor` on the CPU.
+    #[arg(long, value_enum)]
+    ops: Option<OpsArg>,
+    /// Same as `--ops fused` (kept for older command lines).
+    #[arg(long, hide = true)]
     fused_ops: bool,
     /// sage-adaptive: a layer keeps INT4 where cos_sim·(1 − rel_l1) of its INT4 output against
     /// exact attention reaches this.
@@ -212,6 +227,11 @@ enum Cmd {
         top_p: Option<f32>,
         #[arg(long, default_value_t = 0)]
         seed: u64,
+        /// Decode steps: `graph` captures one step and replays it (a CUDA graph on CUDA; other
+        /// backends re-run it), `eager` runs every op of every step. `graph` needs the full KV
+        /// cache and no --spec; otherwise decoding is eager.
+        #[arg(long, value_enum, default_value = "graph")]
+        decode: DecodeMode,
         #[command(flatten)]
         spec: SpecArgs,
         #[command(flatten)]
@@ -236,23 +256,39 @@ struct Cli {
 }
 
 pub fn main() {
+    let started = std::time::Instant::now();
     let cli = Cli::parse();
     let common = match &cli.cmd {
         Cmd::Generate { common, .. } | Cmd::Perplexity { common, .. } => common,
     };
+    if common.backend != BackendArg::Cpu {
+        super::keep_compiled_kernels();
+    }
     let result = common
         .backend
         .device()
-        .and_then(|device| run(&cli, &device));
+        .and_then(|device| run(&cli, &device, started));
     super::exit_on_error(result);
 }
 
-fn run(cli: &Cli, device: &Device) -> Result<(), String> {
+fn run(cli: &Cli, device: &Device, started: std::time::Instant) -> Result<(), String> {
     let common = match &cli.cmd {
         Cmd::Generate { common, .. } | Cmd::Perplexity { common, .. } => common,
     };
     let path = common.model.clone().unwrap_or_else(default_model_path);
-    let choice = AttentionChoice::from(common.attention);
+    let gpu = common.backend != BackendArg::Cpu;
+    let attention_name = common.attention.unwrap_or(if gpu {
+        AttentionName::Decode
+    } else {
+        AttentionName::Reference
+    });
+    let ops = match (common.ops, common.fused_ops) {
+        (Some(ops), _) => ops,
+        (None, true) => OpsArg::Fused,
+        (None, false) if gpu => OpsArg::Fused,
+        (None, false) => OpsArg::Tensor,
+    };
+    let choice = AttentionChoice::from(attention_name);
     let dtype = match common.dtype {
         DTypeArg::F32 => DType::F32,
         DTypeArg::F16 => DType::F16,
@@ -293,10 +329,24 @@ fn run(cli: &Cli, device: &Device) -> Result<(), String> {
         }
     };
     let mut attention = build_attention(&choice, &model, &input_ids, common.int4_threshold)?;
-    if common.fused_ops {
+    if ops == OpsArg::Fused {
         attention = Box::new(FusedLayers::new(Arc::from(attention)));
     }
-    eprintln!("attention {}", attention.name());
+    eprintln!(
+        "attention {} ({}), layer ops {} ({})",
+        attention.name(),
+        if common.attention.is_some() {
+            "chosen"
+        } else {
+            "default"
+        },
+        value_name(ops),
+        if common.ops.is_some() || common.fused_ops {
+            "chosen"
+        } else {
+            "default"
+        },
+    );
     match &cli.cmd {
         Cmd::Generate {
             prompt,
@@ -306,6 +356,7 @@ fn run(cli: &Cli, device: &Device) -> Result<(), String> {
             top_k,
             top_p,
             seed,
+            decode,
             spec,
             kv,
             ..
@@ -367,37 +418,58 @@ fn run(cli: &Cli, device: &Device) -> Result<(), String> {
                     );
                 }
             };
-            let g = generate(
-                &model,
-                &[ids],
-                cache.as_mut(),
-                attention.as_ref(),
-                sampler.as_mut(),
-                &opts,
-                &mut |_, tok| stream.push(tok),
-            )
-            .map_err(|e| e.to_string())?;
-            println!();
+            let mut first_token = None;
+            let mut on_token = |_, tok| {
+                first_token.get_or_insert_with(|| started.elapsed().as_secs_f64());
+                stream.push(tok)
+            };
+            let (g, cache_name) = if *decode == DecodeMode::Graph && !compressed {
+                let (g, info) = generate_captured(
+                    &model,
+                    &[ids],
+                    attention.as_ref(),
+                    sampler.as_mut(),
+                    &opts,
+                    &mut on_token,
+                )
+                .map_err(|e| e.to_string())?;
+                println!();
+                eprintln!("{info}");
+                (g, "static".to_string())
+            } else {
+                if *decode == DecodeMode::Graph {
+                    eprintln!("decode: eager (graph decoding needs the full KV cache)");
+                }
+                let g = generate(
+                    &model,
+                    &[ids],
+                    cache.as_mut(),
+                    attention.as_ref(),
+                    sampler.as_mut(),
+                    &opts,
+                    &mut on_token,
+                )
+                .map_err(|e| e.to_string())?;
+                println!();
+                (g, cache.name())
+            };
+            let cached = g.prefill_tokens + g.decode_steps;
+            let full = full_kv_bytes(&model.config, 1, cached, model.embed.val().dtype().size());
             eprintln!(
-                "prefill {} tokens at {:.1} tok/s, decode {} tokens at {:.1} tok/s, KV cache {:.1} MB",
+                "KV cache {cache_name}: {} bytes held vs {} full ({:.2}x)",
+                g.cache_bytes,
+                full,
+                full as f64 / g.cache_bytes.max(1) as f64
+            );
+            eprintln!(
+                "prefill {} tokens at {:.1} tok/s, decode {} tokens at {:.1} tok/s; time to first \
+                 token {:.0} ms after the prompt ({:.2} s after start)",
                 g.prefill_tokens,
                 g.prefill_tokens_per_sec(),
                 g.tokens[0].len(),
                 g.decode_tokens_per_sec(),
-                g.cache_bytes as f64 / 1e6
-            );
-            let full = full_kv_bytes(
-                &model.config,
-                1,
-                cache.seq_len(),
-                model.embed.val().dtype().size(),
-            );
-            eprintln!(
-                "KV cache {}: {} bytes held vs {} full ({:.2}x)",
-                cache.name(),
-                g.cache_bytes,
-                full,
-                full as f64 / g.cache_bytes.max(1) as f64
+                g.prefill_secs * 1e3,
+                first_token.unwrap_or(f64::NAN),
             );
         }
         Cmd::Perplexity { kv, .. } => {

@@ -51,6 +51,22 @@ impl BackendArg {
 
 pub use burn_llama::names::value_names;
 
+/// The CLI name of one value of a [`ValueEnum`].
+pub fn value_name<T: ValueEnum>(v: T) -> String {
+    v.to_possible_value()
+        .map(|p| p.get_name().to_string())
+        .unwrap_or_default()
+}
+
+/// Keeps CubeCL's compiled kernels and autotune results across runs
+/// ([`burn_kernels_core::setup::persistent_caches`] in its default folder) and says where.
+pub fn keep_compiled_kernels() {
+    let dir = burn_kernels_core::setup::default_cache_dir();
+    if let Some(caches) = burn_kernels_core::setup::persistent_caches(&dir) {
+        eprintln!("CubeCL caches: {caches}");
+    }
+}
+
 /// The error of a command asked for a backend this build lacks.
 pub fn missing_feature(feature: &str) -> String {
     format!(

@@ -1,0 +1,230 @@
+//! A KV cache allocated once to its capacity and written in place: the fixed-shape storage a
+//! captured (CUDA-graph) decode step needs, and a cache whose decode steps never copy what it
+//! already holds ([`crate::FullKvCache`] concatenates, copying every layer's cache each step).
+
+use burn::tensor::{Bool, IndexingUpdateOp, Int, Tensor, TensorCreationOptions};
+
+use crate::attention::{AttentionImpl, AttnOptions};
+use crate::cache::{CacheError, KvCache};
+
+/// Why a [`StaticKvCache`] refused a write.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StaticCacheError {
+    /// The cached positions plus the new ones exceed the capacity it was allocated for.
+    #[error("static KV cache full: {len} cached + {new} new positions, capacity {capacity}")]
+    Full {
+        len: usize,
+        new: usize,
+        capacity: usize,
+    },
+    /// The new keys and values disagree with each other or with what the layer holds.
+    #[error("static KV cache, layer {layer}: keys {k:?}, values {v:?}, cache {cache:?}")]
+    Shape {
+        layer: usize,
+        k: Vec<usize>,
+        v: Vec<usize>,
+        cache: Vec<usize>,
+    },
+}
+
+/// Every layer's keys and values in `[batch, kv_heads, capacity, head_dim]` tensors allocated on
+/// the first write (in the keys' dtype and device) and then written in place
+/// (`slice_assign`/`select_assign` on a tensor only the cache holds writes its buffer directly
+/// on CubeCL backends).
+///
+/// As a [`KvCache`] it appends at its length and attends over the positions written (a view of
+/// the first `len` rows). [`StaticKvCache::at`] instead writes at positions held in a device
+/// tensor and attends over the whole capacity, positions past the length masked by the caller:
+/// a decode step that reads no host value and has the same shapes at every length, which is
+/// what a captured graph replays.
+#[derive(Debug)]
+pub struct StaticKvCache {
+    layers: Vec<Option<(Tensor<4>, Tensor<4>)>>,
+    lens: Vec<usize>,
+    capacity: usize,
+}
+
+impl StaticKvCache {
+    /// An empty cache of `num_layers` layers for up to `capacity` positions (nothing is
+    /// allocated before the first write).
+    pub fn new(num_layers: usize, capacity: usize) -> Self {
+        Self {
+            layers: vec![None; num_layers],
+            lens: vec![0; num_layers],
+            capacity,
+        }
+    }
+
+    /// Positions the cache was sized for.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Sets the length every layer reports (after [`StaticKvCache::at`] steps wrote past it).
+    pub fn set_len(&mut self, len: usize) {
+        let len = len.min(self.capacity);
+        self.lens.iter_mut().for_each(|l| *l = len);
+    }
+
+    /// The cache as a [`KvCache`] that writes each layer's new keys and values at the positions
+    /// `index` holds and attends over all `capacity` positions (mask the ones not yet written
+    /// with [`AttnOptions::key_padding`], e.g. from [`StaticKvCache::unwritten_mask`]).
+    ///
+    /// # Shapes
+    /// - `index`: `[s_new]`, the positions the `s_new` new keys and values go to
+    pub fn at(&mut self, index: Tensor<1, Int>) -> IndexedWrite<'_> {
+        IndexedWrite { cache: self, index }
+    }
+
+    /// `true` for the positions after `len` (a device value) and where `padding` is `true`:
+    /// the key mask of a step that writes position `len` and attends over the whole capacity.
+    ///
+    /// # Shapes
+    /// - `positions`: `[1, capacity]`, `0..capacity`; `len`: `[1]`; `padding`: `[batch, capacity]`
+    /// - returns `[batch, capacity]`
+    pub fn unwritten_mask(
+        positions: Tensor<2, Int>,
+        len: Tensor<1, Int>,
+        padding: Tensor<2, Bool>,
+    ) -> Tensor<2, Bool> {
+        let [b, cap] = padding.dims();
+        let beyond = positions.greater(len.reshape([1, 1]).expand([1, cap]));
+        beyond.expand([b, cap]).bool_or(padding)
+    }
+
+    /// The layer's buffers, allocated on the first write.
+    fn slot(
+        &mut self,
+        layer: usize,
+        k: &Tensor<4>,
+        v: &Tensor<4>,
+    ) -> Result<(Tensor<4>, Tensor<4>), StaticCacheError> {
+        let [b, h, _, d] = k.dims();
+        let want = [b, h, self.capacity, d];
+        let shape_error = |cache: Vec<usize>| StaticCacheError::Shape {
+            layer,
+            k: k.dims().to_vec(),
+            v: v.dims().to_vec(),
+            cache,
+        };
+        if v.dims() != k.dims() {
+            return Err(shape_error(want.to_vec()));
+        }
+        match self.layers[layer].take() {
+            Some((kc, vc)) if kc.dims() == want => Ok((kc, vc)),
+            Some((kc, vc)) => {
+                let dims = kc.dims().to_vec();
+                self.layers[layer] = Some((kc, vc));
+                Err(shape_error(dims))
+            }
+            None => {
+                let opts = TensorCreationOptions::new(k.device()).with_dtype(k.dtype());
+                Ok((Tensor::zeros(want, opts.clone()), Tensor::zeros(want, opts)))
+            }
+        }
+    }
+}
+
+impl KvCache for StaticKvCache {
+    fn attend(
+        &mut self,
+        layer: usize,
+        q: Tensor<4>,
+        k: Tensor<4>,
+        v: Tensor<4>,
+        attention: &dyn AttentionImpl,
+        opts: &AttnOptions,
+    ) -> Result<Tensor<4>, CacheError> {
+        let [b, h, s, d] = k.dims();
+        let len = self.lens[layer];
+        if len + s > self.capacity {
+            return Err(Box::new(StaticCacheError::Full {
+                len,
+                new: s,
+                capacity: self.capacity,
+            }));
+        }
+        let (kc, vc) = self.slot(layer, &k, &v)?;
+        let rows = [0..b, 0..h, len..len + s, 0..d];
+        let kc = kc.slice_assign(rows.clone(), k.clone());
+        let vc = vc.slice_assign(rows, v.clone());
+        let out = if len == 0 {
+            // Nothing cached before: the new keys are all there is (no view of the buffer).
+            attention.attend(layer, q, k, v, opts)
+        } else {
+            let held = [0..b, 0..h, 0..len + s, 0..d];
+            attention.attend(
+                layer,
+                q,
+                kc.clone().slice(held.clone()),
+                vc.clone().slice(held),
+                opts,
+            )
+        };
+        self.layers[layer] = Some((kc, vc));
+        self.lens[layer] = len + s;
+        Ok(out)
+    }
+
+    fn seq_len(&self) -> usize {
+        self.lens.last().copied().unwrap_or(0)
+    }
+
+    fn truncate(&mut self, len: usize) {
+        self.lens.iter_mut().for_each(|l| *l = (*l).min(len));
+    }
+
+    fn bytes_held(&self) -> usize {
+        self.layers
+            .iter()
+            .flatten()
+            .map(|(k, v)| (k.shape().num_elements() + v.shape().num_elements()) * k.dtype().size())
+            .sum()
+    }
+
+    fn name(&self) -> String {
+        "static".into()
+    }
+}
+
+/// [`StaticKvCache::at`]: writes at device-held positions, attends over the whole capacity.
+#[derive(Debug)]
+pub struct IndexedWrite<'a> {
+    cache: &'a mut StaticKvCache,
+    index: Tensor<1, Int>,
+}
+
+impl KvCache for IndexedWrite<'_> {
+    fn attend(
+        &mut self,
+        layer: usize,
+        q: Tensor<4>,
+        k: Tensor<4>,
+        v: Tensor<4>,
+        attention: &dyn AttentionImpl,
+        opts: &AttnOptions,
+    ) -> Result<Tensor<4>, CacheError> {
+        let (kc, vc) = self.cache.slot(layer, &k, &v)?;
+        let kc = kc.select_assign(2, self.index.clone(), k, IndexingUpdateOp::Assign);
+        let vc = vc.select_assign(2, self.index.clone(), v, IndexingUpdateOp::Assign);
+        let out = attention.attend(layer, q, kc.clone(), vc.clone(), opts);
+        self.cache.layers[layer] = Some((kc, vc));
+        Ok(out)
+    }
+
+    fn seq_len(&self) -> usize {
+        self.cache.seq_len()
+    }
+
+    fn truncate(&mut self, len: usize) {
+        self.cache.truncate(len);
+    }
+
+    fn bytes_held(&self) -> usize {
+        self.cache.bytes_held()
+    }
+
+    fn name(&self) -> String {
+        "static (indexed)".into()
+    }
+}

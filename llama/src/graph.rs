@@ -1,0 +1,224 @@
+//! Generation whose decode step is captured once and replayed ([`burn::tensor::capture`]): on
+//! CUDA the step's few hundred kernel launches become one graph launch, which is what bounds a
+//! small model's decode speed. The step has the same shapes at every length: keys and values
+//! live in a [`StaticKvCache`] allocated to the generation's length, the new token, its RoPE
+//! position and the cache length are one device tensor written in place before each replay, and
+//! attention reads the whole cache with the positions not yet written masked.
+//!
+//! Backends without graphs (Burn's CPU backend) replay by running the step again: the same
+//! tokens, at eager speed ([`CaptureInfo::graph`] says which ran). CubeCL's wgpu runtime
+//! captures and replays too.
+
+use std::cell::RefCell;
+use std::time::Instant;
+
+use burn::tensor::{Bool, Device, Int, Tensor, TensorData, capture};
+use burn_kernels_core::{AttentionImpl, AttnOptions, Sampler, StaticKvCache};
+
+use crate::generate::{GenerateError, GenerateOptions, Generation, last_logits, padded_batch};
+use crate::model::{ForwardError, Llama};
+
+/// How `llama generate` runs its decode steps (`--decode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum DecodeMode {
+    /// Capture one decode step as a graph and replay it (CUDA, wgpu; the CPU re-runs the
+    /// step). The full KV cache only, without speculative decoding.
+    #[default]
+    Graph,
+    /// Run every step's ops one by one, through the chosen KV cache.
+    Eager,
+}
+
+/// How [`generate_captured`] ran its decode steps.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CaptureInfo {
+    /// The step replayed as a hardware graph (one launch per step).
+    pub graph: bool,
+    /// Why it did not, when it did not (the backend's answer to the capture).
+    pub reason: Option<String>,
+    /// Seconds spent on the warm-up runs and the capture (included in the decode time).
+    pub capture_secs: f64,
+    /// Positions the static cache was allocated for.
+    pub capacity: usize,
+}
+
+impl std::fmt::Display for CaptureInfo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match (&self.reason, self.graph) {
+            (_, true) => write!(
+                f,
+                "decode step captured as a graph ({:.2} s to warm up and capture)",
+                self.capture_secs
+            ),
+            (Some(reason), false) => write!(f, "decode step re-run eagerly ({reason})"),
+            (None, false) => write!(f, "no decode step ran"),
+        }
+    }
+}
+
+/// What the captured step reads besides the model: kept in one place so the closure borrows
+/// them and the host can refresh `inputs` between replays.
+struct StepState {
+    cache: StaticKvCache,
+    /// `[2·batch + 1]`: each row's token, each row's RoPE position, then the cache length (the
+    /// position the step writes).
+    inputs: Option<Tensor<1, Int>>,
+}
+
+/// Writes `values` into `slot`'s buffer in place (allocating it the first time).
+///
+/// # Errors
+/// [`GraphError::NotInPlace`] when another handle shares the buffer: a captured graph would
+/// keep reading the old one.
+fn refresh(
+    slot: &mut Option<Tensor<1, Int>>,
+    values: Vec<i64>,
+    device: &Device,
+) -> Result<(), GraphError> {
+    let n = values.len();
+    let fresh = Tensor::<1, Int>::from_data(TensorData::new(values, [n]), device);
+    *slot = Some(match slot.take() {
+        None => fresh,
+        Some(held) if held.can_mut() => held.slice_assign([0..n], fresh),
+        Some(_) => return Err(GraphError::NotInPlace),
+    });
+    Ok(())
+}
+
+/// A captured decode step that could not be replayed safely.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum GraphError {
+    #[error("the decode step's input buffer is shared, so it cannot be refreshed in place")]
+    NotInPlace,
+}
+
+/// [`crate::generate::generate`] with a full-precision KV cache held in a [`StaticKvCache`] and
+/// every decode step replayed from one capture (see the module docs); the same tokens.
+///
+/// # Errors
+/// As [`crate::generate::generate`]; [`GenerateError::Forward`] also when the captured step
+/// failed.
+pub fn generate_captured(
+    model: &Llama,
+    prompts: &[Vec<u32>],
+    attention: &dyn AttentionImpl,
+    sampler: &mut dyn Sampler,
+    opts: &GenerateOptions,
+    on_token: &mut dyn FnMut(usize, u32),
+) -> Result<(Generation, CaptureInfo), GenerateError> {
+    let (tokens, pad) = padded_batch(model, prompts, opts.max_new_tokens)?;
+    let device = model.embed.device();
+    let [b, longest] = tokens.dims();
+    let capacity = longest + opts.max_new_tokens.max(1);
+    let mut state = StepState {
+        cache: StaticKvCache::new(model.config.num_layers, capacity),
+        inputs: None,
+    };
+
+    let t0 = Instant::now();
+    let hidden = model.try_forward(tokens, &pad, &mut state.cache, attention)?;
+    let mut logits = last_logits(model, hidden);
+    let prefill_secs = t0.elapsed().as_secs_f64();
+
+    // Constant inputs of the step, alive as long as the graph.
+    let positions = Tensor::<1, Int>::arange(0..capacity as i64, &device).reshape([1, capacity]);
+    let padding: Vec<bool> = pad
+        .iter()
+        .flat_map(|&p| (0..capacity).map(move |j| j < p))
+        .collect();
+    let padding = Tensor::<2, Bool>::from_data(TensorData::new(padding, [b, capacity]), &device);
+    let scale = model.attention_scale();
+    let state = RefCell::new(state);
+    let step = || -> Result<Tensor<2>, ForwardError> {
+        let mut st = state.borrow_mut();
+        let inputs = st.inputs.clone().expect("inputs are written before a step");
+        let tokens = inputs.clone().slice(0..b).reshape([b, 1]);
+        let rope = inputs.clone().slice(b..2 * b).reshape([b, 1]);
+        let len = inputs.slice(2 * b..2 * b + 1);
+        let mask = StaticKvCache::unwritten_mask(positions.clone(), len.clone(), padding.clone());
+        let opts = AttnOptions {
+            causal: true,
+            scale,
+            key_padding: Some(mask),
+        };
+        let hidden = model.forward_at(tokens, rope, &opts, &mut st.cache.at(len), attention)?;
+        let vocab = model.config.vocab_size;
+        Ok(model.logits(hidden).reshape([b, vocab]))
+    };
+
+    let mut step = Some(step);
+    let mut graph = None;
+    let mut info = CaptureInfo {
+        graph: false,
+        reason: None,
+        capture_secs: 0.0,
+        capacity,
+    };
+    let mut out: Vec<Vec<u32>> = vec![Vec::new(); b];
+    let mut done = vec![opts.max_new_tokens == 0; b];
+    let t1 = Instant::now();
+    let mut steps = 0;
+    let mut len = longest;
+    loop {
+        let mut next = Vec::with_capacity(2 * b + 1);
+        for i in 0..b {
+            let tok = sampler.sample(&logits[i]);
+            if !done[i] {
+                out[i].push(tok);
+                on_token(i, tok);
+                done[i] = opts.stop_tokens.contains(&tok) || out[i].len() >= opts.max_new_tokens;
+            }
+            next.push(tok as i64);
+        }
+        if done.iter().all(|&d| d) {
+            break;
+        }
+        next.extend((0..b).map(|i| (len - pad[i]) as i64));
+        next.push(len as i64);
+        refresh(&mut state.borrow_mut().inputs, next, &device).map_err(|e| {
+            GenerateError::Forward(ForwardError::Cache {
+                layer: 0,
+                message: e.to_string(),
+            })
+        })?;
+        let output = match &mut graph {
+            None => {
+                let t = Instant::now();
+                let g = capture(&device, step.take().expect("captured once"));
+                info.capture_secs = t.elapsed().as_secs_f64();
+                info.graph = g.is_hardware();
+                info.reason = g.capture_error().map(|e| format!("{e:?}"));
+                graph.insert(g).output().clone()
+            }
+            // Safety: the graph reads the model's weights (borrowed for this whole function),
+            // `positions`, `padding` and the cache's buffers (alive until it is dropped), and
+            // `inputs`, refreshed in place above on the same device stream; nothing else uses
+            // them while it runs, and its output is read below, which waits for it.
+            Some(g) => unsafe { g.replay() }.clone(),
+        };
+        logits = output?
+            .into_data()
+            .try_to_vec::<f32>()
+            .expect("f32 logits")
+            .chunks(model.config.vocab_size)
+            .map(<[f32]>::to_vec)
+            .collect();
+        len += 1;
+        steps += 1;
+    }
+    let decode_secs = t1.elapsed().as_secs_f64();
+    drop(graph);
+    let mut state = state.into_inner();
+    state.cache.set_len(len);
+    Ok((
+        Generation {
+            tokens: out,
+            prefill_tokens: prompts.iter().map(Vec::len).sum(),
+            prefill_secs,
+            decode_steps: steps,
+            decode_secs,
+            cache_bytes: burn_kernels_core::KvCache::bytes_held(&state.cache),
+        },
+        info,
+    ))
+}
