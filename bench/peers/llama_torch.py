@@ -4,6 +4,8 @@ timed on the same GPU in the same run. Prints one JSON line: {"times_ms": [...]}
 prefill: one forward over `--len` tokens (batch `--batch`) plus the last position's logits.
 decode: one token per sequence after a cached context of `--len` tokens (the cache is cropped
 back to `--len` after every step, as the Burn side truncates its cache).
+decode --cuda-graph: the step over transformers' StaticCache (written at a device-held cache
+position, so the same step is replayed) captured once in a torch.cuda.CUDAGraph and replayed.
 """
 import argparse
 import json
@@ -28,6 +30,7 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--cuda-graph", action="store_true")
     args = ap.parse_args()
     try:
         import torch
@@ -44,7 +47,9 @@ def main():
     step = torch.randint(0, cfg.vocab_size, (args.batch, 1), device="cuda")
 
     with torch.inference_mode():
-        if args.phase == "prefill":
+        if args.cuda_graph:
+            run = graph_step(model, cfg, ids, step, args)
+        elif args.phase == "prefill":
             def run():
                 model(input_ids=ids, use_cache=True, logits_to_keep=1)
         else:
@@ -63,7 +68,51 @@ def main():
             run()
             torch.cuda.synchronize()
             times.append((time.perf_counter() - t0) * 1e3)
-    print(json.dumps({"times_ms": times, "torch": torch.__version__}))
+    import transformers
+    print(json.dumps({"times_ms": times, "torch": torch.__version__,
+                      "transformers": transformers.__version__}))
+
+
+def static_cache(cfg, batch, length):
+    """transformers' StaticCache; its constructor's arguments changed across versions."""
+    import torch
+    from transformers import StaticCache
+    attempts = [
+        dict(config=cfg, max_batch_size=batch, max_cache_len=length, device="cuda", dtype=torch.float16),
+        dict(config=cfg, max_cache_len=length),
+    ]
+    for kwargs in attempts:
+        try:
+            return StaticCache(**kwargs)
+        except TypeError:
+            continue
+    raise RuntimeError("no StaticCache constructor matched")
+
+
+def graph_step(model, cfg, ids, step, args):
+    """The decode step after `ids`, captured in a CUDA graph over a static cache."""
+    import torch
+    if args.phase != "decode":
+        raise ValueError("--cuda-graph times the decode step")
+    cache = static_cache(cfg, args.batch, args.len + 8)
+    model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1,
+          cache_position=torch.arange(args.len, device="cuda"))
+    pos = torch.tensor([args.len], device="cuda")
+
+    def forward():
+        return model(input_ids=step, past_key_values=cache, use_cache=True, logits_to_keep=1,
+                     cache_position=pos).logits
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            forward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        forward()
+    return graph.replay
 
 
 if __name__ == "__main__":

@@ -176,6 +176,11 @@ fn main() {
         eprintln!("error: {e}");
         std::process::exit(1);
     }
+    // Compiled kernels and autotune results persist across runs (warm device calls reuse them).
+    let dir = burn_kernels_core::setup::default_cache_dir();
+    if let Some(caches) = burn_kernels_core::setup::persistent_caches(&dir) {
+        eprintln!("CubeCL caches: {caches}");
+    }
     let result = args.backend.device().and_then(|device| {
         let (probe, pool) = runtime(&device)?;
         run(&args, &device, args.backend.name(), Some(probe), pool)

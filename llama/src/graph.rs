@@ -10,9 +10,10 @@
 //! captures and replays too.
 
 use std::cell::RefCell;
+use std::rc::Rc;
 use std::time::Instant;
 
-use burn::tensor::{Bool, Device, Int, Tensor, TensorData, capture};
+use burn::tensor::{Bool, Device, Graph, Int, Tensor, TensorData, capture};
 use burn_kernels_core::{AttentionImpl, AttnOptions, Sampler, StaticKvCache};
 
 use crate::generate::{GenerateError, GenerateOptions, Generation, last_logits, padded_batch};
@@ -92,8 +93,168 @@ pub enum GraphError {
     NotInPlace,
 }
 
+/// What one step returns: the logits of every row, `[batch, vocab]` f32.
+type StepOutput = Result<Tensor<2>, ForwardError>;
+type StepFn<'a> = Box<dyn FnMut() -> StepOutput + 'a>;
+
+/// A model's decode step over a [`StaticKvCache`], captured on its first call and replayed on
+/// the next ones (see the module docs).
+pub struct CapturedDecoder<'a> {
+    state: Rc<RefCell<StepState>>,
+    step: Option<StepFn<'a>>,
+    graph: Option<Graph<StepOutput, StepFn<'a>>>,
+    device: Device,
+    pad: Vec<usize>,
+    len: usize,
+    info: CaptureInfo,
+}
+
+impl<'a> CapturedDecoder<'a> {
+    /// Runs the prompts through `model` (eagerly: one call, shapes of its own) into a static
+    /// cache sized for them plus `max_new_tokens`, and returns the decoder with each row's
+    /// last-position logits (on the host).
+    ///
+    /// # Errors
+    /// As [`crate::generate::generate`].
+    pub fn prefill(
+        model: &'a Llama,
+        attention: &'a dyn AttentionImpl,
+        prompts: &[Vec<u32>],
+        max_new_tokens: usize,
+    ) -> Result<(Self, Vec<Vec<f32>>), GenerateError> {
+        let (tokens, pad) = padded_batch(model, prompts, max_new_tokens)?;
+        let device = model.embed.device();
+        let [b, longest] = tokens.dims();
+        let capacity = longest + max_new_tokens.max(1);
+        let mut cache = StaticKvCache::new(model.config.num_layers, capacity);
+        let hidden = model.try_forward(tokens, &pad, &mut cache, attention)?;
+        let logits = last_logits(model, hidden);
+        let state = Rc::new(RefCell::new(StepState {
+            cache,
+            inputs: None,
+        }));
+
+        // Constant inputs of the step, owned by it (so alive as long as the graph).
+        let positions =
+            Tensor::<1, Int>::arange(0..capacity as i64, &device).reshape([1, capacity]);
+        let padding: Vec<bool> = pad
+            .iter()
+            .flat_map(|&p| (0..capacity).map(move |j| j < p))
+            .collect();
+        let padding =
+            Tensor::<2, Bool>::from_data(TensorData::new(padding, [b, capacity]), &device);
+        let scale = model.attention_scale();
+        let vocab = model.config.vocab_size;
+        let shared = state.clone();
+        let step: StepFn<'a> = Box::new(move || {
+            let mut st = shared.borrow_mut();
+            let inputs = st.inputs.clone().expect("inputs are written before a step");
+            let tokens = inputs.clone().slice(0..b).reshape([b, 1]);
+            let rope = inputs.clone().slice(b..2 * b).reshape([b, 1]);
+            let len = inputs.slice(2 * b..2 * b + 1);
+            let mask =
+                StaticKvCache::unwritten_mask(positions.clone(), len.clone(), padding.clone());
+            let opts = AttnOptions {
+                causal: true,
+                scale,
+                key_padding: Some(mask),
+            };
+            let hidden =
+                model.forward_at(tokens, rope, &opts, &mut st.cache.at(len), attention)?;
+            Ok(model.logits(hidden).reshape([b, vocab]))
+        });
+        let decoder = Self {
+            state,
+            step: Some(step),
+            graph: None,
+            device,
+            pad,
+            len: longest,
+            info: CaptureInfo {
+                graph: false,
+                reason: None,
+                capture_secs: 0.0,
+                capacity,
+            },
+        };
+        Ok((decoder, logits))
+    }
+
+    /// Feeds one token per row at the current length and returns the next logits,
+    /// `[batch, vocab]` f32 on the device. The first call captures the step (three warm-up
+    /// runs, then the recorded one); later calls replay it.
+    ///
+    /// # Errors
+    /// [`GenerateError::ContextTooLong`] past the cache's capacity; [`GenerateError::Forward`]
+    /// when the step failed or its input could not be refreshed in place.
+    pub fn step(&mut self, tokens: &[u32]) -> Result<Tensor<2>, GenerateError> {
+        let b = self.pad.len();
+        assert_eq!(tokens.len(), b, "one token per row");
+        if self.len >= self.info.capacity {
+            return Err(GenerateError::ContextTooLong {
+                prompt: self.len,
+                new_tokens: 1,
+                needed: self.len + 1,
+                max: self.info.capacity,
+            });
+        }
+        let mut inputs: Vec<i64> = tokens.iter().map(|&t| t as i64).collect();
+        inputs.extend(self.pad.iter().map(|&p| (self.len - p) as i64));
+        inputs.push(self.len as i64);
+        refresh(&mut self.state.borrow_mut().inputs, inputs, &self.device).map_err(|e| {
+            GenerateError::Forward(ForwardError::Cache {
+                layer: 0,
+                message: e.to_string(),
+            })
+        })?;
+        let output = match &mut self.graph {
+            None => {
+                let t = Instant::now();
+                let g = capture(&self.device, self.step.take().expect("captured once"));
+                self.info.capture_secs = t.elapsed().as_secs_f64();
+                self.info.graph = g.is_hardware();
+                self.info.reason = g.capture_error().map(|e| format!("{e:?}"));
+                self.graph.insert(g).output().clone()
+            }
+            // Safety: the graph reads the model's weights (borrowed for 'a), the constants it
+            // owns, the cache's buffers (held by `state`, which outlives it) and `inputs`,
+            // refreshed in place above on the same device stream; nothing else writes them
+            // while it runs, and the caller's read of the output waits for it.
+            Some(g) => unsafe { g.replay() }.clone(),
+        };
+        self.len += 1;
+        Ok(output?)
+    }
+
+    /// Steps back one position, so the next [`CapturedDecoder::step`] overwrites the last one
+    /// (benchmarks repeat one step this way).
+    pub fn rewind(&mut self) {
+        self.len = self.len.saturating_sub(1);
+    }
+
+    /// Positions cached: the prompt's (padded) length plus the steps taken.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether nothing is cached (never: a prefill caches at least one position).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// How the steps ran so far.
+    pub fn info(&self) -> &CaptureInfo {
+        &self.info
+    }
+
+    /// Bytes the static cache holds.
+    pub fn cache_bytes(&self) -> usize {
+        burn_kernels_core::KvCache::bytes_held(&self.state.borrow().cache)
+    }
+}
+
 /// [`crate::generate::generate`] with a full-precision KV cache held in a [`StaticKvCache`] and
-/// every decode step replayed from one capture (see the module docs); the same tokens.
+/// every decode step replayed from one capture ([`CapturedDecoder`]); the same tokens.
 ///
 /// # Errors
 /// As [`crate::generate::generate`]; [`GenerateError::Forward`] also when the captured step
@@ -106,61 +267,18 @@ pub fn generate_captured(
     opts: &GenerateOptions,
     on_token: &mut dyn FnMut(usize, u32),
 ) -> Result<(Generation, CaptureInfo), GenerateError> {
-    let (tokens, pad) = padded_batch(model, prompts, opts.max_new_tokens)?;
-    let device = model.embed.device();
-    let [b, longest] = tokens.dims();
-    let capacity = longest + opts.max_new_tokens.max(1);
-    let mut state = StepState {
-        cache: StaticKvCache::new(model.config.num_layers, capacity),
-        inputs: None,
-    };
-
     let t0 = Instant::now();
-    let hidden = model.try_forward(tokens, &pad, &mut state.cache, attention)?;
-    let mut logits = last_logits(model, hidden);
+    let (mut decoder, mut logits) =
+        CapturedDecoder::prefill(model, attention, prompts, opts.max_new_tokens)?;
     let prefill_secs = t0.elapsed().as_secs_f64();
-
-    // Constant inputs of the step, alive as long as the graph.
-    let positions = Tensor::<1, Int>::arange(0..capacity as i64, &device).reshape([1, capacity]);
-    let padding: Vec<bool> = pad
-        .iter()
-        .flat_map(|&p| (0..capacity).map(move |j| j < p))
-        .collect();
-    let padding = Tensor::<2, Bool>::from_data(TensorData::new(padding, [b, capacity]), &device);
-    let scale = model.attention_scale();
-    let state = RefCell::new(state);
-    let step = || -> Result<Tensor<2>, ForwardError> {
-        let mut st = state.borrow_mut();
-        let inputs = st.inputs.clone().expect("inputs are written before a step");
-        let tokens = inputs.clone().slice(0..b).reshape([b, 1]);
-        let rope = inputs.clone().slice(b..2 * b).reshape([b, 1]);
-        let len = inputs.slice(2 * b..2 * b + 1);
-        let mask = StaticKvCache::unwritten_mask(positions.clone(), len.clone(), padding.clone());
-        let opts = AttnOptions {
-            causal: true,
-            scale,
-            key_padding: Some(mask),
-        };
-        let hidden = model.forward_at(tokens, rope, &opts, &mut st.cache.at(len), attention)?;
-        let vocab = model.config.vocab_size;
-        Ok(model.logits(hidden).reshape([b, vocab]))
-    };
-
-    let mut step = Some(step);
-    let mut graph = None;
-    let mut info = CaptureInfo {
-        graph: false,
-        reason: None,
-        capture_secs: 0.0,
-        capacity,
-    };
+    let b = prompts.len();
+    let vocab = model.config.vocab_size;
     let mut out: Vec<Vec<u32>> = vec![Vec::new(); b];
     let mut done = vec![opts.max_new_tokens == 0; b];
     let t1 = Instant::now();
     let mut steps = 0;
-    let mut len = longest;
     loop {
-        let mut next = Vec::with_capacity(2 * b + 1);
+        let mut next = Vec::with_capacity(b);
         for i in 0..b {
             let tok = sampler.sample(&logits[i]);
             if !done[i] {
@@ -168,48 +286,22 @@ pub fn generate_captured(
                 on_token(i, tok);
                 done[i] = opts.stop_tokens.contains(&tok) || out[i].len() >= opts.max_new_tokens;
             }
-            next.push(tok as i64);
+            next.push(tok);
         }
         if done.iter().all(|&d| d) {
             break;
         }
-        next.extend((0..b).map(|i| (len - pad[i]) as i64));
-        next.push(len as i64);
-        refresh(&mut state.borrow_mut().inputs, next, &device).map_err(|e| {
-            GenerateError::Forward(ForwardError::Cache {
-                layer: 0,
-                message: e.to_string(),
-            })
-        })?;
-        let output = match &mut graph {
-            None => {
-                let t = Instant::now();
-                let g = capture(&device, step.take().expect("captured once"));
-                info.capture_secs = t.elapsed().as_secs_f64();
-                info.graph = g.is_hardware();
-                info.reason = g.capture_error().map(|e| format!("{e:?}"));
-                graph.insert(g).output().clone()
-            }
-            // Safety: the graph reads the model's weights (borrowed for this whole function),
-            // `positions`, `padding` and the cache's buffers (alive until it is dropped), and
-            // `inputs`, refreshed in place above on the same device stream; nothing else uses
-            // them while it runs, and its output is read below, which waits for it.
-            Some(g) => unsafe { g.replay() }.clone(),
-        };
-        logits = output?
+        logits = decoder
+            .step(&next)?
             .into_data()
             .try_to_vec::<f32>()
             .expect("f32 logits")
-            .chunks(model.config.vocab_size)
+            .chunks(vocab)
             .map(<[f32]>::to_vec)
             .collect();
-        len += 1;
         steps += 1;
     }
     let decode_secs = t1.elapsed().as_secs_f64();
-    drop(graph);
-    let mut state = state.into_inner();
-    state.cache.set_len(len);
     Ok((
         Generation {
             tokens: out,
@@ -217,8 +309,8 @@ pub fn generate_captured(
             prefill_secs,
             decode_steps: steps,
             decode_secs,
-            cache_bytes: burn_kernels_core::KvCache::bytes_held(&state.cache),
+            cache_bytes: decoder.cache_bytes(),
         },
-        info,
+        decoder.info().clone(),
     ))
 }

@@ -3,12 +3,21 @@
 //!
 //! prefill: one forward over the prompt plus the last position's logits; tokens = prompt length.
 //! decode: one new token per sequence after a cached context; the cache is truncated back to
-//! the context after each step so every repetition does the same work.
+//! the context after each step so every repetition does the same work. Burn runs it three
+//! ways: tensor ops with Burn's attention op (`burn`), the decode kernels (fused layer ops,
+//! split-K decode attention: `burn-kernels`), and the decode kernels in a captured step replayed
+//! as a CUDA graph (`burn-graph`, a static cache rewound after each step); PyTorch eagerly
+//! (`pytorch`) and with its step captured in a CUDA graph over transformers' static cache
+//! (`pytorch-graph`).
 
 use std::path::PathBuf;
 
+use std::sync::Arc;
+
 use burn::tensor::{DType, Int, Tensor, TensorData};
-use burn_kernels_core::{BurnAttention, FullKvCache, KvCache};
+use burn_kernels_core::{AttentionImpl, BurnAttention, FullKvCache, FusedLayers, KvCache};
+use burn_kvcache::DecodeAttention;
+use burn_llama::graph::CapturedDecoder;
 use burn_llama::{Llama, LlamaConfig};
 use serde_json::json;
 
@@ -31,7 +40,8 @@ pub fn suite(opts: SuiteOptions) -> Suite {
     Suite {
         name: "llama",
         description: "Llama forward, random weights, f16, batch 1: prefill of the prompt and decode \
-                      steps after it; Burn (burn-fused attention) vs PyTorch/transformers",
+                      steps after it; Burn (tensor ops + Burn's attention; the decode kernels, \
+                      eager and CUDA-graph replayed) vs PyTorch/transformers (eager, CUDA graph)",
         baseline: "pytorch",
         problems,
         measure_memory: false,
@@ -67,44 +77,85 @@ fn problem(
                 .map(|i| (i * 7919) % cfg.vocab_size as i64)
                 .collect();
             let prompt = Tensor::<2, Int>::from_data(TensorData::new(ids, [1, len]), device);
-            let step = Tensor::<2, Int>::from_data(TensorData::new(vec![42i64], [1, 1]), device);
             let layers = cfg.num_layers;
-            let burn = match phase {
-                "prefill" => Candidate::timed_here("burn", move || {
+            let mut candidates = match phase {
+                "prefill" => vec![Candidate::timed_here("burn", move || {
                     let mut cache = FullKvCache::new(layers);
                     let h = model.forward(prompt.clone(), &[], &mut cache, &BurnAttention);
                     let [b, s, d] = h.dims();
                     keep(model.logits(h.slice([0..b, s - 1..s, 0..d])));
-                }),
-                _ => {
-                    let mut cache = FullKvCache::new(layers);
-                    let _ = model.forward(prompt, &[], &mut cache, &BurnAttention);
-                    Candidate::timed_here("burn", move || {
-                        let h = model.forward(step.clone(), &[], &mut cache, &BurnAttention);
-                        keep(model.logits(h));
-                        cache.truncate(len);
-                    })
-                }
+                })],
+                _ => decode_candidates(model, prompt, len),
             };
-            let peers = peers.clone();
-            let peer = Candidate::timed_elsewhere("pytorch", move || {
-                torch_peer(&peers, shape, phase, len)
-            });
-            vec![burn, peer]
+            for (name, graph) in [("pytorch", false), ("pytorch-graph", true)] {
+                if phase == "prefill" && graph {
+                    continue;
+                }
+                let peers = peers.clone();
+                candidates.push(Candidate::timed_elsewhere(name, move || {
+                    torch_peer(&peers, shape, phase, len, graph)
+                }));
+            }
+            candidates
         }),
     }
 }
 
-/// Runs the PyTorch peer script and returns its times.
+/// The decode step after a `len`-token prompt: tensor ops with Burn's attention, the decode
+/// kernels eagerly, and the decode kernels replayed from a capture. The model (and the
+/// kernels' attention) are leaked: the captured decoder borrows them for the rest of the
+/// process, which the candidates' `'static` closures cannot otherwise express.
+fn decode_candidates(model: Llama, prompt: Tensor<2, Int>, len: usize) -> Vec<Candidate<'static>> {
+    let model: &'static Llama = Box::leak(Box::new(model));
+    let kernels: &'static dyn AttentionImpl = Box::leak(Box::new(FusedLayers::new(Arc::new(
+        DecodeAttention::default(),
+    ))));
+    let device = prompt.device();
+    let step = Tensor::<2, Int>::from_data(TensorData::new(vec![42i64], [1, 1]), &device);
+    let layers = model.config.num_layers;
+    let eager = |name: &'static str, attention: &'static dyn AttentionImpl| {
+        let mut cache = FullKvCache::new(layers);
+        let _ = model.forward(prompt.clone(), &[], &mut cache, attention);
+        let step = step.clone();
+        Candidate::timed_here(name, move || {
+            let h = model.forward(step.clone(), &[], &mut cache, attention);
+            keep(model.logits(h));
+            cache.truncate(len);
+        })
+    };
+    let ids: Vec<u32> = prompt
+        .clone()
+        .into_data()
+        .iter::<i64>()
+        .map(|t| t as u32)
+        .collect();
+    let graph = match CapturedDecoder::prefill(model, kernels, &[ids], 1) {
+        Ok((mut decoder, _)) => Candidate::timed_here("burn-graph", move || {
+            keep(decoder.step(&[42]).expect("the captured step runs"));
+            decoder.rewind();
+        }),
+        Err(e) => Candidate::skipped("burn-graph", e.to_string()),
+    };
+    vec![
+        eager("burn", &BurnAttention),
+        eager("burn-kernels", kernels),
+        graph,
+    ]
+}
+
+/// Runs the PyTorch peer script (its step captured in a CUDA graph with `graph`) and returns
+/// its times.
 fn torch_peer(
     peers: &std::path::Path,
     shape: &str,
     phase: &str,
     len: usize,
+    graph: bool,
 ) -> Result<PeerRun, String> {
     let len = len.to_string();
-    run_python_peer(
-        &peers.join("llama_torch.py"),
-        &["--shape", shape, "--phase", phase, "--len", &len],
-    )
+    let mut args = vec!["--shape", shape, "--phase", phase, "--len", &len];
+    if graph {
+        args.push("--cuda-graph");
+    }
+    run_python_peer(&peers.join("llama_torch.py"), &args)
 }
