@@ -80,7 +80,7 @@ fn refresh(
     let fresh = Tensor::<1, Int>::from_data(TensorData::new(values, [n]), device);
     *slot = Some(match slot.take() {
         None => fresh,
-        Some(held) if held.can_mut() => held.slice_assign([0..n], fresh),
+        Some(held) if held.can_mut() => held.slice_assign(0..n, fresh),
         Some(_) => return Err(GraphError::NotInPlace),
     });
     Ok(())
@@ -159,8 +159,7 @@ impl<'a> CapturedDecoder<'a> {
                 scale,
                 key_padding: Some(mask),
             };
-            let hidden =
-                model.forward_at(tokens, rope, &opts, &mut st.cache.at(len), attention)?;
+            let hidden = model.forward_at(tokens, rope, &opts, &mut st.cache.at(len), attention)?;
             Ok(model.logits(hidden).reshape([b, vocab]))
         });
         let decoder = Self {
