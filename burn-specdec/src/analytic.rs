@@ -191,7 +191,7 @@ pub fn figure2_row(q1: f64, q2: f64) -> Result<Figure2Row> {
         q2,
         spec_infer: acceptance_probability(Scheme::SpecInfer, &p, &qs)?,
         spec_tr: acceptance_probability(Scheme::SpecTr, &p, &qs)?,
-        importance_sampling: acceptance_probability(Scheme::ImportanceSampling, &p, &qs)?,
+        importance_sampling: acceptance_probability(Scheme::SequentialImportance, &p, &qs)?,
         optimal: acceptance_probability(Scheme::OPTIMAL, &p, &qs)?,
         bound: optimal_acceptance_bound(&p, &qs)?,
     })

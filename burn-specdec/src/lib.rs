@@ -12,7 +12,8 @@
 //! | [`Scheme::SingleDraft`] | K = 1: accept w.p. `min(1, p(x)/q(x))`, else `norm(max(p - q, 0))` | `sum min(p, q)` |
 //! | [`Scheme::SpecInfer`] | recursive rejection: draft k against `p_k`, `p_{k+1} = norm(max(p_k - q_k, 0))` | `1 - prod_k (1 - sum min(p_k, q_k))` |
 //! | [`Scheme::SpecTr`] | k-sequential selection with `min(1, p/(rho q_k))`, derived residual | `1 - prod_k (1 - beta_k(rho))` |
-//! | [`Scheme::ImportanceSampling`] | select a draft with importance weights (law `q~`), then SD against `q~` | `sum min(p, q~)` |
+//! | [`Scheme::SequentialImportance`] | select a draft with importance weights (law `q~`), then SD against `q~` | `sum min(p, q~)` |
+//! | [`Scheme::WeightedImportance`] | the paper's IS: select a drafted token with the LP's set-dependent weights (law `q~`), then SD against `q~` | `sum min(p, q~)` |
 //! | [`Scheme::Optimal`] | max-flow LP coupling of drafted token sets and output, truncated with a lumped tail symbol | LP value (or IS's, if larger) |
 //!
 //! The derivations (SpecTr's residual, the IS weights, the LP and its truncations) are in the
@@ -30,7 +31,7 @@
 //!
 //! let p = [0.5_f32, 0.3, 0.2];
 //! let q = [0.2_f32, 0.2, 0.6];
-//! let verifier = Verifier::new(Scheme::ImportanceSampling, &p, &[q, q])?;
+//! let verifier = Verifier::new(Scheme::SequentialImportance, &p, &[q, q])?;
 //! // Drafted tokens x_1 = 2, x_2 = 0 and K + 2 = 4 uniforms in [0, 1).
 //! let outcome = verifier.verify(&[2, 0], &[0.9, 0.1, 0.3, 0.5])?;
 //! assert!(outcome.token < 3);
@@ -59,11 +60,11 @@
 //! batched device kernel (batch × draft length × (K + 2) uniforms) given the same uniforms makes
 //! the same decisions:
 //!
-//! | uniform | single-draft SD, SpecInfer, SpecTr | importance sampling | optimal (LP) |
-//! |---|---|---|---|
-//! | `u[k]`, `k < K` | accept draft k iff `u[k] < a_k(x_k)` | select draft k (`k < K-1`) iff `u[k] < s_k(x_k)`; `u[K-1]` unused | `u[0]`: in-tail SD test when the lumped tail symbol is chosen (truncated LPs only); others unused |
-//! | `u[K]` | unused | accept the selected `y` iff `u[K] < min(1, p(y)/q~(y))` | pick an accepted symbol or "reject" by inverse CDF of the conditional row of the drafted set |
-//! | `u[K+1]` | residual sample by [`inverse_cdf`] | residual sample | residual (or in-tail residual) sample |
+//! | uniform | single-draft SD, SpecInfer, SpecTr | sequential importance sampling | optimal (LP) | weighted IS (LP weights) |
+//! |---|---|---|---|---|
+//! | `u[k]`, `k < K` | accept draft k iff `u[k] < a_k(x_k)` | select draft k (`k < K-1`) iff `u[k] < s_k(x_k)`; `u[K-1]` unused | `u[0]`: in-tail SD test when the lumped tail symbol is chosen (truncated LPs only); others unused | `u[0]`: SD test of the selected token, `min(1, p(y)/q~(y))`; others unused |
+//! | `u[K]` | unused | accept the selected `y` iff `u[K] < min(1, p(y)/q~(y))` | pick an accepted symbol or "reject" by inverse CDF of the conditional row of the drafted set | select a symbol of the drafted set by inverse CDF of its weights |
+//! | `u[K+1]` | residual sample by [`inverse_cdf`] | residual sample | residual (or in-tail residual) sample | residual sample |
 //!
 //! (A plan built with [`Scheme::Optimal`] may run the IS decision; see [`LpInfo`].) Decisions
 //! compare in `f64`; a device kernel computing in `f32` agrees except when a uniform lands within
@@ -142,10 +143,16 @@ pub enum Scheme {
     /// single-draft SD against the selection law `q~`) with closed-form sequential importance
     /// weights chosen per `(p, q_1..q_K)`, no LP; see [`schemes::importance`] for the weights
     /// and why the output is exactly `p`. Never accepts less than SpecInfer or SpecTr.
-    ImportanceSampling,
+    SequentialImportance,
+    /// The paper's weighted importance sampling: its canonical two-step scheme with the
+    /// importance weights of the (truncated) LP of [`lp`] — select one drafted token with
+    /// weights depending on the drafted set, then single-draft SD against the selection's exact
+    /// law `q~` (see [`schemes::weighted`]). Exact for any truncation; without truncation it
+    /// accepts as much as [`Scheme::Optimal`].
+    WeightedImportance(LpTruncation),
     /// The acceptance-maximising coupling from the max-flow LP (see [`lp`]), truncated as
     /// configured; with [`LpTruncation::fallback_to_importance_sampling`] (the default) it never
-    /// accepts less than [`Scheme::ImportanceSampling`].
+    /// accepts less than [`Scheme::SequentialImportance`].
     Optimal(LpTruncation),
 }
 
@@ -153,13 +160,17 @@ impl Scheme {
     /// [`Scheme::Optimal`] with [`LpTruncation::DEFAULT`].
     pub const OPTIMAL: Self = Self::Optimal(LpTruncation::DEFAULT);
 
+    /// [`Scheme::WeightedImportance`] with [`LpTruncation::DEFAULT`].
+    pub const WEIGHTED_IMPORTANCE: Self = Self::WeightedImportance(LpTruncation::DEFAULT);
+
     /// Short display name.
     pub fn name(&self) -> &'static str {
         match self {
             Self::SingleDraft => "single-draft SD",
             Self::SpecInfer => "SpecInfer",
             Self::SpecTr => "SpecTr",
-            Self::ImportanceSampling => "IS",
+            Self::SequentialImportance => "sequential IS",
+            Self::WeightedImportance(_) => "weighted IS",
             Self::Optimal(_) => "Optimal",
         }
     }
@@ -237,8 +248,13 @@ impl Verifier {
                 rho = Some(r);
                 Plan::Sequential(plan)
             }
-            Scheme::ImportanceSampling => {
+            Scheme::SequentialImportance => {
                 Plan::Selection(schemes::importance::plan(&target, &drafts))
+            }
+            Scheme::WeightedImportance(trunc) => {
+                let (plan, info) = schemes::weighted::plan(&target, &drafts, trunc)?;
+                lp_info = Some(info);
+                plan
             }
             Scheme::Optimal(trunc) => {
                 let (plan, info) = schemes::optimal::plan(&target, &drafts, trunc)?;

@@ -188,7 +188,7 @@ pub(crate) fn choose_alphabet(
 
 /// `P(S, k*)` for every drafted symbol-set mask `S` and first tail draft `k*` (`K` if none), by
 /// dynamic programming over the drafts. Mask 0 collects tuples with no acceptable symbol.
-fn pattern_masses(
+pub(crate) fn pattern_masses(
     bit_of: &[Option<u32>],
     tail_bit: Option<u32>,
     qs: &[Vec<f64>],

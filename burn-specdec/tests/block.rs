@@ -123,7 +123,7 @@ fn generated_sequences_follow_the_target_chain() {
     for scheme in [
         Scheme::SpecInfer,
         Scheme::SpecTr,
-        Scheme::ImportanceSampling,
+        Scheme::SequentialImportance,
         Scheme::OPTIMAL,
     ] {
         for (chains, len) in [
@@ -150,7 +150,7 @@ fn one_hot_target_gives_its_argmax_chain() {
     for scheme in [
         Scheme::SpecInfer,
         Scheme::SpecTr,
-        Scheme::ImportanceSampling,
+        Scheme::SequentialImportance,
         Scheme::OPTIMAL,
     ] {
         for _ in 0..200 {

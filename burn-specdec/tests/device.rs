@@ -84,7 +84,7 @@ fn schemes() -> [(Scheme, &'static [usize]); 4] {
         (Scheme::SingleDraft, &[1]),
         (Scheme::SpecInfer, &[1, 2, 3, 4]),
         (Scheme::SpecTr, &[1, 2, 3, 4]),
-        (Scheme::ImportanceSampling, &[1, 2, 3, 4]),
+        (Scheme::SequentialImportance, &[1, 2, 3, 4]),
     ]
 }
 
@@ -343,7 +343,7 @@ fn host_near_tie(
     host: &BlockOutcome,
     device_tokens: &[i64],
 ) -> bool {
-    if scheme != Scheme::ImportanceSampling {
+    if scheme != Scheme::SequentialImportance {
         return false;
     }
     let k = seq.drafts.len();
@@ -624,7 +624,7 @@ fn vocab_32003_matches_host(device: &Device) {
     let mut tally = Tally::default();
     let sequential = schemes()
         .into_iter()
-        .filter(|(s, _)| *s != Scheme::ImportanceSampling);
+        .filter(|(s, _)| *s != Scheme::SequentialImportance);
     for (scheme, ks) in sequential {
         for (&k, style) in ks
             .iter()
@@ -643,7 +643,7 @@ fn vocab_32003_matches_host(device: &Device) {
     let cases: Vec<_> = (0..2)
         .map(|_| {
             host_case(
-                Scheme::ImportanceSampling,
+                Scheme::SequentialImportance,
                 IS_MAX_VOCAB,
                 k,
                 l,
@@ -655,7 +655,7 @@ fn vocab_32003_matches_host(device: &Device) {
     let label = format!("IS V={IS_MAX_VOCAB} K={k} L={l}");
     run_batch(
         device,
-        Scheme::ImportanceSampling,
+        Scheme::SequentialImportance,
         IS_MAX_VOCAB,
         k,
         l,
@@ -705,9 +705,9 @@ fn typed_errors(device: &Device) {
         })
     );
     assert_eq!(
-        call(Scheme::ImportanceSampling, [1, 2, 3, IS_MAX_VOCAB + 1], 4),
+        call(Scheme::SequentialImportance, [1, 2, 3, IS_MAX_VOCAB + 1], 4),
         Err(SpecDecError::DeviceVocabTooLarge {
-            scheme: Scheme::ImportanceSampling,
+            scheme: Scheme::SequentialImportance,
             vocab: IS_MAX_VOCAB + 1,
             max: IS_MAX_VOCAB,
         })
@@ -735,7 +735,7 @@ fn typed_errors(device: &Device) {
     let (t, _, d, u) = tensors(device, [2, 2, 3, 5], 4);
     let q = Tensor::ones([2, 2, 3, 6], device);
     assert_eq!(
-        verify(Scheme::ImportanceSampling, t, q, d, u).map(|_| ()),
+        verify(Scheme::SequentialImportance, t, q, d, u).map(|_| ()),
         Err(SpecDecError::ShapeMismatch {
             tensor: "draft_probs",
             expected: vec![2, 2, 3, 5],
@@ -791,8 +791,8 @@ fn unfused_backend_matches_dispatch(device: &Device) {
         (Scheme::SpecInfer, KernelScheme::SpecInfer, 2, 3, 4),
         (Scheme::SpecTr, KernelScheme::SpecTr, 3, 2, 3),
         (
-            Scheme::ImportanceSampling,
-            KernelScheme::ImportanceSampling,
+            Scheme::SequentialImportance,
+            KernelScheme::SequentialImportance,
             3,
             3,
             4,

@@ -17,7 +17,7 @@ fn no_drafts() {
     let none: [Vec<f64>; 0] = [];
     for scheme in [
         Scheme::SpecInfer,
-        Scheme::ImportanceSampling,
+        Scheme::SequentialImportance,
         Scheme::OPTIMAL,
     ] {
         assert_eq!(new_err(scheme, &P, &none), SpecDecError::NoDrafts);
@@ -114,7 +114,7 @@ fn invalid_drafted_tokens() {
     for scheme in [
         Scheme::SpecInfer,
         Scheme::SpecTr,
-        Scheme::ImportanceSampling,
+        Scheme::SequentialImportance,
         Scheme::OPTIMAL,
     ] {
         let v = Verifier::new(scheme, &P, &qs).unwrap();
@@ -178,7 +178,7 @@ fn enumerations_refuse_huge_inputs() {
         SpecDecError::TooLarge { .. }
     ));
     // The closed forms have no such limit.
-    assert!(acceptance_probability(Scheme::ImportanceSampling, &p, &qs).unwrap() > 0.999);
+    assert!(acceptance_probability(Scheme::SequentialImportance, &p, &qs).unwrap() > 0.999);
 }
 
 #[test]

@@ -16,6 +16,7 @@ fn all_schemes(k: usize) -> Vec<Scheme> {
     let mut s = schemes_for(k);
     s.push(Scheme::Optimal(TINY_LP));
     s.push(Scheme::Optimal(TINY_LP_WITH_FALLBACK));
+    s.push(Scheme::WeightedImportance(TINY_LP));
     s
 }
 
@@ -77,7 +78,7 @@ fn scheme_ordering_and_lp_optimality() {
         let (si, tr, is, opt) = (
             acc(Scheme::SpecInfer),
             acc(Scheme::SpecTr),
-            acc(Scheme::ImportanceSampling),
+            acc(Scheme::SequentialImportance),
             acc(Scheme::OPTIMAL),
         );
         let bound = optimal_acceptance_bound(&p, &qs).unwrap();
@@ -90,6 +91,12 @@ fn scheme_ordering_and_lp_optimality() {
         );
         // The default budget covers every case here, so the LP is untruncated and optimal.
         assert!((opt - bound).abs() < 1e-9, "LP not optimal: {ctx}");
+        // Untruncated, weighted IS selects with the LP's weights and reaches the optimum.
+        let wis = acc(Scheme::WEIGHTED_IMPORTANCE);
+        assert!(
+            (wis - opt).abs() < 1e-9,
+            "weighted IS {wis} below Optimal: {ctx}"
+        );
         let truncated = acc(Scheme::Optimal(TINY_LP_WITH_FALLBACK));
         assert!(truncated >= is - 1e-12, "truncated Optimal below IS: {ctx}");
         let lp_only = acc(Scheme::Optimal(TINY_LP));
@@ -170,7 +177,7 @@ fn truncation_and_fallback_are_reported() {
     let fallback = Verifier::new(Scheme::Optimal(no_budget), &case.p, &case.qs).unwrap();
     let info = fallback.lp_info().unwrap();
     assert!(info.fell_back_to_importance_sampling && info.alphabet.is_empty());
-    let is = Verifier::new(Scheme::ImportanceSampling, &case.p, &case.qs).unwrap();
+    let is = Verifier::new(Scheme::SequentialImportance, &case.p, &case.qs).unwrap();
     assert_eq!(
         fallback.acceptance_probability(),
         is.acceptance_probability()
@@ -212,7 +219,7 @@ fn is_selection_rule_beats_the_chains_when_it_matters() {
     // Figure 2 at q2 = 0.1: the reserve rule is the best sequential selection.
     let p = [1.0 / 3.0; 3];
     let q = [1.0 / 3.0, 0.1, 2.0 / 3.0 - 0.1];
-    let v = Verifier::new(Scheme::ImportanceSampling, &p, &[q, q]).unwrap();
+    let v = Verifier::new(Scheme::SequentialImportance, &p, &[q, q]).unwrap();
     assert!(matches!(
         v.selection_rule(),
         Some(SelectionRule::Reserve { .. })

@@ -148,7 +148,7 @@ fn greedy_spectr_matches_plain_greedy() {
 
 #[test]
 fn greedy_importance_sampling_matches_plain_greedy() {
-    greedy_matches_plain_greedy(Scheme::ImportanceSampling);
+    greedy_matches_plain_greedy(Scheme::SequentialImportance);
 }
 
 #[test]
@@ -170,7 +170,7 @@ fn greedy_speculation_stops_at_stop_tokens() {
     let stop = vec![free[0][3]];
     let plain = plain_greedy(&model, &prompts, 12, &stop);
     assert!(plain[0].len() <= 4);
-    for scheme in [Scheme::SpecInfer, Scheme::ImportanceSampling] {
+    for scheme in [Scheme::SpecInfer, Scheme::SequentialImportance] {
         let mut opts = options(scheme, 4, 0.0, 12);
         opts.stop_tokens = stop.clone();
         let g = speculative_generate(
@@ -202,7 +202,7 @@ fn sampled_speculation_respects_limits_and_reports_metrics() {
     for (scheme, k) in [
         (Scheme::SingleDraft, 1),
         (Scheme::SpecTr, 3),
-        (Scheme::ImportanceSampling, 3),
+        (Scheme::SequentialImportance, 3),
     ] {
         let mut opts = options(scheme, L, 1.0, N);
         if k > 1 {
@@ -535,7 +535,7 @@ fn linear_caches_speculate_with_one_draft() {
     }
 
     for (kind, scheme) in [
-        (CacheKind::Quant4, Scheme::ImportanceSampling),
+        (CacheKind::Quant4, Scheme::SequentialImportance),
         (CacheKind::Full, Scheme::SingleDraft),
     ] {
         let g = speculative_generate_with_cache(

@@ -107,7 +107,7 @@ fn sampled_speculation_has_the_targets_law() {
     for scheme in [
         Scheme::SpecInfer,
         Scheme::SpecTr,
-        Scheme::ImportanceSampling,
+        Scheme::SequentialImportance,
         Scheme::OPTIMAL,
     ] {
         let c = counts(scheme, &target, &draft);

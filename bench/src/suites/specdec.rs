@@ -122,7 +122,8 @@ fn schemes(k: usize) -> Vec<Scheme> {
         vec![
             Scheme::SpecInfer,
             Scheme::SpecTr,
-            Scheme::ImportanceSampling,
+            Scheme::SequentialImportance,
+            Scheme::WEIGHTED_IMPORTANCE,
             Scheme::OPTIMAL,
         ]
     }

@@ -16,8 +16,8 @@ pub enum KernelScheme {
     SpecInfer,
     /// [`crate::Scheme::SpecTr`].
     SpecTr,
-    /// [`crate::Scheme::ImportanceSampling`], for `V <=` [`super::IS_MAX_VOCAB`].
-    ImportanceSampling,
+    /// [`crate::Scheme::SequentialImportance`], for `V <=` [`super::IS_MAX_VOCAB`].
+    SequentialImportance,
 }
 
 impl KernelScheme {
@@ -27,7 +27,7 @@ impl KernelScheme {
         match self {
             Self::SpecInfer => kernel::SCHEME_SPECINFER,
             Self::SpecTr => kernel::SCHEME_SPECTR,
-            Self::ImportanceSampling => kernel::SCHEME_IS,
+            Self::SequentialImportance => kernel::SCHEME_IS,
         }
     }
 }

@@ -19,7 +19,7 @@ use super::cube::{broadcast, cube_max, cube_sum, has_mass, ratio_capped, sample_
 pub const SCHEME_SPECINFER: u32 = 0;
 /// [`crate::Scheme::SpecTr`].
 pub const SCHEME_SPECTR: u32 = 1;
-/// [`crate::Scheme::ImportanceSampling`].
+/// [`crate::Scheme::SequentialImportance`].
 pub const SCHEME_IS: u32 = 2;
 
 /// Status bit: a probability row used by the walk was not normalisable (zero or non-finite

@@ -10,7 +10,8 @@
 //! a decision can differ only when a uniform lies within rounding distance (about 1e-6
 //! relative) of its threshold, or when two importance-sampling candidates tie to rounding.
 //!
-//! [`Scheme::Optimal`] (an LP per position) has no kernel: it returns
+//! [`Scheme::Optimal`] and [`Scheme::WeightedImportance`] (an LP per position) have no kernel:
+//! they return
 //! [`SpecDecError::UnsupportedOnDevice`], and callers verify on the host instead.
 //!
 //! The kernel is the Burn backend extension [`SpecDecKernels`] (`CubeBackend`, and
@@ -96,11 +97,11 @@ pub const IS_MAX_VOCAB: usize = 1024;
 ///   and `status [B]`, in `drafts`' int dtype.
 ///
 /// Non-f32 float inputs are cast to f32 first. Scratch memory: `V` floats per sequence, times
-/// `3K` for [`Scheme::ImportanceSampling`].
+/// `3K` for [`Scheme::SequentialImportance`].
 ///
 /// # Errors
 /// [`SpecDecError::UnsupportedOnDevice`] for [`Scheme::Optimal`],
-/// [`SpecDecError::DeviceVocabTooLarge`] for [`Scheme::ImportanceSampling`] with
+/// [`SpecDecError::DeviceVocabTooLarge`] for [`Scheme::SequentialImportance`] with
 /// `V > IS_MAX_VOCAB`,
 /// [`SpecDecError::SingleDraftOnly`] for [`Scheme::SingleDraft`] with `K != 1`,
 /// [`SpecDecError::NoDrafts`] (`K = 0`), [`SpecDecError::EmptyVocabulary`] (`V = 0`),
@@ -125,7 +126,7 @@ pub fn verify_blocks(
     if v == 0 {
         return Err(SpecDecError::EmptyVocabulary);
     }
-    if kernel_scheme == KernelScheme::ImportanceSampling && v > IS_MAX_VOCAB {
+    if kernel_scheme == KernelScheme::SequentialImportance && v > IS_MAX_VOCAB {
         return Err(SpecDecError::DeviceVocabTooLarge {
             scheme,
             vocab: v,
@@ -190,7 +191,7 @@ pub fn verify_blocks(
 /// Scratch rows of `V` floats per sequence: the work row, plus two candidate slots of `K` rows
 /// and `K - 1` reserve-estimate rows for importance sampling.
 fn scratch_rows(scheme: KernelScheme, k: usize) -> usize {
-    if scheme == KernelScheme::ImportanceSampling {
+    if scheme == KernelScheme::SequentialImportance {
         3 * k
     } else {
         1
@@ -203,8 +204,10 @@ fn kernel_scheme(scheme: Scheme, k: usize) -> Result<KernelScheme> {
         Scheme::SingleDraft if k != 1 => Err(SpecDecError::SingleDraftOnly { drafts: k }),
         Scheme::SingleDraft | Scheme::SpecInfer => Ok(KernelScheme::SpecInfer),
         Scheme::SpecTr => Ok(KernelScheme::SpecTr),
-        Scheme::ImportanceSampling => Ok(KernelScheme::ImportanceSampling),
-        Scheme::Optimal(_) => Err(SpecDecError::UnsupportedOnDevice { scheme }),
+        Scheme::SequentialImportance => Ok(KernelScheme::SequentialImportance),
+        Scheme::Optimal(_) | Scheme::WeightedImportance(_) => {
+            Err(SpecDecError::UnsupportedOnDevice { scheme })
+        }
     }
 }
 

@@ -64,6 +64,17 @@ fn cuts(plan: &Plan, k_drafts: usize) -> Vec<Vec<f64>> {
                 dims[k_drafts + 1].extend(cdf_cuts(row));
             }
         }
+        Plan::Weighted(w) => {
+            for row in w.select.values() {
+                let mut acc = 0.0;
+                for &(_, prob) in row {
+                    acc += prob;
+                    dims[k_drafts].push(acc);
+                }
+            }
+            dims[0].extend(&w.accept);
+            dims[k_drafts + 1] = cdf_cuts(&w.residual);
+        }
     }
     dims.into_iter()
         .map(|mut cut| {
@@ -147,8 +158,15 @@ fn decide_integrated_over_its_grid_is_law() {
     let schemes = [
         Scheme::SpecInfer,
         Scheme::SpecTr,
-        Scheme::ImportanceSampling,
+        Scheme::SequentialImportance,
         Scheme::Optimal(LpTruncation::DEFAULT),
+        Scheme::WEIGHTED_IMPORTANCE,
+        // One alphabet token, the rest lumped into the tail symbol.
+        Scheme::WeightedImportance(LpTruncation {
+            max_alphabet: 1,
+            max_variables: 4096,
+            fallback_to_importance_sampling: false,
+        }),
     ];
     // (vocabulary, drafts): the grid has (cuts + 1)^(K + 2) cells per tuple.
     for (vocab, k) in [(4, 1), (4, 2), (3, 3)] {

@@ -5,7 +5,7 @@
 //! uniforms. A batched device kernel computes the same plan per row and runs the same decision;
 //! the uniform layout is tabulated in the crate docs ([`crate::uniforms_per_token`]).
 //!
-//! Three plan shapes cover the five schemes:
+//! Four plan shapes cover the six schemes:
 //! - `SequentialPlan`: try draft `k = 0..K` in turn, accept it with probability
 //!   `accept[k][x_k]`, otherwise sample the final residual (single-draft SD, SpecInfer, SpecTr).
 //! - `SelectionPlan`: select one draft by sequential importance weights, then single-draft SD
@@ -13,12 +13,15 @@
 //! - `CouplingPlan`: the conditional law of the output given the *set* of drafted tokens,
 //!   read off an optimal max-flow LP (the LP-optimal scheme), with a lumped tail symbol under
 //!   truncation.
+//! - `WeightedPlan`: select one drafted token with the same LP's weights, then single-draft SD
+//!   against the selection's exact law (the paper's weighted importance sampling).
 
 pub mod importance;
 pub mod optimal;
 pub mod single;
 pub mod specinfer;
 pub mod spectr;
+pub mod weighted;
 
 #[cfg(test)]
 mod grid_tests;
@@ -243,6 +246,7 @@ pub(crate) enum Plan {
     Sequential(SequentialPlan),
     Selection(SelectionPlan),
     Coupling(CouplingPlan),
+    Weighted(weighted::WeightedPlan),
 }
 
 impl Plan {
@@ -251,6 +255,7 @@ impl Plan {
             Self::Sequential(s) => s.acceptance,
             Self::Selection(s) => s.acceptance,
             Self::Coupling(c) => c.flow.acceptance,
+            Self::Weighted(w) => w.acceptance,
         }
     }
 
@@ -260,6 +265,7 @@ impl Plan {
             Self::Sequential(s) => s.decide(drafts, u),
             Self::Selection(s) => s.decide(drafts, u),
             Self::Coupling(c) => c.decide(drafts, u),
+            Self::Weighted(w) => w.decide(drafts, u),
         }
     }
 
@@ -270,11 +276,12 @@ impl Plan {
             Self::Sequential(s) => s.law(drafts),
             Self::Selection(s) => s.law(drafts),
             Self::Coupling(c) => c.law(drafts),
+            Self::Weighted(w) => w.law(drafts),
         }
     }
 }
 
 /// Residual sampling. Residual rows always carry mass (see `prob::normalised_or`).
-fn sample(residual: &[f64], u: f64) -> usize {
+pub(crate) fn sample(residual: &[f64], u: f64) -> usize {
     inverse_cdf(residual, u).unwrap_or(0)
 }

@@ -135,7 +135,8 @@ pub fn schemes_for(k: usize) -> Vec<Scheme> {
     let mut s = vec![
         Scheme::SpecInfer,
         Scheme::SpecTr,
-        Scheme::ImportanceSampling,
+        Scheme::SequentialImportance,
+        Scheme::WEIGHTED_IMPORTANCE,
         Scheme::OPTIMAL,
     ];
     if k == 1 {

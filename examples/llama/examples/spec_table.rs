@@ -82,11 +82,11 @@ struct Args {
     draft_temperatures: Vec<f32>,
     #[arg(long, default_value_t = 1.0)]
     target_temperature: f32,
-    /// Schemes for K >= 2: specinfer, spectr, is, optimal.
+    /// Schemes for K >= 2: specinfer, spectr, is (sequential), wis (weighted IS), optimal.
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "specinfer,spectr,is,optimal"
+        default_value = "specinfer,spectr,is,wis,optimal"
     )]
     schemes: Vec<String>,
     /// Runs per configuration, with seeds 0.. (results pooled).
@@ -104,7 +104,8 @@ fn scheme(name: &str) -> Scheme {
     match name {
         "specinfer" => Scheme::SpecInfer,
         "spectr" => Scheme::SpecTr,
-        "is" => Scheme::ImportanceSampling,
+        "is" => Scheme::SequentialImportance,
+        "wis" => Scheme::WEIGHTED_IMPORTANCE,
         "optimal" => Scheme::OPTIMAL,
         other => panic!("unknown scheme {other}"),
     }

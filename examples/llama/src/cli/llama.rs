@@ -158,8 +158,11 @@ enum SpecScheme {
     Sd,
     Specinfer,
     Spectr,
-    /// Importance-sampling selection, then single-draft SD.
+    /// Sequential importance-sampling selection (closed-form weights), then single-draft SD.
     Is,
+    /// The paper's weighted importance sampling: selection with its LP's weights, then
+    /// single-draft SD against the selection's law.
+    Wis,
     /// LP-optimal coupling (default truncation).
     Optimal,
 }
@@ -170,7 +173,8 @@ impl SpecScheme {
             Self::Sd => Scheme::SingleDraft,
             Self::Specinfer => Scheme::SpecInfer,
             Self::Spectr => Scheme::SpecTr,
-            Self::Is => Scheme::ImportanceSampling,
+            Self::Is => Scheme::SequentialImportance,
+            Self::Wis => Scheme::WEIGHTED_IMPORTANCE,
             Self::Optimal => Scheme::OPTIMAL,
         }
     }
