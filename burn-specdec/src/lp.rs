@@ -49,9 +49,10 @@
 //! `k*` in the set-mass recursion). The top-level residual emits tail tokens in proportion to
 //! `p`, so the symbol-level argument above still gives exactly `p`: truncation costs acceptance,
 //! never exactness. The optimal scheme then compares the LP coupling's acceptance with the
-//! importance-sampling scheme's and uses the better one (unless
-//! [`LpTruncation::fallback_to_importance_sampling`] is off); IS is also the fallback when no
-//! alphabet fits the budget (`max_variables = 0`).
+//! same flow read as weighted importance sampling (`schemes::weighted`) and with the sequential
+//! importance-sampling scheme's, and uses the best (unless
+//! [`LpTruncation::fallback_to_importance_sampling`] is off); sequential IS is also the fallback
+//! when no alphabet fits the budget (`max_variables = 0`).
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -68,9 +69,10 @@ pub struct LpTruncation {
     pub max_alphabet: usize,
     /// Budget on the worst-case number of LP variables; 0 disables the LP.
     pub max_variables: usize,
-    /// Use the importance-sampling plan when it accepts more than the (truncated) LP coupling.
-    /// Turning this off keeps the LP coupling whenever the LP is enabled, e.g. to study the
-    /// truncation itself (the paper's Table 2); it is exact either way.
+    /// Use the weighted or the sequential importance-sampling plan when it accepts more than
+    /// the (truncated) LP coupling. Turning this off keeps the LP coupling whenever the LP is
+    /// enabled, e.g. to study the truncation itself (the paper's Table 2); it is exact either
+    /// way.
     pub fallback_to_importance_sampling: bool,
 }
 

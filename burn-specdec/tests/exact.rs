@@ -99,6 +99,11 @@ fn scheme_ordering_and_lp_optimality() {
         );
         let truncated = acc(Scheme::Optimal(TINY_LP_WITH_FALLBACK));
         assert!(truncated >= is - 1e-12, "truncated Optimal below IS: {ctx}");
+        let truncated_wis = acc(Scheme::WeightedImportance(TINY_LP));
+        assert!(
+            truncated >= truncated_wis - 1e-12,
+            "truncated Optimal below truncated weighted IS: {ctx}"
+        );
         let lp_only = acc(Scheme::Optimal(TINY_LP));
         assert!(
             lp_only <= opt + 1e-12,

@@ -67,7 +67,7 @@ pub(crate) fn plan(p: &[f64], qs: &[Vec<f64>], trunc: LpTruncation) -> Result<(P
 }
 
 impl WeightedPlan {
-    fn from_flow(p: &[f64], qs: &[Vec<f64>], flow: &Flow) -> Self {
+    pub(crate) fn from_flow(p: &[f64], qs: &[Vec<f64>], flow: &Flow) -> Self {
         let v = p.len();
         let k_drafts = qs.len();
         let alphabet = &flow.info.alphabet;
