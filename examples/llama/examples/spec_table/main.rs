@@ -16,6 +16,12 @@
 //!    `--corpus`, evenly spaced over the corpus's last `--heldout-fraction` (the part
 //!    `finetune` holds out, so a draft distilled from the rest never saw them). K = 1 is
 //!    single-draft SD, shared by every row.
+//! 3. *Exact acceptance* (`--exact`, instead of 1 and 2): for every prompt the target's own
+//!    continuation of `--new-tokens` tokens, and at each of its positions each scheme's exact
+//!    acceptance probability for K = `--exact-ks` identical drafts; mean over prompts ±
+//!    standard error, and a chart with `--chart` (see `exact.rs`):
+//!    `spec_table --exact --corpus ~/.cache/burn-kernels/corpus/shakespeare --prompts 500
+//!    --prompt-len 64 --new-tokens 16 --draft-temperatures 1.0,1.2,2.0 --chart exact.svg`
 //! 2. *Analytic acceptance* (skipped with `--analytic-positions 0`): at evenly spaced positions
 //!    of the paragraph (teacher-forced contexts), each scheme's exact probability of accepting
 //!    one of K identical drafts, `Verifier::acceptance_probability`, averaged over positions (the
@@ -33,6 +39,8 @@ use burn_llama::model::Llama;
 use burn_llama::spec::{Draft, SpecOptions, SpecStats, speculative_generate, truncated_draft};
 use burn_specdec::{Scheme, Verifier};
 use clap::{Parser, ValueEnum};
+
+mod exact;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum BackendArg {
@@ -98,6 +106,16 @@ struct Args {
     /// Draft depths of the analytic table (default: --draft-layers).
     #[arg(long, value_delimiter = ',')]
     analytic_layers: Vec<usize>,
+    /// The exact acceptance table over the prompts' continuations instead of the measured and
+    /// analytic tables.
+    #[arg(long)]
+    exact: bool,
+    /// Numbers of identical drafts of the exact table.
+    #[arg(long, value_delimiter = ',', default_value = "2,4,8")]
+    exact_ks: Vec<usize>,
+    /// Where the exact table's chart (SVG) goes.
+    #[arg(long)]
+    chart: Option<PathBuf>,
 }
 
 fn scheme(name: &str) -> Scheme {
@@ -223,12 +241,12 @@ fn prompts(args: &Args, ckpt: &Checkpoint, paragraph: &[u32]) -> Vec<Vec<u32>> {
 
 fn run(args: &Args, ckpt: &Checkpoint, device: &Device, attention: &dyn AttentionImpl) {
     let target = Llama::from_checkpoint(ckpt, device, DType::F32).expect("checkpoint");
-    let text = include_str!("../../../llama/data/paragraph.txt");
+    let text = include_str!("../../../../llama/data/paragraph.txt");
     let ids = ckpt.tokenizer.encode(text).expect("tokenize");
     let ks: Vec<usize> = (1..=args.max_k).collect();
     let started = Instant::now();
 
-    if args.prompts > 0 {
+    if args.exact || args.prompts > 0 {
         let (draft, draft_name) = match &args.draft_model {
             Some(path) => (
                 burn_llama::finetune::load_model(path, device, DType::F32).unwrap_or_else(|e| {
@@ -247,6 +265,24 @@ fn run(args: &Args, ckpt: &Checkpoint, device: &Device, attention: &dyn Attentio
             ),
         };
         let prompts = prompts(args, ckpt, &ids);
+        if args.exact {
+            exact::Exact {
+                target: &target,
+                draft: &draft,
+                draft_name,
+                attention,
+                prompts,
+                new_tokens: args.new_tokens,
+                target_temperature: args.target_temperature,
+                draft_temperatures: args.draft_temperatures.clone(),
+                schemes: args.schemes.iter().map(|n| scheme(n)).collect(),
+                ks: args.exact_ks.clone(),
+                chart: args.chart.as_deref(),
+            }
+            .run();
+            eprintln!("total {:.0}s", started.elapsed().as_secs_f64());
+            return;
+        }
         eprintln!(
             "measured: {} prompts of {} tokens ({}), batches of {}, {} new tokens, L = {}, \
              draft = {draft_name} ({} layers), target T = {}, {} seed(s)",

@@ -1,0 +1,293 @@
+//! `spec_table --exact`: each scheme's exact per-token acceptance probability (the paper's
+//! Table 3), without sampling noise. For every prompt the target continues the prompt itself
+//! (sampled at `--target-temperature`, seed = the prompt's index); at every position of that
+//! continuation the target's row `p` and the draft's row `q` (at each draft temperature) give
+//! each scheme's exact probability of accepting one of K identical drafts
+//! (`Verifier::acceptance_probability`). Per prompt the positions are averaged; the table gives
+//! the mean over prompts ± its standard error, and an SVG chart plots acceptance against K.
+
+use std::fmt::Write as _;
+use std::path::Path;
+
+use burn_kernels_core::{AttentionImpl, FullKvCache, SamplingConfig};
+use burn_llama::generate::{GenerateOptions, generate};
+use burn_llama::model::Llama;
+use burn_specdec::{Scheme, Verifier};
+
+/// Mean and standard error of the mean.
+fn mean_se(values: &[f64]) -> (f64, f64) {
+    let n = values.len() as f64;
+    let mean = values.iter().sum::<f64>() / n;
+    if values.len() < 2 {
+        return (mean, f64::NAN);
+    }
+    let var = values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / (n - 1.0);
+    (mean, (var / n).sqrt())
+}
+
+/// What one table cell needs: a draft temperature, a scheme, K.
+#[derive(Clone, Copy)]
+struct Cell {
+    temperature: usize,
+    scheme: usize,
+    k: usize,
+}
+
+/// The options of an exact run.
+pub struct Exact<'a> {
+    pub target: &'a Llama,
+    pub draft: &'a Llama,
+    pub draft_name: String,
+    pub attention: &'a dyn AttentionImpl,
+    pub prompts: Vec<Vec<u32>>,
+    pub new_tokens: usize,
+    pub target_temperature: f32,
+    pub draft_temperatures: Vec<f32>,
+    pub schemes: Vec<Scheme>,
+    pub ks: Vec<usize>,
+    /// Where the chart goes (none: no chart).
+    pub chart: Option<&'a Path>,
+}
+
+impl Exact<'_> {
+    /// Acceptance per prompt, indexed `[temperature][scheme][k][prompt]`.
+    fn measure(&self) -> Vec<Vec<Vec<Vec<f64>>>> {
+        let (nt, ns, nk) = (
+            self.draft_temperatures.len(),
+            self.schemes.len(),
+            self.ks.len(),
+        );
+        let mut out = vec![vec![vec![Vec::new(); nk]; ns]; nt];
+        let started = std::time::Instant::now();
+        for (i, prompt) in self.prompts.iter().enumerate() {
+            let sequence = self.continue_prompt(prompt, i as u64);
+            let rows = sequence.len() - prompt.len();
+            let first = prompt.len() - 1;
+            let p = &super::distributions(
+                self.target,
+                &sequence,
+                &[self.target_temperature],
+                self.attention,
+            )[0][first..first + rows];
+            let qs = super::distributions(
+                self.draft,
+                &sequence,
+                &self.draft_temperatures,
+                self.attention,
+            );
+            let cells: Vec<Cell> = (0..nt)
+                .flat_map(|t| {
+                    (0..ns).flat_map(move |s| {
+                        (0..nk).map(move |k| Cell {
+                            temperature: t,
+                            scheme: s,
+                            k,
+                        })
+                    })
+                })
+                .collect();
+            let values = self.parallel(&cells, |c| {
+                let q = &qs[c.temperature][first..first + rows];
+                let k = self.ks[c.k];
+                let scheme = if k == 1 {
+                    Scheme::SingleDraft
+                } else {
+                    self.schemes[c.scheme]
+                };
+                p.iter()
+                    .zip(q)
+                    .map(|(p, q)| {
+                        let drafts = vec![q.as_slice(); k];
+                        Verifier::new(scheme, p, &drafts)
+                            .expect("valid rows")
+                            .acceptance_probability()
+                    })
+                    .sum::<f64>()
+                    / rows as f64
+            });
+            for (c, v) in cells.iter().zip(values) {
+                out[c.temperature][c.scheme][c.k].push(v);
+            }
+            eprintln!(
+                "  exact: prompt {}/{} ({rows} positions) [{:.0}s elapsed]",
+                i + 1,
+                self.prompts.len(),
+                started.elapsed().as_secs_f64()
+            );
+        }
+        out
+    }
+
+    /// The prompt and the target's own continuation of it.
+    fn continue_prompt(&self, prompt: &[u32], seed: u64) -> Vec<u32> {
+        let mut cache = FullKvCache::new(self.target.config.num_layers);
+        let mut sampler = SamplingConfig {
+            temperature: self.target_temperature,
+            seed,
+            ..SamplingConfig::default()
+        }
+        .build();
+        let opts = GenerateOptions {
+            max_new_tokens: self.new_tokens,
+            stop_tokens: Vec::new(),
+        };
+        let g = generate(
+            self.target,
+            &[prompt.to_vec()],
+            &mut cache,
+            self.attention,
+            sampler.as_mut(),
+            &opts,
+            &mut |_, _| {},
+        )
+        .expect("prompt fits the context");
+        let mut sequence = prompt.to_vec();
+        sequence.extend(&g.tokens[0]);
+        sequence
+    }
+
+    /// `f` over `cells` on every core.
+    fn parallel(&self, cells: &[Cell], f: impl Fn(Cell) -> f64 + Sync) -> Vec<f64> {
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let chunk = cells.len().div_ceil(threads).max(1);
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = cells
+                .chunks(chunk)
+                .map(|part| {
+                    let f = &f;
+                    scope.spawn(move || part.iter().map(|&c| f(c)).collect::<Vec<f64>>())
+                })
+                .collect();
+            handles
+                .into_iter()
+                .flat_map(|h| h.join().expect("worker"))
+                .collect()
+        })
+    }
+
+    /// Measures, prints the markdown table (and writes the chart).
+    pub fn run(&self) {
+        eprintln!(
+            "exact: {} prompts, {} continuation tokens each, target T = {}, draft = {}",
+            self.prompts.len(),
+            self.new_tokens,
+            self.target_temperature,
+            self.draft_name
+        );
+        let values = self.measure();
+        let mut table = super::header("draft T", &self.ks);
+        for (t, temp) in self.draft_temperatures.iter().enumerate() {
+            for (s, scheme) in self.schemes.iter().enumerate() {
+                let _ = write!(table, "| {temp:.1} | {} |", scheme.name());
+                for per_prompt in &values[t][s] {
+                    let (mean, se) = mean_se(per_prompt);
+                    let _ = write!(table, " {mean:.4} ± {se:.4} |");
+                }
+                table.push('\n');
+            }
+        }
+        println!(
+            "Exact acceptance probability per token, mean over {} prompts ± standard error \
+             (draft: {}, target T = {})\n\n{table}",
+            self.prompts.len(),
+            self.draft_name,
+            self.target_temperature
+        );
+        if let Some(path) = self.chart {
+            match std::fs::write(path, self.chart_svg(&values)) {
+                Ok(()) => eprintln!("chart: {}", path.display()),
+                Err(e) => eprintln!("chart: {}: {e}", path.display()),
+            }
+        }
+    }
+
+    /// One panel per draft temperature: acceptance against K, a line per scheme, ±1 standard
+    /// error bars.
+    fn chart_svg(&self, values: &[Vec<Vec<Vec<f64>>>]) -> String {
+        const W: f64 = 320.0;
+        const H: f64 = 240.0;
+        const PAD: f64 = 40.0;
+        const COLORS: [&str; 6] = [
+            "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b",
+        ];
+        let cells: Vec<(f64, f64)> = values
+            .iter()
+            .flatten()
+            .flatten()
+            .map(|v| mean_se(v))
+            .collect();
+        let lo = cells.iter().map(|c| c.0).fold(f64::INFINITY, f64::min);
+        let hi = cells.iter().map(|c| c.0).fold(f64::NEG_INFINITY, f64::max);
+        let span = (hi - lo).max(1e-6);
+        let (lo, hi) = (lo - 0.05 * span, hi + 0.05 * span);
+        let kmax = *self.ks.iter().max().unwrap_or(&1) as f64;
+        let kmin = *self.ks.iter().min().unwrap_or(&1) as f64;
+        let x = |k: usize| PAD + (k as f64 - kmin) / (kmax - kmin).max(1.0) * (W - 2.0 * PAD);
+        let y = |v: f64| H - PAD - (v - lo) / (hi - lo) * (H - 2.0 * PAD);
+        let width = W * self.draft_temperatures.len() as f64;
+        let mut svg = format!(
+            "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{width}\" height=\"{}\" \
+             font-family=\"sans-serif\" font-size=\"11\">\n",
+            H + 20.0 * self.schemes.len() as f64
+        );
+        for (t, temp) in self.draft_temperatures.iter().enumerate() {
+            let _ = writeln!(
+                svg,
+                "<g transform=\"translate({})\"><text x=\"{PAD}\" y=\"16\">draft T = {temp:.1}\
+                 </text><line x1=\"{PAD}\" y1=\"{b}\" x2=\"{r}\" y2=\"{b}\" stroke=\"black\"/>\
+                 <line x1=\"{PAD}\" y1=\"{PAD}\" x2=\"{PAD}\" y2=\"{b}\" stroke=\"black\"/>\
+                 <text x=\"2\" y=\"{top}\">{hi:.3}</text><text x=\"2\" y=\"{b}\">{lo:.3}</text>",
+                W * t as f64,
+                b = H - PAD,
+                r = W - PAD,
+                top = PAD + 4.0,
+            );
+            for &k in &self.ks {
+                let _ = writeln!(
+                    svg,
+                    "<text x=\"{}\" y=\"{}\">K={k}</text>",
+                    x(k) - 8.0,
+                    H - PAD + 14.0
+                );
+            }
+            for (s, _) in self.schemes.iter().enumerate() {
+                let color = COLORS[s % COLORS.len()];
+                let points: Vec<String> = self
+                    .ks
+                    .iter()
+                    .zip(&values[t][s])
+                    .map(|(&k, v)| format!("{:.1},{:.1}", x(k), y(mean_se(v).0)))
+                    .collect();
+                let _ = writeln!(
+                    svg,
+                    "<polyline fill=\"none\" stroke=\"{color}\" points=\"{}\"/>",
+                    points.join(" ")
+                );
+                for (&k, v) in self.ks.iter().zip(&values[t][s]) {
+                    let (m, se) = mean_se(v);
+                    let se = if se.is_finite() { se } else { 0.0 };
+                    let _ = writeln!(
+                        svg,
+                        "<line x1=\"{0:.1}\" x2=\"{0:.1}\" y1=\"{1:.1}\" y2=\"{2:.1}\" \
+                         stroke=\"{color}\"/>",
+                        x(k),
+                        y(m - se),
+                        y(m + se)
+                    );
+                }
+            }
+            svg.push_str("</g>\n");
+        }
+        for (s, scheme) in self.schemes.iter().enumerate() {
+            let _ = writeln!(
+                svg,
+                "<text x=\"{PAD}\" y=\"{}\" fill=\"{}\">{}</text>",
+                H + 14.0 + 20.0 * s as f64,
+                COLORS[s % COLORS.len()],
+                scheme.name()
+            );
+        }
+        svg.push_str("</svg>\n");
+        svg
+    }
+}
