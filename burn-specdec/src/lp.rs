@@ -118,7 +118,7 @@ impl LpInfo {
 }
 
 /// An output symbol of the coupling.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) enum Symbol {
     /// A token of the LP alphabet.
     Token(usize),

@@ -4,8 +4,9 @@
 //! 1. *Selection*: given the drafted tuple, select one drafted token with weights that depend on
 //!    the tuple only through its set `S` of symbols. The weights are the (truncated) max-flow LP's
 //!    of [`crate::lp`]: symbol `y` with probability `f(S, y) / P(S)`, and the mass the LP leaves
-//!    unused, `1 - sum_y f(S, y) / P(S)`, on the best-ranked symbol of `S` (the lowest bit). The
-//!    tail symbol selects the first draft that drafted a tail token.
+//!    unused, `1 - sum_y f(S, y) / P(S)`, spread over the symbols of `S` in proportion to what
+//!    the flow leaves of their target mass (`p(y) - inflow(y)`; the best-ranked symbol when
+//!    nothing is left). The tail symbol selects the first draft that drafted a tail token.
 //! 2. *Single-draft SD against `q~`*, the exact law of the selected token: accept it with
 //!    probability `min(1, p(y) / q~(y))`, else sample `norm(max(p - q~, 0))`.
 //!
@@ -71,29 +72,69 @@ impl WeightedPlan {
         let v = p.len();
         let k_drafts = qs.len();
         let alphabet = &flow.info.alphabet;
-        let lead = |mask: u64| {
-            let bit = mask.trailing_zeros();
+        let symbol_of = |bit: u32| {
             if Some(bit) == flow.tail_bit {
                 Symbol::Tail
             } else {
                 Symbol::Token(alphabet[bit as usize])
             }
         };
+        let masses = lp::pattern_masses(&flow.bit_of, flow.tail_bit, qs);
+        // What the LP's flow leaves of each symbol's target mass: the leftover selection mass of
+        // a set goes to its symbols in proportion to it (mass on a symbol whose target mass is
+        // already covered adds nothing to `sum min(p, q~)`).
+        let mut set_mass: HashMap<u64, f64> = HashMap::new();
+        for (&(mask, _), &w) in &masses {
+            *set_mass.entry(mask).or_insert(0.0) += w;
+        }
+        let tail_p: f64 = (0..v)
+            .filter(|&y| flow.tail_bit.is_some() && flow.bit_of[y] == flow.tail_bit)
+            .map(|y| p[y])
+            .sum();
+        let mut remaining: HashMap<Symbol, f64> = HashMap::new();
+        for (bit, &y) in alphabet.iter().enumerate() {
+            remaining.insert(symbol_of(bit as u32), p[y]);
+        }
+        if flow.tail_bit.is_some() {
+            remaining.insert(Symbol::Tail, tail_p);
+        }
+        for (mask, row) in &flow.table {
+            let mass = set_mass.get(mask).copied().unwrap_or(0.0);
+            for &(symbol, w) in row {
+                *remaining.entry(symbol).or_insert(0.0) -= mass * w;
+            }
+        }
         let mut select: HashMap<u64, Vec<(Symbol, f64)>> = HashMap::new();
         let mut proposal = vec![0.0; v];
         let mut tail_weight = vec![0.0; k_drafts];
-        for ((mask, first), mass) in lp::pattern_masses(&flow.bit_of, flow.tail_bit, qs) {
+        for ((mask, first), mass) in masses {
             if mask == 0 {
                 continue;
             }
             let row = select.entry(mask).or_insert_with(|| {
                 let mut row = flow.table.get(&mask).cloned().unwrap_or_default();
                 let left = (1.0 - row.iter().map(|&(_, w)| w).sum::<f64>()).max(0.0);
-                let lead = lead(mask);
-                match row.iter_mut().find(|(s, _)| *s == lead) {
-                    Some((_, w)) => *w += left,
-                    None => row.insert(0, (lead, left)),
+                let symbols: Vec<Symbol> = (0..64)
+                    .filter(|b| mask & (1 << b) != 0)
+                    .map(symbol_of)
+                    .collect();
+                let room = |s: &Symbol| remaining.get(s).copied().unwrap_or(0.0).max(0.0);
+                let total: f64 = symbols.iter().map(room).sum();
+                let shares: Vec<(Symbol, f64)> = if total > 0.0 {
+                    symbols
+                        .iter()
+                        .map(|s| (*s, left * room(s) / total))
+                        .collect()
+                } else {
+                    vec![(symbols[0], left)]
+                };
+                for (symbol, share) in shares {
+                    match row.iter_mut().find(|(s, _)| *s == symbol) {
+                        Some((_, w)) => *w += share,
+                        None => row.push((symbol, share)),
+                    }
                 }
+                row.retain(|&(_, w)| w > 0.0);
                 row
             });
             for &(symbol, w) in row.iter() {
