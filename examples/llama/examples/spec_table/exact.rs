@@ -193,6 +193,30 @@ impl Exact<'_> {
             self.draft_name,
             self.target_temperature
         );
+        // The spread across prompts (easy and hard contexts) is shared by every scheme: the
+        // per-prompt differences to the first scheme order them.
+        let mut diffs = super::header("draft T", &self.ks);
+        for (t, temp) in self.draft_temperatures.iter().enumerate() {
+            for (s, scheme) in self.schemes.iter().enumerate().skip(1) {
+                let _ = write!(
+                    diffs,
+                    "| {temp:.1} | {} − {} |",
+                    scheme.name(),
+                    self.schemes[0].name()
+                );
+                for (k, per_prompt) in values[t][s].iter().enumerate() {
+                    let d: Vec<f64> = per_prompt
+                        .iter()
+                        .zip(&values[t][0][k])
+                        .map(|(a, b)| a - b)
+                        .collect();
+                    let (mean, se) = mean_se(&d);
+                    let _ = write!(diffs, " {mean:+.4} ± {se:.4} |");
+                }
+                diffs.push('\n');
+            }
+        }
+        println!("Paired differences per token (mean over prompts ± standard error)\n\n{diffs}");
         if let Some(path) = self.chart {
             match std::fs::write(path, self.chart_svg(&values)) {
                 Ok(()) => eprintln!("chart: {}", path.display()),
@@ -216,8 +240,15 @@ impl Exact<'_> {
             .flatten()
             .map(|v| mean_se(v))
             .collect();
-        let lo = cells.iter().map(|c| c.0).fold(f64::INFINITY, f64::min);
-        let hi = cells.iter().map(|c| c.0).fold(f64::NEG_INFINITY, f64::max);
+        let se = |c: &(f64, f64)| if c.1.is_finite() { c.1 } else { 0.0 };
+        let lo = cells
+            .iter()
+            .map(|c| c.0 - se(c))
+            .fold(f64::INFINITY, f64::min);
+        let hi = cells
+            .iter()
+            .map(|c| c.0 + se(c))
+            .fold(f64::NEG_INFINITY, f64::max);
         let span = (hi - lo).max(1e-6);
         let (lo, hi) = (lo - 0.05 * span, hi + 0.05 * span);
         let kmax = *self.ks.iter().max().unwrap_or(&1) as f64;
