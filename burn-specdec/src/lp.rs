@@ -111,6 +111,18 @@ pub struct LpInfo {
 }
 
 impl LpInfo {
+    /// No LP ran (no alphabet fits the budget): the sequential IS plan is used.
+    pub(crate) fn disabled(p: &[f64], qs: &[Vec<f64>]) -> Self {
+        Self {
+            alphabet: Vec::new(),
+            tail_tokens: acceptable_tokens(p, qs).len(),
+            sets: 0,
+            variables: 0,
+            lp_acceptance: 0.0,
+            fell_back_to_importance_sampling: true,
+        }
+    }
+
     /// Whether some acceptable token was lumped into the tail.
     pub fn truncated(&self) -> bool {
         self.tail_tokens > 0

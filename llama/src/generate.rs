@@ -151,37 +151,63 @@ pub fn generate(
     let mut logits = last_logits(model, hidden);
     let prefill_secs = t0.elapsed().as_secs_f64();
 
-    let mut out: Vec<Vec<u32>> = vec![Vec::new(); b];
-    let mut done = vec![opts.max_new_tokens == 0; b];
+    let mut rows = Rows::new(b, opts);
     let t1 = Instant::now();
     let mut steps = 0;
-    loop {
-        let mut next = Vec::with_capacity(b);
-        for i in 0..b {
-            let tok = sampler.sample(&logits[i]);
-            if !done[i] {
-                out[i].push(tok);
-                on_token(i, tok);
-                done[i] = opts.stop_tokens.contains(&tok) || out[i].len() >= opts.max_new_tokens;
-            }
-            next.push(tok as i64);
-        }
-        if done.iter().all(|&d| d) {
-            break;
-        }
+    while let Some(next) = rows.sample(&logits, sampler, opts, on_token) {
+        let next = next.into_iter().map(i64::from).collect();
         let step = Tensor::<2, Int>::from_data(TensorData::new(next, [b, 1]), &device);
         let hidden = model.try_forward(step, &pad, cache, attention)?;
         logits = last_logits(model, hidden);
         steps += 1;
     }
     Ok(Generation {
-        tokens: out,
+        tokens: rows.out,
         prefill_tokens: prompts.iter().map(Vec::len).sum(),
         prefill_secs,
         decode_steps: steps,
         decode_secs: t1.elapsed().as_secs_f64(),
         cache_bytes: cache.bytes_held(),
     })
+}
+
+/// The new tokens of each row of a generation, and which rows are done.
+pub(crate) struct Rows {
+    pub out: Vec<Vec<u32>>,
+    done: Vec<bool>,
+}
+
+impl Rows {
+    pub fn new(batch: usize, opts: &GenerateOptions) -> Self {
+        Self {
+            out: vec![Vec::new(); batch],
+            done: vec![opts.max_new_tokens == 0; batch],
+        }
+    }
+
+    /// Samples every row's next token from its logits, keeps (and reports) those of the rows
+    /// still running, and returns them all as the next step's input; `None` once every row is
+    /// done (a stop token, or `max_new_tokens`).
+    pub fn sample(
+        &mut self,
+        logits: &[Vec<f32>],
+        sampler: &mut dyn Sampler,
+        opts: &GenerateOptions,
+        on_token: &mut dyn FnMut(usize, u32),
+    ) -> Option<Vec<u32>> {
+        let mut next = Vec::with_capacity(self.out.len());
+        for (i, row) in logits.iter().enumerate() {
+            let tok = sampler.sample(row);
+            if !self.done[i] {
+                self.out[i].push(tok);
+                on_token(i, tok);
+                self.done[i] =
+                    opts.stop_tokens.contains(&tok) || self.out[i].len() >= opts.max_new_tokens;
+            }
+            next.push(tok);
+        }
+        (!self.done.iter().all(|&d| d)).then_some(next)
+    }
 }
 
 /// Perplexity of `tokens` under the model: `exp(mean −log p(tᵢ | t<ᵢ))` over positions 1.., in

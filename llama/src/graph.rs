@@ -16,7 +16,9 @@ use std::time::Instant;
 use burn::tensor::{Bool, Device, Graph, Int, Tensor, TensorData, capture};
 use burn_kernels_core::{AttentionImpl, AttnOptions, Sampler, StaticKvCache};
 
-use crate::generate::{GenerateError, GenerateOptions, Generation, last_logits, padded_batch};
+use crate::generate::{
+    GenerateError, GenerateOptions, Generation, Rows, last_logits, padded_batch,
+};
 use crate::model::{ForwardError, Llama};
 
 /// How `llama generate` runs its decode steps (`--decode`).
@@ -270,26 +272,11 @@ pub fn generate_captured(
     let (mut decoder, mut logits) =
         CapturedDecoder::prefill(model, attention, prompts, opts.max_new_tokens)?;
     let prefill_secs = t0.elapsed().as_secs_f64();
-    let b = prompts.len();
     let vocab = model.config.vocab_size;
-    let mut out: Vec<Vec<u32>> = vec![Vec::new(); b];
-    let mut done = vec![opts.max_new_tokens == 0; b];
+    let mut rows = Rows::new(prompts.len(), opts);
     let t1 = Instant::now();
     let mut steps = 0;
-    loop {
-        let mut next = Vec::with_capacity(b);
-        for i in 0..b {
-            let tok = sampler.sample(&logits[i]);
-            if !done[i] {
-                out[i].push(tok);
-                on_token(i, tok);
-                done[i] = opts.stop_tokens.contains(&tok) || out[i].len() >= opts.max_new_tokens;
-            }
-            next.push(tok);
-        }
-        if done.iter().all(|&d| d) {
-            break;
-        }
+    while let Some(next) = rows.sample(&logits, sampler, opts, on_token) {
         logits = decoder
             .step(&next)?
             .into_data()
@@ -303,7 +290,7 @@ pub fn generate_captured(
     let decode_secs = t1.elapsed().as_secs_f64();
     Ok((
         Generation {
-            tokens: out,
+            tokens: rows.out,
             prefill_tokens: prompts.iter().map(Vec::len).sum(),
             prefill_secs,
             decode_steps: steps,

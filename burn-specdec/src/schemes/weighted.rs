@@ -54,14 +54,7 @@ pub(crate) fn plan(p: &[f64], qs: &[Vec<f64>], trunc: LpTruncation) -> Result<(P
         }
         // No alphabet fits the budget: the sequential IS plan, as the optimal scheme does.
         None => {
-            let info = LpInfo {
-                alphabet: Vec::new(),
-                tail_tokens: lp::acceptable_tokens(p, qs).len(),
-                sets: 0,
-                variables: 0,
-                lp_acceptance: 0.0,
-                fell_back_to_importance_sampling: true,
-            };
+            let info = LpInfo::disabled(p, qs);
             Ok((Plan::Selection(super::importance::plan(p, qs)), info))
         }
     }
