@@ -214,7 +214,15 @@ impl<'a> CapturedDecoder<'a> {
                 let g = capture(&self.device, self.step.take().expect("captured once"));
                 self.info.capture_secs = t.elapsed().as_secs_f64();
                 self.info.graph = g.is_hardware();
-                self.info.reason = g.capture_error().map(|e| format!("{e:?}"));
+                self.info.reason = g.capture_error().map(|e| {
+                    // One line: the backend's error and its causes.
+                    let text = e.to_string();
+                    text.split('\n')
+                        .map(str::trim)
+                        .filter(|l| !l.is_empty())
+                        .collect::<Vec<_>>()
+                        .join(" ")
+                });
                 self.graph.insert(g).output().clone()
             }
             // Safety: the graph reads the model's weights (borrowed for 'a), the constants it
