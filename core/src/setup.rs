@@ -76,8 +76,8 @@ pub fn default_cache_dir() -> PathBuf {
 pub struct PersistentCaches {
     /// The folder holding CubeCL's environment database.
     pub dir: PathBuf,
-    /// Compiled kernels (PTX/SPIR-V) are cached, not only autotune results: the build has the
-    /// `persistence` feature.
+    /// Compiled kernels (PTX/SPIR-V) and autotune results are kept: the build has the
+    /// `persistence` feature (without it CubeCL keeps nothing across runs).
     pub compiled_kernels: bool,
 }
 
@@ -92,16 +92,17 @@ impl std::fmt::Display for PersistentCaches {
         } else {
             write!(
                 f,
-                "autotune results in {} (built without `persistence`: kernels are compiled every run)",
-                self.dir.display()
+                "none kept (built without the `persistence` feature: every run compiles and \
+                 tunes again)"
             )
         }
     }
 }
 
-/// Makes CubeCL keep its autotune results and (with the `persistence` feature) its compiled
-/// kernels in `dir` across runs, so a second run on the same machine neither re-tunes nor
-/// re-compiles. Call it first thing in `main`, before any device is opened. A `cubecl.toml`
+/// With the `persistence` feature (on with `cuda` in the CLIs and the bench), makes CubeCL keep
+/// its autotune results and compiled kernels in `dir` across runs, so a second run on the same
+/// machine neither re-tunes nor re-compiles; without it CubeCL persists nothing (only the
+/// folder is set). Call it first thing in `main`, before any device is opened. A `cubecl.toml`
 /// (or `burn.toml`) found from the current directory up, and CubeCL's environment variables,
 /// are read as usual; an environment path set there wins over `dir`.
 ///
