@@ -154,6 +154,8 @@ pub(crate) struct Flow {
     pub residual: Vec<f64>,
     pub acceptance: f64,
     pub info: LpInfo,
+    /// `P(S, k*)` of [`pattern_masses`], kept for the weighted-IS reading of the flow.
+    pub patterns: BTreeMap<(u64, usize), f64>,
 }
 
 /// Tokens that can be accepted at all, best first.
@@ -202,7 +204,7 @@ pub(crate) fn choose_alphabet(
 
 /// `P(S, k*)` for every drafted symbol-set mask `S` and first tail draft `k*` (`K` if none), by
 /// dynamic programming over the drafts. Mask 0 collects tuples with no acceptable symbol.
-pub(crate) fn pattern_masses(
+fn pattern_masses(
     bit_of: &[Option<u32>],
     tail_bit: Option<u32>,
     qs: &[Vec<f64>],
@@ -298,8 +300,9 @@ pub(crate) fn solve(
     }
 
     // Set masses P(S) and tail values g(S) = E[gamma_{k*} | S].
+    let patterns = pattern_masses(&bit_of, tail_bit, qs);
     let mut sets: BTreeMap<u64, (f64, f64)> = BTreeMap::new();
-    for ((mask, first), w) in pattern_masses(&bit_of, tail_bit, qs) {
+    for (&(mask, first), &w) in &patterns {
         if mask == 0 {
             continue;
         }
@@ -436,5 +439,6 @@ pub(crate) fn solve(
         residual: normalised_or(residual, p),
         acceptance,
         info,
+        patterns,
     })
 }

@@ -60,12 +60,6 @@ impl StaticKvCache {
         self.capacity
     }
 
-    /// Sets the length every layer reports (after [`StaticKvCache::at`] steps wrote past it).
-    pub fn set_len(&mut self, len: usize) {
-        let len = len.min(self.capacity);
-        self.lens.iter_mut().for_each(|l| *l = len);
-    }
-
     /// The cache as a [`KvCache`] that writes each layer's new keys and values at the positions
     /// `index` holds and attends over all `capacity` positions (mask the ones not yet written
     /// with [`AttnOptions::key_padding`], e.g. from [`StaticKvCache::unwritten_mask`]).

@@ -10,7 +10,7 @@
 //! 2. *Single-draft SD against `q~`*, the exact law of the selected token: accept it with
 //!    probability `min(1, p(y) / q~(y))`, else sample `norm(max(p - q~, 0))`.
 //!
-//! `q~` is computed from the set masses `P(S, k*)` ([`crate::lp::pattern_masses`], `k*` the first
+//! `q~` is computed from the set masses `P(S, k*)` (kept by the flow, `k*` the first
 //! tail draft): alphabet tokens get `sum_S P(S) w(S, y)`, and a tail token `t` gets
 //! `sum_k W_k q_k(t) / q_k(tail)` with `W_k` the selection mass of the tail symbol when `k* = k`
 //! (given `S` and `k*`, the token of draft `k*` is distributed as `q_k` conditioned on the tail).
@@ -72,12 +72,12 @@ impl WeightedPlan {
                 Symbol::Token(alphabet[bit as usize])
             }
         };
-        let masses = lp::pattern_masses(&flow.bit_of, flow.tail_bit, qs);
+        let masses = &flow.patterns;
         // What the LP's flow leaves of each symbol's target mass: the leftover selection mass of
         // a set goes to its symbols in proportion to it (mass on a symbol whose target mass is
         // already covered adds nothing to `sum min(p, q~)`).
         let mut set_mass: HashMap<u64, f64> = HashMap::new();
-        for (&(mask, _), &w) in &masses {
+        for (&(mask, _), &w) in masses {
             *set_mass.entry(mask).or_insert(0.0) += w;
         }
         let tail_p: f64 = (0..v)
@@ -100,7 +100,7 @@ impl WeightedPlan {
         let mut select: HashMap<u64, Vec<(Symbol, f64)>> = HashMap::new();
         let mut proposal = vec![0.0; v];
         let mut tail_weight = vec![0.0; k_drafts];
-        for ((mask, first), mass) in masses {
+        for (&(mask, first), &mass) in masses {
             if mask == 0 {
                 continue;
             }
