@@ -31,16 +31,22 @@ pub fn suite(opts: SuiteOptions) -> Suite {
         &["smollm2-135m", "llama-3.2-1b", "llama-3-8b"]
     };
     let len = if opts.quick { 128 } else { 512 };
+    // Decode throughput against the batch on the small model (a step reads the weights once
+    // for every row); batch 1 on the larger shapes.
+    let batches: &[usize] = if opts.quick { &[1] } else { &[1, 8, 32, 128] };
     let mut problems = Vec::new();
     for (i, &shape) in shapes.iter().enumerate() {
-        for phase in ["prefill", "decode"] {
-            problems.push(problem(shape, i as f64, phase, len, opts.peers_dir.clone()));
+        let peers = || opts.peers_dir.clone();
+        problems.push(problem(shape, i as f64, "prefill", len, 1, peers()));
+        let batches = if i == 0 { batches } else { &[1][..] };
+        for &batch in batches {
+            problems.push(problem(shape, i as f64, "decode", len, batch, peers()));
         }
     }
     Suite {
         name: "llama",
-        description: "Llama forward, random weights, f16, batch 1: prefill of the prompt and decode \
-                      steps after it; Burn (tensor ops + Burn's attention; the decode kernels, \
+        description: "Llama forward, random weights, f16: prefill of the prompt (batch 1) and \
+                      decode steps after it (batch 1; 8, 32 and 128 on SmolLM2-135M); Burn (tensor ops + Burn's attention; the decode kernels, \
                       eager and CUDA-graph replayed) vs PyTorch/transformers (eager, CUDA graph)",
         baseline: "pytorch",
         problems,
@@ -54,18 +60,23 @@ fn problem(
     order: f64,
     phase: &'static str,
     len: usize,
+    batch: usize,
     peers: PathBuf,
 ) -> Problem {
     let cfg = LlamaConfig::preset(shape).expect("known preset");
-    let tokens = if phase == "prefill" { len } else { 1 };
+    let tokens = if phase == "prefill" { len } else { batch };
+    let label = match batch {
+        1 => format!("{shape} {phase} (context {len})"),
+        _ => format!("{shape} {phase} (batch {batch}, context {len})"),
+    };
     Problem {
-        label: format!("{shape} {phase} (context {len})"),
+        label,
         params: params([
             ("shape", json!(shape)),
             ("shape_index", json!(order)),
             ("phase", json!(phase)),
             ("context", json!(len)),
-            ("batch", json!(1)),
+            ("batch", json!(batch)),
             ("dtype", json!("f16")),
         ]),
         flops: None,
@@ -73,10 +84,10 @@ fn problem(
         tokens: Some(tokens as f64),
         setup: Box::new(move |device| {
             let model = Llama::random(&cfg, device, DType::F16);
-            let ids: Vec<i64> = (0..len as i64)
+            let ids: Vec<i64> = (0..(batch * len) as i64)
                 .map(|i| (i * 7919) % cfg.vocab_size as i64)
                 .collect();
-            let prompt = Tensor::<2, Int>::from_data(TensorData::new(ids, [1, len]), device);
+            let prompt = Tensor::<2, Int>::from_data(TensorData::new(ids, [batch, len]), device);
             let layers = cfg.num_layers;
             let mut candidates = match phase {
                 "prefill" => vec![Candidate::timed_here("burn", move || {
@@ -93,7 +104,7 @@ fn problem(
                 }
                 let peers = peers.clone();
                 candidates.push(Candidate::timed_elsewhere(name, move || {
-                    torch_peer(&peers, shape, phase, len, graph)
+                    torch_peer(&peers, shape, phase, len, batch, graph)
                 }));
             }
             candidates
@@ -111,7 +122,8 @@ fn decode_candidates(model: Llama, prompt: Tensor<2, Int>, len: usize) -> Vec<Ca
         DecodeAttention::default(),
     ))));
     let device = prompt.device();
-    let step = Tensor::<2, Int>::from_data(TensorData::new(vec![42i64], [1, 1]), &device);
+    let [batch, _] = prompt.dims();
+    let step = Tensor::<2, Int>::from_data(TensorData::new(vec![42i64; batch], [batch, 1]), &device);
     let layers = model.config.num_layers;
     let eager = |name: &'static str, attention: &'static dyn AttentionImpl| {
         let mut cache = FullKvCache::new(layers);
@@ -129,9 +141,10 @@ fn decode_candidates(model: Llama, prompt: Tensor<2, Int>, len: usize) -> Vec<Ca
         .iter::<i64>()
         .map(|t| t as u32)
         .collect();
-    let graph = match CapturedDecoder::prefill(model, kernels, &[ids], 1) {
+    let rows: Vec<Vec<u32>> = ids.chunks(len).map(<[u32]>::to_vec).collect();
+    let graph = match CapturedDecoder::prefill(model, kernels, &rows, 1) {
         Ok((mut decoder, _)) => Candidate::timed_here("burn-graph", move || {
-            keep(decoder.step(&[42]).expect("the captured step runs"));
+            keep(decoder.step(&vec![42; batch]).expect("the captured step runs"));
             decoder.rewind();
         }),
         Err(e) => Candidate::skipped("burn-graph", e.to_string()),
@@ -150,10 +163,11 @@ fn torch_peer(
     shape: &str,
     phase: &str,
     len: usize,
+    batch: usize,
     graph: bool,
 ) -> Result<PeerRun, String> {
-    let len = len.to_string();
-    let mut args = vec!["--shape", shape, "--phase", phase, "--len", &len];
+    let (len, batch) = (len.to_string(), batch.to_string());
+    let mut args = vec!["--shape", shape, "--phase", phase, "--len", &len, "--batch", &batch];
     if graph {
         args.push("--cuda-graph");
     }

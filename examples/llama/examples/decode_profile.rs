@@ -21,7 +21,7 @@ use burn_kernels_core::{
 };
 use burn_kvcache::DecodeAttention;
 use burn_llama::{Llama, LlamaConfig};
-use burn_llama_examples::cli::BackendArg;
+use burn_llama_examples::cli::{BackendArg, DTypeArg};
 use clap::Parser;
 
 #[derive(Debug, Parser)]
@@ -37,6 +37,9 @@ struct Args {
     fused_ops: bool,
     #[arg(long, default_value_t = 1)]
     batch: usize,
+    /// Weight and activation dtype.
+    #[arg(long, value_enum, default_value = "f32")]
+    dtype: DTypeArg,
     /// Cached positions before the timed steps.
     #[arg(long, default_value_t = 64)]
     context: usize,
@@ -87,7 +90,7 @@ fn run(args: &Args, device: &Device, attention: Option<AttentionKind>) {
     if let Some(n) = args.layers {
         cfg.num_layers = n;
     }
-    let model = Llama::random(&cfg, device, DType::F32);
+    let model = Llama::random(&cfg, device, DType::from(args.dtype));
     let attention: Arc<dyn AttentionImpl> = match attention {
         Some(kind) => Arc::from(kind.build()),
         None => Arc::new(DecodeAttention::default()),
@@ -99,9 +102,10 @@ fn run(args: &Args, device: &Device, attention: Option<AttentionKind>) {
     };
     let b = args.batch;
     println!(
-        "{} layers, hidden {}, batch {b}, context {}, attention {}",
+        "{} layers, hidden {}, {:?}, batch {b}, context {}, attention {}",
         cfg.num_layers,
         cfg.hidden_size,
+        args.dtype,
         args.context,
         attention.name()
     );

@@ -17,19 +17,12 @@ use burn_llama::spec::{
 };
 use burn_llama::tokenizer::Tokenizer;
 
-use super::{BackendArg, value_name};
+use super::{BackendArg, DTypeArg, value_name};
 use burn_kernels_core::{AttentionImpl, FusedLayers, KvCache, SamplingConfig};
 use burn_kvcache::{MiniCacheConfig, QuantConfig, ShadowKvConfig};
 use burn_sage::adaptive::DEFAULT_INT4_THRESHOLD;
 use burn_specdec::{PromptLookup, Scheme};
 use clap::{Args, Parser, Subcommand, ValueEnum};
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum DTypeArg {
-    F32,
-    F16,
-    Bf16,
-}
 
 /// How the layer's small ops run (`--ops`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -293,11 +286,7 @@ fn run(cli: &Cli, device: &Device, started: std::time::Instant) -> Result<(), St
         (None, false) => OpsArg::Tensor,
     };
     let choice = AttentionChoice::from(attention_name);
-    let dtype = match common.dtype {
-        DTypeArg::F32 => DType::F32,
-        DTypeArg::F16 => DType::F16,
-        DTypeArg::Bf16 => DType::BF16,
-    };
+    let dtype = DType::from(common.dtype);
     eprintln!("loading {} ...", path.display());
     let t = std::time::Instant::now();
     let ckpt = load(&path).map_err(|e| e.to_string())?;

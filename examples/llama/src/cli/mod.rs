@@ -5,8 +5,26 @@
 pub mod finetune;
 pub mod llama;
 
-use burn::tensor::Device;
+use burn::tensor::{DType, Device};
 use clap::ValueEnum;
+
+/// Weight and activation dtype.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DTypeArg {
+    F32,
+    F16,
+    Bf16,
+}
+
+impl From<DTypeArg> for DType {
+    fn from(d: DTypeArg) -> Self {
+        match d {
+            DTypeArg::F32 => DType::F32,
+            DTypeArg::F16 => DType::F16,
+            DTypeArg::Bf16 => DType::BF16,
+        }
+    }
+}
 
 /// Where a command runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
