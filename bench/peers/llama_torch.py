@@ -4,8 +4,12 @@ timed on the same GPU in the same run. Prints one JSON line: {"times_ms": [...]}
 prefill: one forward over `--len` tokens (batch `--batch`) plus the last position's logits.
 decode: one token per sequence after a cached context of `--len` tokens (the cache is cropped
 back to `--len` after every step, as the Burn side truncates its cache).
-decode --cuda-graph: the step over transformers' StaticCache (written at a device-held cache
-position, so the same step is replayed) captured once in a torch.cuda.CUDAGraph and replayed.
+decode --cuda-graph: the step over transformers' StaticCache captured once in a
+torch.cuda.CUDAGraph and replayed. decode --compile: the same step through
+torch.compile(mode="reduce-overhead") (Inductor kernels replayed as CUDA graphs). Recent
+transformers (5.x) advance a StaticCache by a device-held counter and ignore `cache_position`,
+so each replay appends one position: the cache holds `--len` plus every step taken, and the
+timed steps attend over `--len` to `--len + warmup + reps` positions.
 """
 import argparse
 import json
@@ -31,6 +35,7 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--cuda-graph", action="store_true")
+    ap.add_argument("--compile", action="store_true")
     args = ap.parse_args()
     try:
         import torch
@@ -47,7 +52,7 @@ def main():
     step = torch.randint(0, cfg.vocab_size, (args.batch, 1), device="cuda")
 
     with torch.inference_mode():
-        if args.cuda_graph:
+        if args.cuda_graph or args.compile:
             run = graph_step(model, cfg, ids, step, args)
         elif args.phase == "prefill":
             def run():
@@ -90,18 +95,28 @@ def static_cache(cfg, batch, length):
 
 
 def graph_step(model, cfg, ids, step, args):
-    """The decode step after `ids`, captured in a CUDA graph over a static cache."""
+    """The decode step after `ids` over a static cache, captured in a CUDA graph (or compiled
+    with torch.compile's reduce-overhead mode)."""
     import torch
     if args.phase != "decode":
-        raise ValueError("--cuda-graph times the decode step")
-    cache = static_cache(cfg, args.batch, args.len + 8)
+        raise ValueError("--cuda-graph and --compile time the decode step")
+    # Room for every step a recent transformers appends (see the module docs).
+    cache = static_cache(cfg, args.batch, args.len + 3 + args.warmup + args.reps + 16)
     model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1,
           cache_position=torch.arange(args.len, device="cuda"))
     pos = torch.tensor([args.len], device="cuda")
+    step_fn = model.forward
+    if args.compile:
+        step_fn = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
 
     def forward():
-        return model(input_ids=step, past_key_values=cache, use_cache=True, logits_to_keep=1,
-                     cache_position=pos).logits
+        return step_fn(input_ids=step, past_key_values=cache, use_cache=True, logits_to_keep=1,
+                       cache_position=pos).logits
+
+    if args.compile:
+        for _ in range(3):  # compiles, then records the graph
+            forward()
+        return forward
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -119,5 +134,7 @@ if __name__ == "__main__":
     try:
         main()
     except Exception as e:
+        import traceback
+        traceback.print_exc()
         print(json.dumps({"error": f"{type(e).__name__}: {e}"}))
         sys.exit(0)

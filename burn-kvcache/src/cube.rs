@@ -320,8 +320,21 @@ mod cube_backend {
             causal: bool,
         ) -> FloatTensor<Self> {
             count_launch("kv_decode_attention");
-            let [_, hq, sq, _] = q.meta.shape().dims::<4>();
+            let [_, hq, sq, d] = q.meta.shape().dims::<4>();
             let [_, hkv, skv, _] = k.meta.shape().dims::<4>();
+            // One plane per split where planes have one known size; else one unit per split.
+            let rows = (hq / hkv.max(1)) * sq;
+            if let Some(lanes) = kernels::decode_attention::supported(&q.client, d, rows) {
+                return kernels::decode_attention::decode_attention(
+                    q,
+                    k,
+                    v,
+                    mask_of(mask),
+                    scale,
+                    causal,
+                    lanes,
+                );
+            }
             // The quantized read with no quantized part: every position is in the tail.
             let args = QuantAttnArgs {
                 rows: 0,

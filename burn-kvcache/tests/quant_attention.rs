@@ -117,6 +117,33 @@ const CASES: &[Case] = &[
         bits: 4,
         pad: [3, 0],
     },
+    // Llama-3's 4 query heads per KV head and 128 channels, a long prime-length cache (many
+    // key splits, a short last one), a padded sequence.
+    Case {
+        b: 2,
+        hq: 8,
+        hkv: 2,
+        sq: 1,
+        causal: true,
+        n: 0,
+        t: 1031,
+        d: 128,
+        bits: 4,
+        pad: [0, 11],
+    },
+    // Multi-head attention with 32 channels: fewer keys than one read-ahead chunk past a split.
+    Case {
+        b: 1,
+        hq: 2,
+        hkv: 2,
+        sq: 1,
+        causal: false,
+        n: 0,
+        t: 37,
+        d: 32,
+        bits: 4,
+        pad: [0, 0],
+    },
     // One key, one query, an odd number of pairs per head.
     Case {
         b: 1,
@@ -433,14 +460,57 @@ fn cache_fused_matches_dequantized(device: &Device) {
     assert_launched(device, ["kv_quant_attention"], before);
 }
 
+/// The decode attention reads its inputs through their strides: the swapped-head views a
+/// layer hands over (`[b, s, h, d]` storage) give what their contiguous copies give, and
+/// both match the reference attention.
+fn decode_attention_strided(device: &Device) {
+    let before = launch_counts(["kv_decode_attention"]);
+    for dtype in float_dtypes(device) {
+        for (b, hq, hkv, sq, skv, d) in [(1, 9, 3, 1, 517, 64), (2, 8, 2, 3, 70, 128)] {
+            let seed = 77 + skv as u64;
+            let view = |h: usize, s: usize, seed: u64, dist: Dist| {
+                random_tensor::<4>([b, s, h, d], dist, seed, dtype, device).swap_dims(1, 2)
+            };
+            let q = view(hq, sq, seed, Dist::STANDARD);
+            let k = view(hkv, skv, seed + 1, Dist::PEAKY);
+            let v = view(hkv, skv, seed + 2, Dist::STANDARD);
+            let opts = AttnOptions {
+                causal: true,
+                scale: 1.0 / (d as f32).sqrt(),
+                key_padding: None,
+            };
+            let decode = DecodeAttention { max_queries: sq };
+            let strided = on_kernels(device, || {
+                decode.attend(0, q.clone(), k.clone(), v.clone(), &opts)
+            });
+            let copies = |x: &Tensor<4>| Tensor::<4>::from_data(x.to_data(), device).cast(dtype);
+            let contiguous = on_kernels(device, || {
+                decode.attend(0, copies(&q), copies(&k), copies(&v), &opts)
+            });
+            let reference = ReferenceAttention.attend(0, q, k, v, &opts);
+            let name = format!("strided decode attention {b}x{hq}/{hkv}x{sq}x{skv}x{d} {dtype:?}");
+            let (s, c) = (to_f32(strided.into_data()), to_f32(contiguous.into_data()));
+            assert_eq!(s, c, "{name}: strided and contiguous inputs differ");
+            let tol = Tolerance::for_reduction(dtype, d + skv);
+            assert_close(&name, &s, &to_f32(reference.into_data()), tol);
+        }
+    }
+    assert_launched(device, ["kv_decode_attention"], before);
+}
+
 mod cpu {
+    #[test]
+    fn decode_attention_strided() {
+        super::decode_attention_strided(&::burn::tensor::Device::flex());
+    }
+
     #[test]
     fn matches_host() {
         super::matches_host(&::burn::tensor::Device::flex());
     }
 }
 burn_kernels_testing::testgen! {
-    backend: [matches_host, cache_fused_matches_dequantized],
+    backend: [matches_host, cache_fused_matches_dequantized, decode_attention_strided],
     autodiff: [],
 }
 

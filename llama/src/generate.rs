@@ -41,6 +41,10 @@ pub enum GenerateError {
         needed: usize,
         max: usize,
     },
+    /// The device failed to run the step (a kernel launch or an allocation failed); the
+    /// runtime's own message.
+    #[error("the device failed to run the step: {0}")]
+    Device(String),
 }
 
 /// Positions a generation of `new_tokens` after a `prompt`-token prompt feeds through the model:
@@ -75,13 +79,23 @@ impl Generation {
 }
 
 /// The last position's logits of every row, on the host.
-pub(crate) fn last_logits(model: &Llama, hidden: Tensor<3>) -> Vec<Vec<f32>> {
+///
+/// # Errors
+/// [`GenerateError::Device`] when the device failed to compute them.
+pub(crate) fn last_logits(
+    model: &Llama,
+    hidden: Tensor<3>,
+) -> Result<Vec<Vec<f32>>, GenerateError> {
     let [b, s, h] = hidden.dims();
     let last = hidden.slice([0..b, s - 1..s, 0..h]);
     let logits = model.logits(last);
     let vocab = logits.dims()[2];
-    let data = logits.into_data().try_to_vec::<f32>().expect("f32 logits");
-    data.chunks(vocab).map(|c| c.to_vec()).collect()
+    let data = logits
+        .try_into_data()
+        .map_err(|e| GenerateError::Device(e.to_string()))?
+        .try_to_vec::<f32>()
+        .expect("logits are f32");
+    Ok(data.chunks(vocab).map(|c| c.to_vec()).collect())
 }
 
 /// The prompts left-padded into one `[batch, longest]` batch (each row padded with its own
@@ -148,7 +162,7 @@ pub fn generate(
 
     let t0 = Instant::now();
     let hidden = model.try_forward(tokens, &pad, cache, attention)?;
-    let mut logits = last_logits(model, hidden);
+    let mut logits = last_logits(model, hidden)?;
     let prefill_secs = t0.elapsed().as_secs_f64();
 
     let mut rows = Rows::new(b, opts);
@@ -158,7 +172,7 @@ pub fn generate(
         let next = next.into_iter().map(i64::from).collect();
         let step = Tensor::<2, Int>::from_data(TensorData::new(next, [b, 1]), &device);
         let hidden = model.try_forward(step, &pad, cache, attention)?;
-        logits = last_logits(model, hidden);
+        logits = last_logits(model, hidden)?;
         steps += 1;
     }
     Ok(Generation {

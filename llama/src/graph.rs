@@ -130,7 +130,7 @@ impl<'a> CapturedDecoder<'a> {
         let capacity = longest + max_new_tokens.max(1);
         let mut cache = StaticKvCache::new(model.config.num_layers, capacity);
         let hidden = model.try_forward(tokens, &pad, &mut cache, attention)?;
-        let logits = last_logits(model, hidden);
+        let logits = last_logits(model, hidden)?;
         let state = Rc::new(RefCell::new(StepState {
             cache,
             inputs: None,

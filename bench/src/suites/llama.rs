@@ -7,8 +7,8 @@
 //! ways: tensor ops with Burn's attention op (`burn`), the decode kernels (fused layer ops,
 //! split-K decode attention: `burn-kernels`), and the decode kernels in a captured step replayed
 //! as a CUDA graph (`burn-graph`, a static cache rewound after each step); PyTorch eagerly
-//! (`pytorch`) and with its step captured in a CUDA graph over transformers' static cache
-//! (`pytorch-graph`).
+//! (`pytorch`), with its step captured in a CUDA graph over transformers' static cache
+//! (`pytorch-graph`), and through `torch.compile(mode="reduce-overhead")` (`pytorch-compile`).
 
 use std::path::PathBuf;
 
@@ -32,16 +32,18 @@ pub fn suite(opts: SuiteOptions) -> Suite {
     };
     let len = if opts.quick { 128 } else { 512 };
     // Decode throughput against the batch on the small model (a step reads the weights once
-    // for every row); batch 1 on the larger shapes.
-    let batches: &[usize] = if opts.quick { &[1] } else { &[1, 8, 32, 128] };
+    // for every row), after every batch-1 problem: a large batch's prefill is the one most
+    // likely to fail on the device, and a failed launch can poison the runtime for the rest.
+    let batches: &[usize] = if opts.quick { &[] } else { &[8, 32, 128] };
+    let peers = || opts.peers_dir.clone();
     let mut problems = Vec::new();
     for (i, &shape) in shapes.iter().enumerate() {
-        let peers = || opts.peers_dir.clone();
-        problems.push(problem(shape, i as f64, "prefill", len, 1, peers()));
-        let batches = if i == 0 { batches } else { &[1][..] };
-        for &batch in batches {
-            problems.push(problem(shape, i as f64, "decode", len, batch, peers()));
+        for phase in ["prefill", "decode"] {
+            problems.push(problem(shape, i as f64, phase, len, 1, peers()));
         }
+    }
+    for &batch in batches {
+        problems.push(problem(shapes[0], 0.0, "decode", len, batch, peers()));
     }
     Suite {
         name: "llama",
@@ -98,13 +100,17 @@ fn problem(
                 })],
                 _ => decode_candidates(model, prompt, len),
             };
-            for (name, graph) in [("pytorch", false), ("pytorch-graph", true)] {
-                if phase == "prefill" && graph {
+            for (name, mode) in [
+                ("pytorch", None),
+                ("pytorch-graph", Some("--cuda-graph")),
+                ("pytorch-compile", Some("--compile")),
+            ] {
+                if phase == "prefill" && mode.is_some() {
                     continue;
                 }
                 let peers = peers.clone();
                 candidates.push(Candidate::timed_elsewhere(name, move || {
-                    torch_peer(&peers, shape, phase, len, batch, graph)
+                    torch_peer(&peers, shape, phase, len, batch, mode)
                 }));
             }
             candidates
@@ -123,7 +129,8 @@ fn decode_candidates(model: Llama, prompt: Tensor<2, Int>, len: usize) -> Vec<Ca
     ))));
     let device = prompt.device();
     let [batch, _] = prompt.dims();
-    let step = Tensor::<2, Int>::from_data(TensorData::new(vec![42i64; batch], [batch, 1]), &device);
+    let step =
+        Tensor::<2, Int>::from_data(TensorData::new(vec![42i64; batch], [batch, 1]), &device);
     let layers = model.config.num_layers;
     let eager = |name: &'static str, attention: &'static dyn AttentionImpl| {
         let mut cache = FullKvCache::new(layers);
@@ -144,7 +151,11 @@ fn decode_candidates(model: Llama, prompt: Tensor<2, Int>, len: usize) -> Vec<Ca
     let rows: Vec<Vec<u32>> = ids.chunks(len).map(<[u32]>::to_vec).collect();
     let graph = match CapturedDecoder::prefill(model, kernels, &rows, 1) {
         Ok((mut decoder, _)) => Candidate::timed_here("burn-graph", move || {
-            keep(decoder.step(&vec![42; batch]).expect("the captured step runs"));
+            keep(
+                decoder
+                    .step(&vec![42; batch])
+                    .expect("the captured step runs"),
+            );
             decoder.rewind();
         }),
         Err(e) => Candidate::skipped("burn-graph", e.to_string()),
@@ -156,20 +167,20 @@ fn decode_candidates(model: Llama, prompt: Tensor<2, Int>, len: usize) -> Vec<Ca
     ]
 }
 
-/// Runs the PyTorch peer script (its step captured in a CUDA graph with `graph`) and returns
-/// its times.
+/// Runs the PyTorch peer script (`mode`: `--cuda-graph` or `--compile` for the step over a
+/// static cache) and returns its times.
 fn torch_peer(
     peers: &std::path::Path,
     shape: &str,
     phase: &str,
     len: usize,
     batch: usize,
-    graph: bool,
+    mode: Option<&str>,
 ) -> Result<PeerRun, String> {
     let (len, batch) = (len.to_string(), batch.to_string());
-    let mut args = vec!["--shape", shape, "--phase", phase, "--len", &len, "--batch", &batch];
-    if graph {
-        args.push("--cuda-graph");
-    }
+    let mut args = vec![
+        "--shape", shape, "--phase", phase, "--len", &len, "--batch", &batch,
+    ];
+    args.extend(mode);
     run_python_peer(&peers.join("llama_torch.py"), &args)
 }

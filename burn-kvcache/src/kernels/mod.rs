@@ -6,12 +6,15 @@
 //! - [`quantize`]: one unit per group (min/max, codes, its packed words);
 //! - [`dequantize`]: one unit per output element;
 //! - [`gather_rope`]: ShadowKV's key rebuild, one unit per rotated pair of output elements;
+//! - [`decode_attention`]: split-K attention over full-precision keys, one plane per split
+//!   (lanes over channels), combined by [`quant_attention`]'s combine kernel;
 //! - [`quant_attention`]: attention read from packed KIVI keys and values (split keys, one
 //!   unit per query row and split, then one per output element to combine the splits).
 //!
 //! Outputs are allocated with `empty_device_contiguous_dtype`: the kernels index them linearly,
 //! and CubeCL's CUDA runtime may pitch (row-pad) a plain 2-D allocation.
 
+pub mod decode_attention;
 pub mod dequantize;
 pub mod gather_rope;
 pub mod merge;

@@ -205,7 +205,7 @@ fn partial_kernel<F: Float>(
 }
 
 #[cube(launch)]
-fn combine_kernel<F: Float>(
+pub(crate) fn combine_kernel<F: Float>(
     m_in: &Tensor<f32>,
     l_in: &Tensor<f32>,
     acc_in: &Tensor<f32>,

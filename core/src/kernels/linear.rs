@@ -1,6 +1,6 @@
 //! `x · W` for a few rows (decode steps, speculative verification): a split-K GEMV with a light
-//! launch. A cube owns 32 output columns of one row; its 8 unit rows each sum an eighth of the
-//! inner dimension (adjacent units read adjacent columns of `W`, so the reads coalesce), and a
+//! launch. A cube owns 32 output columns of one row; its 16 unit rows each sum a sixteenth of
+//! the inner dimension (adjacent units read adjacent columns of `W`, so the reads coalesce), and a
 //! shared-memory pass adds the eight partial sums. Burn's matmul launch costs more host time
 //! than the whole product at these sizes.
 
@@ -13,7 +13,7 @@ use cubecl::prelude::*;
 
 /// Output columns per cube and inner-dimension splits per column.
 const COLS: u32 = 32;
-const SPLITS: u32 = 8;
+const SPLITS: u32 = 16;
 
 #[cube(launch)]
 fn gemv_kernel<F: Float>(
