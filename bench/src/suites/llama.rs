@@ -49,7 +49,8 @@ pub fn suite(opts: SuiteOptions) -> Suite {
         name: "llama",
         description: "Llama forward, random weights, f16: prefill of the prompt (batch 1) and \
                       decode steps after it (batch 1; 8, 32 and 128 on SmolLM2-135M); Burn (tensor ops + Burn's attention; the decode kernels, \
-                      eager and CUDA-graph replayed) vs PyTorch/transformers (eager, CUDA graph)",
+                      eager and CUDA-graph replayed) vs PyTorch/transformers (eager, CUDA graph, \
+                      torch.compile reduce-overhead)",
         baseline: "pytorch",
         problems,
         measure_memory: false,
