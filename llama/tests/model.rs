@@ -12,7 +12,7 @@ use burn_kernels_testing::testgen;
 use burn_kvcache::DecodeAttention;
 use burn_llama::eval::{perplexity_with_cache, perplexity_with_cache_chunked};
 use burn_llama::generate::{GenerateError, GenerateOptions, generate, perplexity};
-use burn_llama::graph::generate_captured;
+use burn_llama::graph::{CapturedDecoder, generate_captured};
 use burn_llama::model::Llama;
 
 fn model(device: &Device) -> Llama {
@@ -211,18 +211,26 @@ fn decode_kernels_match_cpu(device: &Device) {
 }
 
 /// Greedy generation with the decode step captured once and replayed (a CUDA graph on CUDA, the
-/// step re-run elsewhere) gives the eager path's tokens: two prompts of different lengths (the
-/// shorter left-padded), the decode kernels (fused layer ops, decode attention) on GPUs, the
-/// reference on the CPU. On CUDA the step must have replayed as a hardware graph (CubeCL's
-/// wgpu runtime replays one too).
+/// step re-run elsewhere) gives the eager path's tokens: one prompt, and three of different
+/// lengths (the shorter left-padded), over 64 steps (5 on lavapipe), the decode kernels (fused
+/// layer ops, decode attention) on GPUs, the reference on the CPU. The cache fills to its
+/// capacity, and a step past it is a typed error. On CUDA the step must have replayed as a
+/// hardware graph (CubeCL's wgpu runtime replays one too).
 fn captured_decode_matches_eager(device: &Device) {
     let tok = &checkpoint().tokenizer;
     let model = model(device);
-    let prompts: Vec<Vec<u32>> = ["The capital of France is", "Once upon a time, there lived"]
-        .iter()
-        .map(|p| tok.encode(p).unwrap())
-        .collect();
-    assert_ne!(prompts[0].len(), prompts[1].len());
+    let encode = |texts: &[&str]| -> Vec<Vec<u32>> {
+        texts.iter().map(|p| tok.encode(p).unwrap()).collect()
+    };
+    let batches = [
+        encode(&["The capital of France is"]),
+        encode(&[
+            "The capital of France is",
+            "Once upon a time, there lived",
+            "Water",
+        ]),
+    ];
+    assert_ne!(batches[1][0].len(), batches[1][1].len());
     let attention: Box<dyn AttentionImpl> = if *device == Device::flex() {
         Box::new(ReferenceAttention)
     } else {
@@ -231,33 +239,71 @@ fn captured_decode_matches_eager(device: &Device) {
     let n = if burn_kernels_testing::is_wgpu(device) {
         5
     } else {
-        12
+        64
     };
-    let eager = greedy(&model, &prompts, n, attention.as_ref());
     let opts = GenerateOptions {
         max_new_tokens: n,
         stop_tokens: vec![],
     };
-    let (g, info) = generate_captured(
-        &model,
-        &prompts,
-        attention.as_ref(),
-        &mut Greedy,
-        &opts,
-        &mut |_, _| {},
-    )
-    .expect("valid prompts");
-    println!("{device:?}: {info}; {:?}", g.tokens);
-    assert_eq!(g.tokens, eager, "captured vs eager decode");
-    assert_eq!(g.decode_steps, n - 1);
-    assert_eq!(info.capacity, prompts[1].len().max(prompts[0].len()) + n);
-    // CUDA must replay a hardware graph; CubeCL's wgpu runtime also replays one, the CPU
-    // re-runs the step.
-    if burn_kernels_testing::is_cuda(device) {
-        assert!(info.graph, "{info}");
+    for prompts in &batches {
+        let mut cache = FullKvCache::new(model.config.num_layers);
+        let eager = generate(
+            &model,
+            prompts,
+            &mut cache,
+            attention.as_ref(),
+            &mut Greedy,
+            &opts,
+            &mut |_, _| {},
+        )
+        .expect("valid prompts")
+        .tokens;
+        let (g, info) = generate_captured(
+            &model,
+            prompts,
+            attention.as_ref(),
+            &mut Greedy,
+            &opts,
+            &mut |_, _| {},
+        )
+        .expect("valid prompts");
+        println!("{device:?}: {info}; {:?}", g.tokens);
+        assert_eq!(
+            g.tokens,
+            eager,
+            "captured vs eager decode, batch {}",
+            prompts.len()
+        );
+        assert!(g.tokens.iter().all(|t| t.len() == n));
+        assert_eq!(g.decode_steps, n - 1);
+        let longest = prompts.iter().map(Vec::len).max().unwrap();
+        assert_eq!(info.capacity, longest + n);
+        // CUDA must replay a hardware graph; CubeCL's wgpu runtime also replays one, the CPU
+        // re-runs the step.
+        if burn_kernels_testing::is_cuda(device) {
+            assert!(info.graph, "{info}");
+        }
+        if *device == Device::flex() {
+            assert!(!info.graph, "{info}");
+        }
     }
-    if *device == Device::flex() {
-        assert!(!info.graph, "{info}");
+
+    // Steps up to the capacity run; the next one is refused with the sizes, and nothing runs.
+    let prompts = &batches[1];
+    let (mut decoder, _) =
+        CapturedDecoder::prefill(&model, attention.as_ref(), prompts, 2).expect("valid prompts");
+    let capacity = decoder.info().capacity;
+    for _ in 0..2 {
+        decoder
+            .step(&[1, 2, 3])
+            .expect("a step within the capacity");
+    }
+    assert_eq!(decoder.len(), capacity);
+    match decoder.step(&[1, 2, 3]) {
+        Err(GenerateError::ContextTooLong { needed, max, .. }) => {
+            assert_eq!((needed, max), (capacity + 1, capacity));
+        }
+        other => panic!("a step past the capacity: {:?}", other.map(|t| t.dims())),
     }
 }
 

@@ -224,7 +224,7 @@ pub fn supported(client: &cubecl::client::Client, dim: usize, rows: usize) -> Op
     let fits = props.features.plane.contains(Plane::Ops)
         && props.hardware.plane_size_min as usize == lanes
         && lanes > 0
-        && dim % lanes == 0
+        && dim.is_multiple_of(lanes)
         && 2 * rows * dim / lanes <= MAX_REGS;
     fits.then_some(lanes)
 }
