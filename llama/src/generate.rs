@@ -90,12 +90,22 @@ pub(crate) fn last_logits(
     let last = hidden.slice([0..b, s - 1..s, 0..h]);
     let logits = model.logits(last);
     let vocab = logits.dims()[2];
+    host_rows(logits.reshape([b, vocab]))
+}
+
+/// `[rows, vocab]` f32 logits read to the host, one vector per row.
+///
+/// # Errors
+/// [`GenerateError::Device`] when the device failed to compute them (a failed launch or
+/// allocation surfaces at this read).
+pub(crate) fn host_rows(logits: Tensor<2>) -> Result<Vec<Vec<f32>>, GenerateError> {
+    let [_, vocab] = logits.dims();
     let data = logits
         .try_into_data()
         .map_err(|e| GenerateError::Device(e.to_string()))?
         .try_to_vec::<f32>()
         .expect("logits are f32");
-    Ok(data.chunks(vocab).map(|c| c.to_vec()).collect())
+    Ok(data.chunks(vocab).map(<[f32]>::to_vec).collect())
 }
 
 /// The prompts left-padded into one `[batch, longest]` batch (each row padded with its own

@@ -17,7 +17,7 @@ use burn::tensor::{Bool, Device, Graph, Int, Tensor, TensorData, capture};
 use burn_kernels_core::{AttentionImpl, AttnOptions, Sampler, StaticKvCache};
 
 use crate::generate::{
-    GenerateError, GenerateOptions, Generation, Rows, last_logits, padded_batch,
+    GenerateError, GenerateOptions, Generation, Rows, host_rows, last_logits, padded_batch,
 };
 use crate::model::{ForwardError, Llama};
 
@@ -280,19 +280,11 @@ pub fn generate_captured(
     let (mut decoder, mut logits) =
         CapturedDecoder::prefill(model, attention, prompts, opts.max_new_tokens)?;
     let prefill_secs = t0.elapsed().as_secs_f64();
-    let vocab = model.config.vocab_size;
     let mut rows = Rows::new(prompts.len(), opts);
     let t1 = Instant::now();
     let mut steps = 0;
     while let Some(next) = rows.sample(&logits, sampler, opts, on_token) {
-        logits = decoder
-            .step(&next)?
-            .into_data()
-            .try_to_vec::<f32>()
-            .expect("f32 logits")
-            .chunks(vocab)
-            .map(<[f32]>::to_vec)
-            .collect();
+        logits = host_rows(decoder.step(&next)?)?;
         steps += 1;
     }
     let decode_secs = t1.elapsed().as_secs_f64();
