@@ -25,6 +25,23 @@ pub trait LayerKernels: Backend {
     #[cfg_attr(not(feature = "cube"), allow(unused_variables))]
     fn rms_norm(x: FloatTensor<Self>, gamma: FloatTensor<Self>, eps: f64) -> FloatTensor<Self>;
 
+    /// `(x + y, rms_norm(x + y))`: a residual add and the norm after it in one launch.
+    ///
+    /// # Shapes
+    /// - `x`, `y`: `[..., cols]`, `gamma`: `[cols]`, one dtype; returns two tensors of `x`'s
+    ///   shape
+    #[cfg_attr(not(feature = "cube"), allow(unused_variables))]
+    #[fusion(meta = |x, _y, _gamma, _eps| {
+        let spec = burn::backend::fusion::custom::TensorSpec::new;
+        (spec(x.shape.clone(), x.dtype), spec(x.shape.clone(), x.dtype))
+    })]
+    fn add_rms_norm(
+        x: FloatTensor<Self>,
+        y: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        eps: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
+
     /// Rotate-half RoPE of `x` at `positions`, from f32 tables.
     ///
     /// # Shapes
@@ -37,6 +54,42 @@ pub trait LayerKernels: Backend {
         cos: FloatTensor<Self>,
         sin: FloatTensor<Self>,
     ) -> FloatTensor<Self>;
+
+    /// [`LayerKernels::rope`] of a layer's queries and keys in one launch.
+    ///
+    /// # Shapes
+    /// - `q`: `[batch, q_heads, seq, head_dim]`, `k`: `[batch, k_heads, seq, head_dim]` (any
+    ///   strides), `positions`, `cos`, `sin`: as `rope`; returns `q`'s and `k`'s shapes,
+    ///   contiguous
+    #[fusion(meta = |q, k, _positions, _cos, _sin| {
+        let spec = burn::backend::fusion::custom::TensorSpec::new;
+        (spec(q.shape.clone(), q.dtype), spec(k.shape.clone(), k.dtype))
+    })]
+    fn rope2(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        positions: IntTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
+
+    /// A static cache's step write: `kc[:, :, index[t]] = k[:, :, t]`, the same for `vc`, in
+    /// one launch; returns the updated buffers.
+    ///
+    /// # Shapes
+    /// - `kc`, `vc`: `[batch, heads, capacity, head_dim]`; `k`, `v`: `[batch, heads, seq,
+    ///   head_dim]` (any strides), one dtype; `index`: `[seq]`, each `< capacity`
+    #[fusion(meta = |kc, vc, _k, _v, _index| {
+        let spec = burn::backend::fusion::custom::TensorSpec::new;
+        (spec(kc.shape.clone(), kc.dtype), spec(vc.shape.clone(), vc.dtype))
+    })]
+    fn store_kv(
+        kc: FloatTensor<Self>,
+        vc: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        index: IntTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
 
     /// `silu(gate) · up`.
     ///
@@ -51,6 +104,37 @@ pub trait LayerKernels: Backend {
     /// - `x`: `[rows, k]`, `w`: `[k, n]` in `x`'s dtype; returns `[rows, n]`
     #[fusion(dtype = x, shape = gemv_shape(x, w))]
     fn gemv(x: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self>;
+
+    /// `(x · wa, x · wb, x · wc)` in one launch (a layer's Q, K and V projections).
+    ///
+    /// # Shapes
+    /// - `x`: `[rows, k]`, `wa`: `[k, na]`, `wb`: `[k, nb]`, `wc`: `[k, nc]` in `x`'s dtype;
+    ///   returns `[rows, na]`, `[rows, nb]`, `[rows, nc]`
+    #[fusion(meta = |x, wa, wb, wc| {
+        let spec = burn::backend::fusion::custom::TensorSpec::new;
+        (
+            spec(gemv_shape(&x.shape, &wa.shape), x.dtype),
+            spec(gemv_shape(&x.shape, &wb.shape), x.dtype),
+            spec(gemv_shape(&x.shape, &wc.shape), x.dtype),
+        )
+    })]
+    fn gemv3(
+        x: FloatTensor<Self>,
+        wa: FloatTensor<Self>,
+        wb: FloatTensor<Self>,
+        wc: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
+
+    /// `silu(x · wg) · (x · wu)` in one launch (a SwiGLU MLP's first half).
+    ///
+    /// # Shapes
+    /// - `x`: `[rows, k]`, `wg`, `wu`: `[k, n]` in `x`'s dtype; returns `[rows, n]`
+    #[fusion(dtype = x, shape = gemv_shape(x, wg))]
+    fn gemv_swiglu(
+        x: FloatTensor<Self>,
+        wg: FloatTensor<Self>,
+        wu: FloatTensor<Self>,
+    ) -> FloatTensor<Self>;
 }
 
 /// The output shape of [`LayerKernels::gemv`]: `[rows, n]`.
@@ -72,6 +156,16 @@ mod cube_backend {
             kernels::rms_norm::rms_norm(x, gamma, eps)
         }
 
+        fn add_rms_norm(
+            x: FloatTensor<Self>,
+            y: FloatTensor<Self>,
+            gamma: FloatTensor<Self>,
+            eps: f64,
+        ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+            count_launch("add_rms_norm");
+            kernels::rms_norm::add_rms_norm(x, y, gamma, eps)
+        }
+
         fn rope(
             x: FloatTensor<Self>,
             positions: IntTensor<Self>,
@@ -82,6 +176,28 @@ mod cube_backend {
             kernels::rope::rope(x, positions, cos, sin)
         }
 
+        fn rope2(
+            q: FloatTensor<Self>,
+            k: FloatTensor<Self>,
+            positions: IntTensor<Self>,
+            cos: FloatTensor<Self>,
+            sin: FloatTensor<Self>,
+        ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+            count_launch("rope2");
+            kernels::rope::rope2(q, k, positions, cos, sin)
+        }
+
+        fn store_kv(
+            kc: FloatTensor<Self>,
+            vc: FloatTensor<Self>,
+            k: FloatTensor<Self>,
+            v: FloatTensor<Self>,
+            index: IntTensor<Self>,
+        ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+            count_launch("store_kv");
+            kernels::store_kv::store_kv(kc, vc, k, v, index)
+        }
+
         fn silu_mul(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
             count_launch("silu_mul");
             kernels::silu_mul::silu_mul(gate, up)
@@ -90,6 +206,25 @@ mod cube_backend {
         fn gemv(x: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self> {
             count_launch("gemv");
             kernels::linear::gemv(x, w)
+        }
+
+        fn gemv3(
+            x: FloatTensor<Self>,
+            wa: FloatTensor<Self>,
+            wb: FloatTensor<Self>,
+            wc: FloatTensor<Self>,
+        ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+            count_launch("gemv3");
+            kernels::linear::gemv3(x, wa, wb, wc)
+        }
+
+        fn gemv_swiglu(
+            x: FloatTensor<Self>,
+            wg: FloatTensor<Self>,
+            wu: FloatTensor<Self>,
+        ) -> FloatTensor<Self> {
+            count_launch("gemv_swiglu");
+            kernels::linear::gemv_swiglu(x, wg, wu)
         }
     }
 }

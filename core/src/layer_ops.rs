@@ -30,11 +30,54 @@ pub const GEMV_MAX_ROWS: usize = 16;
 ///   returns `x`'s shape
 /// - `silu_mul`: `gate`, `up` `[batch, seq, inter]`; returns `silu(gate) · up`
 /// - `linear`: `x` `[batch, seq, in]`, `w` `[in, out]`; returns `x · w`, `[batch, seq, out]`
+/// - `linear3`: `x` `[batch, seq, in]`, `wa`, `wb`, `wc` `[in, out_*]`; returns the three
+///   products `[batch, seq, out_*]` (a layer's Q, K and V)
+/// - `swiglu`: `x` `[batch, seq, in]`, `gate`, `up` `[in, inter]`; returns
+///   `silu(x · gate) · (x · up)`, `[batch, seq, inter]`
+/// - `add_rms_norm`: `x`, `y` `[batch, seq, hidden]`; returns `(x + y, rms_norm(x + y))`
+/// - `rope2`: `rope` of `q` `[batch, q_heads, seq, head_dim]` and `k` `[batch, k_heads, seq,
+///   head_dim]` at the same positions
 pub trait LayerOps: Send + Sync + std::fmt::Debug {
     fn linear(&self, x: Tensor<3>, w: Tensor<2>) -> Tensor<3>;
     fn rms_norm(&self, norm: &RmsNorm, x: Tensor<3>) -> Tensor<3>;
     fn rope(&self, rope: &Rope, x: Tensor<4>, positions: Tensor<2, Int>) -> Tensor<4>;
     fn silu_mul(&self, gate: Tensor<3>, up: Tensor<3>) -> Tensor<3>;
+
+    fn linear3(
+        &self,
+        x: Tensor<3>,
+        wa: Tensor<2>,
+        wb: Tensor<2>,
+        wc: Tensor<2>,
+    ) -> (Tensor<3>, Tensor<3>, Tensor<3>) {
+        (
+            self.linear(x.clone(), wa),
+            self.linear(x.clone(), wb),
+            self.linear(x, wc),
+        )
+    }
+
+    fn swiglu(&self, x: Tensor<3>, gate: Tensor<2>, up: Tensor<2>) -> Tensor<3> {
+        self.silu_mul(self.linear(x.clone(), gate), self.linear(x, up))
+    }
+
+    fn add_rms_norm(&self, norm: &RmsNorm, x: Tensor<3>, y: Tensor<3>) -> (Tensor<3>, Tensor<3>) {
+        let sum = x + y;
+        (sum.clone(), self.rms_norm(norm, sum))
+    }
+
+    fn rope2(
+        &self,
+        rope: &Rope,
+        q: Tensor<4>,
+        k: Tensor<4>,
+        positions: Tensor<2, Int>,
+    ) -> (Tensor<4>, Tensor<4>) {
+        (
+            self.rope(rope, q, positions.clone()),
+            self.rope(rope, k, positions),
+        )
+    }
 }
 
 /// Plain tensor ops: what Burn's autodiff differentiates, and the oracle of the kernels.
@@ -84,6 +127,85 @@ impl LayerOps for FusedOps {
         Tensor::<2>::from_dispatch(out).reshape([b, s, n])
     }
 
+    fn linear3(
+        &self,
+        x: Tensor<3>,
+        wa: Tensor<2>,
+        wb: Tensor<2>,
+        wc: Tensor<2>,
+    ) -> (Tensor<3>, Tensor<3>, Tensor<3>) {
+        let [b, s, k] = x.dims();
+        let ns = [&wa, &wb, &wc].map(|w| w.dims()[1]);
+        let unsupported = if b * s > GEMV_MAX_ROWS {
+            return TensorOps.linear3(x, wa, wb, wc);
+        } else if [&wa, &wb, &wc].iter().any(|w| w.dtype() != x.dtype()) {
+            Some(format!("x is {:?}, the weights differ", x.dtype()))
+        } else {
+            None
+        };
+        if !route("gemv3", &x.device(), Grad::ForwardOnly, unsupported) {
+            return TensorOps.linear3(x, wa, wb, wc);
+        }
+        let (oa, ob, oc) = Dispatch::gemv3(
+            x.reshape([b * s, k]).into_dispatch(),
+            wa.into_dispatch(),
+            wb.into_dispatch(),
+            wc.into_dispatch(),
+        );
+        let out = |t, n: usize| Tensor::<2>::from_dispatch(t).reshape([b, s, n]);
+        (out(oa, ns[0]), out(ob, ns[1]), out(oc, ns[2]))
+    }
+
+    fn swiglu(&self, x: Tensor<3>, gate: Tensor<2>, up: Tensor<2>) -> Tensor<3> {
+        let [b, s, k] = x.dims();
+        let n = gate.dims()[1];
+        let unsupported = if b * s > GEMV_MAX_ROWS {
+            return TensorOps.swiglu(x, gate, up);
+        } else if gate.dims() != up.dims() {
+            Some(format!(
+                "gate {:?} and up {:?} differ",
+                gate.dims(),
+                up.dims()
+            ))
+        } else if gate.dtype() != x.dtype() || up.dtype() != x.dtype() {
+            Some(format!("x is {:?}, the weights differ", x.dtype()))
+        } else {
+            None
+        };
+        if !route("gemv_swiglu", &x.device(), Grad::ForwardOnly, unsupported) {
+            return TensorOps.swiglu(x, gate, up);
+        }
+        let out = Dispatch::gemv_swiglu(
+            x.reshape([b * s, k]).into_dispatch(),
+            gate.into_dispatch(),
+            up.into_dispatch(),
+        );
+        Tensor::<2>::from_dispatch(out).reshape([b, s, n])
+    }
+
+    fn add_rms_norm(&self, norm: &RmsNorm, x: Tensor<3>, y: Tensor<3>) -> (Tensor<3>, Tensor<3>) {
+        let unsupported = (x.dims() != y.dims() || x.dtype() != y.dtype()).then(|| {
+            format!(
+                "x {:?} {:?} and y {:?} {:?} differ",
+                x.dims(),
+                x.dtype(),
+                y.dims(),
+                y.dtype()
+            )
+        });
+        if !route("add_rms_norm", &x.device(), Grad::ForwardOnly, unsupported) {
+            return TensorOps.add_rms_norm(norm, x, y);
+        }
+        let gamma = norm.gamma.val().cast(x.dtype());
+        let (sum, out) = Dispatch::add_rms_norm(
+            x.into_dispatch(),
+            y.into_dispatch(),
+            gamma.into_dispatch(),
+            norm.epsilon,
+        );
+        (Tensor::from_dispatch(sum), Tensor::from_dispatch(out))
+    }
+
     fn rms_norm(&self, norm: &RmsNorm, x: Tensor<3>) -> Tensor<3> {
         if !route("rms_norm", &x.device(), Grad::ForwardOnly, None) {
             return TensorOps.rms_norm(norm, x);
@@ -109,6 +231,30 @@ impl LayerOps for FusedOps {
             cos.into_dispatch(),
             sin.into_dispatch(),
         ))
+    }
+
+    fn rope2(
+        &self,
+        rope: &Rope,
+        q: Tensor<4>,
+        k: Tensor<4>,
+        positions: Tensor<2, Int>,
+    ) -> (Tensor<4>, Tensor<4>) {
+        let unsupported =
+            (q.dtype() != k.dtype()).then(|| format!("q is {:?}, k is {:?}", q.dtype(), k.dtype()));
+        if !route("rope2", &q.device(), Grad::ForwardOnly, unsupported) {
+            return TensorOps.rope2(rope, q, k, positions);
+        }
+        let (cos, sin) = rope.tables();
+        let (cos, sin) = (cos.clone().cast(DType::F32), sin.clone().cast(DType::F32));
+        let (q, k) = Dispatch::rope2(
+            q.into_dispatch(),
+            k.into_dispatch(),
+            positions.into_dispatch(),
+            cos.into_dispatch(),
+            sin.into_dispatch(),
+        );
+        (Tensor::from_dispatch(q), Tensor::from_dispatch(k))
     }
 
     fn silu_mul(&self, gate: Tensor<3>, up: Tensor<3>) -> Tensor<3> {

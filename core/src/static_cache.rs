@@ -4,8 +4,12 @@
 
 use burn::tensor::{Bool, IndexingUpdateOp, Int, Tensor, TensorCreationOptions};
 
+use burn::backend::Dispatch;
+
+use crate::LayerKernels;
 use crate::attention::{AttentionImpl, AttnOptions};
 use crate::cache::{CacheError, KvCache};
+use crate::route::{Grad, route};
 
 /// Why a [`StaticKvCache`] refused a write.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -199,8 +203,29 @@ impl KvCache for IndexedWrite<'_> {
         opts: &AttnOptions,
     ) -> Result<Tensor<4>, CacheError> {
         let (kc, vc) = self.cache.slot(layer, &k, &v)?;
-        let kc = kc.select_assign(2, self.index.clone(), k, IndexingUpdateOp::Assign);
-        let vc = vc.select_assign(2, self.index.clone(), v, IndexingUpdateOp::Assign);
+        let unsupported = (k.dtype() != kc.dtype() || v.dtype() != vc.dtype()).then(|| {
+            format!(
+                "k {:?}, v {:?}, cache {:?}",
+                k.dtype(),
+                v.dtype(),
+                kc.dtype()
+            )
+        });
+        let (kc, vc) = if route("store_kv", &k.device(), Grad::ForwardOnly, unsupported) {
+            let (kc, vc) = Dispatch::store_kv(
+                kc.into_dispatch(),
+                vc.into_dispatch(),
+                k.into_dispatch(),
+                v.into_dispatch(),
+                self.index.clone().into_dispatch(),
+            );
+            (Tensor::from_dispatch(kc), Tensor::from_dispatch(vc))
+        } else {
+            (
+                kc.select_assign(2, self.index.clone(), k, IndexingUpdateOp::Assign),
+                vc.select_assign(2, self.index.clone(), v, IndexingUpdateOp::Assign),
+            )
+        };
         let out = attention.attend(layer, q, kc.clone(), vc.clone(), opts);
         self.cache.layers[layer] = Some((kc, vc));
         Ok(out)

@@ -11,9 +11,13 @@ use burn_kernels_core::{
     TopKTopP,
 };
 use burn_kernels_testing::{
-    Dist, Tolerance, assert_close, assert_matmul_close, assert_product_close, compare::to_f32,
-    float_dtypes, poison_memory, random_tensor, random_values, testgen,
+    Dist, Tolerance, assert_close, assert_matmul_close, compare::to_f32, float_dtypes,
+    poison_memory, random_tensor, random_values, testgen,
 };
+
+#[path = "core/projections.rs"]
+mod projections;
+use projections::fused_projections_match_host_products;
 
 fn host<const D: usize>(v: &[f32], shape: [usize; D], device: &Device) -> Tensor<D> {
     Tensor::from_data(TensorData::new(v.to_vec(), shape), device)
@@ -314,6 +318,7 @@ fn static_cache_equals_one_shot(device: &Device) {
         )
         .expect("prefill");
     let positions = Tensor::<1, Int>::arange(0..cap as i64, device).reshape([1, cap]);
+    let stores = launches("store_kv");
     for t in 6..s {
         let len = Tensor::<1, Int>::from_data(TensorData::new(vec![t as i64], [1]), device);
         let mask = StaticKvCache::unwritten_mask(positions.clone(), len.clone(), pad_mask(cap));
@@ -334,6 +339,14 @@ fn static_cache_equals_one_shot(device: &Device) {
             .expect("the indexed step attends");
         expect(t, t + 1, o, &format!("static cache indexed step {t}"));
     }
+    // On a CubeCL device each step's keys and values went in with one kernel.
+    if *device != Device::flex() {
+        assert_eq!(
+            launches("store_kv") - stores,
+            (s - 6) as u64,
+            "store_kv launches"
+        );
+    }
 }
 
 /// The fused layer-op kernels against the tensor ops, in every float dtype, on awkward sizes:
@@ -347,7 +360,7 @@ fn fused_layer_ops_match_tensor_ops(device: &Device) {
         gamma: Param::from_tensor(n.gamma.val().cast(DType::F32)),
         epsilon: n.epsilon,
     };
-    let ops = ["rms_norm", "rope", "gemv", "silu_mul"];
+    let ops = ["rms_norm", "add_rms_norm", "rope", "rope2", "silu_mul"];
     let before = ops.map(launches);
     for dtype in float_dtypes(device) {
         let tol = Tolerance::for_reduction(dtype, 97);
@@ -370,8 +383,27 @@ fn fused_layer_ops_match_tensor_ops(device: &Device) {
             };
             poison_memory(device, b * s * cols, dtype);
             let got = require_kernels(|| FusedOps.rms_norm(&norm, x.clone()));
-            let want = TensorOps.rms_norm(&f32_norm(&norm), x.cast(DType::F32));
+            let want = TensorOps.rms_norm(&f32_norm(&norm), x.clone().cast(DType::F32));
             close(format!("rms_norm {dtype:?} {b}x{s}x{cols}"), got, want);
+
+            // The residual add and the norm after it (the sum is rounded to the dtype first,
+            // as a separate add would store it).
+            let y = random_tensor::<3>([b, s, cols], Dist::STANDARD, seed + 9, dtype, device);
+            poison_memory(device, 2 * b * s * cols, dtype);
+            let (sum, normed) =
+                require_kernels(|| FusedOps.add_rms_norm(&norm, x.clone(), y.clone()));
+            let (want_sum, want) =
+                TensorOps.add_rms_norm(&f32_norm(&norm), x.cast(DType::F32), y.cast(DType::F32));
+            close(
+                format!("add_rms_norm sum {dtype:?} {b}x{s}x{cols}"),
+                sum,
+                want_sum,
+            );
+            close(
+                format!("add_rms_norm {dtype:?} {b}x{s}x{cols}"),
+                normed,
+                want,
+            );
         }
 
         let (b, s, h, d) = (2, 3, 5, 34);
@@ -383,45 +415,29 @@ fn fused_layer_ops_match_tensor_ops(device: &Device) {
         );
         poison_memory(device, b * s * h * d, dtype);
         let got = require_kernels(|| FusedOps.rope(&rope, x.clone(), pos.clone()));
-        let want = TensorOps.rope(&rope, x.cast(DType::F32), pos);
+        let want = TensorOps.rope(&rope, x.clone().cast(DType::F32), pos.clone());
         close(
             format!("rope {dtype:?}"),
             got.reshape([b * h, s, d]),
             want.reshape([b * h, s, d]),
         );
-
-        // Projections: one row and five (the GEMV), seventeen (past GEMV_MAX_ROWS: Burn's
-        // matmul); 97 inner values (not a multiple of the 8 splits), 45 columns (a partial
-        // 32-column cube). Checked against f64 products of the stored values.
-        for (i, [b, s]) in [[1, 1], [1, 5], [17, 1]].into_iter().enumerate() {
-            let (k, n) = (97, 45);
-            let seed = 70 + 2 * i as u64;
-            let x = random_tensor::<3>([b, s, k], Dist::STANDARD, seed, dtype, device);
-            let w = random_tensor::<2>([k, n], Dist::STANDARD, seed + 1, dtype, device);
-            let (hx, hw) = (to_f32(x.to_data()), to_f32(w.to_data()));
-            let want: Vec<f32> = (0..b * s)
-                .flat_map(|r| {
-                    let (hx, hw) = (&hx, &hw);
-                    (0..n).map(move |c| {
-                        (0..k)
-                            .map(|j| hx[r * k + j] as f64 * hw[j * n + c] as f64)
-                            .sum::<f64>() as f32
-                    })
-                })
-                .collect();
-            poison_memory(device, b * s * n, dtype);
-            // Past GEMV_MAX_ROWS the projection is Burn's matmul, not a fallback.
-            let got = require_kernels(|| FusedOps.linear(x, w));
-            assert_eq!(got.dims(), [b, s, n]);
-            assert_product_close(
-                &format!("linear {dtype:?} {b}x{s}x{k} · {k}x{n}"),
-                &to_f32(got.into_data()),
-                &want,
-                dtype,
-                k,
-                device,
-            );
-        }
+        // Queries and keys (fewer heads) in one launch, both strided views.
+        let k = random_tensor::<4>([b, s, 2, d], Dist::STANDARD, 51, dtype, device).swap_dims(1, 2);
+        poison_memory(device, b * s * (h + 2) * d, dtype);
+        let (got_q, got_k) =
+            require_kernels(|| FusedOps.rope2(&rope, x.clone(), k.clone(), pos.clone()));
+        let want_q = TensorOps.rope(&rope, x.clone().cast(DType::F32), pos.clone());
+        let want_k = TensorOps.rope(&rope, k.cast(DType::F32), pos.clone());
+        close(
+            format!("rope2 q {dtype:?}"),
+            got_q.reshape([b * h, s, d]),
+            want_q.reshape([b * h, s, d]),
+        );
+        close(
+            format!("rope2 k {dtype:?}"),
+            got_k.reshape([b * 2, s, d]),
+            want_k.reshape([b * 2, s, d]),
+        );
 
         for (i, shape) in [[1, 1, 1], [2, 3, 131]].into_iter().enumerate() {
             let seed = 60 + 2 * i as u64;
@@ -448,6 +464,7 @@ testgen! {
         full_cache_decode_equals_one_shot,
         static_cache_equals_one_shot,
         fused_layer_ops_match_tensor_ops,
+        fused_projections_match_host_products,
     ],
     autodiff: [],
 }

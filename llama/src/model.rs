@@ -37,6 +37,17 @@ pub struct Llama {
     pub rope: Rope,
 }
 
+/// The next prepared tensor, on the device.
+fn upload<const D: usize>(
+    data: &mut impl Iterator<Item = TensorData>,
+    opts: &TensorCreationOptions,
+) -> Tensor<D> {
+    Tensor::from_data(
+        data.next().expect("one prepared tensor per job"),
+        opts.clone(),
+    )
+}
+
 fn norm(gamma: Tensor<1>, eps: f32) -> RmsNorm {
     RmsNorm {
         gamma: Param::from_tensor(gamma),
@@ -62,41 +73,38 @@ pub enum ForwardError {
 const MAX_ROPE_POSITIONS: usize = 131_072;
 
 impl Block {
+    /// One layer on the residual stream `x` plus the previous layer's output `pending` (added
+    /// here, in the same launch as this layer's first norm); returns the stream after the
+    /// attention and the MLP's output, which the next layer (or the final norm) adds.
     #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
         layer: usize,
         x: Tensor<3>,
+        pending: Option<Tensor<3>>,
         cfg: &LlamaConfig,
         rope: &Rope,
         positions: &Tensor<2, Int>,
         cache: &mut dyn KvCache,
         attention: &dyn AttentionImpl,
         opts: &AttnOptions,
-    ) -> Result<Tensor<3>, CacheError> {
+    ) -> Result<(Tensor<3>, Tensor<3>), CacheError> {
         let [b, s, _] = x.dims();
         let (hq, hkv, d) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
         let ops = attention.layer_ops().unwrap_or(&TensorOps);
-        let h = ops.rms_norm(&self.attn_norm, x.clone());
+        let (x, h) = match pending {
+            Some(y) => ops.add_rms_norm(&self.attn_norm, x, y),
+            None => (x.clone(), ops.rms_norm(&self.attn_norm, x)),
+        };
         let heads = |t: Tensor<3>, n: usize| t.reshape([b, s, n, d]).swap_dims(1, 2);
-        let linear = |x: Tensor<3>, w: &Param<Tensor<2>>| ops.linear(x, w.val());
-        let q = ops.rope(
-            rope,
-            heads(linear(h.clone(), &self.wq), hq),
-            positions.clone(),
-        );
-        let k = ops.rope(
-            rope,
-            heads(linear(h.clone(), &self.wk), hkv),
-            positions.clone(),
-        );
-        let v = heads(linear(h, &self.wv), hkv);
+        let (q, k, v) = ops.linear3(h, self.wq.val(), self.wk.val(), self.wv.val());
+        let (q, k) = ops.rope2(rope, heads(q, hq), heads(k, hkv), positions.clone());
+        let v = heads(v, hkv);
         let o = cache.attend(layer, q, k, v, attention, opts)?;
         let o = o.swap_dims(1, 2).reshape([b, s, hq * d]);
-        let x = x + linear(o, &self.wo);
-        let h = ops.rms_norm(&self.mlp_norm, x.clone());
-        let gate = linear(h.clone(), &self.w_gate);
-        Ok(x + linear(ops.silu_mul(gate, linear(h, &self.w_up)), &self.w_down))
+        let (x, h) = ops.add_rms_norm(&self.mlp_norm, x, ops.linear(o, self.wo.val()));
+        let gated = ops.swiglu(h, self.w_gate.val(), self.w_up.val());
+        Ok((x, ops.linear(gated, self.w_down.val())))
     }
 }
 
@@ -193,11 +201,14 @@ impl Llama {
             .val()
             .select(0, tokens.reshape([b * s]))
             .reshape([b, s, hidden]);
+        let ops = attention.layer_ops().unwrap_or(&TensorOps);
+        let mut pending = None;
         for (layer, block) in self.layers.iter().enumerate() {
-            x = block
+            (x, pending) = block
                 .forward(
                     layer,
                     x,
+                    pending,
                     &self.config,
                     &self.rope,
                     &positions,
@@ -205,15 +216,16 @@ impl Llama {
                     attention,
                     opts,
                 )
+                .map(|(x, y)| (x, Some(y)))
                 .map_err(|e| ForwardError::Cache {
                     layer,
                     message: e.to_string(),
                 })?;
         }
-        Ok(attention
-            .layer_ops()
-            .unwrap_or(&TensorOps)
-            .rms_norm(&self.norm, x))
+        Ok(match pending {
+            Some(y) => ops.add_rms_norm(&self.norm, x, y).1,
+            None => ops.rms_norm(&self.norm, x),
+        })
     }
 
     /// Positions the model's RoPE tables cover, its context length here: the config's
@@ -265,64 +277,55 @@ impl Llama {
                     name: name.to_string(),
                 })
         };
-        let opts = TensorCreationOptions::new(device.clone()).with_dtype(dtype);
-        let tensor = |t: &HostTensor, transpose: bool| -> Tensor<2> {
-            let (rows, cols) = (t.shape[0], t.shape.get(1).copied().unwrap_or(1));
-            let (data, shape) = if transpose {
-                let mut out = vec![0f32; t.data.len()];
-                for r in 0..rows {
-                    for c in 0..cols {
-                        out[c * rows + r] = t.data[r * cols + c];
-                    }
-                }
-                (out, [cols, rows])
-            } else {
-                (t.data.clone(), [rows, cols])
-            };
-            Tensor::from_data(
-                TensorData::new(data, shape).convert_dtype(dtype),
-                opts.clone(),
-            )
-        };
-        let vector = |t: &HostTensor| -> Tensor<1> {
-            Tensor::from_data(
-                TensorData::new(t.data.clone(), [t.data.len()]).convert_dtype(dtype),
-                opts.clone(),
-            )
-        };
-        let proj = |name: String| -> Result<Param<Tensor<2>>, LoadError> {
-            Ok(Param::from_tensor(tensor(get(&name)?, true)))
-        };
-        let mut layers = Vec::with_capacity(cfg.num_layers);
+        // Host work (transposes, dtype conversion) first, on every core; then the uploads,
+        // in the order the model takes the tensors.
+        let mut jobs: Vec<(&HostTensor, bool)> = Vec::new();
         for i in 0..cfg.num_layers {
             let p = format!("model.layers.{i}");
+            jobs.push((get(&format!("{p}.input_layernorm.weight"))?, false));
+            for w in ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"] {
+                jobs.push((get(&format!("{p}.{w}.weight"))?, true));
+            }
+            jobs.push((get(&format!("{p}.self_attn.o_proj.weight"))?, true));
+            jobs.push((get(&format!("{p}.post_attention_layernorm.weight"))?, false));
+            for w in ["gate_proj", "up_proj", "down_proj"] {
+                jobs.push((get(&format!("{p}.mlp.{w}.weight"))?, true));
+            }
+        }
+        if !cfg.tie_word_embeddings {
+            jobs.push((get("lm_head.weight")?, true));
+        }
+        jobs.push((get("model.embed_tokens.weight")?, false));
+        jobs.push((get("model.norm.weight")?, false));
+        let opts = TensorCreationOptions::new(device.clone()).with_dtype(dtype);
+        let mut data = crate::loader::host::prepare(&jobs, dtype).into_iter();
+        let mut layers = Vec::with_capacity(cfg.num_layers);
+        for _ in 0..cfg.num_layers {
+            let attn_norm = norm(upload(&mut data, &opts), cfg.rms_norm_eps);
+            let [wq, wk, wv, wo] = [(); 4].map(|_| Param::from_tensor(upload(&mut data, &opts)));
+            let mlp_norm = norm(upload(&mut data, &opts), cfg.rms_norm_eps);
+            let [w_gate, w_up, w_down] =
+                [(); 3].map(|_| Param::from_tensor(upload(&mut data, &opts)));
             layers.push(Block {
-                attn_norm: norm(
-                    vector(get(&format!("{p}.input_layernorm.weight"))?),
-                    cfg.rms_norm_eps,
-                ),
-                wq: proj(format!("{p}.self_attn.q_proj.weight"))?,
-                wk: proj(format!("{p}.self_attn.k_proj.weight"))?,
-                wv: proj(format!("{p}.self_attn.v_proj.weight"))?,
-                wo: proj(format!("{p}.self_attn.o_proj.weight"))?,
-                mlp_norm: norm(
-                    vector(get(&format!("{p}.post_attention_layernorm.weight"))?),
-                    cfg.rms_norm_eps,
-                ),
-                w_gate: proj(format!("{p}.mlp.gate_proj.weight"))?,
-                w_up: proj(format!("{p}.mlp.up_proj.weight"))?,
-                w_down: proj(format!("{p}.mlp.down_proj.weight"))?,
+                attn_norm,
+                wq,
+                wk,
+                wv,
+                wo,
+                mlp_norm,
+                w_gate,
+                w_up,
+                w_down,
             });
         }
-        let lm_head = if cfg.tie_word_embeddings {
-            None
-        } else {
-            Some(proj("lm_head.weight".into())?)
-        };
+        let lm_head =
+            (!cfg.tie_word_embeddings).then(|| Param::from_tensor(upload(&mut data, &opts)));
+        let embed = Param::from_tensor(upload(&mut data, &opts));
+        let final_norm = norm(upload(&mut data, &opts), cfg.rms_norm_eps);
         Ok(Self {
-            embed: Param::from_tensor(tensor(get("model.embed_tokens.weight")?, false)),
+            embed,
             layers,
-            norm: norm(vector(get("model.norm.weight")?), cfg.rms_norm_eps),
+            norm: final_norm,
             lm_head,
             rope: Self::rope(cfg, device),
             config: cfg.clone(),

@@ -11,6 +11,7 @@
 //! | shadowkv | Burn's | ShadowKV, budget 25% of the prompt | autoregressive |
 //! | spec-sd | Burn's | full (branching) | single-draft speculative, L = 4 |
 //! | kernels | decode attention kernel, fused layer ops | full | autoregressive |
+//! | kernels+graph | decode kernel, fused layer ops | static | autoregressive, each step a replayed CUDA graph (captured per generation) |
 //! | kernels+spec-sd | decode kernel, fused layer ops | full (branching) | speculative |
 //! | sage+shadowkv+spec-sd | Sage | ShadowKV | speculative (truncation rollback) |
 //! | fused sage+shadowkv+spec-sd | Sage, fused layer ops | ShadowKV | speculative |
@@ -34,6 +35,7 @@ use burn_kvcache::{DecodeAttention, ShadowKvCache, ShadowKvConfig};
 use burn_llama::attention::AttentionChoice;
 use burn_llama::eval::shadowkv_for;
 use burn_llama::generate::{GenerateOptions, generate};
+use burn_llama::graph::generate_captured;
 use burn_llama::passkey::{holds_key, passkey_prompt};
 use burn_llama::spec::{
     Draft, LinearSpecCache, SpecOptions, speculative_generate, speculative_generate_with_cache,
@@ -81,6 +83,8 @@ struct Combo {
     attention: Att,
     shadowkv: bool,
     spec: Option<Spec>,
+    /// Decode steps captured once into a CUDA graph and replayed (static cache).
+    graph: bool,
 }
 
 const COMBOS: &[Combo] = &[
@@ -89,72 +93,91 @@ const COMBOS: &[Combo] = &[
         attention: Att::Burn,
         shadowkv: false,
         spec: None,
+        graph: false,
     },
     Combo {
         name: "sage",
         attention: Att::Sage,
         shadowkv: false,
         spec: None,
+        graph: false,
     },
     Combo {
         name: "shadowkv",
         attention: Att::Burn,
         shadowkv: true,
         spec: None,
+        graph: false,
     },
     Combo {
         name: "spec-sd",
         attention: Att::Burn,
         shadowkv: false,
         spec: Some(Spec::Model),
+        graph: false,
     },
     Combo {
         name: "kernels",
         attention: Att::Kernels,
         shadowkv: false,
         spec: None,
+        graph: false,
+    },
+    Combo {
+        name: "kernels+graph",
+        attention: Att::Kernels,
+        shadowkv: false,
+        spec: None,
+        graph: true,
     },
     Combo {
         name: "kernels+spec-sd",
         attention: Att::Kernels,
         shadowkv: false,
         spec: Some(Spec::Model),
+        graph: false,
     },
     Combo {
         name: "sage+shadowkv+spec-sd",
         attention: Att::Sage,
         shadowkv: true,
         spec: Some(Spec::Model),
+        graph: false,
     },
     Combo {
         name: "fused sage+shadowkv+spec-sd",
         attention: Att::FusedSage,
         shadowkv: true,
         spec: Some(Spec::Model),
+        graph: false,
     },
     Combo {
         name: "spec-lookup",
         attention: Att::Burn,
         shadowkv: false,
         spec: Some(Spec::Lookup),
+        graph: false,
     },
     Combo {
         name: "kernels+spec-lookup",
         attention: Att::Kernels,
         shadowkv: false,
         spec: Some(Spec::Lookup),
+        graph: false,
     },
     Combo {
         name: "sage+shadowkv+spec-lookup",
         attention: Att::Sage,
         shadowkv: true,
         spec: Some(Spec::Lookup),
+        graph: false,
     },
     Combo {
         name: "fused sage+shadowkv+spec-lookup",
         attention: Att::FusedSage,
         shadowkv: true,
         spec: Some(Spec::Lookup),
+        graph: false,
     },
 ];
 
@@ -305,6 +328,29 @@ fn run(
         ..SamplingConfig::default()
     };
     let prompts = [prompt.to_vec()];
+    if combo.graph {
+        let opts = GenerateOptions {
+            max_new_tokens: new_tokens,
+            stop_tokens: Vec::new(),
+        };
+        let (g, _) = generate_captured(
+            model,
+            &prompts,
+            attention,
+            greedy.build().as_mut(),
+            &opts,
+            &mut |_, _| {},
+        )
+        .expect("the prompt fits the model's context");
+        return Outcome {
+            tokens: g.tokens[0].clone(),
+            prefill_secs: g.prefill_secs,
+            decode_tokens_per_sec: g.decode_tokens_per_sec(),
+            cache: "static".into(),
+            cache_bytes: g.cache_bytes,
+            block_efficiency: None,
+        };
+    }
     let Some(spec) = combo.spec else {
         let mut cache: Box<dyn KvCache> = if combo.shadowkv {
             Box::new(shadowkv(cfg, prompt.len()))

@@ -4,6 +4,7 @@ pub mod linear;
 pub mod rms_norm;
 pub mod rope;
 pub mod silu_mul;
+pub mod store_kv;
 
 use cubecl::prelude::*;
 

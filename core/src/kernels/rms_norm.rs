@@ -1,6 +1,6 @@
 //! RMSNorm in one launch: one cube per row; each unit sums the squares of a strided share of
 //! the row in f32, a shared-memory tree adds the shares, and each unit writes its share
-//! scaled by `γ / √(mean + ε)`.
+//! scaled by `γ / √(mean + ε)`. [`add_rms_norm`] adds the residual first, in the same pass.
 
 use burn::backend::cubecl::dtype_to_storage_type;
 use burn::tensor::DType;
@@ -39,6 +39,53 @@ fn rms_norm_kernel<F: Float>(
         squares += v * v;
         i += units;
     }
+    let inv = inverse_rms(squares, unit, cols, eps, units);
+    scale_row::<F>(x, gamma, out, base, unit, inv, units);
+}
+
+/// The residual add before a norm: `sum = x + y` (rounded to the dtype, as a separate add
+/// would store it) and the norm of `sum`, in one pass over the row.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+fn add_rms_norm_kernel<F: Float>(
+    x: &Tensor<F>,
+    y: &Tensor<F>,
+    gamma: &Tensor<F>,
+    sum: &mut Tensor<F>,
+    out: &mut Tensor<F>,
+    rows: usize,
+    eps: f32,
+    #[comptime] units: usize,
+    #[define(F)] _dtype: ElemType,
+) {
+    let row = (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize;
+    if row >= rows {
+        terminate!();
+    }
+    let cols = gamma.len();
+    let unit = UNIT_POS_X as usize;
+    let base = row * cols;
+    let mut squares = f32::new(0.0);
+    let mut i = unit;
+    while i < cols {
+        let rounded = F::cast_from(f32::cast_from(x[base + i]) + f32::cast_from(y[base + i]));
+        sum[base + i] = rounded;
+        let v = f32::cast_from(rounded);
+        squares += v * v;
+        i += units;
+    }
+    let inv = inverse_rms(squares, unit, cols, eps, units);
+    let mut i = unit;
+    while i < cols {
+        let rounded = F::cast_from(f32::cast_from(x[base + i]) + f32::cast_from(y[base + i]));
+        out[base + i] = F::cast_from(f32::cast_from(rounded) * inv * f32::cast_from(gamma[i]));
+        i += units;
+    }
+}
+
+/// `1 / √(mean + ε)` of the row from every unit's sum of squares (a shared-memory tree).
+#[cube]
+fn inverse_rms(squares: f32, unit: usize, cols: usize, eps: f32, #[comptime] units: usize) -> f32 {
     let mut shared = Shared::<[f32]>::new_slice(units);
     shared[unit] = squares;
     sync_cube();
@@ -51,7 +98,21 @@ fn rms_norm_kernel<F: Float>(
         sync_cube();
         half /= 2;
     }
-    let inv = f32::new(1.0) / f32::sqrt(shared[0] / f32::cast_from(cols) + eps);
+    f32::new(1.0) / f32::sqrt(shared[0] / f32::cast_from(cols) + eps)
+}
+
+/// `out = x · inv · γ` over the unit's strided share of the row at `base`.
+#[cube]
+fn scale_row<F: Float>(
+    x: &Tensor<F>,
+    gamma: &Tensor<F>,
+    out: &mut Tensor<F>,
+    base: usize,
+    unit: usize,
+    inv: f32,
+    #[comptime] units: usize,
+) {
+    let cols = gamma.len();
     let mut i = unit;
     while i < cols {
         out[base + i] = F::cast_from(f32::cast_from(x[base + i]) * inv * f32::cast_from(gamma[i]));
@@ -88,4 +149,43 @@ pub fn rms_norm(x: CubeTensor, gamma: CubeTensor, eps: f64) -> CubeTensor {
         dtype_to_storage_type(dtype),
     );
     out
+}
+
+/// `(x + y, rms_norm(x + y))`: the residual add and the next norm in one launch.
+///
+/// # Shapes
+/// - `x`, `y`: `[..., cols]`, `gamma`: `[cols]`, one dtype; returns two tensors of `x`'s shape
+pub fn add_rms_norm(
+    x: CubeTensor,
+    y: CubeTensor,
+    gamma: CubeTensor,
+    eps: f64,
+) -> (CubeTensor, CubeTensor) {
+    let [x, y, gamma] = [x, y, gamma].map(into_contiguous);
+    let shape = x.meta.shape().clone();
+    let cols = gamma.meta.shape().num_elements();
+    let rows = shape.num_elements() / cols.max(1);
+    let client = x.client.clone();
+    let dtype: DType = x.dtype;
+    let new =
+        || empty_device_contiguous_dtype(client.clone(), x.device.clone(), shape.clone(), dtype);
+    let (sum, out) = (new(), new());
+    if rows == 0 || cols == 0 {
+        return (sum, out);
+    }
+    add_rms_norm_kernel::launch(
+        &client,
+        row_grid(&client, rows),
+        CubeDim::new_1d(ROW_UNITS as u32),
+        x.into_tensor_arg(),
+        y.into_tensor_arg(),
+        gamma.into_tensor_arg(),
+        sum.clone().into_tensor_arg(),
+        out.clone().into_tensor_arg(),
+        rows,
+        eps as f32,
+        ROW_UNITS,
+        dtype_to_storage_type(dtype),
+    );
+    (sum, out)
 }

@@ -9,6 +9,7 @@
 //! ```
 
 pub mod gguf;
+pub mod host;
 pub mod safetensors;
 
 pub use crate::error::LoadError;
