@@ -42,13 +42,19 @@ pub fn suite(opts: SuiteOptions) -> Suite {
             problems.push(problem(shape, i as f64, phase, len, 1, peers()));
         }
     }
+    // The same batch-1 step in bf16 and f32 (Burn only: the peer runs f16), so that the
+    // dtypes compare in one run.
+    for dtype in [DType::BF16, DType::F32] {
+        problems.push(problem_in(dtype, shapes[0], 0.0, "decode", len, 1, peers()));
+    }
     for &batch in batches {
         problems.push(problem(shapes[0], 0.0, "decode", len, batch, peers()));
     }
     Suite {
         name: "llama",
         description: "Llama forward, random weights, f16: prefill of the prompt (batch 1) and \
-                      decode steps after it (batch 1; 8, 32 and 128 on SmolLM2-135M); Burn (tensor ops + Burn's attention; the decode kernels, \
+                      decode steps after it (batch 1; 8, 32 and 128 on SmolLM2-135M; batch 1 \
+                      also in bf16 and f32, Burn only); Burn (tensor ops + Burn's attention; the decode kernels, \
                       eager and CUDA-graph replayed) vs PyTorch/transformers (eager, CUDA graph, \
                       torch.compile reduce-overhead)",
         baseline: "pytorch",
@@ -66,11 +72,34 @@ fn problem(
     batch: usize,
     peers: PathBuf,
 ) -> Problem {
+    problem_in(DType::F16, shape, order, phase, len, batch, peers)
+}
+
+/// A problem with weights and activations in `dtype`; the PyTorch peers run only in f16.
+fn problem_in(
+    dtype: DType,
+    shape: &'static str,
+    order: f64,
+    phase: &'static str,
+    len: usize,
+    batch: usize,
+    peers: PathBuf,
+) -> Problem {
     let cfg = LlamaConfig::preset(shape).expect("known preset");
     let tokens = if phase == "prefill" { len } else { batch };
+    let name = match dtype {
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+        _ => "f32",
+    };
+    let suffix = if dtype == DType::F16 {
+        String::new()
+    } else {
+        format!(", {name}")
+    };
     let label = match batch {
-        1 => format!("{shape} {phase} (context {len})"),
-        _ => format!("{shape} {phase} (batch {batch}, context {len})"),
+        1 => format!("{shape} {phase} (context {len}{suffix})"),
+        _ => format!("{shape} {phase} (batch {batch}, context {len}{suffix})"),
     };
     Problem {
         label,
@@ -80,13 +109,13 @@ fn problem(
             ("phase", json!(phase)),
             ("context", json!(len)),
             ("batch", json!(batch)),
-            ("dtype", json!("f16")),
+            ("dtype", json!(name)),
         ]),
         flops: None,
         bytes: None,
         tokens: Some(tokens as f64),
         setup: Box::new(move |device| {
-            let model = Llama::random(&cfg, device, DType::F16);
+            let model = Llama::random(&cfg, device, dtype);
             let ids: Vec<i64> = (0..(batch * len) as i64)
                 .map(|i| (i * 7919) % cfg.vocab_size as i64)
                 .collect();
@@ -106,7 +135,7 @@ fn problem(
                 ("pytorch-graph", Some("--cuda-graph")),
                 ("pytorch-compile", Some("--compile")),
             ] {
-                if phase == "prefill" && mode.is_some() {
+                if (phase == "prefill" && mode.is_some()) || dtype != DType::F16 {
                     continue;
                 }
                 let peers = peers.clone();

@@ -4,7 +4,7 @@
 //! At decode sizes (SmolLM2: `W` of 576 × 576 half floats, 663 KB) the product is bound by how
 //! many bytes are in flight, not by bandwidth: the whole matrix is less than what an H100 keeps
 //! in flight (~3.3 TB/s × ~600 ns ≈ 2 MB). So a unit reads a vector of `vec` adjacent columns
-//! (16 bytes) from `UNROLL` rows before it uses any of them, a cube owns only `cv` such column
+//! (16 bytes) from 4 rows (8 for long inner dimensions) before it uses any of them, a cube owns only `cv` such column
 //! vectors (so a 576-column product still spreads over 36 cubes) and splits the inner dimension
 //! over `splits` units, and up to [`MAX_ROWS_PER_CUBE`] rows of `x` share each read of `W`.
 //! The partial sums meet in shared memory (two passes, no plane operations, so any plane size
@@ -24,8 +24,10 @@ use cubecl::prelude::*;
 
 /// Units per cube (`cv × splits`).
 const UNITS: usize = 256;
-/// Rows of `W` a unit loads before it multiplies.
+/// Rows of `W` a unit loads before it multiplies; twice as many for long inner dimensions
+/// (from [`LONG_K`]), whose few cubes must keep more bytes in flight each.
 const UNROLL: usize = 4;
+const LONG_K: usize = 2048;
 /// Units that sum the split partials in the first reduction pass (divides every `splits`).
 const REDUCERS: usize = 8;
 /// Rows of `x` one cube multiplies with each read of `W`.
@@ -42,11 +44,14 @@ struct Plan {
     splits: usize,
     /// Rows of `x` per cube.
     rows_per_cube: usize,
+    /// Rows of `W` a unit reads before it multiplies.
+    unroll: usize,
 }
 
 impl Plan {
-    /// A plan for products with `ns` columns each (one launch), `rows` rows of `x`.
-    fn new(rows: usize, ns: &[usize], elem_bytes: usize) -> Self {
+    /// A plan for products with `ns` columns each (one launch), `rows` rows of `x`, an
+    /// inner dimension of `k`.
+    fn new(rows: usize, k: usize, ns: &[usize], elem_bytes: usize) -> Self {
         let widest = (16 / elem_bytes).max(1);
         let vec = [8, 4, 2, 1]
             .into_iter()
@@ -66,6 +71,7 @@ impl Plan {
             cv,
             splits: UNITS / cv,
             rows_per_cube,
+            unroll: if k >= LONG_K { 2 * UNROLL } else { UNROLL },
         }
     }
 }
@@ -82,6 +88,7 @@ fn gemv_kernel<F: Float, N: Size>(
     #[comptime] cv: usize,
     #[comptime] splits: usize,
     #[comptime] rpc: usize,
+    #[comptime] unroll: usize,
     #[define(F)] _dtype: ElemType,
 ) {
     let c = UNIT_POS_X as usize;
@@ -91,7 +98,7 @@ fn gemv_kernel<F: Float, N: Size>(
     let mut acc = zeros::<N>(rpc);
     if colv < n_vecs {
         product::<F, N>(
-            x, w, &mut acc, 0usize, colv, n_vecs, rows, k_dim, row0, s, splits, rpc,
+            x, w, &mut acc, 0usize, colv, n_vecs, rows, k_dim, row0, s, splits, rpc, unroll,
         );
     }
     let mut part = Shared::<[Vector<f32, N>]>::new_slice(splits * cv * rpc);
@@ -128,6 +135,7 @@ fn gemv3_kernel<F: Float, N: Size>(
     #[comptime] cv: usize,
     #[comptime] splits: usize,
     #[comptime] rpc: usize,
+    #[comptime] unroll: usize,
     #[define(F)] _dtype: ElemType,
 ) {
     let c = UNIT_POS_X as usize;
@@ -137,17 +145,17 @@ fn gemv3_kernel<F: Float, N: Size>(
     let mut acc = zeros::<N>(rpc);
     if colv < na {
         product::<F, N>(
-            x, wa, &mut acc, 0usize, colv, na, rows, k_dim, row0, s, splits, rpc,
+            x, wa, &mut acc, 0usize, colv, na, rows, k_dim, row0, s, splits, rpc, unroll,
         );
     } else if colv < na + nb {
         let cb = colv - na;
         product::<F, N>(
-            x, wb, &mut acc, 0usize, cb, nb, rows, k_dim, row0, s, splits, rpc,
+            x, wb, &mut acc, 0usize, cb, nb, rows, k_dim, row0, s, splits, rpc, unroll,
         );
     } else if colv < na + nb + nc {
         let cc = colv - na - nb;
         product::<F, N>(
-            x, wc, &mut acc, 0usize, cc, nc, rows, k_dim, row0, s, splits, rpc,
+            x, wc, &mut acc, 0usize, cc, nc, rows, k_dim, row0, s, splits, rpc, unroll,
         );
     }
     let mut part = Shared::<[Vector<f32, N>]>::new_slice(splits * cv * rpc);
@@ -185,6 +193,7 @@ fn gemv_swiglu_kernel<F: Float, N: Size>(
     #[comptime] cv: usize,
     #[comptime] splits: usize,
     #[comptime] rpc: usize,
+    #[comptime] unroll: usize,
     #[define(F)] _dtype: ElemType,
 ) {
     let c = UNIT_POS_X as usize;
@@ -193,17 +202,17 @@ fn gemv_swiglu_kernel<F: Float, N: Size>(
     let row0 = CUBE_POS_Y as usize * rpc;
     let mut acc = zeros::<N>(comptime!(2 * rpc));
     if colv < n_vecs {
-        let chunks = k_dim.div_ceil(splits * UNROLL);
-        for chunk in 0..chunks {
-            let mut gr = Array::<Vector<F, N>>::new(UNROLL);
-            let mut ur = Array::<Vector<F, N>>::new(UNROLL);
-            load_chunk::<F, N>(wg, &mut gr, chunk, s, k_dim, n_vecs, colv, splits);
-            load_chunk::<F, N>(wu, &mut ur, chunk, s, k_dim, n_vecs, colv, splits);
-            fma_chunk::<F, N>(
-                x, &gr, &mut acc, 0usize, chunk, s, k_dim, rows, row0, splits, rpc,
+        let full = k_dim / (splits * unroll);
+        for chunk in 0..full {
+            swiglu_chunk::<F, N>(
+                x, wg, wu, &mut acc, chunk, colv, n_vecs, rows, k_dim, row0, s, splits, rpc,
+                unroll, false,
             );
-            fma_chunk::<F, N>(
-                x, &ur, &mut acc, rpc, chunk, s, k_dim, rows, row0, splits, rpc,
+        }
+        if full * splits * unroll < k_dim {
+            swiglu_chunk::<F, N>(
+                x, wg, wu, &mut acc, full, colv, n_vecs, rows, k_dim, row0, s, splits, rpc, unroll,
+                true,
             );
         }
     }
@@ -237,7 +246,7 @@ fn zeros<N: Size>(#[comptime] len: usize) -> Array<Vector<f32, N>> {
 
 /// Unit `s`'s share of `x · w` for column vector `colv` of `w`, added to
 /// `acc[first .. first + rpc]`: rows s, s + splits, s + 2·splits, … (a plane reads adjacent
-/// rows), [`UNROLL`] at a time.
+/// rows), `unroll` at a time; only the last chunk checks the inner dimension's end.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn product<F: Float, N: Size>(
@@ -253,17 +262,67 @@ fn product<F: Float, N: Size>(
     s: usize,
     #[comptime] splits: usize,
     #[comptime] rpc: usize,
+    #[comptime] unroll: usize,
 ) {
-    let chunks = k_dim.div_ceil(splits * UNROLL);
-    for chunk in 0..chunks {
-        let mut wr = Array::<Vector<F, N>>::new(UNROLL);
-        load_chunk::<F, N>(w, &mut wr, chunk, s, k_dim, n_vecs, colv, splits);
-        fma_chunk::<F, N>(x, &wr, acc, first, chunk, s, k_dim, rows, row0, splits, rpc);
+    let full = k_dim / (splits * unroll);
+    for chunk in 0..full {
+        let mut wr = Array::<Vector<F, N>>::new(unroll);
+        load_chunk::<F, N>(
+            w, &mut wr, chunk, s, k_dim, n_vecs, colv, splits, unroll, false,
+        );
+        fma_chunk::<F, N>(
+            x, &wr, acc, first, chunk, s, k_dim, rows, row0, splits, rpc, unroll, false,
+        );
+    }
+    if full * splits * unroll < k_dim {
+        let mut wr = Array::<Vector<F, N>>::new(unroll);
+        load_chunk::<F, N>(
+            w, &mut wr, full, s, k_dim, n_vecs, colv, splits, unroll, true,
+        );
+        fma_chunk::<F, N>(
+            x, &wr, acc, first, full, s, k_dim, rows, row0, splits, rpc, unroll, true,
+        );
     }
 }
 
-/// Reads the chunk's [`UNROLL`] rows of column vector `colv` (zeros past `k_dim`) before any
-/// is used.
+/// One chunk of both SwiGLU products: the gate's sums in `acc[..rpc]`, the up's after.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn swiglu_chunk<F: Float, N: Size>(
+    x: &Tensor<F>,
+    wg: &Tensor<Vector<F, N>>,
+    wu: &Tensor<Vector<F, N>>,
+    acc: &mut Array<Vector<f32, N>>,
+    chunk: usize,
+    colv: usize,
+    n_vecs: usize,
+    rows: usize,
+    k_dim: usize,
+    row0: usize,
+    s: usize,
+    #[comptime] splits: usize,
+    #[comptime] rpc: usize,
+    #[comptime] unroll: usize,
+    #[comptime] checked: bool,
+) {
+    let mut gr = Array::<Vector<F, N>>::new(unroll);
+    let mut ur = Array::<Vector<F, N>>::new(unroll);
+    load_chunk::<F, N>(
+        wg, &mut gr, chunk, s, k_dim, n_vecs, colv, splits, unroll, checked,
+    );
+    load_chunk::<F, N>(
+        wu, &mut ur, chunk, s, k_dim, n_vecs, colv, splits, unroll, checked,
+    );
+    fma_chunk::<F, N>(
+        x, &gr, acc, 0usize, chunk, s, k_dim, rows, row0, splits, rpc, unroll, checked,
+    );
+    fma_chunk::<F, N>(
+        x, &ur, acc, rpc, chunk, s, k_dim, rows, row0, splits, rpc, unroll, checked,
+    );
+}
+
+/// Reads the chunk's `unroll` rows of column vector `colv` (zeros past `k_dim` when
+/// `checked`) before any is used.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn load_chunk<F: Float, N: Size>(
@@ -275,19 +334,26 @@ fn load_chunk<F: Float, N: Size>(
     n_vecs: usize,
     colv: usize,
     #[comptime] splits: usize,
+    #[comptime] unroll: usize,
+    #[comptime] checked: bool,
 ) {
     #[unroll]
-    for u in 0..UNROLL {
-        let k = (chunk * UNROLL + u) * splits + s;
-        let mut wv = Vector::<F, N>::new(F::new(0.0));
-        if k < k_dim {
-            wv = w[k * n_vecs + colv];
+    for u in 0..unroll {
+        let k = (chunk * unroll + u) * splits + s;
+        if checked {
+            let mut wv = Vector::<F, N>::new(F::new(0.0));
+            if k < k_dim {
+                wv = w[k * n_vecs + colv];
+            }
+            wr[u] = wv;
+        } else {
+            wr[u] = w[k * n_vecs + colv];
         }
-        wr[u] = wv;
     }
 }
 
-/// `acc[first + r] += x[row0 + r, k] · wr[u]` for the chunk's rows `k` and the cube's rows.
+/// `acc[first + r] += x[row0 + r, k] · wr[u]` for the chunk's rows `k` (those before `k_dim`
+/// when `checked`) and the cube's rows.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn fma_chunk<F: Float, N: Size>(
@@ -302,16 +368,18 @@ fn fma_chunk<F: Float, N: Size>(
     row0: usize,
     #[comptime] splits: usize,
     #[comptime] rpc: usize,
+    #[comptime] unroll: usize,
+    #[comptime] checked: bool,
 ) {
     #[unroll]
-    for u in 0..UNROLL {
-        let k = (chunk * UNROLL + u) * splits + s;
-        if k < k_dim {
+    for u in 0..unroll {
+        let k = (chunk * unroll + u) * splits + s;
+        if !checked || k < k_dim {
             let wf = Vector::<f32, N>::cast_from(wr[u]);
             #[unroll]
             for r in 0..rpc {
                 let row = row0 + r;
-                if row < rows {
+                if rpc == 1 || row < rows {
                     let xv = f32::cast_from(x[row * k_dim + k]);
                     acc[first + r] += wf * Vector::<f32, N>::new(xv);
                 }
@@ -398,7 +466,7 @@ pub fn gemv(x: CubeTensor, w: CubeTensor) -> CubeTensor {
     if rows == 0 || n == 0 {
         return out;
     }
-    let plan = Plan::new(rows, &[n], x.dtype.size());
+    let plan = Plan::new(rows, k, &[n], x.dtype.size());
     let n_vecs = n / plan.vec;
     let (count, dim) = launch_dims(&plan, rows, n_vecs);
     let (client, dtype) = (x.client.clone(), x.dtype);
@@ -416,6 +484,7 @@ pub fn gemv(x: CubeTensor, w: CubeTensor) -> CubeTensor {
         plan.cv,
         plan.splits,
         plan.rows_per_cube,
+        plan.unroll,
         dtype_to_storage_type(dtype),
     );
     out
@@ -441,7 +510,7 @@ pub fn gemv3(
         let [a, b, c] = outs;
         return (a, b, c);
     }
-    let plan = Plan::new(rows, &ns, x.dtype.size());
+    let plan = Plan::new(rows, k, &ns, x.dtype.size());
     let [na, nb, nc] = ns.map(|n| n / plan.vec);
     let (count, dim) = launch_dims(&plan, rows, na + nb + nc);
     let (client, dtype) = (x.client.clone(), x.dtype);
@@ -466,6 +535,7 @@ pub fn gemv3(
         plan.cv,
         plan.splits,
         plan.rows_per_cube,
+        plan.unroll,
         dtype_to_storage_type(dtype),
     );
     (oa, ob, oc)
@@ -484,7 +554,7 @@ pub fn gemv_swiglu(x: CubeTensor, wg: CubeTensor, wu: CubeTensor) -> CubeTensor 
     if rows == 0 || n == 0 {
         return out;
     }
-    let plan = Plan::new(rows, &[n], x.dtype.size());
+    let plan = Plan::new(rows, k, &[n], x.dtype.size());
     let n_vecs = n / plan.vec;
     let (count, dim) = launch_dims(&plan, rows, n_vecs);
     let (client, dtype) = (x.client.clone(), x.dtype);
@@ -503,6 +573,7 @@ pub fn gemv_swiglu(x: CubeTensor, wg: CubeTensor, wu: CubeTensor) -> CubeTensor 
         plan.cv,
         plan.splits,
         plan.rows_per_cube,
+        plan.unroll,
         dtype_to_storage_type(dtype),
     );
     out
@@ -514,16 +585,20 @@ mod tests {
 
     #[test]
     fn plans_read_16_bytes_where_the_columns_allow() {
-        let p = Plan::new(1, &[576], 2);
-        assert_eq!((p.vec, p.cv, p.splits, p.rows_per_cube), (8, 2, 128, 1));
-        assert_eq!(Plan::new(1, &[576], 4).vec, 4);
-        assert_eq!(Plan::new(3, &[45], 2).vec, 1);
-        assert_eq!(Plan::new(3, &[6], 2).vec, 2);
-        assert_eq!(Plan::new(3, &[576, 192, 36], 2).vec, 4);
-        assert_eq!(Plan::new(3, &[6], 2).rows_per_cube, MAX_ROWS_PER_CUBE);
-        assert_eq!(Plan::new(2, &[49_152], 2).cv, 4);
+        let p = Plan::new(1, 576, &[576], 2);
+        assert_eq!(
+            (p.vec, p.cv, p.splits, p.rows_per_cube, p.unroll),
+            (8, 2, 128, 1, 4)
+        );
+        assert_eq!(Plan::new(1, 4096, &[576], 2).unroll, 8);
+        assert_eq!(Plan::new(1, 97, &[576], 4).vec, 4);
+        assert_eq!(Plan::new(3, 97, &[45], 2).vec, 1);
+        assert_eq!(Plan::new(3, 97, &[6], 2).vec, 2);
+        assert_eq!(Plan::new(3, 97, &[576, 192, 36], 2).vec, 4);
+        assert_eq!(Plan::new(3, 97, &[6], 2).rows_per_cube, MAX_ROWS_PER_CUBE);
+        assert_eq!(Plan::new(2, 97, &[49_152], 2).cv, 4);
         for rows in 1..=16 {
-            let p = Plan::new(rows, &[200], 2);
+            let p = Plan::new(rows, 97, &[200], 2);
             assert_eq!(p.cv * p.splits, UNITS);
             assert!(p.splits.is_multiple_of(REDUCERS));
         }

@@ -32,7 +32,8 @@ fn weight(k: usize, n: usize, seed: u64, dtype: DType, device: &Device) -> Tenso
 
 /// Rows one (one cube of rows), two, three (a partial cube of four), five (two cubes) and
 /// seventeen (past `GEMV_MAX_ROWS`: Burn's matmul, not a fallback); inner sizes that leave
-/// tails in the unrolled splits (97, 131, 1) and several chunks (1031); columns read one at a
+/// tails in the unrolled splits (97, 131, 1), several chunks (1031) and the long-K unroll
+/// (2053, past 2048: eight rows of `W` in flight per unit); columns read one at a
 /// time (45), in pairs (6) and in 16-byte vectors (200, 576), with partial cubes of columns.
 /// Outputs land in NaN-poisoned memory.
 pub fn fused_projections_match_host_products(device: &Device) {
@@ -46,6 +47,7 @@ pub fn fused_projections_match_host_products(device: &Device) {
             [1, 1, 1031, 200],
             [3, 1, 131, 576],
             [1, 2, 1, 6],
+            [1, 1, 2053, 16],
         ];
         for (i, [b, s, k, n]) in cases.into_iter().enumerate() {
             let seed = 70 + 2 * i as u64;
@@ -87,9 +89,14 @@ pub fn fused_projections_match_host_products(device: &Device) {
         }
 
         // silu(x·g)·(x·u): the products in f64, the gate in f64, the result rounded once.
-        for (i, [b, s, k, n]) in [[1, 1, 97, 45], [3, 1, 131, 200], [2, 2, 576, 72]]
-            .into_iter()
-            .enumerate()
+        for (i, [b, s, k, n]) in [
+            [1, 1, 97, 45],
+            [3, 1, 131, 200],
+            [2, 2, 576, 72],
+            [1, 1, 2053, 24],
+        ]
+        .into_iter()
+        .enumerate()
         {
             let seed = 110 + 3 * i as u64;
             let x = random_tensor::<3>([b, s, k], Dist::STANDARD, seed, dtype, device);
