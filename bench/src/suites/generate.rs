@@ -34,7 +34,7 @@ use burn_kernels_core::{
 use burn_kvcache::{DecodeAttention, ShadowKvCache, ShadowKvConfig};
 use burn_llama::attention::AttentionChoice;
 use burn_llama::eval::shadowkv_for;
-use burn_llama::generate::{GenerateOptions, generate};
+use burn_llama::generate::{GenerateOptions, Generation, generate};
 use burn_llama::graph::generate_captured;
 use burn_llama::passkey::{holds_key, passkey_prompt};
 use burn_llama::spec::{
@@ -328,28 +328,30 @@ fn run(
         ..SamplingConfig::default()
     };
     let prompts = [prompt.to_vec()];
+    let opts = GenerateOptions {
+        max_new_tokens: new_tokens,
+        stop_tokens: Vec::new(),
+    };
+    let autoregressive = |g: Generation, cache: String| Outcome {
+        tokens: g.tokens[0].clone(),
+        prefill_secs: g.prefill_secs,
+        decode_tokens_per_sec: g.decode_tokens_per_sec(),
+        cache,
+        cache_bytes: g.cache_bytes,
+        block_efficiency: None,
+    };
+    let sampler = || greedy.build();
     if combo.graph {
-        let opts = GenerateOptions {
-            max_new_tokens: new_tokens,
-            stop_tokens: Vec::new(),
-        };
         let (g, _) = generate_captured(
             model,
             &prompts,
             attention,
-            greedy.build().as_mut(),
+            sampler().as_mut(),
             &opts,
             &mut |_, _| {},
         )
         .expect("the prompt fits the model's context");
-        return Outcome {
-            tokens: g.tokens[0].clone(),
-            prefill_secs: g.prefill_secs,
-            decode_tokens_per_sec: g.decode_tokens_per_sec(),
-            cache: "static".into(),
-            cache_bytes: g.cache_bytes,
-            block_efficiency: None,
-        };
+        return autoregressive(g, "static".into());
     }
     let Some(spec) = combo.spec else {
         let mut cache: Box<dyn KvCache> = if combo.shadowkv {
@@ -357,28 +359,17 @@ fn run(
         } else {
             Box::new(FullKvCache::new(cfg.num_layers))
         };
-        let opts = GenerateOptions {
-            max_new_tokens: new_tokens,
-            stop_tokens: Vec::new(),
-        };
         let g = generate(
             model,
             &prompts,
             cache.as_mut(),
             attention,
-            greedy.build().as_mut(),
+            sampler().as_mut(),
             &opts,
             &mut |_, _| {},
         )
         .expect("the prompt fits the model's context");
-        return Outcome {
-            tokens: g.tokens[0].clone(),
-            prefill_secs: g.prefill_secs,
-            decode_tokens_per_sec: g.decode_tokens_per_sec(),
-            cache: cache.name(),
-            cache_bytes: g.cache_bytes,
-            block_efficiency: None,
-        };
+        return autoregressive(g, cache.name());
     };
     let drafts = [match spec {
         Spec::Model => Draft::model(draft, greedy),
