@@ -1,5 +1,6 @@
 //! CubeCL kernels of [`crate::LayerKernels`], one file per op, for every CubeCL runtime.
 
+mod gemv;
 pub mod linear;
 pub mod rms_norm;
 pub mod rope;

@@ -1,0 +1,363 @@
+//! The GEMV kernels of [`super::linear`], split into their stages: a chunk's loads of `W`
+//! ([`load_chunk`]), its multiply-adds ([`fma_chunk`]), a unit's walk over the inner dimension
+//! ([`product`]) and the cube's reduction of the split partials ([`reduce_splits`]).
+
+use cubecl::prelude::*;
+
+/// Units that sum the split partials in the first reduction pass (divides every `splits`).
+const REDUCERS: usize = 8;
+
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn gemv_kernel<F: Float, N: Size>(
+    x: &Tensor<F>,
+    w: &Tensor<Vector<F, N>>,
+    out: &mut Tensor<Vector<F, N>>,
+    rows: usize,
+    k_dim: usize,
+    n_vecs: usize,
+    #[comptime] cv: usize,
+    #[comptime] splits: usize,
+    #[comptime] rpc: usize,
+    #[comptime] unroll: usize,
+    #[define(F)] _dtype: ElemType,
+) {
+    let c = UNIT_POS_X as usize;
+    let s = UNIT_POS_Y as usize;
+    let colv = CUBE_POS_X as usize * cv + c;
+    let row0 = CUBE_POS_Y as usize * rpc;
+    let mut acc = zeros::<N>(rpc);
+    if colv < n_vecs {
+        product::<F, N>(
+            x, w, &mut acc, 0usize, colv, n_vecs, rows, k_dim, row0, s, splits, rpc, unroll,
+        );
+    }
+    let mut part = Shared::<[Vector<f32, N>]>::new_slice(splits * cv * rpc);
+    reduce_splits::<N>(&mut part, &acc, c, s, cv, splits, rpc);
+    if s == 0 && colv < n_vecs {
+        #[unroll]
+        for r in 0..rpc {
+            let row = row0 + r;
+            if row < rows {
+                out[row * n_vecs + colv] = Vector::<F, N>::cast_from(part[c * rpc + r]);
+            }
+        }
+    }
+}
+
+/// Three products of one `x` in one launch (a layer's Q, K and V projections): the column
+/// vectors of `wa`, `wb` and `wc` follow each other along the grid and every unit reads from
+/// the weight its column falls in.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn gemv3_kernel<F: Float, N: Size>(
+    x: &Tensor<F>,
+    wa: &Tensor<Vector<F, N>>,
+    wb: &Tensor<Vector<F, N>>,
+    wc: &Tensor<Vector<F, N>>,
+    oa: &mut Tensor<Vector<F, N>>,
+    ob: &mut Tensor<Vector<F, N>>,
+    oc: &mut Tensor<Vector<F, N>>,
+    rows: usize,
+    k_dim: usize,
+    na: usize,
+    nb: usize,
+    nc: usize,
+    #[comptime] cv: usize,
+    #[comptime] splits: usize,
+    #[comptime] rpc: usize,
+    #[comptime] unroll: usize,
+    #[define(F)] _dtype: ElemType,
+) {
+    let c = UNIT_POS_X as usize;
+    let s = UNIT_POS_Y as usize;
+    let colv = CUBE_POS_X as usize * cv + c;
+    let row0 = CUBE_POS_Y as usize * rpc;
+    let mut acc = zeros::<N>(rpc);
+    if colv < na {
+        product::<F, N>(
+            x, wa, &mut acc, 0usize, colv, na, rows, k_dim, row0, s, splits, rpc, unroll,
+        );
+    } else if colv < na + nb {
+        let cb = colv - na;
+        product::<F, N>(
+            x, wb, &mut acc, 0usize, cb, nb, rows, k_dim, row0, s, splits, rpc, unroll,
+        );
+    } else if colv < na + nb + nc {
+        let cc = colv - na - nb;
+        product::<F, N>(
+            x, wc, &mut acc, 0usize, cc, nc, rows, k_dim, row0, s, splits, rpc, unroll,
+        );
+    }
+    let mut part = Shared::<[Vector<f32, N>]>::new_slice(splits * cv * rpc);
+    reduce_splits::<N>(&mut part, &acc, c, s, cv, splits, rpc);
+    if s == 0 {
+        #[unroll]
+        for r in 0..rpc {
+            let row = row0 + r;
+            if row < rows {
+                let v = Vector::<F, N>::cast_from(part[c * rpc + r]);
+                if colv < na {
+                    oa[row * na + colv] = v;
+                } else if colv < na + nb {
+                    ob[row * nb + colv - na] = v;
+                } else if colv < na + nb + nc {
+                    oc[row * nc + colv - na - nb] = v;
+                }
+            }
+        }
+    }
+}
+
+/// A SwiGLU MLP's first half in one launch: `silu(x · wg) · (x · wu)`, both products of each
+/// column vector in the same unit (twice the reads in flight), the gate applied in f32.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn gemv_swiglu_kernel<F: Float, N: Size>(
+    x: &Tensor<F>,
+    wg: &Tensor<Vector<F, N>>,
+    wu: &Tensor<Vector<F, N>>,
+    out: &mut Tensor<Vector<F, N>>,
+    rows: usize,
+    k_dim: usize,
+    n_vecs: usize,
+    #[comptime] cv: usize,
+    #[comptime] splits: usize,
+    #[comptime] rpc: usize,
+    #[comptime] unroll: usize,
+    #[define(F)] _dtype: ElemType,
+) {
+    let c = UNIT_POS_X as usize;
+    let s = UNIT_POS_Y as usize;
+    let colv = CUBE_POS_X as usize * cv + c;
+    let row0 = CUBE_POS_Y as usize * rpc;
+    let mut acc = zeros::<N>(comptime!(2 * rpc));
+    if colv < n_vecs {
+        let full = k_dim / (splits * unroll);
+        for chunk in 0..full {
+            swiglu_chunk::<F, N>(
+                x, wg, wu, &mut acc, chunk, colv, n_vecs, rows, k_dim, row0, s, splits, rpc,
+                unroll, false,
+            );
+        }
+        if full * splits * unroll < k_dim {
+            swiglu_chunk::<F, N>(
+                x, wg, wu, &mut acc, full, colv, n_vecs, rows, k_dim, row0, s, splits, rpc, unroll,
+                true,
+            );
+        }
+    }
+    let mut part = Shared::<[Vector<f32, N>]>::new_slice(comptime!(splits * cv * 2 * rpc));
+    reduce_splits::<N>(&mut part, &acc, c, s, cv, splits, comptime!(2 * rpc));
+    if s == 0 && colv < n_vecs {
+        let one = Vector::<f32, N>::new(f32::new(1.0));
+        let zero = Vector::<f32, N>::new(f32::new(0.0));
+        #[unroll]
+        for r in 0..rpc {
+            let row = row0 + r;
+            if row < rows {
+                let g = part[c * 2 * rpc + r];
+                let u = part[c * 2 * rpc + rpc + r];
+                let sig = one / (one + (zero - g).exp());
+                out[row * n_vecs + colv] = Vector::<F, N>::cast_from(g * sig * u);
+            }
+        }
+    }
+}
+
+#[cube]
+fn zeros<N: Size>(#[comptime] len: usize) -> Array<Vector<f32, N>> {
+    let mut acc = Array::<Vector<f32, N>>::new(len);
+    #[unroll]
+    for i in 0..len {
+        acc[i] = Vector::<f32, N>::new(f32::new(0.0));
+    }
+    acc
+}
+
+/// Unit `s`'s share of `x · w` for column vector `colv` of `w`, added to
+/// `acc[first .. first + rpc]`: rows s, s + splits, s + 2·splits, … (a plane reads adjacent
+/// rows), `unroll` at a time; only the last chunk checks the inner dimension's end.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn product<F: Float, N: Size>(
+    x: &Tensor<F>,
+    w: &Tensor<Vector<F, N>>,
+    acc: &mut Array<Vector<f32, N>>,
+    #[comptime] first: usize,
+    colv: usize,
+    n_vecs: usize,
+    rows: usize,
+    k_dim: usize,
+    row0: usize,
+    s: usize,
+    #[comptime] splits: usize,
+    #[comptime] rpc: usize,
+    #[comptime] unroll: usize,
+) {
+    let full = k_dim / (splits * unroll);
+    for chunk in 0..full {
+        let mut wr = Array::<Vector<F, N>>::new(unroll);
+        load_chunk::<F, N>(
+            w, &mut wr, chunk, s, k_dim, n_vecs, colv, splits, unroll, false,
+        );
+        fma_chunk::<F, N>(
+            x, &wr, acc, first, chunk, s, k_dim, rows, row0, splits, rpc, unroll, false,
+        );
+    }
+    if full * splits * unroll < k_dim {
+        let mut wr = Array::<Vector<F, N>>::new(unroll);
+        load_chunk::<F, N>(
+            w, &mut wr, full, s, k_dim, n_vecs, colv, splits, unroll, true,
+        );
+        fma_chunk::<F, N>(
+            x, &wr, acc, first, full, s, k_dim, rows, row0, splits, rpc, unroll, true,
+        );
+    }
+}
+
+/// One chunk of both SwiGLU products: the gate's sums in `acc[..rpc]`, the up's after.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn swiglu_chunk<F: Float, N: Size>(
+    x: &Tensor<F>,
+    wg: &Tensor<Vector<F, N>>,
+    wu: &Tensor<Vector<F, N>>,
+    acc: &mut Array<Vector<f32, N>>,
+    chunk: usize,
+    colv: usize,
+    n_vecs: usize,
+    rows: usize,
+    k_dim: usize,
+    row0: usize,
+    s: usize,
+    #[comptime] splits: usize,
+    #[comptime] rpc: usize,
+    #[comptime] unroll: usize,
+    #[comptime] checked: bool,
+) {
+    let mut gr = Array::<Vector<F, N>>::new(unroll);
+    let mut ur = Array::<Vector<F, N>>::new(unroll);
+    load_chunk::<F, N>(
+        wg, &mut gr, chunk, s, k_dim, n_vecs, colv, splits, unroll, checked,
+    );
+    load_chunk::<F, N>(
+        wu, &mut ur, chunk, s, k_dim, n_vecs, colv, splits, unroll, checked,
+    );
+    fma_chunk::<F, N>(
+        x, &gr, acc, 0usize, chunk, s, k_dim, rows, row0, splits, rpc, unroll, checked,
+    );
+    fma_chunk::<F, N>(
+        x, &ur, acc, rpc, chunk, s, k_dim, rows, row0, splits, rpc, unroll, checked,
+    );
+}
+
+/// Reads the chunk's `unroll` rows of column vector `colv` (zeros past `k_dim` when
+/// `checked`) before any is used.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn load_chunk<F: Float, N: Size>(
+    w: &Tensor<Vector<F, N>>,
+    wr: &mut Array<Vector<F, N>>,
+    chunk: usize,
+    s: usize,
+    k_dim: usize,
+    n_vecs: usize,
+    colv: usize,
+    #[comptime] splits: usize,
+    #[comptime] unroll: usize,
+    #[comptime] checked: bool,
+) {
+    #[unroll]
+    for u in 0..unroll {
+        let k = (chunk * unroll + u) * splits + s;
+        if checked {
+            let mut wv = Vector::<F, N>::new(F::new(0.0));
+            if k < k_dim {
+                wv = w[k * n_vecs + colv];
+            }
+            wr[u] = wv;
+        } else {
+            wr[u] = w[k * n_vecs + colv];
+        }
+    }
+}
+
+/// `acc[first + r] += x[row0 + r, k] · wr[u]` for the chunk's rows `k` (those before `k_dim`
+/// when `checked`) and the cube's rows.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn fma_chunk<F: Float, N: Size>(
+    x: &Tensor<F>,
+    wr: &Array<Vector<F, N>>,
+    acc: &mut Array<Vector<f32, N>>,
+    #[comptime] first: usize,
+    chunk: usize,
+    s: usize,
+    k_dim: usize,
+    rows: usize,
+    row0: usize,
+    #[comptime] splits: usize,
+    #[comptime] rpc: usize,
+    #[comptime] unroll: usize,
+    #[comptime] checked: bool,
+) {
+    #[unroll]
+    for u in 0..unroll {
+        let k = (chunk * unroll + u) * splits + s;
+        if !checked || k < k_dim {
+            let wf = Vector::<f32, N>::cast_from(wr[u]);
+            #[unroll]
+            for r in 0..rpc {
+                let row = row0 + r;
+                if rpc == 1 || row < rows {
+                    let xv = f32::cast_from(x[row * k_dim + k]);
+                    acc[first + r] += wf * Vector::<f32, N>::new(xv);
+                }
+            }
+        }
+    }
+}
+
+/// Sums the `splits` partials of each of a unit's `slots` accumulators through shared memory:
+/// reducer `s` (of [`REDUCERS`]) adds slots `s, s + REDUCERS, …` into slot `s`, then every
+/// unit of split 0 adds the reducers' sums, leaving its totals in `part[c · slots + i]`.
+#[cube]
+fn reduce_splits<N: Size>(
+    part: &mut Shared<[Vector<f32, N>]>,
+    acc: &Array<Vector<f32, N>>,
+    c: usize,
+    s: usize,
+    #[comptime] cv: usize,
+    #[comptime] splits: usize,
+    #[comptime] slots: usize,
+) {
+    #[unroll]
+    for i in 0..slots {
+        part[(s * cv + c) * slots + i] = acc[i];
+    }
+    sync_cube();
+    if s < REDUCERS {
+        #[unroll]
+        for i in 0..slots {
+            let mut sum = part[(s * cv + c) * slots + i];
+            #[unroll]
+            for m in 1..comptime!(splits / REDUCERS) {
+                sum += part[((s + m * REDUCERS) * cv + c) * slots + i];
+            }
+            part[(s * cv + c) * slots + i] = sum;
+        }
+    }
+    sync_cube();
+    if s == 0 {
+        #[unroll]
+        for i in 0..slots {
+            let mut sum = part[c * slots + i];
+            #[unroll]
+            for m in 1..REDUCERS {
+                sum += part[(m * cv + c) * slots + i];
+            }
+            part[c * slots + i] = sum;
+        }
+    }
+}
