@@ -109,9 +109,9 @@ mod tests {
         let (a, b, c) = (t(vec![3, 5], 1.0), t(vec![7], 2.0), t(vec![130, 70], 3.0));
         let jobs = [(&a, true), (&b, false), (&c, false), (&a, false)];
         let out = prepare(&jobs, DType::BF16);
-        let shapes: Vec<Vec<usize>> = out.iter().map(|d| d.shape.to_vec()).collect();
+        let shapes: Vec<Vec<usize>> = out.iter().map(|d| d.shape().to_vec()).collect();
         assert_eq!(shapes, [vec![5, 3], vec![7], vec![130, 70], vec![3, 5]]);
-        assert!(out.iter().all(|d| d.dtype == DType::BF16));
+        assert!(out.iter().all(|d| d.dtype() == DType::BF16));
         let back =
             |d: &TensorData| -> Vec<f32> { d.clone().convert::<f32>().try_to_vec().unwrap() };
         let want = transpose(&a.data, 3, 5);
