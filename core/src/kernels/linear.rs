@@ -50,8 +50,16 @@ struct Plan {
 
 impl Plan {
     /// A plan for products with `ns` columns each (one launch), `rows` rows of `x`, an
-    /// inner dimension of `k`.
-    fn new(rows: usize, k: usize, ns: &[usize], elem_bytes: usize) -> Self {
+    /// inner dimension of `k`, `slots` f32 accumulator vectors per row of `x` (two for the
+    /// SwiGLU launch), within `max_shared` bytes of shared memory per cube.
+    fn new(
+        rows: usize,
+        k: usize,
+        ns: &[usize],
+        elem_bytes: usize,
+        slots: usize,
+        max_shared: usize,
+    ) -> Self {
         let widest = (16 / elem_bytes).max(1);
         let vec = [8, 4, 2, 1]
             .into_iter()
@@ -61,11 +69,15 @@ impl Plan {
         // Two column vectors per cube keep a plane's reads at 32-byte sectors while small
         // products still cover many SMs; wide ones (the LM head) have cubes to spare.
         let cv = if n_vecs >= 2048 { 4 } else { 2 };
-        let rows_per_cube = match rows {
+        let mut rows_per_cube = match rows {
             0..=1 => 1,
             2 => 2,
             _ => MAX_ROWS_PER_CUBE,
         };
+        // Every unit parks its partial sums in shared memory for the reduction.
+        while rows_per_cube > 1 && UNITS * slots * rows_per_cube * vec * 4 > max_shared {
+            rows_per_cube /= 2;
+        }
         Self {
             vec,
             cv,
@@ -74,6 +86,11 @@ impl Plan {
             unroll: if k >= LONG_K { 2 * UNROLL } else { UNROLL },
         }
     }
+}
+
+/// Shared memory a cube may use on `x`'s device.
+fn max_shared(x: &CubeTensor) -> usize {
+    x.client.properties().hardware.max_shared_memory_size
 }
 
 /// A `[rows, n]` output of `x`'s dtype on `x`'s device.
@@ -111,7 +128,7 @@ pub fn gemv(x: CubeTensor, w: CubeTensor) -> CubeTensor {
     if rows == 0 || n == 0 {
         return out;
     }
-    let plan = Plan::new(rows, k, &[n], x.dtype.size());
+    let plan = Plan::new(rows, k, &[n], x.dtype.size(), 1, max_shared(&x));
     let n_vecs = n / plan.vec;
     let (count, dim) = launch_dims(&plan, rows, n_vecs);
     let (client, dtype) = (x.client.clone(), x.dtype);
@@ -155,7 +172,7 @@ pub fn gemv3(
         let [a, b, c] = outs;
         return (a, b, c);
     }
-    let plan = Plan::new(rows, k, &ns, x.dtype.size());
+    let plan = Plan::new(rows, k, &ns, x.dtype.size(), 1, max_shared(&x));
     let [na, nb, nc] = ns.map(|n| n / plan.vec);
     let (count, dim) = launch_dims(&plan, rows, na + nb + nc);
     let (client, dtype) = (x.client.clone(), x.dtype);
@@ -199,7 +216,7 @@ pub fn gemv_swiglu(x: CubeTensor, wg: CubeTensor, wu: CubeTensor) -> CubeTensor 
     if rows == 0 || n == 0 {
         return out;
     }
-    let plan = Plan::new(rows, k, &[n], x.dtype.size());
+    let plan = Plan::new(rows, k, &[n], x.dtype.size(), 2, max_shared(&x));
     let n_vecs = n / plan.vec;
     let (count, dim) = launch_dims(&plan, rows, n_vecs);
     let (client, dtype) = (x.client.clone(), x.dtype);
@@ -230,20 +247,28 @@ mod tests {
 
     #[test]
     fn plans_read_16_bytes_where_the_columns_allow() {
-        let p = Plan::new(1, 576, &[576], 2);
+        let p = Plan::new(1, 576, &[576], 2, 1, 48 << 10);
         assert_eq!(
             (p.vec, p.cv, p.splits, p.rows_per_cube, p.unroll),
             (8, 2, 128, 1, 4)
         );
-        assert_eq!(Plan::new(1, 4096, &[576], 2).unroll, 8);
-        assert_eq!(Plan::new(1, 97, &[576], 4).vec, 4);
-        assert_eq!(Plan::new(3, 97, &[45], 2).vec, 1);
-        assert_eq!(Plan::new(3, 97, &[6], 2).vec, 2);
-        assert_eq!(Plan::new(3, 97, &[576, 192, 36], 2).vec, 4);
-        assert_eq!(Plan::new(3, 97, &[6], 2).rows_per_cube, MAX_ROWS_PER_CUBE);
-        assert_eq!(Plan::new(2, 97, &[49_152], 2).cv, 4);
+        assert_eq!(Plan::new(1, 4096, &[576], 2, 1, 48 << 10).unroll, 8);
+        assert_eq!(Plan::new(1, 97, &[576], 4, 1, 48 << 10).vec, 4);
+        assert_eq!(Plan::new(3, 97, &[45], 2, 1, 48 << 10).vec, 1);
+        assert_eq!(Plan::new(3, 97, &[6], 2, 1, 48 << 10).vec, 2);
+        assert_eq!(Plan::new(3, 97, &[576, 192, 36], 2, 1, 48 << 10).vec, 4);
+        assert_eq!(
+            Plan::new(3, 97, &[6], 2, 1, 48 << 10).rows_per_cube,
+            MAX_ROWS_PER_CUBE
+        );
+        assert_eq!(Plan::new(2, 97, &[49_152], 2, 1, 48 << 10).cv, 4);
+        // Partial sums that would not fit shared memory take fewer rows per cube.
+        assert_eq!(Plan::new(3, 97, &[576], 2, 2, 48 << 10).rows_per_cube, 2);
+        assert_eq!(Plan::new(3, 97, &[576], 2, 2, 32 << 10).rows_per_cube, 2);
+        assert_eq!(Plan::new(3, 97, &[576], 2, 2, 16 << 10).rows_per_cube, 1);
+        assert_eq!(Plan::new(3, 97, &[576], 2, 1, 16 << 10).rows_per_cube, 2);
         for rows in 1..=16 {
-            let p = Plan::new(rows, 97, &[200], 2);
+            let p = Plan::new(rows, 97, &[200], 2, 1, 48 << 10);
             assert_eq!(p.cv * p.splits, UNITS);
             assert!(p.splits.is_multiple_of(8), "the reducers divide the splits");
         }
