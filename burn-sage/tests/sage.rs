@@ -8,7 +8,7 @@
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use burn_kernels_core::route::{cube_device, launches, require_kernels};
 use burn_kernels_testing::{
-    Dist, Tolerance, assert_close, compare::to_f32, float_dtypes, is_cuda, is_wgpu, poison_memory,
+    Dist, Tolerance, assert_close, compare::metrics, compare::to_f32, float_dtypes, is_cuda, is_wgpu, poison_memory,
     random_tensor, random_values, testgen,
 };
 use burn_sage::kernels::{KernelChoice, UNIT_MAX_KV};
@@ -184,20 +184,41 @@ fn quantize_matches_reference(device: &Device) {
     );
 }
 
-/// Tolerance of the kernel against the reference: one rounding of `P̃` to the PV format (the
-/// kernel rounds relative to the running maximum, the reference relative to the final one),
-/// plus one rounding of the output into its dtype.
-fn pv_tolerance(pv: PvPrecision, dtype: DType) -> Tolerance {
-    let unit = match (pv, dtype) {
+/// The relative rounding unit of `P̃` in the PV format: half a unit in the last place of E4M3
+/// (3 mantissa bits), f16 or bf16.
+fn pv_unit(pv: PvPrecision, dtype: DType) -> f64 {
+    match (pv, dtype) {
         (PvPrecision::Fp8E4m3, _) => 2f64.powi(-4),
         (PvPrecision::Fp16, DType::BF16) => 2f64.powi(-8),
         (PvPrecision::Fp16, _) => 2f64.powi(-11),
-    };
+    }
+}
+
+/// Element-wise tolerance of the kernel against the reference: one rounding of `P̃` to the PV
+/// format (the kernel rounds relative to the running maximum, the reference relative to the
+/// final one), plus one rounding of the output into its dtype. The `P̃` rounding moves an
+/// output by about the unit times its magnitude; for FP8, whose unit is large, the absolute
+/// part scales with the outputs' magnitude `out_max` (max |reference|) instead of being a fixed
+/// constant that an all-zero output of small magnitude could pass.
+fn pv_tolerance(pv: PvPrecision, dtype: DType, out_max: f64) -> Tolerance {
+    let unit = pv_unit(pv, dtype);
     let out = Tolerance::for_dtype(dtype);
+    let atol = match pv {
+        PvPrecision::Fp8E4m3 => unit * out_max,
+        PvPrecision::Fp16 => unit,
+    };
     Tolerance {
-        atol: unit + out.atol,
+        atol: atol + out.atol,
         rtol: unit + out.rtol,
     }
+}
+
+/// Bound on `‖kernel − reference‖₂ / ‖reference‖₂`: the two `P̃` roundings differ by at most
+/// the unit relative, independently per key, so the outputs differ by about the unit over √3
+/// of their norm; plus the output's rounding. A zero output is at 1, one with half its values
+/// wrong at ~0.7.
+fn pv_rel_l2(pv: PvPrecision, dtype: DType) -> f64 {
+    pv_unit(pv, dtype) + Tolerance::for_dtype(dtype).rtol
 }
 
 fn attention_matches_reference(device: &Device) {
@@ -259,6 +280,7 @@ fn check_cases(
                 (QkQuant::Int8PerBlock, PvPrecision::Fp8E4m3, true),
                 (QkQuant::Int8PerThread, PvPrecision::Fp16, true),
                 (QkQuant::Int4PerThread, PvPrecision::Fp8E4m3, false),
+                (QkQuant::Int4PerThread, PvPrecision::Fp16, true),
             ] {
                 seed += 1;
                 // On wgpu (lavapipe in CI: each variant compiles its own kernels) 16-bit inputs
@@ -327,11 +349,20 @@ fn check_cases(
                         t
                     }
                 };
+                let (out, reference) = (values(actual.out), values(expected.out));
+                let out_max = reference.iter().fold(0f64, |m, x| m.max(x.abs() as f64));
                 assert_close(
                     &name,
-                    &values(actual.out),
-                    &values(expected.out),
-                    widen(pv_tolerance(pv, dtype)),
+                    &out,
+                    &reference,
+                    widen(pv_tolerance(pv, dtype, out_max)),
+                );
+                let m = metrics(&out, &reference);
+                assert!(
+                    m.rel_l2 <= pv_rel_l2(pv, dtype),
+                    "{name}: relative L2 error {:.3e} above {:.3e} ({m})",
+                    m.rel_l2,
+                    pv_rel_l2(pv, dtype)
                 );
                 assert_close(
                     &format!("{name} lse"),
@@ -379,13 +410,16 @@ fn accuracy_table(device: &Device, shapes: &[(usize, usize, usize, usize, usize,
                     acc.rel_l1,
                     acc.rmse
                 );
-                // The issue sets no bar for INT4 (reported per layer); 0.95 only catches breakage.
-                let bar = match (qk, pv) {
-                    (QkQuant::Int4PerThread, _) => 0.95,
-                    (_, PvPrecision::Fp16) => 0.9995,
-                    (_, PvPrecision::Fp8E4m3) => 0.999,
+                // The issue sets no bar for INT4 (reported per layer). Its 7 levels a side give
+                // cos sim 0.977-0.990 and rel L1 0.14-0.21 on these inputs (H100, 2026-11-22,
+                // and the CPU): the bars sit just outside, where a few wrong rows already fail.
+                let (bar, l1_bar) = match (qk, pv) {
+                    (QkQuant::Int4PerThread, _) => (0.97, 0.25),
+                    (_, PvPrecision::Fp16) => (0.9995, 0.03),
+                    (_, PvPrecision::Fp8E4m3) => (0.999, 0.05),
                 };
                 assert!(acc.cos_sim >= bar, "{qk:?} {pv:?}: {acc} below {bar}");
+                assert!(acc.rel_l1 <= l1_bar, "{qk:?} {pv:?}: {acc} above rel L1 {l1_bar}");
             }
         }
     }
@@ -574,7 +608,7 @@ fn autodiff_runs_reference(device: &Device) {
         "autodiff",
         &values(actual.out),
         &values(expected.out),
-        pv_tolerance(opts.pv, DType::F32),
+        pv_tolerance(opts.pv, DType::F32, 0.0),
     );
     assert_close(
         "autodiff lse",

@@ -26,20 +26,23 @@
 //! computed. Causal problems schedule their longest query tiles first. The launch is
 //! unchecked: every index is in bounds by construction (Q rows past the end read nothing,
 //! keys past the end read zeros, `Vᵀ` is padded).
+//!
+//! The kernel body reads as those stages; each is a `#[cube]` function in [`stages`]
+//! (inlined when the kernel is expanded, so the generated code is one kernel).
 
 use burn::backend::cubecl::dtype_to_storage_type;
-use burn::tensor::{DType, Shape};
-use burn_cubecl::{
-    kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype, tensor::CubeTensor,
-};
-use cubecl::cmma::MmaDefinition;
+use burn::tensor::DType;
+use burn_cubecl::{kernel::into_contiguous, tensor::CubeTensor};
 use cubecl::ir::{ElemType, FastMath, FloatKind, IntKind, features::MmaConfig};
 use cubecl::prelude::*;
 
-use super::attn_cmma::{RoundArgs, round_bits};
 use super::common::grid;
+use super::pv_grid::{RoundArgs, v_transposed};
 use super::{AttnArgs, MatrixLaunch};
 use crate::{SagePlan, Unsupported};
+
+mod stages;
+use stages::*;
 
 /// Keys per tile.
 pub const BKV: usize = 64;
@@ -75,195 +78,11 @@ pub fn support(client: &Client, dtype: DType) -> Result<(), Unsupported> {
     Ok(())
 }
 
-/// `Vᵀ` per KV head, `[b·h_kv, d, skv_pad]` in the PV dtype: keys past `skv` are zero, values
-/// rounded to the PV grid when `round`.
-#[cube(launch_unchecked)]
-#[allow(clippy::too_many_arguments)]
-fn v_transposed_kernel<V: Float, P: Float>(
-    v: &Tensor<V>,
-    out: &mut Tensor<P>,
-    g: RoundArgs,
-    skv: usize,
-    skv_pad: usize,
-    #[comptime] dim: usize,
-    #[comptime] round: bool,
-    #[define(V, P)] _dtypes: [ElemType; 2],
-) {
-    let i = ABSOLUTE_POS;
-    if i < out.len() {
-        let key = i % skv_pad;
-        let d = (i / skv_pad) % dim;
-        let bhk = i / (skv_pad * dim);
-        let mut x = f32::new(0.0);
-        if key < skv {
-            x = f32::cast_from(v[(bhk * skv + key) * dim + d]);
-            if round {
-                x = round_bits(x, &g);
-            }
-        }
-        out[i] = P::cast_from(x);
-    }
-}
-
-/// Loads the K vectors (16 i8), `Vᵀ` vectors (8 values), K scales and scaled `ΔS` of the
-/// tile at `kv0` that unit `tid` stores (zeros for keys past the end; `Vᵀ` is padded).
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn load_tile<P: Float, N8: Size, N16: Size>(
-    ki: &Tensor<Vector<i8, N16>>,
-    ks: &Tensor<f32>,
-    ds: &Tensor<f32>,
-    vt: &Tensor<Vector<P, N8>>,
-    args: &AttnArgs,
-    kr: &mut Array<Vector<i8, N16>>,
-    vr: &mut Array<Vector<P, N8>>,
-    sc: &mut f32,
-    dsv: &mut f32,
-    bhk: usize,
-    ds_row: usize,
-    kv0: usize,
-    skv_pad: usize,
-    tid: usize,
-    #[comptime] dim: usize,
-    #[comptime] threads: usize,
-    #[comptime] has_ds: bool,
-) {
-    let k_vecs = comptime!(dim / 16);
-    #[unroll]
-    for i in 0..comptime!(BKV * dim / 16 / threads) {
-        let e = tid + i * threads;
-        let key = kv0 + e / k_vecs;
-        let mut x = Vector::<i8, N16>::new(i8::new(0));
-        if key < args.skv {
-            x = ki[(bhk * args.skv + key) * k_vecs + e % k_vecs];
-        }
-        kr[i] = x;
-    }
-    #[unroll]
-    for i in 0..comptime!(dim * BKV / 8 / threads) {
-        let e = tid + i * threads;
-        let d = e / comptime!(BKV / 8);
-        vr[i] = vt[((bhk * dim + d) * skv_pad + kv0) / 8 + e % comptime!(BKV / 8)];
-    }
-    if tid < BKV {
-        let key = kv0 + tid;
-        let mut x = f32::new(0.0);
-        let mut y = f32::new(0.0);
-        if key < args.skv {
-            let kg = (key / args.k_block) * args.k_inter + (key % args.k_block) % args.k_inter;
-            x = ks[bhk * args.k_groups + kg];
-            if has_ds {
-                y = ds[ds_row + key] * args.scale;
-            }
-        }
-        *sc = x;
-        *dsv = y;
-    }
-}
-
-/// The lane's scores of one tile, dequantized (index `n·4 + v·2 + e`: 8-key block `n`, row
-/// `v` of the lane's two, key `2·(lane mod 4) + e` of the block), masked when `masked`; returns
-/// nothing, writes `sf` and the lane's row maxima `mx`.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn scores<N2: Size>(
-    s: &Array<Vector<i32, N2>>,
-    sf: &mut Array<f32>,
-    mx: &mut Array<f32>,
-    ks_sm: &Shared<[f32]>,
-    ds_sm: &Shared<[f32]>,
-    args: &AttnArgs,
-    qsc: &Array<f32>,
-    rows: &Array<usize>,
-    own: &Array<bool>,
-    kv0: usize,
-    t: usize,
-    #[comptime] masked: bool,
-    #[comptime] causal: bool,
-    #[comptime] has_ds: bool,
-) {
-    let offset = args.skv - args.sq;
-    #[unroll]
-    for v in 0..2usize {
-        mx[v] = f32::new(-1.0e30);
-    }
-    #[unroll]
-    for n in 0..comptime!(BKV / 8) {
-        #[unroll]
-        for v in 0..2usize {
-            let cv = s[n * 2 + v];
-            #[unroll]
-            for e in 0..2usize {
-                let col = n * 8 + 2 * t + e;
-                let key = kv0 + col;
-                let mut x = f32::cast_from(cv.extract(e)) * qsc[v] * ks_sm[col];
-                if has_ds {
-                    x += ds_sm[col];
-                }
-                if masked {
-                    let mut valid = own[v] && key < args.skv;
-                    if causal {
-                        valid = valid && key <= rows[v] + offset;
-                    }
-                    x = select(valid, x, f32::new(-1.0e30));
-                }
-                sf[n * 4 + v * 2 + e] = x;
-                mx[v] = f32::max(mx[v], x);
-            }
-        }
-    }
-}
-
-/// `P̃ = exp(s − m)·p_scale` rounded to the PV grid, as A-operand pairs; adds the unrounded
-/// `exp(s − m)` to the lane's row sums.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn probabilities<P: Float, N2: Size>(
-    sf: &Array<f32>,
-    p: &mut Array<Vector<P, N2>>,
-    m: &Array<f32>,
-    l: &mut Array<f32>,
-    args: &AttnArgs,
-    g: &RoundArgs,
-    #[comptime] masked: bool,
-    #[comptime] native: bool,
-) {
-    #[unroll]
-    for n in 0..comptime!(BKV / 8) {
-        #[unroll]
-        for v in 0..2usize {
-            let mut pv = Vector::<P, N2>::empty();
-            #[unroll]
-            for e in 0..2usize {
-                let x = sf[n * 4 + v * 2 + e];
-                let mut pe = f32::exp(x - m[v]);
-                if masked {
-                    // Masked scores sit at -1e30: exp(0) when the whole row is masked so far.
-                    pe = select(x > f32::new(-1.0e29), pe, f32::new(0.0));
-                }
-                l[v] += pe;
-                if native {
-                    pv.insert(e, P::cast_from(pe * args.p_scale));
-                } else {
-                    pv.insert(e, P::cast_from(round_bits(pe * args.p_scale, g)));
-                }
-            }
-            p[n * 2 + v] = pv;
-        }
-    }
-}
-
 #[cube(
     launch_unchecked,
     fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf
 )]
-// `a = a * b` on indexed shared memory and register arrays, as written for CubeCL 0.10.
-#[allow(
-    clippy::too_many_arguments,
-    clippy::manual_div_ceil,
-    clippy::assign_op_pattern,
-    unused_assignments
-)]
+#[allow(clippy::too_many_arguments, clippy::manual_div_ceil)]
 fn attn_mma_kernel<F: Float, P: Float, N2: Size, N4: Size, N8: Size, N16: Size>(
     qi: &Tensor<Vector<i8, N4>>,
     ki: &Tensor<Vector<i8, N16>>,
@@ -289,11 +108,6 @@ fn attn_mma_kernel<F: Float, P: Float, N2: Size, N4: Size, N8: Size, N16: Size>(
     let bq = comptime!(planes * 16);
     let threads = comptime!(planes * 32);
     let bkv = comptime!(BKV);
-    // Shared-memory rows padded by 16 bytes: the 8 rows one fragment load touches start in 8
-    // distinct groups of 4 banks.
-    let krow = comptime!(dim / 4 + 4);
-    let vrow = comptime!(BKV / 2 + 4);
-    let ksteps = comptime!(dim / 32);
     let q_tiles = (args.sq + bq - 1) / bq;
     let cube = (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize;
     // Spare cubes of a two-dimensional grid (see `grid`) have no tile.
@@ -307,10 +121,11 @@ fn attn_mma_kernel<F: Float, P: Float, N2: Size, N4: Size, N8: Size, N16: Size>(
     let lane = UNIT_POS_X as usize;
     let plane = UNIT_POS_Y as usize;
     let tid = plane * 32 + lane;
-    let gid = lane / 4;
     let t = lane % 4;
     let offset = args.skv - args.sq;
 
+    // Shared-memory rows padded by 16 bytes: the 8 rows one fragment load touches start in 8
+    // distinct groups of 4 banks.
     let mut k_sm =
         Shared::<[Vector<i8, N4>]>::new_aligned_slice(comptime!(BKV * (dim / 4 + 4)), 16usize);
     let mut v_sm =
@@ -318,46 +133,29 @@ fn attn_mma_kernel<F: Float, P: Float, N2: Size, N4: Size, N8: Size, N16: Size>(
     let mut ks_sm = Shared::<[f32]>::new_slice(bkv);
     let mut ds_sm = Shared::<[f32]>::new_slice(bkv);
 
-    let def_qk = MmaDefinition::<i8, i8, i32>::new(16usize, 8usize, 32usize);
-    let def_pv = MmaDefinition::<P, P, f32>::new(16usize, 8usize, 16usize);
-
-    // The lane's two rows: `gid` and `gid + 8` of the plane's 16.
+    // The lane's two rows: `lane / 4` and `lane / 4 + 8` of the plane's 16.
     let mut rows = Array::<usize>::new(2usize);
     let mut own = Array::<bool>::new(2usize);
     let mut qsc = Array::<f32>::new(2usize);
+    lane_rows(
+        qs,
+        &args,
+        bh,
+        q0 + plane * 16 + lane / 4,
+        &mut rows,
+        &mut own,
+        &mut qsc,
+    );
     let mut m = Array::<f32>::new(2usize);
     let mut l = Array::<f32>::new(2usize);
     let mut mx = Array::<f32>::new(2usize);
     #[unroll]
     for v in 0..2usize {
-        let row = q0 + plane * 16 + gid + 8 * v;
-        rows[v] = row;
-        own[v] = row < args.sq;
-        let mut sc = f32::new(0.0);
-        if row < args.sq {
-            let qg = (row / args.q_block) * args.q_inter + (row % args.q_block) % args.q_inter;
-            sc = qs[bh * args.q_groups + qg] * args.scale;
-        }
-        qsc[v] = sc;
         m[v] = f32::new(-1.0e30);
         l[v] = f32::new(0.0);
     }
-
-    // Q A-fragments: word `j` of k-step `kk` holds 4 channels of row `gid + 8·(j mod 2)`.
-    let wq = comptime!(dim / 4);
     let mut qf = Array::<Vector<i8, N4>>::new(comptime!(dim / 8));
-    #[unroll]
-    for kk in 0..ksteps {
-        #[unroll]
-        for j in 0..4usize {
-            let row = rows[j % 2];
-            let mut x = Vector::<i8, N4>::new(i8::new(0));
-            if row < args.sq {
-                x = qi[(bh * args.sq + row) * wq + kk * 8 + t + 4 * (j / 2)];
-            }
-            qf[kk * 4 + j] = x;
-        }
-    }
+    q_fragments::<N4>(qi, &args, bh, &rows, t, &mut qf, dim);
     let mut o = Array::<Vector<f32, N2>>::new(comptime!(dim / 4));
     #[unroll]
     for i in 0..comptime!(dim / 4) {
@@ -388,42 +186,14 @@ fn attn_mma_kernel<F: Float, P: Float, N2: Size, N4: Size, N8: Size, N16: Size>(
     let mut s = Array::<Vector<i32, N2>>::new(comptime!(BKV / 4));
     let mut sf = Array::<f32>::new(comptime!(BKV / 2));
     let mut p = Array::<Vector<P, N2>>::new(comptime!(BKV / 4));
-    let mut a8 = Array::<Vector<i8, N4>>::new(4usize);
-    let mut b8 = Array::<Vector<i8, N4>>::new(2usize);
-    let mut c32 = Array::<Vector<i32, N2>>::new(2usize);
-    let mut ah = Array::<Vector<P, N2>>::new(4usize);
-    let mut bh16 = Array::<Vector<P, N2>>::new(2usize);
-    let mut cf = Array::<Vector<f32, N2>>::new(2usize);
 
     let mut kv0 = 0usize;
     while kv0 < kv_end {
         sync_cube();
-        {
-            let k16 = k_sm
-                .slice_mut(0usize, comptime!(BKV * (dim / 4 + 4)))
-                .with_vector_size_mut::<N16>();
-            #[unroll]
-            for i in 0..comptime!(BKV * dim / 16 / threads) {
-                let e = tid + i * threads;
-                let key = e / comptime!(dim / 16);
-                k16[key * comptime!(dim / 16 + 1) + e % comptime!(dim / 16)] = kr[i];
-            }
-            let v8 = v_sm
-                .slice_mut(0usize, comptime!(dim * (BKV / 2 + 4)))
-                .with_vector_size_mut::<N8>();
-            #[unroll]
-            for i in 0..comptime!(dim * BKV / 8 / threads) {
-                let e = tid + i * threads;
-                let d = e / comptime!(BKV / 8);
-                v8[d * comptime!((BKV / 2 + 4) / 4) + e % comptime!(BKV / 8)] = vr[i];
-            }
-        }
-        if tid < bkv {
-            ks_sm[tid] = sc;
-            if has_ds {
-                ds_sm[tid] = dsv;
-            }
-        }
+        store_tile::<P, N2, N4, N8, N16>(
+            &mut k_sm, &mut v_sm, &mut ks_sm, &mut ds_sm, &kr, &vr, sc, dsv, tid, dim, threads,
+            has_ds,
+        );
         sync_cube();
         if kv0 + bkv < kv_end {
             load_tile::<P, N8, N16>(
@@ -446,28 +216,7 @@ fn attn_mma_kernel<F: Float, P: Float, N2: Size, N4: Size, N8: Size, N16: Size>(
                 has_ds,
             );
         }
-
-        // S = Q·Kᵀ, 8 keys at a time.
-        #[unroll]
-        for n in 0..comptime!(BKV / 8) {
-            c32[0] = Vector::<i32, N2>::new(i32::new(0));
-            c32[1] = Vector::<i32, N2>::new(i32::new(0));
-            let kbase = (n * 8 + gid) * krow + t;
-            #[unroll]
-            for kk in 0..ksteps {
-                #[unroll]
-                for j in 0..4usize {
-                    a8[j] = qf[kk * 4 + j];
-                }
-                b8[0] = k_sm[kbase + kk * 8];
-                b8[1] = k_sm[kbase + kk * 8 + 4];
-                let r = def_qk.execute(&a8, &b8, &c32);
-                c32[0] = r[0];
-                c32[1] = r[1];
-            }
-            s[n * 2] = c32[0];
-            s[n * 2 + 1] = c32[1];
-        }
+        qk_tile::<N2, N4>(&qf, &k_sm, &mut s, lane, dim);
 
         // Online softmax; only tiles that cross the end of the keys or the causal diagonal of
         // the cube's first row need per-key masks.
@@ -475,140 +224,17 @@ fn attn_mma_kernel<F: Float, P: Float, N2: Size, N4: Size, N8: Size, N16: Size>(
         if causal {
             full = full && kv0 + bkv <= q0 + offset + 1;
         }
-        if full {
-            scores::<N2>(
-                &s, &mut sf, &mut mx, &ks_sm, &ds_sm, &args, &qsc, &rows, &own, kv0, t, false,
-                causal, has_ds,
-            );
-        } else {
-            scores::<N2>(
-                &s, &mut sf, &mut mx, &ks_sm, &ds_sm, &args, &qsc, &rows, &own, kv0, t, true,
-                causal, has_ds,
-            );
-        }
-        let mut alpha = Array::<f32>::new(2usize);
-        let mut need = false;
-        #[unroll]
-        for v in 0..2usize {
-            let mut tm = mx[v];
-            tm = f32::max(tm, plane_shuffle_xor(tm, 1u32));
-            tm = f32::max(tm, plane_shuffle_xor(tm, 2u32));
-            let m_new = f32::max(m[v], tm);
-            let mut a = f32::new(1.0);
-            if m_new > m[v] + tau {
-                a = f32::exp(m[v] - m_new);
-                m[v] = m_new;
-                need = true;
-            }
-            alpha[v] = a;
-            l[v] *= a;
-        }
-        if need {
-            #[unroll]
-            for dn in 0..comptime!(dim / 8) {
-                #[unroll]
-                for v in 0..2usize {
-                    o[dn * 2 + v] = o[dn * 2 + v] * Vector::<f32, N2>::new(alpha[v]);
-                }
-            }
-        }
-        if full {
-            probabilities::<P, N2>(&sf, &mut p, &m, &mut l, &args, &g, false, native);
-        } else {
-            probabilities::<P, N2>(&sf, &mut p, &m, &mut l, &args, &g, true, native);
-        }
-
-        // O += P̃·V: the score pairs of 8-key blocks 2kk and 2kk+1 are the A operand of the
-        // 16-key step kk.
-        #[unroll]
-        for dn in 0..comptime!(dim / 8) {
-            cf[0] = o[dn * 2];
-            cf[1] = o[dn * 2 + 1];
-            let vbase = (dn * 8 + gid) * vrow + t;
-            #[unroll]
-            for kk in 0..comptime!(BKV / 16) {
-                ah[0] = p[kk * 4];
-                ah[1] = p[kk * 4 + 1];
-                ah[2] = p[kk * 4 + 2];
-                ah[3] = p[kk * 4 + 3];
-                bh16[0] = v_sm[vbase + kk * 8];
-                bh16[1] = v_sm[vbase + kk * 8 + 4];
-                let r = def_pv.execute(&ah, &bh16, &cf);
-                cf[0] = r[0];
-                cf[1] = r[1];
-            }
-            o[dn * 2] = cf[0];
-            o[dn * 2 + 1] = cf[1];
-        }
+        online_softmax::<P, N2>(
+            &s, &mut sf, &mut mx, &mut p, &mut m, &mut l, &mut o, &ks_sm, &ds_sm, &args, &g, &qsc,
+            &rows, &own, kv0, t, tau, full, causal, has_ds, native, dim,
+        );
+        accumulate_pv::<P, N2>(&p, &v_sm, &mut o, lane, dim);
         kv0 += bkv;
     }
 
-    // Epilogue: the row sums over the quad, then each lane writes its pairs.
-    #[unroll]
-    for v in 0..2usize {
-        let mut lt = l[v];
-        lt += plane_shuffle_xor(lt, 1u32);
-        lt += plane_shuffle_xor(lt, 2u32);
-        l[v] = lt;
-        if write_lse && t == 0 && own[v] {
-            lse[bh * args.sq + rows[v]] = m[v] + f32::ln(lt);
-        }
-    }
-    #[unroll]
-    for dn in 0..comptime!(dim / 8) {
-        #[unroll]
-        for v in 0..2usize {
-            if own[v] {
-                let ov = o[dn * 2 + v];
-                let inv = f32::new(1.0) / l[v];
-                #[unroll]
-                for e in 0..2usize {
-                    let c = dn * 8 + 2 * t + e;
-                    out[(bh * args.sq + rows[v]) * dim + c] =
-                        F::cast_from(ov.extract(e) * post[bhk * dim + c] * inv);
-                }
-            }
-        }
-    }
-}
-
-/// `Vᵀ` in the PV dtype, padded to whole tiles (see [`v_transposed_kernel`]).
-fn v_transposed(
-    v: CubeTensor,
-    dtype: DType,
-    g: RoundArgs,
-    round: bool,
-    skv_pad: usize,
-) -> CubeTensor {
-    let v = into_contiguous(v);
-    let client = v.client.clone();
-    let [b, h, skv, d] = v.meta.shape().dims::<4>();
-    let out = empty_device_contiguous_dtype(
-        client.clone(),
-        v.device.clone(),
-        Shape::new([b * h, d, skv_pad]),
-        dtype,
+    write_output::<F, N2>(
+        &o, &mut l, &m, out, lse, post, &args, &rows, &own, bh, bhk, t, dim, write_lse,
     );
-    let n = b * h * d * skv_pad;
-    let dtypes = [dtype_to_storage_type(v.dtype), dtype_to_storage_type(dtype)];
-    // SAFETY: every index the kernel forms is below its tensor's length (guarded by `out.len()`
-    // for the output; `key < skv`, `d < dim`, `bhk < b·h` for the input).
-    unsafe {
-        v_transposed_kernel::launch_unchecked(
-            &client,
-            grid(&client, n.div_ceil(256)),
-            CubeDim::new_1d(256),
-            v.into_tensor_arg(),
-            out.clone().into_tensor_arg(),
-            g.launch_arg(),
-            skv,
-            skv_pad,
-            d,
-            round,
-            dtypes,
-        );
-    }
-    out
 }
 
 /// Launches the register-tile kernel (head dims 64 and 128). Quantized Q/K must be i8.

@@ -17,6 +17,7 @@ pub mod attn_cmma;
 pub mod attn_mma;
 pub mod attn_unit;
 mod common;
+mod pv_grid;
 pub mod quantize;
 
 use burn::backend::cubecl::dtype_to_storage_type;
@@ -131,7 +132,7 @@ pub(crate) struct MatrixLaunch {
     pub has_ds: bool,
     /// f16, or bf16 for bf16 inputs.
     pub pv_dtype: DType,
-    pub g: attn_cmma::RoundArgs,
+    pub g: pv_grid::RoundArgs,
     pub fp8: bool,
     /// How far a row maximum may move before the accumulators are rescaled: P̃ may grow to
     /// `e^tau` in between; FP8's grid saturates at 448, so it rescales always.
@@ -171,7 +172,7 @@ impl MatrixLaunch {
             ds,
             has_ds,
             pv_dtype,
-            g: attn_cmma::RoundArgs::new(plan.pv_grid()),
+            g: pv_grid::RoundArgs::new(plan.pv_grid()),
             fp8,
             tau: if fp8 { 0.0 } else { 8.0 },
         }
