@@ -24,14 +24,10 @@ prefix="$xdg/tracel/tracel-llvm-23.1.0-4"
 for a in /usr/lib/x86_64-linux-gnu/libzstd.a /usr/lib/x86_64-linux-gnu/libz.a; do
   [ -f "$a" ] || { echo "setup-llvm-prefix: $a missing (apt-get install libzstd-dev zlib1g-dev)" >&2; exit 1; }
 done
-rm -rf "$prefix"
-mkdir -p "$prefix/bin" "$prefix/lib"
-ln -s "$llvm/include" "$prefix/include"
-for f in "$llvm"/lib/*; do ln -s "$f" "$prefix/lib/"; done
-ln -sf /usr/lib/x86_64-linux-gnu/libzstd.a "$prefix/lib/libzstd.a"
-ln -sf /usr/lib/x86_64-linux-gnu/libz.a "$prefix/lib/libz.a"
-ln -sf "$(g++ -print-file-name=libstdc++.a)" "$prefix/lib/libstdc++.a"
-cat > "$prefix/bin/llvm-config" <<'WRAPPER'
+# The wrapper, written first to a scratch file: an existing prefix that already matches is left
+# untouched, since a new sentinel file makes cargo rebuild cubecl-llvm and everything above it.
+tmp=$(mktemp); trap 'rm -f "$tmp"' EXIT
+cat > "$tmp" <<'WRAPPER'
 #!/bin/sh
 # Debian's llvm-config for LLVM 22 behind the bundler's LLVM 23 prefix:
 #  --libdir       this prefix's lib/ (see setup-llvm-prefix.sh)
@@ -44,6 +40,19 @@ case " $* " in *" --libdir "*) echo "$here/lib"; exit 0;; esac
 out=$(/usr/lib/llvm-22/bin/llvm-config "$@") || exit $?
 printf '%s\n' "$out" | sed -e 's#-lPolly\(ISL\)\? \?##g' -e 's#/usr/lib/x86_64-linux-gnu/libz3.so \?##' -e 's#-lxml2##'
 WRAPPER
+if [ -f "$prefix/.tracel-llvm-installed" ] && cmp -s "$tmp" "$prefix/bin/llvm-config" \
+  && [ "$(ls "$prefix/lib" | wc -l)" -eq "$(( $(ls "$llvm/lib" | wc -l) + 3 ))" ]; then
+  echo "setup-llvm-prefix: $prefix already laid out (left as is)"
+  exit 0
+fi
+rm -rf "$prefix"
+mkdir -p "$prefix/bin" "$prefix/lib"
+ln -s "$llvm/include" "$prefix/include"
+for f in "$llvm"/lib/*; do ln -s "$f" "$prefix/lib/"; done
+ln -sf /usr/lib/x86_64-linux-gnu/libzstd.a "$prefix/lib/libzstd.a"
+ln -sf /usr/lib/x86_64-linux-gnu/libz.a "$prefix/lib/libz.a"
+ln -sf "$(g++ -print-file-name=libstdc++.a)" "$prefix/lib/libstdc++.a"
+cp "$tmp" "$prefix/bin/llvm-config"
 chmod +x "$prefix/bin/llvm-config"
 touch "$prefix/.tracel-llvm-installed"
 echo "setup-llvm-prefix: LLVM $("$llvm/bin/llvm-config" --version) laid out in $prefix"

@@ -135,6 +135,59 @@ pub trait LayerKernels: Backend {
         wg: FloatTensor<Self>,
         wu: FloatTensor<Self>,
     ) -> FloatTensor<Self>;
+
+    /// `(x + y, h · wa, h · wb, h · wc)` with `h = rms_norm(x + y)` (`gamma`, `eps`), in one
+    /// launch: a decode layer's residual add, attention norm and Q, K, V projections.
+    ///
+    /// # Shapes
+    /// - `x`, `y`: `[rows, k]`, `gamma`: `[k]`, `wa`: `[k, na]`, `wb`: `[k, nb]`, `wc`:
+    ///   `[k, nc]`, one dtype; returns `[rows, k]`, `[rows, na]`, `[rows, nb]`, `[rows, nc]`
+    #[fusion(meta = |x, _y, _gamma, _eps, wa, wb, wc| {
+        let spec = burn::backend::fusion::custom::TensorSpec::new;
+        (
+            spec(x.shape.clone(), x.dtype),
+            spec(gemv_shape(&x.shape, &wa.shape), x.dtype),
+            spec(gemv_shape(&x.shape, &wb.shape), x.dtype),
+            spec(gemv_shape(&x.shape, &wc.shape), x.dtype),
+        )
+    })]
+    #[allow(clippy::too_many_arguments)]
+    fn norm_gemv3(
+        x: FloatTensor<Self>,
+        y: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        eps: f64,
+        wa: FloatTensor<Self>,
+        wb: FloatTensor<Self>,
+        wc: FloatTensor<Self>,
+    ) -> (
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+    );
+
+    /// `(x + y, silu(h · wg) · (h · wu))` with `h = rms_norm(x + y)` (`gamma`, `eps`), in one
+    /// launch: a decode layer's residual add after the attention, MLP norm and gated half.
+    ///
+    /// # Shapes
+    /// - `x`, `y`: `[rows, k]`, `gamma`: `[k]`, `wg`, `wu`: `[k, n]`, one dtype; returns
+    ///   `[rows, k]` and `[rows, n]`
+    #[fusion(meta = |x, _y, _gamma, _eps, wg, _wu| {
+        let spec = burn::backend::fusion::custom::TensorSpec::new;
+        (
+            spec(x.shape.clone(), x.dtype),
+            spec(gemv_shape(&x.shape, &wg.shape), x.dtype),
+        )
+    })]
+    fn norm_gemv_swiglu(
+        x: FloatTensor<Self>,
+        y: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        eps: f64,
+        wg: FloatTensor<Self>,
+        wu: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
 }
 
 /// The output shape of [`LayerKernels::gemv`]: `[rows, n]`.
@@ -146,6 +199,7 @@ pub fn gemv_shape(x: &Shape, w: &Shape) -> Shape {
 mod cube_backend {
     use super::LayerKernels;
     use crate::kernels;
+    use crate::kernels::linear::NormIn;
     use crate::route::count_launch;
     use burn::backend::tensor::{FloatTensor, IntTensor};
     use burn_cubecl::CubeBackend;
@@ -225,6 +279,36 @@ mod cube_backend {
         ) -> FloatTensor<Self> {
             count_launch("gemv_swiglu");
             kernels::linear::gemv_swiglu(x, wg, wu)
+        }
+
+        fn norm_gemv3(
+            x: FloatTensor<Self>,
+            y: FloatTensor<Self>,
+            gamma: FloatTensor<Self>,
+            eps: f64,
+            wa: FloatTensor<Self>,
+            wb: FloatTensor<Self>,
+            wc: FloatTensor<Self>,
+        ) -> (
+            FloatTensor<Self>,
+            FloatTensor<Self>,
+            FloatTensor<Self>,
+            FloatTensor<Self>,
+        ) {
+            count_launch("norm_gemv3");
+            kernels::linear::norm_gemv3(x, NormIn { y, gamma, eps }, wa, wb, wc)
+        }
+
+        fn norm_gemv_swiglu(
+            x: FloatTensor<Self>,
+            y: FloatTensor<Self>,
+            gamma: FloatTensor<Self>,
+            eps: f64,
+            wg: FloatTensor<Self>,
+            wu: FloatTensor<Self>,
+        ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+            count_launch("norm_gemv_swiglu");
+            kernels::linear::norm_gemv_swiglu(x, NormIn { y, gamma, eps }, wg, wu)
         }
     }
 }

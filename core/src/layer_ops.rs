@@ -37,6 +37,10 @@ pub const GEMV_MAX_ROWS: usize = 16;
 /// - `add_rms_norm`: `x`, `y` `[batch, seq, hidden]`; returns `(x + y, rms_norm(x + y))`
 /// - `rope2`: `rope` of `q` `[batch, q_heads, seq, head_dim]` and `k` `[batch, k_heads, seq,
 ///   head_dim]` at the same positions
+/// - `add_norm_linear3`: `x`, `y` `[batch, seq, hidden]`; returns `x + y` and `linear3` of
+///   `rms_norm(x + y)`
+/// - `add_norm_swiglu`: `x`, `y` `[batch, seq, hidden]`; returns `x + y` and `swiglu` of
+///   `rms_norm(x + y)`
 pub trait LayerOps: Send + Sync + std::fmt::Debug {
     fn linear(&self, x: Tensor<3>, w: Tensor<2>) -> Tensor<3>;
     fn rms_norm(&self, norm: &RmsNorm, x: Tensor<3>) -> Tensor<3>;
@@ -77,6 +81,27 @@ pub trait LayerOps: Send + Sync + std::fmt::Debug {
             self.rope(rope, q, positions.clone()),
             self.rope(rope, k, positions),
         )
+    }
+
+    fn add_norm_linear3(
+        &self,
+        norm: &RmsNorm,
+        x: Tensor<3>,
+        y: Tensor<3>,
+        w: [Tensor<2>; 3],
+    ) -> (Tensor<3>, [Tensor<3>; 3]) {
+        default_add_norm_linear3(self, norm, x, y, w)
+    }
+
+    fn add_norm_swiglu(
+        &self,
+        norm: &RmsNorm,
+        x: Tensor<3>,
+        y: Tensor<3>,
+        gate: Tensor<2>,
+        up: Tensor<2>,
+    ) -> (Tensor<3>, Tensor<3>) {
+        default_add_norm_swiglu(self, norm, x, y, gate, up)
     }
 }
 
@@ -183,16 +208,94 @@ impl LayerOps for FusedOps {
         Tensor::<2>::from_dispatch(out).reshape([b, s, n])
     }
 
-    fn add_rms_norm(&self, norm: &RmsNorm, x: Tensor<3>, y: Tensor<3>) -> (Tensor<3>, Tensor<3>) {
-        let unsupported = (x.dims() != y.dims() || x.dtype() != y.dtype()).then(|| {
-            format!(
-                "x {:?} {:?} and y {:?} {:?} differ",
+    fn add_norm_linear3(
+        &self,
+        norm: &RmsNorm,
+        x: Tensor<3>,
+        y: Tensor<3>,
+        w: [Tensor<2>; 3],
+    ) -> (Tensor<3>, [Tensor<3>; 3]) {
+        let [b, s, k] = x.dims();
+        let unsupported = if b * s > GEMV_MAX_ROWS {
+            return default_add_norm_linear3(self, norm, x, y, w);
+        } else {
+            mismatch(&x, &y).or_else(|| {
+                w.iter()
+                    .any(|w| w.dtype() != x.dtype() || w.dims()[0] != k)
+                    .then(|| format!("x is {:?} {:?}, the weights differ", x.dims(), x.dtype()))
+            })
+        };
+        if !route("norm_gemv3", &x.device(), Grad::ForwardOnly, unsupported) {
+            return default_add_norm_linear3(self, norm, x, y, w);
+        }
+        let ns = w.each_ref().map(|w| w.dims()[1]);
+        let gamma = norm.gamma.val().cast(x.dtype());
+        let [wa, wb, wc] = w.map(|w| w.into_dispatch());
+        let rows = |t: Tensor<3>| t.reshape([b * s, k]).into_dispatch();
+        let (sum, oa, ob, oc) = Dispatch::norm_gemv3(
+            rows(x),
+            rows(y),
+            gamma.into_dispatch(),
+            norm.epsilon,
+            wa,
+            wb,
+            wc,
+        );
+        let out = |t, n: usize| Tensor::<2>::from_dispatch(t).reshape([b, s, n]);
+        (
+            out(sum, k),
+            [out(oa, ns[0]), out(ob, ns[1]), out(oc, ns[2])],
+        )
+    }
+
+    fn add_norm_swiglu(
+        &self,
+        norm: &RmsNorm,
+        x: Tensor<3>,
+        y: Tensor<3>,
+        gate: Tensor<2>,
+        up: Tensor<2>,
+    ) -> (Tensor<3>, Tensor<3>) {
+        let [b, s, k] = x.dims();
+        let n = gate.dims()[1];
+        let unsupported = if b * s > GEMV_MAX_ROWS {
+            return default_add_norm_swiglu(self, norm, x, y, gate, up);
+        } else if gate.dims() != up.dims() || gate.dims()[0] != k {
+            Some(format!(
+                "x {:?}, gate {:?} and up {:?} do not fit",
                 x.dims(),
-                x.dtype(),
-                y.dims(),
-                y.dtype()
-            )
-        });
+                gate.dims(),
+                up.dims()
+            ))
+        } else if gate.dtype() != x.dtype() || up.dtype() != x.dtype() {
+            Some(format!("x is {:?}, the weights differ", x.dtype()))
+        } else {
+            mismatch(&x, &y)
+        };
+        if !route(
+            "norm_gemv_swiglu",
+            &x.device(),
+            Grad::ForwardOnly,
+            unsupported,
+        ) {
+            return default_add_norm_swiglu(self, norm, x, y, gate, up);
+        }
+        let gamma = norm.gamma.val().cast(x.dtype());
+        let rows = |t: Tensor<3>| t.reshape([b * s, k]).into_dispatch();
+        let (sum, out) = Dispatch::norm_gemv_swiglu(
+            rows(x),
+            rows(y),
+            gamma.into_dispatch(),
+            norm.epsilon,
+            gate.into_dispatch(),
+            up.into_dispatch(),
+        );
+        let out3 = |t, n: usize| Tensor::<2>::from_dispatch(t).reshape([b, s, n]);
+        (out3(sum, k), out3(out, n))
+    }
+
+    fn add_rms_norm(&self, norm: &RmsNorm, x: Tensor<3>, y: Tensor<3>) -> (Tensor<3>, Tensor<3>) {
+        let unsupported = mismatch(&x, &y);
         if !route("add_rms_norm", &x.device(), Grad::ForwardOnly, unsupported) {
             return TensorOps.add_rms_norm(norm, x, y);
         }
@@ -265,4 +368,46 @@ impl LayerOps for FusedOps {
         }
         Tensor::from_dispatch(Dispatch::silu_mul(gate.into_dispatch(), up.into_dispatch()))
     }
+}
+
+/// Why `x` and `y` cannot be added by a kernel, if they cannot (shapes or dtypes differ).
+fn mismatch(x: &Tensor<3>, y: &Tensor<3>) -> Option<String> {
+    (x.dims() != y.dims() || x.dtype() != y.dtype()).then(|| {
+        format!(
+            "x {:?} {:?} and y {:?} {:?} differ",
+            x.dims(),
+            x.dtype(),
+            y.dims(),
+            y.dtype()
+        )
+    })
+}
+
+/// [`LayerOps::add_norm_linear3`]'s composition (the add and norm, then the projections) with
+/// `ops`' own add/norm and projections: the trait's default, and what [`FusedOps`] runs where
+/// the one-launch kernel does not apply.
+fn default_add_norm_linear3<O: LayerOps + ?Sized>(
+    ops: &O,
+    norm: &RmsNorm,
+    x: Tensor<3>,
+    y: Tensor<3>,
+    w: [Tensor<2>; 3],
+) -> (Tensor<3>, [Tensor<3>; 3]) {
+    let (sum, h) = ops.add_rms_norm(norm, x, y);
+    let [wa, wb, wc] = w;
+    let (a, b, c) = ops.linear3(h, wa, wb, wc);
+    (sum, [a, b, c])
+}
+
+/// [`LayerOps::add_norm_swiglu`]'s composition with `ops`' own kernels.
+fn default_add_norm_swiglu<O: LayerOps + ?Sized>(
+    ops: &O,
+    norm: &RmsNorm,
+    x: Tensor<3>,
+    y: Tensor<3>,
+    gate: Tensor<2>,
+    up: Tensor<2>,
+) -> (Tensor<3>, Tensor<3>) {
+    let (sum, h) = ops.add_rms_norm(norm, x, y);
+    (sum, ops.swiglu(h, gate, up))
 }

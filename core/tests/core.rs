@@ -17,7 +17,7 @@ use burn_kernels_testing::{
 
 #[path = "core/projections.rs"]
 mod projections;
-use projections::fused_projections_match_host_products;
+use projections::{fused_projections_match_host_products, norm_projections_match_composition};
 
 fn host<const D: usize>(v: &[f32], shape: [usize; D], device: &Device) -> Tensor<D> {
     Tensor::from_data(TensorData::new(v.to_vec(), shape), device)
@@ -465,6 +465,7 @@ testgen! {
         static_cache_equals_one_shot,
         fused_layer_ops_match_tensor_ops,
         fused_projections_match_host_products,
+        norm_projections_match_composition,
     ],
     autodiff: [],
 }

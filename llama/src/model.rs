@@ -92,18 +92,28 @@ impl Block {
         let [b, s, _] = x.dims();
         let (hq, hkv, d) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
         let ops = attention.layer_ops().unwrap_or(&TensorOps);
-        let (x, h) = match pending {
-            Some(y) => ops.add_rms_norm(&self.attn_norm, x, y),
-            None => (x.clone(), ops.rms_norm(&self.attn_norm, x)),
+        let w = [self.wq.val(), self.wk.val(), self.wv.val()];
+        let (x, [q, k, v]) = match pending {
+            Some(y) => ops.add_norm_linear3(&self.attn_norm, x, y, w),
+            None => {
+                let [wq, wk, wv] = w;
+                let (q, k, v) = ops.linear3(ops.rms_norm(&self.attn_norm, x.clone()), wq, wk, wv);
+                (x, [q, k, v])
+            }
         };
         let heads = |t: Tensor<3>, n: usize| t.reshape([b, s, n, d]).swap_dims(1, 2);
-        let (q, k, v) = ops.linear3(h, self.wq.val(), self.wk.val(), self.wv.val());
         let (q, k) = ops.rope2(rope, heads(q, hq), heads(k, hkv), positions.clone());
         let v = heads(v, hkv);
         let o = cache.attend(layer, q, k, v, attention, opts)?;
         let o = o.swap_dims(1, 2).reshape([b, s, hq * d]);
-        let (x, h) = ops.add_rms_norm(&self.mlp_norm, x, ops.linear(o, self.wo.val()));
-        let gated = ops.swiglu(h, self.w_gate.val(), self.w_up.val());
+        let attn_out = ops.linear(o, self.wo.val());
+        let (x, gated) = ops.add_norm_swiglu(
+            &self.mlp_norm,
+            x,
+            attn_out,
+            self.w_gate.val(),
+            self.w_up.val(),
+        );
         Ok((x, ops.linear(gated, self.w_down.val())))
     }
 }

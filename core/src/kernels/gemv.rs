@@ -1,4 +1,5 @@
-//! The GEMV kernels of [`super::linear`], split into their stages: a chunk's loads of `W`
+//! The GEMV kernels of [`super::linear`], split into their stages: the optional residual add
+//! and RMSNorm of the input ([`norm_rows`], [`input_value`]), a chunk's loads of `W`
 //! ([`load_chunk`]), its multiply-adds ([`fma_chunk`]), a unit's walk over the inner dimension
 //! ([`product`]) and the cube's reduction of the split partials ([`reduce_splits`]).
 
@@ -27,9 +28,12 @@ pub(super) fn gemv_kernel<F: Float, N: Size>(
     let colv = CUBE_POS_X as usize * cv + c;
     let row0 = CUBE_POS_Y as usize * rpc;
     let mut acc = zeros::<N>(rpc);
+    // No norm: `x` stands in for the norm's inputs, which are not read.
+    let inv = Array::<f32>::new(1usize);
     if colv < n_vecs {
         product::<F, N>(
-            x, w, &mut acc, 0usize, colv, n_vecs, rows, k_dim, row0, s, splits, rpc, unroll,
+            x, x, x, &inv, w, &mut acc, 0usize, colv, n_vecs, rows, k_dim, row0, s, splits, rpc,
+            unroll, false,
         );
     }
     let mut part = Shared::<[Vector<f32, N>]>::new_slice(splits * cv * rpc);
@@ -47,11 +51,16 @@ pub(super) fn gemv_kernel<F: Float, N: Size>(
 
 /// Three products of one `x` in one launch (a layer's Q, K and V projections): the column
 /// vectors of `wa`, `wb` and `wc` follow each other along the grid and every unit reads from
-/// the weight its column falls in.
+/// the weight its column falls in. With `norm`, the input is `rms_norm(x + y)` (`gamma`,
+/// `eps`; see [`norm_rows`]) and `x + y` goes to `sum`; without, `y`, `gamma` and `sum` are
+/// not touched.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 pub(super) fn gemv3_kernel<F: Float, N: Size>(
     x: &Tensor<F>,
+    y: &Tensor<F>,
+    gamma: &Tensor<F>,
+    sum: &mut Tensor<F>,
     wa: &Tensor<Vector<F, N>>,
     wb: &Tensor<Vector<F, N>>,
     wc: &Tensor<Vector<F, N>>,
@@ -63,10 +72,12 @@ pub(super) fn gemv3_kernel<F: Float, N: Size>(
     na: usize,
     nb: usize,
     nc: usize,
+    eps: f32,
     #[comptime] cv: usize,
     #[comptime] splits: usize,
     #[comptime] rpc: usize,
     #[comptime] unroll: usize,
+    #[comptime] norm: bool,
     #[define(F)] _dtype: ElemType,
 ) {
     let c = UNIT_POS_X as usize;
@@ -74,19 +85,37 @@ pub(super) fn gemv3_kernel<F: Float, N: Size>(
     let colv = CUBE_POS_X as usize * cv + c;
     let row0 = CUBE_POS_Y as usize * rpc;
     let mut acc = zeros::<N>(rpc);
+    let mut inv = Array::<f32>::new(rpc);
+    if norm {
+        norm_rows::<F>(
+            x,
+            y,
+            sum,
+            &mut inv,
+            rows,
+            k_dim,
+            row0,
+            eps,
+            rpc,
+            comptime!(cv * splits),
+        );
+    }
     if colv < na {
         product::<F, N>(
-            x, wa, &mut acc, 0usize, colv, na, rows, k_dim, row0, s, splits, rpc, unroll,
+            x, y, gamma, &inv, wa, &mut acc, 0usize, colv, na, rows, k_dim, row0, s, splits, rpc,
+            unroll, norm,
         );
     } else if colv < na + nb {
         let cb = colv - na;
         product::<F, N>(
-            x, wb, &mut acc, 0usize, cb, nb, rows, k_dim, row0, s, splits, rpc, unroll,
+            x, y, gamma, &inv, wb, &mut acc, 0usize, cb, nb, rows, k_dim, row0, s, splits, rpc,
+            unroll, norm,
         );
     } else if colv < na + nb + nc {
         let cc = colv - na - nb;
         product::<F, N>(
-            x, wc, &mut acc, 0usize, cc, nc, rows, k_dim, row0, s, splits, rpc, unroll,
+            x, y, gamma, &inv, wc, &mut acc, 0usize, cc, nc, rows, k_dim, row0, s, splits, rpc,
+            unroll, norm,
         );
     }
     let mut part = Shared::<[Vector<f32, N>]>::new_slice(splits * cv * rpc);
@@ -110,21 +139,27 @@ pub(super) fn gemv3_kernel<F: Float, N: Size>(
 }
 
 /// A SwiGLU MLP's first half in one launch: `silu(x · wg) · (x · wu)`, both products of each
-/// column vector in the same unit (twice the reads in flight), the gate applied in f32.
+/// column vector in the same unit (twice the reads in flight), the gate applied in f32. With
+/// `norm`, the input is `rms_norm(x + y)` and `x + y` goes to `sum`, as in [`gemv3_kernel`].
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 pub(super) fn gemv_swiglu_kernel<F: Float, N: Size>(
     x: &Tensor<F>,
+    y: &Tensor<F>,
+    gamma: &Tensor<F>,
+    sum: &mut Tensor<F>,
     wg: &Tensor<Vector<F, N>>,
     wu: &Tensor<Vector<F, N>>,
     out: &mut Tensor<Vector<F, N>>,
     rows: usize,
     k_dim: usize,
     n_vecs: usize,
+    eps: f32,
     #[comptime] cv: usize,
     #[comptime] splits: usize,
     #[comptime] rpc: usize,
     #[comptime] unroll: usize,
+    #[comptime] norm: bool,
     #[define(F)] _dtype: ElemType,
 ) {
     let c = UNIT_POS_X as usize;
@@ -132,18 +167,33 @@ pub(super) fn gemv_swiglu_kernel<F: Float, N: Size>(
     let colv = CUBE_POS_X as usize * cv + c;
     let row0 = CUBE_POS_Y as usize * rpc;
     let mut acc = zeros::<N>(comptime!(2 * rpc));
+    let mut inv = Array::<f32>::new(rpc);
+    if norm {
+        norm_rows::<F>(
+            x,
+            y,
+            sum,
+            &mut inv,
+            rows,
+            k_dim,
+            row0,
+            eps,
+            rpc,
+            comptime!(cv * splits),
+        );
+    }
     if colv < n_vecs {
         let full = k_dim / (splits * unroll);
         for chunk in 0..full {
             swiglu_chunk::<F, N>(
-                x, wg, wu, &mut acc, chunk, colv, n_vecs, rows, k_dim, row0, s, splits, rpc,
-                unroll, false,
+                x, y, gamma, &inv, wg, wu, &mut acc, chunk, colv, n_vecs, rows, k_dim, row0, s,
+                splits, rpc, unroll, false, norm,
             );
         }
         if full * splits * unroll < k_dim {
             swiglu_chunk::<F, N>(
-                x, wg, wu, &mut acc, full, colv, n_vecs, rows, k_dim, row0, s, splits, rpc, unroll,
-                true,
+                x, y, gamma, &inv, wg, wu, &mut acc, full, colv, n_vecs, rows, k_dim, row0, s,
+                splits, rpc, unroll, true, norm,
             );
         }
     }
@@ -165,6 +215,90 @@ pub(super) fn gemv_swiglu_kernel<F: Float, N: Size>(
     }
 }
 
+/// The norm prologue of a fused launch: for each of the cube's rows, `sum = x + y` (rounded
+/// to the dtype, as a separate add stores it; written out by the cubes of the first column
+/// block only) and `inv[r] = 1 / √(mean(sum²) + ε)`, all the cube's `units` sharing each row
+/// (a shared-memory tree).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn norm_rows<F: Float>(
+    x: &Tensor<F>,
+    y: &Tensor<F>,
+    sum: &mut Tensor<F>,
+    inv: &mut Array<f32>,
+    rows: usize,
+    k_dim: usize,
+    row0: usize,
+    eps: f32,
+    #[comptime] rpc: usize,
+    #[comptime] units: usize,
+) {
+    let tid = UNIT_POS as usize;
+    let write = CUBE_POS_X == 0;
+    let mut red = Shared::<[f32]>::new_slice(comptime!(rpc * units));
+    #[unroll]
+    for r in 0..rpc {
+        let row = row0 + r;
+        let mut squares = f32::new(0.0);
+        if row < rows {
+            let mut i = tid;
+            while i < k_dim {
+                let at = row * k_dim + i;
+                let v = F::cast_from(f32::cast_from(x[at]) + f32::cast_from(y[at]));
+                if write {
+                    sum[at] = v;
+                }
+                let f = f32::cast_from(v);
+                squares += f * f;
+                i += units;
+            }
+        }
+        red[r * units + tid] = squares;
+    }
+    sync_cube();
+    // Runtime, not comptime: the loop mutates it.
+    let mut half = CUBE_DIM as usize / 2;
+    while half > 0 {
+        if tid < half {
+            #[unroll]
+            for r in 0..rpc {
+                red[r * units + tid] += red[r * units + tid + half];
+            }
+        }
+        sync_cube();
+        half /= 2;
+    }
+    #[unroll]
+    for r in 0..rpc {
+        inv[r] = f32::new(1.0) / f32::sqrt(red[r * units] / f32::cast_from(k_dim) + eps);
+    }
+}
+
+/// Element `k` of row `r`'s input at `at`: `x` itself, or with `norm` the normed residual
+/// sum `(x + y) · inv[r] · γ[k]`, each step rounded to the dtype as the separate add and norm
+/// store it.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn input_value<F: Float>(
+    x: &Tensor<F>,
+    y: &Tensor<F>,
+    gamma: &Tensor<F>,
+    inv: &Array<f32>,
+    at: usize,
+    k: usize,
+    r: usize,
+    #[comptime] norm: bool,
+) -> f32 {
+    let mut v = f32::cast_from(x[at]);
+    if norm {
+        let s = F::cast_from(v + f32::cast_from(y[at]));
+        v = f32::cast_from(F::cast_from(
+            f32::cast_from(s) * inv[r] * f32::cast_from(gamma[k]),
+        ));
+    }
+    v
+}
+
 #[cube]
 fn zeros<N: Size>(#[comptime] len: usize) -> Array<Vector<f32, N>> {
     let mut acc = Array::<Vector<f32, N>>::new(len);
@@ -182,6 +316,9 @@ fn zeros<N: Size>(#[comptime] len: usize) -> Array<Vector<f32, N>> {
 #[allow(clippy::too_many_arguments)]
 fn product<F: Float, N: Size>(
     x: &Tensor<F>,
+    y: &Tensor<F>,
+    gamma: &Tensor<F>,
+    inv: &Array<f32>,
     w: &Tensor<Vector<F, N>>,
     acc: &mut Array<Vector<f32, N>>,
     #[comptime] first: usize,
@@ -194,6 +331,7 @@ fn product<F: Float, N: Size>(
     #[comptime] splits: usize,
     #[comptime] rpc: usize,
     #[comptime] unroll: usize,
+    #[comptime] norm: bool,
 ) {
     let full = k_dim / (splits * unroll);
     for chunk in 0..full {
@@ -202,7 +340,8 @@ fn product<F: Float, N: Size>(
             w, &mut wr, chunk, s, k_dim, n_vecs, colv, splits, unroll, false,
         );
         fma_chunk::<F, N>(
-            x, &wr, acc, first, chunk, s, k_dim, rows, row0, splits, rpc, unroll, false,
+            x, y, gamma, inv, &wr, acc, first, chunk, s, k_dim, rows, row0, splits, rpc, unroll,
+            false, norm,
         );
     }
     if full * splits * unroll < k_dim {
@@ -211,7 +350,8 @@ fn product<F: Float, N: Size>(
             w, &mut wr, full, s, k_dim, n_vecs, colv, splits, unroll, true,
         );
         fma_chunk::<F, N>(
-            x, &wr, acc, first, full, s, k_dim, rows, row0, splits, rpc, unroll, true,
+            x, y, gamma, inv, &wr, acc, first, full, s, k_dim, rows, row0, splits, rpc, unroll,
+            true, norm,
         );
     }
 }
@@ -221,6 +361,9 @@ fn product<F: Float, N: Size>(
 #[allow(clippy::too_many_arguments)]
 fn swiglu_chunk<F: Float, N: Size>(
     x: &Tensor<F>,
+    y: &Tensor<F>,
+    gamma: &Tensor<F>,
+    inv: &Array<f32>,
     wg: &Tensor<Vector<F, N>>,
     wu: &Tensor<Vector<F, N>>,
     acc: &mut Array<Vector<f32, N>>,
@@ -235,6 +378,7 @@ fn swiglu_chunk<F: Float, N: Size>(
     #[comptime] rpc: usize,
     #[comptime] unroll: usize,
     #[comptime] checked: bool,
+    #[comptime] norm: bool,
 ) {
     let mut gr = Array::<Vector<F, N>>::new(unroll);
     let mut ur = Array::<Vector<F, N>>::new(unroll);
@@ -245,10 +389,12 @@ fn swiglu_chunk<F: Float, N: Size>(
         wu, &mut ur, chunk, s, k_dim, n_vecs, colv, splits, unroll, checked,
     );
     fma_chunk::<F, N>(
-        x, &gr, acc, 0usize, chunk, s, k_dim, rows, row0, splits, rpc, unroll, checked,
+        x, y, gamma, inv, &gr, acc, 0usize, chunk, s, k_dim, rows, row0, splits, rpc, unroll,
+        checked, norm,
     );
     fma_chunk::<F, N>(
-        x, &ur, acc, rpc, chunk, s, k_dim, rows, row0, splits, rpc, unroll, checked,
+        x, y, gamma, inv, &ur, acc, rpc, chunk, s, k_dim, rows, row0, splits, rpc, unroll, checked,
+        norm,
     );
 }
 
@@ -289,6 +435,9 @@ fn load_chunk<F: Float, N: Size>(
 #[allow(clippy::too_many_arguments)]
 fn fma_chunk<F: Float, N: Size>(
     x: &Tensor<F>,
+    y: &Tensor<F>,
+    gamma: &Tensor<F>,
+    inv: &Array<f32>,
     wr: &Array<Vector<F, N>>,
     acc: &mut Array<Vector<f32, N>>,
     #[comptime] first: usize,
@@ -301,6 +450,7 @@ fn fma_chunk<F: Float, N: Size>(
     #[comptime] rpc: usize,
     #[comptime] unroll: usize,
     #[comptime] checked: bool,
+    #[comptime] norm: bool,
 ) {
     #[unroll]
     for u in 0..unroll {
@@ -311,7 +461,7 @@ fn fma_chunk<F: Float, N: Size>(
             for r in 0..rpc {
                 let row = row0 + r;
                 if rpc == 1 || row < rows {
-                    let xv = f32::cast_from(x[row * k_dim + k]);
+                    let xv = input_value::<F>(x, y, gamma, inv, row * k_dim + k, k, r, norm);
                     acc[first + r] += wf * Vector::<f32, N>::new(xv);
                 }
             }

@@ -58,6 +58,7 @@ impl Plan {
         ns: &[usize],
         elem_bytes: usize,
         slots: usize,
+        norm: bool,
         max_shared: usize,
     ) -> Self {
         let widest = (16 / elem_bytes).max(1);
@@ -68,14 +69,16 @@ impl Plan {
         let n_vecs = ns.iter().sum::<usize>() / vec;
         // Two column vectors per cube keep a plane's reads at 32-byte sectors while small
         // products still cover many SMs; wide ones (the LM head) have cubes to spare.
-        let cv = if n_vecs >= 2048 { 4 } else { 2 };
+        let cv = tuning("BURN_KERNELS_GEMV_CV").unwrap_or(if n_vecs >= 2048 { 4 } else { 2 });
         let mut rows_per_cube = match rows {
             0..=1 => 1,
             2 => 2,
             _ => MAX_ROWS_PER_CUBE,
         };
-        // Every unit parks its partial sums in shared memory for the reduction.
-        while rows_per_cube > 1 && UNITS * slots * rows_per_cube * vec * 4 > max_shared {
+        // Every unit parks its partial sums in shared memory for the reduction (and, with a
+        // norm in front, its sum of squares per row).
+        let per_row = UNITS * (slots * vec + usize::from(norm)) * 4;
+        while rows_per_cube > 1 && per_row * rows_per_cube > max_shared {
             rows_per_cube /= 2;
         }
         Self {
@@ -83,9 +86,28 @@ impl Plan {
             cv,
             splits: UNITS / cv,
             rows_per_cube,
-            unroll: if k >= LONG_K { 2 * UNROLL } else { UNROLL },
+            unroll: tuning("BURN_KERNELS_GEMV_UNROLL").unwrap_or(if k >= LONG_K {
+                2 * UNROLL
+            } else {
+                UNROLL
+            }),
         }
     }
+}
+
+/// A plan parameter forced by the environment variable `name` (2, 4 or 8), for measuring
+/// plans against each other on a device (`bench --suite llama`); unset, the plan decides.
+fn tuning(name: &str) -> Option<usize> {
+    use std::sync::OnceLock;
+    static CV: OnceLock<Option<usize>> = OnceLock::new();
+    static UNROLL: OnceLock<Option<usize>> = OnceLock::new();
+    let cell = if name.ends_with("_CV") { &CV } else { &UNROLL };
+    *cell.get_or_init(|| {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|v| [2, 4, 8].contains(v))
+    })
 }
 
 /// Shared memory a cube may use on `x`'s device.
@@ -128,7 +150,7 @@ pub fn gemv(x: CubeTensor, w: CubeTensor) -> CubeTensor {
     if rows == 0 || n == 0 {
         return out;
     }
-    let plan = Plan::new(rows, k, &[n], x.dtype.size(), 1, max_shared(&x));
+    let plan = Plan::new(rows, k, &[n], x.dtype.size(), 1, false, max_shared(&x));
     let n_vecs = n / plan.vec;
     let (count, dim) = launch_dims(&plan, rows, n_vecs);
     let (client, dtype) = (x.client.clone(), x.dtype);
@@ -152,6 +174,30 @@ pub fn gemv(x: CubeTensor, w: CubeTensor) -> CubeTensor {
     out
 }
 
+/// The residual add and RMSNorm a fused launch applies to its input: `rms_norm(x + y)` with
+/// `gamma` and `eps`; the launch also returns `x + y` (the residual stream).
+#[derive(Debug, Clone)]
+pub struct NormIn {
+    /// `[rows, k]`, `x`'s shape and dtype.
+    pub y: CubeTensor,
+    /// `[k]` in `x`'s dtype.
+    pub gamma: CubeTensor,
+    pub eps: f64,
+}
+
+/// The tensors a launch with an optional norm binds: `y`, `gamma` and the sum output, or
+/// stand-ins (`x` and a one-element buffer the kernel does not touch) without a norm.
+fn norm_args(x: &CubeTensor, norm: Option<NormIn>) -> (CubeTensor, CubeTensor, CubeTensor, f32) {
+    match norm {
+        Some(n) => {
+            let [rows, k] = x.meta.shape().dims::<2>();
+            let (y, gamma) = (into_contiguous(n.y), into_contiguous(n.gamma));
+            (y, gamma, output(x, rows, k), n.eps as f32)
+        }
+        None => (x.clone(), x.clone(), output(x, 1, 1), 0.0),
+    }
+}
+
 /// `(x · wa, x · wb, x · wc)` in one launch, accumulated in f32.
 ///
 /// # Shapes
@@ -163,26 +209,57 @@ pub fn gemv3(
     wb: CubeTensor,
     wc: CubeTensor,
 ) -> (CubeTensor, CubeTensor, CubeTensor) {
+    let (a, b, c, _) = gemv3_with(x, None, wa, wb, wc);
+    (a, b, c)
+}
+
+/// `(x + y, h · wa, h · wb, h · wc)` with `h = rms_norm(x + y)`, in one launch: a layer's
+/// residual add, attention norm and Q, K, V projections.
+///
+/// # Shapes
+/// - `x`: `[rows, k]`, `norm.y`: `[rows, k]`, `norm.gamma`: `[k]`, the weights as [`gemv3`];
+///   returns `[rows, k]` and the three products
+pub fn norm_gemv3(
+    x: CubeTensor,
+    norm: NormIn,
+    wa: CubeTensor,
+    wb: CubeTensor,
+    wc: CubeTensor,
+) -> (CubeTensor, CubeTensor, CubeTensor, CubeTensor) {
+    let (a, b, c, sum) = gemv3_with(x, Some(norm), wa, wb, wc);
+    (sum, a, b, c)
+}
+
+fn gemv3_with(
+    x: CubeTensor,
+    norm: Option<NormIn>,
+    wa: CubeTensor,
+    wb: CubeTensor,
+    wc: CubeTensor,
+) -> (CubeTensor, CubeTensor, CubeTensor, CubeTensor) {
     let x = into_contiguous(x);
     let [wa, wb, wc] = [wa, wb, wc].map(into_contiguous);
     let [rows, k] = x.meta.shape().dims::<2>();
     let ns = [&wa, &wb, &wc].map(|w| w.meta.shape().dims::<2>()[1]);
-    let outs = ns.map(|n| output(&x, rows, n));
+    let [oa, ob, oc] = ns.map(|n| output(&x, rows, n));
+    let has_norm = norm.is_some();
+    let (y, gamma, sum, eps) = norm_args(&x, norm);
     if rows == 0 || ns.iter().sum::<usize>() == 0 {
-        let [a, b, c] = outs;
-        return (a, b, c);
+        return (oa, ob, oc, sum);
     }
-    let plan = Plan::new(rows, k, &ns, x.dtype.size(), 1, max_shared(&x));
+    let plan = Plan::new(rows, k, &ns, x.dtype.size(), 1, has_norm, max_shared(&x));
     let [na, nb, nc] = ns.map(|n| n / plan.vec);
     let (count, dim) = launch_dims(&plan, rows, na + nb + nc);
     let (client, dtype) = (x.client.clone(), x.dtype);
-    let [oa, ob, oc] = outs;
     gemv3_kernel::launch(
         &client,
         count,
         dim,
         plan.vec,
         x.into_tensor_arg(),
+        y.into_tensor_arg(),
+        gamma.into_tensor_arg(),
+        sum.clone().into_tensor_arg(),
         wa.into_tensor_arg(),
         wb.into_tensor_arg(),
         wc.into_tensor_arg(),
@@ -194,13 +271,15 @@ pub fn gemv3(
         na,
         nb,
         nc,
+        eps,
         plan.cv,
         plan.splits,
         plan.rows_per_cube,
         plan.unroll,
+        has_norm,
         dtype_to_storage_type(dtype),
     );
-    (oa, ob, oc)
+    (oa, ob, oc, sum)
 }
 
 /// `silu(x · wg) · (x · wu)` in one launch, accumulated in f32.
@@ -208,15 +287,42 @@ pub fn gemv3(
 /// # Shapes
 /// - `x`: `[rows, k]`, `wg`, `wu`: `[k, n]` in `x`'s dtype; returns `[rows, n]`
 pub fn gemv_swiglu(x: CubeTensor, wg: CubeTensor, wu: CubeTensor) -> CubeTensor {
+    gemv_swiglu_with(x, None, wg, wu).0
+}
+
+/// `(x + y, silu(h · wg) · (h · wu))` with `h = rms_norm(x + y)`, in one launch: a layer's
+/// residual add after the attention, MLP norm and gated first half.
+///
+/// # Shapes
+/// - `x`, `norm.y`: `[rows, k]`, `norm.gamma`: `[k]`, `wg`, `wu`: `[k, n]`; returns
+///   `[rows, k]` and `[rows, n]`
+pub fn norm_gemv_swiglu(
+    x: CubeTensor,
+    norm: NormIn,
+    wg: CubeTensor,
+    wu: CubeTensor,
+) -> (CubeTensor, CubeTensor) {
+    let (out, sum) = gemv_swiglu_with(x, Some(norm), wg, wu);
+    (sum, out)
+}
+
+fn gemv_swiglu_with(
+    x: CubeTensor,
+    norm: Option<NormIn>,
+    wg: CubeTensor,
+    wu: CubeTensor,
+) -> (CubeTensor, CubeTensor) {
     let x = into_contiguous(x);
     let [wg, wu] = [wg, wu].map(into_contiguous);
     let [rows, k] = x.meta.shape().dims::<2>();
     let [_, n] = wg.meta.shape().dims::<2>();
     let out = output(&x, rows, n);
+    let has_norm = norm.is_some();
+    let (y, gamma, sum, eps) = norm_args(&x, norm);
     if rows == 0 || n == 0 {
-        return out;
+        return (out, sum);
     }
-    let plan = Plan::new(rows, k, &[n], x.dtype.size(), 2, max_shared(&x));
+    let plan = Plan::new(rows, k, &[n], x.dtype.size(), 2, has_norm, max_shared(&x));
     let n_vecs = n / plan.vec;
     let (count, dim) = launch_dims(&plan, rows, n_vecs);
     let (client, dtype) = (x.client.clone(), x.dtype);
@@ -226,19 +332,24 @@ pub fn gemv_swiglu(x: CubeTensor, wg: CubeTensor, wu: CubeTensor) -> CubeTensor 
         dim,
         plan.vec,
         x.into_tensor_arg(),
+        y.into_tensor_arg(),
+        gamma.into_tensor_arg(),
+        sum.clone().into_tensor_arg(),
         wg.into_tensor_arg(),
         wu.into_tensor_arg(),
         out.clone().into_tensor_arg(),
         rows,
         k,
         n_vecs,
+        eps,
         plan.cv,
         plan.splits,
         plan.rows_per_cube,
         plan.unroll,
+        has_norm,
         dtype_to_storage_type(dtype),
     );
-    out
+    (out, sum)
 }
 
 #[cfg(test)]
@@ -247,28 +358,56 @@ mod tests {
 
     #[test]
     fn plans_read_16_bytes_where_the_columns_allow() {
-        let p = Plan::new(1, 576, &[576], 2, 1, 48 << 10);
+        let p = Plan::new(1, 576, &[576], 2, 1, false, 48 << 10);
         assert_eq!(
             (p.vec, p.cv, p.splits, p.rows_per_cube, p.unroll),
             (8, 2, 128, 1, 4)
         );
-        assert_eq!(Plan::new(1, 4096, &[576], 2, 1, 48 << 10).unroll, 8);
-        assert_eq!(Plan::new(1, 97, &[576], 4, 1, 48 << 10).vec, 4);
-        assert_eq!(Plan::new(3, 97, &[45], 2, 1, 48 << 10).vec, 1);
-        assert_eq!(Plan::new(3, 97, &[6], 2, 1, 48 << 10).vec, 2);
-        assert_eq!(Plan::new(3, 97, &[576, 192, 36], 2, 1, 48 << 10).vec, 4);
+        assert_eq!(Plan::new(1, 4096, &[576], 2, 1, false, 48 << 10).unroll, 8);
+        assert_eq!(Plan::new(1, 97, &[576], 4, 1, false, 48 << 10).vec, 4);
+        assert_eq!(Plan::new(3, 97, &[45], 2, 1, false, 48 << 10).vec, 1);
+        assert_eq!(Plan::new(3, 97, &[6], 2, 1, false, 48 << 10).vec, 2);
         assert_eq!(
-            Plan::new(3, 97, &[6], 2, 1, 48 << 10).rows_per_cube,
+            Plan::new(3, 97, &[576, 192, 36], 2, 1, false, 48 << 10).vec,
+            4
+        );
+        assert_eq!(
+            Plan::new(3, 97, &[6], 2, 1, false, 48 << 10).rows_per_cube,
             MAX_ROWS_PER_CUBE
         );
-        assert_eq!(Plan::new(2, 97, &[49_152], 2, 1, 48 << 10).cv, 4);
+        assert_eq!(Plan::new(2, 97, &[49_152], 2, 1, false, 48 << 10).cv, 4);
         // Partial sums that would not fit shared memory take fewer rows per cube.
-        assert_eq!(Plan::new(3, 97, &[576], 2, 2, 48 << 10).rows_per_cube, 2);
-        assert_eq!(Plan::new(3, 97, &[576], 2, 2, 32 << 10).rows_per_cube, 2);
-        assert_eq!(Plan::new(3, 97, &[576], 2, 2, 16 << 10).rows_per_cube, 1);
-        assert_eq!(Plan::new(3, 97, &[576], 2, 1, 16 << 10).rows_per_cube, 2);
+        assert_eq!(
+            Plan::new(3, 97, &[576], 2, 2, false, 48 << 10).rows_per_cube,
+            2
+        );
+        assert_eq!(
+            Plan::new(3, 97, &[576], 2, 2, false, 32 << 10).rows_per_cube,
+            2
+        );
+        assert_eq!(
+            Plan::new(3, 97, &[576], 2, 2, false, 16 << 10).rows_per_cube,
+            1
+        );
+        assert_eq!(
+            Plan::new(3, 97, &[576], 2, 1, false, 16 << 10).rows_per_cube,
+            2
+        );
+        // A norm in front adds a sum of squares per unit and row.
+        assert_eq!(
+            Plan::new(3, 97, &[576], 2, 2, true, 32 << 10).rows_per_cube,
+            1
+        );
+        assert_eq!(
+            Plan::new(3, 97, &[576], 2, 1, false, 34 << 10).rows_per_cube,
+            4
+        );
+        assert_eq!(
+            Plan::new(3, 97, &[576], 2, 1, true, 34 << 10).rows_per_cube,
+            2
+        );
         for rows in 1..=16 {
-            let p = Plan::new(rows, 97, &[200], 2, 1, 48 << 10);
+            let p = Plan::new(rows, 97, &[200], 2, 1, false, 48 << 10);
             assert_eq!(p.cv * p.splits, UNITS);
             assert!(p.splits.is_multiple_of(8), "the reducers divide the splits");
         }

@@ -1,6 +1,9 @@
 //! The projection kernels (GEMV, three GEMVs of one input, GEMV with the SwiGLU gate) against
-//! f64 products of the stored values, on awkward sizes.
+//! f64 products of the stored values, on awkward sizes; the same launches with the residual
+//! add and RMSNorm in front against the add-and-norm kernel followed by the projection.
 
+use burn::module::Param;
+use burn::nn::RmsNorm;
 use burn::tensor::{DType, Device, Tensor};
 use burn_kernels_core::route::{launches, require_kernels};
 use burn_kernels_core::{FusedOps, LayerOps};
@@ -125,6 +128,115 @@ pub fn fused_projections_match_host_products(device: &Device) {
             };
             let name = format!("swiglu {dtype:?} {b}x{s}x{k} · {k}x{n}");
             assert_close(&name, &to_f32(got.into_data()), &want, tol);
+        }
+    }
+    for (op, before) in ops.iter().zip(before) {
+        assert!(launches(op) > before, "{op}: no kernel launch counted");
+    }
+}
+
+/// Half a unit in the last place of `dtype`, relative.
+fn unit(dtype: DType) -> f64 {
+    match dtype {
+        DType::F16 => 2f64.powi(-11),
+        DType::BF16 => 2f64.powi(-8),
+        _ => 2f64.powi(-24),
+    }
+}
+
+fn max_abs(v: &[f32]) -> f64 {
+    v.iter().fold(0f64, |m, x| m.max(x.abs() as f64))
+}
+
+/// `add_norm_linear3` and `add_norm_swiglu` (one launch: `x + y`, its RMSNorm, the products)
+/// against the two-launch composition they replace (`add_rms_norm`, then `linear3` or
+/// `swiglu`, each checked on its own above and in the layer-ops test). Both round the sum and
+/// the normed input to the dtype, so they differ only where the two reductions of `Σ sum²`
+/// (f32, other orders) move a normed value across a rounding boundary: the tolerance adds one
+/// such flip (half a unit of the dtype times the largest normed value and weight) to the
+/// product's. The sum must equal the tensor-op `x + y`. Rows 1, 3 (a partial cube of rows),
+/// 5 (two cubes) and 17 (past `GEMV_MAX_ROWS`: the composition, not a fallback); inner sizes
+/// with tails (97, 131) and the long-K unroll (2053). Outputs land in NaN-poisoned memory.
+pub fn norm_projections_match_composition(device: &Device) {
+    let ops = ["norm_gemv3", "norm_gemv_swiglu"];
+    let before = ops.map(launches);
+    for dtype in float_dtypes(device) {
+        for (i, [rows, k, na, nb]) in [
+            [1, 97, 45, 6],
+            [3, 131, 200, 40],
+            [5, 576, 64, 16],
+            [17, 97, 24, 8],
+            [1, 2053, 16, 8],
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let seed = 130 + 8 * i as u64;
+            let x = random_tensor::<3>([1, rows, k], Dist::STANDARD, seed, dtype, device);
+            let y = random_tensor::<3>([1, rows, k], Dist::STANDARD, seed + 1, dtype, device);
+            let gamma = random_tensor::<1>([k], Dist::STANDARD, seed + 2, dtype, device);
+            let norm = RmsNorm {
+                gamma: Param::from_tensor(gamma),
+                epsilon: 1e-5,
+            };
+            let ws = [na, nb, nb, na]
+                .into_iter()
+                .enumerate()
+                .map(|(j, n)| weight(k, n, seed + 3 + j as u64, dtype, device))
+                .collect::<Vec<_>>();
+            let w3 = || [ws[0].clone(), ws[1].clone(), ws[2].clone()];
+            let name = format!("{dtype:?} {rows}x{k}");
+
+            let (_, h) = FusedOps.add_rms_norm(&norm, x.clone(), y.clone());
+            let flips = unit(dtype) * max_abs(&to_f32(h.to_data()));
+            let tol = |w: &Tensor<2>, scale: f64| {
+                let base = Tolerance::for_reduction(dtype, k);
+                Tolerance {
+                    atol: (base.atol + flips * max_abs(&to_f32(w.to_data()))) * scale,
+                    rtol: base.rtol * if scale > 1.0 { 2.0 } else { 1.0 },
+                }
+            };
+            let check_sum = |what: &str, sum: Tensor<3>| {
+                assert_close(
+                    &format!("{what} sum {name}"),
+                    &to_f32(sum.into_data()),
+                    &to_f32((x.clone() + y.clone()).into_data()),
+                    Tolerance::for_dtype(dtype),
+                );
+            };
+
+            poison_memory(device, rows * (k + na + 2 * nb), dtype);
+            let (sum, got) =
+                require_kernels(|| FusedOps.add_norm_linear3(&norm, x.clone(), y.clone(), w3()));
+            check_sum("add_norm_linear3", sum);
+            let [wa, wb, wc] = w3();
+            let (ea, eb, ec) = FusedOps.linear3(h.clone(), wa, wb, wc);
+            for ((got, want), w) in got.into_iter().zip([ea, eb, ec]).zip(w3()) {
+                assert_eq!(got.dims(), want.dims(), "{name}");
+                assert_close(
+                    &format!("add_norm_linear3 {name} · {:?}", w.dims()),
+                    &to_f32(got.into_data()),
+                    &to_f32(want.into_data()),
+                    tol(&w, 1.0),
+                );
+            }
+
+            poison_memory(device, rows * (k + na), dtype);
+            let (sum, got) = require_kernels(|| {
+                FusedOps.add_norm_swiglu(&norm, x.clone(), y.clone(), ws[3].clone(), ws[0].clone())
+            });
+            check_sum("add_norm_swiglu", sum);
+            let want = FusedOps.swiglu(h.clone(), ws[3].clone(), ws[0].clone());
+            // Two products multiply (see the SwiGLU case above): scale by the largest |h·u|.
+            let hu = FusedOps.linear(h, ws[0].clone());
+            let scale = max_abs(&to_f32(hu.into_data())).max(1.0);
+            assert_eq!(got.dims(), want.dims(), "{name}");
+            assert_close(
+                &format!("add_norm_swiglu {name}"),
+                &to_f32(got.into_data()),
+                &to_f32(want.into_data()),
+                tol(&ws[3], scale),
+            );
         }
     }
     for (op, before) in ops.iter().zip(before) {
