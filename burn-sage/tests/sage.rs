@@ -8,8 +8,8 @@
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use burn_kernels_core::route::{cube_device, launches, require_kernels};
 use burn_kernels_testing::{
-    Dist, Tolerance, assert_close, compare::metrics, compare::to_f32, float_dtypes, is_cuda, is_wgpu, poison_memory,
-    random_tensor, random_values, testgen,
+    Dist, Tolerance, assert_close, compare::metrics, compare::to_f32, float_dtypes, is_cuda,
+    is_wgpu, poison_memory, random_tensor, random_values, testgen,
 };
 use burn_sage::kernels::{KernelChoice, UNIT_MAX_KV};
 use burn_sage::{
@@ -419,7 +419,10 @@ fn accuracy_table(device: &Device, shapes: &[(usize, usize, usize, usize, usize,
                     (_, PvPrecision::Fp8E4m3) => (0.999, 0.05),
                 };
                 assert!(acc.cos_sim >= bar, "{qk:?} {pv:?}: {acc} below {bar}");
-                assert!(acc.rel_l1 <= l1_bar, "{qk:?} {pv:?}: {acc} above rel L1 {l1_bar}");
+                assert!(
+                    acc.rel_l1 <= l1_bar,
+                    "{qk:?} {pv:?}: {acc} above rel L1 {l1_bar}"
+                );
             }
         }
     }
