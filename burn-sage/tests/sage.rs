@@ -280,7 +280,12 @@ fn check_cases(
                 (QkQuant::Int8PerBlock, PvPrecision::Fp8E4m3, true),
                 (QkQuant::Int8PerThread, PvPrecision::Fp16, true),
                 (QkQuant::Int4PerThread, PvPrecision::Fp8E4m3, false),
-                (QkQuant::Int4PerThread, PvPrecision::Fp16, true),
+                // Without Q smoothing: on CUDA the device computes Q's means in another
+                // summation order than the CPU, which can move a smoothed entry across one
+                // quantization level; at INT4 (7 levels a side) that moves an output by ~3%
+                // (seen on an H200: 55 of 256 000 outputs), beyond any bound that still
+                // catches a wrong kernel. The INT8 cases cover the device smoothing.
+                (QkQuant::Int4PerThread, PvPrecision::Fp16, false),
             ] {
                 seed += 1;
                 // On wgpu (lavapipe in CI: each variant compiles its own kernels) 16-bit inputs

@@ -68,8 +68,11 @@ impl Plan {
             .unwrap_or(1);
         let n_vecs = ns.iter().sum::<usize>() / vec;
         // Two column vectors per cube keep a plane's reads at 32-byte sectors while small
-        // products still cover many SMs; wide ones (the LM head) have cubes to spare.
-        let cv = tuning("BURN_KERNELS_GEMV_CV").unwrap_or(if n_vecs >= 2048 { 4 } else { 2 });
+        // products still cover many SMs; wide ones (from 512 vectors: Llama-3-8B's every
+        // projection, the LM heads) have cubes to spare and read 64 bytes a row. Measured on
+        // an H200 (2026-11-28, Llama-3-8B decode step, all projections forced): 2 vectors
+        // 7.57 ms, 4 vectors 6.46, 8 vectors 6.68.
+        let cv = tuning("BURN_KERNELS_GEMV_CV").unwrap_or(if n_vecs >= 512 { 4 } else { 2 });
         let mut rows_per_cube = match rows {
             0..=1 => 1,
             2 => 2,
@@ -376,6 +379,11 @@ mod tests {
             MAX_ROWS_PER_CUBE
         );
         assert_eq!(Plan::new(2, 97, &[49_152], 2, 1, false, 48 << 10).cv, 4);
+        assert_eq!(Plan::new(1, 4096, &[4096], 2, 1, false, 48 << 10).cv, 4);
+        assert_eq!(
+            Plan::new(1, 576, &[576, 192, 192], 2, 1, false, 48 << 10).cv,
+            2
+        );
         // Partial sums that would not fit shared memory take fewer rows per cube.
         assert_eq!(
             Plan::new(3, 97, &[576], 2, 2, false, 48 << 10).rows_per_cube,
