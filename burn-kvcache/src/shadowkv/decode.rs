@@ -13,7 +13,8 @@ use rayon::prelude::*;
 use super::*;
 
 impl ShadowKvCache {
-    /// One decode step of a sparse layer. See the module docs.
+    /// One decode step of a sparse layer: score the landmarks and select chunks, rebuild the
+    /// selected keys on the device, fetch the selected values, attend. See the module docs.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn decode(
         &mut self,
@@ -31,64 +32,20 @@ impl ShadowKvCache {
         let Layer::Sparse(sp) = &mut self.layers[layer] else {
             unreachable!("decode on a sparse layer")
         };
-        let [b, hq, sq, d] = q.dims();
-        let h = self.kv_heads;
-        let g = hq / h;
+        let timings = &mut self.timings;
         let dtype = v.dtype();
         append_kv(&mut sp.generated, k, v);
 
-        // Scoring: softmax over chunks, summed over queries, max over the GQA group.
         let t0 = Instant::now();
-        let cmax = sp.landmarks.dims()[2];
-        let scores = q
-            .clone()
-            .cast(DType::F32)
-            .reshape([b, h, g * sq, d])
-            .matmul(sp.landmarks.clone().cast(DType::F32).swap_dims(2, 3))
-            * opts.scale;
-        let scores = match &sp.land_pad {
-            Some(m) => scores.mask_fill(m.clone().expand([b, h, g * sq, cmax]), -1.0e30),
-            None => scores,
-        };
-        let scores = activation::softmax(scores, 3)
-            .reshape([b, h, g, sq, cmax])
-            .sum_dim(3)
-            .max_dim(2)
-            .into_data()
-            .convert::<f32>()
-            .try_to_vec::<f32>()
-            .expect("f32");
-        let kk = select.min(sp.n_land.iter().max().copied().unwrap_or(0));
-        let valid: Vec<usize> = sp.n_land.iter().map(|&n| kk.min(n)).collect();
-        // Top-k per (sequence, KV head), on every core: at batch 8 and 128K a layer has 64
-        // rows of 16K landmarks.
-        let (n_land, land_chunk) = (&sp.n_land, &sp.land_chunk);
-        let flat: Vec<Vec<usize>> = (0..b * h)
-            .into_par_iter()
-            .map(|ih| {
-                let (i, hh) = (ih / h, ih % h);
-                let (n, nv) = (n_land[i], valid[i]);
-                let row = &scores[ih * cmax..ih * cmax + n];
-                let mut ids: Vec<usize> = (0..n).collect();
-                if nv < n {
-                    ids.select_nth_unstable_by(nv, |&x, &y| row[y].total_cmp(&row[x]));
-                    ids.truncate(nv);
-                }
-                let mut chunks: Vec<usize> = ids.iter().map(|&l| land_chunk[i][hh][l]).collect();
-                chunks.sort_unstable();
-                // Padding slots (masked below) repeat a valid chunk.
-                chunks.resize(kk, chunks[0]);
-                chunks
-            })
-            .collect();
-        let mut flat = flat.into_iter();
-        let sel: Vec<Vec<Vec<usize>>> = (0..b).map(|_| flat.by_ref().take(h).collect()).collect();
-        self.timings.scoring += t0.elapsed();
+        let selection = select_chunks(sp, &q, opts.scale, select, self.kv_heads);
+        timings.scoring += t0.elapsed();
 
         // Reconstruct the selected keys, launched before the transfer: the device rebuilds
         // them while the host gathers and copies the values.
         let t2 = Instant::now();
-        let ids: Vec<i32> = sel
+        let [b, h, kk] = [q.dims()[0], self.kv_heads, selection.kk];
+        let ids: Vec<i32> = selection
+            .sel
             .iter()
             .flat_map(|per_head| per_head.iter().flat_map(|c| c.iter().map(|&c| c as i32)))
             .collect();
@@ -96,131 +53,18 @@ impl ShadowKvCache {
         let sel_k = gather_reconstruct_rope(sp.a.clone(), sp.wt.clone(), ids, cos, sin, cs)
             .expect("the layer's own factors");
         sync(profile, &device);
-        self.timings.reconstruct += t2.elapsed();
+        timings.reconstruct += t2.elapsed();
 
-        // Transfer: reuse what the previous step uploaded, fetch the rest.
         let t1 = Instant::now();
-        let prev_rows = sp.prev.as_ref().map_or(0, |p| p.values.dims()[0]);
-        let prev_ids = sp.prev.as_ref().map(|p| (&p.chunks, &p.valid));
-        // Per valid slot: the previous step's row holding its chunk, if any.
-        let hits: Vec<Vec<Option<i64>>> = (0..b * h)
-            .into_par_iter()
-            .map(|ih| {
-                let (i, hh) = (ih / h, ih % h);
-                sel[i][hh][..valid[i]]
-                    .iter()
-                    .map(|&c| {
-                        let (chunks, pvalid) = prev_ids?;
-                        let ids = &chunks[i][hh];
-                        ids[..pvalid[i]]
-                            .binary_search(&c)
-                            .ok()
-                            .map(|j| (ih * ids.len() + j) as i64)
-                    })
-                    .collect()
-            })
-            .collect();
-        let mut src = vec![0i64; b * h * kk];
-        let mut rows: Vec<&[u8]> = Vec::new();
-        for (ih, hit) in hits.iter().enumerate() {
-            let (i, hh) = (ih / h, ih % h);
-            let base = ih * kk;
-            for (slot, r) in hit.iter().enumerate() {
-                src[base + slot] = r.unwrap_or_else(|| {
-                    rows.push(sp.values[i].chunk_slice(hh, sel[i][hh][slot]));
-                    (prev_rows + rows.len() - 1) as i64
-                });
-            }
-            // Padding slots reuse the sequence-head's first slot.
-            for slot in valid[i]..kk {
-                src[base + slot] = src[base];
-            }
-        }
-        let fetched = rows.len();
-        self.timings.chunks_fetched += fetched;
-        self.timings.chunks_reused += b * h * kk - fetched;
-        let t_up = Instant::now();
-        self.timings.transfer_host += t_up - t1;
-        let fresh = (fetched > 0).then(|| upload_rows(&rows, cs * d, dtype, &device));
-        sync(profile, &device);
-        let t_asm = Instant::now();
-        self.timings.transfer_upload += t_asm - t_up;
-        let pool = match (sp.prev.take(), fresh) {
-            (Some(p), Some(f)) => Tensor::cat(vec![p.values, f], 0),
-            (Some(p), None) => p.values,
-            (None, Some(f)) => f,
-            (None, None) => unreachable!("k ≥ 1 slots"),
-        };
-        let identity = sp.prev.is_none() && fetched == b * h * kk;
-        let values = if identity {
-            pool
-        } else {
-            pool.select(0, idx_tensor::<1>(src, [b * h * kk], &device))
-        };
-        sp.prev = Some(Prev {
-            chunks: sel.clone(),
-            valid: valid.clone(),
-            values: values.clone(),
-        });
-        sync(profile, &device);
-        self.timings.transfer_assemble += t_asm.elapsed();
-        self.timings.transfer += t1.elapsed();
+        let d = q.dims()[3];
+        let values = fetch_values(sp, &selection, dtype, [cs, d], profile, timings);
+        timings.transfer += t1.elapsed();
 
-        // Attention over local | outliers | selected | generated.
         let t3 = Instant::now();
-        let sel_v = values.reshape([b, h, kk * cs, d]);
-        let (gk, gv) = sp.generated.clone().expect("appended above");
-        let mut ks = vec![sp.local.0.clone()];
-        let mut vs = vec![sp.local.1.clone()];
-        if let Some((ok, ov)) = &sp.outliers {
-            ks.push(ok.clone());
-            vs.push(ov.clone());
-        }
-        ks.extend([sel_k, gk]);
-        vs.extend([sel_v, gv]);
-        let keys = Tensor::cat(ks, 2);
-        let vals = Tensor::cat(vs, 2);
-        let wmax = sp.local.0.dims()[2];
-        let n_out = sp.outliers.as_ref().map_or(0, |(k, _)| k.dims()[2]);
-        let n_gen = keys.dims()[2] - wmax - n_out - kk * cs;
-        let masked = sp.local_len.iter().any(|&l| l < wmax) || valid.iter().any(|&n| n < kk);
-        let key_padding = if masked || opts.key_padding.is_some() {
-            let head: Vec<bool> = (0..b)
-                .flat_map(|i| {
-                    let (ll, nv) = (sp.local_len[i], valid[i]);
-                    (0..wmax)
-                        .map(move |j| j < wmax - ll)
-                        .chain((0..n_out).map(|_| false))
-                        .chain((0..kk * cs).map(move |j| j / cs >= nv))
-                })
-                .collect();
-            let cols = wmax + n_out + kk * cs;
-            let head = Tensor::<1, Bool>::from_data(TensorData::new(head, [b * cols]), &device)
-                .reshape([b, cols]);
-            let tail = match &opts.key_padding {
-                Some(m) => {
-                    let total = m.dims()[1];
-                    m.clone().slice([0..b, total - n_gen..total])
-                }
-                None => Tensor::<1, Bool>::from_data(
-                    TensorData::new(vec![false; b * n_gen], [b * n_gen]),
-                    &device,
-                )
-                .reshape([b, n_gen]),
-            };
-            Some(Tensor::cat(vec![head, tail], 1))
-        } else {
-            None
-        };
-        let opts = AttnOptions {
-            causal: opts.causal,
-            scale: opts.scale,
-            key_padding,
-        };
-        let out = attention.attend(layer, q, keys, vals, &opts);
+        let out = sparse_attention(layer, sp, q, sel_k, values, &selection, cs, attention, opts);
         sync(profile, &device);
-        self.timings.attention += t3.elapsed();
-        self.timings.layer_steps += 1;
+        timings.attention += t3.elapsed();
+        timings.layer_steps += 1;
         out
     }
 
@@ -284,4 +128,215 @@ impl ShadowKvCache {
         }
         (Tensor::cat(ks, 0), Tensor::cat(vs, 0))
     }
+}
+
+/// The chunks a decode step attends to: per sequence and KV head, the `kk` selected chunk
+/// ids (sorted; padding slots repeat a valid one) and how many of them are valid.
+struct Selection {
+    sel: Vec<Vec<Vec<usize>>>,
+    valid: Vec<usize>,
+    kk: usize,
+}
+
+/// Scoring: softmax of the queries over the landmarks, summed over queries, max over the GQA
+/// group; then the top `select` landmarks' chunks per (sequence, KV head).
+fn select_chunks(sp: &Sparse, q: &Tensor<4>, scale: f32, select: usize, h: usize) -> Selection {
+    let [b, hq, sq, d] = q.dims();
+    let g = hq / h;
+    let cmax = sp.landmarks.dims()[2];
+    let scores = q
+        .clone()
+        .cast(DType::F32)
+        .reshape([b, h, g * sq, d])
+        .matmul(sp.landmarks.clone().cast(DType::F32).swap_dims(2, 3))
+        * scale;
+    let scores = match &sp.land_pad {
+        Some(m) => scores.mask_fill(m.clone().expand([b, h, g * sq, cmax]), -1.0e30),
+        None => scores,
+    };
+    let scores = activation::softmax(scores, 3)
+        .reshape([b, h, g, sq, cmax])
+        .sum_dim(3)
+        .max_dim(2)
+        .into_data()
+        .convert::<f32>()
+        .try_to_vec::<f32>()
+        .expect("f32");
+    let kk = select.min(sp.n_land.iter().max().copied().unwrap_or(0));
+    let valid: Vec<usize> = sp.n_land.iter().map(|&n| kk.min(n)).collect();
+    // Top-k per (sequence, KV head), on every core: at batch 8 and 128K a layer has 64
+    // rows of 16K landmarks.
+    let (n_land, land_chunk) = (&sp.n_land, &sp.land_chunk);
+    let flat: Vec<Vec<usize>> = (0..b * h)
+        .into_par_iter()
+        .map(|ih| {
+            let (i, hh) = (ih / h, ih % h);
+            let (n, nv) = (n_land[i], valid[i]);
+            let row = &scores[ih * cmax..ih * cmax + n];
+            let mut ids: Vec<usize> = (0..n).collect();
+            if nv < n {
+                ids.select_nth_unstable_by(nv, |&x, &y| row[y].total_cmp(&row[x]));
+                ids.truncate(nv);
+            }
+            let mut chunks: Vec<usize> = ids.iter().map(|&l| land_chunk[i][hh][l]).collect();
+            chunks.sort_unstable();
+            // Padding slots (masked below) repeat a valid chunk.
+            chunks.resize(kk, chunks[0]);
+            chunks
+        })
+        .collect();
+    let mut flat = flat.into_iter();
+    let sel = (0..b).map(|_| flat.by_ref().take(h).collect()).collect();
+    Selection { sel, valid, kk }
+}
+
+/// Transfer: the selected chunks' values `[b·h·kk, cs·d]` on the device, reusing the rows the
+/// previous step uploaded and fetching the rest from host memory; remembered for the next step.
+fn fetch_values(
+    sp: &mut Sparse,
+    selection: &Selection,
+    dtype: DType,
+    [cs, d]: [usize; 2],
+    profile: bool,
+    timings: &mut DecodeTimings,
+) -> Tensor<2> {
+    let Selection { sel, valid, kk } = selection;
+    let (b, h, kk) = (sel.len(), sel[0].len(), *kk);
+    let device = sp.a.device();
+    let t1 = Instant::now();
+    let prev_rows = sp.prev.as_ref().map_or(0, |p| p.values.dims()[0]);
+    let prev_ids = sp.prev.as_ref().map(|p| (&p.chunks, &p.valid));
+    // Per valid slot: the previous step's row holding its chunk, if any.
+    let hits: Vec<Vec<Option<i64>>> = (0..b * h)
+        .into_par_iter()
+        .map(|ih| {
+            let (i, hh) = (ih / h, ih % h);
+            sel[i][hh][..valid[i]]
+                .iter()
+                .map(|&c| {
+                    let (chunks, pvalid) = prev_ids?;
+                    let ids = &chunks[i][hh];
+                    ids[..pvalid[i]]
+                        .binary_search(&c)
+                        .ok()
+                        .map(|j| (ih * ids.len() + j) as i64)
+                })
+                .collect()
+        })
+        .collect();
+    let mut src = vec![0i64; b * h * kk];
+    let mut rows: Vec<&[u8]> = Vec::new();
+    for (ih, hit) in hits.iter().enumerate() {
+        let (i, hh) = (ih / h, ih % h);
+        let base = ih * kk;
+        for (slot, r) in hit.iter().enumerate() {
+            src[base + slot] = r.unwrap_or_else(|| {
+                rows.push(sp.values[i].chunk_slice(hh, sel[i][hh][slot]));
+                (prev_rows + rows.len() - 1) as i64
+            });
+        }
+        // Padding slots reuse the sequence-head's first slot.
+        for slot in valid[i]..kk {
+            src[base + slot] = src[base];
+        }
+    }
+    let fetched = rows.len();
+    timings.chunks_fetched += fetched;
+    timings.chunks_reused += b * h * kk - fetched;
+    let t_up = Instant::now();
+    timings.transfer_host += t_up - t1;
+    let fresh = (fetched > 0).then(|| upload_rows(&rows, cs * d, dtype, &device));
+    sync(profile, &device);
+    let t_asm = Instant::now();
+    timings.transfer_upload += t_asm - t_up;
+    let pool = match (sp.prev.take(), fresh) {
+        (Some(p), Some(f)) => Tensor::cat(vec![p.values, f], 0),
+        (Some(p), None) => p.values,
+        (None, Some(f)) => f,
+        (None, None) => unreachable!("k ≥ 1 slots"),
+    };
+    let identity = sp.prev.is_none() && fetched == b * h * kk;
+    let values = if identity {
+        pool
+    } else {
+        pool.select(0, idx_tensor::<1>(src, [b * h * kk], &device))
+    };
+    sp.prev = Some(Prev {
+        chunks: sel.clone(),
+        valid: valid.clone(),
+        values: values.clone(),
+    });
+    sync(profile, &device);
+    timings.transfer_assemble += t_asm.elapsed();
+    values
+}
+
+/// Attention over the local window, the outliers, the selected chunks and the generated
+/// tokens, with the padding of each part masked.
+#[allow(clippy::too_many_arguments)]
+fn sparse_attention(
+    layer: usize,
+    sp: &Sparse,
+    q: Tensor<4>,
+    sel_k: Tensor<4>,
+    values: Tensor<2>,
+    selection: &Selection,
+    cs: usize,
+    attention: &dyn AttentionImpl,
+    opts: &AttnOptions,
+) -> Tensor<4> {
+    let [b, _, _, d] = q.dims();
+    let (valid, kk) = (&selection.valid, selection.kk);
+    let h = sel_k.dims()[1];
+    let device = q.device();
+    let sel_v = values.reshape([b, h, kk * cs, d]);
+    let (gk, gv) = sp.generated.clone().expect("appended above");
+    let mut ks = vec![sp.local.0.clone()];
+    let mut vs = vec![sp.local.1.clone()];
+    if let Some((ok, ov)) = &sp.outliers {
+        ks.push(ok.clone());
+        vs.push(ov.clone());
+    }
+    ks.extend([sel_k, gk]);
+    vs.extend([sel_v, gv]);
+    let keys = Tensor::cat(ks, 2);
+    let vals = Tensor::cat(vs, 2);
+    let wmax = sp.local.0.dims()[2];
+    let n_out = sp.outliers.as_ref().map_or(0, |(k, _)| k.dims()[2]);
+    let n_gen = keys.dims()[2] - wmax - n_out - kk * cs;
+    let masked = sp.local_len.iter().any(|&l| l < wmax) || valid.iter().any(|&n| n < kk);
+    let key_padding = if masked || opts.key_padding.is_some() {
+        let head: Vec<bool> = (0..b)
+            .flat_map(|i| {
+                let (ll, nv) = (sp.local_len[i], valid[i]);
+                (0..wmax)
+                    .map(move |j| j < wmax - ll)
+                    .chain((0..n_out).map(|_| false))
+                    .chain((0..kk * cs).map(move |j| j / cs >= nv))
+            })
+            .collect();
+        let cols = wmax + n_out + kk * cs;
+        let head = Tensor::<1, Bool>::from_data(TensorData::new(head, [b * cols]), &device)
+            .reshape([b, cols]);
+        let tail = match &opts.key_padding {
+            Some(m) => {
+                let total = m.dims()[1];
+                m.clone().slice([0..b, total - n_gen..total])
+            }
+            None => Tensor::<1, Bool>::from_data(
+                TensorData::new(vec![false; b * n_gen], [b * n_gen]),
+                &device,
+            )
+            .reshape([b, n_gen]),
+        };
+        Some(Tensor::cat(vec![head, tail], 1))
+    } else {
+        None
+    };
+    let opts = AttnOptions {
+        causal: opts.causal,
+        scale: opts.scale,
+        key_padding,
+    };
+    attention.attend(layer, q, keys, vals, &opts)
 }

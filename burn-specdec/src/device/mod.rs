@@ -28,6 +28,8 @@
 #[cfg_attr(not(feature = "cube"), allow(dead_code))]
 mod cube;
 #[cfg_attr(not(feature = "cube"), allow(dead_code))]
+mod importance;
+#[cfg_attr(not(feature = "cube"), allow(dead_code))]
 mod kernel;
 // Apart from the crate's `Result` alias, which the `ExtensionType` derive would pick up.
 mod extension;
