@@ -5,10 +5,10 @@
 
 use cubecl::prelude::*;
 
-use super::cube::{broadcast, cube_max, cube_sum, has_mass, ratio_capped, sample_row};
+use super::cube::{cube_max, cube_sum, has_mass, ratio_capped, sample_row};
 use super::kernel::{
     PLATEAU_ULPS, Pos, RESERVE_ITERATIONS, RESERVE_TOLERANCE, copy_target, owned_value, q_at,
-    residual_step, row_sum, spectr_rho,
+    residual_step, spectr_rho,
 };
 /// Scratch row `r` of candidate slot `slot` (`r = k_max - 1` is the slot's `q~`).
 #[cube]

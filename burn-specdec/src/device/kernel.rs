@@ -13,7 +13,7 @@
 
 use cubecl::prelude::*;
 
-use super::cube::{broadcast, cube_max, cube_sum, has_mass, ratio_capped, sample_row};
+use super::cube::{broadcast, cube_sum, has_mass, ratio_capped, sample_row};
 use super::importance::decide_importance;
 
 /// [`crate::Scheme::SingleDraft`] and [`crate::Scheme::SpecInfer`] (same plan).
