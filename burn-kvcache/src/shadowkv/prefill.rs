@@ -169,17 +169,7 @@ impl ShadowKvCache {
             let pre = unrope(ki.clone(), &cos, &sin)
                 .swap_dims(0, 1)
                 .reshape([len, h * d]);
-            let (a, wt) = match &self.key_basis {
-                // The same product `low_rank` forms with the basis it finds.
-                Some(w) => {
-                    let w = w.clone().cast(DType::F32);
-                    (pre.matmul(w.clone().transpose()), w)
-                }
-                None => {
-                    let lr = low_rank(pre, rank)?;
-                    (lr.a, lr.wt)
-                }
-            };
+            let (a, wt) = key_factors(self.key_basis.as_ref(), pre, rank)?;
             a_rows.push(a.slice([0..ctx, 0..rank]).cast(dtype));
             wts.push(
                 wt.reshape([rank, h, d])
@@ -189,32 +179,8 @@ impl ShadowKvCache {
             );
 
             // Landmarks and the least self-similar chunks, from the post-RoPE keys.
-            let kc = ki.clone().slice([0..h, 0..ctx, 0..d]);
-            let kc32 = kc.clone().cast(DType::F32).reshape([h, chunks, cs, d]);
-            let mean = kc32.clone().mean_dim(2);
-            let dot = (kc32.clone() * mean.clone()).sum_dim(3);
-            let nk = kc32.powi_scalar(2).sum_dim(3).sqrt();
-            let nm = mean.clone().powi_scalar(2).sum_dim(3).sqrt();
-            let sim = dot / (nk * nm).clamp_min(1e-8);
-            let worst = sim
-                .min_dim(2)
-                .into_data()
-                .convert::<f32>()
-                .try_to_vec::<f32>()
-                .expect("f32");
-            let mut out_ids = Vec::with_capacity(h);
-            let mut land_ids = Vec::with_capacity(h);
-            for hh in 0..h {
-                let row = &worst[hh * chunks..(hh + 1) * chunks];
-                let mut order: Vec<usize> = (0..chunks).collect();
-                order.sort_by(|&x, &y| row[x].total_cmp(&row[y]).then(x.cmp(&y)));
-                let mut out: Vec<usize> = order[..o].to_vec();
-                let mut rest: Vec<usize> = order[o..].to_vec();
-                out.sort_unstable();
-                rest.sort_unstable();
-                out_ids.push(out);
-                land_ids.push(rest);
-            }
+            let (mean, out_ids, land_ids) =
+                split_chunks(ki.clone().slice([0..h, 0..ctx, 0..d]), cs, o);
             let flat = |ids: &[Vec<usize>]| -> Vec<i64> {
                 ids.iter()
                     .enumerate()
@@ -308,4 +274,61 @@ impl ShadowKvCache {
         }
         Ok(sp)
     }
+}
+
+/// The low-rank factors `(A, Wᵀ)` of pre-RoPE keys `[L, h·d]`: with a shared `basis`, the same
+/// product [`low_rank`] forms with the basis it finds; else [`low_rank`]'s own.
+fn key_factors(
+    basis: Option<&Tensor<2>>,
+    pre: Tensor<2>,
+    rank: usize,
+) -> Result<(Tensor<2>, Tensor<2>), KvCacheError> {
+    Ok(match basis {
+        Some(w) => {
+            let w = w.clone().cast(DType::F32);
+            (pre.matmul(w.clone().transpose()), w)
+        }
+        None => {
+            let lr = low_rank(pre, rank)?;
+            (lr.a, lr.wt)
+        }
+    })
+}
+
+/// Splits a sequence's chunked keys `kc` `[h, chunks·cs, d]` (post-RoPE) into its `o` least
+/// self-similar chunks per head (the outliers, kept exact) and the rest (landmarks): returns
+/// the chunk means `[h, chunks, d]` (f32) and per head the sorted outlier and landmark chunk ids.
+fn split_chunks(
+    kc: Tensor<3>,
+    cs: usize,
+    o: usize,
+) -> (Tensor<3>, Vec<Vec<usize>>, Vec<Vec<usize>>) {
+    let [h, ctx, d] = kc.dims();
+    let chunks = ctx / cs;
+    let kc32 = kc.cast(DType::F32).reshape([h, chunks, cs, d]);
+    let mean = kc32.clone().mean_dim(2);
+    let dot = (kc32.clone() * mean.clone()).sum_dim(3);
+    let nk = kc32.powi_scalar(2).sum_dim(3).sqrt();
+    let nm = mean.clone().powi_scalar(2).sum_dim(3).sqrt();
+    let sim = dot / (nk * nm).clamp_min(1e-8);
+    let worst = sim
+        .min_dim(2)
+        .into_data()
+        .convert::<f32>()
+        .try_to_vec::<f32>()
+        .expect("f32");
+    let mut out_ids = Vec::with_capacity(h);
+    let mut land_ids = Vec::with_capacity(h);
+    for hh in 0..h {
+        let row = &worst[hh * chunks..(hh + 1) * chunks];
+        let mut order: Vec<usize> = (0..chunks).collect();
+        order.sort_by(|&x, &y| row[x].total_cmp(&row[y]).then(x.cmp(&y)));
+        let mut out: Vec<usize> = order[..o].to_vec();
+        let mut rest: Vec<usize> = order[o..].to_vec();
+        out.sort_unstable();
+        rest.sort_unstable();
+        out_ids.push(out);
+        land_ids.push(rest);
+    }
+    (mean.reshape([h, chunks, d]), out_ids, land_ids)
 }
