@@ -186,16 +186,8 @@ impl LayerOps for FusedOps {
         let n = gate.dims()[1];
         let unsupported = if b * s > GEMV_MAX_ROWS {
             return TensorOps.swiglu(x, gate, up);
-        } else if gate.dims() != up.dims() {
-            Some(format!(
-                "gate {:?} and up {:?} differ",
-                gate.dims(),
-                up.dims()
-            ))
-        } else if gate.dtype() != x.dtype() || up.dtype() != x.dtype() {
-            Some(format!("x is {:?}, the weights differ", x.dtype()))
         } else {
-            None
+            swiglu_mismatch(&x, &gate, &up)
         };
         if !route("gemv_swiglu", &x.device(), Grad::ForwardOnly, unsupported) {
             return TensorOps.swiglu(x, gate, up);
@@ -260,17 +252,8 @@ impl LayerOps for FusedOps {
         let n = gate.dims()[1];
         let unsupported = if b * s > GEMV_MAX_ROWS {
             return default_add_norm_swiglu(self, norm, x, y, gate, up);
-        } else if gate.dims() != up.dims() || gate.dims()[0] != k {
-            Some(format!(
-                "x {:?}, gate {:?} and up {:?} do not fit",
-                x.dims(),
-                gate.dims(),
-                up.dims()
-            ))
-        } else if gate.dtype() != x.dtype() || up.dtype() != x.dtype() {
-            Some(format!("x is {:?}, the weights differ", x.dtype()))
         } else {
-            mismatch(&x, &y)
+            swiglu_mismatch(&x, &gate, &up).or_else(|| mismatch(&x, &y))
         };
         if !route(
             "norm_gemv_swiglu",
@@ -367,6 +350,23 @@ impl LayerOps for FusedOps {
             return TensorOps.silu_mul(gate, up);
         }
         Tensor::from_dispatch(Dispatch::silu_mul(gate.into_dispatch(), up.into_dispatch()))
+    }
+}
+
+/// Why `x`, `gate` and `up` cannot go to a GEMV+SwiGLU kernel, if they cannot (shapes that
+/// do not fit, dtypes that differ).
+fn swiglu_mismatch(x: &Tensor<3>, gate: &Tensor<2>, up: &Tensor<2>) -> Option<String> {
+    if gate.dims() != up.dims() || gate.dims()[0] != x.dims()[2] {
+        Some(format!(
+            "x {:?}, gate {:?} and up {:?} do not fit",
+            x.dims(),
+            gate.dims(),
+            up.dims()
+        ))
+    } else if gate.dtype() != x.dtype() || up.dtype() != x.dtype() {
+        Some(format!("x is {:?}, the weights differ", x.dtype()))
+    } else {
+        None
     }
 }
 
