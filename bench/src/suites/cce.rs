@@ -11,11 +11,12 @@
 use burn::backend::Dispatch;
 use burn::tensor::{DType, Device, Distribution, Int, Tensor, TensorData};
 use burn_cce::{
-    CceKernels, CceOptions, FilterEps, GemmKernel, GemmStrategy, diagnostics, linear_cross_entropy,
-    reference,
+    CceKernels, CceOptions, FilterEps, GemmKernel, GemmStrategy, LceParams, diagnostics,
+    linear_cross_entropy, reference,
 };
 use rand::{Rng, SeedableRng, rngs::StdRng, seq::SliceRandom};
 use serde_json::json;
+use std::path::PathBuf;
 
 use super::{SuiteOptions, run_python_peer};
 use crate::harness::{Candidate, Extra, Problem, Suite, keep, params};
@@ -194,14 +195,18 @@ fn problem(
         "grad" => 3.0 * gemm,
         _ => 4.0 * gemm,
     };
-    // Burn's plain path holds several N×V buffers (bf16 logits, f32 log-probabilities, their
-    // gradient, ...): skip it where that cannot fit.
-    let plain_bytes = 6.0 * (n * v) as f64 * 4.0;
-    let max_mem = opts.max_mem_bytes;
-    let peers = opts.peers_dir.clone();
-    let sweep = opts.cce_gemm_sweep;
-    let pass_blocks = opts.cce_pass_blocks.clone();
-    let chunk_blocks = opts.cce_chunk_bytes.clone();
+    let setup = Setup {
+        shape,
+        n,
+        v,
+        d,
+        mode,
+        max_mem: opts.max_mem_bytes,
+        peers: opts.peers_dir.clone(),
+        sweep: opts.cce_gemm_sweep,
+        pass_blocks: opts.cce_pass_blocks.clone(),
+        chunk_blocks: opts.cce_chunk_bytes.clone(),
+    };
     Problem {
         label: format!("{shape} N={n} V={v} D={d} {mode}"),
         params: params([
@@ -215,168 +220,225 @@ fn problem(
         flops: Some(flops),
         bytes: None,
         tokens: Some(n as f64),
-        setup: Box::new(move |device| {
-            // bf16 as in the paper; f16 where the runtime lacks bf16 (lavapipe smoke runs).
-            let dtype = if device.supports_dtype(DType::BF16) {
-                DType::BF16
-            } else {
-                DType::F16
+        setup: Box::new(move |device| setup.candidates(device)),
+    }
+}
+
+/// One problem's settings, from which its candidates are built on the device.
+struct Setup {
+    shape: &'static str,
+    n: usize,
+    v: usize,
+    d: usize,
+    /// `loss`, `grad` (the backward alone) or `both` (an autodiff step).
+    mode: &'static str,
+    max_mem: f64,
+    peers: PathBuf,
+    sweep: bool,
+    pass_blocks: Vec<usize>,
+    chunk_blocks: Vec<usize>,
+}
+
+impl Setup {
+    fn candidates(&self, device: &Device) -> Vec<Candidate<'static>> {
+        // bf16 as in the paper; f16 where the runtime lacks bf16 (lavapipe smoke runs).
+        let dtype = if device.supports_dtype(DType::BF16) {
+            DType::BF16
+        } else {
+            DType::F16
+        };
+        let x = inputs(self.n, self.v, self.d, dtype, device);
+        let mut cands = match self.mode {
+            "loss" => self.loss(&x),
+            "grad" => self.grad(&x, dtype, device),
+            _ => self.step(&x),
+        };
+        if self.mode != "grad" {
+            cands.push(self.plain(&x));
+        }
+        cands.extend(self.peers());
+        cands
+    }
+
+    fn variants(&self, sweep: bool) -> Vec<(&'static str, CceOptions)> {
+        variants(sweep, &self.pass_blocks, &self.chunk_blocks)
+    }
+
+    /// The loss of every variant whose options change it: the GEMM kernel and the logits
+    /// blocks.
+    fn loss(&self, x: &Inputs) -> Vec<Candidate<'static>> {
+        let kernels = self.variants(self.sweep).into_iter().filter(|(_, o)| {
+            matches!(o.gemm, GemmStrategy::Kernel(_))
+                || o.pass_chunk_bytes.is_some()
+                || o.chunk_bytes.is_some()
+                || *o == CceOptions::default()
+        });
+        kernels
+            .map(|(name, opts)| {
+                let (e, c, t) = (x.e.clone(), x.c.clone(), x.targets.clone());
+                Candidate::timed_here(name, move || {
+                    keep(
+                        linear_cross_entropy(e.clone(), c.clone(), t.clone(), None, &opts)
+                            .expect("valid input"),
+                    );
+                })
+            })
+            .collect()
+    }
+
+    /// The backward alone: burn-cce's extension ops, which `linear_cross_entropy` calls on a
+    /// CubeCL device (under Burn's fusion, custom operations).
+    fn grad(&self, x: &Inputs, dtype: DType, device: &Device) -> Vec<Candidate<'static>> {
+        let kernels = burn_kernels_core::route::cube_device(device).is_some();
+        // One log-sum-exp for every variant, from the default options: computing it with each
+        // variant's kernel would launch the kernels of variants the run leaves out
+        // (`--skip-impl`), and a kernel refused at launch poisons the process's later work.
+        let lse = kernels.then(|| {
+            let (lse, _) = Dispatch::linear_ce_forward(
+                x.e.clone().into_dispatch(),
+                x.c.clone().into_dispatch(),
+                x.targets.clone().into_dispatch(),
+                CceOptions::default().params(dtype),
+            );
+            Tensor::<1>::from_dispatch(lse)
+        });
+        let mut cands = Vec::new();
+        for (name, o) in self.variants(self.sweep) {
+            let Some(lse) = lse.clone() else {
+                cands.push(Candidate::skipped(name, "not a CubeCL device".into()));
+                continue;
             };
-            let x = inputs(n, v, d, dtype, device);
-            let mut cands = Vec::new();
-            match mode {
-                "loss" => {
-                    // The loss depends only on the GEMM kernel and the logits blocks among the
-                    // variants' options.
-                    let kernels = variants(sweep, &pass_blocks, &chunk_blocks)
-                        .into_iter()
-                        .filter(|(_, o)| {
-                            matches!(o.gemm, GemmStrategy::Kernel(_))
-                                || o.pass_chunk_bytes.is_some()
-                                || o.chunk_bytes.is_some()
-                                || *o == CceOptions::default()
-                        });
-                    for (name, opts) in kernels {
-                        let (e, c, t) = (x.e.clone(), x.c.clone(), x.targets.clone());
-                        cands.push(Candidate::timed_here(name, move || {
-                            keep(
-                                linear_cross_entropy(e.clone(), c.clone(), t.clone(), None, &opts)
-                                    .expect("valid input"),
-                            );
-                        }));
-                    }
-                }
-                "grad" => {
-                    // The backward alone: burn-cce's extension ops, which `linear_cross_entropy`
-                    // calls on a CubeCL device (under Burn's fusion, custom operations).
-                    let kernels = burn_kernels_core::route::cube_device(device).is_some();
-                    // One log-sum-exp for every variant, from the default options: computing it
-                    // with each variant's kernel would launch the kernels of variants the run
-                    // leaves out (`--skip-impl`), and a kernel refused at launch poisons the
-                    // process's later work.
-                    let lse = kernels.then(|| {
-                        let (lse, _) = Dispatch::linear_ce_forward(
-                            x.e.clone().into_dispatch(),
-                            x.c.clone().into_dispatch(),
-                            x.targets.clone().into_dispatch(),
-                            CceOptions::default().params(dtype),
-                        );
-                        Tensor::<1>::from_dispatch(lse)
-                    });
-                    for (name, o) in variants(sweep, &pass_blocks, &chunk_blocks) {
-                        let Some(lse) = lse.clone() else {
-                            cands.push(Candidate::skipped(name, "not a CubeCL device".into()));
-                            continue;
-                        };
-                        if let Some(why) = too_slow_to_tune(shape, o) {
-                            cands.push(Candidate::skipped(name, why));
-                            continue;
-                        }
-                        let p = o.params(dtype);
-                        let dout = Tensor::<1>::full([n], 1.0 / n as f32, (device, DType::F32));
-                        let (e, c, t) = (x.e.clone(), x.c.clone(), x.targets.clone());
-                        let call = move || {
-                            keep(Dispatch::linear_ce_backward(
-                                e.clone().into_dispatch(),
-                                c.clone().into_dispatch(),
-                                t.clone().into_dispatch(),
-                                lse.clone().into_dispatch(),
-                                dout.clone().into_dispatch(),
-                                p,
-                            ));
-                        };
-                        let timed = call.clone();
-                        let mut reported = false;
-                        let dev = device.clone();
-                        let candidate = Candidate::timed_here(name, move || {
-                            call();
-                            if !reported {
-                                reported = true;
-                                // Under fusion the backward runs at the synchronization.
-                                let _ = dev.sync();
-                                if let Some(plan) = diagnostics::last_backward_plan() {
-                                    eprintln!(
-                                        "  {name}: gradient computed for {} of {v} vocabulary entries in {} chunks",
-                                        plan.entries, plan.chunks
-                                    );
-                                }
-                            }
-                        });
-                        // One more call, synchronized between the backward's passes.
-                        let dev = device.clone();
-                        cands.push(candidate.with_extra(move || {
-                            let mut x = Extra::default();
-                            if let Some(ph) = diagnostics::time_backward_phases(&dev, timed) {
-                                x.params.extend(params([
-                                    ("scoring_ms", json!(ph.scoring_ms)),
-                                    ("vocabulary_pass_ms", json!(ph.vocabulary_ms)),
-                                    ("de_pass_ms", json!(ph.de_pass_ms)),
-                                ]));
-                                x.note = Some(format!(
-                                    "passes: scoring {:.1} ms, vocabulary {:.1} ms, dE {:.1} ms",
-                                    ph.scoring_ms, ph.vocabulary_ms, ph.de_pass_ms
-                                ));
-                            }
-                            x
-                        }));
-                    }
-                    cands.push(Candidate::skipped(
-                        "burn-plain",
-                        "autodiff runs the backward only after its forward: see loss+gradient"
-                            .into(),
-                    ));
-                }
-                _ => {
-                    for (name, o) in variants(false, &pass_blocks, &chunk_blocks) {
-                        if let Some(why) = too_slow_to_tune(shape, o) {
-                            cands.push(Candidate::skipped(name, why));
-                            continue;
-                        }
-                        let (e, c, t) = (x.e.clone(), x.c.clone(), x.targets.clone());
-                        cands.push(Candidate::timed_here(name, move || {
-                            keep(autodiff_step(&e, &c, &t, Some(o)));
-                        }));
-                    }
+            if let Some(why) = too_slow_to_tune(self.shape, o) {
+                cands.push(Candidate::skipped(name, why));
+                continue;
+            }
+            cands.push(self.backward(x, name, o.params(dtype), lse, device));
+        }
+        cands.push(Candidate::skipped(
+            "burn-plain",
+            "autodiff runs the backward only after its forward: see loss+gradient".into(),
+        ));
+        cands
+    }
+
+    /// One variant's backward, reporting its chunking once and timing its passes apart in one
+    /// more call.
+    fn backward(
+        &self,
+        x: &Inputs,
+        name: &'static str,
+        p: LceParams,
+        lse: Tensor<1>,
+        device: &Device,
+    ) -> Candidate<'static> {
+        let (n, v) = (self.n, self.v);
+        let dout = Tensor::<1>::full([n], 1.0 / n as f32, (device, DType::F32));
+        let (e, c, t) = (x.e.clone(), x.c.clone(), x.targets.clone());
+        let call = move || {
+            keep(Dispatch::linear_ce_backward(
+                e.clone().into_dispatch(),
+                c.clone().into_dispatch(),
+                t.clone().into_dispatch(),
+                lse.clone().into_dispatch(),
+                dout.clone().into_dispatch(),
+                p,
+            ));
+        };
+        let timed = call.clone();
+        let mut reported = false;
+        let dev = device.clone();
+        let candidate = Candidate::timed_here(name, move || {
+            call();
+            if !reported {
+                reported = true;
+                // Under fusion the backward runs at the synchronization.
+                let _ = dev.sync();
+                if let Some(plan) = diagnostics::last_backward_plan() {
+                    eprintln!(
+                        "  {name}: gradient computed for {} of {v} vocabulary entries in {} chunks",
+                        plan.entries, plan.chunks
+                    );
                 }
             }
-            if mode != "grad" {
-                if plain_bytes > max_mem {
-                    cands.push(Candidate::skipped(
-                        "burn-plain",
-                        format!("needs ~{:.0} GB", plain_bytes / 1e9),
-                    ));
-                } else {
+        });
+        // One more call, synchronized between the backward's passes.
+        let dev = device.clone();
+        candidate.with_extra(move || {
+            let mut x = Extra::default();
+            if let Some(ph) = diagnostics::time_backward_phases(&dev, timed) {
+                x.params.extend(params([
+                    ("scoring_ms", json!(ph.scoring_ms)),
+                    ("vocabulary_pass_ms", json!(ph.vocabulary_ms)),
+                    ("de_pass_ms", json!(ph.de_pass_ms)),
+                ]));
+                x.note = Some(format!(
+                    "passes: scoring {:.1} ms, vocabulary {:.1} ms, dE {:.1} ms",
+                    ph.scoring_ms, ph.vocabulary_ms, ph.de_pass_ms
+                ));
+            }
+            x
+        })
+    }
+
+    /// Loss and gradient through autodiff, each variant.
+    fn step(&self, x: &Inputs) -> Vec<Candidate<'static>> {
+        self.variants(false)
+            .into_iter()
+            .map(|(name, o)| match too_slow_to_tune(self.shape, o) {
+                Some(why) => Candidate::skipped(name, why),
+                None => {
                     let (e, c, t) = (x.e.clone(), x.c.clone(), x.targets.clone());
-                    let both = mode == "both";
-                    cands.push(Candidate::timed_here("burn-plain", move || {
-                        keep(if both {
-                            autodiff_step(&e, &c, &t, None)
-                        } else {
-                            vec![reference::plain_linear_cross_entropy(
-                                e.clone(),
-                                c.clone(),
-                                None,
-                                t.clone(),
-                                -100,
-                                None,
-                                burn_cce::Reduction::Mean,
-                            )]
-                        });
-                    }));
+                    Candidate::timed_here(name, move || {
+                        keep(autodiff_step(&e, &c, &t, Some(o)));
+                    })
                 }
-            }
-            for (peer, label) in [
-                ("cce", "cut-cross-entropy (torch)"),
-                ("liger", "liger-kernel (torch)"),
-                ("torch", "pytorch-plain"),
-            ] {
-                let script = peers.join("cce_torch.py");
-                cands.push(Candidate::timed_elsewhere(label, move || {
-                    run_python_peer(&script, &["--impl", peer, "--shape", shape, "--mode", mode])
-                }));
-            }
-            cands
-        }),
+            })
+            .collect()
+    }
+
+    /// Burn's plain loss (and its autodiff step), where its N×V buffers fit.
+    fn plain(&self, x: &Inputs) -> Candidate<'static> {
+        // Burn's plain path holds several N×V buffers (bf16 logits, f32 log-probabilities, their
+        // gradient, ...): skip it where that cannot fit.
+        let plain_bytes = 6.0 * (self.n * self.v) as f64 * 4.0;
+        if plain_bytes > self.max_mem {
+            return Candidate::skipped("burn-plain", format!("needs ~{:.0} GB", plain_bytes / 1e9));
+        }
+        let (e, c, t) = (x.e.clone(), x.c.clone(), x.targets.clone());
+        let both = self.mode == "both";
+        Candidate::timed_here("burn-plain", move || {
+            keep(if both {
+                autodiff_step(&e, &c, &t, None)
+            } else {
+                vec![reference::plain_linear_cross_entropy(
+                    e.clone(),
+                    c.clone(),
+                    None,
+                    t.clone(),
+                    -100,
+                    None,
+                    burn_cce::Reduction::Mean,
+                )]
+            });
+        })
+    }
+
+    /// The PyTorch peers, timed by their own script in the same run.
+    fn peers(&self) -> Vec<Candidate<'static>> {
+        let (shape, mode) = (self.shape, self.mode);
+        [
+            ("cce", "cut-cross-entropy (torch)"),
+            ("liger", "liger-kernel (torch)"),
+            ("torch", "pytorch-plain"),
+        ]
+        .into_iter()
+        .map(|(peer, label)| {
+            let script = self.peers.join("cce_torch.py");
+            Candidate::timed_elsewhere(label, move || {
+                run_python_peer(&script, &["--impl", peer, "--shape", shape, "--mode", mode])
+            })
+        })
+        .collect()
     }
 }
 
