@@ -43,10 +43,9 @@ use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::Instant;
 
-use burn::tensor::{DType, Device, Distribution, Int, Tensor, TensorData};
+use burn::tensor::Device;
 use burn_kernels_core::{BurnAttention, FullKvCache, KvCache};
-use burn_kvcache::shadowkv::low_rank;
-use burn_kvcache::{DecodeAttention, RopeParams, ShadowKvCache, ShadowKvConfig};
+use burn_kvcache::{DecodeAttention, ShadowKvConfig};
 use burn_llama::LlamaConfig;
 use serde_json::json;
 
@@ -57,6 +56,9 @@ use super::kv_decode::{
     problem_params, random_states, reserved, seq_bytes, sync, timed_steps, weight_allocs,
 };
 use crate::harness::{Extra, PeerRun, Problem, Suite, params};
+
+mod shadow;
+use shadow::run_shadow;
 
 /// Rank of the synthetic keys' shared subspace.
 const KEY_RANK: usize = 64;
@@ -389,198 +391,6 @@ fn run_full(
     x.note = Some(format!("batch {b} ({}-bound); {kn}", p.bound));
     *info.borrow_mut() = x;
     Ok(times.into())
-}
-
-#[allow(clippy::too_many_arguments)]
-fn run_shadow(
-    model: &SharedModel,
-    p: &Plan,
-    sk: ShadowKvConfig,
-    ctx: usize,
-    steps: &Steps,
-    probe: &Option<crate::harness::MemoryProbe>,
-    device: &Device,
-    label: &str,
-    info: &RefCell<Extra>,
-) -> Result<PeerRun, String> {
-    device.memory_cleanup();
-    let m = model.get(device);
-    let cfg = model.config();
-    let (b, hkv, d) = (p.batch, cfg.num_kv_heads, cfg.head_dim);
-    let t0 = Instant::now();
-    let rope = RopeParams {
-        theta: cfg.rope_theta,
-        scaling: cfg.rope_scaling,
-    };
-    let mut cache =
-        ShadowKvCache::new(cfg.num_layers, hkv, d, sk, rope).map_err(|e| e.to_string())?;
-    // Uploaded as f32 (`from_data` stores the device's default float type) and cast on the
-    // device, to the f16 of the noise and the model.
-    let base = Tensor::<2>::from_data(
-        TensorData::new(low_rank_keys(ctx, hkv * d), [ctx, hkv * d]),
-        device,
-    )
-    .cast(DType::F16);
-    let positions: Vec<i64> = (0..ctx as i64).collect();
-    let positions = Tensor::<2, Int>::from_data(TensorData::new(positions, [1, ctx]), device);
-    for layer in 0..cfg.num_layers {
-        let noise = Tensor::<2>::random(
-            [ctx, hkv * d],
-            Distribution::Normal(0.0, KEY_NOISE),
-            (device, DType::F16),
-        );
-        let pre = base.clone() + noise;
-        if layer == 0 {
-            let rows = ctx.min(BASIS_ROWS);
-            let basis = low_rank(pre.clone().slice([0..rows, 0..hkv * d]), sk.rank)
-                .map_err(|e| e.to_string())?;
-            cache
-                .set_key_basis(Some(basis.wt))
-                .map_err(|e| e.to_string())?;
-        }
-        let k = pre.reshape([1, ctx, hkv, d]).swap_dims(1, 2);
-        // One prompt expanded over the batch: a view, so the fill holds one sequence's keys
-        // and values whatever the batch (a [batch, …] tensor past 2.7 GB would take a 21 GB
-        // page of the pool).
-        let k = m.rope.apply(k, positions.clone()).expand([b, hkv, ctx, d]);
-        let v = random_states(cfg, 1, ctx, device).expand([b, hkv, ctx, d]);
-        let sparse = cache
-            .compress_prompt(layer, k, v, None)
-            .map_err(|e| e.to_string())?;
-        if !sparse {
-            return Err(format!("layer {layer} was not compressed"));
-        }
-        if (layer + 1) % 8 == 0 {
-            eprintln!(
-                "  {label} shadowkv: {} of {} layers filled ({:.1} s)",
-                layer + 1,
-                cfg.num_layers,
-                t0.elapsed().as_secs_f64()
-            );
-        }
-    }
-    sync(device);
-    let fill_s = t0.elapsed().as_secs_f64();
-    let bytes = cache.bytes_split();
-    let mut step = 0u64;
-    for _ in 0..steps.warmup {
-        decode_step(&m, &mut cache, b, step, device, &BurnAttention);
-        step += 1;
-    }
-    sync(device);
-    let pool = reserved(probe);
-    eprintln!(
-        "  {label} shadowkv: batch {b}, filled in {fill_s:.1} s; cache {} device + {} host, \
-         pool {} reserved (estimate {}), host RSS {} (estimate {})",
-        gb(Some(bytes.device as u64)),
-        gb(Some(bytes.host as u64)),
-        gb(pool),
-        gb(Some(p.device)),
-        gb(host_rss()),
-        gb(Some(p.host))
-    );
-
-    // The per-phase breakdown: profiling synchronizes after each phase, so it is kept out of
-    // the timed steps.
-    cache.reset_timings();
-    cache.set_profiling(true);
-    let prof = timed_steps(
-        &m,
-        &mut cache,
-        b,
-        step,
-        steps.profiled,
-        device,
-        &BurnAttention,
-    );
-    step += steps.profiled as u64;
-    let t = cache.timings();
-    cache.set_profiling(false);
-    cache.reset_timings();
-    let n = steps.profiled.max(1) as f64;
-    let ms = |x: std::time::Duration| x.as_secs_f64() * 1e3 / n;
-    let (scoring, transfer, reconstruct, attention) = (
-        ms(t.scoring),
-        ms(t.transfer),
-        ms(t.reconstruct),
-        ms(t.attention),
-    );
-    let (t_host, t_upload, t_assemble) = (
-        ms(t.transfer_host),
-        ms(t.transfer_upload),
-        ms(t.transfer_assemble),
-    );
-    let (_, prof_step) = median_mean(&prof);
-    let rest = prof_step - scoring - transfer - reconstruct - attention;
-    let reuse = |t: burn_kvcache::DecodeTimings| {
-        t.chunks_reused as f64 / (t.chunks_reused + t.chunks_fetched).max(1) as f64
-    };
-    eprintln!(
-        "  {label} shadowkv: profiled step {prof_step:.1} ms = scoring {scoring:.1} + \
-         transfer {transfer:.1} (host staging {t_host:.1}, upload {t_upload:.1}, device \
-         assembly {t_assemble:.1}) + reconstruct {reconstruct:.1} + attention {attention:.1} + \
-         rest of the model {rest:.1} ms; {:.0}% of the chunks reused",
-        100.0 * reuse(t)
-    );
-
-    let times = timed_steps(&m, &mut cache, b, step, steps.timed, device, &BurnAttention);
-    let timed = cache.timings();
-    step += steps.timed as u64;
-    let (kp, kn) = with_decode_kernel(&m, &mut cache, b, step, steps, device);
-    eprintln!("  {label} shadowkv: {kn}");
-    let mut x = base_params(p, fill_s, cache.bytes_held(), reserved(probe), &times);
-    x.params.extend(kp);
-    x.params.extend(params([
-        ("cache_device_gb", json!(bytes.device as f64 / GB)),
-        ("cache_host_gb", json!(bytes.host as f64 / GB)),
-        ("profile_step_ms", json!(prof_step)),
-        ("profile_scoring_ms", json!(scoring)),
-        ("profile_transfer_ms", json!(transfer)),
-        ("profile_transfer_host_ms", json!(t_host)),
-        ("profile_transfer_upload_ms", json!(t_upload)),
-        ("profile_transfer_assemble_ms", json!(t_assemble)),
-        ("profile_reconstruct_ms", json!(reconstruct)),
-        ("profile_attention_ms", json!(attention)),
-        ("profile_rest_ms", json!(rest)),
-        ("chunks_reused_fraction", json!(reuse(timed))),
-        (
-            "chunks_fetched_per_step",
-            json!(timed.chunks_fetched as f64 / steps.timed.max(1) as f64),
-        ),
-    ]));
-    x.note = Some(format!(
-        "batch {b} ({}-bound); profiled step {prof_step:.0} ms: scoring {scoring:.0}, transfer \
-         {transfer:.0}, reconstruct {reconstruct:.0}, attention {attention:.0}, rest {rest:.0}; \
-         {:.0}% chunks reused; {kn}",
-        p.bound,
-        100.0 * reuse(timed)
-    ));
-    *info.borrow_mut() = x;
-    Ok(times.into())
-}
-
-/// Rank-[`KEY_RANK`] pre-RoPE keys `z · mix`, `[ctx, width]` row-major, `z` ~ N(0, 1) and `mix`
-/// ~ N(0, 1/KEY_RANK), computed on the host and shared by every layer (each adds its own noise).
-/// On the device this is a `[ctx, 64] · [64, width]` f16 matmul, which Burn 0.23.0-pre.1's
-/// autotuned matmul fails at 128K on Hopper (a TMA launch error that spreads to the work after
-/// it; `gemm` suite, H200, 2026-11-27).
-fn low_rank_keys(ctx: usize, width: usize) -> Vec<f32> {
-    use burn_kernels_testing::{Dist, random_values};
-    let z = random_values(ctx * KEY_RANK, Dist::STANDARD, 11);
-    let scale = (KEY_RANK as f32).sqrt().recip();
-    let mix: Vec<f32> = random_values(KEY_RANK * width, Dist::STANDARD, 12)
-        .into_iter()
-        .map(|x| x * scale)
-        .collect();
-    let mut keys = vec![0f32; ctx * width];
-    for (row, zr) in keys.chunks_exact_mut(width).zip(z.chunks_exact(KEY_RANK)) {
-        for (&zi, mr) in zr.iter().zip(mix.chunks_exact(width)) {
-            for (k, &m) in row.iter_mut().zip(mr) {
-                *k += zi * m;
-            }
-        }
-    }
-    keys
 }
 
 #[cfg(test)]
