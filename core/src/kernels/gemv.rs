@@ -85,21 +85,18 @@ pub(super) fn gemv3_kernel<F: Float, N: Size>(
     let colv = CUBE_POS_X as usize * cv + c;
     let row0 = CUBE_POS_Y as usize * rpc;
     let mut acc = zeros::<N>(rpc);
-    let mut inv = Array::<f32>::new(rpc);
-    if norm {
-        norm_rows::<F>(
-            x,
-            y,
-            sum,
-            &mut inv,
-            rows,
-            k_dim,
-            row0,
-            eps,
-            rpc,
-            comptime!(cv * splits),
-        );
-    }
+    let inv = norm_prologue::<F>(
+        x,
+        y,
+        sum,
+        rows,
+        k_dim,
+        row0,
+        eps,
+        rpc,
+        comptime!(cv * splits),
+        norm,
+    );
     if colv < na {
         product::<F, N>(
             x, y, gamma, &inv, wa, &mut acc, 0usize, colv, na, rows, k_dim, row0, s, splits, rpc,
@@ -167,21 +164,18 @@ pub(super) fn gemv_swiglu_kernel<F: Float, N: Size>(
     let colv = CUBE_POS_X as usize * cv + c;
     let row0 = CUBE_POS_Y as usize * rpc;
     let mut acc = zeros::<N>(comptime!(2 * rpc));
-    let mut inv = Array::<f32>::new(rpc);
-    if norm {
-        norm_rows::<F>(
-            x,
-            y,
-            sum,
-            &mut inv,
-            rows,
-            k_dim,
-            row0,
-            eps,
-            rpc,
-            comptime!(cv * splits),
-        );
-    }
+    let inv = norm_prologue::<F>(
+        x,
+        y,
+        sum,
+        rows,
+        k_dim,
+        row0,
+        eps,
+        rpc,
+        comptime!(cv * splits),
+        norm,
+    );
     if colv < n_vecs {
         let full = k_dim / (splits * unroll);
         for chunk in 0..full {
@@ -213,6 +207,29 @@ pub(super) fn gemv_swiglu_kernel<F: Float, N: Size>(
             }
         }
     }
+}
+
+/// The inverse RMS of the cube's `rpc` rows where the launch fuses the norm (see
+/// [`norm_rows`], which also writes `x + y` to `sum`); unread (and unset) without `norm`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn norm_prologue<F: Float>(
+    x: &Tensor<F>,
+    y: &Tensor<F>,
+    sum: &mut Tensor<F>,
+    rows: usize,
+    k_dim: usize,
+    row0: usize,
+    eps: f32,
+    #[comptime] rpc: usize,
+    #[comptime] units: usize,
+    #[comptime] norm: bool,
+) -> Array<f32> {
+    let mut inv = Array::<f32>::new(rpc);
+    if norm {
+        norm_rows::<F>(x, y, sum, &mut inv, rows, k_dim, row0, eps, rpc, units);
+    }
+    inv
 }
 
 /// The norm prologue of a fused launch: for each of the cube's rows, `sum = x + y` (rounded

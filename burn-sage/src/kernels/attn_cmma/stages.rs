@@ -382,6 +382,19 @@ fn softmax_tile<P: Float>(
     }
 }
 
+/// Stores the 16×16 accumulator block `m` row-major into the plane's staging area at
+/// `o_plane`, and syncs the plane so that every lane may read any of its elements.
+#[cube]
+fn stage_block(m: &cmma::Matrix<f32>, o_sm: &mut Shared<[f32]>, o_plane: usize) {
+    cmma::store(
+        o_sm.slice_mut(o_plane, o_plane + 256),
+        m,
+        16u32,
+        cmma::MatrixLayout::RowMajor,
+    );
+    sync_plane();
+}
+
 /// Multiplies the rows of the plane's accumulators by `alpha` (row `i`'s factor comes from
 /// lane `i`), one 16×16 block at a time through the plane's staging area at `o_plane`.
 #[cube]
@@ -397,13 +410,7 @@ pub(super) fn rescale_accumulators(
 ) {
     #[unroll]
     for t in 0..dim / 16 {
-        cmma::store(
-            o_sm.slice_mut(o_plane, o_plane + 256),
-            of.index(t),
-            16u32,
-            cmma::MatrixLayout::RowMajor,
-        );
-        sync_plane();
+        stage_block(of.index(t), o_sm, o_plane);
         #[unroll]
         for i in 0..8usize {
             let e = lane + i * 32;
@@ -494,13 +501,7 @@ pub(super) fn write_output<F: Float>(
 ) {
     #[unroll]
     for t in 0..dim / 16 {
-        cmma::store(
-            o_sm.slice_mut(o_plane, o_plane + 256),
-            of.index(t),
-            16u32,
-            cmma::MatrixLayout::RowMajor,
-        );
-        sync_plane();
+        stage_block(of.index(t), o_sm, o_plane);
         #[unroll]
         for i in 0..8usize {
             let e = lane + i * 32;
