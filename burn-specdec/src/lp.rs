@@ -45,14 +45,23 @@
 //! `x_{k*} ~ q_{k*,R}` (the set only records that some draft hit the tail), so this outputs exactly
 //! `p_R`, and it accepts with probability `gamma_{k*} = sum_t min(p_R(t), q_{k*,R}(t))`. Each
 //! unit of flow into `R` from `S` is therefore worth `g(S) = E[gamma_{k*} | S]` accepted tokens,
-//! which is the LP's objective coefficient for those variables (computed exactly by tracking
-//! `k*` in the set-mass recursion). The top-level residual emits tail tokens in proportion to
+//! which is the LP's objective coefficient for those variables (computed exactly from the
+//! set-mass recursion, see below). The top-level residual emits tail tokens in proportion to
 //! `p`, so the symbol-level argument above still gives exactly `p`: truncation costs acceptance,
 //! never exactness. The optimal scheme then compares the LP coupling's acceptance with the
 //! same flow read as weighted importance sampling (`schemes::weighted`) and with the sequential
 //! importance-sampling scheme's, and uses the best (unless
 //! [`LpTruncation::fallback_to_importance_sampling`] is off); sequential IS is also the fallback
 //! when no alphabet fits the budget (`max_variables = 0`).
+//!
+//! # Set masses
+//! The set masses come from a dynamic program over the drafts that also records which drafts hit
+//! the tail (`TailTracking`): their number when all drafts are identical (given `S` and that
+//! number `n`, the tail tokens are `n` independent draws of `q_R`), the bit mask of the tail drafts
+//! for up to `TAIL_MASK_MAX_DRAFTS` different drafts (given `S` and the mask, tail draft `k`
+//! drew `q_{k,R}` independently of the others), and only the first tail draft beyond that. The
+//! coupling reads `k*` off this record; weighted importance sampling uses all of it to select
+//! among the tail drafts (`schemes::weighted`).
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -154,8 +163,68 @@ pub(crate) struct Flow {
     pub residual: Vec<f64>,
     pub acceptance: f64,
     pub info: LpInfo,
-    /// `P(S, k*)` of [`pattern_masses`], kept for the weighted-IS reading of the flow.
-    pub patterns: BTreeMap<(u64, usize), f64>,
+    /// `P(S, D)` of [`pattern_masses`] (`D` the tail record of [`Flow::tracking`]), kept for the
+    /// weighted-IS reading of the flow.
+    pub patterns: BTreeMap<(u64, u64), f64>,
+    /// How `patterns` record the drafts that hit the tail.
+    pub tracking: TailTracking,
+}
+
+/// Largest number of different drafts for which the set-mass recursion records the exact set of
+/// drafts that hit the tail (a `K`-bit mask; up to `2^K` records per drafted set).
+pub(crate) const TAIL_MASK_MAX_DRAFTS: usize = 8;
+
+/// What the set-mass recursion records about the drafts that hit the lumped tail: the second
+/// part of a pattern key, 0 when no draft did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum TailTracking {
+    /// All drafts are identical: the number `n` of tail drafts. The tail drafts are
+    /// interchangeable, so the record stands for drafts `0..n`.
+    Count,
+    /// Different drafts, `K <= TAIL_MASK_MAX_DRAFTS`: the bit mask of the tail drafts.
+    Mask,
+    /// Different drafts, larger `K`: `1 +` the index of the first tail draft.
+    First,
+}
+
+impl TailTracking {
+    /// `Count` when every draft row equals the first exactly, else `Mask` or `First` by `K`.
+    pub(crate) fn for_drafts(qs: &[Vec<f64>]) -> Self {
+        if qs.iter().all(|q| q == &qs[0]) {
+            Self::Count
+        } else if qs.len() <= TAIL_MASK_MAX_DRAFTS {
+            Self::Mask
+        } else {
+            Self::First
+        }
+    }
+
+    /// The record after draft `k` hits the tail.
+    fn push(self, record: u64, k: usize) -> u64 {
+        match self {
+            Self::Count => record + 1,
+            Self::Mask => record | (1 << k),
+            Self::First if record == 0 => k as u64 + 1,
+            Self::First => record,
+        }
+    }
+
+    /// The tail drafts a record stands for, in increasing order (for `Count`, the first `n`
+    /// drafts, which have the same law as any `n` of them).
+    pub(crate) fn drafts(self, record: u64) -> Vec<usize> {
+        match self {
+            Self::Count => (0..record as usize).collect(),
+            Self::Mask => (0..64).filter(|&k| record & (1 << k) != 0).collect(),
+            Self::First if record == 0 => Vec::new(),
+            Self::First => vec![record as usize - 1],
+        }
+    }
+
+    /// Whether a selection among the tail drafts may look beyond the first one: the record keeps
+    /// their joint law.
+    pub(crate) fn keeps_all(self) -> bool {
+        self != Self::First
+    }
 }
 
 /// Tokens that can be accepted at all, best first.
@@ -202,15 +271,16 @@ pub(crate) fn choose_alphabet(
     Some((tokens, tail))
 }
 
-/// `P(S, k*)` for every drafted symbol-set mask `S` and first tail draft `k*` (`K` if none), by
-/// dynamic programming over the drafts. Mask 0 collects tuples with no acceptable symbol.
+/// `P(S, D)` for every drafted symbol-set mask `S` and record `D` of the tail drafts (see
+/// `TailTracking`), by dynamic programming over the drafts. Mask 0 collects tuples with no
+/// acceptable symbol.
 fn pattern_masses(
     bit_of: &[Option<u32>],
     tail_bit: Option<u32>,
     qs: &[Vec<f64>],
-) -> BTreeMap<(u64, usize), f64> {
-    let k_drafts = qs.len();
-    let mut masses = BTreeMap::from([((0_u64, k_drafts), 1.0)]);
+    tracking: TailTracking,
+) -> BTreeMap<(u64, u64), f64> {
+    let mut masses = BTreeMap::from([((0_u64, 0_u64), 1.0)]);
     for (k, q) in qs.iter().enumerate() {
         // Mass of q_k per own bit, lumped tail and "no symbol", summed directly (no `1 - sum`).
         let mut per_bit: BTreeMap<u32, f64> = BTreeMap::new();
@@ -223,17 +293,17 @@ fn pattern_masses(
             }
         }
         let mut next = BTreeMap::new();
-        for (&(mask, first), &w) in &masses {
+        for (&(mask, record), &w) in &masses {
             if none > 0.0 {
-                *next.entry((mask, first)).or_insert(0.0) += w * none;
+                *next.entry((mask, record)).or_insert(0.0) += w * none;
             }
             for (&b, &qb) in &per_bit {
-                let first = if Some(b) == tail_bit && first == k_drafts {
-                    k
+                let record = if Some(b) == tail_bit {
+                    tracking.push(record, k)
                 } else {
-                    first
+                    record
                 };
-                *next.entry((mask | (1 << b), first)).or_insert(0.0) += w * qb;
+                *next.entry((mask | (1 << b), record)).or_insert(0.0) += w * qb;
             }
         }
         masses = next;
@@ -300,15 +370,16 @@ pub(crate) fn solve(
     }
 
     // Set masses P(S) and tail values g(S) = E[gamma_{k*} | S].
-    let patterns = pattern_masses(&bit_of, tail_bit, qs);
+    let tracking = TailTracking::for_drafts(qs);
+    let patterns = pattern_masses(&bit_of, tail_bit, qs, tracking);
     let mut sets: BTreeMap<u64, (f64, f64)> = BTreeMap::new();
-    for (&(mask, first), &w) in &patterns {
+    for (&(mask, record), &w) in &patterns {
         if mask == 0 {
             continue;
         }
         let entry = sets.entry(mask).or_insert((0.0, 0.0));
         entry.0 += w;
-        if first < k_drafts {
+        if let Some(&first) = tracking.drafts(record).first() {
             entry.1 += w * gamma[first];
         }
     }
@@ -440,5 +511,6 @@ pub(crate) fn solve(
         acceptance,
         info,
         patterns,
+        tracking,
     })
 }

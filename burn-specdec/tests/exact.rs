@@ -2,7 +2,8 @@
 //! enumeration, scheme orderings, and the randomness contract.
 
 use crate::common::{
-    TINY_LP, TINY_LP_WITH_FALLBACK, cases, max_abs_diff, random_dist, schemes_for,
+    ONE_TOKEN_LP, TINY_LP, TINY_LP_WITH_FALLBACK, cases, forced_tail_cases, max_abs_diff,
+    random_dist, schemes_for,
 };
 use burn_specdec::{
     LpTruncation, Scheme, SelectionRule, Verifier, acceptance_probability,
@@ -32,6 +33,51 @@ fn output_law_is_exactly_p() {
                 case.name,
                 scheme.name()
             );
+        }
+    }
+}
+
+/// The schemes whose lumped tail many drafts hit in [`forced_tail_cases`].
+fn forced_tail_schemes() -> Vec<Scheme> {
+    let mut s = Vec::new();
+    for trunc in [TINY_LP, ONE_TOKEN_LP] {
+        s.push(Scheme::WeightedImportance(trunc));
+        s.push(Scheme::Optimal(trunc));
+        s.push(Scheme::Optimal(LpTruncation {
+            fallback_to_importance_sampling: true,
+            ..trunc
+        }));
+    }
+    s
+}
+
+#[test]
+fn forced_tails_with_many_tail_drafts_stay_exact() {
+    for case in forced_tail_cases() {
+        for scheme in forced_tail_schemes() {
+            let what = format!("{} / {scheme:?}", case.name);
+            let v = Verifier::new(scheme, &case.p, &case.qs).unwrap();
+            assert!(v.lp_info().unwrap().truncated(), "{what}: no tail");
+            let law = output_law_enumerated(scheme, &case.p, &case.qs).unwrap();
+            let err = max_abs_diff(&law, &case.p);
+            assert!(err < 1e-12, "{what}: |law - p| = {err:e}");
+            let closed = acceptance_probability(scheme, &case.p, &case.qs).unwrap();
+            let enumerated = acceptance_probability_enumerated(scheme, &case.p, &case.qs).unwrap();
+            assert!(
+                (closed - enumerated).abs() < 1e-12,
+                "{what}: closed {closed} vs enumerated {enumerated}"
+            );
+            if let Scheme::WeightedImportance(_) = scheme {
+                // The selection law is a distribution, and SD against it accepts sum min(p, q~).
+                let q_tilde = v.selection_law().unwrap();
+                let mass: f64 = q_tilde.iter().sum();
+                let overlap: f64 = q_tilde.iter().zip(&case.p).map(|(a, b)| a.min(*b)).sum();
+                assert!(mass <= 1.0 + 1e-12, "{what}: q~ mass {mass}");
+                assert!(
+                    (overlap - closed).abs() < 1e-12,
+                    "{what}: {overlap} vs {closed}"
+                );
+            }
         }
     }
 }

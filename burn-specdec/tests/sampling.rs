@@ -1,7 +1,7 @@
 //! Monte-Carlo checks: output tokens follow `p` (χ² goodness of fit) and the empirical acceptance
 //! rate matches the analytic one (5σ binomial bound), for every scheme on the seeded cases.
 
-use crate::common::{Case, TINY_LP, cases, schemes_for};
+use crate::common::{Case, ONE_TOKEN_LP, TINY_LP, cases, forced_tail_cases, schemes_for};
 use burn_kernels_testing::chi_square_p_value;
 use burn_specdec::{Scheme, Verifier, inverse_cdf};
 use rand::rngs::StdRng;
@@ -73,6 +73,19 @@ fn output_follows_p_and_acceptance_matches_analytic() {
 fn truncated_optimal_output_follows_p() {
     for (i, case) in cases().iter().enumerate() {
         check(case, Scheme::Optimal(TINY_LP), 77_000 + i as u64);
+    }
+}
+
+#[test]
+fn weighted_importance_with_many_tail_drafts_follows_p() {
+    for (i, case) in forced_tail_cases().iter().enumerate() {
+        for (j, trunc) in [TINY_LP, ONE_TOKEN_LP].into_iter().enumerate() {
+            check(
+                case,
+                Scheme::WeightedImportance(trunc),
+                91_000 + 10 * i as u64 + j as u64,
+            );
+        }
     }
 }
 

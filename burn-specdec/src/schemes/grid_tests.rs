@@ -6,6 +6,8 @@
 //! each cell's midpoint, weighted by the cell's volume, integrates it exactly (up to rounding):
 //! no sampling noise, unlike the Monte Carlo tests in `tests/`.
 
+use super::weighted::WeightedPlan;
+use super::weighted::tail::TailRule;
 use super::{Plan, SelectionPlan, SequentialPlan};
 use crate::{LpTruncation, Scheme, Verifier};
 use burn_kernels_testing::{Dist, random_values};
@@ -73,9 +75,20 @@ fn cuts(plan: &Plan, k_drafts: usize) -> Vec<Vec<f64>> {
                 }
             }
             dims[0].extend(&w.accept);
+            // The selection among the tail drafts: `u[1 + i]` for the i-th tail draft.
+            for dim in dims.iter_mut().take(k_drafts).skip(1) {
+                for row in &w.tail.rows {
+                    dim.extend(row);
+                }
+            }
             dims[k_drafts + 1] = cdf_cuts(&w.residual);
         }
     }
+    finish(dims)
+}
+
+/// Adds the ends of `[0, 1]` to every dimension's cuts, sorted and deduplicated.
+fn finish(dims: Vec<Vec<f64>>) -> Vec<Vec<f64>> {
     dims.into_iter()
         .map(|mut cut| {
             cut.extend([0.0, 1.0]);
@@ -87,10 +100,42 @@ fn cuts(plan: &Plan, k_drafts: usize) -> Vec<Vec<f64>> {
         .collect()
 }
 
+/// The cuts of a weighted-IS plan for one tuple only: the SD test of its drafted tokens, the
+/// selection row of its set, the tail test of its `i`-th tail draft for `u[1 + i]`, and the
+/// residual. Far fewer cells than [`cuts`] for large K.
+fn tuple_cuts(w: &WeightedPlan, drafts: &[usize]) -> Vec<Vec<f64>> {
+    let k_drafts = drafts.len();
+    let mut dims = vec![Vec::new(); k_drafts + 2];
+    dims[0].extend(drafts.iter().map(|&x| w.accept[x]));
+    if let Some(row) = w.select.get(&w.mask(drafts)) {
+        let mut acc = 0.0;
+        for &(_, prob) in row {
+            acc += prob;
+            dims[k_drafts].push(acc);
+        }
+    }
+    for (i, k) in w.tail_drafts(drafts).into_iter().enumerate() {
+        if i + 1 < k_drafts {
+            dims[1 + i].push(w.tail.accept(i, k, drafts[k]));
+        }
+    }
+    dims[k_drafts + 1] = cdf_cuts(&w.residual);
+    finish(dims)
+}
+
 /// `decide` integrated over the grid: the law of the output token and the acceptance
 /// probability given `drafts`.
 fn integrate(plan: &Plan, drafts: &[usize], vocab: usize) -> (Vec<f64>, f64) {
-    let dims = cuts(plan, drafts.len());
+    integrate_over(plan, drafts, vocab, &cuts(plan, drafts.len()))
+}
+
+/// `decide` integrated over the grid of `dims`.
+fn integrate_over(
+    plan: &Plan,
+    drafts: &[usize],
+    vocab: usize,
+    dims: &[Vec<f64>],
+) -> (Vec<f64>, f64) {
     let cells: Vec<usize> = dims.iter().map(|c| c.len() - 1).collect();
     let (mut law, mut accepted) = (vec![0.0; vocab], 0.0);
     let mut index = vec![0usize; dims.len()];
@@ -201,4 +246,64 @@ fn decide_integrated_over_its_grid_is_law() {
             }
         }
     }
+}
+
+#[test]
+fn weighted_tail_selection_integrated_over_its_grid_is_law() {
+    // Forced tails (one alphabet token) with up to K = 8 tail drafts, identical and different
+    // drafts, on each tuple's own grid.
+    let trunc = LpTruncation {
+        max_alphabet: 1,
+        max_variables: 4096,
+        fallback_to_importance_sampling: false,
+    };
+    let (mut rejection, mut stage_rows) = (0, 0);
+    for k in 3..=8usize {
+        let vocab = if k <= 5 { 4 } else { 3 };
+        for (seed, identical) in [(0u64, true), (1, false)] {
+            let s = 500 + 20 * k as u64 + 10 * seed;
+            let p = dist(vocab, s, None);
+            let qs: Vec<Vec<f64>> = if identical {
+                vec![dist(vocab, s + 1, None); k]
+            } else {
+                (0..k)
+                    .map(|j| dist(vocab, s + 2 + j as u64, None))
+                    .collect()
+            };
+            let scheme = Scheme::WeightedImportance(trunc);
+            let v = Verifier::new(scheme, &p, &qs).expect("valid inputs");
+            let Plan::Weighted(w) = &v.plan else {
+                panic!("weighted plan expected");
+            };
+            match w.tail.rule {
+                TailRule::FirstDraft => {}
+                TailRule::Rejection { .. } => rejection += 1,
+                TailRule::Reserve { .. } => {
+                    (rejection, stage_rows) = (rejection + 1, stage_rows + 1)
+                }
+            }
+            // Every tuple up to K = 6, every 7th beyond.
+            let step = if k <= 6 { 1 } else { 7 };
+            for drafts in tuples(vocab, k).into_iter().step_by(step) {
+                let (want, want_acc) = v.plan.law(&drafts);
+                let dims = tuple_cuts(w, &drafts);
+                let (got, got_acc) = integrate_over(&v.plan, &drafts, vocab, &dims);
+                let what = format!("K={k} identical {identical} drafts {drafts:?}");
+                for (x, (g, w)) in got.iter().zip(&want).enumerate() {
+                    assert!((g - w).abs() < 1e-12, "{what}: token {x}: {g} vs law {w}");
+                }
+                assert!(
+                    (got_acc - want_acc).abs() < 1e-12,
+                    "{what}: acceptance {got_acc} vs law {want_acc}"
+                );
+                let mass: f64 = got.iter().sum::<f64>();
+                assert!((mass - 1.0).abs() < 1e-12, "{what}: mass {mass}");
+            }
+        }
+    }
+    assert!(
+        rejection >= 6,
+        "a tail rejection rule was chosen {rejection} times"
+    );
+    assert!(stage_rows >= 1, "stage rows were chosen {stage_rows} times");
 }

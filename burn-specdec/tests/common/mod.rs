@@ -165,3 +165,43 @@ pub fn max_abs_diff(a: &[f64], b: &[f64]) -> f64 {
         .map(|(x, y)| (x - y).abs())
         .fold(0.0, f64::max)
 }
+
+/// LP alphabet of one token: everything else is the lumped tail.
+pub const ONE_TOKEN_LP: LpTruncation = LpTruncation {
+    max_alphabet: 1,
+    ..TINY_LP
+};
+
+/// Cases whose LP at [`TINY_LP`] or [`ONE_TOKEN_LP`] leaves several tokens in the tail, with
+/// K = 3..8 identical or different drafts, so that many drafts hit the tail together (V = 4, or
+/// 5 for K <= 5).
+pub fn forced_tail_cases() -> Vec<Case> {
+    const NAMES: [&str; 12] = [
+        "V5 K3 identical, forced tail",
+        "V5 K3 different, forced tail",
+        "V5 K4 identical, forced tail",
+        "V5 K4 different, forced tail",
+        "V5 K5 identical, forced tail",
+        "V5 K5 different, forced tail",
+        "V4 K6 identical, forced tail",
+        "V4 K6 different, forced tail",
+        "V4 K7 identical, forced tail",
+        "V4 K7 different, forced tail",
+        "V4 K8 identical, forced tail",
+        "V4 K8 different, forced tail",
+    ];
+    let mut rng = StdRng::seed_from_u64(0x7a11);
+    let mut cases = Vec::new();
+    for (i, name) in NAMES.into_iter().enumerate() {
+        let k = 3 + i / 2;
+        let v = if k <= 5 { 5 } else { 4 };
+        let p = random_dist(&mut rng, v, 0.0);
+        let qs = if i % 2 == 0 {
+            identical(random_dist(&mut rng, v, 0.0), k)
+        } else {
+            (0..k).map(|_| random_dist(&mut rng, v, 0.0)).collect()
+        };
+        cases.push(Case { name, p, qs });
+    }
+    cases
+}

@@ -1,0 +1,389 @@
+//! Selection among the drafts that hit the lumped tail, and its exact law.
+//!
+//! When weighted importance sampling selects the tail symbol, the tail drafts `k_0 < k_1 < ..`
+//! of the tuple are visited in order: the `i`-th (all but the last) is selected with probability
+//! `a_{i,k_i}(x_{k_i})`, using the uniform `u[1 + i]`, else the visit goes on; the last one is
+//! selected if no earlier one was. With the conditionals `p_R = p(.|tail)`,
+//! `q_{k,R} = q_k(.|tail)` the selection rows are
+//!
+//! - [`TailRule::FirstDraft`]: `a = 1`, i.e. the first tail draft (the rule of the LP coupling);
+//! - [`TailRule::Rejection`]: `a_{i,k}(t) = min(1, p_R(t) / (c q_{k,R}(t)))` for every stage;
+//! - [`TailRule::Reserve`] (identical drafts): one row `a_i` per stage, refined from the
+//!   rejection rule (see [`TailProblem::solve`]).
+//!
+//! # Law
+//! Given the drafted set and the record `D` of the tail drafts kept by the set-mass recursion
+//! (`lp::TailTracking`), tail draft `k` drew `x_k ~ q_{k,R}` independently of the
+//! others, so the `i`-th visited draft is reached with probability
+//! `r_i(D) = prod_{l<i} (1 - abar_{l,k_l})`, `abar_{i,k} = sum_t q_{k,R}(t) a_{i,k}(t)`, whatever
+//! the earlier drafts drew. With `W_D` the selection mass of the tail symbol on the patterns with
+//! record `D`, the selected tail token has law
+//!
+//! ```text
+//! q~(t) = sum_D W_D [ sum_{i < |D|-1} r_i(D) a_{i,k_i}(t) q_{k_i,R}(t) + r_{|D|-1}(D) q_{k_last,R}(t) ].
+//! ```
+//!
+//! For `n` identical drafts and one row `a` this is `q_R(t) sum_n W_n [a(t) sum_{j<n-1}
+//! (1-abar)^j + (1-abar)^{n-1}]`. Where the record only keeps the first tail draft (many
+//! different drafts), only [`TailRule::FirstDraft`] is used.
+//!
+//! # Choice of the rows
+//! Any rows are exact (the scheme is single-draft SD against this law); they only change the
+//! acceptance `sum_t min(p(t), q~(t))` over the tail tokens, which is maximised over: the
+//! first-draft rule (kept on ties, so the acceptance never drops below it), a log-spaced grid of
+//! `c` between the smallest and the largest ratio `p_R / q_{k,R}` (`c` below the smallest is the
+//! first-draft rule; at the largest every `a` is `p_R / (c q_R)`), a golden-section refinement
+//! around the best grid point, and, for identical drafts, the rounds of a stage-wise reserve
+//! refinement of the best `c`.
+
+use crate::prob::ratio_capped;
+
+/// Grid points of the search over `log c`.
+const GRID: usize = 16;
+
+/// Golden-section steps after the grid.
+const REFINE: usize = 20;
+
+/// Most rounds of the stage-wise reserve refinement.
+const RESERVE_ROUNDS: usize = 8;
+
+/// The refinement stops once no selection probability moves by more than this.
+const RESERVE_TOLERANCE: f64 = 1e-12;
+
+/// How a visited tail draft is selected.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum TailRule {
+    /// Always the first tail draft.
+    FirstDraft,
+    /// `a_k(t) = min(1, p_R(t) / (c q_{k,R}(t)))`.
+    Rejection { c: f64 },
+    /// Identical drafts: one row per visiting stage, from `Rejection { c }` after this many
+    /// rounds of the reserve refinement.
+    Reserve { c: f64, round: usize },
+}
+
+/// The rule chosen for one plan, with the per-token selection probabilities `decide` reads.
+#[derive(Clone, Debug)]
+pub(crate) struct TailSelection {
+    pub(crate) rule: TailRule,
+    /// Selection rows over the vocabulary (0 outside the tail), one per slot: the visiting stage
+    /// for identical drafts (`by_stage`; the last row serves later stages), else the draft.
+    /// None for [`TailRule::FirstDraft`].
+    pub(crate) rows: Vec<Vec<f64>>,
+    pub(crate) by_stage: bool,
+}
+
+impl TailSelection {
+    /// The probability of selecting the `i`-th visited tail draft, draft `k`, that drafted `x`
+    /// when it is not the last tail draft.
+    pub(crate) fn accept(&self, i: usize, k: usize, x: usize) -> f64 {
+        if self.rule == TailRule::FirstDraft {
+            return 1.0;
+        }
+        let slot = if self.by_stage { i } else { k };
+        self.rows[slot.min(self.rows.len() - 1)][x]
+    }
+
+    /// The selected draft among `tail_drafts` (increasing, non-empty); `u[1 + i]` decides on the
+    /// `i`-th.
+    pub(crate) fn choose(&self, tail_drafts: &[usize], drafts: &[usize], u: &[f64]) -> usize {
+        let (&last, rest) = tail_drafts.split_last().expect("a tail draft");
+        for (i, &k) in rest.iter().enumerate() {
+            if u[1 + i] < self.accept(i, k, drafts[k]) {
+                return k;
+            }
+        }
+        last
+    }
+
+    /// Probability of selecting each of `tail_drafts` (the law of [`TailSelection::choose`]).
+    pub(crate) fn shares(&self, tail_drafts: &[usize], drafts: &[usize]) -> Vec<(usize, f64)> {
+        let (&last, rest) = tail_drafts.split_last().expect("a tail draft");
+        let mut reach = 1.0;
+        let mut out = Vec::with_capacity(tail_drafts.len());
+        for (i, &k) in rest.iter().enumerate() {
+            let a = self.accept(i, k, drafts[k]);
+            out.push((k, reach * a));
+            reach *= 1.0 - a;
+        }
+        out.push((last, reach));
+        out
+    }
+}
+
+/// Selection rows on the tail tokens, one per slot (see [`TailSelection::rows`]); empty for the
+/// first-draft rule.
+type Rows = Vec<Vec<f64>>;
+
+/// A scored rule: `sum_t min(p(t), q~(t))`, `q~` on the tail tokens, and the rows.
+struct Scored {
+    rule: TailRule,
+    overlap: f64,
+    law: Vec<f64>,
+    rows: Rows,
+}
+
+/// The tail part of the selection problem, on the tail tokens only.
+pub(crate) struct TailProblem<'a> {
+    /// Tail tokens (vocabulary indices).
+    tokens: &'a [usize],
+    /// `p(t)` and `p_R(t)`.
+    p: Vec<f64>,
+    p_cond: Vec<f64>,
+    /// `q_{k,R}(t)`, one shared row for identical drafts (zero for drafts that never hit it).
+    q_cond: Vec<Vec<f64>>,
+    /// `(D, W_D)`: the tail drafts of a record, increasing, and the tail symbol's selection mass.
+    visits: Vec<(Vec<usize>, f64)>,
+}
+
+impl<'a> TailProblem<'a> {
+    /// `shared`: the drafts are identical (the records count the tail drafts).
+    pub(crate) fn new(
+        p: &[f64],
+        qs: &[Vec<f64>],
+        tokens: &'a [usize],
+        shared: bool,
+        visits: Vec<(Vec<usize>, f64)>,
+    ) -> Self {
+        let conditional = |row: &[f64]| -> Vec<f64> {
+            let mass: f64 = tokens.iter().map(|&t| row[t]).sum();
+            tokens
+                .iter()
+                .map(|&t| if mass > 0.0 { row[t] / mass } else { 0.0 })
+                .collect()
+        };
+        let rows = if shared { &qs[..1] } else { qs };
+        Self {
+            tokens,
+            p: tokens.iter().map(|&t| p[t]).collect(),
+            p_cond: conditional(p),
+            q_cond: rows.iter().map(|q| conditional(q)).collect(),
+            visits,
+        }
+    }
+
+    fn shared(&self) -> bool {
+        self.q_cond.len() == 1
+    }
+
+    /// Number of slots for `rows`: stages for identical drafts, else drafts.
+    fn slots(&self, rows: &Rows) -> usize {
+        if self.shared() {
+            rows.len().max(1)
+        } else {
+            self.q_cond.len()
+        }
+    }
+
+    /// Slot of the `i`-th visited tail draft `k` among `slots`.
+    fn slot(&self, i: usize, k: usize, slots: usize) -> usize {
+        if self.shared() { i.min(slots - 1) } else { k }
+    }
+
+    /// The `q_{k,R}` row of a slot.
+    fn q_row(&self, slot: usize) -> &[f64] {
+        &self.q_cond[slot.min(self.q_cond.len() - 1)]
+    }
+
+    /// `a` of a slot at tail token `i` (1 for the first-draft rule's empty rows).
+    fn a(rows: &Rows, slot: usize, i: usize) -> f64 {
+        if rows.is_empty() {
+            1.0
+        } else {
+            rows[slot.min(rows.len() - 1)][i]
+        }
+    }
+
+    /// `min(1, p_R / (c q_R))` for each draft row.
+    fn rejection_rows(&self, c: f64) -> Rows {
+        self.q_cond
+            .iter()
+            .map(|q| {
+                q.iter()
+                    .zip(&self.p_cond)
+                    .map(|(&qt, &pt)| ratio_capped(pt, c * qt))
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// Per slot: the mass of visits that test it (`sel`, including the reach) and per draft row
+    /// the mass that falls back to it (`last`), given the slots' pass probabilities.
+    fn stage_masses(&self, rows: &Rows) -> (Vec<f64>, Vec<f64>) {
+        let slots = self.slots(rows);
+        // Pass probabilities 1 - abar, summed as sum q (1 - a) so that `a = 1` passes nothing.
+        let pass: Vec<f64> = (0..slots)
+            .map(|s| {
+                let q = self.q_row(s);
+                (0..q.len())
+                    .map(|i| q[i] * (1.0 - Self::a(rows, s, i)))
+                    .sum()
+            })
+            .collect();
+        let (mut sel, mut last) = (vec![0.0; slots], vec![0.0; self.q_cond.len()]);
+        for (drafts, w) in &self.visits {
+            let mut reach = *w;
+            for (i, &k) in drafts.iter().enumerate() {
+                if i + 1 == drafts.len() {
+                    last[k.min(self.q_cond.len() - 1)] += reach;
+                } else {
+                    let s = self.slot(i, k, slots);
+                    sel[s] += reach;
+                    reach *= pass[s];
+                }
+            }
+        }
+        (sel, last)
+    }
+
+    /// `q~` on the tail tokens for selection rows `rows` (see the module docs).
+    fn law(&self, rows: &Rows) -> Vec<f64> {
+        let (sel, last) = self.stage_masses(rows);
+        let mut out = vec![0.0; self.tokens.len()];
+        for (s, &m) in sel.iter().enumerate().filter(|&(_, &m)| m > 0.0) {
+            let q = self.q_row(s);
+            for (i, o) in out.iter_mut().enumerate() {
+                *o += m * Self::a(rows, s, i) * q[i];
+            }
+        }
+        for (r, &m) in last.iter().enumerate().filter(|&(_, &m)| m > 0.0) {
+            for (o, &q) in out.iter_mut().zip(&self.q_cond[r]) {
+                *o += m * q;
+            }
+        }
+        out
+    }
+
+    fn score(&self, rule: TailRule, rows: Rows) -> Scored {
+        let law = self.law(&rows);
+        let overlap = self.p.iter().zip(&law).map(|(a, b)| a.min(*b)).sum();
+        Scored {
+            rule,
+            overlap,
+            law,
+            rows,
+        }
+    }
+
+    /// Smallest and largest `p_R / q_{k,R}` over tail tokens some draft can draft.
+    fn ratio_range(&self) -> Option<(f64, f64)> {
+        let mut range: Option<(f64, f64)> = None;
+        for q in &self.q_cond {
+            for (&qt, &pt) in q.iter().zip(&self.p_cond) {
+                if qt > 0.0 {
+                    let r = pt / qt;
+                    range = Some(range.map_or((r, r), |(lo, hi)| (lo.min(r), hi.max(r))));
+                }
+            }
+        }
+        range
+    }
+
+    /// The best common-`c` rejection rule: a log grid, then golden-section search.
+    fn search_c(&self, best: &mut Scored) {
+        let Some((lo, hi)) = self.ratio_range() else {
+            return;
+        };
+        let mut consider = |log_c: f64| {
+            let c = log_c.exp();
+            let scored = self.score(TailRule::Rejection { c }, self.rejection_rows(c));
+            let value = scored.overlap;
+            if value > best.overlap {
+                *best = scored;
+            }
+            value
+        };
+        let (lo, hi) = (lo.ln(), hi.ln());
+        let at = |j: usize| lo + (hi - lo) * j as f64 / (GRID - 1) as f64;
+        let scores: Vec<f64> = (0..GRID).map(|j| consider(at(j))).collect();
+        let top = (0..GRID).fold(0, |b, j| if scores[j] > scores[b] { j } else { b });
+        let (mut a, mut b) = (at(top.saturating_sub(1)), at((top + 1).min(GRID - 1)));
+        let ratio = (5.0_f64.sqrt() - 1.0) / 2.0;
+        let (mut x1, mut x2) = (b - ratio * (b - a), a + ratio * (b - a));
+        let (mut f1, mut f2) = (consider(x1), consider(x2));
+        for _ in 0..REFINE {
+            if f1 >= f2 {
+                (b, x2, f2) = (x2, x1, f1);
+                x1 = b - ratio * (b - a);
+                f1 = consider(x1);
+            } else {
+                (a, x1, f1) = (x1, x2, f2);
+                x2 = a + ratio * (b - a);
+                f2 = consider(x2);
+            }
+        }
+    }
+
+    /// Identical drafts: one row per visiting stage, refined from the common-`c` rule by damped
+    /// reserve rounds (as the sequential IS plan's reserve rule): stage `i` selects `t` with
+    /// `clip((p(t) - L_i(t)) / (m_i q_R(t)), 0, 1)`, `L_i` what the other stages and the
+    /// fall-backs supply to `t` and `m_i` the mass that reaches stage `i` and tests it. Every
+    /// round is a candidate.
+    fn refine_stages(&self, best: &mut Scored) {
+        let TailRule::Rejection { c } = best.rule else {
+            return;
+        };
+        let stages = self.visits.iter().map(|(d, _)| d.len()).max().unwrap_or(0);
+        if !self.shared() || stages < 2 {
+            return;
+        }
+        let q = &self.q_cond[0];
+        let mut rows: Rows = vec![best.rows[0].clone(); stages - 1];
+        for round in 1..=RESERVE_ROUNDS {
+            let (sel, _) = self.stage_masses(&rows);
+            let mut law = self.law(&rows);
+            let mut change: f64 = 0.0;
+            for (s, row) in rows.iter_mut().enumerate().rev() {
+                for (i, a) in row.iter_mut().enumerate() {
+                    let supply = sel[s] * q[i];
+                    if supply <= 0.0 {
+                        continue;
+                    }
+                    let others = law[i] - supply * *a;
+                    let target = ((self.p[i] - others) / supply).clamp(0.0, 1.0);
+                    let next = 0.5 * (*a + target);
+                    change = change.max((next - *a).abs());
+                    law[i] += supply * (next - *a);
+                    *a = next;
+                }
+            }
+            let scored = self.score(TailRule::Reserve { c, round }, rows.clone());
+            if scored.overlap > best.overlap {
+                *best = scored;
+            }
+            if change <= RESERVE_TOLERANCE {
+                break;
+            }
+        }
+    }
+
+    /// The best rule (see the module docs: first tail draft, then common `c` by
+    /// [`TailProblem::search_c`], then stage rows by [`TailProblem::refine_stages`]), its
+    /// selection rows over the vocabulary (`vocab` entries) and `q~` on the tail tokens. `first_only`: the record keeps only the first tail
+    /// draft, so only the first-draft rule is exact.
+    pub(crate) fn solve(&self, vocab: usize, first_only: bool) -> (TailSelection, Vec<f64>) {
+        let mut best = self.score(TailRule::FirstDraft, Vec::new());
+        let any_visit = self.visits.iter().any(|(_, w)| *w > 0.0);
+        if !first_only && any_visit {
+            self.search_c(&mut best);
+            self.refine_stages(&mut best);
+        }
+        let rows = best
+            .rows
+            .iter()
+            .map(|row| {
+                let mut full = vec![0.0; vocab];
+                for (&t, &a) in self.tokens.iter().zip(row) {
+                    full[t] = a;
+                }
+                full
+            })
+            .collect();
+        let selection = TailSelection {
+            rule: best.rule,
+            rows,
+            by_stage: self.shared(),
+        };
+        (selection, best.law)
+    }
+}
