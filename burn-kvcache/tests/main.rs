@@ -13,7 +13,7 @@ mod ops;
 mod quant_attention;
 mod shadowkv;
 
-use burn::tensor::Device;
+use burn::tensor::{DType, Device, Tensor, TensorCreationOptions, TensorData};
 use burn_kernels_core::route::{cube_device, launches, require_kernels};
 
 /// Runs `f` with kernels required on a CubeCL device (`require_kernels`: an op that would
@@ -41,4 +41,23 @@ pub fn assert_launched<const N: usize>(device: &Device, ops: [&'static str; N], 
     for (op, before) in ops.iter().zip(before) {
         assert!(launches(op) > before, "{op}: no kernel launch counted");
     }
+}
+
+/// `values` as a tensor of `shape` stored in `dtype` on `device`.
+pub(crate) fn tensor<const D: usize>(
+    values: Vec<f32>,
+    shape: [usize; D],
+    dtype: DType,
+    device: &Device,
+) -> Tensor<D> {
+    let data = TensorData::new(values, shape).convert_dtype(dtype);
+    Tensor::from_data(
+        data,
+        TensorCreationOptions::new(device.clone()).with_dtype(dtype),
+    )
+}
+
+/// `values` as an f32 tensor of `shape` on the CPU (`Flex`), where the references run.
+pub(crate) fn cpu<const D: usize>(values: Vec<f32>, shape: [usize; D]) -> Tensor<D> {
+    Tensor::from_data(TensorData::new(values, shape), &Device::flex())
 }

@@ -1,28 +1,12 @@
 //! Sizes, tensor constructors and seeded values the op tests share.
 
-use burn::tensor::{DType, Device, Tensor, TensorCreationOptions, TensorData};
 use burn_kernels_testing::{Dist, random_values};
 
 /// Rows (2 heads × seq 1, 17, 257) and head dims (64 and an odd one).
 pub(super) const ROWS: &[usize] = &[2, 34, 514];
 pub(super) const DIMS: &[usize] = &[64, 33];
 
-pub(super) fn tensor<const D: usize>(
-    values: Vec<f32>,
-    shape: [usize; D],
-    dtype: DType,
-    device: &Device,
-) -> Tensor<D> {
-    let data = TensorData::new(values, shape).convert_dtype(dtype);
-    Tensor::from_data(
-        data,
-        TensorCreationOptions::new(device.clone()).with_dtype(dtype),
-    )
-}
-
-pub(super) fn cpu<const D: usize>(values: Vec<f32>, shape: [usize; D]) -> Tensor<D> {
-    Tensor::from_data(TensorData::new(values, shape), &Device::flex())
-}
+pub(super) use crate::{cpu, tensor};
 
 /// Row pairs whose angles spread over [0, ~0.5π]: `b = a + σᵢ·noise`, `σᵢ` from 0 to 1.5.
 pub(super) fn pair_values(n: usize, d: usize, seed: u64) -> (Vec<f32>, Vec<f32>) {

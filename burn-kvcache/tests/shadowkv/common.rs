@@ -1,26 +1,11 @@
 //! Tensor constructors and the drivers that feed a cache prompts and decode steps.
 
-use burn::tensor::{Bool, DType, Device, Tensor, TensorCreationOptions, TensorData};
+use burn::tensor::{Bool, DType, Device, Tensor, TensorData};
 use burn_kernels_core::{AttnOptions, KvCache, ReferenceAttention};
 use burn_kernels_testing::{Dist, compare::to_f32, random_tensor};
 use burn_kvcache::ShadowKvConfig;
 
-pub(super) fn tensor<const D: usize>(
-    values: Vec<f32>,
-    shape: [usize; D],
-    dtype: DType,
-    device: &Device,
-) -> Tensor<D> {
-    let data = TensorData::new(values, shape).convert_dtype(dtype);
-    Tensor::from_data(
-        data,
-        TensorCreationOptions::new(device.clone()).with_dtype(dtype),
-    )
-}
-
-pub(super) fn cpu<const D: usize>(values: Vec<f32>, shape: [usize; D]) -> Tensor<D> {
-    Tensor::from_data(TensorData::new(values, shape), &Device::flex())
-}
+pub(super) use crate::{cpu, tensor};
 
 pub(super) struct Run {
     /// Outputs of the decode calls (after the prefill), flattened.
