@@ -323,6 +323,107 @@ struct Var {
     var: microlp::Variable,
 }
 
+/// The tail's conditionals and, per draft, single-draft SD inside the tail: `p_R = p(.|tail)`,
+/// `q_{k,R}`'s acceptance `min(1, p_R/q_{k,R})`, residual `norm(max(p_R - q_{k,R}, 0))` and
+/// acceptance probability `gamma_k = sum min(p_R, q_{k,R})` (0 where draft `k` never hits the
+/// tail).
+struct TailSd {
+    p_tail_mass: f64,
+    p_tail: Vec<f64>,
+    accept: Vec<Vec<f64>>,
+    residual: Vec<Vec<f64>>,
+    gamma: Vec<f64>,
+}
+
+impl TailSd {
+    fn new(p: &[f64], qs: &[Vec<f64>], tail: &[usize]) -> Self {
+        let (v, k_drafts) = (p.len(), qs.len());
+        let p_tail_mass: f64 = tail.iter().map(|&t| p[t]).sum();
+        let mut p_tail = vec![0.0; v];
+        for &t in tail {
+            p_tail[t] = p[t] / p_tail_mass;
+        }
+        let mut accept = vec![vec![0.0; v]; k_drafts];
+        let mut residual = vec![p_tail.clone(); k_drafts];
+        let mut gamma = vec![0.0; k_drafts];
+        for (k, q) in qs.iter().enumerate() {
+            let q_tail_mass: f64 = tail.iter().map(|&t| q[t]).sum();
+            if q_tail_mass <= 0.0 {
+                continue;
+            }
+            let mut rest = vec![0.0; v];
+            for &t in tail {
+                let qt = q[t] / q_tail_mass;
+                if qt > 0.0 {
+                    accept[k][t] = (p_tail[t] / qt).min(1.0);
+                }
+                gamma[k] += p_tail[t].min(qt);
+                rest[t] = (p_tail[t] - qt).max(0.0);
+            }
+            residual[k] = normalised_or(rest, &p_tail);
+        }
+        TailSd {
+            p_tail_mass,
+            p_tail,
+            accept,
+            residual,
+            gamma,
+        }
+    }
+}
+
+/// The drafted sets (non-empty masks) with their masses `P(S)` and tail values
+/// `g(S) = E[gamma_{k*} | S]` (`k*` the first tail draft of the pattern's record), by mask.
+fn set_values(
+    patterns: &BTreeMap<(u64, u64), f64>,
+    tracking: TailTracking,
+    gamma: &[f64],
+) -> Vec<(u64, f64, f64)> {
+    let mut sets: BTreeMap<u64, (f64, f64)> = BTreeMap::new();
+    for (&(mask, record), &w) in patterns {
+        if mask == 0 {
+            continue;
+        }
+        let entry = sets.entry(mask).or_insert((0.0, 0.0));
+        entry.0 += w;
+        if let Some(&first) = tracking.drafts(record).first() {
+            entry.1 += w * gamma[first];
+        }
+    }
+    sets.into_iter()
+        .map(|(mask, (mass, g))| (mask, mass, g / mass))
+        .collect()
+}
+
+/// Makes the solver's flows feasible whatever its rounding: scales each set's outflow down to
+/// `P(S)`, then each symbol's inflow down to its capacity.
+fn repair(
+    vars: &[Var],
+    flows: &mut [f64],
+    sets: &[(u64, f64, f64)],
+    symbols: usize,
+    capacity: impl Fn(usize) -> f64,
+) {
+    let mut out_of = vec![0.0; sets.len()];
+    for (x, f) in vars.iter().zip(flows.iter()) {
+        out_of[x.set] += f;
+    }
+    for (x, f) in vars.iter().zip(flows.iter_mut()) {
+        if out_of[x.set] > sets[x.set].1 {
+            *f *= sets[x.set].1 / out_of[x.set];
+        }
+    }
+    let mut into = vec![0.0; symbols];
+    for (x, f) in vars.iter().zip(flows.iter()) {
+        into[x.symbol] += f;
+    }
+    for (x, f) in vars.iter().zip(flows.iter_mut()) {
+        if into[x.symbol] > capacity(x.symbol) {
+            *f *= capacity(x.symbol) / into[x.symbol];
+        }
+    }
+}
+
 /// Builds and solves the (truncated) flow LP, repairs round-off so that the flow is exactly
 /// feasible, and assembles the coupling.
 pub(crate) fn solve(
@@ -332,7 +433,6 @@ pub(crate) fn solve(
     tail: Vec<usize>,
 ) -> Result<Flow> {
     let v = p.len();
-    let k_drafts = qs.len();
     let m = alphabet.len();
     let mut bit_of = vec![None; v];
     for (bit, &y) in alphabet.iter().enumerate() {
@@ -343,50 +443,16 @@ pub(crate) fn solve(
         bit_of[t] = tail_bit;
     }
 
-    // Tail conditionals and the in-tail single-draft SD of each draft.
-    let p_tail_mass: f64 = tail.iter().map(|&t| p[t]).sum();
-    let mut p_tail = vec![0.0; v];
-    for &t in &tail {
-        p_tail[t] = p[t] / p_tail_mass;
-    }
-    let mut tail_accept = vec![vec![0.0; v]; k_drafts];
-    let mut tail_residual = vec![p_tail.clone(); k_drafts];
-    let mut gamma = vec![0.0; k_drafts];
-    for (k, q) in qs.iter().enumerate() {
-        let q_tail_mass: f64 = tail.iter().map(|&t| q[t]).sum();
-        if q_tail_mass <= 0.0 {
-            continue;
-        }
-        let mut rest = vec![0.0; v];
-        for &t in &tail {
-            let qt = q[t] / q_tail_mass;
-            if qt > 0.0 {
-                tail_accept[k][t] = (p_tail[t] / qt).min(1.0);
-            }
-            gamma[k] += p_tail[t].min(qt);
-            rest[t] = (p_tail[t] - qt).max(0.0);
-        }
-        tail_residual[k] = normalised_or(rest, &p_tail);
-    }
-
-    // Set masses P(S) and tail values g(S) = E[gamma_{k*} | S].
+    let TailSd {
+        p_tail_mass,
+        p_tail,
+        accept: tail_accept,
+        residual: tail_residual,
+        gamma,
+    } = TailSd::new(p, qs, &tail);
     let tracking = TailTracking::for_drafts(qs);
     let patterns = pattern_masses(&bit_of, tail_bit, qs, tracking);
-    let mut sets: BTreeMap<u64, (f64, f64)> = BTreeMap::new();
-    for (&(mask, record), &w) in &patterns {
-        if mask == 0 {
-            continue;
-        }
-        let entry = sets.entry(mask).or_insert((0.0, 0.0));
-        entry.0 += w;
-        if let Some(&first) = tracking.drafts(record).first() {
-            entry.1 += w * gamma[first];
-        }
-    }
-    let sets: Vec<(u64, f64, f64)> = sets
-        .into_iter()
-        .map(|(mask, (mass, g))| (mask, mass, g / mass))
-        .collect();
+    let sets = set_values(&patterns, tracking, &gamma);
 
     let capacity = |symbol: usize| {
         if symbol == m {
@@ -443,25 +509,7 @@ pub(crate) fn solve(
             .collect()
     };
 
-    // Repair: scale each set's outflow down to P(S), then each symbol's inflow down to capacity.
-    let mut out_of = vec![0.0; sets.len()];
-    for (x, f) in vars.iter().zip(&flows) {
-        out_of[x.set] += f;
-    }
-    for (x, f) in vars.iter().zip(flows.iter_mut()) {
-        if out_of[x.set] > sets[x.set].1 {
-            *f *= sets[x.set].1 / out_of[x.set];
-        }
-    }
-    let mut into = vec![0.0; m + 1];
-    for (x, f) in vars.iter().zip(&flows) {
-        into[x.symbol] += f;
-    }
-    for (x, f) in vars.iter().zip(flows.iter_mut()) {
-        if into[x.symbol] > capacity(x.symbol) {
-            *f *= capacity(x.symbol) / into[x.symbol];
-        }
-    }
+    repair(&vars, &mut flows, &sets, m + 1, capacity);
 
     let mut table: HashMap<u64, Vec<(Symbol, f64)>> = HashMap::new();
     let mut inflow = vec![0.0; m + 1];
