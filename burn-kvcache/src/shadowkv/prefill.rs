@@ -219,22 +219,7 @@ impl ShadowKvCache {
 
         // Pad the per-sequence pieces to common sizes and stack them.
         let amax = sp.chunks.iter().max().copied().unwrap_or(0) * cs;
-        let a: Vec<Tensor<3>> = a_rows
-            .into_iter()
-            .map(|x| {
-                let rows = x.dims()[0];
-                let x = if rows < amax {
-                    Tensor::cat(
-                        vec![x, Tensor::zeros([amax - rows, rank], (&device, dtype))],
-                        0,
-                    )
-                } else {
-                    x
-                };
-                x.unsqueeze_dim::<3>(0)
-            })
-            .collect();
-        sp.a = Tensor::cat(a, 0);
+        sp.a = stack_rows(a_rows, amax);
         sp.wt = Tensor::cat(wts, 0);
         let cmax = sp.n_land.iter().max().copied().unwrap_or(0);
         let pad_to = |x: Tensor<3>, n: usize, left: bool| -> Tensor<4> {
@@ -248,17 +233,7 @@ impl ShadowKvCache {
             x.unsqueeze_dim::<4>(0)
         };
         sp.landmarks = Tensor::cat(lms.into_iter().map(|x| pad_to(x, cmax, false)).collect(), 0);
-        if sp.n_land.iter().any(|&n| n < cmax) {
-            let mask: Vec<bool> = sp
-                .n_land
-                .iter()
-                .flat_map(|&n| (0..cmax).map(move |c| c >= n))
-                .collect();
-            sp.land_pad = Some(
-                Tensor::<1, Bool>::from_data(TensorData::new(mask, [b * cmax]), &device)
-                    .reshape([b, 1, 1, cmax]),
-            );
-        }
+        sp.land_pad = landmark_padding(&sp.n_land, cmax, &device);
         let wmax = sp.local_len.iter().max().copied().unwrap_or(0);
         let (lk, lv): (Vec<_>, Vec<_>) = locals
             .into_iter()
@@ -331,4 +306,40 @@ fn split_chunks(
         land_ids.push(rest);
     }
     (mean.reshape([h, chunks, d]), out_ids, land_ids)
+}
+
+/// The sequences' `[rows_i, rank]` factors zero-padded to `rows` rows and stacked:
+/// `[batch, rows, rank]`.
+fn stack_rows(parts: Vec<Tensor<2>>, rows: usize) -> Tensor<3> {
+    let a: Vec<Tensor<3>> = parts
+        .into_iter()
+        .map(|x| {
+            let [n, rank] = x.dims();
+            let x = if n < rows {
+                let zeros = Tensor::zeros([rows - n, rank], (&x.device(), x.dtype()));
+                Tensor::cat(vec![x, zeros], 0)
+            } else {
+                x
+            };
+            x.unsqueeze_dim::<3>(0)
+        })
+        .collect();
+    Tensor::cat(a, 0)
+}
+
+/// Which of the `cmax` landmark slots are padding (`[batch, 1, 1, cmax]`, true = hidden), for
+/// sequences with `n_land[i]` landmarks; `None` when every sequence fills them all.
+fn landmark_padding(n_land: &[usize], cmax: usize, device: &Device) -> Option<Tensor<4, Bool>> {
+    if n_land.iter().all(|&n| n >= cmax) {
+        return None;
+    }
+    let mask: Vec<bool> = n_land
+        .iter()
+        .flat_map(|&n| (0..cmax).map(move |c| c >= n))
+        .collect();
+    let b = n_land.len();
+    Some(
+        Tensor::<1, Bool>::from_data(TensorData::new(mask, [b * cmax]), device)
+            .reshape([b, 1, 1, cmax]),
+    )
 }
