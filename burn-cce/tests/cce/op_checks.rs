@@ -71,19 +71,7 @@ pub(super) fn backward_matches_reference(device: &Device) {
             // the entries (sorted) or chunks (unsorted) the host scores say, and nothing else.
             let eps = (k % 2 == 1).then(|| eps_in_gap(&scores));
             let chunk = params(&case, eps).grad_chunk_len(n, case.v, case.d, dtype);
-            let keep: Vec<bool> = match eps {
-                None => vec![true; case.v],
-                Some(eps) if case.sort => scores.iter().map(|&s| s >= eps).collect(),
-                Some(eps) => {
-                    let mut keep = vec![false; case.v];
-                    for v0 in (0..case.v).step_by(chunk) {
-                        let v1 = (v0 + chunk).min(case.v);
-                        let any = scores[v0..v1].iter().any(|&s| s >= eps);
-                        keep[v0..v1].iter_mut().for_each(|x| *x = any);
-                    }
-                    keep
-                }
-            };
+            let keep = kept_entries(&scores, eps, case.sort, chunk);
             let lse_dev = Tensor::<1>::from_data(lse_ref.to_data(), (device, DType::F32));
             let dout_dev =
                 Tensor::<1>::from_data(TensorData::new(dout.clone(), [n]), (device, DType::F32));
@@ -102,26 +90,16 @@ pub(super) fn backward_matches_reference(device: &Device) {
             }
             // The reference with the dropped vocabulary columns' gradient removed: dC rows
             // and db entries of dropped entries are 0, dE lacks their contribution.
-            let mask = Tensor::<1>::from_data(
-                TensorData::new(keep.iter().map(|&k| k as u8 as f32).collect(), [case.v]),
-                &Device::flex(),
-            );
-            let (de_ref, dc_ref, db_ref) =
-                masked_reference_backward(&cpu, lse_ref, &dout, &mask, case.softcap);
             let name = format!("{case:?} {dtype:?} eps={eps:?}");
-            let de_extra = de_roundings(&case, dtype);
-            assert_product_close(
-                &format!("dE {name}"),
-                &de,
-                &de_ref,
-                case.v,
-                (dtype, de_extra),
-                device,
-            );
-            assert_product_close(&format!("dC {name}"), &dc, &dc_ref, n, (dtype, 0), device);
-            if let (Some(db), Some(db_ref)) = (db, db_ref) {
-                assert_product_close(&format!("db {name}"), &db, &db_ref, n, (dtype, 0), device);
-            }
+            let masked = MaskedCheck {
+                case: &case,
+                cpu: &cpu,
+                lse: lse_ref,
+                dout: &dout,
+                keep: &keep,
+                dtype,
+            };
+            masked.assert_matches(&name, (&de, &dc, db.as_ref()), device);
             eprintln!(
                 "backward_matches_reference: case {k} {dtype:?} ok [{:.1} s]",
                 started.elapsed().as_secs_f64()
@@ -222,37 +200,16 @@ pub(super) fn blocked_backward_matches_single_pass(device: &Device) {
             );
 
             let cpu = op_inputs(case, dtype, device).1;
-            let keep: Vec<bool> = match eps {
-                None => vec![true; case.v],
-                Some(eps) if case.sort => scores.iter().map(|&s| s >= eps).collect(),
-                Some(eps) => {
-                    let mut keep = vec![false; case.v];
-                    for v0 in (0..case.v).step_by(blocks.chunk) {
-                        let v1 = (v0 + blocks.chunk).min(case.v);
-                        let any = scores[v0..v1].iter().any(|&s| s >= eps);
-                        keep[v0..v1].iter_mut().for_each(|x| *x = any);
-                    }
-                    keep
-                }
+            let keep = kept_entries(&scores, eps, case.sort, blocks.chunk);
+            let masked = MaskedCheck {
+                case,
+                cpu: &cpu,
+                lse: lse_ref.clone(),
+                dout: &dout,
+                keep: &keep,
+                dtype,
             };
-            let mask = Tensor::<1>::from_data(
-                TensorData::new(keep.iter().map(|&k| k as u8 as f32).collect(), [case.v]),
-                &Device::flex(),
-            );
-            let (de_ref, dc_ref, db_ref) =
-                masked_reference_backward(&cpu, lse_ref.clone(), &dout, &mask, case.softcap);
-            assert_product_close(
-                &format!("dE {name}"),
-                &de,
-                &de_ref,
-                case.v,
-                (dtype, de_extra),
-                device,
-            );
-            assert_product_close(&format!("dC {name}"), &dc, &dc_ref, n, (dtype, 0), device);
-            if let (Some(db), Some(db_ref)) = (db, db_ref) {
-                assert_product_close(&format!("db {name}"), &db, &db_ref, n, (dtype, 0), device);
-            }
+            masked.assert_matches(&name, (&de, &dc, db.as_ref()), device);
         }
     }
 }

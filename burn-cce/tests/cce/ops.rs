@@ -6,6 +6,7 @@ use burn_cce::{CceKernels, LceParams, reference};
 use burn_kernels_testing::{Tolerance, compare::metrics, compare::to_f32};
 
 use super::case::*;
+use super::loss::de_roundings;
 
 /// Backend ops against the tensor-op reference on the same rounded inputs.
 pub(super) struct OpInputs {
@@ -194,4 +195,75 @@ pub(super) fn masked_reference_backward(
         .as_ref()
         .map(|_| to_f32(g.sum_dim(0).reshape([v]).into_data()));
     (de, dc, db)
+}
+
+/// Which vocabulary entries a backward filtered at `eps` processes: all without `eps`; sorted,
+/// the entries whose host score reaches `eps`; unsorted, every entry of a `chunk`-entry chunk
+/// where one does.
+pub(super) fn kept_entries(
+    scores: &[f32],
+    eps: Option<f32>,
+    sorted: bool,
+    chunk: usize,
+) -> Vec<bool> {
+    let v = scores.len();
+    match eps {
+        None => vec![true; v],
+        Some(eps) if sorted => scores.iter().map(|&s| s >= eps).collect(),
+        Some(eps) => {
+            let mut keep = vec![false; v];
+            for v0 in (0..v).step_by(chunk) {
+                let v1 = (v0 + chunk).min(v);
+                let any = scores[v0..v1].iter().any(|&s| s >= eps);
+                keep[v0..v1].iter_mut().for_each(|x| *x = any);
+            }
+            keep
+        }
+    }
+}
+
+/// The reference backward with the dropped entries' gradient removed (their dC rows and db
+/// entries 0, dE without their contribution), for one case's inputs.
+pub(super) struct MaskedCheck<'a> {
+    pub(super) case: &'a Case,
+    pub(super) cpu: &'a OpInputs,
+    pub(super) lse: Tensor<1>,
+    pub(super) dout: &'a [f32],
+    pub(super) keep: &'a [bool],
+    pub(super) dtype: DType,
+}
+
+impl MaskedCheck<'_> {
+    /// Checks an op's `(dE, dC, db)` against the masked reference: dE within the product
+    /// tolerance over the vocabulary plus the case's extra roundings, dC and db over the rows.
+    pub(super) fn assert_matches(
+        self,
+        name: &str,
+        (de, dc, db): (&[f32], &[f32], Option<&Vec<f32>>),
+        device: &Device,
+    ) {
+        let (case, dtype, n) = (self.case, self.dtype, self.dout.len());
+        let mask = Tensor::<1>::from_data(
+            TensorData::new(
+                self.keep.iter().map(|&k| k as u8 as f32).collect(),
+                [case.v],
+            ),
+            &Device::flex(),
+        );
+        let (de_ref, dc_ref, db_ref) =
+            masked_reference_backward(self.cpu, self.lse, self.dout, &mask, case.softcap);
+        let de_extra = de_roundings(case, dtype);
+        assert_product_close(
+            &format!("dE {name}"),
+            de,
+            &de_ref,
+            case.v,
+            (dtype, de_extra),
+            device,
+        );
+        assert_product_close(&format!("dC {name}"), dc, &dc_ref, n, (dtype, 0), device);
+        if let (Some(db), Some(db_ref)) = (db, db_ref) {
+            assert_product_close(&format!("db {name}"), db, &db_ref, n, (dtype, 0), device);
+        }
+    }
 }
