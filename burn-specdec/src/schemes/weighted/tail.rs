@@ -359,8 +359,9 @@ impl<'a> TailProblem<'a> {
 
     /// The best rule (see the module docs: first tail draft, then common `c` by
     /// [`TailProblem::search_c`], then stage rows by [`TailProblem::refine_stages`]), its
-    /// selection rows over the vocabulary (`vocab` entries) and `q~` on the tail tokens. `first_only`: the record keeps only the first tail
-    /// draft, so only the first-draft rule is exact.
+    /// selection rows over the vocabulary (`vocab` entries) and `q~` on the tail tokens.
+    /// `first_only`: the record keeps only the first tail draft, so only the first-draft rule
+    /// is exact.
     pub(crate) fn solve(&self, vocab: usize, first_only: bool) -> (TailSelection, Vec<f64>) {
         let mut best = self.score(TailRule::FirstDraft, Vec::new());
         let any_visit = self.visits.iter().any(|(_, w)| *w > 0.0);
