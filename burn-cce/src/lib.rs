@@ -206,16 +206,7 @@ fn token_spec(
 /// (CubeCL's `bytes_in_use`: every slice whose handle is alive, without page rounding);
 /// `None` elsewhere. See [`track_live_peak`].
 pub fn memory_in_use(device: &Device) -> Option<u64> {
-    #[cfg(feature = "cube")]
-    {
-        let client = burn_kernels_core::route::cube_device(device)?.client();
-        Some(live::bytes_in_use(&client))
-    }
-    #[cfg(not(feature = "cube"))]
-    {
-        let _ = device;
-        None
-    }
+    burn_kernels_core::route::memory_in_use(device)
 }
 
 /// Runs `run` and returns the most device memory in use at once during it beyond what was in

@@ -15,7 +15,7 @@ use std::sync::{Mutex, MutexGuard};
 
 use burn::backend::StreamId;
 use burn_cubecl::tensor::CubeTensor;
-use cubecl::{MemoryScope, client::Client};
+use cubecl::client::Client;
 
 /// The largest reading so far and the step that took it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -122,10 +122,5 @@ pub(crate) fn sample(tensor: &CubeTensor, step: &'static str) {
 
 /// Bytes in use in the memory pools of `client`'s current stream.
 pub(crate) fn bytes_in_use(client: &Client) -> u64 {
-    client
-        .memory_report(MemoryScope::CurrentStream)
-        .streams
-        .iter()
-        .map(|stream| stream.pools.usage().bytes_in_use)
-        .sum()
+    burn_kernels_core::route::bytes_in_use(client)
 }

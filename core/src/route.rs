@@ -58,6 +58,32 @@ pub fn cube_device(_device: &Device) -> Option<burn_cubecl::CubeDevice> {
     None
 }
 
+/// Device memory in use on `device`'s current stream, in bytes (CubeCL's `bytes_in_use`: every
+/// slice whose handle is alive, without page rounding); `None` where `device` is not a CubeCL
+/// device of this build. Work Burn's fusion deferred is not counted until the device is
+/// synchronized. For benchmarks and memory tests.
+pub fn memory_in_use(device: &Device) -> Option<u64> {
+    #[cfg(feature = "cube")]
+    {
+        Some(bytes_in_use(&cube_device(device)?.client()))
+    }
+    #[cfg(not(feature = "cube"))]
+    {
+        let _ = device;
+        None
+    }
+}
+
+/// [`memory_in_use`] of a CubeCL client.
+pub fn bytes_in_use(client: &cubecl::client::Client) -> u64 {
+    client
+        .memory_report(cubecl::MemoryScope::CurrentStream)
+        .streams
+        .iter()
+        .map(|stream| stream.pools.usage().bytes_in_use)
+        .sum()
+}
+
 /// Whether `device` is a CubeCL device of the CUDA runtime.
 pub fn is_cuda(device: &Device) -> bool {
     #[cfg(feature = "cube")]

@@ -20,6 +20,9 @@ use projections::{fused_projections_match_host_products, norm_projections_match_
 #[path = "core/caches.rs"]
 mod caches;
 use caches::{full_cache_decode_equals_one_shot, static_cache_equals_one_shot};
+#[path = "core/attention_grad.rs"]
+mod attention_grad;
+use attention_grad::{fused_attention_gradients_match_reference, fused_attention_keeps_no_scores};
 
 fn host<const D: usize>(v: &[f32], shape: [usize; D], device: &Device) -> Tensor<D> {
     Tensor::from_data(TensorData::new(v.to_vec(), shape), device)
@@ -292,7 +295,10 @@ testgen! {
         fused_projections_match_host_products,
         norm_projections_match_composition,
     ],
-    autodiff: [],
+    autodiff: [
+        fused_attention_gradients_match_reference,
+        fused_attention_keeps_no_scores,
+    ],
 }
 
 #[test]

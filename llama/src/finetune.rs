@@ -12,13 +12,16 @@ use std::path::{Path, PathBuf};
 use burn::module::Module;
 use burn::optim::{AdamWConfig, GradientsAccumulator, GradientsParams};
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};
-use burn_kernels_core::{AttentionImpl, FullKvCache, SamplingConfig};
+use burn_kernels_core::{
+    AttentionImpl, BurnAttention, FullKvCache, ReferenceAttention, SamplingConfig,
+};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use serde::{Deserialize, Serialize};
 
 use crate::config::LlamaConfig;
 use crate::generate::{GenerateOptions, generate};
 use crate::model::Llama;
+use crate::precision::Precision;
 use crate::train::{LossKind, next_token_loss, soft_label_loss};
 
 /// What went wrong in a training run.
@@ -65,6 +68,34 @@ pub struct TrainConfig {
     /// its objective.
     #[serde(default)]
     pub soft_labels: bool,
+    /// The precision of the forward and backward ([`Precision::Bf16`]: bf16 compute, f32 master
+    /// weights and optimizer state); the checkpointed weights stay f32 either way.
+    #[serde(default)]
+    pub precision: Precision,
+}
+
+/// The attention of a training step (`finetune --attention`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum TrainAttention {
+    /// Burn's attention op: on a CubeCL device its fused kernels, whose backward recomputes the
+    /// probabilities from each query's saved log-sum-exp (FlashAttention-2 style; saved state
+    /// O(batch · heads · seq)); grouped K/V heads read in place. The decomposed attention where
+    /// Burn has no fused backward (the CPU, key-padding masks).
+    #[default]
+    Fused,
+    /// The decomposed f32 reference, which saves the `batch · heads · seq²` scores and
+    /// probabilities for the backward.
+    Reference,
+}
+
+impl TrainAttention {
+    /// The implementation.
+    pub fn build(self) -> Box<dyn AttentionImpl> {
+        match self {
+            TrainAttention::Fused => Box::new(BurnAttention),
+            TrainAttention::Reference => Box::new(ReferenceAttention),
+        }
+    }
 }
 
 impl Default for TrainConfig {
@@ -82,6 +113,7 @@ impl Default for TrainConfig {
             val_windows: 16,
             seed: 0,
             soft_labels: false,
+            precision: Precision::F32,
         }
     }
 }
@@ -241,7 +273,7 @@ pub fn validation_loss(
     attention: &dyn AttentionImpl,
     kind: LossKind,
 ) -> Result<f64, TrainError> {
-    let inner = model.valid();
+    let inner = cfg.precision.compute_view(&model.valid());
     let device = inner.embed.val().device();
     let n = cfg.val_windows.max(1);
     let mut total = 0.0;
@@ -331,9 +363,12 @@ pub fn train(
                 TensorData::new(ids, [cfg.batch, cfg.seq + 1]),
                 &device,
             );
+            // f32: the model itself; bf16: its parameters cast inside the graph, so the
+            // gradients below reach the f32 master parameters (crate::precision).
+            let view = cfg.precision.compute_view(&model);
             let loss = match teacher {
-                Some(teacher) => soft_label_loss(&model, teacher, tokens, attention, val_attention),
-                None => next_token_loss(&model, tokens, attention, kind, -100)?,
+                Some(teacher) => soft_label_loss(&view, teacher, tokens, attention, val_attention),
+                None => next_token_loss(&view, tokens, attention, kind, -100)?,
             };
             loss_sum += loss.clone().into_scalar::<f64>();
             // Mean over micro-batches: each one's gradient is scaled before they are summed.

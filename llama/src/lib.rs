@@ -17,6 +17,7 @@ pub mod loader;
 pub mod model;
 pub mod names;
 pub mod passkey;
+pub mod precision;
 pub mod spec;
 pub mod tokenizer;
 pub mod train;

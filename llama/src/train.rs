@@ -128,7 +128,13 @@ pub fn soft_label_loss(
     let p = Tensor::<3>::from_inner(p);
     let mut cache = FullKvCache::new(student.config.num_layers);
     let hidden = student.forward(inputs, &[], &mut cache, attention);
-    let log_q = log_softmax(student.logits(hidden), 2);
+    // A bf16 student (mixed precision) scores against the teacher's f32 distributions in f32.
+    let logits = student.logits(hidden);
+    let logits = match logits.dtype() == p.dtype() {
+        true => logits,
+        false => logits.cast(p.dtype()),
+    };
+    let log_q = log_softmax(logits, 2);
     let cross = (p * log_q).sum().neg();
     (cross + neg_entropy) / (b * (s - 1)) as f32
 }

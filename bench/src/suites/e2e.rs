@@ -1,8 +1,9 @@
 //! End to end, part 1: one fine-tuning step (forward, loss, backward, AdamW update) of a
-//! random-weight SmolLM2-135M-shaped model (f32), with Cut Cross-Entropy and with Burn's plain
-//! loss: step time and peak memory at growing batch sizes. The plain loss holds the logits
-//! (`batch · seq · 49152` values) and their gradient, CCE does not, so the gap grows with the
-//! batch. Generation with the inference features is part 2, [`super::generate`]
+//! random-weight SmolLM2-135M-shaped model, with Cut Cross-Entropy and with Burn's plain loss,
+//! the decomposed attention or Burn's fused one, in f32 or bf16 mixed precision: step time and
+//! peak memory at growing batch sizes. The plain loss holds the logits (`batch · seq · 49152`
+//! values) and their gradient, CCE does not; the decomposed attention saves `batch · 9 · seq²`
+//! scores per layer for the backward, the fused one a log-sum-exp per query and head. Generation with the inference features is part 2, [`super::generate`]
 //! (`e2e-generate`, which `--suite e2e` runs too).
 //!
 //! FLOPs: ~6 · parameters · tokens for the model (the 28M-parameter embedding counted once, as
@@ -10,12 +11,15 @@
 
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{DType, Int, Tensor, TensorData};
-use burn_kernels_core::ReferenceAttention;
+use burn_llama::finetune::TrainAttention;
+use burn_llama::precision::Precision;
 use burn_llama::train::{LossKind, next_token_loss};
 use burn_llama::{Llama, LlamaConfig};
 use serde_json::json;
 
-use super::SuiteOptions;
+use std::path::{Path, PathBuf};
+
+use super::{SuiteOptions, run_python_peer};
 use crate::harness::{Candidate, Problem, Suite, params};
 
 pub fn suite(opts: SuiteOptions) -> Suite {
@@ -33,13 +37,18 @@ pub fn suite(opts: SuiteOptions) -> Suite {
     };
     let problems = batches
         .iter()
-        .map(|&b| problem(cfg.clone(), b, seq))
+        .map(|&b| {
+            let peers = (!opts.quick).then(|| opts.peers_dir.clone());
+            problem(cfg.clone(), b, seq, peers)
+        })
         .collect();
     Suite {
         name: "e2e",
         description: "fine-tuning step (forward, loss, backward, AdamW) of a random-weight \
-                      SmolLM2-135M shape in f32, reference attention: Cut Cross-Entropy vs \
-                      Burn's plain loss; peak MB = bytes one step allocates exact-size",
+                      SmolLM2-135M shape: Cut Cross-Entropy vs Burn's plain loss, the \
+                      decomposed f32 attention vs Burn's fused attention (backward from the \
+                      saved log-sum-exp), f32 vs bf16 mixed precision (f32 master weights); \
+                      peak MB = bytes one step allocates exact-size",
         baseline: "plain loss",
         problems,
         measure_memory: true,
@@ -47,7 +56,23 @@ pub fn suite(opts: SuiteOptions) -> Suite {
     }
 }
 
-fn problem(cfg: LlamaConfig, batch: usize, seq: usize) -> Problem {
+/// The candidates of a step: name, loss, attention, precision. The baseline is the step as the
+/// example trained before fused attention (plain loss, the decomposed f32 attention, f32).
+type Variant = (&'static str, fn() -> LossKind, TrainAttention, Precision);
+const VARIANTS: [Variant; 6] = [
+    ("cce", LossKind::cce, TrainAttention::Reference, Precision::F32),
+    ("plain loss", plain, TrainAttention::Reference, Precision::F32),
+    ("cce + fused attn", LossKind::cce, TrainAttention::Fused, Precision::F32),
+    ("plain + fused attn", plain, TrainAttention::Fused, Precision::F32),
+    ("cce + fused attn, bf16", LossKind::cce, TrainAttention::Fused, Precision::Bf16),
+    ("plain + fused attn, bf16", plain, TrainAttention::Fused, Precision::Bf16),
+];
+
+fn plain() -> LossKind {
+    LossKind::Plain
+}
+
+fn problem(cfg: LlamaConfig, batch: usize, seq: usize, peers: Option<PathBuf>) -> Problem {
     let tokens = (batch * seq) as f64;
     let (h, v) = (cfg.hidden_size as f64, cfg.vocab_size as f64);
     let per_layer = h * (cfg.num_heads * cfg.head_dim) as f64 * 2.0
@@ -67,9 +92,9 @@ fn problem(cfg: LlamaConfig, batch: usize, seq: usize) -> Problem {
         tokens: Some(tokens),
         setup: Box::new(move |device| {
             let device = device.clone().autodiff();
-            [("cce", LossKind::cce()), ("plain loss", LossKind::Plain)]
-                .into_iter()
-                .map(|(name, kind)| {
+            VARIANTS
+                .iter()
+                .map(|&(name, kind, attention, precision)| {
                     device.seed(0);
                     let model = Llama::random(&cfg, &device, DType::F32);
                     let ids: Vec<i64> = (0..batch * (seq + 1))
@@ -79,14 +104,16 @@ fn problem(cfg: LlamaConfig, batch: usize, seq: usize) -> Problem {
                         TensorData::new(ids, [batch, seq + 1]),
                         &device,
                     );
+                    let attention = attention.build();
                     let mut state = Some((model, AdamWConfig::new().init()));
                     Candidate::timed_here(name, move || {
                         let (model, mut optim) = state.take().expect("state is put back");
+                        let view = precision.compute_view(&model);
                         let loss = next_token_loss(
-                            &model,
+                            &view,
                             tokens.clone(),
-                            &ReferenceAttention,
-                            kind,
+                            attention.as_ref(),
+                            kind(),
                             -100,
                         )
                         .expect("valid tokens");
@@ -95,7 +122,27 @@ fn problem(cfg: LlamaConfig, batch: usize, seq: usize) -> Problem {
                         state = Some((model, optim));
                     })
                 })
+                .chain(peers.iter().flat_map(|dir| torch_peers(dir, batch, seq)))
                 .collect()
         }),
     }
+}
+
+/// The PyTorch fine-tuning step (`peers/train_torch.py`: transformers' Llama, bf16 autocast,
+/// SDPA, fused AdamW) with its own loss and with Liger's and Apple's fused linear cross-entropy.
+fn torch_peers(dir: &Path, batch: usize, seq: usize) -> Vec<Candidate<'static>> {
+    [
+        ("hf", "pytorch bf16 (hf loss)"),
+        ("liger", "pytorch bf16 + liger flce"),
+        ("cce", "pytorch bf16 + apple cce"),
+    ]
+    .into_iter()
+    .map(|(loss, label)| {
+        let script = dir.join("train_torch.py");
+        Candidate::timed_elsewhere(label, move || {
+            let (b, s) = (batch.to_string(), seq.to_string());
+            run_python_peer(&script, &["--batch", &b, "--seq", &s, "--loss", loss])
+        })
+    })
+    .collect()
 }

@@ -19,14 +19,15 @@
 use std::path::{Path, PathBuf};
 
 use burn::tensor::{DType, Device};
-use burn_kernels_core::{BurnAttention, ReferenceAttention};
+use burn_kernels_core::BurnAttention;
 use burn_llama::config::LlamaConfig;
 use burn_llama::finetune::{
-    Corpus, StepLog, TeacherOptions, TrainConfig, read_corpus, teacher_samples, train,
-    validation_loss,
+    Corpus, StepLog, TeacherOptions, TrainAttention, TrainConfig, read_corpus, teacher_samples,
+    train, validation_loss,
 };
 use burn_llama::loader::{Checkpoint, default_model_path, load};
 use burn_llama::model::Llama;
+use burn_llama::precision::Precision;
 use burn_llama::spec::truncated_draft;
 use burn_llama::train::LossKind;
 use clap::{Parser, ValueEnum};
@@ -90,6 +91,13 @@ struct Cli {
     backend: BackendArg,
     #[arg(long, value_enum, default_value = "cce")]
     loss: LossArg,
+    /// The attention of training and validation.
+    #[arg(long, value_enum, default_value_t = TrainAttention::Fused)]
+    attention: TrainAttention,
+    /// The precision of the forward and backward; weights, optimizer state and checkpoints
+    /// stay f32.
+    #[arg(long, value_enum, default_value_t = Precision::F32)]
+    precision: Precision,
     #[arg(long, default_value_t = 200)]
     steps: usize,
     #[arg(long, default_value_t = 4)]
@@ -199,13 +207,15 @@ fn run(cli: &Cli, device: &Device) -> Result<(), String> {
         val_windows: cli.val_windows,
         seed: cli.seed,
         soft_labels: cli.soft_labels,
+        precision: cli.precision,
         ..TrainConfig::default()
     };
     let kind = match cli.loss {
         LossArg::Cce => LossKind::cce(),
         LossArg::Plain => LossKind::Plain,
     };
-    let start_val = validation_loss(&model, &corpus, &cfg, &ReferenceAttention, kind)
+    let attention = cli.attention.build();
+    let start_val = validation_loss(&model, &corpus, &cfg, attention.as_ref(), kind)
         .map_err(|e| e.to_string())?;
     eprintln!(
         "validation before training: loss {start_val:.4}, perplexity {:.2}",
@@ -223,8 +233,8 @@ fn run(cli: &Cli, device: &Device) -> Result<(), String> {
         &cfg,
         kind,
         teacher.as_ref(),
-        &ReferenceAttention,
-        &ReferenceAttention,
+        attention.as_ref(),
+        attention.as_ref(),
         Some((&ckpt_dir, cli.checkpoint_every, cli.resume)),
         |s| {
             bar.set_position(s.step as u64);

@@ -1,0 +1,149 @@
+//! Training through [`BurnAttention`]: on a CubeCL device Burn 0.23's autodiff records its fused
+//! attention (forward with each query's log-sum-exp, a FlashAttention-2 style backward that
+//! recomputes the probabilities) instead of the decomposed one, which saves the `B·H·N²` scores.
+//! Its gradients are checked against [`ReferenceAttention`]'s (f32 tensor ops, differentiated by
+//! Burn's autodiff), and its saved state against the memory the scores would take.
+
+use burn::tensor::{DType, Device, Tensor};
+use burn_kernels_core::route::memory_in_use;
+use burn_kernels_core::{AttentionImpl, AttnOptions, BurnAttention, ReferenceAttention};
+use burn_kernels_testing::compare::{metrics, to_f32};
+use burn_kernels_testing::{Dist, Tolerance, assert_close, float_dtypes, is_cuda, random_tensor};
+
+/// `[batch, q_heads, kv_heads, queries, keys, head_dim, causal]`.
+type Case = (usize, usize, usize, usize, usize, usize, bool);
+
+/// One query and key; primes with grouped heads; unequal queries and keys (bottom-right causal);
+/// a tail past a 64-row tile with SmolLM2's 9 query / 3 key heads; no mask.
+const CASES: [Case; 5] = [
+    (1, 1, 1, 1, 1, 16, true),
+    (2, 4, 2, 37, 37, 32, true),
+    (1, 2, 1, 7, 29, 64, true),
+    (1, 9, 3, 130, 130, 64, true),
+    (2, 3, 3, 41, 41, 32, false),
+];
+
+/// `(out, dQ, dK, dV)` of `attention` on `q, k, v` with the upstream gradient `g`.
+fn gradients(
+    attention: &dyn AttentionImpl,
+    [q, k, v, g]: [&Tensor<4>; 4],
+    opts: &AttnOptions,
+) -> [Vec<f32>; 4] {
+    let (q, k, v) = (
+        q.clone().require_grad(),
+        k.clone().require_grad(),
+        v.clone().require_grad(),
+    );
+    let out = attention.attend(0, q.clone(), k.clone(), v.clone(), opts);
+    let loss = (out.clone().cast(DType::F32) * g.clone()).sum();
+    let grads = loss.backward();
+    let grad = |t: &Tensor<4>| {
+        let grad = t.grad(&grads).expect("a gradient for every input");
+        to_f32(grad.cast(DType::F32).into_data())
+    };
+    [
+        to_f32(out.cast(DType::F32).into_data()),
+        grad(&q),
+        grad(&k),
+        grad(&v),
+    ]
+}
+
+/// Checks `actual` against the f32 reference computed from the same (rounded) inputs. f32 on
+/// Vulkan/wgpu: element-wise within the f32 tolerance of a reduction over the longer sequence
+/// (every gradient sums over queries or keys and head_dim). f32 on CUDA: relative L2 within
+/// TF32's bound, since cubek's attention routines may run f32 products on the matrix units
+/// whatever cubek's matmul setting. 16-bit operands: relative L2 within four roundings of the
+/// dtype (the probabilities and the gradients pass through it).
+fn check(name: &str, actual: &[f32], expected: &[f32], dtype: DType, len: usize, device: &Device) {
+    let rel_bound = match dtype {
+        DType::F32 if !is_cuda(device) => {
+            return assert_close(name, actual, expected, Tolerance::for_reduction(dtype, len));
+        }
+        DType::F32 => burn_kernels_testing::compare::TF32_REL_L2,
+        DType::F16 => 4.0 * 2f64.powi(-11),
+        _ => 4.0 * 2f64.powi(-8),
+    };
+    let m = metrics(actual, expected);
+    assert!(
+        m.non_finite_mismatches == 0 && m.rel_l2 <= rel_bound,
+        "{name}: relative L2 {:.3e} above {rel_bound:.1e}\n  metrics: {m}",
+        m.rel_l2
+    );
+}
+
+/// dQ, dK, dV (and the output) of Burn's attention on an autodiff device against the
+/// decomposed reference's, every float dtype the device runs.
+pub fn fused_attention_gradients_match_reference(device: &Device) {
+    for dtype in float_dtypes(device) {
+        for (i, &(b, hq, hkv, sq, skv, d, causal)) in CASES.iter().enumerate() {
+            let seed = 100 + 10 * i as u64;
+            let make = |shape: [usize; 4], s: u64| {
+                random_tensor(shape, Dist::STANDARD, seed + s, dtype, device)
+            };
+            let q = make([b, hq, sq, d], 0);
+            let k = make([b, hkv, skv, d], 1);
+            let v = make([b, hkv, skv, d], 2);
+            let g = random_tensor([b, hq, sq, d], Dist::STANDARD, seed + 3, DType::F32, device);
+            let opts = AttnOptions {
+                causal,
+                scale: (d as f32).sqrt().recip(),
+                key_padding: None,
+            };
+            eprintln!("case {i} {dtype:?}");
+            let fused = gradients(&BurnAttention, [&q, &k, &v, &g], &opts);
+            eprintln!("case {i} fused done");
+            let reference = gradients(&ReferenceAttention, [&q, &k, &v, &g], &opts);
+            let len = sq.max(skv) * d;
+            for (what, (a, e)) in ["out", "dQ", "dK", "dV"]
+                .iter()
+                .zip(fused.iter().zip(&reference))
+            {
+                let name = format!("{what} {dtype:?} b{b} hq{hq} hkv{hkv} sq{sq} skv{skv} d{d}");
+                check(&name, a, e, dtype, len, device);
+            }
+        }
+    }
+}
+
+/// What a training forward through [`BurnAttention`] keeps for the backward on a CubeCL device:
+/// the output and one log-sum-exp per query, not the `B·H·N²` scores (the decomposed
+/// attention keeps them, and its probabilities, `2·B·H·N²·4` bytes). N = 512, 4 query heads over
+/// 2 key heads: the scores would be 4 MiB; the bound is a quarter of that, above the output's
+/// 256 KiB and the log-sum-exp's 8 KiB. The reference is measured too, to show that the
+/// measurement sees saved scores.
+pub fn fused_attention_keeps_no_scores(device: &Device) {
+    let (b, hq, hkv, n, d) = (1, 4, 2, 512, 32);
+    let make = |shape: [usize; 4], s: u64| {
+        random_tensor(shape, Dist::STANDARD, s, DType::F32, device).require_grad()
+    };
+    let (q, k, v) = (make([b, hq, n, d], 1), make([b, hkv, n, d], 2), make([b, hkv, n, d], 3));
+    let opts = AttnOptions {
+        causal: true,
+        scale: (d as f32).sqrt().recip(),
+        key_padding: None,
+    };
+    let scores = (b * hq * n * n * 4) as u64;
+    let saved = |attention: &dyn AttentionImpl| {
+        let _ = device.sync();
+        let before = memory_in_use(device).expect("a CubeCL device");
+        let out = attention.attend(0, q.clone(), k.clone(), v.clone(), &opts);
+        let _ = device.sync();
+        let after = memory_in_use(device).expect("a CubeCL device");
+        // The output stays alive (with the graph that holds the saved state) until here.
+        let grads = out.sum().backward();
+        assert!(q.grad(&grads).is_some(), "{}: no gradient", attention.name());
+        after.saturating_sub(before)
+    };
+    let fused = saved(&BurnAttention);
+    let reference = saved(&ReferenceAttention);
+    assert!(
+        fused <= scores / 4,
+        "the fused attention's forward kept {fused} B (scores: {scores} B)"
+    );
+    assert!(
+        reference >= scores,
+        "the decomposed attention's forward kept only {reference} B: the measurement does not \
+         see saved scores ({scores} B)"
+    );
+}
