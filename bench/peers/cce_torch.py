@@ -16,7 +16,8 @@ Prints one JSON line: {"times_ms": [...], "peak_mem_mb": x} or {"error": ...}.
 import argparse
 import json
 import math
-import time
+
+from peer_util import time_calls
 
 SHAPES = {"gemma": (8192, 256000, 2304), "smollm2": (8192, 49152, 576), "tiny": (256, 8192, 128)}
 
@@ -91,29 +92,11 @@ def main():
             c.grad = None
             state["loss"].backward(retain_graph=True)
 
-    try:
-        for _ in range(args.warmup):
-            run()
-        torch.cuda.synchronize()
+    def drop_grads():
         e.grad = None
         c.grad = None
-        torch.cuda.empty_cache()
-        before = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        run()
-        torch.cuda.synchronize()
-        peak = (torch.cuda.max_memory_allocated() - before) / 1e6
-        times = []
-        for _ in range(args.reps):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            run()
-            torch.cuda.synchronize()
-            times.append((time.perf_counter() - t0) * 1e3)
-    except Exception as ex:  # e.g. out of memory
-        print(json.dumps({"error": f"{type(ex).__name__}: {str(ex)[:200]}"}))
-        return
-    print(json.dumps({"times_ms": times, "peak_mem_mb": peak}))
+
+    time_calls(torch, run, args.warmup, args.reps, reset=drop_grads)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ import json
 import sys
 import time
 
+from peer_util import import_hf_llama
+
 SHAPES = {
     "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                          num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0, tie_word_embeddings=True),
@@ -37,13 +39,10 @@ def main():
     ap.add_argument("--cuda-graph", action="store_true")
     ap.add_argument("--compile", action="store_true")
     args = ap.parse_args()
-    try:
-        import torch
-        from transformers import LlamaConfig, LlamaForCausalLM
-    except Exception as e:  # the peer is optional: say why it did not run
-        print(json.dumps({"error": f"import failed: {e}"}))
+    hf = import_hf_llama()
+    if hf is None:
         return
-    torch.manual_seed(0)
+    torch, LlamaConfig, LlamaForCausalLM = hf
     torch.set_default_dtype(torch.float16)
     cfg = LlamaConfig(**SHAPES[args.shape], rms_norm_eps=1e-5, max_position_embeddings=8192)
     with torch.device("cuda"):

@@ -9,7 +9,8 @@ the most memory one step allocates beyond what the model and optimizer hold befo
 """
 import argparse
 import json
-import time
+
+from peer_util import import_hf_llama, time_calls
 
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0,
@@ -39,9 +40,11 @@ def loss_fn(args, model, torch, ids):
         return run
     from cut_cross_entropy import linear_cross_entropy
 
+    # Under autocast the final norm returns the f32 residual stream's dtype; Apple's backward
+    # takes 16-bit operands only, so both go in as bf16 (what autocast gives a matmul).
     def run():
-        h = hidden()
-        return linear_cross_entropy(h, model.lm_head.weight.to(h.dtype), targets)
+        h = hidden().to(torch.bfloat16)
+        return linear_cross_entropy(h, model.lm_head.weight.to(torch.bfloat16), targets)
     return run
 
 
@@ -53,13 +56,10 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     args = ap.parse_args()
-    try:
-        import torch
-        from transformers import LlamaConfig, LlamaForCausalLM
-    except Exception as e:  # the peer is optional: say why it did not run
-        print(json.dumps({"error": f"import failed: {e}"}))
+    hf = import_hf_llama()
+    if hf is None:
         return
-    torch.manual_seed(0)
+    torch, LlamaConfig, LlamaForCausalLM = hf
     torch.backends.cuda.matmul.allow_tf32 = True
     cfg = LlamaConfig(**SMOLLM2)
     cfg._attn_implementation = "sdpa"
@@ -80,27 +80,7 @@ def main():
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    try:
-        for _ in range(args.warmup):
-            step()
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        before = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        step()
-        torch.cuda.synchronize()
-        peak = (torch.cuda.max_memory_allocated() - before) / 1e6
-        times = []
-        for _ in range(args.reps):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            step()
-            torch.cuda.synchronize()
-            times.append((time.perf_counter() - t0) * 1e3)
-    except Exception as ex:  # e.g. out of memory
-        print(json.dumps({"error": f"{type(ex).__name__}: {str(ex)[:200]}"}))
-        return
-    print(json.dumps({"times_ms": times, "peak_mem_mb": peak}))
+    time_calls(torch, step, args.warmup, args.reps)
 
 
 if __name__ == "__main__":

@@ -20,8 +20,10 @@ use projections::{fused_projections_match_host_products, norm_projections_match_
 #[path = "core/caches.rs"]
 mod caches;
 use caches::{full_cache_decode_equals_one_shot, static_cache_equals_one_shot};
+#[cfg(feature = "cuda")]
 #[path = "core/attention_grad.rs"]
 mod attention_grad;
+#[cfg(feature = "cuda")]
 use attention_grad::{fused_attention_gradients_match_reference, fused_attention_keeps_no_scores};
 
 fn host<const D: usize>(v: &[f32], shape: [usize; D], device: &Device) -> Tensor<D> {
@@ -295,10 +297,31 @@ testgen! {
         fused_projections_match_host_products,
         norm_projections_match_composition,
     ],
-    autodiff: [
-        fused_attention_gradients_match_reference,
-        fused_attention_keeps_no_scores,
-    ],
+    autodiff: [],
+}
+
+/// Training through Burn's fused attention, on CUDA only: on lavapipe cubek's attention routines
+/// are tuned at their first call whatever Burn's autotune setting, and that tuning hung in
+/// CubeCL's tuner (`Tuner::check_tune` waiting on `Client::exclusive` while the device thread
+/// waits in `block_on`; 2 of 3 runs on 2026-11-28) or met wgpu-core's poll race (the README's
+/// downstream paragraph) — a hang CI cannot afford. Cases 0–2 and the memory test did pass there
+/// once.
+#[cfg(feature = "cuda")]
+mod cuda_training {
+    fn device() -> burn::tensor::Device {
+        burn_kernels_testing::runtimes::exact_f32_matmul();
+        burn::tensor::Device::cuda(0).autodiff()
+    }
+
+    #[test]
+    fn fused_attention_gradients_match_reference() {
+        super::fused_attention_gradients_match_reference(&device());
+    }
+
+    #[test]
+    fn fused_attention_keeps_no_scores() {
+        super::fused_attention_keeps_no_scores(&device());
+    }
 }
 
 #[test]

@@ -194,10 +194,7 @@ fn bad_configuration_is_a_typed_error() {
 }
 
 /// The f32 gradient of the master parameter `p`, flattened.
-fn master_grad<const D: usize>(
-    p: &Tensor<D>,
-    grads: &burn::tensor::Gradients,
-) -> Vec<f32> {
+fn master_grad<const D: usize>(p: &Tensor<D>, grads: &burn::tensor::Gradients) -> Vec<f32> {
     let g = p.grad(grads).expect("a gradient on the master parameter");
     assert_eq!(g.dtype(), DType::F32, "master gradients are f32");
     g.into_data().try_to_vec::<f32>().unwrap()
@@ -220,8 +217,14 @@ fn bf16_mixed_precision_step_follows_f32() {
     let ids: Vec<i64> = (0..2 * 17).map(|i| ((i * 7 + 3) % 61) as i64).collect();
     let tokens = Tensor::<2, Int>::from_data(TensorData::new(ids, [2, 17]), &train_device());
     let grads_of = |view: &Llama| {
-        let loss = next_token_loss(view, tokens.clone(), &ReferenceAttention, LossKind::cce(), -100)
-            .expect("loss");
+        let loss = next_token_loss(
+            view,
+            tokens.clone(),
+            &ReferenceAttention,
+            LossKind::cce(),
+            -100,
+        )
+        .expect("loss");
         let grads = loss.backward();
         vec![
             master_grad(&m.embed.val(), &grads),
@@ -243,9 +246,16 @@ fn bf16_mixed_precision_step_follows_f32() {
             .sum::<f64>()
             .sqrt();
         assert!(nb > 0.0, "parameter {i}: zero f32 gradient");
-        assert!(dot / (na * nb) > 0.999, "parameter {i}: cosine {}", dot / (na * nb));
+        assert!(
+            dot / (na * nb) > 0.999,
+            "parameter {i}: cosine {}",
+            dot / (na * nb)
+        );
         assert!(diff / nb < 3e-2, "parameter {i}: relative L2 {}", diff / nb);
-        assert!(diff > 0.0, "parameter {i}: bf16 gradient equals the f32 one");
+        assert!(
+            diff > 0.0,
+            "parameter {i}: bf16 gradient equals the f32 one"
+        );
     }
     let c = cfg(8);
     let bf16 = TrainConfig {

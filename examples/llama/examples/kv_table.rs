@@ -205,10 +205,14 @@ fn main() {
     println!("\nStart-layer sweep (γ = {}):\n", args.gamma);
     print_table(&starts, base);
 
-    // Merging alone cannot beat L / (unmerged + pairs·(d + 3)/d) even with nothing retained
-    // and nothing pending: a merged pair holds one direction, two magnitudes and a slot per
-    // token and KV head, against 2·d elements unmerged.
-    let d = cfg.head_dim as f64;
+    print_merge_bounds(layers, cfg.head_dim);
+}
+
+/// Merging alone cannot beat L / (unmerged + pairs·(d + 3)/d) even with nothing retained and
+/// nothing pending: a merged pair holds one direction, two magnitudes and a slot per token and
+/// KV head, against 2·d elements unmerged.
+fn print_merge_bounds(layers: usize, head_dim: usize) {
+    let d = head_dim as f64;
     println!("\nUpper bounds of merging alone (nothing retained, nothing pending), f32:\n");
     println!("| start layer | merged pairs | unmerged layers | best compression |");
     println!("|---|---|---|---|");

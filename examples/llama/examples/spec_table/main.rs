@@ -243,7 +243,6 @@ fn run(args: &Args, ckpt: &Checkpoint, device: &Device, attention: &dyn Attentio
     let target = Llama::from_checkpoint(ckpt, device, DType::F32).expect("checkpoint");
     let text = include_str!("../../../../llama/data/paragraph.txt");
     let ids = ckpt.tokenizer.encode(text).expect("tokenize");
-    let ks: Vec<usize> = (1..=args.max_k).collect();
     let started = Instant::now();
 
     if args.exact || args.prompts > 0 {
@@ -283,95 +282,123 @@ fn run(args: &Args, ckpt: &Checkpoint, device: &Device, attention: &dyn Attentio
             eprintln!("total {:.0}s", started.elapsed().as_secs_f64());
             return;
         }
-        eprintln!(
-            "measured: {} prompts of {} tokens ({}), batches of {}, {} new tokens, L = {}, \
-             draft = {draft_name} ({} layers), target T = {}, {} seed(s)",
-            prompts.len(),
-            args.prompt_len,
-            args.corpus.as_ref().map_or_else(
-                || "the paragraph".to_string(),
-                |c| format!("held-out tail of {}", c.display())
-            ),
-            args.batch,
-            args.new_tokens,
-            args.draft_len,
-            draft.layers.len(),
-            args.target_temperature,
-            args.repeats
+        measured_table(
+            args,
+            &target,
+            &draft,
+            &draft_name,
+            &prompts,
+            attention,
+            started,
         );
-        let run = |scheme: Scheme, k: usize, temperature: f32| -> SpecStats {
-            let drafts = vec![
-                Draft::model(
-                    &draft,
-                    SamplingConfig {
-                        temperature,
-                        ..SamplingConfig::default()
-                    }
-                );
-                k
-            ];
-            let mut total = SpecStats::default();
-            for seed in 0..args.repeats {
-                for (i, chunk) in prompts.chunks(args.batch.max(1)).enumerate() {
-                    let opts = SpecOptions {
-                        scheme,
-                        draft_len: args.draft_len,
-                        target_sampling: SamplingConfig {
-                            temperature: args.target_temperature,
-                            ..SamplingConfig::default()
-                        },
-                        max_new_tokens: args.new_tokens,
-                        stop_tokens: Vec::new(),
-                        seed: seed * 1_000_003 + i as u64,
-                    };
-                    let g = speculative_generate(
-                        &target,
-                        &drafts,
-                        chunk,
-                        attention,
-                        &opts,
-                        &mut |_, _| {},
-                    )
-                    .expect("speculative run");
-                    pool(&mut total, &g.stats);
+    }
+    analytic_table(args, &target, &ids, attention, started);
+    eprintln!("total {:.0}s", started.elapsed().as_secs_f64());
+}
+
+/// The measured table: block efficiency of every scheme and K over the prompts, with `draft`.
+fn measured_table(
+    args: &Args,
+    target: &Llama,
+    draft: &Llama,
+    draft_name: &str,
+    prompts: &[Vec<u32>],
+    attention: &dyn AttentionImpl,
+    started: Instant,
+) {
+    let ks: Vec<usize> = (1..=args.max_k).collect();
+    eprintln!(
+        "measured: {} prompts of {} tokens ({}), batches of {}, {} new tokens, L = {}, \
+         draft = {draft_name} ({} layers), target T = {}, {} seed(s)",
+        prompts.len(),
+        args.prompt_len,
+        args.corpus.as_ref().map_or_else(
+            || "the paragraph".to_string(),
+            |c| format!("held-out tail of {}", c.display())
+        ),
+        args.batch,
+        args.new_tokens,
+        args.draft_len,
+        draft.layers.len(),
+        args.target_temperature,
+        args.repeats
+    );
+    let run = |scheme: Scheme, k: usize, temperature: f32| -> SpecStats {
+        let drafts = vec![
+            Draft::model(
+                draft,
+                SamplingConfig {
+                    temperature,
+                    ..SamplingConfig::default()
                 }
-            }
-            eprintln!(
-                "  T={temperature} {:15} K={k}: block efficiency {:.3} ({} blocks), {:.2} tok/s \
-                 (draft {:.1}s, target {:.1}s, verify {:.1}s) [{:.0}s elapsed]",
-                scheme.name(),
-                total.block_efficiency(),
-                total.blocks,
-                total.tokens_per_sec(),
-                total.draft_secs,
-                total.target_secs,
-                total.verify_secs,
-                started.elapsed().as_secs_f64()
             );
-            total
-        };
-        println!(
-            "Measured block efficiency (tokens per target call per sequence), draft: \
-             {draft_name}\n\n{}",
-            header("draft T", &ks).trim_end()
-        );
-        for &t in &args.draft_temperatures {
-            let single = run(Scheme::SingleDraft, 1, t);
-            for name in &args.schemes {
-                let s = scheme(name);
-                let mut row = format!("| {t:.1} | {} |", s.name());
-                for &k in &ks {
-                    let stats = if k == 1 { single.clone() } else { run(s, k, t) };
-                    row.push_str(&format!(" {:.3} |", stats.block_efficiency()));
-                }
-                // Each row as soon as it is measured: a run cut short keeps what it finished.
-                println!("{row}");
+            k
+        ];
+        let mut total = SpecStats::default();
+        for seed in 0..args.repeats {
+            for (i, chunk) in prompts.chunks(args.batch.max(1)).enumerate() {
+                let opts = SpecOptions {
+                    scheme,
+                    draft_len: args.draft_len,
+                    target_sampling: SamplingConfig {
+                        temperature: args.target_temperature,
+                        ..SamplingConfig::default()
+                    },
+                    max_new_tokens: args.new_tokens,
+                    stop_tokens: Vec::new(),
+                    seed: seed * 1_000_003 + i as u64,
+                };
+                let g =
+                    speculative_generate(target, &drafts, chunk, attention, &opts, &mut |_, _| {})
+                        .expect("speculative run");
+                pool(&mut total, &g.stats);
             }
         }
-        println!();
+        eprintln!(
+            "  T={temperature} {:15} K={k}: block efficiency {:.3} ({} blocks), {:.2} tok/s \
+             (draft {:.1}s, target {:.1}s, verify {:.1}s) [{:.0}s elapsed]",
+            scheme.name(),
+            total.block_efficiency(),
+            total.blocks,
+            total.tokens_per_sec(),
+            total.draft_secs,
+            total.target_secs,
+            total.verify_secs,
+            started.elapsed().as_secs_f64()
+        );
+        total
+    };
+    println!(
+        "Measured block efficiency (tokens per target call per sequence), draft: \
+         {draft_name}\n\n{}",
+        header("draft T", &ks).trim_end()
+    );
+    for &t in &args.draft_temperatures {
+        let single = run(Scheme::SingleDraft, 1, t);
+        for name in &args.schemes {
+            let s = scheme(name);
+            let mut row = format!("| {t:.1} | {} |", s.name());
+            for &k in &ks {
+                let stats = if k == 1 { single.clone() } else { run(s, k, t) };
+                row.push_str(&format!(" {:.3} |", stats.block_efficiency()));
+            }
+            // Each row as soon as it is measured: a run cut short keeps what it finished.
+            println!("{row}");
+        }
     }
+    println!();
+}
 
-    // Positions 0 skips the analytic table.
+/// The analytic table: each scheme's acceptance probability per token from the target's and the
+/// truncated drafts' distributions over the paragraph; `--analytic-positions 0` skips it.
+fn analytic_table(
+    args: &Args,
+    target: &Llama,
+    ids: &[u32],
+    attention: &dyn AttentionImpl,
+    started: Instant,
+) {
+    let ks: Vec<usize> = (1..=args.max_k).collect();
     if let Some(stride) = ids.len().checked_div(args.analytic_positions) {
         let layers = if args.analytic_layers.is_empty() {
             vec![args.draft_layers]
@@ -389,11 +416,11 @@ fn run(args: &Args, ckpt: &Checkpoint, device: &Device, attention: &dyn Attentio
             positions.len(),
             args.target_temperature
         );
-        let p = distributions(&target, &ids, &[args.target_temperature], attention).remove(0);
+        let p = distributions(target, ids, &[args.target_temperature], attention).remove(0);
         let mut out = header("draft (layers, T)", &ks);
         for &l in &layers {
-            let draft = truncated_draft(&target, l).expect("draft layers");
-            let qs = distributions(&draft, &ids, &args.draft_temperatures, attention);
+            let draft = truncated_draft(target, l).expect("draft layers");
+            let qs = distributions(&draft, ids, &args.draft_temperatures, attention);
             for (&t, q) in args.draft_temperatures.iter().zip(&qs) {
                 for name in &args.schemes {
                     let s = scheme(name);
@@ -423,5 +450,4 @@ fn run(args: &Args, ckpt: &Checkpoint, device: &Device, attention: &dyn Attentio
         }
         println!("Analytic acceptance probability per token (mean over positions)\n\n{out}");
     }
-    eprintln!("total {:.0}s", started.elapsed().as_secs_f64());
 }

@@ -92,7 +92,7 @@ struct Cli {
     #[arg(long, value_enum, default_value = "cce")]
     loss: LossArg,
     /// The attention of training and validation.
-    #[arg(long, value_enum, default_value_t = TrainAttention::Fused)]
+    #[arg(long, value_enum, default_value_t = TrainAttention::Reference)]
     attention: TrainAttention,
     /// The precision of the forward and backward; weights, optimizer state and checkpoints
     /// stay f32.
