@@ -50,41 +50,14 @@ pub fn linear_cross_entropy<const DE: usize, const DT: usize>(
 ) -> Result<CceOutput, CceError> {
     let e_dims = embeddings.dims();
     let t_dims = targets.dims();
-    let [vocab, c_d] = classifier.dims();
-    if DE < 2 || DT + 1 != DE || t_dims[..] != e_dims[..DE - 1] {
-        return Err(CceError::TargetShapeMismatch {
-            targets: t_dims.to_vec(),
-            embeddings: e_dims.to_vec(),
-        });
-    }
-    let d = e_dims[DE - 1];
-    if c_d != d {
-        return Err(CceError::HiddenSizeMismatch {
-            embeddings: d,
-            classifier: c_d,
-        });
-    }
-    if vocab == 0 {
-        return Err(CceError::EmptyVocabulary);
-    }
-    if let Some(b) = &bias
-        && b.dims() != [vocab]
-    {
-        return Err(CceError::BiasShapeMismatch {
-            bias: b.dims().to_vec(),
-            vocab,
-        });
-    }
-    if let Some(c) = options.softcap
-        && !(c.is_finite() && c > 0.0)
-    {
-        return Err(CceError::InvalidSoftcap(c));
-    }
-    if let crate::FilterEps::Value(v) = options.filter_eps
-        && !(v.is_finite() && v >= 0.0)
-    {
-        return Err(CceError::InvalidFilterEps(v));
-    }
+    let [vocab, _] = classifier.dims();
+    let d = check_inputs(
+        &e_dims,
+        &t_dims,
+        classifier.dims(),
+        bias.as_ref().map(|b| b.dims()),
+        options,
+    )?;
 
     let total: usize = t_dims.iter().product();
     let seq = e_dims[DE - 2].max(1);
@@ -92,32 +65,7 @@ pub fn linear_cross_entropy<const DE: usize, const DT: usize>(
         .to_data()
         .try_into_vec_as::<i64>()
         .expect("targets convert to i64");
-    let mut valid = Vec::with_capacity(total);
-    let mut valid_targets = Vec::with_capacity(total);
-    for pos in 0..total {
-        let target = if options.shift {
-            if pos % seq + 1 < seq {
-                host[pos + 1]
-            } else {
-                continue;
-            }
-        } else {
-            host[pos]
-        };
-        if target == options.ignore_index {
-            continue;
-        }
-        if target < 0 || target as usize >= vocab {
-            let position = if options.shift { pos + 1 } else { pos };
-            return Err(CceError::TargetOutOfRange {
-                position,
-                value: target,
-                vocab,
-            });
-        }
-        valid.push(pos as i64);
-        valid_targets.push(target);
-    }
+    let (valid, valid_targets) = kept_targets(&host, seq, vocab, options)?;
 
     let device = embeddings.device();
     let dtype = embeddings.dtype();
@@ -199,6 +147,93 @@ pub fn linear_cross_entropy<const DE: usize, const DT: usize>(
         loss,
         lse: options.return_lse.then(|| scatter(lse)),
     })
+}
+
+/// The shape and option checks of [`linear_cross_entropy`]; returns the hidden size.
+fn check_inputs(
+    e_dims: &[usize],
+    t_dims: &[usize],
+    [vocab, c_d]: [usize; 2],
+    bias_dims: Option<[usize; 1]>,
+    options: &CceOptions,
+) -> Result<usize, CceError> {
+    if e_dims.len() < 2
+        || t_dims.len() + 1 != e_dims.len()
+        || t_dims[..] != e_dims[..e_dims.len() - 1]
+    {
+        return Err(CceError::TargetShapeMismatch {
+            targets: t_dims.to_vec(),
+            embeddings: e_dims.to_vec(),
+        });
+    }
+    let d = e_dims[e_dims.len() - 1];
+    if c_d != d {
+        return Err(CceError::HiddenSizeMismatch {
+            embeddings: d,
+            classifier: c_d,
+        });
+    }
+    if vocab == 0 {
+        return Err(CceError::EmptyVocabulary);
+    }
+    if let Some(b) = bias_dims
+        && b != [vocab]
+    {
+        return Err(CceError::BiasShapeMismatch {
+            bias: b.to_vec(),
+            vocab,
+        });
+    }
+    if let Some(c) = options.softcap
+        && !(c.is_finite() && c > 0.0)
+    {
+        return Err(CceError::InvalidSoftcap(c));
+    }
+    if let crate::FilterEps::Value(v) = options.filter_eps
+        && !(v.is_finite() && v >= 0.0)
+    {
+        return Err(CceError::InvalidFilterEps(v));
+    }
+    Ok(d)
+}
+
+/// The positions of `host` (flattened targets, rows of `seq`) that are scored, and their
+/// targets: with `options.shift` position `t` is scored against `t + 1` of its row (the last of
+/// a row has none); the ignore index is skipped; a target outside `[0, vocab)` is an error.
+fn kept_targets(
+    host: &[i64],
+    seq: usize,
+    vocab: usize,
+    options: &CceOptions,
+) -> Result<(Vec<i64>, Vec<i64>), CceError> {
+    let total = host.len();
+    let mut valid = Vec::with_capacity(total);
+    let mut valid_targets = Vec::with_capacity(total);
+    for pos in 0..total {
+        let target = if options.shift {
+            if pos % seq + 1 < seq {
+                host[pos + 1]
+            } else {
+                continue;
+            }
+        } else {
+            host[pos]
+        };
+        if target == options.ignore_index {
+            continue;
+        }
+        if target < 0 || target as usize >= vocab {
+            let position = if options.shift { pos + 1 } else { pos };
+            return Err(CceError::TargetOutOfRange {
+                position,
+                value: target,
+                vocab,
+            });
+        }
+        valid.push(pos as i64);
+        valid_targets.push(target);
+    }
+    Ok((valid, valid_targets))
 }
 
 /// [`linear_cross_entropy`] as a loss object: build it once from options, call it in the
