@@ -62,13 +62,16 @@
 //!
 //! [`generate`]: crate::generate::generate
 
+mod block;
 mod cache;
 mod decode;
 mod draft;
+mod rows;
 
 pub use cache::*;
 pub use decode::*;
 pub use draft::*;
+pub use rows::forward_rows;
 
 use burn_kernels_core::SamplingConfig;
 use burn_specdec::{Scheme, SpecDecError};
