@@ -415,28 +415,22 @@ pub fn verify_blocks_kernel<I: Numeric>(
         if !has_mass(sp) {
             flags |= STATUS_BAD_ROW;
         }
-        for i in 0..m {
-            let k = surv[i] as usize;
-            let base = ((b * k_all + k) * l + j) * v;
-            let sq = row_sum(draft, base, lo, hi, &mut red);
-            if !has_mass(sq) {
-                flags |= STATUS_BAD_ROW;
-            }
-            qb[i] = base;
-            qn[i] = sq;
-            // Invalid tokens become V: never accepted, never read.
-            let raw = i32::cast_from(drafts[(b * k_all + k) * l + j]);
-            let mut x = v as u32;
-            if raw >= 0 && (raw as usize) < v {
-                x = raw as u32;
-            }
-            // Invalid token, or zero draft probability (NaN counts as invalid too).
-            let bad = x == v as u32 || draft[base + min(x as usize, v - 1)] <= 0.0;
-            if bad || draft[base + min(x as usize, v - 1)].is_nan() {
-                flags |= STATUS_BAD_TOKEN;
-            }
-            xs[i] = x;
-        }
+        flags |= load_drafts(
+            draft,
+            drafts,
+            &surv,
+            &mut qb,
+            &mut qn,
+            &mut xs,
+            &mut red,
+            b * k_all,
+            l,
+            j,
+            v,
+            lo,
+            hi,
+            m,
+        );
         let pos = Pos {
             v,
             lo,
@@ -509,20 +503,88 @@ pub fn verify_blocks_kernel<I: Numeric>(
     }
 
     if unit == 0 {
-        // Emitted `j + 1` tokens either way; pad the rest.
-        let pad = -1i32;
-        let mut t = j + 1;
-        while t <= l {
-            tokens[b * (l + 1) + t] = I::cast_from(pad);
-            t += 1;
-        }
-        accepted[b] = I::cast_from(j);
-        for k in 0..k_all {
-            survivors[b * k_all + k] = I::cast_from(0u32);
-        }
-        for i in 0..m {
-            survivors[b * k_all + surv[i] as usize] = I::cast_from(1u32);
-        }
-        status[b] = I::cast_from(flags);
+        write_block(
+            tokens, accepted, survivors, status, &surv, b, k_all, l, j, m, flags,
+        );
     }
+}
+
+/// Loads the rows and tokens of the `m` surviving drafts `surv` of sequence `b` (`first` =
+/// `b · K`) at position `j`: each row's offset into `draft` (`qb`) and sum (`qn`, reduced
+/// through `red` by the whole cube), and its token (`xs`; an invalid token becomes `V`: never
+/// accepted, never read). Returns the status flags the rows and tokens raise.
+#[allow(clippy::too_many_arguments)]
+#[cube]
+fn load_drafts<I: Numeric>(
+    draft: &Tensor<f32>,
+    drafts: &Tensor<I>,
+    surv: &Array<u32>,
+    qb: &mut Array<usize>,
+    qn: &mut Array<f32>,
+    xs: &mut Array<u32>,
+    red: &mut Shared<[f32]>,
+    first: usize,
+    l: usize,
+    j: usize,
+    v: usize,
+    lo: usize,
+    hi: usize,
+    m: usize,
+) -> u32 {
+    let mut flags = 0u32;
+    for i in 0..m {
+        let k = surv[i] as usize;
+        let base = ((first + k) * l + j) * v;
+        let sq = row_sum(draft, base, lo, hi, red);
+        if !has_mass(sq) {
+            flags |= STATUS_BAD_ROW;
+        }
+        qb[i] = base;
+        qn[i] = sq;
+        let raw = i32::cast_from(drafts[(first + k) * l + j]);
+        let mut x = v as u32;
+        if raw >= 0 && (raw as usize) < v {
+            x = raw as u32;
+        }
+        // Invalid token, or zero draft probability (NaN counts as invalid too).
+        let bad = x == v as u32 || draft[base + min(x as usize, v - 1)] <= 0.0;
+        if bad || draft[base + min(x as usize, v - 1)].is_nan() {
+            flags |= STATUS_BAD_TOKEN;
+        }
+        xs[i] = x;
+    }
+    flags
+}
+
+/// Writes sequence `b`'s outcome (one unit): `j + 1` emitted tokens are in place, the rest of
+/// its `L + 1` are padded with -1; the accepted count, the survivor mask and the status flags.
+#[allow(clippy::too_many_arguments)]
+#[cube]
+fn write_block<I: Numeric>(
+    tokens: &mut Tensor<I>,
+    accepted: &mut Tensor<I>,
+    survivors: &mut Tensor<I>,
+    status: &mut Tensor<I>,
+    surv: &Array<u32>,
+    b: usize,
+    k_all: usize,
+    l: usize,
+    j: usize,
+    m: usize,
+    flags: u32,
+) {
+    let pad = -1i32;
+    let mut t = j + 1;
+    while t <= l {
+        tokens[b * (l + 1) + t] = I::cast_from(pad);
+        t += 1;
+    }
+    accepted[b] = I::cast_from(j);
+    for k in 0..k_all {
+        survivors[b * k_all + k] = I::cast_from(0u32);
+    }
+    for i in 0..m {
+        survivors[b * k_all + surv[i] as usize] = I::cast_from(1u32);
+    }
+    status[b] = I::cast_from(flags);
 }
