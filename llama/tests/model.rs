@@ -210,6 +210,30 @@ fn decode_kernels_match_cpu(device: &Device) {
     }
 }
 
+/// Captured steps up to the cache's capacity run; the next one is refused with the sizes, and
+/// nothing runs.
+fn captured_decode_stops_at_capacity(
+    model: &Llama,
+    attention: &dyn AttentionImpl,
+    prompts: &[Vec<u32>],
+) {
+    let (mut decoder, _) =
+        CapturedDecoder::prefill(model, attention, prompts, 2).expect("valid prompts");
+    let capacity = decoder.info().capacity;
+    for _ in 0..2 {
+        decoder
+            .step(&[1, 2, 3])
+            .expect("a step within the capacity");
+    }
+    assert_eq!(decoder.len(), capacity);
+    match decoder.step(&[1, 2, 3]) {
+        Err(GenerateError::ContextTooLong { needed, max, .. }) => {
+            assert_eq!((needed, max), (capacity + 1, capacity));
+        }
+        other => panic!("a step past the capacity: {:?}", other.map(|t| t.dims())),
+    }
+}
+
 /// Greedy generation with the decode step captured once and replayed (a CUDA graph on CUDA, the
 /// step re-run elsewhere) gives the eager path's tokens: one prompt, and three of different
 /// lengths (the shorter left-padded), over 64 steps (5 on lavapipe), the decode kernels (fused
@@ -354,22 +378,7 @@ fn captured_decode_matches_eager(device: &Device) {
         want = eager_last(hidden);
     }
 
-    // Steps up to the capacity run; the next one is refused with the sizes, and nothing runs.
-    let (mut decoder, _) =
-        CapturedDecoder::prefill(&model, attention.as_ref(), prompts, 2).expect("valid prompts");
-    let capacity = decoder.info().capacity;
-    for _ in 0..2 {
-        decoder
-            .step(&[1, 2, 3])
-            .expect("a step within the capacity");
-    }
-    assert_eq!(decoder.len(), capacity);
-    match decoder.step(&[1, 2, 3]) {
-        Err(GenerateError::ContextTooLong { needed, max, .. }) => {
-            assert_eq!((needed, max), (capacity + 1, capacity));
-        }
-        other => panic!("a step past the capacity: {:?}", other.map(|t| t.dims())),
-    }
+    captured_decode_stops_at_capacity(&model, attention.as_ref(), prompts);
 }
 
 testgen! {
