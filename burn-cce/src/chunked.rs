@@ -49,22 +49,20 @@
 //! [`last_backward_plan`], [`time_backward_phases`] and the live-memory readings are kept per
 //! stream, not per thread, for that reason.
 
-use burn::backend::{
-    Backend,
-    ops::{FloatTensorOps, IntTensorOps},
-};
-use burn::tensor::{DType, Device, FloatDType, Shape, Slice, TensorData, read_sync};
+use burn::backend::ops::{FloatTensorOps, IntTensorOps};
+use burn::tensor::{DType, FloatDType, Shape, Slice, TensorData, read_sync};
 use burn_cubecl::{CubeBackend, CubeDevice, tensor::CubeTensor};
 use std::ops::Range;
 
 use crate::blocks::row_ranges;
 pub use crate::blocks::{BackwardBlocks, DeAccumulation};
+use crate::diagnostics::{LAST_PLAN, PhaseClock, PlanStats};
 use crate::gemm::{cast, dims2, matmul_to};
 use crate::kernels::{
     accumulate::add_rows, grad::grad_chunk, indexed_dot::indexed_dot, lse_chunk::lse_chunk,
     scatter::add_rows_at, score,
 };
-use crate::live::{self, PerStream};
+use crate::live;
 use crate::{GemmStrategy, LceParams};
 
 type Cb = CubeBackend;
@@ -276,74 +274,6 @@ impl Part {
     }
 }
 
-/// Counts of the backward's vocabulary plan, for logs and benchmarks.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct PlanStats {
-    /// Vocabulary entries whose gradient was computed.
-    pub entries: usize,
-    /// Chunks processed.
-    pub chunks: usize,
-    /// Row blocks of dE's second pass (0: dE was accumulated in the vocabulary pass).
-    pub de_row_blocks: usize,
-}
-
-static LAST_PLAN: PerStream<PlanStats> = PerStream::new();
-static PHASES: PerStream<BackwardPhases> = PerStream::new();
-
-/// The plan of the last chunked backward run for this thread's stream (for benchmarks, tests
-/// and logs). Under Burn's fusion the backward runs when its outputs are read or the device
-/// synchronizes: read the plan after that.
-pub fn last_backward_plan() -> Option<PlanStats> {
-    LAST_PLAN.get()
-}
-
-/// Wall time of the chunked backward's passes, ms, each ended by a device synchronization.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct BackwardPhases {
-    /// The scoring pass (recomputed logits, per-entry scores read back, the plan).
-    pub scoring_ms: f64,
-    /// The vocabulary pass: dC, and dE where it is accumulated there.
-    pub vocabulary_ms: f64,
-    /// dE's second pass over row blocks ([`DeAccumulation::RowBlocks`]), else 0.
-    pub de_pass_ms: f64,
-}
-
-/// Runs `run` with the chunked backward timing its passes (it synchronizes the device between
-/// them, which the untimed backward does not) and returns the last backward's phases, if one
-/// ran on this thread's stream. `device` is synchronized at the end of `run`, inside the
-/// timing, so that a backward Burn's fusion deferred runs there. For benchmarks.
-pub fn time_backward_phases(device: &Device, run: impl FnOnce()) -> Option<BackwardPhases> {
-    PHASES.replace(Some(BackwardPhases::default()));
-    run();
-    let _ = device.sync();
-    PHASES
-        .replace(None)
-        .filter(|p| p.scoring_ms + p.vocabulary_ms > 0.0)
-}
-
-/// Marks the end of a backward pass when phases are timed: synchronizes `device` and records
-/// the time since the previous mark in the field `pick` selects.
-struct PhaseClock(Option<std::time::Instant>);
-
-impl PhaseClock {
-    fn start(device: &CubeDevice) -> Self {
-        let on = PHASES.get().is_some();
-        Self(on.then(|| {
-            let _ = Cb::sync(device);
-            std::time::Instant::now()
-        }))
-    }
-
-    fn lap(&mut self, device: &CubeDevice, pick: fn(&mut BackwardPhases) -> &mut f64) {
-        if let Some(t0) = self.0 {
-            let _ = Cb::sync(device);
-            let ms = t0.elapsed().as_secs_f64() * 1e3;
-            PHASES.update(|phases| *pick(phases) = ms);
-            self.0 = Some(std::time::Instant::now());
-        }
-    }
-}
-
 /// A zero matrix without row padding. CubeCL's CUDA runtime gives a new 2-D tensor rows pitched
 /// to 512 bytes: SmolLM2's bf16 rows of 576 values (1152 bytes) would take 1536, a third more
 /// for dE and dC (H100, 2026-11-26). A 1-D allocation is not pitched, and its reshape is a view.
@@ -352,6 +282,223 @@ fn dense_zeros([rows, cols]: [usize; 2], dtype: DType, device: &CubeDevice) -> C
         zeros([rows * cols], dtype, device),
         Shape::new([rows, cols]),
     )
+}
+
+/// The inputs of the backward's passes.
+struct Backward<'a> {
+    e: &'a CubeTensor,
+    c: &'a CubeTensor,
+    bias: &'a Option<CubeTensor>,
+    targets: &'a CubeTensor,
+    lse: &'a CubeTensor,
+    dout: &'a CubeTensor,
+    params: &'a LceParams,
+}
+
+impl Backward<'_> {
+    /// `G` of one chunk: the logits of `e_rows` (rows `row0..` of `e`) against `c_chunk`
+    /// (entries `ids`, or from `v0` when natural), turned into the loss's gradient. The live
+    /// memory is read (`g_step`) while the logits and `G` are both alive, the chunk's peak.
+    fn g(
+        &self,
+        e_rows: CubeTensor,
+        c_chunk: &CubeTensor,
+        (ids, v0): (Option<CubeTensor>, usize),
+        row0: usize,
+        gemm: GemmStrategy,
+        [logits_step, g_step]: [&'static str; 2],
+    ) -> CubeTensor {
+        let p = self.params;
+        let logits = matmul_to(
+            e_rows,
+            transpose(c_chunk.clone()),
+            DType::F32,
+            gemm,
+            p.tf32,
+            logits_step,
+        );
+        let g = grad_chunk(
+            logits.clone(),
+            self.bias.clone(),
+            self.lse.clone(),
+            self.dout.clone(),
+            self.targets.clone(),
+            ids,
+            v0,
+            row0,
+            p.softcap,
+            self.e.dtype,
+        );
+        live::sample(&g, g_step);
+        drop(logits);
+        g
+    }
+
+    /// The scoring pass (when filtering) and the vocabulary plan; whether dE takes the second
+    /// pass over row blocks.
+    fn plan(&self, blocks: &BackwardBlocks, n: usize, vocab: usize, d: usize) -> (Vec<Plan>, bool) {
+        let p = self.params;
+        let scored = p.filter_eps.map(|eps| {
+            let chunk = p.chunk_len(n, vocab, d, self.e.dtype);
+            let (e, c) = (self.e, self.c);
+            (
+                scores(
+                    e,
+                    c,
+                    self.bias,
+                    self.targets,
+                    self.lse,
+                    chunk,
+                    p.softcap,
+                    p.gemm,
+                    p.tf32,
+                ),
+                eps,
+            )
+        });
+        let plan = plan(
+            scored.as_ref().map(|(s, eps)| (s.as_slice(), *eps)),
+            vocab,
+            blocks.chunk,
+            p.sort_vocab,
+        );
+        let two_pass = blocks.de == DeAccumulation::RowBlocks && !plan.is_empty();
+        let stats = PlanStats {
+            entries: plan
+                .iter()
+                .map(|p| match p {
+                    Plan::Natural(r) => r.len(),
+                    Plan::Gathered(ids) => ids.len(),
+                })
+                .sum(),
+            chunks: plan.len(),
+            de_row_blocks: if two_pass { n.div_ceil(blocks.rows) } else { 0 },
+        };
+        log::debug!("burn-cce backward: {stats:?} of {vocab} entries, {blocks:?}");
+        LAST_PLAN.replace(Some(stats));
+        (plan, two_pass)
+    }
+
+    /// The vocabulary pass: per plan chunk, `G`, its dC rows (and db), and `G · C_chunk` added
+    /// into `de_target` when dE is accumulated here.
+    fn vocabulary_pass(
+        &self,
+        plan: &[Plan],
+        rows_per_block: usize,
+        de_target: Option<&CubeTensor>,
+        mut dc: CubeTensor,
+        mut db: Option<CubeTensor>,
+    ) -> (CubeTensor, Option<CubeTensor>) {
+        let (p, e) = (self.params, self.e);
+        let [n, d] = dims2(e);
+        let vocab = dims2(self.c)[0];
+        for plan_part in plan {
+            let part = Part::new(plan_part, self.targets);
+            let (c_chunk, ids, v0) = part.classifier_rows(self.c);
+            live::sample(&c_chunk, "classifier rows");
+            let g = self.g(e.clone(), &c_chunk, (ids, v0), 0, p.gemm, ["logits", "G"]);
+            if let Some(target) = de_target {
+                for rows in row_ranges(n, rows_per_block) {
+                    let g_rows = rows_of(g.clone(), rows.clone());
+                    let product = matmul_to(
+                        g_rows,
+                        c_chunk.clone(),
+                        DType::F32,
+                        p.gemm,
+                        p.tf32,
+                        "dE product",
+                    );
+                    add_rows(target, product, rows.start);
+                }
+            }
+            let dc_chunk = matmul_to(
+                transpose(g.clone()),
+                e.clone(),
+                dc.dtype,
+                p.gemm,
+                p.tf32,
+                "dC chunk",
+            );
+            let db_chunk = db.as_ref().map(|_| {
+                let [_, len] = dims2(&g);
+                let g32 = cast(g.clone(), DType::F32);
+                live::sample(&g32, "G f32");
+                let sum = Cb::float_reshape(Cb::float_sum_dim(g32.clone(), 0), Shape::new([len]));
+                live::sample(&sum, "db chunk");
+                sum
+            });
+            match part {
+                Part::Natural(range) => {
+                    dc = Cb::float_slice_assign(
+                        dc,
+                        &[Slice::from(range.clone()), Slice::from(0..d)],
+                        dc_chunk,
+                    );
+                    db = db.zip(db_chunk).map(|(db, x)| {
+                        Cb::float_slice_assign(db, &[Slice::from(range.clone())], x)
+                    });
+                }
+                Part::Gathered(ids) => {
+                    // In place, one unit per value (Burn's select_assign would round-trip all of
+                    // a half-precision dC through f32 per chunk; see kernels::scatter).
+                    add_rows_at(&dc, dc_chunk, (*ids).clone());
+                    if let (Some(db), Some(x)) = (&db, db_chunk) {
+                        let len = dims1(&x);
+                        let column =
+                            |t: CubeTensor, rows| Cb::float_reshape(t, Shape::new([rows, 1]));
+                        add_rows_at(&column(db.clone(), vocab), column(x, len), *ids);
+                    }
+                }
+            }
+            live::sample(&dc, "dC chunk written");
+        }
+        (dc, db)
+    }
+
+    /// dE's second pass ([`DeAccumulation::RowBlocks`]): per block of rows, `G · C_chunk` of
+    /// every kept chunk summed in an f32 accumulator, added into `de` once.
+    fn de_pass(&self, plan: &[Plan], blocks: &BackwardBlocks, de: &CubeTensor) {
+        let gemm = self.params.gemm.for_row_blocks();
+        let [n, _] = dims2(self.e);
+        let parts: Vec<Part> = regroup(plan, blocks.pass2_chunk)
+            .iter()
+            .map(|p| Part::new(p, self.targets))
+            .collect();
+        for rows in row_ranges(n, blocks.rows) {
+            let e_rows = rows_of(self.e.clone(), rows.clone());
+            let mut block_acc: Option<CubeTensor> = None;
+            for part in &parts {
+                let (c_chunk, ids, v0) = part.classifier_rows(self.c);
+                live::sample(&c_chunk, "dE pass: classifier rows");
+                let g = self.g(
+                    e_rows.clone(),
+                    &c_chunk,
+                    (ids, v0),
+                    rows.start,
+                    gemm,
+                    ["dE pass: logits", "dE pass: G"],
+                );
+                let product = matmul_to(
+                    g,
+                    c_chunk,
+                    DType::F32,
+                    gemm,
+                    self.params.tf32,
+                    "dE pass: product",
+                );
+                block_acc = Some(match block_acc {
+                    None => product,
+                    Some(block_acc) => {
+                        add_rows(&block_acc, product, 0);
+                        block_acc
+                    }
+                });
+            }
+            if let Some(block_acc) = block_acc {
+                add_rows(de, block_acc, rows.start);
+            }
+        }
+    }
 }
 
 /// See [`crate::CceKernels::linear_ce_backward`] (`bias`: see
@@ -373,43 +520,16 @@ pub fn backward(
     let (e_dtype, c_dtype) = (e.dtype, c.dtype);
     let blocks = BackwardBlocks::new(params, n, vocab, d, e_dtype);
     let mut clock = PhaseClock::start(&device);
-
-    let scored = params.filter_eps.map(|eps| {
-        (
-            scores(
-                &e,
-                &c,
-                &bias,
-                &targets,
-                &lse,
-                params.chunk_len(n, vocab, d, e_dtype),
-                params.softcap,
-                params.gemm,
-                params.tf32,
-            ),
-            eps,
-        )
-    });
-    let plan = plan(
-        scored.as_ref().map(|(s, eps)| (s.as_slice(), *eps)),
-        vocab,
-        blocks.chunk,
-        params.sort_vocab,
-    );
-    let two_pass = blocks.de == DeAccumulation::RowBlocks && !plan.is_empty();
-    let stats = PlanStats {
-        entries: plan
-            .iter()
-            .map(|p| match p {
-                Plan::Natural(r) => r.len(),
-                Plan::Gathered(ids) => ids.len(),
-            })
-            .sum(),
-        chunks: plan.len(),
-        de_row_blocks: if two_pass { n.div_ceil(blocks.rows) } else { 0 },
+    let pass = Backward {
+        e: &e,
+        c: &c,
+        bias: &bias,
+        targets: &targets,
+        lse: &lse,
+        dout: &dout,
+        params,
     };
-    log::debug!("burn-cce backward: {stats:?} of {vocab} entries, {blocks:?}");
-    LAST_PLAN.replace(Some(stats));
+    let (plan, two_pass) = pass.plan(&blocks, n, vocab, d);
     clock.lap(&device, |p| &mut p.scoring_ms);
 
     // dE is allocated once and written in place: no `N × D` temporaries beside it, except the
@@ -421,153 +541,21 @@ pub fn backward(
     if let Some(t) = de.as_ref().or(acc.as_ref()) {
         live::sample(t, "dE");
     }
-    let mut dc = dense_zeros([vocab, d], c_dtype, &device);
-    let mut db = bias.as_ref().map(|_| zeros([vocab], DType::F32, &device));
+    let dc = dense_zeros([vocab, d], c_dtype, &device);
+    let db = bias.as_ref().map(|_| zeros([vocab], DType::F32, &device));
     live::sample(&dc, "gradients");
     // The vocabulary pass's dE target, when dE is accumulated there.
     let de_target = match blocks.de {
-        DeAccumulation::Direct => de.clone(),
-        DeAccumulation::Whole => acc.clone(),
+        DeAccumulation::Direct => de.as_ref(),
+        DeAccumulation::Whole => acc.as_ref(),
         DeAccumulation::RowBlocks => None,
     };
-
-    for plan_part in &plan {
-        let part = Part::new(plan_part, &targets);
-        let (c_chunk, ids, v0) = part.classifier_rows(&c);
-        live::sample(&c_chunk, "classifier rows");
-        let logits = matmul_to(
-            e.clone(),
-            transpose(c_chunk.clone()),
-            DType::F32,
-            params.gemm,
-            params.tf32,
-            "logits",
-        );
-        let g = grad_chunk(
-            logits.clone(),
-            bias.clone(),
-            lse.clone(),
-            dout.clone(),
-            targets.clone(),
-            ids,
-            v0,
-            0,
-            params.softcap,
-            e_dtype,
-        );
-        live::sample(&g, "G");
-        drop(logits);
-        if let Some(target) = &de_target {
-            for rows in row_ranges(n, blocks.rows) {
-                let product = matmul_to(
-                    rows_of(g.clone(), rows.clone()),
-                    c_chunk.clone(),
-                    DType::F32,
-                    params.gemm,
-                    params.tf32,
-                    "dE product",
-                );
-                add_rows(target, product, rows.start);
-            }
-        }
-        let dc_chunk = matmul_to(
-            transpose(g.clone()),
-            e.clone(),
-            c_dtype,
-            params.gemm,
-            params.tf32,
-            "dC chunk",
-        );
-        let db_chunk = db.as_ref().map(|_| {
-            let [_, len] = dims2(&g);
-            let g32 = cast(g.clone(), DType::F32);
-            live::sample(&g32, "G f32");
-            let sum = Cb::float_reshape(Cb::float_sum_dim(g32.clone(), 0), Shape::new([len]));
-            live::sample(&sum, "db chunk");
-            sum
-        });
-        match part {
-            Part::Natural(range) => {
-                dc = Cb::float_slice_assign(
-                    dc,
-                    &[Slice::from(range.clone()), Slice::from(0..d)],
-                    dc_chunk,
-                );
-                db = db
-                    .zip(db_chunk)
-                    .map(|(db, x)| Cb::float_slice_assign(db, &[Slice::from(range.clone())], x));
-            }
-            Part::Gathered(ids) => {
-                // In place, one unit per value (Burn's select_assign would round-trip all of a
-                // half-precision dC through f32 per chunk; see kernels::scatter).
-                add_rows_at(&dc, dc_chunk, (*ids).clone());
-                if let (Some(db), Some(x)) = (&db, db_chunk) {
-                    let len = dims1(&x);
-                    let column = |t: CubeTensor, rows| Cb::float_reshape(t, Shape::new([rows, 1]));
-                    add_rows_at(&column(db.clone(), vocab), column(x, len), *ids);
-                }
-            }
-        }
-        live::sample(&dc, "dC chunk written");
-    }
+    let (dc, db) = pass.vocabulary_pass(&plan, blocks.rows, de_target, dc, db);
     clock.lap(&device, |p| &mut p.vocabulary_ms);
 
     if two_pass && let Some(de) = &de {
-        let gemm = params.gemm.for_row_blocks();
-        let parts: Vec<Part> = regroup(&plan, blocks.pass2_chunk)
-            .iter()
-            .map(|p| Part::new(p, &targets))
-            .collect();
-        for rows in row_ranges(n, blocks.rows) {
-            let e_rows = rows_of(e.clone(), rows.clone());
-            let mut block_acc: Option<CubeTensor> = None;
-            for part in &parts {
-                let (c_chunk, ids, v0) = part.classifier_rows(&c);
-                live::sample(&c_chunk, "dE pass: classifier rows");
-                let logits = matmul_to(
-                    e_rows.clone(),
-                    transpose(c_chunk.clone()),
-                    DType::F32,
-                    gemm,
-                    params.tf32,
-                    "dE pass: logits",
-                );
-                let g = grad_chunk(
-                    logits.clone(),
-                    bias.clone(),
-                    lse.clone(),
-                    dout.clone(),
-                    targets.clone(),
-                    ids,
-                    v0,
-                    rows.start,
-                    params.softcap,
-                    e_dtype,
-                );
-                live::sample(&g, "dE pass: G");
-                drop(logits);
-                let product = matmul_to(
-                    g,
-                    c_chunk,
-                    DType::F32,
-                    gemm,
-                    params.tf32,
-                    "dE pass: product",
-                );
-                block_acc = Some(match block_acc {
-                    None => product,
-                    Some(block_acc) => {
-                        add_rows(&block_acc, product, 0);
-                        block_acc
-                    }
-                });
-            }
-            if let Some(block_acc) = block_acc {
-                add_rows(de, block_acc, rows.start);
-            }
-        }
+        pass.de_pass(&plan, &blocks, de);
     }
-
     clock.lap(&device, |p| &mut p.de_pass_ms);
     let de = match (de, acc) {
         (Some(de), _) => de,
