@@ -15,7 +15,6 @@ use std::sync::{Mutex, MutexGuard};
 
 use burn::backend::StreamId;
 use burn_cubecl::tensor::CubeTensor;
-use cubecl::client::Client;
 
 /// The largest reading so far and the step that took it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -109,7 +108,7 @@ pub(crate) fn sample(tensor: &CubeTensor, step: &'static str) {
     let Some(tracking) = TRACKING.get() else {
         return;
     };
-    let bytes = bytes_in_use(&tensor.client);
+    let bytes = burn_kernels_core::route::bytes_in_use(&tensor.client);
     if tracking.trace {
         eprintln!("burn-cce live: {bytes} B after {step}");
     }
@@ -118,9 +117,4 @@ pub(crate) fn sample(tensor: &CubeTensor, step: &'static str) {
             t.peak = LivePeak { bytes, step };
         }
     });
-}
-
-/// Bytes in use in the memory pools of `client`'s current stream.
-pub(crate) fn bytes_in_use(client: &Client) -> u64 {
-    burn_kernels_core::route::bytes_in_use(client)
 }

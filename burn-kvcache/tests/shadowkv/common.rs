@@ -44,17 +44,7 @@ pub(super) fn drive(
             assert_eq!(cache.seq_len(), len);
         }
         let total = cache.seq_len() + s;
-        let key_padding = pads.iter().any(|&p| p > 0).then(|| {
-            let data: Vec<bool> = (0..b)
-                .flat_map(|r| (0..total).map(move |j| j < pads[r]))
-                .collect();
-            Tensor::<2, Bool>::from_data(TensorData::new(data, [b, total]), device)
-        });
-        let opts = AttnOptions {
-            causal: true,
-            scale: (d as f32).sqrt().recip(),
-            key_padding,
-        };
+        let opts = causal_opts(pads, total, d, device);
         for layer in 0..LAYERS {
             let sd = seed + (i * LAYERS + layer) as u64 * 3;
             let q = random_tensor::<4>([b, hq, s, d], Dist::STANDARD, sd, DType::F32, device);
@@ -74,6 +64,23 @@ pub(super) fn drive(
         }
     }
     run
+}
+
+/// Causal attention options over `total` keys whose first `pads[r]` keys of row `r` are padding
+/// (no mask when nothing is padded), scale `1/√d`.
+fn causal_opts(pads: &[usize], total: usize, d: usize, device: &Device) -> AttnOptions {
+    let b = pads.len();
+    let key_padding = pads.iter().any(|&p| p > 0).then(|| {
+        let data: Vec<bool> = (0..b)
+            .flat_map(|r| (0..total).map(move |j| j < pads[r]))
+            .collect();
+        Tensor::<2, Bool>::from_data(TensorData::new(data, [b, total]), device)
+    });
+    AttnOptions {
+        causal: true,
+        scale: (d as f32).sqrt().recip(),
+        key_padding,
+    }
 }
 
 pub(super) fn cfg(rank: usize, budget: usize) -> ShadowKvConfig {
@@ -105,17 +112,7 @@ pub(super) fn drive_rows(
         .collect();
     for (i, &s) in all.iter().enumerate() {
         let total = cache.seq_len() + s;
-        let key_padding = pads.iter().any(|&p| p > 0).then(|| {
-            let data: Vec<bool> = (0..b)
-                .flat_map(|r| (0..total).map(|j| j < pads[r]).collect::<Vec<_>>())
-                .collect();
-            Tensor::<2, Bool>::from_data(TensorData::new(data, [b, total]), device)
-        });
-        let opts = AttnOptions {
-            causal: true,
-            scale: (d as f32).sqrt().recip(),
-            key_padding,
-        };
+        let opts = causal_opts(&pads, total, d, device);
         for layer in 0..LAYERS {
             // Row r's data: its own seed, its real tokens at the end (the prompt's padding
             // slots get filler).
