@@ -1,6 +1,7 @@
 //! Options of [`crate::linear_cross_entropy`] and the resolved parameters the backends see.
 
 use burn::tensor::DType;
+pub use burn_kernels_core::gemm::GemmKernel;
 
 /// How per-token losses are combined.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -136,101 +137,6 @@ impl GemmStrategy {
         match self {
             GemmStrategy::Fixed => GemmStrategy::Kernel(GemmKernel::ROW_BLOCKS),
             other => other,
-        }
-    }
-}
-
-/// The cubek tensor-core GEMM kernels that [`GemmStrategy::Kernel`] can name: the ones Burn's
-/// matmul autotuner chooses among, with the `mma` tile instruction (and the TMA kernels on `cmma`
-/// too, which Burn's autotune also tries), and cubek's tile-DSL routines.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum GemmKernel {
-    /// Double-buffered, cyclic global-to-shared loading (cubek `DoubleCyclicMma`).
-    DoubleCyclic,
-    /// The same with producer/consumer plane specialization.
-    DoubleCyclicSpecialized,
-    /// Single-buffered, cyclic loading.
-    SimpleCyclic,
-    /// Single-buffered, several tile rows per plane.
-    SimpleCyclicMultiRow,
-    /// Ordered double buffering, 4 rows.
-    OrderedDouble4,
-    /// Ordered double buffering, 8 rows.
-    OrderedDouble8,
-    /// Specialized (producer/consumer planes), cyclic loading.
-    SpecializedCyclic,
-    /// Single-buffered, loads by the tensor memory accelerator (Hopper and later).
-    SimpleTma,
-    /// The same, several tile rows per plane.
-    SimpleTmaMultiRow,
-    /// Specialized, loads by the tensor memory accelerator.
-    SpecializedTma,
-    /// cubek's tile-DSL routines (`cubek::matmul::kernels`) under cubek's own autotune tables:
-    /// the cube-staged boxes, filled by the tensor memory accelerator and on the warpgroup MMA
-    /// where the device has them (Hopper). What Burn's `tile-kernels-only` feature runs. Each
-    /// new GEMM shape is tuned once per process (and cached by CubeCL's autotune cache).
-    /// Devices without the tensor memory accelerator run [`GemmKernel::DoubleCyclic`]. On an
-    /// H200 (2026-11-27, Gemma-2 gradient) 219.5 ms against the default's 186.3 ms.
-    TileDsl,
-    /// [`GemmKernel::SimpleTma`] on the `cmma` tile instruction, as Burn's autotune also tries.
-    SimpleTmaCmma,
-    /// [`GemmKernel::SimpleTmaMultiRow`] on the `cmma` tile instruction.
-    SimpleTmaMultiRowCmma,
-    /// [`GemmKernel::SpecializedTma`] on the `cmma` tile instruction.
-    SpecializedTmaCmma,
-}
-
-impl GemmKernel {
-    /// The kernel [`GemmStrategy::Fixed`] uses: the fastest of the ten in a sweep on an NVIDIA
-    /// H100 (2026-11-25, bf16, N = 8192; `cargo xtask bench --suite cce --cce-gemm-sweep`):
-    /// Gemma-2 shape loss 48.1 ms (double-cyclic 57.6 ms, Burn's plain path 53.8 ms) and
-    /// gradient 107.9 ms (double-cyclic 134.0 ms, autotuned 110.2 ms); SmolLM2 loss 5.24 ms
-    /// (5.55 ms). Devices without the tensor memory accelerator (before Hopper, Vulkan) run
-    /// [`GemmKernel::DoubleCyclic`] instead.
-    pub const DEFAULT: GemmKernel = GemmKernel::SpecializedTma;
-
-    /// The kernel [`GemmStrategy::Fixed`] uses in the backward's second dE pass (row blocks of
-    /// `E`, see [`GemmStrategy::for_row_blocks`]): the fastest there in a sweep on an NVIDIA
-    /// H200 (Burn 0.23, 2026-11-27, Gemma-2 shape, bf16): dE pass 28.8 ms against 40.7 ms with
-    /// [`GemmKernel::SpecializedTma`], which stays the fastest for the full-`N` passes
-    /// (scoring 53.2 against 80.1 ms, vocabulary 22.2 against 25.6 ms).
-    pub const ROW_BLOCKS: GemmKernel = GemmKernel::SimpleTma;
-
-    /// Every kernel, for sweeps.
-    pub const ALL: [GemmKernel; 14] = [
-        GemmKernel::DoubleCyclic,
-        GemmKernel::DoubleCyclicSpecialized,
-        GemmKernel::SimpleCyclic,
-        GemmKernel::SimpleCyclicMultiRow,
-        GemmKernel::OrderedDouble4,
-        GemmKernel::OrderedDouble8,
-        GemmKernel::SpecializedCyclic,
-        GemmKernel::SimpleTma,
-        GemmKernel::SimpleTmaMultiRow,
-        GemmKernel::SpecializedTma,
-        GemmKernel::TileDsl,
-        GemmKernel::SimpleTmaCmma,
-        GemmKernel::SimpleTmaMultiRowCmma,
-        GemmKernel::SpecializedTmaCmma,
-    ];
-
-    /// A short name for tables.
-    pub fn name(self) -> &'static str {
-        match self {
-            GemmKernel::DoubleCyclic => "double-cyclic",
-            GemmKernel::DoubleCyclicSpecialized => "double-cyclic-spec",
-            GemmKernel::SimpleCyclic => "simple-cyclic",
-            GemmKernel::SimpleCyclicMultiRow => "simple-cyclic-rows",
-            GemmKernel::OrderedDouble4 => "ordered-double-4",
-            GemmKernel::OrderedDouble8 => "ordered-double-8",
-            GemmKernel::SpecializedCyclic => "specialized-cyclic",
-            GemmKernel::SimpleTma => "simple-tma",
-            GemmKernel::SimpleTmaMultiRow => "simple-tma-rows",
-            GemmKernel::SpecializedTma => "specialized-tma",
-            GemmKernel::TileDsl => "tile-dsl",
-            GemmKernel::SimpleTmaCmma => "simple-tma-cmma",
-            GemmKernel::SimpleTmaMultiRowCmma => "simple-tma-rows-cmma",
-            GemmKernel::SpecializedTmaCmma => "specialized-tma-cmma",
         }
     }
 }

@@ -11,6 +11,8 @@
 //!   ops or as one CubeCL kernel each ([`fused_layers::FusedLayers`], inference), the kernels a
 //!   Burn backend extension ([`LayerKernels`]) that runs on `Fusion<CubeBackend>` and Burn's
 //!   `Dispatch`;
+//! - [`gemm`]: f16/bf16 GEMMs by a fixed cubek kernel, differentiable ([`GemmKernels`]): the
+//!   projections' and burn-cce's, where Burn's autotuned matmul fails on Hopper;
 //! - [`route`]: the one place where every crate decides between a kernel and the reference;
 //! - [`sampling::Sampler`]: next-token distributions and draws (greedy, temperature, top-k,
 //!   top-p), which speculative decoding builds on.
@@ -19,6 +21,7 @@ pub mod attention;
 pub mod cache;
 mod cube;
 pub mod fused_layers;
+pub mod gemm;
 pub mod kernels;
 pub mod layer_ops;
 pub mod logging;
@@ -32,6 +35,7 @@ pub use attention::{AttentionImpl, AttentionKind, AttnOptions, BurnAttention, Re
 pub use cache::{CacheError, FullKvCache, KvCache, append_kv};
 pub use cube::{LayerKernels, gemv_shape};
 pub use fused_layers::FusedLayers;
+pub use gemm::{GemmKernel, GemmKernels};
 pub use layer_ops::{FusedOps, GEMV_MAX_ROWS, LayerOps, TensorOps};
 pub use rope::{Rope, RopeScaling};
 pub use sampling::{Greedy, Sampler, SamplingConfig, TopKTopP};

@@ -17,6 +17,9 @@ use burn_kernels_testing::{
 #[path = "core/projections.rs"]
 mod projections;
 use projections::{fused_projections_match_host_products, norm_projections_match_composition};
+#[path = "core/gemm.rs"]
+mod gemm;
+use gemm::{gemm_gradients_match_host, gemm_matches_host_products};
 #[path = "core/caches.rs"]
 mod caches;
 use caches::{full_cache_decode_equals_one_shot, static_cache_equals_one_shot};
@@ -296,8 +299,9 @@ testgen! {
         fused_layer_ops_match_tensor_ops,
         fused_projections_match_host_products,
         norm_projections_match_composition,
+        gemm_matches_host_products,
     ],
-    autodiff: [],
+    autodiff: [gemm_gradients_match_host],
 }
 
 /// Training through Burn's fused attention, on CUDA only: on lavapipe cubek's attention routines
@@ -322,6 +326,12 @@ mod cuda_training {
     fn fused_attention_keeps_no_scores() {
         super::fused_attention_keeps_no_scores(&device());
     }
+
+    #[test]
+    fn gemm_runs_at_training_shapes() {
+        burn_kernels_testing::runtimes::exact_f32_matmul();
+        super::gemm::gemm_runs_at_training_shapes(&burn::tensor::Device::cuda(0));
+    }
 }
 
 #[test]
@@ -331,6 +341,8 @@ fn cpu_runs_the_same_checks() {
     attention_matches_host(&device);
     full_cache_decode_equals_one_shot(&device);
     static_cache_equals_one_shot(&device);
+    gemm_matches_host_products(&device);
+    gemm_gradients_match_host(&device.autodiff());
 }
 
 #[test]

@@ -4,7 +4,7 @@
 use burn::module::{Module, Param};
 use burn::nn::RmsNorm;
 use burn::tensor::{DType, Device, Distribution, Int, Tensor, TensorCreationOptions, TensorData};
-use burn_kernels_core::{AttentionImpl, AttnOptions, CacheError, KvCache, Rope, TensorOps};
+use burn_kernels_core::{AttentionImpl, AttnOptions, CacheError, KvCache, Rope, TensorOps, gemm};
 
 use crate::config::LlamaConfig;
 use crate::loader::{Checkpoint, HostTensor, LoadError};
@@ -262,11 +262,16 @@ impl Llama {
         // backends (NdArray) copy it per row.
         let [b, s, h] = hidden.dims();
         let x = hidden.reshape([b * s, h]);
-        let logits = match &self.lm_head {
-            Some(w) => x.matmul(w.val()),
+        let half = matches!(x.dtype(), DType::F16 | DType::BF16);
+        let logits = match (&self.lm_head, half) {
+            // f16/bf16: core's fixed-kernel GEMM (Burn's autotuned one fails on Hopper), which
+            // reads the tied embedding's transposed view in place.
+            (Some(w), true) => gemm::matmul(x, w.val()),
+            (None, true) => gemm::matmul(x, self.embed.val().transpose()),
+            (Some(w), false) => x.matmul(w.val()),
             // Tied: E·hᵀ reads the [vocab, hidden] embedding in its own layout instead of
             // transposing all of it on every call.
-            None => self.embed.val().matmul(x.transpose()).transpose(),
+            (None, false) => self.embed.val().matmul(x.transpose()).transpose(),
         };
         let vocab = logits.dims()[1];
         logits.reshape([b, s, vocab]).cast(DType::F32)

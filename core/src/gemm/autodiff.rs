@@ -1,0 +1,56 @@
+//! The GEMM's gradient: `dA = dC · Bᵀ` and `dB = Aᵀ · dC`, each by the inner backend's
+//! [`GemmKernels::gemm`] on transposed views (no copies).
+
+use burn::backend::autodiff::{
+    Autodiff,
+    checkpoint::{base::Checkpointer, strategy::CheckpointStrategy},
+    grads::Gradients,
+    ops::{Backward, Ops, OpsKind},
+};
+use burn::backend::tensor::FloatTensor;
+
+use super::GemmKernels;
+
+impl<B: GemmKernels, C: CheckpointStrategy> GemmKernels for Autodiff<B, C> {
+    fn gemm(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
+        let (a, a_node) = a.into_parts();
+        let (b, b_node) = b.into_parts();
+        match GemmBackward
+            .prepare::<C>([a_node, b_node])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let out = B::gemm(a.clone(), b.clone());
+                prep.finish((a, b), out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::gemm(a, b)),
+        }
+    }
+}
+
+/// Parents `[a, b]`; the state keeps both inputs (shared handles, no copies).
+#[derive(Debug)]
+struct GemmBackward;
+
+impl<B: GemmKernels> Backward<B, 2> for GemmBackward {
+    type State = (FloatTensor<B>, FloatTensor<B>);
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 2>,
+        grads: &mut Gradients,
+        _checkpointer: &mut Checkpointer,
+    ) {
+        let [a_node, b_node] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let (a, b) = ops.state;
+        let t = |x: FloatTensor<B>| B::float_swap_dims(x, 0, 1);
+        if let Some(node) = b_node {
+            grads.register::<B>(node.id, B::gemm(t(a), grad.clone()));
+        }
+        if let Some(node) = a_node {
+            grads.register::<B>(node.id, B::gemm(grad, t(b)));
+        }
+    }
+}

@@ -1,0 +1,197 @@
+//! GEMMs of half-precision operands by a chosen cubek kernel, differentiable: the model's
+//! projections in f16/bf16 (training and batched decode) and burn-cce's chunk GEMMs.
+//!
+//! Burn 0.23.0-pre.1's matmul autotunes every problem over all of cubek's kernels; on Hopper
+//! some of those fail at launch for f16/bf16 (see [`launch`]) and the failure spreads to the
+//! matmul's inputs, so a bf16 training step or a batch-128 f16 decode step ended with unwritten
+//! outputs on an H200 (2026-11-28). [`matmul`] and [`linear`] run f16/bf16 products through
+//! [`GemmKernels::gemm`] instead: one fixed kernel ([`GemmKernel::DEFAULT`], the fastest of a
+//! sweep at the CCE shapes), checked at its first launch per problem with fallbacks. f32
+//! products keep Burn's autotuned matmul, which runs.
+
+mod autodiff;
+pub mod launch;
+
+use burn::backend::{Backend, Dispatch, backend_extension, tensor::FloatTensor};
+use burn::tensor::{DType, Tensor};
+
+use crate::gemv_shape;
+use crate::route::{Grad, route};
+
+/// `a · b` of 2-D tensors: [`GemmKernels::gemm`] (a fixed cubek kernel, f32 accumulation) where
+/// both are f16 or both bf16 on a CubeCL device of this build, with or without autodiff;
+/// Burn's matmul otherwise (f32, other backends).
+///
+/// # Shapes
+/// - `a`: `[m, k]`, `b`: `[k, n]` (any strides: a transposed view is read in place); returns
+///   `[m, n]` in `a`'s dtype
+///
+/// # Panics
+/// When the inner dimensions differ (as Burn's matmul).
+pub fn matmul(a: Tensor<2>, b: Tensor<2>) -> Tensor<2> {
+    let ([m, k], [k2, n]) = (a.dims(), b.dims());
+    assert_eq!(k, k2, "gemm: [{m}, {k}] · [{k2}, {n}]");
+    let half = matches!(a.dtype(), DType::F16 | DType::BF16);
+    if !half || m * n * k == 0 {
+        // Not logged as a fallback: Burn's autotuned matmul is the right kernel for f32.
+        return a.matmul(b);
+    }
+    let unsupported =
+        (a.dtype() != b.dtype()).then(|| format!("a is {:?}, b is {:?}", a.dtype(), b.dtype()));
+    if !route("gemm", &a.device(), Grad::Differentiable, unsupported) {
+        return a.matmul(b);
+    }
+    Tensor::from_dispatch(Dispatch::gemm(a.into_dispatch(), b.into_dispatch()))
+}
+
+/// `x · w` over the last dimension of `x` ([`matmul`] of its rows): a projection.
+///
+/// # Shapes
+/// - `x`: `[batch, seq, k]`, `w`: `[k, n]`; returns `[batch, seq, n]`
+pub fn linear(x: Tensor<3>, w: Tensor<2>) -> Tensor<3> {
+    let [b, s, k] = x.dims();
+    let n = w.dims()[1];
+    if !matches!(x.dtype(), DType::F16 | DType::BF16) {
+        return x.matmul(w.unsqueeze());
+    }
+    matmul(x.reshape([b * s, k]), w).reshape([b, s, n])
+}
+
+/// A GEMM by a fixed kernel, as a Burn backend extension: `CubeBackend` launches it,
+/// `Fusion<CubeBackend>` defers it as a custom operation, and `Autodiff<B>` differentiates it
+/// (`dA = dC · Bᵀ`, `dB = Aᵀ · dC`, by the same op). Call it through [`matmul`].
+#[backend_extension(
+    Cube: cfg(feature = "cube"),
+    Fusion: cfg(all(feature = "cube", feature = "fusion")),
+    Autodiff,
+)]
+pub trait GemmKernels: Backend {
+    /// `a · b` with f32 accumulation, by [`GemmKernel::DEFAULT`] (then the portable kernels)
+    /// for f16/bf16 inputs of one dtype; Burn's matmul for anything else.
+    ///
+    /// # Shapes
+    /// - `a`: `[m, k]`, `b`: `[k, n]` (any strides); returns `[m, n]` in `a`'s dtype,
+    ///   contiguous
+    #[fusion(dtype = a, shape = gemv_shape(a, b))]
+    fn gemm(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self>;
+}
+
+#[cfg(feature = "cube")]
+mod cube_backend {
+    use super::{GemmKernel, GemmKernels, launch::fixed_gemm};
+    use crate::route::count_launch;
+    use burn::backend::{ops::FloatTensorOps, tensor::FloatTensor};
+    use burn::tensor::DType;
+    use burn_cubecl::CubeBackend;
+
+    impl GemmKernels for CubeBackend {
+        fn gemm(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
+            let dtype = a.dtype;
+            if matches!(dtype, DType::F16 | DType::BF16)
+                && b.dtype == dtype
+                && let Some(out) =
+                    fixed_gemm(a.clone(), b.clone(), dtype, GemmKernel::DEFAULT, false)
+            {
+                count_launch("gemm");
+                return out;
+            }
+            Self::float_matmul(a, b)
+        }
+    }
+}
+
+/// The cubek tensor-core GEMM kernels a caller can name (burn-cce's `GemmStrategy::Kernel`, the
+/// bench's sweeps): the ones Burn's matmul autotuner chooses among, with the `mma` tile instruction (and the TMA kernels on `cmma`
+/// too, which Burn's autotune also tries), and cubek's tile-DSL routines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GemmKernel {
+    /// Double-buffered, cyclic global-to-shared loading (cubek `DoubleCyclicMma`).
+    DoubleCyclic,
+    /// The same with producer/consumer plane specialization.
+    DoubleCyclicSpecialized,
+    /// Single-buffered, cyclic loading.
+    SimpleCyclic,
+    /// Single-buffered, several tile rows per plane.
+    SimpleCyclicMultiRow,
+    /// Ordered double buffering, 4 rows.
+    OrderedDouble4,
+    /// Ordered double buffering, 8 rows.
+    OrderedDouble8,
+    /// Specialized (producer/consumer planes), cyclic loading.
+    SpecializedCyclic,
+    /// Single-buffered, loads by the tensor memory accelerator (Hopper and later).
+    SimpleTma,
+    /// The same, several tile rows per plane.
+    SimpleTmaMultiRow,
+    /// Specialized, loads by the tensor memory accelerator.
+    SpecializedTma,
+    /// cubek's tile-DSL routines (`cubek::matmul::kernels`) under cubek's own autotune tables:
+    /// the cube-staged boxes, filled by the tensor memory accelerator and on the warpgroup MMA
+    /// where the device has them (Hopper). What Burn's `tile-kernels-only` feature runs. Each
+    /// new GEMM shape is tuned once per process (and cached by CubeCL's autotune cache).
+    /// Devices without the tensor memory accelerator run [`GemmKernel::DoubleCyclic`]. On an
+    /// H200 (2026-11-27, Gemma-2 gradient) 219.5 ms against the default's 186.3 ms.
+    TileDsl,
+    /// [`GemmKernel::SimpleTma`] on the `cmma` tile instruction, as Burn's autotune also tries.
+    SimpleTmaCmma,
+    /// [`GemmKernel::SimpleTmaMultiRow`] on the `cmma` tile instruction.
+    SimpleTmaMultiRowCmma,
+    /// [`GemmKernel::SpecializedTma`] on the `cmma` tile instruction.
+    SpecializedTmaCmma,
+}
+
+impl GemmKernel {
+    /// The kernel of a fixed-kernel GEMM ([`gemm`](crate::gemm::gemm), burn-cce's
+    /// `GemmStrategy::Fixed`): the fastest of the ten in a sweep on an NVIDIA
+    /// H100 (2026-11-25, bf16, N = 8192; `cargo xtask bench --suite cce --cce-gemm-sweep`):
+    /// Gemma-2 shape loss 48.1 ms (double-cyclic 57.6 ms, Burn's plain path 53.8 ms) and
+    /// gradient 107.9 ms (double-cyclic 134.0 ms, autotuned 110.2 ms); SmolLM2 loss 5.24 ms
+    /// (5.55 ms). Devices without the tensor memory accelerator (before Hopper, Vulkan) run
+    /// [`GemmKernel::DoubleCyclic`] instead.
+    pub const DEFAULT: GemmKernel = GemmKernel::SpecializedTma;
+
+    /// The kernel burn-cce's `GemmStrategy::Fixed` uses in the backward's second dE pass (row
+    /// blocks of `E`, `GemmStrategy::for_row_blocks`): the fastest there in a sweep on an NVIDIA
+    /// H200 (Burn 0.23, 2026-11-27, Gemma-2 shape, bf16): dE pass 28.8 ms against 40.7 ms with
+    /// [`GemmKernel::SpecializedTma`], which stays the fastest for the full-`N` passes
+    /// (scoring 53.2 against 80.1 ms, vocabulary 22.2 against 25.6 ms).
+    pub const ROW_BLOCKS: GemmKernel = GemmKernel::SimpleTma;
+
+    /// Every kernel, for sweeps.
+    pub const ALL: [GemmKernel; 14] = [
+        GemmKernel::DoubleCyclic,
+        GemmKernel::DoubleCyclicSpecialized,
+        GemmKernel::SimpleCyclic,
+        GemmKernel::SimpleCyclicMultiRow,
+        GemmKernel::OrderedDouble4,
+        GemmKernel::OrderedDouble8,
+        GemmKernel::SpecializedCyclic,
+        GemmKernel::SimpleTma,
+        GemmKernel::SimpleTmaMultiRow,
+        GemmKernel::SpecializedTma,
+        GemmKernel::TileDsl,
+        GemmKernel::SimpleTmaCmma,
+        GemmKernel::SimpleTmaMultiRowCmma,
+        GemmKernel::SpecializedTmaCmma,
+    ];
+
+    /// A short name for tables.
+    pub fn name(self) -> &'static str {
+        match self {
+            GemmKernel::DoubleCyclic => "double-cyclic",
+            GemmKernel::DoubleCyclicSpecialized => "double-cyclic-spec",
+            GemmKernel::SimpleCyclic => "simple-cyclic",
+            GemmKernel::SimpleCyclicMultiRow => "simple-cyclic-rows",
+            GemmKernel::OrderedDouble4 => "ordered-double-4",
+            GemmKernel::OrderedDouble8 => "ordered-double-8",
+            GemmKernel::SpecializedCyclic => "specialized-cyclic",
+            GemmKernel::SimpleTma => "simple-tma",
+            GemmKernel::SimpleTmaMultiRow => "simple-tma-rows",
+            GemmKernel::SpecializedTma => "specialized-tma",
+            GemmKernel::TileDsl => "tile-dsl",
+            GemmKernel::SimpleTmaCmma => "simple-tma-cmma",
+            GemmKernel::SimpleTmaMultiRowCmma => "simple-tma-rows-cmma",
+            GemmKernel::SpecializedTmaCmma => "specialized-tma-cmma",
+        }
+    }
+}

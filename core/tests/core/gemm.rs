@@ -1,0 +1,186 @@
+//! Core's fixed-kernel GEMM (`gemm::matmul`, `gemm::linear`) against f64 products of the stored
+//! values, forward and gradients, on awkward sizes and transposed views; on CUDA also at the
+//! SmolLM2 training shapes where Burn's autotuned bf16 matmul failed on an H200 (2026-11-28).
+
+use burn::tensor::{DType, Device, Tensor};
+use burn_kernels_core::gemm;
+use burn_kernels_core::route::{cube_device, launches, require_kernels};
+use burn_kernels_testing::{
+    Dist, Tolerance, assert_close, assert_product_close, compare::to_f32, float_dtypes,
+    poison_memory, random_tensor,
+};
+
+/// `a · b` of host copies in f64: `a` `[m, k]`, `b` `[k, n]`, both row-major.
+fn host_product(a: &[f32], b: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
+    (0..m)
+        .flat_map(|r| {
+            (0..n).map(move |c| {
+                (0..k)
+                    .map(|j| a[r * k + j] as f64 * b[j * n + c] as f64)
+                    .sum::<f64>() as f32
+            })
+        })
+        .collect()
+}
+
+/// Row-major host copy of the transpose of a `[rows, cols]` row-major matrix.
+fn host_transpose(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    (0..cols)
+        .flat_map(|c| (0..rows).map(move |r| x[r * cols + c]))
+        .collect()
+}
+
+fn is_half(dtype: DType) -> bool {
+    matches!(dtype, DType::F16 | DType::BF16)
+}
+
+/// `f` with kernels required where the device runs them and the dtype takes the kernel.
+fn kernel_call<T>(device: &Device, dtype: DType, f: impl FnOnce() -> T) -> T {
+    if cube_device(device).is_some() && is_half(dtype) {
+        require_kernels(f)
+    } else {
+        f()
+    }
+}
+
+/// `[k, n]` operand, stored as given or as the transposed view of a `[n, k]` tensor.
+fn operand(k: usize, n: usize, transposed: bool, seed: u64, dtype: DType, d: &Device) -> Tensor<2> {
+    if transposed {
+        random_tensor::<2>([n, k], Dist::STANDARD, seed, dtype, d).transpose()
+    } else {
+        random_tensor::<2>([k, n], Dist::STANDARD, seed, dtype, d)
+    }
+}
+
+/// One row, one column and one inner element; primes; sizes below a tensor-core tile (the
+/// unit kernel) and above it with tails; `b` contiguous and as a transposed view. Outputs land
+/// in NaN-poisoned memory.
+pub fn gemm_matches_host_products(device: &Device) {
+    let before = launches("gemm");
+    let mut half_calls = 0;
+    let cases = [
+        [1, 1, 1],
+        [7, 13, 5],
+        [37, 97, 45],
+        [130, 64, 96],
+        [33, 129, 17],
+    ];
+    for dtype in float_dtypes(device) {
+        for (i, [m, k, n]) in cases.into_iter().enumerate() {
+            for transposed in [false, true] {
+                let seed = 300 + 4 * i as u64 + 2 * transposed as u64;
+                let a = random_tensor::<2>([m, k], Dist::STANDARD, seed, dtype, device);
+                let b = operand(k, n, transposed, seed + 1, dtype, device);
+                let want = host_product(&to_f32(a.to_data()), &to_f32(b.to_data()), m, k, n);
+                poison_memory(device, m * n, dtype);
+                let got = kernel_call(device, dtype, || gemm::matmul(a, b));
+                half_calls += is_half(dtype) as u64;
+                assert_eq!((got.dims(), got.dtype()), ([m, n], dtype));
+                let name = format!("gemm {dtype:?} [{m}×{k}]·[{k}×{n}] transposed b {transposed}");
+                assert_product_close(&name, &to_f32(got.into_data()), &want, dtype, k, device);
+            }
+        }
+        // The 3-D projection: rows of every batch element.
+        let x = random_tensor::<3>([2, 3, 19], Dist::STANDARD, 390, dtype, device);
+        let w = random_tensor::<2>([19, 11], Dist::STANDARD, 391, dtype, device);
+        let want = host_product(&to_f32(x.to_data()), &to_f32(w.to_data()), 6, 19, 11);
+        let got = kernel_call(device, dtype, || gemm::linear(x, w));
+        half_calls += is_half(dtype) as u64;
+        assert_eq!(got.dims(), [2, 3, 11]);
+        let name = format!("linear {dtype:?} [2×3×19]·[19×11]");
+        assert_product_close(&name, &to_f32(got.into_data()), &want, dtype, 19, device);
+    }
+    if cube_device(device).is_some() {
+        // At least: the autodiff test may launch it concurrently.
+        let launched = launches("gemm") - before;
+        assert!(
+            launched >= half_calls,
+            "{launched} launches for {half_calls} f16/bf16 calls"
+        );
+    }
+}
+
+/// `[dA, dB]` of `sum(gemm(a, b) ⊙ g)`.
+fn gradients(a: Tensor<2>, b: Tensor<2>, g: Tensor<2>) -> [Vec<f32>; 2] {
+    let (a, b) = (a.require_grad(), b.require_grad());
+    let loss = (gemm::matmul(a.clone(), b.clone()).cast(DType::F32) * g.cast(DType::F32)).sum();
+    let grads = loss.backward();
+    let grad = |t: &Tensor<2>| {
+        let grad = t.grad(&grads).expect("a gradient for both inputs");
+        to_f32(grad.cast(DType::F32).into_data())
+    };
+    [grad(&a), grad(&b)]
+}
+
+/// On an autodiff device: the gradients of both operands, against host products of the
+/// upstream gradient (exact in the dtype) with the other operand.
+pub fn gemm_gradients_match_host(device: &Device) {
+    let before = launches("gemm");
+    for dtype in float_dtypes(device) {
+        for (i, [m, k, n]) in [[1, 3, 2], [37, 97, 45], [64, 48, 80]]
+            .into_iter()
+            .enumerate()
+        {
+            let seed = 400 + 3 * i as u64;
+            let a = random_tensor::<2>([m, k], Dist::STANDARD, seed, dtype, device);
+            let b = operand(k, n, i == 1, seed + 1, dtype, device);
+            let g = random_tensor::<2>([m, n], Dist::STANDARD, seed + 2, dtype, device);
+            let (ha, hb, hg) = (
+                to_f32(a.to_data()),
+                to_f32(b.to_data()),
+                to_f32(g.to_data()),
+            );
+            let want_a = host_product(&hg, &host_transpose(&hb, k, n), m, n, k);
+            let want_b = host_product(&host_transpose(&ha, m, k), &hg, k, m, n);
+            let [da, db] = kernel_call(device, dtype, || gradients(a, b, g));
+            let name = format!("{dtype:?} [{m}×{k}]·[{k}×{n}]");
+            assert_product_close(&format!("dA {name}"), &da, &want_a, dtype, n, device);
+            assert_product_close(&format!("dB {name}"), &db, &want_b, dtype, m, device);
+        }
+    }
+    let half = float_dtypes(device).into_iter().any(is_half);
+    if cube_device(device).is_some() && half {
+        assert!(
+            launches("gemm") > before,
+            "the gradients ran the GEMM kernel"
+        );
+    }
+}
+
+/// bf16 and f16 at the SmolLM2-135M training shapes where Burn's autotuned matmul failed on an
+/// H200 (a row-major `lhs` with `m ≥ 4n`: the forward of the K/V and down projections and the
+/// input gradient of the Q/K/V ones), forward and gradients, against Burn's f32 matmul of the
+/// same (exactly representable) values with TF32 off.
+pub fn gemm_runs_at_training_shapes(device: &Device) {
+    for dtype in float_dtypes(device).into_iter().filter(|&d| is_half(d)) {
+        for (i, [m, k, n]) in [[2312, 576, 192], [4104, 576, 576], [2312, 1536, 576]]
+            .into_iter()
+            .enumerate()
+        {
+            let seed = 500 + 3 * i as u64;
+            let a = random_tensor::<2>([m, k], Dist::STANDARD, seed, dtype, device);
+            let b = random_tensor::<2>([k, n], Dist::STANDARD, seed + 1, dtype, device);
+            let g = random_tensor::<2>([m, n], Dist::STANDARD, seed + 2, dtype, device);
+            let f32_product = |x: &Tensor<2>, y: Tensor<2>| {
+                to_f32(
+                    x.clone()
+                        .cast(DType::F32)
+                        .matmul(y.cast(DType::F32))
+                        .into_data(),
+                )
+            };
+            let want = f32_product(&a, b.clone());
+            let want_da = f32_product(&g, b.clone().transpose());
+            let want_db = f32_product(&a.clone().transpose(), g.clone());
+            let got = require_kernels(|| gemm::matmul(a.clone(), b.clone()));
+            let name = format!("{dtype:?} [{m}×{k}]·[{k}×{n}]");
+            let tol = |len| Tolerance::for_reduction(dtype, len);
+            assert_close(&name, &to_f32(got.into_data()), &want, tol(k));
+            let ad = device.clone().autodiff();
+            let on = |t: &Tensor<2>| Tensor::<2>::from_data(t.to_data(), &ad);
+            let [da, db] = require_kernels(|| gradients(on(&a), on(&b), on(&g)));
+            assert_close(&format!("dA {name}"), &da, &want_da, tol(n));
+            assert_close(&format!("dB {name}"), &db, &want_db, tol(m));
+        }
+    }
+}
