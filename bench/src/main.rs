@@ -90,7 +90,8 @@ struct Args {
     /// Leave out the problems whose label contains any of these substrings.
     #[arg(long = "exclude")]
     excludes: Vec<String>,
-    /// Leave out the implementations whose name contains any of these substrings.
+    /// Leave out the implementations whose name contains any of these substrings (a pattern
+    /// ending in `$` matches a whole name: `--skip-impl 'cce$'` leaves out "cce" alone).
     #[arg(long = "skip-impl")]
     skip_impls: Vec<String>,
     /// cce suite: also time every cubek tensor-core GEMM kernel burn-cce can be told to use

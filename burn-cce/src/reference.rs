@@ -157,7 +157,9 @@ pub fn logit_grad(
 
 /// Burn's plain cross-entropy path: logits in the input dtype, log-softmax, gather, masked
 /// reduction, all differentiable by autodiff. The baseline in benchmarks and, run in f32, the
-/// ground truth in tests. Materializes `N × V` several times over.
+/// ground truth in tests. Materializes `N × V` several times over. f16/bf16 logits come from
+/// core's fixed-kernel GEMM ([`burn_kernels_core::gemm::matmul`]): Burn 0.23.0-pre.1's
+/// autotuned matmul fails on Hopper at the gradient `dE = dLogits · C` (`m ≥ 4n`).
 ///
 /// # Shapes
 /// - `e`: `[N, D]`, `c`: `[V, D]`, `bias`: `[V]`, `targets`: `[N]` (values in `[0, V)` or
@@ -172,7 +174,7 @@ pub fn plain_linear_cross_entropy(
     cap: Option<f32>,
     reduction: Reduction,
 ) -> Tensor<1> {
-    let logits = e.matmul(c.transpose());
+    let logits = burn_kernels_core::gemm::matmul(e, c.transpose());
     let logits = match bias {
         Some(b) => logits + b.unsqueeze_dim::<2>(0),
         None => logits,

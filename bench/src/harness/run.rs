@@ -186,11 +186,10 @@ impl Context<'_> {
     /// or failed.
     fn run_candidate(&self, problem: &Problem, cand: Candidate<'_>, since: Seen) -> Record {
         let mut rec = Record::new(problem, cand.name);
-        let run = match self
-            .skip_impls
-            .iter()
-            .find(|p| cand.name.contains(p.as_str()))
-        {
+        let run = match self.skip_impls.iter().find(|p| match p.strip_suffix('$') {
+            Some(whole) => cand.name == whole,
+            None => cand.name.contains(p.as_str()),
+        }) {
             Some(p) => Err(format!("left out by --skip-impl {p}")),
             None => cand.run,
         };
