@@ -76,10 +76,10 @@ pub struct TrainConfig {
 
 /// The attention of a training step (`finetune --attention`).
 ///
-/// Measured on an H200 (2026-11-28, SmolLM2-135M shape, batch 8 × 1024 tokens, f32, CCE): a
-/// step with `fused` takes 3.3× the time of one with `reference` (1512 vs 454 ms: cubek's f32
-/// attention routines) and a third of the memory (14.1 vs 43.0 GB), so `reference` is the
-/// default and `fused` the choice when the scores do not fit.
+/// Measured on an H200 (2026-11-28, SmolLM2-135M shape, batch 8 × 1024 tokens, CCE): in f32 a
+/// step with `fused` takes 3.1× the time of one with `reference` (1485 vs 482 ms: cubek's f32
+/// attention routines) and a third of the memory (14.1 vs 43.0 GB); in bf16 the fused step
+/// takes 251 ms and 10.8 GB. [`TrainAttention::for_precision`] picks the default.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum TrainAttention {
     /// Burn's attention op: on a CubeCL device its fused kernels, whose backward recomputes the
@@ -94,6 +94,16 @@ pub enum TrainAttention {
 }
 
 impl TrainAttention {
+    /// The default for `precision`: [`TrainAttention::Fused`] in bf16 (fast and small there),
+    /// [`TrainAttention::Reference`] in f32 (cubek's f32 attention is slower than the
+    /// decomposed one).
+    pub fn for_precision(precision: Precision) -> Self {
+        match precision {
+            Precision::Bf16 => TrainAttention::Fused,
+            Precision::F32 => TrainAttention::Reference,
+        }
+    }
+
     /// The implementation.
     pub fn build(self) -> Box<dyn AttentionImpl> {
         match self {

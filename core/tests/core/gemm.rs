@@ -6,8 +6,7 @@ use burn::tensor::{DType, Device, Tensor};
 use burn_kernels_core::gemm;
 use burn_kernels_core::route::{cube_device, launches, require_kernels};
 use burn_kernels_testing::{
-    Dist, Tolerance, assert_close, assert_product_close, compare::to_f32, float_dtypes,
-    poison_memory, random_tensor,
+    Dist, assert_product_close, compare::to_f32, float_dtypes, poison_memory, random_tensor,
 };
 
 /// `a · b` of host copies in f64: `a` `[m, k]`, `b` `[k, n]`, both row-major.
@@ -151,7 +150,9 @@ pub fn gemm_gradients_match_host(device: &Device) {
 /// H200 (a row-major `lhs` with `m ≥ 4n`: the forward of the K/V and down projections and the
 /// input gradient of the Q/K/V ones), forward and gradients, against Burn's f32 matmul of the
 /// same (exactly representable) values with TF32 off.
+#[cfg(feature = "cuda")]
 pub fn gemm_runs_at_training_shapes(device: &Device) {
+    use burn_kernels_testing::{Tolerance, assert_close};
     for dtype in float_dtypes(device).into_iter().filter(|&d| is_half(d)) {
         for (i, [m, k, n]) in [[2312, 576, 192], [4104, 576, 576], [2312, 1536, 576]]
             .into_iter()

@@ -91,9 +91,10 @@ struct Cli {
     backend: BackendArg,
     #[arg(long, value_enum, default_value = "cce")]
     loss: LossArg,
-    /// The attention of training and validation.
-    #[arg(long, value_enum, default_value_t = TrainAttention::Reference)]
-    attention: TrainAttention,
+    /// The attention of training and validation [default: fused with `--precision bf16`,
+    /// reference with f32].
+    #[arg(long, value_enum)]
+    attention: Option<TrainAttention>,
     /// The precision of the forward and backward; weights, optimizer state and checkpoints
     /// stay f32.
     #[arg(long, value_enum, default_value_t = Precision::F32)]
@@ -214,7 +215,10 @@ fn run(cli: &Cli, device: &Device) -> Result<(), String> {
         LossArg::Cce => LossKind::cce(),
         LossArg::Plain => LossKind::Plain,
     };
-    let attention = cli.attention.build();
+    let attention = cli
+        .attention
+        .unwrap_or(TrainAttention::for_precision(cli.precision))
+        .build();
     let start_val = validation_loss(&model, &corpus, &cfg, attention.as_ref(), kind)
         .map_err(|e| e.to_string())?;
     eprintln!(
