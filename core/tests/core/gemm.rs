@@ -2,6 +2,7 @@
 //! values, forward and gradients, on awkward sizes and transposed views; on CUDA also at the
 //! SmolLM2 training shapes where Burn's autotuned bf16 matmul failed on an H200 (2026-11-28).
 
+use super::projections::f32s;
 use burn::tensor::{DType, Device, Tensor};
 use burn_kernels_core::gemm;
 use burn_kernels_core::route::{cube_device, launches, require_kernels};
@@ -9,17 +10,9 @@ use burn_kernels_testing::{
     Dist, assert_product_close, compare::to_f32, float_dtypes, poison_memory, random_tensor,
 };
 
-/// `a · b` of host copies in f64: `a` `[m, k]`, `b` `[k, n]`, both row-major.
+/// `a · b` of host copies in f64, rounded to f32: `a` `[m, k]`, `b` `[k, n]`, both row-major.
 fn host_product(a: &[f32], b: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
-    (0..m)
-        .flat_map(|r| {
-            (0..n).map(move |c| {
-                (0..k)
-                    .map(|j| a[r * k + j] as f64 * b[j * n + c] as f64)
-                    .sum::<f64>() as f32
-            })
-        })
-        .collect()
+    f32s(&super::projections::host_product(a, b, m, k, n))
 }
 
 /// Row-major host copy of the transpose of a `[rows, cols]` row-major matrix.

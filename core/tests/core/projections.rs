@@ -13,7 +13,7 @@ use burn_kernels_testing::{
 };
 
 /// `x · w` of host copies in f64: `x` `[rows, k]`, `w` `[k, n]`.
-fn host_product(x: &[f32], w: &[f32], rows: usize, k: usize, n: usize) -> Vec<f64> {
+pub fn host_product(x: &[f32], w: &[f32], rows: usize, k: usize, n: usize) -> Vec<f64> {
     (0..rows)
         .flat_map(|r| {
             (0..n).map(move |c| {
@@ -25,7 +25,7 @@ fn host_product(x: &[f32], w: &[f32], rows: usize, k: usize, n: usize) -> Vec<f6
         .collect()
 }
 
-fn f32s(v: &[f64]) -> Vec<f32> {
+pub fn f32s(v: &[f64]) -> Vec<f32> {
     v.iter().map(|&x| x as f32).collect()
 }
 
