@@ -101,8 +101,9 @@ mod cube_backend {
 }
 
 /// The cubek tensor-core GEMM kernels a caller can name (burn-cce's `GemmStrategy::Kernel`, the
-/// bench's sweeps): the ones Burn's matmul autotuner chooses among, with the `mma` tile instruction (and the TMA kernels on `cmma`
-/// too, which Burn's autotune also tries), and cubek's tile-DSL routines.
+/// bench's sweeps): the ones Burn's matmul autotuner chooses among, with the `mma` tile
+/// instruction (and the TMA kernels on `cmma` too, which Burn's autotune also tries), and
+/// cubek's tile-DSL routines.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GemmKernel {
     /// Double-buffered, cyclic global-to-shared loading (cubek `DoubleCyclicMma`).
