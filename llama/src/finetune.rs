@@ -12,12 +12,11 @@ use std::path::{Path, PathBuf};
 use burn::module::Module;
 use burn::optim::{AdamWConfig, GradientsAccumulator, GradientsParams};
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};
-use burn_kernels_core::{
-    AttentionImpl, BurnAttention, FullKvCache, ReferenceAttention, SamplingConfig,
-};
+use burn_kernels_core::{AttentionImpl, FullKvCache, SamplingConfig};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use serde::{Deserialize, Serialize};
 
+pub use crate::attention::TrainAttention;
 use crate::config::LlamaConfig;
 use crate::generate::{GenerateOptions, generate};
 use crate::model::Llama;
@@ -72,45 +71,6 @@ pub struct TrainConfig {
     /// weights and optimizer state); the checkpointed weights stay f32 either way.
     #[serde(default)]
     pub precision: Precision,
-}
-
-/// The attention of a training step (`finetune --attention`).
-///
-/// Measured on an H200 (2026-11-28, SmolLM2-135M shape, batch 8 × 1024 tokens, CCE): in f32 a
-/// step with `fused` takes 3.1× the time of one with `reference` (1485 vs 482 ms: cubek's f32
-/// attention routines) and a third of the memory (14.1 vs 43.0 GB); in bf16 the fused step
-/// takes 251 ms and 10.8 GB. [`TrainAttention::for_precision`] picks the default.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
-pub enum TrainAttention {
-    /// Burn's attention op: on a CubeCL device its fused kernels, whose backward recomputes the
-    /// probabilities from each query's saved log-sum-exp (saved state O(batch · heads · seq)
-    /// instead of the scores; slower than `reference` in f32 on an H200). The decomposed
-    /// attention where Burn has no fused backward (the CPU, key-padding masks).
-    Fused,
-    /// The decomposed f32 attention, which saves the `batch · heads · seq²` scores and
-    /// probabilities for the backward.
-    #[default]
-    Reference,
-}
-
-impl TrainAttention {
-    /// The default for `precision`: [`TrainAttention::Fused`] in bf16 (fast and small there),
-    /// [`TrainAttention::Reference`] in f32 (cubek's f32 attention is slower than the
-    /// decomposed one).
-    pub fn for_precision(precision: Precision) -> Self {
-        match precision {
-            Precision::Bf16 => TrainAttention::Fused,
-            Precision::F32 => TrainAttention::Reference,
-        }
-    }
-
-    /// The implementation.
-    pub fn build(self) -> Box<dyn AttentionImpl> {
-        match self {
-            TrainAttention::Fused => Box::new(BurnAttention),
-            TrainAttention::Reference => Box::new(ReferenceAttention),
-        }
-    }
 }
 
 impl Default for TrainConfig {
