@@ -132,6 +132,11 @@ struct Args {
     /// attention kernel (autoregressive and speculative alike) instead of Burn's attention op.
     #[arg(long)]
     decode_kernels: bool,
+    /// e2e suite: also time each Burn step's phases (forward + loss, backward, optimizer) with a
+    /// device synchronization between them, printed as medians when a candidate ends (the
+    /// synchronizations add to the step times of that run).
+    #[arg(long)]
+    e2e_phases: bool,
     /// Do not measure peak memory (one extra call per implementation, with exact-size
     /// buffers that can run out of memory where the timed runs fit).
     #[arg(long)]
@@ -378,6 +383,7 @@ fn run(
         batches: args.batches.clone(),
         seq: args.seq,
         decode_kernels: args.decode_kernels,
+        e2e_phases: args.e2e_phases,
     };
     let mut built = Vec::new();
     for n in &names {

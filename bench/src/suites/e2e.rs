@@ -39,7 +39,7 @@ pub fn suite(opts: SuiteOptions) -> Suite {
         .iter()
         .map(|&b| {
             let peers = (!opts.quick).then(|| opts.peers_dir.clone());
-            problem(cfg.clone(), b, seq, peers)
+            problem(cfg.clone(), b, seq, peers, opts.e2e_phases)
         })
         .collect();
     Suite {
@@ -104,7 +104,13 @@ fn plain() -> LossKind {
     LossKind::Plain
 }
 
-fn problem(cfg: LlamaConfig, batch: usize, seq: usize, peers: Option<PathBuf>) -> Problem {
+fn problem(
+    cfg: LlamaConfig,
+    batch: usize,
+    seq: usize,
+    peers: Option<PathBuf>,
+    phases: bool,
+) -> Problem {
     let tokens = (batch * seq) as f64;
     let (h, v) = (cfg.hidden_size as f64, cfg.vocab_size as f64);
     let per_layer = h * (cfg.num_heads * cfg.head_dim) as f64 * 2.0
@@ -137,14 +143,19 @@ fn problem(cfg: LlamaConfig, batch: usize, seq: usize, peers: Option<PathBuf>) -
                     Tensor::<2, Int>::from_data(TensorData::new(ids, [batch, seq + 1]), &device);
                 let attention = attention.build();
                 let mut state = Some((model, AdamWConfig::new().init()));
+                let mut clock = phases.then(|| PhaseClock::new(name, device.clone()));
                 Candidate::timed_here(name, move || {
                     let (model, mut optim) = state.take().expect("state is put back");
+                    let mut lap = PhaseClock::lap_of(&mut clock);
                     let view = precision.compute_view(&model);
                     let loss =
                         next_token_loss(&view, tokens.clone(), attention.as_ref(), kind(), -100)
                             .expect("valid tokens");
+                    lap(0);
                     let grads = GradientsParams::from_grads(loss.backward(), &model);
+                    lap(1);
                     let model = optim.step(1e-5, model, grads);
+                    lap(2);
                     state = Some((model, optim));
                 })
             };
@@ -176,4 +187,69 @@ fn torch_peers(dir: &Path, batch: usize, seq: usize) -> Vec<Candidate<'static>> 
         })
     })
     .collect()
+}
+
+/// `--e2e-phases`: per-step times of forward + loss, backward and the optimizer, each ended by a
+/// device synchronization; their medians are printed when the candidate is dropped.
+struct PhaseClock {
+    name: &'static str,
+    device: burn::tensor::Device,
+    samples: Vec<[f64; 3]>,
+}
+
+impl PhaseClock {
+    const PHASES: [&'static str; 3] = ["forward + loss", "backward", "optimizer"];
+
+    fn new(name: &'static str, device: burn::tensor::Device) -> Self {
+        Self {
+            name,
+            device,
+            samples: Vec::new(),
+        }
+    }
+
+    /// A lap function for one step: `lap(i)` synchronizes and records phase `i` (a no-op
+    /// without a clock).
+    fn lap_of(clock: &mut Option<PhaseClock>) -> impl FnMut(usize) + '_ {
+        if let Some(c) = clock.as_mut() {
+            crate::harness::sync(&c.device);
+            c.samples.push([0.0; 3]);
+        }
+        let mut t0 = std::time::Instant::now();
+        move |phase| {
+            if let Some(c) = clock.as_mut() {
+                crate::harness::sync(&c.device);
+                let last = c.samples.last_mut().expect("a sample per step");
+                last[phase] = t0.elapsed().as_secs_f64() * 1e3;
+                t0 = std::time::Instant::now();
+            }
+        }
+    }
+}
+
+impl Drop for PhaseClock {
+    fn drop(&mut self) {
+        if self.samples.is_empty() {
+            return;
+        }
+        let medians: Vec<String> = (0..3)
+            .map(|i| {
+                let mut v: Vec<f64> = self.samples.iter().map(|s| s[i]).collect();
+                v.sort_by(f64::total_cmp);
+                let mid = v.len() / 2;
+                let median = if v.len() % 2 == 1 {
+                    v[mid]
+                } else {
+                    (v[mid - 1] + v[mid]) / 2.0
+                };
+                format!("{} {median:.1} ms", Self::PHASES[i])
+            })
+            .collect();
+        eprintln!(
+            "  phases | {}: {} (median of {} steps)",
+            self.name,
+            medians.join(", "),
+            self.samples.len()
+        );
+    }
 }

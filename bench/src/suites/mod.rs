@@ -96,6 +96,8 @@ pub struct SuiteOptions {
     /// with the fused layer ops and the decode attention kernel instead of Burn's attention
     /// op and tensor ops.
     pub decode_kernels: bool,
+    /// `--e2e-phases`: the e2e suite times each Burn step's phases too.
+    pub e2e_phases: bool,
 }
 
 impl SuiteOptions {
