@@ -37,7 +37,7 @@ use burn_llama::finetune::{Corpus, read_corpus};
 use burn_llama::loader::{Checkpoint, default_model_path, load};
 use burn_llama::model::Llama;
 use burn_llama::spec::{Draft, SpecOptions, SpecStats, speculative_generate, truncated_draft};
-use burn_specdec::{Scheme, Verifier};
+use burn_specdec::{LpTruncation, Scheme, Verifier};
 use clap::{Parser, ValueEnum};
 
 mod exact;
@@ -97,6 +97,10 @@ struct Args {
         default_value = "specinfer,spectr,is,wis,optimal"
     )]
     schemes: Vec<String>,
+    /// The LP variable budget of wis and optimal (`LpTruncation::max_variables`; default
+    /// `LpTruncation::DEFAULT`'s): larger budgets keep more tokens individually at large K.
+    #[arg(long)]
+    lp_max_variables: Option<usize>,
     /// Runs per configuration, with seeds 0.. (results pooled).
     #[arg(long, default_value_t = 1)]
     repeats: u64,
@@ -118,13 +122,17 @@ struct Args {
     chart: Option<PathBuf>,
 }
 
-fn scheme(name: &str) -> Scheme {
+fn scheme(name: &str, lp_max_variables: Option<usize>) -> Scheme {
+    let trunc = LpTruncation {
+        max_variables: lp_max_variables.unwrap_or(LpTruncation::DEFAULT.max_variables),
+        ..LpTruncation::DEFAULT
+    };
     match name {
         "specinfer" => Scheme::SpecInfer,
         "spectr" => Scheme::SpecTr,
         "is" => Scheme::SequentialImportance,
-        "wis" => Scheme::WEIGHTED_IMPORTANCE,
-        "optimal" => Scheme::OPTIMAL,
+        "wis" => Scheme::WeightedImportance(trunc),
+        "optimal" => Scheme::Optimal(trunc),
         other => panic!("unknown scheme {other}"),
     }
 }
@@ -274,7 +282,11 @@ fn run(args: &Args, ckpt: &Checkpoint, device: &Device, attention: &dyn Attentio
                 new_tokens: args.new_tokens,
                 target_temperature: args.target_temperature,
                 draft_temperatures: args.draft_temperatures.clone(),
-                schemes: args.schemes.iter().map(|n| scheme(n)).collect(),
+                schemes: args
+                    .schemes
+                    .iter()
+                    .map(|n| scheme(n, args.lp_max_variables))
+                    .collect(),
                 ks: args.exact_ks.clone(),
                 chart: args.chart.as_deref(),
             }
@@ -376,7 +388,7 @@ fn measured_table(
     for &t in &args.draft_temperatures {
         let single = run(Scheme::SingleDraft, 1, t);
         for name in &args.schemes {
-            let s = scheme(name);
+            let s = scheme(name, args.lp_max_variables);
             let mut row = format!("| {t:.1} | {} |", s.name());
             for &k in &ks {
                 let stats = if k == 1 { single.clone() } else { run(s, k, t) };
@@ -423,7 +435,7 @@ fn analytic_table(
             let qs = distributions(&draft, ids, &args.draft_temperatures, attention);
             for (&t, q) in args.draft_temperatures.iter().zip(&qs) {
                 for name in &args.schemes {
-                    let s = scheme(name);
+                    let s = scheme(name, args.lp_max_variables);
                     out.push_str(&format!("| {l}, {t:.1} | {} |", s.name()));
                     for &k in &ks {
                         let s = if k == 1 { Scheme::SingleDraft } else { s };
