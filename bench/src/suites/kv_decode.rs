@@ -543,6 +543,7 @@ pub mod tests {
             batches: Vec::new(),
             seq: None,
             decode_kernels: false,
+            e2e_phases: false,
         }
     }
 
