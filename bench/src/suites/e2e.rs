@@ -234,15 +234,8 @@ impl Drop for PhaseClock {
         }
         let medians: Vec<String> = (0..3)
             .map(|i| {
-                let mut v: Vec<f64> = self.samples.iter().map(|s| s[i]).collect();
-                v.sort_by(f64::total_cmp);
-                let mid = v.len() / 2;
-                let median = if v.len() % 2 == 1 {
-                    v[mid]
-                } else {
-                    (v[mid - 1] + v[mid]) / 2.0
-                };
-                format!("{} {median:.1} ms", Self::PHASES[i])
+                let v: Vec<f64> = self.samples.iter().map(|s| s[i]).collect();
+                format!("{} {:.1} ms", Self::PHASES[i], crate::harness::median(&v))
             })
             .collect();
         eprintln!(

@@ -505,12 +505,11 @@ pub fn seq_bytes(cfg: &LlamaConfig, batch: usize, n: usize) -> u64 {
     (batch * cfg.num_kv_heads * n * cfg.head_dim) as u64 * F16
 }
 
-/// Median and mean of step times (ms).
+/// Median (the true one: the mean of the middle two for an even count) and mean of step
+/// times (ms).
 pub fn median_mean(times: &[f64]) -> (f64, f64) {
-    let mut t = times.to_vec();
-    t.sort_by(f64::total_cmp);
-    let median = t.get(t.len() / 2).copied().unwrap_or(f64::NAN);
-    (median, t.iter().sum::<f64>() / t.len().max(1) as f64)
+    let mean = times.iter().sum::<f64>() / times.len().max(1) as f64;
+    (crate::harness::median(times), mean)
 }
 
 #[cfg(test)]
