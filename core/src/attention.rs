@@ -159,13 +159,10 @@ impl AttentionImpl for BurnAttention {
         v: Tensor<4>,
         opts: &AttnOptions,
     ) -> Tensor<4> {
-        let [b, hq, sq, _] = q.dims();
+        let [b, hq, sq, head_dim] = q.dims();
         let skv = k.dims()[2];
-        let head_dim = q.dims()[3] as f32;
-        // A custom scale makes Burn take its unfused fallback: pass the default as `None`.
-        let default_scale = (opts.scale - head_dim.sqrt().recip()).abs() <= 1e-6 * opts.scale;
         let options = AttentionModuleOptions {
-            scale: (!default_scale).then_some(opts.scale as f64),
+            scale: burn_scale(opts.scale, head_dim),
             softcap: None,
             is_causal: false,
             causal_alignment: CausalAlignment::BottomRight,
@@ -182,4 +179,11 @@ impl AttentionImpl for BurnAttention {
         let mask = build_mask(b, sq, skv, opts, &q.device()).map(|m| m.expand([b, hq, sq, skv]));
         attention(q, k, v, mask, None, options)
     }
+}
+
+/// The scale to pass Burn's attention op: `None` for the default `1/√head_dim` (a custom scale
+/// makes Burn take its unfused fallback), else `scale`.
+pub(crate) fn burn_scale(scale: f32, head_dim: usize) -> Option<f64> {
+    let default_scale = (scale - (head_dim as f32).sqrt().recip()).abs() <= 1e-6 * scale;
+    (!default_scale).then_some(scale as f64)
 }

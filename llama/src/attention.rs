@@ -17,7 +17,8 @@
 
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_kernels_core::{
-    AttentionImpl, AttentionKind, BurnAttention, FullKvCache, ReferenceAttention,
+    AttentionImpl, AttentionKind, BurnAttention, FullKvCache, RecomputeAttention,
+    ReferenceAttention,
 };
 
 use crate::precision::Precision;
@@ -264,6 +265,11 @@ pub enum TrainAttention {
     /// probabilities for the backward.
     #[default]
     Reference,
+    /// In f32 on a CubeCL device: Burn's fused forward (saves the output and one log-sum-exp
+    /// per query, as `fused`) and a backward that recomputes each layer's probabilities with
+    /// tensor ops and TF32 matmuls ([`burn_kernels_core::recompute_attention`]). `fused`
+    /// otherwise.
+    Recompute,
 }
 
 impl TrainAttention {
@@ -282,6 +288,7 @@ impl TrainAttention {
         match self {
             TrainAttention::Fused => Box::new(BurnAttention),
             TrainAttention::Reference => Box::new(ReferenceAttention),
+            TrainAttention::Recompute => Box::new(RecomputeAttention),
         }
     }
 }

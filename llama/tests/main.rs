@@ -9,6 +9,7 @@ mod common;
 mod finetune;
 mod loader;
 mod model;
+mod replay;
 mod sage;
 mod spec;
 mod spec_law;

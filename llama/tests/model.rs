@@ -1,14 +1,15 @@
 //! The model on the real SmolLM2-135M-Instruct weights (fetched by `./scripts/setup.sh`).
 
 use crate::common::{checkpoint, paragraph_tokens, paragraph_tokens_on, tiny_config};
+use crate::replay::assert_replay_logits_match;
 
-use burn::tensor::{DType, Device, Int, Tensor, TensorData};
+use burn::tensor::{DType, Device};
 use std::sync::Arc;
 
 use burn_kernels_core::{
     AttentionImpl, BurnAttention, FullKvCache, FusedLayers, Greedy, ReferenceAttention,
 };
-use burn_kernels_testing::{Tolerance, assert_close, testgen};
+use burn_kernels_testing::testgen;
 use burn_kvcache::DecodeAttention;
 use burn_llama::eval::{perplexity_with_cache, perplexity_with_cache_chunked};
 use burn_llama::generate::{GenerateError, GenerateOptions, generate, perplexity};
@@ -315,68 +316,16 @@ fn captured_decode_matches_eager(device: &Device) {
     }
 
     // Logits: every replayed step against an eager step on the same tokens (the greedy ones),
-    // batch 3 with ragged prompts, within f32's tolerance for a reduction over the hidden size
-    // scaled to the logits' magnitude.
+    // batch 3 with ragged prompts, within f32's tolerance.
     let prompts = &batches[1];
-    let steps = &eager_tokens[1];
-    let b = prompts.len();
-    let longest = prompts.iter().map(Vec::len).max().unwrap();
-    let pad: Vec<usize> = prompts.iter().map(|p| longest - p.len()).collect();
-    let ids = |rows: Vec<Vec<u32>>| {
-        let s = rows[0].len();
-        let flat = rows
-            .into_iter()
-            .flatten()
-            .map(i64::from)
-            .collect::<Vec<_>>();
-        Tensor::<2, Int>::from_data(TensorData::new(flat, [b, s]), device)
-    };
-    let padded = prompts
-        .iter()
-        .zip(&pad)
-        .map(|(p, &n)| {
-            std::iter::repeat_n(p[0], n)
-                .chain(p.iter().copied())
-                .collect()
-        })
-        .collect();
-    let mut cache = FullKvCache::new(model.config.num_layers);
-    let eager_last = |hidden: Tensor<3>| -> Vec<f32> {
-        let [b, s, h] = hidden.dims();
-        let logits = model.logits(hidden.slice([0..b, s - 1..s, 0..h]));
-        logits.into_data().try_to_vec::<f32>().unwrap()
-    };
-    let hidden = model
-        .try_forward(ids(padded), &pad, &mut cache, attention.as_ref())
-        .expect("prefill");
-    let mut want = eager_last(hidden);
-    let (mut decoder, first) =
-        CapturedDecoder::prefill(&model, attention.as_ref(), prompts, n).expect("valid prompts");
-    let mut got: Vec<f32> = first.into_iter().flatten().collect();
-    for step in 0..n {
-        let scale = want.iter().fold(1.0f64, |m, v| m.max(v.abs() as f64));
-        let base = Tolerance::for_reduction(DType::F32, model.config.hidden_size);
-        let tol = Tolerance {
-            atol: base.atol * scale,
-            rtol: base.rtol,
-        };
-        assert_close(&format!("logits, step {step}"), &got, &want, tol);
-        if step + 1 == n {
-            break;
-        }
-        let toks: Vec<u32> = steps.iter().map(|row| row[step]).collect();
-        got = decoder
-            .step(&toks)
-            .expect("a replayed step")
-            .into_data()
-            .try_to_vec::<f32>()
-            .unwrap();
-        let rows = toks.iter().map(|&t| vec![t]).collect();
-        let hidden = model
-            .try_forward(ids(rows), &pad, &mut cache, attention.as_ref())
-            .expect("an eager step");
-        want = eager_last(hidden);
-    }
+    assert_replay_logits_match(
+        &model,
+        attention.as_ref(),
+        prompts,
+        &eager_tokens[1],
+        n,
+        DType::F32,
+    );
 
     captured_decode_stops_at_capacity(&model, attention.as_ref(), prompts);
 }

@@ -1,14 +1,18 @@
 //! Training through [`BurnAttention`]: on a CubeCL device Burn 0.23's autodiff records its fused
 //! attention (forward with each query's log-sum-exp, a FlashAttention-2 style backward that
 //! recomputes the probabilities) instead of the decomposed one, which saves the `B·H·N²` scores.
-//! Its gradients are checked against [`ReferenceAttention`]'s (f32 tensor ops, differentiated by
+//! [`RecomputeAttention`] (Burn's fused forward, a backward of tensor ops) is checked the same way.
+//! Their gradients are checked against [`ReferenceAttention`]'s (f32 tensor ops, differentiated by
 //! Burn's autodiff), and its saved state against the memory the scores would take. CUDA only
 //! (`core.rs` says why); on lavapipe the f32 checks of the first three cases and the memory test
 //! passed once (2026-11-28).
 
 use burn::tensor::{DType, Device, Tensor};
-use burn_kernels_core::route::memory_in_use;
-use burn_kernels_core::{AttentionImpl, AttnOptions, BurnAttention, ReferenceAttention};
+use burn_kernels_core::recompute_attention::RECOMPUTE_BACKWARD;
+use burn_kernels_core::route::{launches, memory_in_use};
+use burn_kernels_core::{
+    AttentionImpl, AttnOptions, BurnAttention, RecomputeAttention, ReferenceAttention,
+};
 use burn_kernels_testing::compare::{metrics, to_f32};
 use burn_kernels_testing::{Dist, Tolerance, assert_close, float_dtypes, is_cuda, random_tensor};
 
@@ -74,9 +78,24 @@ fn check(name: &str, actual: &[f32], expected: &[f32], dtype: DType, len: usize,
     );
 }
 
-/// dQ, dK, dV (and the output) of Burn's attention on an autodiff device against the
-/// decomposed reference's, every float dtype the device runs.
+/// dQ, dK, dV (and the output) of Burn's attention and of [`RecomputeAttention`] on an
+/// autodiff device against the decomposed reference's, every float dtype the device runs. In f32
+/// the recomputing backward must have run once per case (counted), not Burn's fused one.
 pub fn fused_attention_gradients_match_reference(device: &Device) {
+    let before = launches(RECOMPUTE_BACKWARD);
+    let f32_cases = CASES.len() as u64;
+    for attention in [&BurnAttention as &dyn AttentionImpl, &RecomputeAttention] {
+        attention_gradients_match_reference(attention, device);
+    }
+    // `>=`: the memory test, in another test thread, may count its backward too.
+    let ran = launches(RECOMPUTE_BACKWARD) - before;
+    assert!(
+        ran >= f32_cases,
+        "the recomputing backward ran {ran} times for {f32_cases} f32 cases"
+    );
+}
+
+fn attention_gradients_match_reference(attention: &dyn AttentionImpl, device: &Device) {
     for dtype in float_dtypes(device) {
         for (i, &(b, hq, hkv, sq, skv, d, causal)) in CASES.iter().enumerate() {
             let seed = 100 + 10 * i as u64;
@@ -92,21 +111,25 @@ pub fn fused_attention_gradients_match_reference(device: &Device) {
                 scale: (d as f32).sqrt().recip(),
                 key_padding: None,
             };
-            let fused = gradients(&BurnAttention, [&q, &k, &v, &g], &opts);
+            let fused = gradients(attention, [&q, &k, &v, &g], &opts);
             let reference = gradients(&ReferenceAttention, [&q, &k, &v, &g], &opts);
             let len = sq.max(skv) * d;
             for (what, (a, e)) in ["out", "dQ", "dK", "dV"]
                 .iter()
                 .zip(fused.iter().zip(&reference))
             {
-                let name = format!("{what} {dtype:?} b{b} hq{hq} hkv{hkv} sq{sq} skv{skv} d{d}");
+                let name = format!(
+                    "{} {what} {dtype:?} b{b} hq{hq} hkv{hkv} sq{sq} skv{skv} d{d}",
+                    attention.name()
+                );
                 check(&name, a, e, dtype, len, device);
             }
         }
     }
 }
 
-/// What a training forward through [`BurnAttention`] keeps for the backward on a CubeCL device:
+/// What a training forward through [`BurnAttention`] (and [`RecomputeAttention`]) keeps for the
+/// backward on a CubeCL device:
 /// the output and one log-sum-exp per query, not the `B·H·N²` scores (the decomposed
 /// attention keeps them, and its probabilities, `2·B·H·N²·4` bytes). N = 512, 4 query heads over
 /// 2 key heads: the scores would be 4 MiB; the bound is a quarter of that, above the output's
@@ -143,12 +166,15 @@ pub fn fused_attention_keeps_no_scores(device: &Device) {
         );
         after.saturating_sub(before)
     };
-    let fused = saved(&BurnAttention);
+    for attention in [&BurnAttention as &dyn AttentionImpl, &RecomputeAttention] {
+        let fused = saved(attention);
+        assert!(
+            fused <= scores / 4,
+            "{}: the forward kept {fused} B (scores: {scores} B)",
+            attention.name()
+        );
+    }
     let reference = saved(&ReferenceAttention);
-    assert!(
-        fused <= scores / 4,
-        "the fused attention's forward kept {fused} B (scores: {scores} B)"
-    );
     assert!(
         reference >= scores,
         "the decomposed attention's forward kept only {reference} B: the measurement does not \

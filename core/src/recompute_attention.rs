@@ -1,0 +1,209 @@
+//! Attention for f32 training: Burn's fused forward, which saves only the output and one
+//! log-sum-exp per query, and a backward that recomputes the probabilities from them with tensor
+//! ops (Burn's matmuls) one layer at a time.
+//!
+//! Why: Burn 0.23.0-pre.1's fused attention backward (cubek's) has no tensor-core routine for
+//! f32 operands; the one routine that takes f32 walks one query or key per thread, which made an
+//! f32 training step with Burn's attention 3.1× slower than one with the decomposed attention
+//! (H200, 2026-11-28, SmolLM2-135M, batch 8 × 1024). The decomposed attention is fast but keeps
+//! every layer's `batch · heads · seq²` scores and probabilities until the backward. This op
+//! keeps what the fused attention keeps and differentiates with Burn's own composed backward
+//! (`attention_backward_default`: `QKᵀ` again, `exp(s − lse)`, four matmuls), whose `seq²`
+//! tensors live only while one layer's gradient is computed.
+
+use burn::backend::autodiff::{
+    Autodiff, NodeId,
+    checkpoint::{base::Checkpointer, strategy::CheckpointStrategy},
+    grads::Gradients,
+    ops::{Backward, Ops, OpsKind},
+};
+use burn::backend::ops::AttentionModuleOptions;
+use burn::backend::ops::attention::attention_backward_default;
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{Backend, Dispatch, backend_extension};
+use burn::tensor::ops::CausalAlignment;
+use burn::tensor::{DType, Tensor};
+
+use crate::attention::{AttentionImpl, AttnOptions, BurnAttention, burn_scale};
+use crate::route::{Grad, count_launch, route};
+
+/// The op's name for [`crate::route::launches`]: counted once per backward pass that
+/// recomputes (so a test can tell it from Burn's fused backward).
+pub const RECOMPUTE_BACKWARD: &str = "recompute-attention-backward";
+
+/// Attention with Burn's fused forward and, on an autodiff device, a backward that recomputes
+/// the probabilities with tensor ops (see the module docs): f32 operands on a CubeCL device of
+/// this build. Elsewhere Burn's `attention` op runs (on a CubeCL device in f16/bf16 that is
+/// its fused forward and fused backward; on other backends the decomposed attention).
+///
+/// # Shapes
+/// - `q`: `[batch, q_heads, sq, head_dim]`
+/// - `k`, `v`: `[batch, kv_heads, skv, head_dim]`, `q_heads` a multiple of `kv_heads` (GQA,
+///   read in place)
+/// - returns `[batch, q_heads, sq, head_dim]`
+///
+/// `causal` masks bottom-right (query `i` sees keys `j ≤ i + skv − sq`); `scale` `None` is
+/// `1/√head_dim`.
+pub fn recompute_attention(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    causal: bool,
+    scale: Option<f64>,
+) -> Tensor<4> {
+    let options = options(causal, scale);
+    let unsupported = (q.dtype() != DType::F32).then(|| {
+        format!(
+            "{:?} operands (Burn's fused backward serves them)",
+            q.dtype()
+        )
+    });
+    if !route(
+        "recompute-attention",
+        &q.device(),
+        Grad::Differentiable,
+        unsupported,
+    ) {
+        return burn::tensor::module::attention(q, k, v, None, None, options);
+    }
+    Tensor::from_dispatch(Dispatch::recompute_attention(
+        q.into_dispatch(),
+        k.into_dispatch(),
+        v.into_dispatch(),
+        causal,
+        scale,
+    ))
+}
+
+fn options(causal: bool, scale: Option<f64>) -> AttentionModuleOptions {
+    AttentionModuleOptions {
+        scale,
+        softcap: None,
+        is_causal: causal,
+        causal_alignment: CausalAlignment::BottomRight,
+    }
+}
+
+/// [`recompute_attention`] as a Burn backend extension. Without autodiff it is Burn's
+/// `attention` (the fused kernel); `Autodiff<B>` runs `B::attention_with_logsumexp` forward and
+/// Burn's composed `attention_backward_default` backward.
+#[backend_extension(
+    Cube: cfg(feature = "cube"),
+    Fusion: cfg(all(feature = "cube", feature = "fusion")),
+    Autodiff,
+)]
+pub trait RecomputeAttentionOps: Backend {
+    /// Attention without a mask or bias.
+    ///
+    /// # Shapes
+    /// As [`recompute_attention`].
+    #[fusion(default)]
+    fn recompute_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        causal: bool,
+        scale: Option<f64>,
+    ) -> FloatTensor<Self> {
+        Self::attention(q, k, v, None, None, options(causal, scale))
+    }
+}
+
+#[cfg(feature = "cube")]
+impl RecomputeAttentionOps for burn_cubecl::CubeBackend {}
+
+impl<B: RecomputeAttentionOps, C: CheckpointStrategy> RecomputeAttentionOps for Autodiff<B, C> {
+    fn recompute_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        causal: bool,
+        scale: Option<f64>,
+    ) -> FloatTensor<Self> {
+        let options = options(causal, scale);
+        match RecomputeBackward
+            .prepare::<C>([q.node(), k.node(), v.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(mut prep) => {
+                let q_state = prep.checkpoint(&q);
+                let k_state = prep.checkpoint(&k);
+                let v_state = prep.checkpoint(&v);
+                let [q, k, v] = [q, k, v].map(|t| t.into_parts().0);
+                let (out, lse) = B::attention_with_logsumexp(q, k, v, options);
+                prep.finish((q_state, k_state, v_state, out.clone(), lse, options), out)
+            }
+            OpsKind::UnTracked(prep) => {
+                let [q, k, v] = [q, k, v].map(|t| t.into_parts().0);
+                prep.finish(B::attention(q, k, v, None, None, options))
+            }
+        }
+    }
+}
+
+/// Parents `[q, k, v]` (checkpointed); the state keeps the output and the log-sum-exp.
+#[derive(Debug)]
+struct RecomputeBackward;
+
+impl<B: Backend> Backward<B, 3> for RecomputeBackward {
+    type State = (
+        NodeId,
+        NodeId,
+        NodeId,
+        FloatTensor<B>,
+        FloatTensor<B>,
+        AttentionModuleOptions,
+    );
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 3>,
+        grads: &mut Gradients,
+        checkpointer: &mut Checkpointer,
+    ) {
+        let [q_node, k_node, v_node] = ops.parents;
+        let out_grad = grads.consume::<B>(&ops.node);
+        let (q, k, v, out, lse, options) = ops.state;
+        let q = checkpointer.retrieve_node_output(q);
+        let k = checkpointer.retrieve_node_output(k);
+        let v = checkpointer.retrieve_node_output(v);
+        let grad = attention_backward_default::<B>(q, k, v, out, lse, out_grad, options);
+        count_launch(RECOMPUTE_BACKWARD);
+        for (node, g) in [
+            (q_node, grad.query_grad),
+            (k_node, grad.key_grad),
+            (v_node, grad.value_grad),
+        ] {
+            if let Some(node) = node {
+                grads.register::<B>(node.id, g);
+            }
+        }
+    }
+}
+
+/// [`recompute_attention`] as an [`AttentionImpl`] (training's `recompute` attention): a
+/// key-padding mask takes [`BurnAttention`] (Burn's decomposed path with the mask).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RecomputeAttention;
+
+impl AttentionImpl for RecomputeAttention {
+    fn name(&self) -> String {
+        "recompute".into()
+    }
+
+    fn attend(
+        &self,
+        layer: usize,
+        q: Tensor<4>,
+        k: Tensor<4>,
+        v: Tensor<4>,
+        opts: &AttnOptions,
+    ) -> Tensor<4> {
+        if opts.key_padding.is_some() {
+            return BurnAttention.attend(layer, q, k, v, opts);
+        }
+        let scale = burn_scale(opts.scale, q.dims()[3]);
+        recompute_attention(q, k, v, opts.causal, scale)
+    }
+}
