@@ -27,7 +27,10 @@ use caches::{full_cache_decode_equals_one_shot, static_cache_equals_one_shot};
 #[path = "core/attention_grad.rs"]
 mod attention_grad;
 #[cfg(feature = "cuda")]
-use attention_grad::{fused_attention_gradients_match_reference, fused_attention_keeps_no_scores};
+use attention_grad::{
+    fused_attention_gradients_match_reference, fused_attention_keeps_no_scores,
+    recompute_attention_gradients_match_reference,
+};
 
 fn host<const D: usize>(v: &[f32], shape: [usize; D], device: &Device) -> Tensor<D> {
     Tensor::from_data(TensorData::new(v.to_vec(), shape), device)
@@ -320,6 +323,11 @@ mod cuda_training {
     #[test]
     fn fused_attention_gradients_match_reference() {
         super::fused_attention_gradients_match_reference(&device());
+    }
+
+    #[test]
+    fn recompute_attention_gradients_match_reference() {
+        super::recompute_attention_gradients_match_reference(&device());
     }
 
     #[test]
