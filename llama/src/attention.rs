@@ -250,10 +250,11 @@ pub fn sage_variant(name: &str) -> SageOptions {
 
 /// The attention of a training step (`finetune --attention`).
 ///
-/// Measured on an H200 (2026-11-28, SmolLM2-135M shape, batch 8 × 1024 tokens, CCE): in f32 a
-/// step with `fused` takes 3.1× the time of one with `reference` (1485 vs 482 ms: cubek's f32
-/// attention routines) and a third of the memory (14.1 vs 43.0 GB); in bf16 the fused step
-/// takes 251 ms and 10.8 GB. [`TrainAttention::for_precision`] picks the default.
+/// Measured on an H200 (2026-11-28, SmolLM2-135M shape, batch 8 × 1024, CCE; `bench/results/
+/// 2026-11-28/nvidia-h200-s32-e2e-train.md`): in f32 `recompute` takes 396 ms and 15.0 GB a
+/// step, `reference` 488 ms and 43.0 GB, `fused` 1485 ms and 14.1 GB (cubek's f32 attention
+/// backward); at 2048 tokens only `recompute` fits among the f32 ones (1077 ms, 31 GB). In bf16
+/// `fused` takes 280 ms and 10.8 GB. [`TrainAttention::for_precision`] picks the default.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum TrainAttention {
     /// Burn's attention op: on a CubeCL device its fused kernels, whose backward recomputes the
@@ -274,12 +275,12 @@ pub enum TrainAttention {
 
 impl TrainAttention {
     /// The default for `precision`: [`TrainAttention::Fused`] in bf16 (fast and small there),
-    /// [`TrainAttention::Reference`] in f32 (cubek's f32 attention is slower than the
-    /// decomposed one).
+    /// [`TrainAttention::Recompute`] in f32 (cubek's f32 attention backward is slow; the
+    /// decomposed attention keeps every layer's scores).
     pub fn for_precision(precision: Precision) -> Self {
         match precision {
             Precision::Bf16 => TrainAttention::Fused,
-            Precision::F32 => TrainAttention::Reference,
+            Precision::F32 => TrainAttention::Recompute,
         }
     }
 

@@ -92,7 +92,7 @@ struct Cli {
     #[arg(long, value_enum, default_value = "cce")]
     loss: LossArg,
     /// The attention of training and validation [default: fused with `--precision bf16`,
-    /// reference with f32].
+    /// recompute with f32].
     #[arg(long, value_enum)]
     attention: Option<TrainAttention>,
     /// The precision of the forward and backward; weights, optimizer state and checkpoints
