@@ -18,19 +18,61 @@ use super::tail::{TailProblem, TailSelection};
 use super::{Leftover, Symbol, WeightedPlan, declinable, declinable_bits, selection_rows};
 use crate::lp::{self, Flow, TailTracking};
 
-/// The tail-first plan: every set that holds the tail symbol offers it first (the last tail
+/// The tail-first plans: the sets that hold the tail symbol offer it first (the last tail
 /// draft is tested too where the set holds an alphabet symbol); what the tail drafts decline
 /// goes to the alphabet symbols by the LP over the alphabet with the set masses that the tail
-/// stage leaves, `P'(S, D) = P(S, D) prod_i (1 - abar_i)`, its unused mass placed by
-/// each leftover rule. None without a tail, or if that LP fails (the plan is then not a
-/// candidate).
+/// stage leaves, `P'(S, D) = P(S, D) prod_i (1 - abar_i)`, its unused mass placed by each
+/// leftover rule. Two offer policies: every set that holds the tail, or only those whose
+/// alphabet symbols all had their target mass filled by the original flow (a set holding a
+/// symbol with room left selects among its alphabet symbols only, by the same LP). None
+/// without a tail (plans whose LP fails are left out: they are only candidates).
 pub(crate) fn tail_first(p: &[f64], qs: &[Vec<f64>], flow: &Flow) -> Option<Vec<WeightedPlan>> {
     let tail_bit = flow.tail_bit?;
-    let v = p.len();
+    let alphabet = &flow.info.alphabet;
+    // Alphabet bits whose target mass the original flow leaves partly uncovered.
+    let mut set_mass: HashMap<u64, f64> = HashMap::new();
+    for (&(mask, _), &w) in &flow.patterns {
+        *set_mass.entry(mask).or_insert(0.0) += w;
+    }
+    let mut inflow: HashMap<Symbol, f64> = HashMap::new();
+    for (mask, row) in &flow.table {
+        for &(symbol, w) in row {
+            *inflow.entry(symbol).or_insert(0.0) += set_mass.get(mask).copied().unwrap_or(0.0) * w;
+        }
+    }
+    let room_bits: u64 = (0..alphabet.len())
+        .filter(|&b| {
+            let y = alphabet[b];
+            p[y] - inflow.get(&Symbol::Token(y)).copied().unwrap_or(0.0) > ROOM_TOLERANCE * p[y]
+        })
+        .fold(0, |m, b| m | (1 << b));
     let holds_tail = |mask: u64| mask & (1 << tail_bit) != 0;
+    let every = |mask: u64| holds_tail(mask);
+    let filled = |mask: u64| holds_tail(mask) && (!declinable(flow, mask) || mask & room_bits == 0);
+    let policies: [&dyn Fn(u64) -> bool; 2] = [&every, &filled];
+    let mut plans = Vec::new();
+    for offers in policies {
+        plans.extend(offered(p, qs, flow, offers).into_iter().flatten());
+    }
+    Some(plans)
+}
+
+/// A set's alphabet symbols have room left if the flow leaves more than this fraction of
+/// their target mass.
+const ROOM_TOLERANCE: f64 = 1e-9;
+
+/// The tail-first plans (one per leftover rule) where the sets `offers` accepts offer the tail
+/// first; None if the alphabet LP fails.
+fn offered(
+    p: &[f64],
+    qs: &[Vec<f64>],
+    flow: &Flow,
+    offers: &dyn Fn(u64) -> bool,
+) -> Option<[WeightedPlan; 2]> {
+    let v = p.len();
     let mut weight: BTreeMap<(u64, bool), f64> = BTreeMap::new();
     for (&(mask, record), &mass) in &flow.patterns {
-        if holds_tail(mask) {
+        if offers(mask) {
             *weight
                 .entry((record, declinable(flow, mask)))
                 .or_insert(0.0) += mass;
@@ -49,70 +91,77 @@ pub(crate) fn tail_first(p: &[f64], qs: &[Vec<f64>], flow: &Flow) -> Option<Vec<
     let problem = TailProblem::new(p, qs, &tail_tokens, shared, visits, Some(room));
     let (tail, tail_law) = problem.solve(v, !flow.tracking.keeps_all());
     let leave = |mask: u64, record: u64| {
+        if !offers(mask) {
+            return 1.0;
+        }
         let declinable = declinable_bits(flow.tail_bit, mask);
         tail.declined(&flow.tracking.drafts(record), declinable)
     };
     let rest = lp::solve_with(p, qs, alphabet.clone(), tail_tokens.clone(), Some(&leave)).ok()?;
-    let plans = [Leftover::Proportional, Leftover::Fill].map(|leftover| {
+    Some([Leftover::Proportional, Leftover::Fill].map(|leftover| {
         let rows = selection_rows(p, &rest, leftover);
-        assemble(p, flow, &rest, &rows, tail.clone(), &tail_law, &tail_tokens)
-    });
-    Some(plans.into())
+        let mut proposal = vec![0.0; v];
+        for (&t, &q) in tail_tokens.iter().zip(&tail_law) {
+            proposal[t] += q;
+        }
+        assemble(p, flow, &rest, &rows, offers, tail.clone(), proposal)
+    }))
 }
 
-/// The tail-first plan from the alphabet LP's selection rows `rows` (see [`tail_first`]).
+/// The alphabet part of a set's row, renormalised (its best-ranked symbol if none).
+fn alphabet_row(flow: &Flow, mask: u64, row: Option<&Vec<(Symbol, f64)>>) -> Vec<(usize, f64)> {
+    let mut out: Vec<(usize, f64)> = row
+        .into_iter()
+        .flatten()
+        .filter_map(|&(s, w)| match s {
+            Symbol::Token(y) if w > 0.0 => Some((y, w)),
+            _ => None,
+        })
+        .collect();
+    let total: f64 = out.iter().map(|&(_, w)| w).sum();
+    if total > 0.0 {
+        out.iter_mut().for_each(|(_, w)| *w /= total);
+    } else {
+        let alphabet = &flow.info.alphabet;
+        let best = (0..alphabet.len()).find(|&b| mask & (1 << b) != 0);
+        out = vec![(alphabet[best.expect("an alphabet symbol")], 1.0)];
+    }
+    out
+}
+
+/// A tail-first plan from the alphabet LP's selection rows `rows` (see [`tail_first`]);
+/// `proposal` holds the tail stage's law.
 fn assemble(
     p: &[f64],
     flow: &Flow,
     rest: &Flow,
     rows: &HashMap<u64, Vec<(Symbol, f64)>>,
+    offers: &dyn Fn(u64) -> bool,
     tail: TailSelection,
-    tail_law: &[f64],
-    tail_tokens: &[usize],
+    mut proposal: Vec<f64>,
 ) -> WeightedPlan {
-    let v = p.len();
-    let alphabet = &flow.info.alphabet;
     let tail_bit = flow.tail_bit.expect("a tail");
     let holds_tail = |mask: u64| mask & (1 << tail_bit) != 0;
-    let mut proposal = vec![0.0; v];
-    for (&t, &q) in tail_tokens.iter().zip(tail_law) {
-        proposal[t] += q;
-    }
     let (mut select, mut declined) = (HashMap::new(), HashMap::new());
     for &(mask, _) in flow.patterns.keys() {
         if mask == 0 || select.contains_key(&mask) {
             continue;
         }
-        if !holds_tail(mask) {
-            if let Some(row) = rows.get(&mask) {
-                select.insert(mask, row.clone());
+        if offers(mask) {
+            select.insert(mask, vec![(Symbol::Tail, 1.0)]);
+            if declinable(flow, mask) {
+                declined.insert(mask, alphabet_row(flow, mask, rows.get(&mask)));
             }
-            continue;
-        }
-        select.insert(mask, vec![(Symbol::Tail, 1.0)]);
-        if declinable(flow, mask) {
-            // The alphabet part of the set's row, renormalised (its best-ranked symbol if none).
-            let mut row: Vec<(usize, f64)> = rows
-                .get(&mask)
-                .into_iter()
-                .flatten()
-                .filter_map(|&(s, w)| match s {
-                    Symbol::Token(y) if w > 0.0 => Some((y, w)),
-                    _ => None,
-                })
-                .collect();
-            let total: f64 = row.iter().map(|&(_, w)| w).sum();
-            if total > 0.0 {
-                row.iter_mut().for_each(|(_, w)| *w /= total);
-            } else {
-                let best = (0..alphabet.len()).find(|&b| mask & (1 << b) != 0);
-                row = vec![(alphabet[best.expect("an alphabet symbol")], 1.0)];
-            }
-            declined.insert(mask, row);
+        } else if holds_tail(mask) {
+            let row = alphabet_row(flow, mask, rows.get(&mask));
+            let row = row.into_iter().map(|(y, w)| (Symbol::Token(y), w));
+            select.insert(mask, row.collect());
+        } else if let Some(row) = rows.get(&mask) {
+            select.insert(mask, row.clone());
         }
     }
     for (&(mask, _), &mass) in &rest.patterns {
-        if holds_tail(mask) {
+        if offers(mask) {
             for (y, share) in shares(&declined[&mask]) {
                 proposal[y] += mass * share;
             }
