@@ -28,10 +28,12 @@
 //!      to the tail symbol instead; what the tail drafts decline goes to the set's alphabet
 //!      symbols by filling what the rest of the selection leaves of their target mass
 //!      (`decline::rows`);
-//!    - *tail first* (`decline::tail_first`): every set holding the tail offers it first;
-//!      what the tail stage leaves of each pattern, `P(S, D) prod_i (1 - abar_i)`, goes to the
-//!      alphabet by the LP re-solved over the alphabet with those set masses
-//!      (`lp::solve_with`), its unused mass placed by the leftover rule.
+//!    - *tail first* (`decline::tail_first`): every set holding the tail offers it first
+//!      (or, second policy, only the sets whose alphabet symbols the flow already filled; the
+//!      others select among their alphabet symbols only); what the tail stage leaves of each
+//!      pattern, `P(S, D) prod_i (1 - abar_i)`, goes to the alphabet by the LP re-solved over
+//!      the alphabet with those set masses (`lp::solve_with`), its unused mass placed by the
+//!      leftover rule. At K = 8, T = 2 these plans close most of the gap to Optimal.
 //!
 //!    The declined alphabet symbol is drawn with `u[K]` rescaled to the tail symbol's interval
 //!    (given that symbol, `u[K]` is uniform on it). The plan keeps the best candidate.
