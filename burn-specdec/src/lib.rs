@@ -63,7 +63,7 @@
 //! | uniform | single-draft SD, SpecInfer, SpecTr | sequential importance sampling | optimal (LP) | weighted IS (LP weights) |
 //! |---|---|---|---|---|
 //! | `u[k]`, `k < K` | accept draft k iff `u[k] < a_k(x_k)` | select draft k (`k < K-1`) iff `u[k] < s_k(x_k)`; `u[K-1]` unused | `u[0]`: in-tail SD test when the lumped tail symbol is chosen (truncated LPs only); others unused | `u[0]`: SD test of the selected token, `min(1, p(y)/q~(y))`; `u[1 + i]`: selection test of the `i`-th tail draft when the lumped tail symbol is selected (truncated LPs only); others unused |
-//! | `u[K]` | unused | accept the selected `y` iff `u[K] < min(1, p(y)/q~(y))` | pick an accepted symbol or "reject" by inverse CDF of the conditional row of the drafted set | select a symbol of the drafted set by inverse CDF of its weights |
+//! | `u[K]` | unused | accept the selected `y` iff `u[K] < min(1, p(y)/q~(y))` | pick an accepted symbol or "reject" by inverse CDF of the conditional row of the drafted set | select a symbol of the drafted set by inverse CDF of its weights; if the tail rule declines every tail draft, the same `u[K]` rescaled to the tail symbol's interval selects an alphabet symbol |
 //! | `u[K+1]` | residual sample by [`inverse_cdf`] | residual sample | residual (or in-tail residual) sample | residual sample |
 //!
 //! (A plan built with [`Scheme::Optimal`] may run the IS decision; see [`LpInfo`].) Decisions

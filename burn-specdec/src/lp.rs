@@ -432,6 +432,20 @@ pub(crate) fn solve(
     alphabet: Vec<usize>,
     tail: Vec<usize>,
 ) -> Result<Flow> {
+    solve_with(p, qs, alphabet, tail, None)
+}
+
+/// [`solve`] with the set masses of the sets that hold the tail symbol scaled by
+/// `tail_set_weight(mask, record)` and no flow into the tail symbol: the LP over the alphabet
+/// for what a selection that offers the tail first leaves of each pattern
+/// (`schemes::weighted`). The coupling read off it is not meant to be used.
+pub(crate) fn solve_with(
+    p: &[f64],
+    qs: &[Vec<f64>],
+    alphabet: Vec<usize>,
+    tail: Vec<usize>,
+    tail_set_weight: Option<&dyn Fn(u64, u64) -> f64>,
+) -> Result<Flow> {
     let v = p.len();
     let m = alphabet.len();
     let mut bit_of = vec![None; v];
@@ -451,7 +465,15 @@ pub(crate) fn solve(
         gamma,
     } = TailSd::new(p, qs, &tail);
     let tracking = TailTracking::for_drafts(qs);
-    let patterns = pattern_masses(&bit_of, tail_bit, qs, tracking);
+    let mut patterns = pattern_masses(&bit_of, tail_bit, qs, tracking);
+    if let (Some(weight), Some(b)) = (tail_set_weight, tail_bit) {
+        for (&(mask, record), w) in patterns.iter_mut() {
+            if mask & (1 << b) != 0 {
+                *w *= weight(mask, record);
+            }
+        }
+        patterns.retain(|_, w| *w > 0.0);
+    }
     let sets = set_values(&patterns, tracking, &gamma);
 
     let capacity = |symbol: usize| {
@@ -470,7 +492,11 @@ pub(crate) fn solve(
             if mask & (1 << symbol) == 0 {
                 continue;
             }
-            let value = if symbol == m { g } else { 1.0 };
+            let value = match symbol == m {
+                true if tail_set_weight.is_some() => 0.0,
+                true => g,
+                false => 1.0,
+            };
             // A tail flow worth nothing would only use up capacity.
             if value <= 0.0 {
                 continue;

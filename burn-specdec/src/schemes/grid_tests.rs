@@ -9,6 +9,7 @@
 use super::weighted::WeightedPlan;
 use super::weighted::tail::TailRule;
 use super::{Plan, SelectionPlan, SequentialPlan};
+use crate::lp::Symbol;
 use crate::{LpTruncation, Scheme, Verifier};
 use burn_kernels_testing::{Dist, random_values};
 
@@ -67,12 +68,8 @@ fn cuts(plan: &Plan, k_drafts: usize) -> Vec<Vec<f64>> {
             }
         }
         Plan::Weighted(w) => {
-            for row in w.select.values() {
-                let mut acc = 0.0;
-                for &(_, prob) in row {
-                    acc += prob;
-                    dims[k_drafts].push(acc);
-                }
+            for (mask, row) in &w.select {
+                dims[k_drafts].extend(selection_cuts(w, *mask, row));
             }
             dims[0].extend(&w.accept);
             // The selection among the tail drafts: `u[1 + i]` for the i-th tail draft.
@@ -100,6 +97,28 @@ fn finish(dims: Vec<Vec<f64>>) -> Vec<Vec<f64>> {
         .collect()
 }
 
+/// Where `decide` changes its answer in `u[K]` for a set's selection row: the row's running
+/// sums, and inside the tail symbol's interval `[lo, hi)` (the last symbol's reaches 1) the
+/// running sums of the row of the alphabet symbol taken when every tail draft is declined.
+fn selection_cuts(w: &WeightedPlan, mask: u64, row: &[(Symbol, f64)]) -> Vec<f64> {
+    let mut out = Vec::new();
+    let mut acc = 0.0;
+    for (i, &(symbol, prob)) in row.iter().enumerate() {
+        let lo = acc;
+        acc += prob;
+        out.push(acc);
+        let hi = if i + 1 == row.len() { 1.0 } else { acc };
+        if let (Symbol::Tail, Some(declined)) = (symbol, w.declined.get(&mask)) {
+            let mut inner = 0.0;
+            for &(_, share) in declined {
+                inner += share;
+                out.push(lo + (hi - lo) * inner);
+            }
+        }
+    }
+    out
+}
+
 /// The cuts of a weighted-IS plan for one tuple only: the SD test of its drafted tokens, the
 /// selection row of its set, the tail test of its `i`-th tail draft for `u[1 + i]`, and the
 /// residual. Far fewer cells than [`cuts`] for large K.
@@ -107,12 +126,9 @@ fn tuple_cuts(w: &WeightedPlan, drafts: &[usize]) -> Vec<Vec<f64>> {
     let k_drafts = drafts.len();
     let mut dims = vec![Vec::new(); k_drafts + 2];
     dims[0].extend(drafts.iter().map(|&x| w.accept[x]));
-    if let Some(row) = w.select.get(&w.mask(drafts)) {
-        let mut acc = 0.0;
-        for &(_, prob) in row {
-            acc += prob;
-            dims[k_drafts].push(acc);
-        }
+    let mask = w.mask(drafts);
+    if let Some(row) = w.select.get(&mask) {
+        dims[k_drafts].extend(selection_cuts(w, mask, row));
     }
     for (i, k) in w.tail_drafts(drafts).into_iter().enumerate() {
         if i + 1 < k_drafts {
@@ -306,4 +322,49 @@ fn weighted_tail_selection_integrated_over_its_grid_is_law() {
         "a tail rejection rule was chosen {rejection} times"
     );
     assert!(stage_rows >= 1, "stage rows were chosen {stage_rows} times");
+}
+
+#[test]
+fn declining_tail_plans_integrated_over_their_grid_are_law() {
+    // Tail-first plans (the tail drafts offered first; declined mass to alphabet symbols by the
+    // re-solved alphabet LP, drawn with u[K] rescaled), with two alphabet tokens so that the
+    // declined rows have several symbols, on each tuple's own grid.
+    let trunc = LpTruncation {
+        max_alphabet: 2,
+        max_variables: 4096,
+        fallback_to_importance_sampling: false,
+    };
+    let mut checked = 0;
+    for k in 2..=4usize {
+        for seed in 0..3u64 {
+            let vocab = 5;
+            let s = 900 + 20 * k as u64 + seed;
+            let p = dist(vocab, s, None);
+            let qs = vec![dist(vocab, s + 1, None); k];
+            let (alphabet, tail) = crate::lp::choose_alphabet(&p, &qs, trunc).expect("fits");
+            let flow = crate::lp::solve(&p, &qs, alphabet, tail).expect("LP solves");
+            for w in super::weighted::decline::tail_first(&p, &qs, &flow)
+                .into_iter()
+                .flatten()
+                .filter(|w| w.tail.declines && w.declined.values().any(|r| r.len() > 1))
+            {
+                let plan = Plan::Weighted(w.clone());
+                for drafts in tuples(vocab, k) {
+                    let (want, want_acc) = plan.law(&drafts);
+                    let dims = tuple_cuts(&w, &drafts);
+                    let (got, got_acc) = integrate_over(&plan, &drafts, vocab, &dims);
+                    let what = format!("K={k} seed {seed} drafts {drafts:?}");
+                    for (x, (g, l)) in got.iter().zip(&want).enumerate() {
+                        assert!((g - l).abs() < 1e-12, "{what}: token {x}: {g} vs law {l}");
+                    }
+                    assert!((got_acc - want_acc).abs() < 1e-12, "{what}: acceptance");
+                }
+                checked += 1;
+            }
+        }
+    }
+    assert!(
+        checked >= 3,
+        "declining plans with several declined symbols: {checked}"
+    );
 }

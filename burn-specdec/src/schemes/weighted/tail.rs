@@ -3,7 +3,9 @@
 //! When weighted importance sampling selects the tail symbol, the tail drafts `k_0 < k_1 < ..`
 //! of the tuple are visited in order: the `i`-th (all but the last) is selected with probability
 //! `a_{i,k_i}(x_{k_i})`, using the uniform `u[1 + i]`, else the visit goes on; the last one is
-//! selected if no earlier one was. With the conditionals `p_R = p(.|tail)`,
+//! selected if no earlier one was (or, where the rule declines and the set holds an alphabet
+//! symbol, tested too: if it is not selected either, every tail draft was declined and
+//! `super::decline` picks an alphabet symbol). With the conditionals `p_R = p(.|tail)`,
 //! `q_{k,R} = q_k(.|tail)` the selection rows are
 //!
 //! - [`TailRule::FirstDraft`]: `a = 1`, i.e. the first tail draft (the rule of the LP coupling);
@@ -34,7 +36,13 @@
 //! `c` between the smallest and the largest ratio `p_R / q_{k,R}` (`c` below the smallest is the
 //! first-draft rule; at the largest every `a` is `p_R / (c q_R)`), a golden-section refinement
 //! around the best grid point, and, for identical drafts, the rounds of a stage-wise reserve
-//! refinement of the best `c`.
+//! refinement of the best `c` (at most `RESERVE_ROUNDS`, which it needs ~40-50 of at K = 8).
+//! Where the rule may decline, the score adds what the declined mass can at most add on the
+//! alphabet (`min(declined, room)`); the plan then compares the true acceptances.
+//!
+//! With declining, for `n` tail drafts of a declinable visit all `n` are tested (stage rows
+//! `0..n`), and the visit's mass `W_D r_n(D)` left after the last is declined; the law above
+//! loses its fall-back term for those visits.
 
 use crate::prob::ratio_capped;
 
@@ -45,7 +53,7 @@ const GRID: usize = 16;
 const REFINE: usize = 20;
 
 /// Most rounds of the stage-wise reserve refinement.
-const RESERVE_ROUNDS: usize = 8;
+const RESERVE_ROUNDS: usize = 128;
 
 /// The refinement stops once no selection probability moves by more than this.
 const RESERVE_TOLERANCE: f64 = 1e-12;
@@ -71,6 +79,12 @@ pub(crate) struct TailSelection {
     /// None for [`TailRule::FirstDraft`].
     pub(crate) rows: Vec<Vec<f64>>,
     pub(crate) by_stage: bool,
+    /// Whether the last tail draft is tested too where the drafted set holds an alphabet symbol
+    /// (`declinable`): if every tail draft is declined, an alphabet symbol of the set is
+    /// selected instead (see the module docs).
+    pub(crate) declines: bool,
+    /// Per slot (as `rows`): the probability `1 - abar` that a visited tail draft is not selected.
+    pub(crate) pass: Vec<f64>,
 }
 
 impl TailSelection {
@@ -80,34 +94,78 @@ impl TailSelection {
         if self.rule == TailRule::FirstDraft {
             return 1.0;
         }
-        let slot = if self.by_stage { i } else { k };
-        self.rows[slot.min(self.rows.len() - 1)][x]
+        self.rows[self.slot(i, k)][x]
     }
 
-    /// The selected draft among `tail_drafts` (increasing, non-empty); `u[1 + i]` decides on the
-    /// `i`-th.
-    pub(crate) fn choose(&self, tail_drafts: &[usize], drafts: &[usize], u: &[f64]) -> usize {
-        let (&last, rest) = tail_drafts.split_last().expect("a tail draft");
-        for (i, &k) in rest.iter().enumerate() {
+    /// The row of the `i`-th visited tail draft, draft `k`.
+    fn slot(&self, i: usize, k: usize) -> usize {
+        let slot = if self.by_stage { i } else { k };
+        slot.min(self.rows.len() - 1)
+    }
+
+    /// How many of `n` tail drafts are tested: all where the selection may decline them all.
+    fn tested(&self, n: usize, declinable: bool) -> usize {
+        if self.declines && declinable {
+            n
+        } else {
+            n - 1
+        }
+    }
+
+    /// The selected draft among `tail_drafts` (increasing, non-empty), None if every one was
+    /// declined (only where `declinable`); `u[1 + i]` decides on the `i`-th.
+    pub(crate) fn choose(
+        &self,
+        tail_drafts: &[usize],
+        drafts: &[usize],
+        u: &[f64],
+        declinable: bool,
+    ) -> Option<usize> {
+        let n = tail_drafts.len();
+        let tested = self.tested(n, declinable);
+        for (i, &k) in tail_drafts[..tested].iter().enumerate() {
             if u[1 + i] < self.accept(i, k, drafts[k]) {
-                return k;
+                return Some(k);
             }
         }
-        last
+        (tested < n).then(|| tail_drafts[n - 1])
     }
 
-    /// Probability of selecting each of `tail_drafts` (the law of [`TailSelection::choose`]).
-    pub(crate) fn shares(&self, tail_drafts: &[usize], drafts: &[usize]) -> Vec<(usize, f64)> {
-        let (&last, rest) = tail_drafts.split_last().expect("a tail draft");
+    /// Probability of selecting each of `tail_drafts` (the law of [`TailSelection::choose`]),
+    /// and of declining them all.
+    pub(crate) fn shares(
+        &self,
+        tail_drafts: &[usize],
+        drafts: &[usize],
+        declinable: bool,
+    ) -> (Vec<(usize, f64)>, f64) {
+        let n = tail_drafts.len();
+        let tested = self.tested(n, declinable);
         let mut reach = 1.0;
-        let mut out = Vec::with_capacity(tail_drafts.len());
-        for (i, &k) in rest.iter().enumerate() {
+        let mut out = Vec::with_capacity(n);
+        for (i, &k) in tail_drafts[..tested].iter().enumerate() {
             let a = self.accept(i, k, drafts[k]);
             out.push((k, reach * a));
             reach *= 1.0 - a;
         }
-        out.push((last, reach));
-        out
+        if tested < n {
+            out.push((tail_drafts[n - 1], reach));
+            reach = 0.0;
+        }
+        (out, reach)
+    }
+
+    /// The probability of declining every tail draft of a record (`tail_drafts`, whose tokens
+    /// were drawn from their tail conditionals independently) where `declinable`.
+    pub(crate) fn declined(&self, tail_drafts: &[usize], declinable: bool) -> f64 {
+        if !(self.declines && declinable) {
+            return 0.0;
+        }
+        tail_drafts
+            .iter()
+            .enumerate()
+            .map(|(i, &k)| self.pass[self.slot(i, k)])
+            .product()
     }
 }
 
@@ -132,8 +190,14 @@ pub(crate) struct TailProblem<'a> {
     p_cond: Vec<f64>,
     /// `q_{k,R}(t)`, one shared row for identical drafts (zero for drafts that never hit it).
     q_cond: Vec<Vec<f64>>,
-    /// `(D, W_D)`: the tail drafts of a record, increasing, and the tail symbol's selection mass.
-    visits: Vec<(Vec<usize>, f64)>,
+    /// `(D, W_D, declinable)`: the tail drafts of a record, increasing, the tail symbol's
+    /// selection mass, and whether its sets hold an alphabet symbol (records are split by it).
+    visits: Vec<(Vec<usize>, f64, bool)>,
+    /// Whether declinable visits test their last tail draft too.
+    decline: bool,
+    /// What the selection leaves of the alphabet's target mass, `sum max(p - q~, 0)` over the
+    /// alphabet: the most that declined selections can add to the acceptance (scores only).
+    room: f64,
 }
 
 impl<'a> TailProblem<'a> {
@@ -143,7 +207,8 @@ impl<'a> TailProblem<'a> {
         qs: &[Vec<f64>],
         tokens: &'a [usize],
         shared: bool,
-        visits: Vec<(Vec<usize>, f64)>,
+        visits: Vec<(Vec<usize>, f64, bool)>,
+        decline: Option<f64>,
     ) -> Self {
         let conditional = |row: &[f64]| -> Vec<f64> {
             let mass: f64 = tokens.iter().map(|&t| row[t]).sum();
@@ -159,6 +224,8 @@ impl<'a> TailProblem<'a> {
             p_cond: conditional(p),
             q_cond: rows.iter().map(|q| conditional(q)).collect(),
             visits,
+            decline: decline.is_some(),
+            room: decline.unwrap_or(0.0),
         }
     }
 
@@ -207,24 +274,32 @@ impl<'a> TailProblem<'a> {
             .collect()
     }
 
-    /// Per slot: the mass of visits that test it (`sel`, including the reach) and per draft row
-    /// the mass that falls back to it (`last`), given the slots' pass probabilities.
-    fn stage_masses(&self, rows: &Rows) -> (Vec<f64>, Vec<f64>) {
-        let slots = self.slots(rows);
-        // Pass probabilities 1 - abar, summed as sum q (1 - a) so that `a = 1` passes nothing.
-        let pass: Vec<f64> = (0..slots)
+    /// Per slot: the pass probability `1 - abar` (summed as `sum q (1 - a)` so that `a = 1`
+    /// passes nothing).
+    fn pass(&self, rows: &Rows) -> Vec<f64> {
+        (0..self.slots(rows))
             .map(|s| {
                 let q = self.q_row(s);
                 (0..q.len())
                     .map(|i| q[i] * (1.0 - Self::a(rows, s, i)))
                     .sum()
             })
-            .collect();
+            .collect()
+    }
+
+    /// Per slot: the mass of visits that test it (`sel`, including the reach), per draft row the
+    /// mass that falls back to it (`last`), and the mass declined by every tail draft, given
+    /// the slots' pass probabilities.
+    fn stage_masses(&self, rows: &Rows) -> (Vec<f64>, Vec<f64>, f64) {
+        let slots = self.slots(rows);
+        let pass = self.pass(rows);
         let (mut sel, mut last) = (vec![0.0; slots], vec![0.0; self.q_cond.len()]);
-        for (drafts, w) in &self.visits {
+        let mut declined = 0.0;
+        for (drafts, w, declinable) in &self.visits {
+            let tested = drafts.len() - usize::from(!(self.decline && *declinable));
             let mut reach = *w;
             for (i, &k) in drafts.iter().enumerate() {
-                if i + 1 == drafts.len() {
+                if i == tested {
                     last[k.min(self.q_cond.len() - 1)] += reach;
                 } else {
                     let s = self.slot(i, k, slots);
@@ -232,13 +307,25 @@ impl<'a> TailProblem<'a> {
                     reach *= pass[s];
                 }
             }
+            if tested == drafts.len() {
+                declined += reach;
+            }
         }
-        (sel, last)
+        (sel, last, declined)
+    }
+
+    /// Most stages a visit tests.
+    fn stages(&self) -> usize {
+        self.visits
+            .iter()
+            .map(|(d, _, declinable)| d.len() - usize::from(!(self.decline && *declinable)))
+            .max()
+            .unwrap_or(0)
     }
 
     /// `q~` on the tail tokens for selection rows `rows` (see the module docs).
     fn law(&self, rows: &Rows) -> Vec<f64> {
-        let (sel, last) = self.stage_masses(rows);
+        let (sel, last, _) = self.stage_masses(rows);
         let mut out = vec![0.0; self.tokens.len()];
         for (s, &m) in sel.iter().enumerate().filter(|&(_, &m)| m > 0.0) {
             let q = self.q_row(s);
@@ -254,9 +341,14 @@ impl<'a> TailProblem<'a> {
         out
     }
 
+    /// The tail's overlap `sum min(p, q~)`, plus (where declining) what the declined mass can
+    /// at most add on the alphabet.
     fn score(&self, rule: TailRule, rows: Rows) -> Scored {
         let law = self.law(&rows);
-        let overlap = self.p.iter().zip(&law).map(|(a, b)| a.min(*b)).sum();
+        let mut overlap: f64 = self.p.iter().zip(&law).map(|(a, b)| a.min(*b)).sum();
+        if self.decline {
+            overlap += self.stage_masses(&rows).2.min(self.room);
+        }
         Scored {
             rule,
             overlap,
@@ -323,14 +415,14 @@ impl<'a> TailProblem<'a> {
         let TailRule::Rejection { c } = best.rule else {
             return;
         };
-        let stages = self.visits.iter().map(|(d, _)| d.len()).max().unwrap_or(0);
-        if !self.shared() || stages < 2 {
+        let stages = self.stages();
+        if !self.shared() || stages < 1 {
             return;
         }
         let q = &self.q_cond[0];
-        let mut rows: Rows = vec![best.rows[0].clone(); stages - 1];
+        let mut rows: Rows = vec![best.rows[0].clone(); stages];
         for round in 1..=RESERVE_ROUNDS {
-            let (sel, _) = self.stage_masses(&rows);
+            let (sel, _, _) = self.stage_masses(&rows);
             let mut law = self.law(&rows);
             let mut change: f64 = 0.0;
             for (s, row) in rows.iter_mut().enumerate().rev() {
@@ -364,7 +456,7 @@ impl<'a> TailProblem<'a> {
     /// is exact.
     pub(crate) fn solve(&self, vocab: usize, first_only: bool) -> (TailSelection, Vec<f64>) {
         let mut best = self.score(TailRule::FirstDraft, Vec::new());
-        let any_visit = self.visits.iter().any(|(_, w)| *w > 0.0);
+        let any_visit = self.visits.iter().any(|(_, w, _)| *w > 0.0);
         if !first_only && any_visit {
             self.search_c(&mut best);
             self.refine_stages(&mut best);
@@ -382,8 +474,10 @@ impl<'a> TailProblem<'a> {
             .collect();
         let selection = TailSelection {
             rule: best.rule,
+            pass: self.pass(&best.rows),
             rows,
             by_stage: self.shared(),
+            declines: self.decline && best.rule != TailRule::FirstDraft,
         };
         (selection, best.law)
     }

@@ -66,16 +66,21 @@ fn plans(p: &[f64], qs: &[Vec<f64>], trunc: LpTruncation) -> (WeightedPlan, Weig
     )
 }
 
-/// For each leftover rule: the plan with the best tail rule and the one with the first tail
-/// draft.
-fn builds(p: &[f64], qs: &[Vec<f64>], flow: &Flow) -> Vec<(Leftover, WeightedPlan, WeightedPlan)> {
+/// For each leftover rule: the plan with the best tail rule that always selects a tail draft,
+/// the one with the first tail draft, and the best tail rule that may decline the tail drafts.
+fn builds(
+    p: &[f64],
+    qs: &[Vec<f64>],
+    flow: &Flow,
+) -> Vec<(Leftover, WeightedPlan, WeightedPlan, WeightedPlan)> {
     [Leftover::Proportional, Leftover::Fill]
         .into_iter()
         .map(|l| {
             (
                 l,
-                WeightedPlan::build(p, qs, flow, l, false),
-                WeightedPlan::build(p, qs, flow, l, true),
+                WeightedPlan::build(p, qs, flow, l, false, None),
+                WeightedPlan::build(p, qs, flow, l, true, None),
+                WeightedPlan::build(p, qs, flow, l, false, Some(0.5)),
             )
         })
         .collect()
@@ -130,15 +135,36 @@ fn max_diff(a: &[f64], b: &[f64]) -> f64 {
 #[test]
 fn closed_form_tail_law_is_the_enumerated_law_of_the_selected_token() {
     let (mut rejection_with_many_tail_drafts, mut stage_rows) = (0, 0);
+    let mut tail_first_declining = 0;
     for (name, p, qs, trunc) in cases() {
         let flow = flow(&p, &qs, trunc);
-        for (leftover, plan, first) in builds(&p, &qs, &flow) {
-            for (which, plan) in [("tail rule", &plan), ("first tail draft", &first)] {
+        for (leftover, plan, first, declining) in builds(&p, &qs, &flow) {
+            let plans = [
+                ("tail rule", &plan),
+                ("first tail draft", &first),
+                ("declining tail rule", &declining),
+            ];
+            for (which, plan) in plans {
                 let what = format!("{name}, {leftover:?}, {which}");
                 let err = max_diff(&selected_law(plan, &qs), &plan.proposal);
                 assert!(err < 1e-12, "{what}: |q~ - enumerated| = {err:e}");
                 let err = max_diff(&output_law(plan, &qs), &p);
                 assert!(err < 1e-12, "{what}: |output law - p| = {err:e}");
+            }
+        }
+        // The tail-first plans (tail drafts offered first, declined mass by the alphabet LP).
+        for (i, plan) in super::decline::tail_first(&p, &qs, &flow)
+            .into_iter()
+            .flatten()
+            .enumerate()
+        {
+            let what = format!("{name}, tail-first plan {i}");
+            let err = max_diff(&selected_law(&plan, &qs), &plan.proposal);
+            assert!(err < 1e-12, "{what}: |q~ - enumerated| = {err:e}");
+            let err = max_diff(&output_law(&plan, &qs), &p);
+            assert!(err < 1e-12, "{what}: |output law - p| = {err:e}");
+            if plan.tail.declines {
+                tail_first_declining += 1;
             }
         }
         let plan = WeightedPlan::from_flow(&p, &qs, &flow);
@@ -155,6 +181,8 @@ fn closed_form_tail_law_is_the_enumerated_law_of_the_selected_token() {
         "{rejection_with_many_tail_drafts}"
     );
     assert!(stage_rows >= 3, "{stage_rows}");
+    // ... and tail-first plans that decline tail drafts.
+    assert!(tail_first_declining >= 12, "{tail_first_declining}");
 }
 
 #[test]
@@ -188,7 +216,7 @@ fn selecting_with_the_tail_rule_against_the_first_draft_law_is_not_exact() {
             continue;
         }
         let flow = flow(&p, &qs, trunc);
-        for (leftover, plan, first) in builds(&p, &qs, &flow) {
+        for (leftover, plan, first, _) in builds(&p, &qs, &flow) {
             if plan.tail.rule == TailRule::FirstDraft {
                 continue;
             }
@@ -197,6 +225,7 @@ fn selecting_with_the_tail_rule_against_the_first_draft_law_is_not_exact() {
                 &flow,
                 plan.select.clone(),
                 plan.tail.clone(),
+                plan.declined.clone(),
                 first.proposal.clone(),
             );
             let err = max_diff(&output_law(&wrong, &qs), &p);
