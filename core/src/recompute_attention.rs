@@ -52,18 +52,15 @@ pub fn recompute_attention(
     scale: Option<f64>,
 ) -> Tensor<4> {
     let options = options(causal, scale);
-    let unsupported = (q.dtype() != DType::F32).then(|| {
-        format!(
-            "{:?} operands (Burn's fused backward serves them)",
-            q.dtype()
+    // 16-bit operands: Burn's fused backward serves them (not a fallback, so not logged).
+    if q.dtype() != DType::F32
+        || !route(
+            "recompute-attention",
+            &q.device(),
+            Grad::Differentiable,
+            None,
         )
-    });
-    if !route(
-        "recompute-attention",
-        &q.device(),
-        Grad::Differentiable,
-        unsupported,
-    ) {
+    {
         return burn::tensor::module::attention(q, k, v, None, None, options);
     }
     Tensor::from_dispatch(Dispatch::recompute_attention(
