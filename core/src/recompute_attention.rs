@@ -83,7 +83,10 @@ fn options(causal: bool, scale: Option<f64>) -> AttentionModuleOptions {
 
 /// [`recompute_attention`] as a Burn backend extension. Without autodiff it is Burn's
 /// `attention` (the fused kernel); `Autodiff<B>` runs `B::attention_with_logsumexp` forward and
-/// Burn's composed `attention_backward_default` backward.
+/// Burn's composed `attention_backward_default` backward. Call it through
+/// [`recompute_attention`], which sends 16-bit operands to Burn's fused backward instead (the
+/// composed one would run their products on Burn's autotuned 16-bit matmul, which fails at
+/// some shapes on Hopper: [`crate::gemm`]).
 #[backend_extension(
     Cube: cfg(feature = "cube"),
     Fusion: cfg(all(feature = "cube", feature = "fusion")),

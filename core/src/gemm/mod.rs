@@ -142,7 +142,7 @@ pub enum GemmKernel {
 }
 
 impl GemmKernel {
-    /// The kernel of a fixed-kernel GEMM ([`gemm`](crate::gemm::gemm), burn-cce's
+    /// The kernel of a fixed-kernel GEMM ([`gemm::matmul`](crate::gemm::matmul), burn-cce's
     /// `GemmStrategy::Fixed`): the fastest of the ten in a sweep on an NVIDIA
     /// H100 (2026-11-25, bf16, N = 8192; `cargo xtask bench --suite cce --cce-gemm-sweep`):
     /// Gemma-2 shape loss 48.1 ms (double-cyclic 57.6 ms, Burn's plain path 53.8 ms) and
