@@ -44,13 +44,18 @@ pub const RECOMPUTE_BACKWARD: &str = "recompute-attention-backward";
 ///
 /// `causal` masks bottom-right (query `i` sees keys `j ≤ i + skv − sq`); `scale` `None` is
 /// `1/√head_dim`.
+///
+/// # Errors
+/// [`AttentionShapeError`] when the shapes do not fit together (batch, head dimension, key and
+/// value lengths, query heads not a multiple of the key heads).
 pub fn recompute_attention(
     q: Tensor<4>,
     k: Tensor<4>,
     v: Tensor<4>,
     causal: bool,
     scale: Option<f64>,
-) -> Tensor<4> {
+) -> Result<Tensor<4>, AttentionShapeError> {
+    check_shapes(q.dims(), k.dims(), v.dims())?;
     let options = options(causal, scale);
     // 16-bit operands: Burn's fused backward serves them (not a fallback, so not logged).
     if q.dtype() != DType::F32
@@ -61,15 +66,34 @@ pub fn recompute_attention(
             None,
         )
     {
-        return burn::tensor::module::attention(q, k, v, None, None, options);
+        return Ok(burn::tensor::module::attention(
+            q, k, v, None, None, options,
+        ));
     }
-    Tensor::from_dispatch(Dispatch::recompute_attention(
+    Ok(Tensor::from_dispatch(Dispatch::recompute_attention(
         q.into_dispatch(),
         k.into_dispatch(),
         v.into_dispatch(),
         causal,
         scale,
-    ))
+    )))
+}
+
+/// Q, K and V shapes that do not fit together.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "attention shapes do not fit: q {q:?}, k {k:?}, v {v:?} (expected q [b, hq, sq, d], k [b, hkv, skv, d], v [b, hkv, skv, dv], hq a multiple of hkv ≥ 1)"
+)]
+pub struct AttentionShapeError {
+    pub q: [usize; 4],
+    pub k: [usize; 4],
+    pub v: [usize; 4],
+}
+
+fn check_shapes(q: [usize; 4], k: [usize; 4], v: [usize; 4]) -> Result<(), AttentionShapeError> {
+    let fits =
+        k[..3] == v[..3] && q[0] == k[0] && q[3] == k[3] && k[1] > 0 && q[1].is_multiple_of(k[1]);
+    fits.then_some(()).ok_or(AttentionShapeError { q, k, v })
 }
 
 fn options(causal: bool, scale: Option<f64>) -> AttentionModuleOptions {
@@ -204,6 +228,9 @@ impl AttentionImpl for RecomputeAttention {
             return BurnAttention.attend(layer, q, k, v, opts);
         }
         let scale = burn_scale(opts.scale, q.dims()[3]);
+        // `AttentionImpl` callers pass the model's own Q/K/V, whose shapes fit (as for the
+        // other implementations, a mismatch is a bug of the caller).
         recompute_attention(q, k, v, opts.causal, scale)
+            .unwrap_or_else(|e| panic!("recompute attention: {e}"))
     }
 }

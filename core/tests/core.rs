@@ -353,6 +353,40 @@ fn cpu_runs_the_same_checks() {
     gemm_gradients_match_host(&device.autodiff());
 }
 
+/// `recompute_attention` refuses shapes that do not fit with a typed error (before any work),
+/// and on the CPU (no kernels) gives Burn's attention.
+#[test]
+fn recompute_attention_checks_shapes() {
+    use burn_kernels_core::recompute_attention::{AttentionShapeError, recompute_attention};
+    let device = Device::flex();
+    let t =
+        |shape: [usize; 4], seed| random_tensor(shape, Dist::STANDARD, seed, DType::F32, &device);
+    let bad = [
+        ([1, 4, 5, 8], [1, 3, 5, 8], [1, 3, 5, 8]),
+        ([1, 4, 5, 8], [1, 2, 5, 16], [1, 2, 5, 16]),
+        ([2, 4, 5, 8], [1, 2, 5, 8], [1, 2, 5, 8]),
+        ([1, 4, 5, 8], [1, 2, 5, 8], [1, 2, 6, 8]),
+    ];
+    for (q, k, v) in bad {
+        let err = recompute_attention(t(q, 1), t(k, 2), t(v, 3), true, None).unwrap_err();
+        assert_eq!(err, AttentionShapeError { q, k, v });
+    }
+    let (q, k, v) = (t([2, 4, 7, 8], 4), t([2, 2, 7, 8], 5), t([2, 2, 7, 8], 6));
+    let got = recompute_attention(q.clone(), k.clone(), v.clone(), true, None).expect("fits");
+    let opts = AttnOptions {
+        causal: true,
+        scale: (8f32).sqrt().recip(),
+        key_padding: None,
+    };
+    let want = BurnAttention.attend(0, q, k, v, &opts);
+    assert_close(
+        "recompute vs Burn's attention (CPU)",
+        &to_f32(got.into_data()),
+        &to_f32(want.into_data()),
+        Tolerance::for_reduction(DType::F32, 8),
+    );
+}
+
 #[test]
 fn llama3_scaling_keeps_high_and_divides_low_frequencies() {
     let s = RopeScaling {
