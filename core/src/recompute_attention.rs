@@ -11,14 +11,15 @@
 //! (`attention_backward_default`: `QKᵀ` again, `exp(s − lse)`, four matmuls), whose `seq²`
 //! tensors live only while one layer's gradient is computed.
 
+use burn::backend::TensorMetadata;
 use burn::backend::autodiff::{
     Autodiff, NodeId,
     checkpoint::{base::Checkpointer, strategy::CheckpointStrategy},
     grads::Gradients,
     ops::{Backward, Ops, OpsKind},
 };
-use burn::backend::ops::AttentionModuleOptions;
 use burn::backend::ops::attention::attention_backward_default;
+use burn::backend::ops::{AttentionModuleOptions, ModuleOps};
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, Dispatch, backend_extension};
 use burn::tensor::ops::CausalAlignment;
@@ -56,16 +57,13 @@ pub fn recompute_attention(
     scale: Option<f64>,
 ) -> Result<Tensor<4>, AttentionShapeError> {
     check_shapes(q.dims(), k.dims(), v.dims())?;
-    let options = options(causal, scale);
-    // 16-bit operands: Burn's fused backward serves them (not a fallback, so not logged).
-    if q.dtype() != DType::F32
-        || !route(
-            "recompute-attention",
-            &q.device(),
-            Grad::Differentiable,
-            None,
-        )
-    {
+    if !route(
+        "recompute-attention",
+        &q.device(),
+        Grad::Differentiable,
+        None,
+    ) {
+        let options = options(causal, scale);
         return Ok(burn::tensor::module::attention(
             q, k, v, None, None, options,
         ));
@@ -107,10 +105,10 @@ fn options(causal: bool, scale: Option<f64>) -> AttentionModuleOptions {
 
 /// [`recompute_attention`] as a Burn backend extension. Without autodiff it is Burn's
 /// `attention` (the fused kernel); `Autodiff<B>` runs `B::attention_with_logsumexp` forward and
-/// Burn's composed `attention_backward_default` backward. Call it through
-/// [`recompute_attention`], which sends 16-bit operands to Burn's fused backward instead (the
-/// composed one would run their products on Burn's autotuned 16-bit matmul, which fails at
-/// some shapes on Hopper: [`crate::gemm`]).
+/// Burn's composed `attention_backward_default` backward for f32 operands, and Burn's own
+/// differentiable attention (its fused backward) for 16-bit ones, whose composed backward would
+/// run their products on Burn's autotuned 16-bit matmul, which fails at some shapes on Hopper
+/// ([`crate::gemm`]).
 #[backend_extension(
     Cube: cfg(feature = "cube"),
     Fusion: cfg(all(feature = "cube", feature = "fusion")),
@@ -145,6 +143,9 @@ impl<B: RecomputeAttentionOps, C: CheckpointStrategy> RecomputeAttentionOps for 
         scale: Option<f64>,
     ) -> FloatTensor<Self> {
         let options = options(causal, scale);
+        if q.dtype() != DType::F32 {
+            return Self::attention(q, k, v, None, None, options);
+        }
         match RecomputeBackward
             .prepare::<C>([q.node(), k.node(), v.node()])
             .compute_bound()

@@ -60,11 +60,7 @@ pub fn assert_replay_logits_match(
     let mut got: Vec<f32> = first.into_iter().flatten().collect();
     for step in 0..n {
         let scale = want.iter().fold(1.0f64, |m, v| m.max(v.abs() as f64));
-        let base = Tolerance::for_reduction(dtype, model.config.hidden_size);
-        let tol = Tolerance {
-            atol: base.atol * scale,
-            rtol: base.rtol,
-        };
+        let tol = Tolerance::for_reduction(dtype, model.config.hidden_size).atol_scaled(scale);
         assert_close(&format!("logits, batch {b}, step {step}"), &got, &want, tol);
         if step + 1 == n {
             break;
@@ -86,6 +82,7 @@ mod batched {
 
     use burn::tensor::{DType, Device};
     use burn_kernels_core::{FullKvCache, FusedLayers, Greedy};
+    use burn_kernels_testing::{Dist, random_values};
     use burn_kvcache::DecodeAttention;
     use burn_llama::config::LlamaConfig;
     use burn_llama::generate::{GenerateOptions, generate};
@@ -96,15 +93,15 @@ mod batched {
 
     /// `batch` ragged prompts of seeded random token ids: row `i` has `3 + 7 i mod 29` tokens.
     fn ragged_prompts(batch: usize, vocab: usize) -> Vec<Vec<u32>> {
-        let mut state = 0x2545_f491_4f6c_dd1d_u64;
-        let mut next = move || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state % vocab as u64) as u32
-        };
+        let hi = vocab as f32;
         (0..batch)
-            .map(|i| (0..3 + (7 * i) % 29).map(|_| next()).collect())
+            .map(|i| {
+                let len = 3 + (7 * i) % 29;
+                random_values(len, Dist::Uniform { lo: 0.0, hi }, 1000 + i as u64)
+                    .into_iter()
+                    .map(|x| (x as u32).min(vocab as u32 - 1))
+                    .collect()
+            })
             .collect()
     }
 

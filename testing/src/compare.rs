@@ -159,6 +159,16 @@ impl Tolerance {
         }
     }
 
+    /// This tolerance with `atol` scaled by `magnitude` (at least 1): for outputs whose size
+    /// grows with their inputs (logits, products of products), where an absolute bound made for
+    /// unit-sized values would be too tight.
+    pub fn atol_scaled(self, magnitude: f64) -> Self {
+        Tolerance {
+            atol: self.atol * magnitude.max(1.0),
+            ..self
+        }
+    }
+
     fn violation(&self, actual: f64, expected: f64) -> f64 {
         (actual - expected).abs() - (self.atol + self.rtol * expected.abs())
     }

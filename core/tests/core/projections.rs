@@ -121,10 +121,10 @@ pub fn fused_projections_match_host_products(device: &Device) {
             // Two products of magnitude ~√k multiply: scale the product tolerance by the
             // largest |x·u| (the gate's factor is at most |x·g|, about the same).
             let scale = hu.iter().fold(1.0f64, |m, v| m.max(v.abs()));
-            let base = Tolerance::for_reduction(dtype, k);
+            let base = Tolerance::for_reduction(dtype, k).atol_scaled(scale);
             let tol = Tolerance {
-                atol: base.atol * scale,
                 rtol: base.rtol * 2.0,
+                ..base
             };
             let name = format!("swiglu {dtype:?} {b}x{s}x{k} · {k}x{n}");
             assert_close(&name, &to_f32(got.into_data()), &want, tol);
