@@ -55,6 +55,9 @@ def main():
     ap.add_argument("--loss", choices=["hf", "liger", "cce"], default="hf")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--profile-step", action="store_true",
+                    help="after the warm-up, run one step between cudaProfilerStart/Stop (for "
+                         "`ncu --profile-from-start off`) instead of timing")
     args = ap.parse_args()
     hf = import_hf_llama()
     if hf is None:
@@ -80,6 +83,16 @@ def main():
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    if args.profile_step:
+        for _ in range(args.warmup):
+            step()
+        torch.cuda.synchronize()
+        torch.cuda.profiler.start()
+        step()
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
+        print(json.dumps({"profiled": 1}))
+        return
     time_calls(torch, step, args.warmup, args.reps)
 
 

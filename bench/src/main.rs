@@ -137,6 +137,11 @@ struct Args {
     /// synchronizations add to the step times of that run).
     #[arg(long)]
     e2e_phases: bool,
+    /// e2e suite, CUDA: bracket step N (1-based, after warm-up and autotuning) of each Burn
+    /// candidate with `cuProfilerStart`/`cuProfilerStop`, so `ncu --profile-from-start off`
+    /// profiles the kernels of that one step.
+    #[arg(long, value_name = "N")]
+    e2e_profile_step: Option<usize>,
     /// Do not measure peak memory (one extra call per implementation, with exact-size
     /// buffers that can run out of memory where the timed runs fit).
     #[arg(long)]
@@ -384,6 +389,7 @@ fn run(
         seq: args.seq,
         decode_kernels: args.decode_kernels,
         e2e_phases: args.e2e_phases,
+        e2e_profile_step: args.e2e_profile_step,
     };
     let mut built = Vec::new();
     for n in &names {

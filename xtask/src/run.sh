@@ -7,6 +7,7 @@
 #   run.sh bench [runner args]   the benchmark runner (give --out an absolute path)
 #   run.sh bin NAME [args]       a bundled tool: llama, finetune, spec_table, decode_profile
 #   run.sh env                   print the environment the others run in
+# RUN_WRAP (e.g. "ncu --profile-from-start off ...") prefixes the bench and bin commands.
 # Each bundle group (gNN.tar.xz: three binaries, libdevice, the peer wheels) unpacks once into $dest. Binaries run from $dest, so CubeCL keeps its
 # autotune and kernel caches under $XDG_CACHE_HOME/cubecl (default /tmp/burn-kernels-cache).
 set -uo pipefail
@@ -98,10 +99,10 @@ case "$what" in
     peers=()
     case " $* " in *" --peers-dir "*) ;; *) peers=(--peers-dir "$here/../bench/peers") ;; esac
     cd "$dest" || exit 3
-    exec "$dest/bin/burn-kernels-bench" "${peers[@]}" "$@" ;;
+    exec ${RUN_WRAP:-} "$dest/bin/burn-kernels-bench" "${peers[@]}" "$@" ;;
   bin)
     name=${1:?usage: $0 bin NAME [args]}; shift
     cd "$dest" || exit 3
-    exec "$dest/bin/$name" "$@" ;;
+    exec ${RUN_WRAP:-} "$dest/bin/$name" "$@" ;;
   *) echo "usage: $0 stash|tests|test|bench|bin|env [args]" >&2; exit 2 ;;
 esac

@@ -39,7 +39,14 @@ pub fn suite(opts: SuiteOptions) -> Suite {
         .iter()
         .map(|&b| {
             let peers = (!opts.quick).then(|| opts.peers_dir.clone());
-            problem(cfg.clone(), b, seq, peers, opts.e2e_phases)
+            problem(
+                cfg.clone(),
+                b,
+                seq,
+                peers,
+                opts.e2e_phases,
+                opts.e2e_profile_step,
+            )
         })
         .collect();
     Suite {
@@ -117,6 +124,7 @@ fn problem(
     seq: usize,
     peers: Option<PathBuf>,
     phases: bool,
+    profile_step: Option<usize>,
 ) -> Problem {
     let tokens = (batch * seq) as f64;
     let (h, v) = (cfg.hidden_size as f64, cfg.vocab_size as f64);
@@ -154,7 +162,9 @@ fn problem(
                 let attention = attention.build();
                 let mut state = Some((model, AdamWConfig::new().init()));
                 let mut clock = phases.then(|| PhaseClock::new(name, device.clone()));
+                let mut profiled = ProfiledStep::new(profile_step, name, device.clone());
                 Candidate::timed_here(name, move || {
+                    let _profiling = profiled.next_step();
                     let (model, mut optim) = state.take().expect("state is put back");
                     let mut lap = PhaseClock::lap_of(&mut clock);
                     let view = precision.compute_view(&model);
@@ -197,6 +207,77 @@ fn torch_peers(dir: &Path, batch: usize, seq: usize) -> Vec<Candidate<'static>> 
         })
     })
     .collect()
+}
+
+/// `--e2e-profile-step N`: step N of a candidate (counting every call: warm-up, memory and timed
+/// ones) runs between `cuProfilerStart` and
+/// `cuProfilerStop` (each after a device synchronization), so a CUDA profiler started with
+/// `--profile-from-start off` records that step's kernels and nothing of warm-up or autotuning.
+struct ProfiledStep {
+    target: Option<usize>,
+    steps: usize,
+    name: &'static str,
+    device: burn::tensor::Device,
+}
+
+/// Stops the profiler (after a synchronization) when the profiled step ends.
+struct Profiling(burn::tensor::Device);
+
+impl ProfiledStep {
+    fn new(target: Option<usize>, name: &'static str, device: burn::tensor::Device) -> Self {
+        Self {
+            target,
+            steps: 0,
+            name,
+            device,
+        }
+    }
+
+    /// Counts a step; for the chosen one, starts the profiler and returns its guard.
+    fn next_step(&mut self) -> Option<Profiling> {
+        self.steps += 1;
+        if self.target != Some(self.steps) {
+            return None;
+        }
+        crate::harness::sync(&self.device);
+        eprintln!(
+            "  profile | {}: step {} under the CUDA profiler",
+            self.name, self.steps
+        );
+        cuda_profiler(true);
+        Some(Profiling(self.device.clone()))
+    }
+}
+
+impl Drop for Profiling {
+    fn drop(&mut self) {
+        crate::harness::sync(&self.0);
+        cuda_profiler(false);
+    }
+}
+
+/// `cuProfilerStart`/`Stop` on the primary context CubeCL uses (device 0); a log line where it
+/// fails or the build has no CUDA.
+fn cuda_profiler(start: bool) {
+    #[cfg(feature = "cuda")]
+    {
+        use cudarc::driver::{CudaContext, profiler_start, profiler_stop};
+        let result = CudaContext::new(0).and_then(|ctx| {
+            ctx.bind_to_thread()?;
+            if start {
+                profiler_start()
+            } else {
+                profiler_stop()
+            }
+        });
+        if let Err(e) = result {
+            eprintln!("  profile | the CUDA profiler call failed: {e:?}");
+        }
+    }
+    #[cfg(not(feature = "cuda"))]
+    eprintln!(
+        "  profile | start={start}: this build has no CUDA profiler (build with --features cuda)"
+    );
 }
 
 /// `--e2e-phases`: per-step times of forward + loss, backward and the optimizer, each ended by a

@@ -543,6 +543,7 @@ pub mod tests {
             seq: None,
             decode_kernels: false,
             e2e_phases: false,
+            e2e_profile_step: None,
         }
     }
 

@@ -98,6 +98,8 @@ pub struct SuiteOptions {
     pub decode_kernels: bool,
     /// `--e2e-phases`: the e2e suite times each Burn step's phases too.
     pub e2e_phases: bool,
+    /// `--e2e-profile-step`: the e2e step whose kernels a CUDA profiler records.
+    pub e2e_profile_step: Option<usize>,
 }
 
 impl SuiteOptions {
