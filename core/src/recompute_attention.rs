@@ -1,4 +1,4 @@
-//! Attention for f32 training: Burn's fused forward, which saves only the output and one
+//! Attention for training: Burn's fused forward, which saves only the output and one
 //! log-sum-exp per query, and a backward that recomputes the probabilities from them with tensor
 //! ops (Burn's matmuls) one layer at a time.
 //!
@@ -9,7 +9,9 @@
 //! every layer's `batch · heads · seq²` scores and probabilities until the backward. This op
 //! keeps what the fused attention keeps and differentiates with Burn's own composed backward
 //! (`attention_backward_default`: `QKᵀ` again, `exp(s − lse)`, four matmuls), whose `seq²`
-//! tensors live only while one layer's gradient is computed.
+//! tensors live only while one layer's gradient is computed. In f16/bf16 the same backward runs
+//! with core's GEMMs ([`crate::recompute_backward`]): cubek's fused backward is slow there too
+//! (3.5 ms a layer at SmolLM2's batch 8 × 1024 in bf16, H200).
 
 use burn::backend::TensorMetadata;
 use burn::backend::autodiff::{
@@ -18,14 +20,16 @@ use burn::backend::autodiff::{
     grads::Gradients,
     ops::{Backward, Ops, OpsKind},
 };
+use burn::backend::ops::AttentionModuleOptions;
 use burn::backend::ops::attention::attention_backward_default;
-use burn::backend::ops::{AttentionModuleOptions, ModuleOps};
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, Dispatch, backend_extension};
 use burn::tensor::ops::CausalAlignment;
 use burn::tensor::{DType, Tensor};
 
 use crate::attention::{AttentionImpl, AttnOptions, BurnAttention, burn_scale};
+use crate::gemm::GemmTo;
+use crate::recompute_backward::half_backward;
 use crate::route::{Grad, count_launch, route};
 
 /// The op's name for [`crate::route::launches`]: counted once per backward pass that
@@ -33,9 +37,8 @@ use crate::route::{Grad, count_launch, route};
 pub const RECOMPUTE_BACKWARD: &str = "recompute-attention-backward";
 
 /// Attention with Burn's fused forward and, on an autodiff device, a backward that recomputes
-/// the probabilities with tensor ops (see the module docs): f32 operands on a CubeCL device of
-/// this build. Elsewhere Burn's `attention` op runs (on a CubeCL device in f16/bf16 that is
-/// its fused forward and fused backward; on other backends the decomposed attention).
+/// the probabilities with tensor ops (see the module docs) on a CubeCL device of this build.
+/// Elsewhere Burn's `attention` op runs (the decomposed attention on other backends).
 ///
 /// # Shapes
 /// - `q`: `[batch, q_heads, sq, head_dim]`
@@ -105,10 +108,10 @@ fn options(causal: bool, scale: Option<f64>) -> AttentionModuleOptions {
 
 /// [`recompute_attention`] as a Burn backend extension. Without autodiff it is Burn's
 /// `attention` (the fused kernel); `Autodiff<B>` runs `B::attention_with_logsumexp` forward and
-/// Burn's composed `attention_backward_default` backward for f32 operands, and Burn's own
-/// differentiable attention (its fused backward) for 16-bit ones, whose composed backward would
-/// run their products on Burn's autotuned 16-bit matmul, which fails at some shapes on Hopper
-/// ([`crate::gemm`]).
+/// a composed backward: Burn's `attention_backward_default` for f32 operands, and for 16-bit ones
+/// [`crate::recompute_backward`]'s (core's fixed GEMMs, f32 scores), since Burn's composed
+/// backward would run their products on Burn's autotuned 16-bit matmul, which fails at some
+/// shapes on Hopper ([`crate::gemm`]), and cubek's fused backward is slow.
 #[backend_extension(
     Cube: cfg(feature = "cube"),
     Fusion: cfg(all(feature = "cube", feature = "fusion")),
@@ -134,7 +137,9 @@ pub trait RecomputeAttentionOps: Backend {
 #[cfg(feature = "cube")]
 impl RecomputeAttentionOps for burn_cubecl::CubeBackend {}
 
-impl<B: RecomputeAttentionOps, C: CheckpointStrategy> RecomputeAttentionOps for Autodiff<B, C> {
+impl<B: RecomputeAttentionOps + GemmTo, C: CheckpointStrategy> RecomputeAttentionOps
+    for Autodiff<B, C>
+{
     fn recompute_attention(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
@@ -143,9 +148,6 @@ impl<B: RecomputeAttentionOps, C: CheckpointStrategy> RecomputeAttentionOps for 
         scale: Option<f64>,
     ) -> FloatTensor<Self> {
         let options = options(causal, scale);
-        if q.dtype() != DType::F32 {
-            return Self::attention(q, k, v, None, None, options);
-        }
         match RecomputeBackward
             .prepare::<C>([q.node(), k.node(), v.node()])
             .compute_bound()
@@ -171,7 +173,7 @@ impl<B: RecomputeAttentionOps, C: CheckpointStrategy> RecomputeAttentionOps for 
 #[derive(Debug)]
 struct RecomputeBackward;
 
-impl<B: Backend> Backward<B, 3> for RecomputeBackward {
+impl<B: GemmTo> Backward<B, 3> for RecomputeBackward {
     type State = (
         NodeId,
         NodeId,
@@ -190,16 +192,18 @@ impl<B: Backend> Backward<B, 3> for RecomputeBackward {
         let [q_node, k_node, v_node] = ops.parents;
         let out_grad = grads.consume::<B>(&ops.node);
         let (q, k, v, out, lse, options) = ops.state;
-        let q = checkpointer.retrieve_node_output(q);
+        let q: FloatTensor<B> = checkpointer.retrieve_node_output(q);
         let k = checkpointer.retrieve_node_output(k);
         let v = checkpointer.retrieve_node_output(v);
-        let grad = attention_backward_default::<B>(q, k, v, out, lse, out_grad, options);
+        let grads_qkv = if q.dtype() == DType::F32 {
+            let g = attention_backward_default::<B>(q, k, v, out, lse, out_grad, options);
+            [g.query_grad, g.key_grad, g.value_grad]
+        } else {
+            let g = half_backward::<B>(q, k, v, out, lse, out_grad, options);
+            [g.query, g.key, g.value]
+        };
         count_launch(RECOMPUTE_BACKWARD);
-        for (node, g) in [
-            (q_node, grad.query_grad),
-            (k_node, grad.key_grad),
-            (v_node, grad.value_grad),
-        ] {
+        for (node, g) in [q_node, k_node, v_node].into_iter().zip(grads_qkv) {
             if let Some(node) = node {
                 grads.register::<B>(node.id, g);
             }

@@ -266,10 +266,10 @@ pub enum TrainAttention {
     /// probabilities for the backward.
     #[default]
     Reference,
-    /// In f32 on a CubeCL device: Burn's fused forward (saves the output and one log-sum-exp
-    /// per query, as `fused`) and a backward that recomputes each layer's probabilities with
-    /// tensor ops and TF32 matmuls ([`burn_kernels_core::recompute_attention`]). `fused`
-    /// otherwise.
+    /// On a CubeCL device: Burn's fused forward (saves the output and one log-sum-exp per
+    /// query, as `fused`) and a backward that recomputes each layer's probabilities with tensor
+    /// ops and GEMMs (TF32 matmuls in f32; in f16/bf16 core's fixed GEMM with f32 scores)
+    /// ([`burn_kernels_core::recompute_attention`]). `fused` elsewhere.
     Recompute,
 }
 

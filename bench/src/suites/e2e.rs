@@ -69,7 +69,7 @@ pub fn suite(opts: SuiteOptions) -> Suite {
 /// steps, the PyTorch peers and the other f32 steps (the slowest to tune), so a run cut short
 /// by a time limit keeps the comparisons that matter.
 type Variant = (&'static str, fn() -> LossKind, TrainAttention, Precision);
-const VARIANTS: [Variant; 7] = [
+const VARIANTS: [Variant; 9] = [
     (
         "cce",
         LossKind::cce,
@@ -110,6 +110,18 @@ const VARIANTS: [Variant; 7] = [
         "plain + fused attn, bf16",
         plain,
         TrainAttention::Fused,
+        Precision::Bf16,
+    ),
+    (
+        "cce + recompute attn, bf16",
+        LossKind::cce,
+        TrainAttention::Recompute,
+        Precision::Bf16,
+    ),
+    (
+        "plain + recompute attn, bf16",
+        plain,
+        TrainAttention::Recompute,
         Precision::Bf16,
     ),
 ];

@@ -240,7 +240,8 @@ fn root_cause(err: &impl std::fmt::Display) -> String {
         .to_string()
 }
 
-/// `lhs · rhs` (`[m, k] · [k, n]`, any strides) into a new contiguous `[m, n]` tensor of `dtype`
+/// `lhs · rhs` (`[m, k] · [k, n]`, any strides; or batches of them, `[.., m, k] · [.., k, n]`
+/// with the same leading dimensions) into a new contiguous `[.., m, n]` tensor of `dtype`
 /// (f32 accumulation), by `kernel`, else the portable double-buffered kernel, else the unit
 /// kernel; `None` where the runtime runs none of them (the caller then autotunes). Tensor cores
 /// are used for f16/bf16 inputs, and for f32 only with `tf32`.
@@ -251,8 +252,15 @@ pub fn fixed_gemm(
     kernel: GemmKernel,
     tf32: bool,
 ) -> Option<CubeTensor> {
-    let [m, k] = dims2(&lhs);
-    let [_, n] = dims2(&rhs);
+    let (lhs_dims, rhs_dims) = (lhs.meta.shape().to_vec(), rhs.meta.shape().to_vec());
+    let rank = lhs_dims.len();
+    assert!(
+        rank >= 2 && rhs_dims.len() == rank && lhs_dims[..rank - 2] == rhs_dims[..rank - 2],
+        "gemm: operands {lhs_dims:?} · {rhs_dims:?} are not (batches of) matrices"
+    );
+    let (m, k, n) = (lhs_dims[rank - 2], lhs_dims[rank - 1], rhs_dims[rank - 1]);
+    let mut out_dims = lhs_dims[..rank - 2].to_vec();
+    out_dims.extend([m, n]);
     let in_dtype = lhs.dtype;
     // Tensor-core tiles for half-precision inputs, and for f32 where TF32 is allowed; no
     // dimension smaller than a tile.
@@ -294,7 +302,7 @@ pub fn fixed_gemm(
         let out = empty_device_contiguous_dtype(
             lhs.client.clone(),
             lhs.device.clone(),
-            Shape::new([m, n]),
+            Shape::from(out_dims.clone()),
             dtype,
         );
         if let Err(err) = strategy.launch(&lhs, &rhs, &out, dtype) {

@@ -13,7 +13,7 @@ mod autodiff;
 pub mod launch;
 
 use burn::backend::{Backend, Dispatch, backend_extension, tensor::FloatTensor};
-use burn::tensor::{DType, Tensor};
+use burn::tensor::{DType, Shape, Tensor};
 
 use crate::gemv_shape;
 use crate::route::{Grad, route};
@@ -76,9 +76,42 @@ pub trait GemmKernels: Backend {
     fn gemm(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self>;
 }
 
+/// Batched GEMMs with a chosen output dtype by the fixed kernel, for backward passes that run on
+/// the inner backend (no autodiff): `CubeBackend` launches it, `Fusion<CubeBackend>` defers it.
+/// The recomputing attention's 16-bit backward takes its scores in f32 from it
+/// ([`crate::recompute_attention`]).
+#[backend_extension(
+    Cube: cfg(feature = "cube"),
+    Fusion: cfg(all(feature = "cube", feature = "fusion")),
+)]
+pub trait GemmTo: Backend {
+    /// `a · b` with f32 accumulation written as `out`, by [`GemmKernel::DEFAULT`] (then the
+    /// portable kernels) for f16/bf16 inputs of one dtype; Burn's matmul, cast to `out`, for
+    /// anything else.
+    ///
+    /// # Shapes
+    /// - `a`: `[.., m, k]`, `b`: `[.., k, n]` (the same leading dimensions, any strides);
+    ///   returns `[.., m, n]`, contiguous
+    #[fusion(dtype = out_dtype(out), shape = gemm_shape(a, b))]
+    fn gemm_to(a: FloatTensor<Self>, b: FloatTensor<Self>, out: DType) -> FloatTensor<Self>;
+}
+
+/// [`GemmTo::gemm_to`]'s output dtype, for its fusion description.
+fn out_dtype(out: &DType) -> DType {
+    *out
+}
+
+/// The shape of `a · b` for (batches of) matrices.
+pub fn gemm_shape(a: &Shape, b: &Shape) -> Shape {
+    let mut dims = a.to_vec();
+    let n = b[b.num_dims() - 1];
+    *dims.last_mut().expect("a matrix") = n;
+    Shape::from(dims)
+}
+
 #[cfg(feature = "cube")]
 mod cube_backend {
-    use super::{GemmKernel, GemmKernels, launch::fixed_gemm};
+    use super::{GemmKernel, GemmKernels, GemmTo, launch::fixed_gemm};
     use crate::route::count_launch;
     use burn::backend::{ops::FloatTensorOps, tensor::FloatTensor};
     use burn::tensor::DType;
@@ -96,6 +129,20 @@ mod cube_backend {
                 return out;
             }
             Self::float_matmul(a, b)
+        }
+    }
+
+    impl GemmTo for CubeBackend {
+        fn gemm_to(a: FloatTensor<Self>, b: FloatTensor<Self>, out: DType) -> FloatTensor<Self> {
+            let dtype = a.dtype;
+            if matches!(dtype, DType::F16 | DType::BF16)
+                && b.dtype == dtype
+                && let Some(c) = fixed_gemm(a.clone(), b.clone(), out, GemmKernel::DEFAULT, false)
+            {
+                count_launch("gemm");
+                return c;
+            }
+            Self::float_cast(Self::float_matmul(a, b), out.into())
         }
     }
 }

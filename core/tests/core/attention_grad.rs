@@ -84,17 +84,19 @@ pub fn fused_attention_gradients_match_reference(device: &Device) {
     attention_gradients_match_reference(&BurnAttention, &float_dtypes(device), device);
 }
 
-/// The same for [`RecomputeAttention`] in f32 (other dtypes take Burn's attention, checked
-/// above): its recomputing backward must have run once per case (counted), not Burn's fused one.
+/// The same for [`RecomputeAttention`], every float dtype the device runs (f32: Burn's composed
+/// backward; f16/bf16: core's GEMMs with f32 scores): its recomputing backward must have run
+/// once per case and dtype (counted), not Burn's fused one.
 pub fn recompute_attention_gradients_match_reference(device: &Device) {
     let before = launches(RECOMPUTE_BACKWARD);
-    attention_gradients_match_reference(&RecomputeAttention, &[DType::F32], device);
+    let dtypes = float_dtypes(device);
+    attention_gradients_match_reference(&RecomputeAttention, &dtypes, device);
     // `>=`: the memory test, in another test thread, may count its backward too.
     let ran = launches(RECOMPUTE_BACKWARD) - before;
+    let want = (CASES.len() * dtypes.len()) as u64;
     assert!(
-        ran >= CASES.len() as u64,
-        "the recomputing backward ran {ran} times for {} f32 cases",
-        CASES.len()
+        ran >= want,
+        "the recomputing backward ran {ran} times for {want} cases ({dtypes:?})"
     );
 }
 
