@@ -6,9 +6,10 @@
 //! with) ran at 3.5 ms a layer for SmolLM2's attention at batch 8 × 1024 in bf16 on an H200
 //! (`ncu`, 2026-11-29: 104 ms of a 219 ms step's GPU time; PyTorch's cuDNN backward 3.2 ms for
 //! all 30 layers), and Burn's composed backward runs its products on Burn's autotuned matmul,
-//! which fails at some of these shapes on Hopper ([`crate::gemm`]). Here five batched GEMMs
-//! (`QKᵀ`, `Pᵀ·dO`, `dO·Vᵀ`, `dS·K`, `dSᵀ·Q`) and element-wise work, whose `seq²` tensors live
-//! while one layer's gradient is computed.
+//! which fails at some of these shapes on Hopper ([`crate::gemm`]). Here five batched GEMMs on
+//! the transposed scores (`Sᵀ = K·Qᵀ`, `dV = Pᵀ·dO`, `dPᵀ = V·dOᵀ`, `dK = dSᵀ·Q`,
+//! `dQᵀ = Kᵀ·dSᵀ`) and element-wise work, whose `seq²` tensors (`Sᵀ` and `dPᵀ` in f32, `Pᵀ` and
+//! `dSᵀ` in the operands' dtype) live while one layer's gradient is computed.
 //!
 //! Grouped-query attention is read in place: the query heads that share a key head are adjacent,
 //! so `[batch, q_heads, seq_q, d]` is `[batch · kv_heads, groups · seq_q, d]` rows against
@@ -46,6 +47,15 @@ pub(crate) fn half_backward<B: GemmTo>(
     dout: FloatTensor<B>,
     options: AttentionModuleOptions,
 ) -> HalfGradients<B> {
+    backward_with::<B>([q, k, v, out, lse, dout], options, B::gemm_to)
+}
+
+/// [`half_backward`] with the products by `gemm(a, b, out_dtype)` (batched `a · b`).
+fn backward_with<B: Backend>(
+    [q, k, v, out, lse, dout]: [FloatTensor<B>; 6],
+    options: AttentionModuleOptions,
+    gemm: impl Fn(FloatTensor<B>, FloatTensor<B>, DType) -> FloatTensor<B>,
+) -> HalfGradients<B> {
     let [batch, q_heads, seq_q, d] = q.shape().dims::<4>();
     let [_, kv_heads, seq_k, d_v] = v.shape().dims::<4>();
     let dtype = q.dtype();
@@ -59,29 +69,37 @@ pub(crate) fn half_backward<B: GemmTo>(
 
     let (q, dout) = (grouped(q, d), grouped(dout, d_v));
     let (k, v) = (per_head(k, d), per_head(v, d_v));
-    let lse = B::float_reshape(lse, Shape::new([heads, rows, 1]));
-    // P = exp(scale · QKᵀ − lse), zero where the causal mask hides a key.
-    let scores = B::gemm_to(q.clone(), B::float_transpose(k.clone()), DType::F32);
+    let t = |x: FloatTensor<B>| B::float_transpose(x);
+    // Keys along the rows (the transposed scores `Sᵀ = K·Qᵀ`), so that every product below has
+    // a row-major left operand: cubek's TMA kernels refused the transposed ones (`Pᵀ·dO` on a
+    // view of `P` ran 7× slower, on the portable kernel; H200, 2026-11-29).
+    let lse = B::float_reshape(lse, Shape::new([heads, 1, rows]));
+    let scores = gemm(k.clone(), t(q.clone()), DType::F32);
     let mut p = B::float_exp(B::float_sub(B::float_mul_scalar(scores, scale.into()), lse));
     if options.is_causal {
         let offset = options.causal_alignment.offset(seq_q, seq_k);
         let mask = causal_mask::<B>(&p, seq_q, offset);
         p = B::float_mask_fill(p, mask, 0.0.into());
     }
-    // dS = P ⊙ (dO·Vᵀ − rowsum(dO ⊙ O)) · scale
+    // Pᵀ rounded once to the operands' dtype serves both dV and dSᵀ, so the f32 probabilities
+    // are never stored.
+    let p = B::float_cast(p, dtype.into());
+    // dSᵀ = Pᵀ ⊙ (V·dOᵀ − rowsum(dO ⊙ O)ᵀ) · scale
     let delta = B::float_sum_dim(B::float_mul(f32(dout.clone()), f32(grouped(out, d_v))), 2);
-    let value = B::gemm_to(
-        B::float_transpose(B::float_cast(p.clone(), dtype.into())),
-        dout.clone(),
-        dtype,
-    );
-    let dp = B::gemm_to(dout, B::float_transpose(v), DType::F32);
+    let delta = B::float_reshape(delta, Shape::new([heads, 1, rows]));
+    let value = gemm(p.clone(), dout.clone(), dtype);
+    let dp = gemm(v, t(dout), DType::F32);
     let ds = B::float_cast(
-        B::float_mul_scalar(B::float_mul(p, B::float_sub(dp, delta)), scale.into()),
+        B::float_mul_scalar(B::float_mul(f32(p), B::float_sub(dp, delta)), scale.into()),
         dtype.into(),
     );
-    let query = B::gemm_to(ds.clone(), k, dtype);
-    let key = B::gemm_to(B::float_transpose(ds), q, dtype);
+    let key = gemm(ds.clone(), q, dtype);
+    // dQᵀ = Kᵀ·dSᵀ with `Kᵀ` made contiguous (a reshape of the transposed view copies it).
+    let k_t = B::float_reshape(
+        B::float_reshape(t(k), Shape::new([heads, d * seq_k])),
+        Shape::new([heads, d, seq_k]),
+    );
+    let query = t(gemm(k_t, ds, dtype));
     HalfGradients {
         query: B::float_reshape(query, Shape::new([batch, q_heads, seq_q, d])),
         key: B::float_reshape(key, Shape::new([batch, kv_heads, seq_k, d])),
@@ -89,10 +107,10 @@ pub(crate) fn half_backward<B: GemmTo>(
     }
 }
 
-/// `true` where grouped row `r` (query `r mod seq_q`) may not see key `c`: `c > r mod seq_q +
-/// offset`, expanded to `p`'s `[heads, rows, seq_k]`.
+/// `true` where key `c` may not be seen by grouped row `r` (query `r mod seq_q`): `c > r mod
+/// seq_q + offset`, expanded to `pᵀ`'s `[heads, seq_k, rows]`.
 fn causal_mask<B: Backend>(p: &FloatTensor<B>, seq_q: usize, offset: i64) -> BoolTensor<B> {
-    let [heads, rows, seq_k] = p.shape().dims::<3>();
+    let [heads, seq_k, rows] = p.shape().dims::<3>();
     let device = p.device();
     let settings = get_or_init_device_settings::<B>(&device);
     let query = B::int_remainder_scalar(
@@ -101,13 +119,94 @@ fn causal_mask<B: Backend>(p: &FloatTensor<B>, seq_q: usize, offset: i64) -> Boo
     );
     let query = B::int_reshape(
         B::int_add_scalar(query, offset.into()),
-        Shape::new([rows, 1]),
+        Shape::new([1, rows]),
     );
     let key = B::int_reshape(
         B::int_arange(0..seq_k as i64, &device, settings.int_dtype),
-        Shape::new([1, seq_k]),
+        Shape::new([seq_k, 1]),
     );
-    let mask = B::int_lower(query, key, settings.bool_dtype);
-    let mask = B::bool_reshape(mask, Shape::new([1, rows, seq_k]));
-    B::bool_expand(mask, Shape::new([heads, rows, seq_k]))
+    let mask = B::int_greater(key, query, settings.bool_dtype);
+    let mask = B::bool_reshape(mask, Shape::new([1, seq_k, rows]));
+    B::bool_expand(mask, Shape::new([heads, seq_k, rows]))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::Dispatch;
+    use burn::backend::ops::FloatTensorOps;
+    use burn::backend::ops::attention::{
+        attention_backward_default, attention_with_logsumexp_default,
+    };
+    use burn::tensor::ops::CausalAlignment;
+    use burn::tensor::{Device, Tensor};
+    use burn_kernels_testing::compare::to_f32;
+    use burn_kernels_testing::{Dist, Tolerance, assert_close, random_tensor};
+
+    /// The transposed-score backward (its masks, grouped heads, transposes and reshapes) against
+    /// Burn's composed backward, both on the CPU in f32 with Burn's matmul as the products, so
+    /// the two differ only by f32 rounding: one query and key; grouped heads with primes; fewer
+    /// queries than keys with either causal alignment; no mask.
+    #[test]
+    fn transposed_backward_matches_burns_composed_backward() {
+        let device = Device::flex();
+        let cases = [
+            (1, 1, 1, 1, 1, 8, true, CausalAlignment::BottomRight),
+            (2, 6, 2, 13, 13, 16, true, CausalAlignment::BottomRight),
+            (1, 3, 1, 5, 17, 8, true, CausalAlignment::BottomRight),
+            (1, 3, 1, 5, 17, 8, true, CausalAlignment::TopLeft),
+            (2, 4, 4, 11, 7, 16, false, CausalAlignment::BottomRight),
+        ];
+        for (i, &(b, hq, hkv, sq, skv, d, causal, alignment)) in cases.iter().enumerate() {
+            let seed = 40 + 10 * i as u64;
+            let make = |shape: [usize; 4], s: u64| {
+                random_tensor(shape, Dist::STANDARD, seed + s, DType::F32, &device).into_dispatch()
+            };
+            let (q, k, v) = (
+                make([b, hq, sq, d], 0),
+                make([b, hkv, skv, d], 1),
+                make([b, hkv, skv, d], 2),
+            );
+            let dout = make([b, hq, sq, d], 3);
+            let options = AttentionModuleOptions {
+                scale: None,
+                softcap: None,
+                is_causal: causal,
+                causal_alignment: alignment,
+            };
+            let (out, lse) = attention_with_logsumexp_default::<Dispatch>(
+                q.clone(),
+                k.clone(),
+                v.clone(),
+                options,
+            );
+            let want = attention_backward_default::<Dispatch>(
+                q.clone(),
+                k.clone(),
+                v.clone(),
+                out.clone(),
+                lse.clone(),
+                dout.clone(),
+                options,
+            );
+            let matmul = |a, b, _out| Dispatch::float_matmul(a, b);
+            let got = backward_with::<Dispatch>([q, k, v, out, lse, dout], options, matmul);
+            let values = |t| to_f32(Tensor::<4>::from_dispatch(t).into_data());
+            for (what, g, w, len) in [
+                ("dQ", got.query, want.query_grad, skv * d),
+                ("dK", got.key, want.key_grad, sq * d * hq / hkv),
+                ("dV", got.value, want.value_grad, sq * hq / hkv),
+            ] {
+                let name = format!("{what} b{b} hq{hq} hkv{hkv} sq{sq} skv{skv} {alignment:?}");
+                let (g, w) = (values(g), values(w));
+                // With one key the scores' gradient is zero, so dQ and dK are.
+                let zero = skv == 1 && what != "dV";
+                assert!(
+                    zero || w.iter().any(|x| *x != 0.0),
+                    "{name}: the reference is all zero"
+                );
+                assert_close(&name, &g, &w, Tolerance::for_reduction(DType::F32, len));
+            }
+        }
+    }
 }
