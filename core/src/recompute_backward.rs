@@ -6,10 +6,15 @@
 //! with) ran at 3.5 ms a layer for SmolLM2's attention at batch 8 × 1024 in bf16 on an H200
 //! (`ncu`, 2026-11-29: 104 ms of a 219 ms step's GPU time; PyTorch's cuDNN backward 3.2 ms for
 //! all 30 layers), and Burn's composed backward runs its products on Burn's autotuned matmul,
-//! which fails at some of these shapes on Hopper ([`crate::gemm`]). Here five batched GEMMs on
-//! the transposed scores (`Sᵀ = K·Qᵀ`, `dV = Pᵀ·dO`, `dPᵀ = V·dOᵀ`, `dK = dSᵀ·Q`,
-//! `dQᵀ = Kᵀ·dSᵀ`) and element-wise work, whose `seq²` tensors (`Sᵀ` and `dPᵀ` in f32, `Pᵀ` and
-//! `dSᵀ` in the operands' dtype) live while one layer's gradient is computed.
+//! which fails at some of these shapes on Hopper ([`crate::gemm`]). Here five batched GEMMs
+//! (`QKᵀ`, `Pᵀ·dO`, `dO·Vᵀ`, `dS·K`, `dSᵀ·Q`) and element-wise work, whose `seq²` tensors live
+//! while one layer's gradient is computed (the scores and their gradient in f32).
+//!
+//! Not faster than cubek's fused backward (H200, 2026-11-29: 4.5 ms a layer against 3.5 at
+//! SmolLM2's batch 8 × 1024): `Pᵀ·dO` and `dSᵀ·Q` (1024 × 64 outputs per head over k = 3072)
+//! run on cubek's portable kernel at ~8 TFLOP/s, the TMA kernel refusing that shape. Computing
+//! on the transposed scores instead (`Sᵀ = K·Qᵀ`, every left operand row-major) was slower
+//! still (5.5 ms): the refusal follows the shape, not the layout.
 //!
 //! Grouped-query attention is read in place: the query heads that share a key head are adjacent,
 //! so `[batch, q_heads, seq_q, d]` is `[batch · kv_heads, groups · seq_q, d]` rows against
@@ -69,37 +74,29 @@ fn backward_with<B: Backend>(
 
     let (q, dout) = (grouped(q, d), grouped(dout, d_v));
     let (k, v) = (per_head(k, d), per_head(v, d_v));
-    let t = |x: FloatTensor<B>| B::float_transpose(x);
-    // Keys along the rows (the transposed scores `Sᵀ = K·Qᵀ`), so that every product below has
-    // a row-major left operand: cubek's TMA kernels refused the transposed ones (`Pᵀ·dO` on a
-    // view of `P` ran 7× slower, on the portable kernel; H200, 2026-11-29).
-    let lse = B::float_reshape(lse, Shape::new([heads, 1, rows]));
-    let scores = gemm(k.clone(), t(q.clone()), DType::F32);
+    let lse = B::float_reshape(lse, Shape::new([heads, rows, 1]));
+    // P = exp(scale · QKᵀ − lse), zero where the causal mask hides a key.
+    let scores = gemm(q.clone(), B::float_transpose(k.clone()), DType::F32);
     let mut p = B::float_exp(B::float_sub(B::float_mul_scalar(scores, scale.into()), lse));
     if options.is_causal {
         let offset = options.causal_alignment.offset(seq_q, seq_k);
         let mask = causal_mask::<B>(&p, seq_q, offset);
         p = B::float_mask_fill(p, mask, 0.0.into());
     }
-    // Pᵀ rounded once to the operands' dtype serves both dV and dSᵀ, so the f32 probabilities
-    // are never stored.
-    let p = B::float_cast(p, dtype.into());
-    // dSᵀ = Pᵀ ⊙ (V·dOᵀ − rowsum(dO ⊙ O)ᵀ) · scale
+    // dS = P ⊙ (dO·Vᵀ − rowsum(dO ⊙ O)) · scale
     let delta = B::float_sum_dim(B::float_mul(f32(dout.clone()), f32(grouped(out, d_v))), 2);
-    let delta = B::float_reshape(delta, Shape::new([heads, 1, rows]));
-    let value = gemm(p.clone(), dout.clone(), dtype);
-    let dp = gemm(v, t(dout), DType::F32);
+    let value = gemm(
+        B::float_transpose(B::float_cast(p.clone(), dtype.into())),
+        dout.clone(),
+        dtype,
+    );
+    let dp = gemm(dout, B::float_transpose(v), DType::F32);
     let ds = B::float_cast(
-        B::float_mul_scalar(B::float_mul(f32(p), B::float_sub(dp, delta)), scale.into()),
+        B::float_mul_scalar(B::float_mul(p, B::float_sub(dp, delta)), scale.into()),
         dtype.into(),
     );
-    let key = gemm(ds.clone(), q, dtype);
-    // dQᵀ = Kᵀ·dSᵀ with `Kᵀ` made contiguous (a reshape of the transposed view copies it).
-    let k_t = B::float_reshape(
-        B::float_reshape(t(k), Shape::new([heads, d * seq_k])),
-        Shape::new([heads, d, seq_k]),
-    );
-    let query = t(gemm(k_t, ds, dtype));
+    let query = gemm(ds.clone(), k, dtype);
+    let key = gemm(B::float_transpose(ds), q, dtype);
     HalfGradients {
         query: B::float_reshape(query, Shape::new([batch, q_heads, seq_q, d])),
         key: B::float_reshape(key, Shape::new([batch, kv_heads, seq_k, d])),
@@ -107,10 +104,10 @@ fn backward_with<B: Backend>(
     }
 }
 
-/// `true` where key `c` may not be seen by grouped row `r` (query `r mod seq_q`): `c > r mod
-/// seq_q + offset`, expanded to `pᵀ`'s `[heads, seq_k, rows]`.
+/// `true` where grouped row `r` (query `r mod seq_q`) may not see key `c`: `c > r mod seq_q +
+/// offset`, expanded to `p`'s `[heads, rows, seq_k]`.
 fn causal_mask<B: Backend>(p: &FloatTensor<B>, seq_q: usize, offset: i64) -> BoolTensor<B> {
-    let [heads, seq_k, rows] = p.shape().dims::<3>();
+    let [heads, rows, seq_k] = p.shape().dims::<3>();
     let device = p.device();
     let settings = get_or_init_device_settings::<B>(&device);
     let query = B::int_remainder_scalar(
@@ -119,15 +116,15 @@ fn causal_mask<B: Backend>(p: &FloatTensor<B>, seq_q: usize, offset: i64) -> Boo
     );
     let query = B::int_reshape(
         B::int_add_scalar(query, offset.into()),
-        Shape::new([1, rows]),
+        Shape::new([rows, 1]),
     );
     let key = B::int_reshape(
         B::int_arange(0..seq_k as i64, &device, settings.int_dtype),
-        Shape::new([seq_k, 1]),
+        Shape::new([1, seq_k]),
     );
-    let mask = B::int_greater(key, query, settings.bool_dtype);
-    let mask = B::bool_reshape(mask, Shape::new([1, seq_k, rows]));
-    B::bool_expand(mask, Shape::new([heads, seq_k, rows]))
+    let mask = B::int_lower(query, key, settings.bool_dtype);
+    let mask = B::bool_reshape(mask, Shape::new([1, rows, seq_k]));
+    B::bool_expand(mask, Shape::new([heads, rows, seq_k]))
 }
 
 #[cfg(test)]
@@ -143,12 +140,12 @@ mod tests {
     use burn_kernels_testing::compare::to_f32;
     use burn_kernels_testing::{Dist, Tolerance, assert_close, random_tensor};
 
-    /// The transposed-score backward (its masks, grouped heads, transposes and reshapes) against
+    /// This backward's math (its masks, grouped heads, transposes and reshapes) against
     /// Burn's composed backward, both on the CPU in f32 with Burn's matmul as the products, so
     /// the two differ only by f32 rounding: one query and key; grouped heads with primes; fewer
     /// queries than keys with either causal alignment; no mask.
     #[test]
-    fn transposed_backward_matches_burns_composed_backward() {
+    fn half_backward_math_matches_burns_composed_backward() {
         let device = Device::flex();
         let cases = [
             (1, 1, 1, 1, 1, 8, true, CausalAlignment::BottomRight),
