@@ -10,8 +10,9 @@
 //! keeps what the fused attention keeps and differentiates with Burn's own composed backward
 //! (`attention_backward_default`: `QKᵀ` again, `exp(s − lse)`, four matmuls), whose `seq²`
 //! tensors live only while one layer's gradient is computed. In f16/bf16 the same backward runs
-//! with core's GEMMs ([`crate::recompute_backward`]): cubek's fused backward is slow there too
-//! (3.5 ms a layer at SmolLM2's batch 8 × 1024 in bf16, H200).
+//! with core's GEMMs ([`crate::recompute_backward`]), an alternative to cubek's fused backward
+//! that is not faster yet (4.5 against 3.5 ms a layer at SmolLM2's batch 8 × 1024 in bf16, H200),
+//! which is why training in bf16 defaults to Burn's attention.
 
 use burn::backend::TensorMetadata;
 use burn::backend::autodiff::{
