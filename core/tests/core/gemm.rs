@@ -92,6 +92,49 @@ pub fn gemm_matches_host_products(device: &Device) {
     }
 }
 
+/// [`gemm::GemmTo::gemm_to`] (batched, a chosen output dtype; what the recomputing attention's
+/// 16-bit backward runs) against per-batch f64 host products: one element; primes with the
+/// right operand as a transposed view; each in f32 and in the inputs' dtype. f16/bf16 inputs
+/// (the kernel's fast path), outputs in NaN-poisoned memory.
+pub fn batched_gemm_to_matches_host(device: &Device) {
+    use burn::backend::Dispatch;
+    use burn_kernels_core::gemm::GemmTo;
+    let before = launches("gemm");
+    let mut calls = 0;
+    for dtype in float_dtypes(device).into_iter().filter(|d| is_half(*d)) {
+        for (i, [batch, m, k, n]) in [[1, 1, 1, 1], [3, 37, 29, 11], [2, 70, 64, 33]]
+            .into_iter()
+            .enumerate()
+        {
+            let seed = 500 + 4 * i as u64;
+            let a = random_tensor::<3>([batch, m, k], Dist::STANDARD, seed, dtype, device);
+            let b = random_tensor::<3>([batch, n, k], Dist::STANDARD, seed + 1, dtype, device)
+                .swap_dims(1, 2);
+            let (ha, hb) = (to_f32(a.to_data()), to_f32(b.to_data()));
+            let want: Vec<f32> = (0..batch)
+                .flat_map(|e| {
+                    let (sa, sb) = (&ha[e * m * k..][..m * k], &hb[e * k * n..][..k * n]);
+                    host_product(sa, sb, m, k, n)
+                })
+                .collect();
+            for out in [DType::F32, dtype] {
+                poison_memory(device, batch * m * n, out);
+                let got = Tensor::<3>::from_dispatch(Dispatch::gemm_to(
+                    a.clone().into_dispatch(),
+                    b.clone().into_dispatch(),
+                    out,
+                ));
+                calls += 1;
+                assert_eq!((got.dims(), got.dtype()), ([batch, m, n], out));
+                let name = format!("gemm_to {dtype:?} → {out:?} [{batch}×{m}×{k}]·[{k}×{n}]ᵀ");
+                assert_product_close(&name, &to_f32(got.into_data()), &want, out, k, device);
+            }
+        }
+    }
+    let launched = launches("gemm") - before;
+    assert!(launched >= calls, "{launched} launches for {calls} calls");
+}
+
 /// `[dA, dB]` of `sum(gemm(a, b) ⊙ g)`.
 fn gradients(a: Tensor<2>, b: Tensor<2>, g: Tensor<2>) -> [Vec<f32>; 2] {
     let (a, b) = (a.require_grad(), b.require_grad());
