@@ -37,15 +37,17 @@ fn host_lse(values: &[f32], rows: usize, cols: usize, cap: Option<f32>) -> Vec<f
         .collect()
 }
 
+/// One case of rank `D` (`shape.len()`).
 fn run_case<const D: usize>(
     device: &Device,
-    shape: [usize; D],
+    shape: &[usize],
     dim: usize,
     dtype: DType,
     dist: Dist,
     cap: Option<f32>,
     seed: u64,
 ) {
+    let shape: [usize; D] = shape.try_into().expect("the case's rank");
     let x = random_tensor::<D>(shape, dist, seed, dtype, device);
     // The reference sees exactly the values the kernel sees (already rounded to `dtype`).
     let host = x.to_data();
@@ -73,36 +75,13 @@ fn dyn_case(
     cap: Option<f32>,
     seed: u64,
 ) {
-    match shape.len() {
-        2 => run_case::<2>(
-            device,
-            shape.try_into().unwrap(),
-            dim,
-            dtype,
-            dist,
-            cap,
-            seed,
-        ),
-        3 => run_case::<3>(
-            device,
-            shape.try_into().unwrap(),
-            dim,
-            dtype,
-            dist,
-            cap,
-            seed,
-        ),
-        4 => run_case::<4>(
-            device,
-            shape.try_into().unwrap(),
-            dim,
-            dtype,
-            dist,
-            cap,
-            seed,
-        ),
+    let case = match shape.len() {
+        2 => run_case::<2>,
+        3 => run_case::<3>,
+        4 => run_case::<4>,
         n => panic!("no case of rank {n}"),
-    }
+    };
+    case(device, shape, dim, dtype, dist, cap, seed);
 }
 
 fn forward_matches_reference(device: &Device) {
