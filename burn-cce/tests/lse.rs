@@ -129,11 +129,7 @@ fn large_magnitudes_stay_finite(device: &Device) {
         7,
     );
     let x = Tensor::<2>::from_data(TensorData::new(values.clone(), [4, 300]), device);
-    let out = to_f32(
-        kernels(device, || logsumexp(x, 1, LseOptions::default()))
-            .unwrap()
-            .into_data(),
-    );
+    let out = kernel_lse(device, x);
     let expected = host_lse(&values, 4, 300, None);
     assert!(
         out.iter().all(|v| v.is_finite()),
@@ -147,6 +143,12 @@ fn large_magnitudes_stay_finite(device: &Device) {
     );
 }
 
+/// The kernel's log-sum-exp of `x`'s rows (no softcap), read back.
+fn kernel_lse(device: &Device, x: Tensor<2>) -> Vec<f32> {
+    let out = kernels(device, || logsumexp(x, 1, LseOptions::default())).unwrap();
+    to_f32(out.into_data())
+}
+
 fn special_values(device: &Device) {
     let inf = f32::INFINITY;
     let rows: [[f32; 4]; 4] = [
@@ -156,11 +158,7 @@ fn special_values(device: &Device) {
         [3.0, 3.0, 3.0, 3.0],
     ];
     let x = Tensor::<2>::from_data(rows, device);
-    let out = to_f32(
-        kernels(device, || logsumexp(x, 1, LseOptions::default()))
-            .unwrap()
-            .into_data(),
-    );
+    let out = kernel_lse(device, x);
     let expected = [-inf, 2f32.ln(), inf, 3.0 + 4f32.ln()];
     assert_close(
         "special values",
