@@ -308,11 +308,10 @@ fn input_value<F: Float>(
     r: usize,
     #[comptime] norm: bool,
 ) -> f32 {
-    let mut v = f32::new(0.0);
+    let mut v = f32::cast_from(x[at]);
     if norm {
-        v = f32::cast_from(normed::<F>(residual_sum::<F>(x, y, at), inv[r], gamma[k]));
-    } else {
-        v = f32::cast_from(x[at]);
+        let s = F::cast_from(v + f32::cast_from(y[at]));
+        v = f32::cast_from(normed::<F>(s, inv[r], gamma[k]));
     }
     v
 }
