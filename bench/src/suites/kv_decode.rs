@@ -318,6 +318,14 @@ pub struct RunEnv {
     pub label: String,
 }
 
+impl RunEnv {
+    /// The start of every run: the pool's free memory released, then the model on the device.
+    pub fn start(&self) -> Llama {
+        self.device.memory_cleanup();
+        self.model.get(&self.device)
+    }
+}
+
 /// One random-weight model per suite run, built at the first problem and shared by the
 /// candidates (tensors are reference-counted: clones share the weights).
 pub struct SharedModel {

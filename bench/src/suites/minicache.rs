@@ -358,14 +358,8 @@ fn run(
     steps: &Steps,
     info: &RefCell<Extra>,
 ) -> Result<PeerRun, String> {
-    let RunEnv {
-        model,
-        probe,
-        device,
-        label,
-    } = env;
-    device.memory_cleanup();
-    let m = model.get(device);
+    let m = env.start();
+    let (model, probe, device, label) = (&env.model, &env.probe, &env.device, &env.label);
     let cfg = model.config();
     let layers = cfg.num_layers;
     let b = p.batch;

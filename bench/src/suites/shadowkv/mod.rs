@@ -341,14 +341,8 @@ fn run_full(
     steps: &Steps,
     info: &RefCell<Extra>,
 ) -> Result<PeerRun, String> {
-    let RunEnv {
-        model,
-        probe,
-        device,
-        label,
-    } = env;
-    device.memory_cleanup();
-    let m = model.get(device);
+    let m = env.start();
+    let (model, probe, device, label) = (&env.model, &env.probe, &env.device, &env.label);
     let cfg = model.config();
     let b = p.batch;
     let t0 = Instant::now();

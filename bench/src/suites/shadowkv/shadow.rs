@@ -25,14 +25,8 @@ pub(super) fn run_shadow(
     steps: &Steps,
     info: &RefCell<Extra>,
 ) -> Result<PeerRun, String> {
-    let RunEnv {
-        model,
-        probe,
-        device,
-        label,
-    } = env;
-    device.memory_cleanup();
-    let m = model.get(device);
+    let m = env.start();
+    let (model, probe, device, label) = (&env.model, &env.probe, &env.device, &env.label);
     let b = p.batch;
     let t0 = Instant::now();
     let mut cache = fill(model, sk, ctx, b, device, label)?;
