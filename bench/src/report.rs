@@ -215,13 +215,7 @@ fn plot(
     let draw = || -> Result<(), Box<dyn std::error::Error>> {
         let root = SVGBackend::new(&path, (900, 560)).into_drawing_area();
         root.fill(&WHITE)?;
-        let mut chart = ChartBuilder::on(&root)
-            .caption(
-                format!("{} — {} ({})", s.suite, report.device, report.date),
-                ("sans-serif", 20),
-            )
-            .margin(15)
-            .x_label_area_size(45)
+        let mut chart = chart_builder(&root, report, s)
             .y_label_area_size(70)
             .build_cartesian_2d(xmin - 0.25..xmax + 0.25, 0f64..ymax * 1.5)?;
         chart
@@ -253,6 +247,24 @@ fn plot(
     };
     draw().map_err(|e| std::io::Error::other(e.to_string()))?;
     Ok(Some(path))
+}
+
+/// A chart of suite `s` on `root` with what both plots share: the title (suite, device, date),
+/// the margin and the x label area.
+fn chart_builder<'a, 'b, DB: DrawingBackend>(
+    root: &'a DrawingArea<DB, plotters::coord::Shift>,
+    report: &Report,
+    s: &SuiteResult,
+) -> ChartBuilder<'a, 'b, DB> {
+    let mut builder = ChartBuilder::on(root);
+    builder
+        .caption(
+            format!("{} — {} ({})", s.suite, report.device, report.date),
+            ("sans-serif", 20),
+        )
+        .margin(15)
+        .x_label_area_size(45);
+    builder
 }
 
 fn y_label(y: &str) -> &'static str {
@@ -306,13 +318,7 @@ fn bars(
         let root = SVGBackend::new(&path, (1000, height)).into_drawing_area();
         root.fill(&WHITE)?;
         let label_width = rows.iter().map(|r| r.0.chars().count()).max().unwrap_or(8) as u32;
-        let mut chart = ChartBuilder::on(&root)
-            .caption(
-                format!("{} — {} ({})", s.suite, report.device, report.date),
-                ("sans-serif", 20),
-            )
-            .margin(15)
-            .x_label_area_size(45)
+        let mut chart = chart_builder(&root, report, s)
             .y_label_area_size((label_width * 7 + 10).min(420))
             .build_cartesian_2d(0f64..ymax * 1.25, (0..(n - 1).max(1)).into_segmented())?;
         let names: Vec<String> = rows.iter().map(|r| r.0.clone()).collect();

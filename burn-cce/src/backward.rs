@@ -8,7 +8,7 @@ use burn::backend::autodiff::{
     Autodiff,
     checkpoint::{base::Checkpointer, strategy::CheckpointStrategy},
     grads::Gradients,
-    ops::{Backward, Ops, OpsKind},
+    ops::{Backward, NodeGuard, Ops, OpsKind},
 };
 use burn::backend::{
     AutodiffBackend, Backend, Scalar, TensorMetadata,
@@ -140,17 +140,8 @@ impl<B: CceKernels, C: CheckpointStrategy> CceKernels for Autodiff<B, C> {
         let (e, e_node) = e.into_parts();
         let (c, c_node) = c.into_parts();
         let (loss, lse) = B::linear_ce_loss(e.clone(), c.clone(), targets.clone(), params);
-        let loss = match LinearCeBackward::<2>
-            .prepare::<C>([e_node, c_node])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => {
-                let state = (e, c, None, targets, lse.clone(), params);
-                prep.finish(state, loss)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(loss),
-        };
+        let state = (e, c, None, targets, lse.clone(), params);
+        let loss = track_loss::<B, C, 2>([e_node, c_node], state, loss);
         (loss, Self::from_inner(lse))
     }
 
@@ -166,18 +157,26 @@ impl<B: CceKernels, C: CheckpointStrategy> CceKernels for Autodiff<B, C> {
         let (bias, bias_node) = bias.into_parts();
         let (loss, lse) =
             B::linear_ce_loss_bias(e.clone(), c.clone(), bias.clone(), targets.clone(), params);
-        let loss = match LinearCeBackward::<3>
-            .prepare::<C>([e_node, c_node, bias_node])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => {
-                let state = (e, c, Some(bias), targets, lse.clone(), params);
-                prep.finish(state, loss)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(loss),
-        };
+        let state = (e, c, Some(bias), targets, lse.clone(), params);
+        let loss = track_loss::<B, C, 3>([e_node, c_node, bias_node], state, loss);
         (loss, Self::from_inner(lse))
+    }
+}
+
+/// `loss` as one [`LinearCeBackward`] op over the parents `nodes` (`[e, c]` or `[e, c, bias]`),
+/// keeping `state` for the backward where a parent is tracked.
+fn track_loss<B: CceKernels, C: CheckpointStrategy, const N: usize>(
+    nodes: [NodeGuard; N],
+    state: LceState<B>,
+    loss: FloatTensor<B>,
+) -> FloatTensor<Autodiff<B, C>> {
+    match LinearCeBackward::<N>
+        .prepare::<C>(nodes)
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => prep.finish(state, loss),
+        OpsKind::UnTracked(prep) => prep.finish(loss),
     }
 }
 

@@ -37,15 +37,17 @@ fn host_lse(values: &[f32], rows: usize, cols: usize, cap: Option<f32>) -> Vec<f
         .collect()
 }
 
+/// One case of rank `D` (`shape.len()`).
 fn run_case<const D: usize>(
     device: &Device,
-    shape: [usize; D],
+    shape: &[usize],
     dim: usize,
     dtype: DType,
     dist: Dist,
     cap: Option<f32>,
     seed: u64,
 ) {
+    let shape: [usize; D] = shape.try_into().expect("the case's rank");
     let x = random_tensor::<D>(shape, dist, seed, dtype, device);
     // The reference sees exactly the values the kernel sees (already rounded to `dtype`).
     let host = x.to_data();
@@ -73,36 +75,13 @@ fn dyn_case(
     cap: Option<f32>,
     seed: u64,
 ) {
-    match shape.len() {
-        2 => run_case::<2>(
-            device,
-            shape.try_into().unwrap(),
-            dim,
-            dtype,
-            dist,
-            cap,
-            seed,
-        ),
-        3 => run_case::<3>(
-            device,
-            shape.try_into().unwrap(),
-            dim,
-            dtype,
-            dist,
-            cap,
-            seed,
-        ),
-        4 => run_case::<4>(
-            device,
-            shape.try_into().unwrap(),
-            dim,
-            dtype,
-            dist,
-            cap,
-            seed,
-        ),
+    let case = match shape.len() {
+        2 => run_case::<2>,
+        3 => run_case::<3>,
+        4 => run_case::<4>,
         n => panic!("no case of rank {n}"),
-    }
+    };
+    case(device, shape, dim, dtype, dist, cap, seed);
 }
 
 fn forward_matches_reference(device: &Device) {
@@ -150,11 +129,7 @@ fn large_magnitudes_stay_finite(device: &Device) {
         7,
     );
     let x = Tensor::<2>::from_data(TensorData::new(values.clone(), [4, 300]), device);
-    let out = to_f32(
-        kernels(device, || logsumexp(x, 1, LseOptions::default()))
-            .unwrap()
-            .into_data(),
-    );
+    let out = kernel_lse(device, x);
     let expected = host_lse(&values, 4, 300, None);
     assert!(
         out.iter().all(|v| v.is_finite()),
@@ -168,6 +143,12 @@ fn large_magnitudes_stay_finite(device: &Device) {
     );
 }
 
+/// The kernel's log-sum-exp of `x`'s rows (no softcap), read back.
+fn kernel_lse(device: &Device, x: Tensor<2>) -> Vec<f32> {
+    let out = kernels(device, || logsumexp(x, 1, LseOptions::default())).unwrap();
+    to_f32(out.into_data())
+}
+
 fn special_values(device: &Device) {
     let inf = f32::INFINITY;
     let rows: [[f32; 4]; 4] = [
@@ -177,11 +158,7 @@ fn special_values(device: &Device) {
         [3.0, 3.0, 3.0, 3.0],
     ];
     let x = Tensor::<2>::from_data(rows, device);
-    let out = to_f32(
-        kernels(device, || logsumexp(x, 1, LseOptions::default()))
-            .unwrap()
-            .into_data(),
-    );
+    let out = kernel_lse(device, x);
     let expected = [-inf, 2f32.ln(), inf, 3.0 + 4f32.ln()];
     assert_close(
         "special values",

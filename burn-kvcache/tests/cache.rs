@@ -14,20 +14,20 @@ const LAYERS: usize = 7;
 const HEADS: usize = 2;
 const Q_HEADS: usize = 4;
 
-/// Feeds both caches the same per-layer Q/K/V for each chunk of `steps` (`dup` makes layer
-/// `2i+1`'s K/V a copy of layer `2i`'s) and truncates to `cut` before the chunk at index
-/// `cut_at`; returns every attention output of both, flattened.
-#[allow(clippy::too_many_arguments)]
+/// Feeds `a` and a new full cache the same per-layer Q/K/V for each chunk of `steps` (`dup`
+/// makes layer `2i+1`'s K/V a copy of layer `2i`'s) and truncates to `cut` before the chunk at
+/// index `cut_at`; returns every attention output of both, flattened, and the full cache.
 fn drive(
     a: &mut dyn KvCache,
-    b: &mut dyn KvCache,
     steps: &[usize],
     d: usize,
     dup: bool,
     cut: Option<(usize, usize)>,
     seed: u64,
     device: &Device,
-) -> (Vec<f32>, Vec<f32>) {
+) -> (Vec<f32>, Vec<f32>, FullKvCache) {
+    let mut full = FullKvCache::new(LAYERS);
+    let b = &mut full;
     let opts = AttnOptions {
         causal: true,
         scale: (d as f32).sqrt().recip(),
@@ -75,7 +75,7 @@ fn drive(
         }
         assert_eq!(a.seq_len(), b.seq_len());
     }
-    (oa, ob)
+    (oa, ob, full)
 }
 
 const STEPS: &[usize] = &[19, 1, 1, 1, 1, 5, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 3];
@@ -102,17 +102,7 @@ fn gamma_zero_matches_full(device: &Device) {
                 ..Default::default()
             };
             let mut mc = MiniCacheKv::new(LAYERS, cfg).unwrap();
-            let mut full = FullKvCache::new(LAYERS);
-            let (y, e) = drive(
-                &mut mc,
-                &mut full,
-                STEPS,
-                d,
-                false,
-                Some((10, 17)),
-                10,
-                device,
-            );
+            let (y, e, _) = drive(&mut mc, STEPS, d, false, Some((10, 17)), 10, device);
             // Where products run in TF32 (CUDA), the restored keys' last-bit differences are
             // amplified by its 10-bit mantissa.
             assert_close_unless_tf32(&format!("γ=0 d={d} start={start:?}"), &y, &e, TIGHT, device);
@@ -133,17 +123,7 @@ fn identical_layers_lossless(device: &Device) {
         ..Default::default()
     };
     let mut mc = MiniCacheKv::new(LAYERS, cfg).unwrap();
-    let mut full = FullKvCache::new(LAYERS);
-    let (y, e) = drive(
-        &mut mc,
-        &mut full,
-        STEPS,
-        d,
-        true,
-        Some((7, 21)),
-        20,
-        device,
-    );
+    let (y, e, full) = drive(&mut mc, STEPS, d, true, Some((7, 21)), 20, device);
     assert_close_unless_tf32("identical layers", &y, &e, TIGHT, device);
     let s = mc.stats();
     assert!(s.merged > 0 && s.retained == 0, "{s:?}");
@@ -173,17 +153,7 @@ fn quantized_close_to_full(device: &Device) {
             ..QuantConfig::default()
         };
         let mut qkv = QuantKv::new(LAYERS, q).unwrap();
-        let mut full = FullKvCache::new(LAYERS);
-        let (y, e) = drive(
-            &mut qkv,
-            &mut full,
-            &steps,
-            d,
-            false,
-            Some((25, 60)),
-            30,
-            device,
-        );
+        let (y, e, full) = drive(&mut qkv, &steps, d, false, Some((25, 60)), 30, device);
         let m = metrics(&y, &e);
         let min_cos = if bits == 4 { 0.99 } else { 0.95 };
         assert!(m.cos_sim > min_cos, "quant{bits}: {m:?}");
@@ -192,31 +162,12 @@ fn quantized_close_to_full(device: &Device) {
         assert!(qkv.bytes_held() < full.bytes_held());
 
         let mut mcq = MiniCacheKv::with_quant(LAYERS, MiniCacheConfig::default(), q).unwrap();
-        let mut full = FullKvCache::new(LAYERS);
-        let (y, e) = drive(
-            &mut mcq,
-            &mut full,
-            &steps,
-            d,
-            true,
-            Some((25, 60)),
-            40,
-            device,
-        );
+        let (y, e, _) = drive(&mut mcq, &steps, d, true, Some((25, 60)), 40, device);
         let m = metrics(&y, &e);
         assert!(m.cos_sim > min_cos, "minicache+quant{bits}: {m:?}");
         assert!(mcq.bytes_held() < qkv.bytes_held());
     }
     assert_launched(device, ops, before);
-}
-
-macro_rules! on_all {
-    ($($f:ident),* $(,)?) => {
-        mod cpu {
-            $( #[test] fn $f() { super::$f(&::burn::tensor::Device::flex()); } )*
-        }
-        burn_kernels_testing::testgen! { backend: [$($f),*], autodiff: [] }
-    };
 }
 
 on_all!(

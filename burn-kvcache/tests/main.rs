@@ -8,6 +8,18 @@
 // Without a CubeCL runtime feature only the CPU tests run; the kernel tests are unused.
 #![cfg_attr(not(feature = "cube"), allow(dead_code, unused_imports))]
 
+/// Declares each check `f(&Device)` as a CPU test (`cpu::f`, on `Device::flex()`) and, through
+/// `testgen!`, as a test on each enabled CubeCL runtime; the checks listed after
+/// `; kernels only:` run on the runtimes alone.
+macro_rules! on_all {
+    ($($f:ident),* $(,)? $(; kernels only: [$($g:ident),* $(,)?] $(,)?)?) => {
+        mod cpu {
+            $( #[test] fn $f() { super::$f(&::burn::tensor::Device::flex()); } )*
+        }
+        burn_kernels_testing::testgen! { backend: [$($f,)* $($($g,)*)?], autodiff: [] }
+    };
+}
+
 mod cache;
 mod ops;
 mod quant_attention;

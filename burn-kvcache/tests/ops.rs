@@ -19,15 +19,6 @@ use quantization::*;
 #[cfg(feature = "cube")]
 use unfused::*;
 
-macro_rules! on_all {
-    ($($f:ident),* $(,)?; kernels only: [$($g:ident),* $(,)?] $(,)?) => {
-        mod cpu {
-            $( #[test] fn $f() { super::$f(&::burn::tensor::Device::flex()); } )*
-        }
-        burn_kernels_testing::testgen! { backend: [$($f,)* $($g,)*], autodiff: [] }
-    };
-}
-
 on_all!(
     merge_matches_reference,
     restore_matches_reference,

@@ -24,15 +24,6 @@ use burn_kvcache::{
     KvCacheError, RopeParams, ShadowKvCache, ShadowKvConfig, gather_reconstruct_rope,
 };
 
-macro_rules! on_all {
-    ($($f:ident),* $(,)?) => {
-        mod cpu {
-            $( #[test] fn $f() { super::$f(&::burn::tensor::Device::flex()); } )*
-        }
-        burn_kernels_testing::testgen! { backend: [$($f),*], autodiff: [] }
-    };
-}
-
 on_all!(
     gather_rope_matches_reference,
     budget_covers_context_matches_full,
@@ -51,26 +42,9 @@ fn low_budget_on_random_data_keeps_signal_and_splits_memory() {
     let (h, d) = (2, 32);
     let mut sk = ShadowKvCache::new(LAYERS, h, d, cfg(32, 32), RopeParams::default()).unwrap();
     let mut full = FullKvCache::new(LAYERS);
-    let y = drive(
-        &mut sk,
-        (1, 4, h, d),
-        301,
-        &[0],
-        &[1, 1, 1],
-        None,
-        9,
-        &device,
-    );
-    let e = drive(
-        &mut full,
-        (1, 4, h, d),
-        301,
-        &[0],
-        &[1, 1, 1],
-        None,
-        9,
-        &device,
-    );
+    let (y, e) = drive_both(&device, &mut sk, &mut full, |c| {
+        drive(c, (1, 4, h, d), 301, &[0], &[1, 1, 1], None, 9, &device)
+    });
     let m = metrics(&y.decode, &e.decode);
     // Random keys have no low-rank structure and diffuse attention: this is the hard case
     // (the planted-chunk test is the easy one), far from the full cache (2026-11-27, Flex:

@@ -48,7 +48,7 @@ pub trait KvCache: Send {
 }
 
 /// Every key and value of every layer, uncompressed.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct FullKvCache {
     layers: Vec<Option<(Tensor<4>, Tensor<4>)>>,
 }
@@ -58,6 +58,14 @@ impl FullKvCache {
         Self {
             layers: vec![None; num_layers],
         }
+    }
+
+    /// The keys and values `layer` holds (handles, no copy), `None` before its first call.
+    ///
+    /// # Shapes
+    /// - `[batch, kv_heads, seq_len, head_dim]` each
+    pub fn layer(&self, layer: usize) -> Option<(Tensor<4>, Tensor<4>)> {
+        self.layers[layer].clone()
     }
 }
 

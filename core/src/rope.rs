@@ -45,6 +45,29 @@ pub fn inverse_frequencies(head_dim: usize, theta: f32, scaling: Option<RopeScal
         .collect()
 }
 
+/// The cos and sin of the angles `p · f` for positions `p < positions` and the
+/// [`inverse_frequencies`] `f`, computed in f64 and rounded to f32: the values of the
+/// `[positions, head_dim / 2]` tables (row-major).
+pub fn rope_angles(
+    head_dim: usize,
+    positions: usize,
+    theta: f32,
+    scaling: Option<RopeScaling>,
+) -> (Vec<f32>, Vec<f32>) {
+    let inv = inverse_frequencies(head_dim, theta, scaling);
+    let half = head_dim / 2;
+    let mut cos = Vec::with_capacity(positions * half);
+    let mut sin = Vec::with_capacity(positions * half);
+    for p in 0..positions {
+        for &f in &inv {
+            let a = p as f64 * f;
+            cos.push(a.cos() as f32);
+            sin.push(a.sin() as f32);
+        }
+    }
+    (cos, sin)
+}
+
 impl Rope {
     /// Tables for `head_dim` (even) and positions `0..max_positions`.
     pub fn new(
@@ -58,18 +81,8 @@ impl Rope {
             head_dim.is_multiple_of(2),
             "RoPE needs an even head_dim, got {head_dim}"
         );
-        let inv = inverse_frequencies(head_dim, theta, scaling);
-        let half = head_dim / 2;
-        let mut cos = Vec::with_capacity(max_positions * half);
-        let mut sin = Vec::with_capacity(max_positions * half);
-        for p in 0..max_positions {
-            for &f in &inv {
-                let a = p as f64 * f;
-                cos.push(a.cos() as f32);
-                sin.push(a.sin() as f32);
-            }
-        }
-        let shape = [max_positions, half];
+        let (cos, sin) = rope_angles(head_dim, max_positions, theta, scaling);
+        let shape = [max_positions, head_dim / 2];
         Self {
             cos: Tensor::from_data(TensorData::new(cos, shape), device),
             sin: Tensor::from_data(TensorData::new(sin, shape), device),

@@ -148,9 +148,11 @@ pub struct Problem {
     pub bytes: Option<f64>,
     /// Tokens one run processes, where meaningful (reported as tokens/s).
     pub tokens: Option<f64>,
-    #[allow(clippy::type_complexity)]
-    pub setup: Box<dyn Fn(&Device) -> Vec<Candidate<'static>>>,
+    pub setup: Setup,
 }
+
+/// What makes a [`Problem`]'s candidates on a device.
+pub type Setup = Box<dyn Fn(&Device) -> Vec<Candidate<'static>>>;
 
 /// How a suite's results are drawn: `y` against the numeric parameter `x` (log2 axis), one line
 /// per implementation and combination of the `series` parameters; or, with `bars`, one

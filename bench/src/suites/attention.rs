@@ -11,10 +11,11 @@ use burn_kernels_testing::{Dist, random_tensor};
 use serde_json::json;
 
 use super::SuiteOptions;
-use crate::harness::{Candidate, PlotSpec, Problem, Suite, keep, params};
+use crate::harness::{Candidate, PlotSpec, Problem, Setup, Suite, keep, params};
 
-const BATCH: usize = 4;
-const HEADS: usize = 32;
+/// Batch and heads of this suite's problems and of the SageAttention suite's.
+pub(super) const BATCH: usize = 4;
+pub(super) const HEADS: usize = 32;
 
 pub fn suite(opts: SuiteOptions) -> Suite {
     let seq_lens: &[usize] = if opts.quick {
@@ -36,24 +37,18 @@ pub fn suite(opts: SuiteOptions) -> Suite {
         baseline: "burn-fused",
         problems,
         measure_memory: false,
-        plot: Some(PlotSpec {
-            x: "seq_len".into(),
-            series: vec!["head_dim".into(), "causal".into()],
-            y: "tflops".into(),
-            ..PlotSpec::default()
-        }),
+        plot: Some(attention_plot()),
     }
 }
 
-fn problem(n: usize, d: usize, causal: bool, max_mem: f64) -> Problem {
+/// An f16 attention problem over `[BATCH, HEADS, n, d]` (shared with the SageAttention suite):
+/// its label, parameters, FLOPs and fewest bytes, with the candidates `setup` makes.
+pub(super) fn attention_problem(n: usize, d: usize, causal: bool, setup: Setup) -> Problem {
     let elem = 2.0; // f16
     let qkv = (BATCH * HEADS * n * d) as f64;
     let flops = 4.0 * qkv * n as f64 / if causal { 2.0 } else { 1.0 };
-    // The fallback materializes the B·H·N² score matrix several times over (scores, masked,
-    // exp, softmax); four live copies is what its sequence of ops needs at its peak.
-    let fallback_bytes = 4.0 * (BATCH * HEADS * n * n) as f64 * elem + 4.0 * qkv * elem;
     Problem {
-        label: format!("N={n} D={d}{}", if causal { " causal" } else { "" }),
+        label: label(n, d, causal),
         params: params([
             ("batch", json!(BATCH)),
             ("heads", json!(HEADS)),
@@ -65,7 +60,37 @@ fn problem(n: usize, d: usize, causal: bool, max_mem: f64) -> Problem {
         flops: Some(flops),
         bytes: Some(4.0 * qkv * elem),
         tokens: None,
-        setup: Box::new(move |device| {
+        setup,
+    }
+}
+
+/// TFLOPs against the sequence length, a line per head dim and causality: the plot of the
+/// [`attention_problem`] suites.
+pub(super) fn attention_plot() -> PlotSpec {
+    PlotSpec {
+        x: "seq_len".into(),
+        series: vec!["head_dim".into(), "causal".into()],
+        y: "tflops".into(),
+        ..PlotSpec::default()
+    }
+}
+
+/// The label of [`attention_problem`].
+pub(super) fn label(n: usize, d: usize, causal: bool) -> String {
+    format!("N={n} D={d}{}", if causal { " causal" } else { "" })
+}
+
+fn problem(n: usize, d: usize, causal: bool, max_mem: f64) -> Problem {
+    let elem = 2.0; // f16
+    let qkv = (BATCH * HEADS * n * d) as f64;
+    // The fallback materializes the B·H·N² score matrix several times over (scores, masked,
+    // exp, softmax); four live copies is what its sequence of ops needs at its peak.
+    let fallback_bytes = 4.0 * (BATCH * HEADS * n * n) as f64 * elem + 4.0 * qkv * elem;
+    attention_problem(
+        n,
+        d,
+        causal,
+        Box::new(move |device| {
             let shape = [BATCH, HEADS, n, d];
             let q = random_tensor::<4>(shape, Dist::STANDARD, 1, DType::F16, device);
             let k = random_tensor::<4>(shape, Dist::STANDARD, 2, DType::F16, device);
@@ -110,5 +135,5 @@ fn problem(n: usize, d: usize, causal: bool, max_mem: f64) -> Problem {
             };
             vec![fused, fallback]
         }),
-    }
+    )
 }

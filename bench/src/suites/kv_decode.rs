@@ -20,7 +20,7 @@ use std::rc::Rc;
 use std::time::Instant;
 
 use burn::tensor::{DType, Device, Distribution, Int, Tensor, TensorData};
-use burn_kernels_core::{AttentionImpl, AttnOptions, KvCache, Rope};
+use burn_kernels_core::{AttentionImpl, AttnOptions, BurnAttention, KvCache, Rope};
 use burn_llama::{Llama, LlamaConfig};
 
 use super::{PoolProps, SuiteOptions};
@@ -308,6 +308,24 @@ pub fn model_config(quick: bool) -> LlamaConfig {
     }
 }
 
+/// What a decode-suite candidate's run needs besides its plan: the suite's model, the memory
+/// probe, the device and the problem's label (one clone per candidate).
+#[derive(Clone)]
+pub struct RunEnv {
+    pub model: Rc<SharedModel>,
+    pub probe: Option<MemoryProbe>,
+    pub device: Device,
+    pub label: String,
+}
+
+impl RunEnv {
+    /// The start of every run: the pool's free memory released, then the model on the device.
+    pub fn start(&self) -> Llama {
+        self.device.memory_cleanup();
+        self.model.get(&self.device)
+    }
+}
+
 /// One random-weight model per suite run, built at the first problem and shared by the
 /// candidates (tensors are reference-counted: clones share the weights).
 pub struct SharedModel {
@@ -427,6 +445,22 @@ pub fn decode_step(
     let tokens = Tensor::<2, Int>::from_data(TensorData::new(ids, [batch, 1]), device);
     let h = model.forward(tokens, &[], cache, attention);
     crate::harness::keep(model.logits(h));
+}
+
+/// `n` untimed decode steps from step 0 with Burn's attention (warm-up), then a sync; returns
+/// the next step.
+pub fn warm_up(
+    model: &Llama,
+    cache: &mut dyn KvCache,
+    batch: usize,
+    n: usize,
+    device: &Device,
+) -> u64 {
+    for step in 0..n as u64 {
+        decode_step(model, cache, batch, step, device, &BurnAttention);
+    }
+    sync(device);
+    n as u64
 }
 
 /// Runs `n` decode steps, each synchronized, and returns their times in ms.

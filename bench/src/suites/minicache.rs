@@ -42,11 +42,11 @@ use serde_json::json;
 
 use super::SuiteOptions;
 use super::kv_decode::{
-    F16, Footprint, GB, Plan, SharedModel, SkipAttention, ctx_label, decode_step, describe,
-    fill_opts, fill_query, gb, median_mean, model_config, plan, plan_candidate, problem_params,
-    random_states, reserved, seq_bytes, sync, timed_steps, weight_allocs,
+    F16, Footprint, GB, Plan, RunEnv, SharedModel, SkipAttention, ctx_label, describe, fill_opts,
+    fill_query, gb, median_mean, model_config, plan, plan_candidate, problem_params, random_states,
+    reserved, seq_bytes, sync, timed_steps, warm_up, weight_allocs,
 };
-use crate::harness::{Extra, MemoryProbe, PeerRun, Problem, Suite, params};
+use crate::harness::{Extra, PeerRun, Problem, Suite, params};
 
 /// Positions of the second fill call (the quantized caches' full-precision window).
 const TAIL: usize = 32;
@@ -286,19 +286,18 @@ fn problem(
         bytes: None,
         tokens: None,
         setup: Box::new(move |device| {
+            let env = RunEnv {
+                model: model.clone(),
+                probe: probe.clone(),
+                device: device.clone(),
+                label: label.clone(),
+            };
             plans
                 .iter()
                 .map(|(kind, p)| {
-                    let (model, probe, steps, device, label) = (
-                        model.clone(),
-                        probe.clone(),
-                        steps.clone(),
-                        device.clone(),
-                        label.clone(),
-                    );
-                    let kind = *kind;
+                    let (env, steps, kind) = (env.clone(), steps.clone(), *kind);
                     plan_candidate(kind.name(), p, move |p, info| {
-                        run(&model, kind, p, ctx, &steps, &probe, &device, &label, info)
+                        run(&env, kind, p, ctx, &steps, info)
                     })
                 })
                 .collect()
@@ -351,20 +350,16 @@ fn fill_part(cache: &mut dyn KvCache, cfg: &LlamaConfig, b: usize, n: usize, dev
     }
 }
 
-#[allow(clippy::too_many_arguments)]
 fn run(
-    model: &SharedModel,
+    env: &RunEnv,
     kind: Kind,
     p: &Plan,
     ctx: usize,
     steps: &Steps,
-    probe: &Option<MemoryProbe>,
-    device: &Device,
-    label: &str,
     info: &RefCell<Extra>,
 ) -> Result<PeerRun, String> {
-    device.memory_cleanup();
-    let m = model.get(device);
+    let m = env.start();
+    let (model, probe, device, label) = (&env.model, &env.probe, &env.device, &env.label);
     let cfg = model.config();
     let layers = cfg.num_layers;
     let b = p.batch;
@@ -386,12 +381,7 @@ fn run(
     sync(device);
     let fill_s = t0.elapsed().as_secs_f64();
     let filled = cache.get().bytes_held();
-    let mut step = 0u64;
-    for _ in 0..steps.warmup {
-        decode_step(&m, cache.get(), b, step, device, &BurnAttention);
-        step += 1;
-    }
-    sync(device);
+    let step = warm_up(&m, cache.get(), b, steps.warmup, device);
     let positions = m.rope.max_positions();
     let est = cache_estimate(
         cfg,

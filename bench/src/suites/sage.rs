@@ -16,11 +16,10 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::rc::Rc;
 
+use super::attention::{BATCH, HEADS, attention_plot, attention_problem, label};
 use super::{SuiteOptions, peer_run, python_json};
-use crate::harness::{Candidate, Extra, PeerRun, PlotSpec, Problem, Suite, keep, params};
+use crate::harness::{Candidate, Extra, PeerRun, Problem, Suite, keep, params};
 
-const BATCH: usize = 4;
-const HEADS: usize = 32;
 /// Lowest cosine similarity to Burn's output a timed variant may have: below what INT4 QK (the
 /// least accurate variant) should reach, far above an unwritten or half-written output's.
 const MIN_COSINE: f64 = 0.95;
@@ -121,12 +120,7 @@ pub fn suite(opts: SuiteOptions) -> Suite {
         baseline: "burn-fused",
         problems,
         measure_memory: false,
-        plot: Some(PlotSpec {
-            x: "seq_len".into(),
-            series: vec!["head_dim".into(), "causal".into()],
-            y: "tflops".into(),
-            ..PlotSpec::default()
-        }),
+        plot: Some(attention_plot()),
     }
 }
 
@@ -143,10 +137,6 @@ const PEERS: [(&str, &str); 2] = [
     ("sdpa", "pytorch-sdpa"),
     ("sageattention", "sageattention-1.0.6"),
 ];
-
-fn label(n: usize, d: usize, causal: bool) -> String {
-    format!("N={n} D={d}{}", if causal { " causal" } else { "" })
-}
 
 fn peer_key(peer: &str, n: usize, d: usize, causal: bool) -> String {
     format!("{peer}:{n}:{d}:{}", u8::from(causal))
@@ -186,26 +176,14 @@ impl PeerBatch {
 }
 
 fn problem(n: usize, d: usize, causal: bool, opts: &SuiteOptions, peers: Rc<PeerBatch>) -> Problem {
-    let elem = 2.0;
-    let qkv = (BATCH * HEADS * n * d) as f64;
-    let flops = 4.0 * qkv * n as f64 / if causal { 2.0 } else { 1.0 };
     // The reference materializes several f32 B·H·N² score matrices.
     let reference_bytes = 4.0 * (BATCH * HEADS * n * n) as f64 * 4.0;
     let max_mem = opts.max_mem_bytes;
-    Problem {
-        label: label(n, d, causal),
-        params: params([
-            ("batch", json!(BATCH)),
-            ("heads", json!(HEADS)),
-            ("seq_len", json!(n)),
-            ("head_dim", json!(d)),
-            ("causal", json!(causal)),
-            ("dtype", json!("f16")),
-        ]),
-        flops: Some(flops),
-        bytes: Some(4.0 * qkv * elem),
-        tokens: None,
-        setup: Box::new(move |device| {
+    attention_problem(
+        n,
+        d,
+        causal,
+        Box::new(move |device| {
             let shape = [BATCH, HEADS, n, d];
             // Drawn on the device: host generation of 3 × 537M values at N = 32K, D = 128
             // took longer than timing them.
@@ -295,5 +273,5 @@ fn problem(n: usize, d: usize, causal: bool, opts: &SuiteOptions, peers: Rc<Peer
             }
             out
         }),
-    }
+    )
 }

@@ -6,9 +6,9 @@ use burn::tensor::{DType, Shape};
 use burn_cubecl::{
     kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype, tensor::CubeTensor,
 };
+use burn_kernels_core::kernels::reduce::cube_sum;
 use cubecl::prelude::*;
 
-use super::reduce::cube_sum;
 use super::{row_grid, row_units};
 
 #[cube(launch)]

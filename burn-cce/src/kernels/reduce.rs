@@ -56,24 +56,3 @@ pub fn cube_merge_lse(m: f32, s: f32, #[comptime] units: usize) -> (f32, f32) {
     }
     (shared_m[0], shared_s[0])
 }
-
-/// Sums every unit's value; `units` is the cube size, a power of two. Returns the sum in
-/// every unit.
-#[cube]
-pub fn cube_sum(value: f32, #[comptime] units: usize) -> f32 {
-    let mut shared = Shared::<[f32]>::new_slice(units);
-    let unit = UNIT_POS_X as usize;
-    shared[unit] = value;
-    sync_cube();
-
-    // Runtime, not comptime: the loop mutates it.
-    let mut half = CUBE_DIM_X as usize / 2;
-    while half > 0 {
-        if unit < half {
-            shared[unit] += shared[unit + half];
-        }
-        sync_cube();
-        half /= 2;
-    }
-    shared[0]
-}

@@ -21,10 +21,9 @@ use burn_cubecl::{
     kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype, tensor::CubeTensor,
 };
 use cubecl::ir::features::Plane;
-use cubecl::{calculate_cube_count_elemwise, prelude::*};
+use cubecl::prelude::*;
 
-use super::UNITS;
-use super::quant_attention::combine_kernel;
+use super::quant_attention::combine;
 
 /// Planes (splits) per cube.
 const PLANES: u32 = 4;
@@ -296,18 +295,6 @@ pub fn decode_attention(
         masked,
         dtype_to_storage_type(dtype),
     );
-    let cube_dim = CubeDim::new_1d(UNITS);
-    combine_kernel::launch(
-        &client,
-        calculate_cube_count_elemwise(&client, b * hq * sq * d, cube_dim),
-        cube_dim,
-        m.into_tensor_arg(),
-        l.into_tensor_arg(),
-        acc.into_tensor_arg(),
-        out.clone().into_tensor_arg(),
-        splits,
-        d,
-        dtype_to_storage_type(dtype),
-    );
+    combine(m, l, acc, &out, b * hq * sq * d, splits, d);
     out
 }

@@ -205,7 +205,7 @@ fn partial_kernel<F: Float>(
 }
 
 #[cube(launch)]
-pub(crate) fn combine_kernel<F: Float>(
+fn combine_kernel<F: Float>(
     m_in: &Tensor<f32>,
     l_in: &Tensor<f32>,
     acc_in: &Tensor<f32>,
@@ -342,18 +342,34 @@ pub fn quant_attention(
         masked,
         dtype_to_storage_type(dtype),
     );
+    combine(m, l, acc, &out, args.rows * d, args.splits, d);
+    out
+}
+
+/// Launches [`combine_kernel`] over the first `elems` elements of `out` (`[rows, d]`, its own
+/// dtype): each row's `splits` partials `m`, `l` (`[rows·splits]` f32) and `acc`
+/// (`[rows·splits·d]` f32) rescaled and summed.
+pub(crate) fn combine(
+    m: CubeTensor,
+    l: CubeTensor,
+    acc: CubeTensor,
+    out: &CubeTensor,
+    elems: usize,
+    splits: usize,
+    d: usize,
+) {
+    let client = &out.client;
     let cube_dim = CubeDim::new_1d(UNITS);
     combine_kernel::launch(
-        &client,
-        calculate_cube_count_elemwise(&client, args.rows * d, cube_dim),
+        client,
+        calculate_cube_count_elemwise(client, elems, cube_dim),
         cube_dim,
         m.into_tensor_arg(),
         l.into_tensor_arg(),
         acc.into_tensor_arg(),
         out.clone().into_tensor_arg(),
-        args.splits,
+        splits,
         d,
-        dtype_to_storage_type(dtype),
+        dtype_to_storage_type(out.dtype),
     );
-    out
 }

@@ -3,7 +3,7 @@
 
 use burn::tensor::{DType, Device, Tensor, TensorCreationOptions, TensorData};
 use burn_kernels_core::RopeScaling;
-use burn_kernels_core::rope::inverse_frequencies;
+use burn_kernels_core::rope::rope_angles;
 use nalgebra::{DMatrix, SymmetricEigen};
 
 use crate::KvCacheError;
@@ -97,25 +97,16 @@ impl Default for RopeParams {
     }
 }
 
-/// `(cos, sin)` tables `[positions, head_dim / 2]` in f32, computed in f64 exactly as
-/// [`burn_kernels_core::Rope`] does, so rebuilt keys rotate as the model's did.
+/// `(cos, sin)` tables `[positions, head_dim / 2]` in f32: [`rope_angles`], the values of
+/// [`burn_kernels_core::Rope`]'s tables, so rebuilt keys rotate as the model's did.
 pub fn rope_tables(
     head_dim: usize,
     positions: usize,
     rope: RopeParams,
     device: &Device,
 ) -> (Tensor<2>, Tensor<2>) {
-    let inv = inverse_frequencies(head_dim, rope.theta, rope.scaling);
+    let (cos, sin) = rope_angles(head_dim, positions, rope.theta, rope.scaling);
     let half = head_dim / 2;
-    let mut cos = Vec::with_capacity(positions * half);
-    let mut sin = Vec::with_capacity(positions * half);
-    for p in 0..positions {
-        for &f in &inv {
-            let a = p as f64 * f;
-            cos.push(a.cos() as f32);
-            sin.push(a.sin() as f32);
-        }
-    }
     let opts = || TensorCreationOptions::new(device.clone()).with_dtype(DType::F32);
     (
         Tensor::from_data(TensorData::new(cos, [positions, half]), opts()),

@@ -5,6 +5,7 @@ use burn_kernels_core::{AttnOptions, KvCache, ReferenceAttention};
 use burn_kernels_testing::{Dist, compare::to_f32, random_tensor};
 use burn_kvcache::ShadowKvConfig;
 
+use crate::on_kernels;
 pub(super) use crate::{cpu, tensor};
 
 pub(super) struct Run {
@@ -14,6 +15,18 @@ pub(super) struct Run {
 }
 
 pub(super) const LAYERS: usize = 3;
+
+/// `run` (a [`drive`]) on `cache`, with kernels required on a CubeCL device (see
+/// `on_kernels`), then on `full`; returns both runs.
+pub(super) fn drive_both(
+    device: &Device,
+    cache: &mut dyn KvCache,
+    full: &mut dyn KvCache,
+    run: impl Fn(&mut dyn KvCache) -> Run,
+) -> (Run, Run) {
+    let y = on_kernels(device, || run(cache));
+    (y, run(full))
+}
 
 /// Feeds `cache` the same random per-layer Q/K/V: a prompt of `prompt` slots (`pads[i]`
 /// leading ones masked) then decode steps of `steps` tokens; `cut` truncates to `len` before

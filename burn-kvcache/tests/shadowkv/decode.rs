@@ -29,10 +29,9 @@ pub(super) fn budget_covers_context_matches_full(device: &Device) {
         let mut sk =
             ShadowKvCache::new(LAYERS, h, d, cfg(h * d, 64), RopeParams::default()).unwrap();
         let mut full = FullKvCache::new(LAYERS);
-        let y = on_kernels(device, || {
-            drive(&mut sk, dims, prompt, &pads, &steps, None, 70, device)
+        let (y, e) = drive_both(device, &mut sk, &mut full, |c| {
+            drive(c, dims, prompt, &pads, &steps, None, 70, device)
         });
-        let e = drive(&mut full, dims, prompt, &pads, &steps, None, 70, device);
         assert!((0..LAYERS).all(|l| sk.is_sparse(l)));
         let name = format!("budget ≥ context b={b} hq={hq} h={h} d={d}");
         assert_eq!(y.prefill, e.prefill, "{name}: the prefill is exact");
@@ -52,28 +51,9 @@ pub(super) fn budget_covers_context_matches_full(device: &Device) {
         let mut sk =
             ShadowKvCache::new(LAYERS, h, d, cfg(h * d, 64), RopeParams::default()).unwrap();
         let mut full = FullKvCache::new(LAYERS);
-        let y = on_kernels(device, || {
-            drive(
-                &mut sk,
-                dims,
-                prompt,
-                &pads,
-                &steps,
-                Some((3, 50)),
-                90,
-                device,
-            )
+        let (y, e) = drive_both(device, &mut sk, &mut full, |c| {
+            drive(c, dims, prompt, &pads, &steps, Some((3, 50)), 90, device)
         });
-        let e = drive(
-            &mut full,
-            dims,
-            prompt,
-            &pads,
-            &steps,
-            Some((3, 50)),
-            90,
-            device,
-        );
         assert!(!sk.is_sparse(0));
         assert_matmul_close(
             &format!("{name} truncated"),
@@ -213,10 +193,9 @@ pub(super) fn short_prompt_is_full(device: &Device) {
     };
     let mut sk = ShadowKvCache::new(LAYERS, h, d, c, RopeParams::default()).unwrap();
     let mut full = FullKvCache::new(LAYERS);
-    let y = on_kernels(device, || {
-        drive(&mut sk, (1, 4, h, d), 99, &[0], &[1, 2], None, 5, device)
+    let (y, e) = drive_both(device, &mut sk, &mut full, |c| {
+        drive(c, (1, 4, h, d), 99, &[0], &[1, 2], None, 5, device)
     });
-    let e = drive(&mut full, (1, 4, h, d), 99, &[0], &[1, 2], None, 5, device);
     assert!(!sk.is_sparse(0));
     assert_eq!(y.decode, e.decode);
     assert_eq!(sk.bytes_held(), full.bytes_held());

@@ -28,24 +28,6 @@ pub fn round_grid(x: f32, mantissa: f32, min_exp: f32, max: f32) -> f32 {
     if x < 0.0 { -r } else { r }
 }
 
-/// The largest value of every unit's `value`; `units` is the cube size, a power of two.
-#[cube]
-pub fn cube_max(value: f32, #[comptime] units: usize) -> f32 {
-    let mut shared = Shared::<[f32]>::new_slice(units);
-    let unit = UNIT_POS_X as usize;
-    shared[unit] = value;
-    sync_cube();
-    let mut half = CUBE_DIM_X as usize / 2;
-    while half > 0 {
-        if unit < half {
-            shared[unit] = f32::max(shared[unit], shared[unit + half]);
-        }
-        sync_cube();
-        half /= 2;
-    }
-    shared[0]
-}
-
 /// A grid of at least `cubes` cubes; beyond one grid dimension they spill into the second,
 /// split evenly so that fewer than `y` cubes are spare (a full first row would launch up to
 /// twice the cubes, e.g. 131 070 for 65 536). Kernels still skip the spare ones.

@@ -6,9 +6,10 @@ use burn::tensor::DType;
 use burn_cubecl::{
     kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype, tensor::CubeTensor,
 };
+use burn_kernels_core::kernels::reduce::cube_max;
 use cubecl::prelude::*;
 
-use super::common::{F32_MIN_POSITIVE, cube_max, grid, round_away};
+use super::common::{F32_MIN_POSITIVE, grid, round_away};
 use super::scales_shape;
 use crate::GroupLayout;
 

@@ -30,6 +30,18 @@ pub fn ratio_capped(num: f32, den: f32) -> f32 {
 /// cube size is a power of two. Ends with a barrier so that calls can follow each other.
 #[cube]
 pub fn cube_sum(buf: &mut Shared<[f32]>, value: f32) -> f32 {
+    cube_reduce(buf, value, false)
+}
+
+/// Maximum of every unit's `value` (NaN-propagating), returned in every unit.
+#[cube]
+pub fn cube_max(buf: &mut Shared<[f32]>, value: f32) -> f32 {
+    cube_reduce(buf, value, true)
+}
+
+/// The shared-memory tree of [`cube_sum`] (`take_max` false) and [`cube_max`] (`take_max` true).
+#[cube]
+fn cube_reduce(buf: &mut Shared<[f32]>, value: f32, #[comptime] take_max: bool) -> f32 {
     let unit = UNIT_POS_X as usize;
     buf[unit] = value;
     sync_cube();
@@ -37,30 +49,15 @@ pub fn cube_sum(buf: &mut Shared<[f32]>, value: f32) -> f32 {
     let mut half = CUBE_DIM_X as usize / 2;
     while half > 0 {
         if unit < half {
-            buf[unit] += buf[unit + half];
-        }
-        sync_cube();
-        half /= 2;
-    }
-    let out = buf[0];
-    sync_cube();
-    out
-}
-
-/// Maximum of every unit's `value` (NaN-propagating), returned in every unit.
-#[cube]
-pub fn cube_max(buf: &mut Shared<[f32]>, value: f32) -> f32 {
-    let unit = UNIT_POS_X as usize;
-    buf[unit] = value;
-    sync_cube();
-    let mut half = CUBE_DIM_X as usize / 2;
-    while half > 0 {
-        if unit < half {
-            let a = buf[unit];
-            let b = buf[unit + half];
-            // `a < b` is false for a NaN `b`, so keep NaNs explicitly.
-            if a < b || b.is_nan() {
-                buf[unit] = b;
+            if take_max {
+                let a = buf[unit];
+                let b = buf[unit + half];
+                // `a < b` is false for a NaN `b`, so keep NaNs explicitly.
+                if a < b || b.is_nan() {
+                    buf[unit] = b;
+                }
+            } else {
+                buf[unit] += buf[unit + half];
             }
         }
         sync_cube();

@@ -5,10 +5,10 @@
 
 use cubecl::prelude::*;
 
-use super::cube::{cube_max, cube_sum, has_mass, ratio_capped, sample_row};
+use super::cube::{cube_max, cube_sum, ratio_capped};
 use super::kernel::{
     PLATEAU_ULPS, Pos, RESERVE_ITERATIONS, RESERVE_TOLERANCE, copy_target, owned_value, q_at,
-    residual_step, spectr_rho,
+    residual_step, sample_residual, spectr_rho,
 };
 /// Scratch row `r` of candidate slot `slot` (`r = k_max - 1` is the slot's `q~`).
 #[cube]
@@ -173,7 +173,7 @@ pub(super) fn decide_importance(
     let mut best_acc = consider(target, draft, scratch, pos, qb, qn, 0, red, k_max);
 
     // SpecTr chain: s_k = min(1, p / (rho q_k)) into slot 1.
-    let rho = spectr_rho(target, draft, pos, qb, qn, red);
+    let rho = spectr_rho(target, draft, pos, qb, qn, red, k_max);
     for k in 0..last {
         let sr = slot_row(pos, 1, k, k_max);
         let mut y = pos.lo;
@@ -267,12 +267,7 @@ pub(super) fn decide_importance(
             part += r;
             c += 1;
         }
-        let total = cube_sum(red, part);
-        if !has_mass(total) {
-            copy_target(target, scratch, pos);
-        }
-        let u = uniforms[pos.ubase + pos.m + 1];
-        token = sample_row(&*scratch, w, pos.lo, pos.hi, u, red, idx, scal);
+        token = sample_residual(target, uniforms, scratch, pos, part, red, idx, scal);
     }
     (accepted, token)
 }

@@ -217,7 +217,8 @@ fn decide_specinfer(
     (accepted, token)
 }
 
-/// SpecTr's `(c(rho), P_{K+1}(rho))` over the survivors.
+/// SpecTr's `(c(rho), P_{K+1}(rho))` over the survivors; `reaches[i]` gets survivor `i`'s
+/// `P_i(rho)`.
 #[allow(clippy::too_many_arguments)]
 #[cube]
 fn spectr_reach(
@@ -227,11 +228,13 @@ fn spectr_reach(
     qb: &Array<usize>,
     qn: &Array<f32>,
     rho: f32,
+    reaches: &mut Array<f32>,
     red: &mut Shared<[f32]>,
 ) -> (f32, f32) {
     let mut c = f32::new(0.0);
     let mut reach = f32::new(1.0);
     for i in 0..pos.m {
+        reaches[i] = reach;
         c += reach;
         let mut part = f32::new(0.0);
         let mut y = pos.lo;
@@ -254,8 +257,10 @@ pub(super) fn spectr_rho(
     qb: &Array<usize>,
     qn: &Array<f32>,
     red: &mut Shared<[f32]>,
+    #[comptime] k_max: usize,
 ) -> f32 {
-    let (c1, _r) = spectr_reach(target, draft, pos, qb, qn, f32::new(1.0), red);
+    let mut reaches = Array::<f32>::new(k_max);
+    let (c1, _r) = spectr_reach(target, draft, pos, qb, qn, f32::new(1.0), &mut reaches, red);
     let mut rho = f32::new(1.0);
     if 1.0 - c1 < 0.0 {
         let mut lo = f32::new(1.0);
@@ -266,7 +271,7 @@ pub(super) fn spectr_rho(
             if mid <= lo || mid >= hi {
                 step = BISECTION_STEPS;
             } else {
-                let (c, _r) = spectr_reach(target, draft, pos, qb, qn, mid, red);
+                let (c, _r) = spectr_reach(target, draft, pos, qb, qn, mid, &mut reaches, red);
                 if mid - c >= 0.0 {
                     hi = mid;
                 } else {
@@ -298,7 +303,7 @@ fn decide_spectr(
     scal: &mut Shared<[f32]>,
     #[comptime] k_max: usize,
 ) -> (bool, u32) {
-    let rho = spectr_rho(target, draft, pos, qb, qn, red);
+    let rho = spectr_rho(target, draft, pos, qb, qn, red, k_max);
     let mut accepted = false;
     let mut token = 0u32;
     let mut i = 0usize;
@@ -316,18 +321,7 @@ fn decide_spectr(
     }
     if !accepted {
         let mut reaches = Array::<f32>::new(k_max);
-        let mut reach = f32::new(1.0);
-        for i in 0..pos.m {
-            reaches[i] = reach;
-            let mut part = f32::new(0.0);
-            let mut y = pos.lo;
-            while y < pos.hi {
-                part += min(q_at(draft, qb, qn, i, y), pos.p(target, y) / rho);
-                y += 1;
-            }
-            let beta = cube_sum(red, part);
-            reach *= max(1.0 - beta, f32::new(0.0));
-        }
+        spectr_reach(target, draft, pos, qb, qn, rho, &mut reaches, red);
         let w = pos.row(0);
         let mut part = f32::new(0.0);
         let mut y = pos.lo;
@@ -342,14 +336,31 @@ fn decide_spectr(
             part += r;
             y += 1;
         }
-        let total = cube_sum(red, part);
-        if !has_mass(total) {
-            copy_target(target, scratch, pos);
-        }
-        let u = uniforms[pos.ubase + pos.m + 1];
-        token = sample_row(&*scratch, w, pos.lo, pos.hi, u, red, idx, scal);
+        token = sample_residual(target, uniforms, scratch, pos, part, red, idx, scal);
     }
     (accepted, token)
+}
+
+/// The final token from the residual the caller wrote into scratch row 0 (`part`: the unit's
+/// share of its sum), or from the target where the residual has no mass, with `u[m + 1]`.
+#[allow(clippy::too_many_arguments)]
+#[cube]
+pub(super) fn sample_residual(
+    target: &Tensor<f32>,
+    uniforms: &Tensor<f32>,
+    scratch: &mut Tensor<f32>,
+    pos: &Pos,
+    part: f32,
+    red: &mut Shared<[f32]>,
+    idx: &mut Shared<[u32]>,
+    scal: &mut Shared<[f32]>,
+) -> u32 {
+    let total = cube_sum(red, part);
+    if !has_mass(total) {
+        copy_target(target, scratch, pos);
+    }
+    let u = uniforms[pos.ubase + pos.m + 1];
+    sample_row(&*scratch, pos.row(0), pos.lo, pos.hi, u, red, idx, scal)
 }
 
 /// Verifies one block per cube (sequence `b`); see the module docs and

@@ -185,6 +185,19 @@ fn integrate_over(
 }
 
 /// Every draft tuple of `K` tokens out of `vocab`.
+/// The integrated token distribution and acceptance `got` equal the plan's law `want` (to
+/// 1e-12).
+fn assert_law(what: &str, got: (&[f64], f64), want: (&[f64], f64)) {
+    let ((got, got_acc), (want, want_acc)) = (got, want);
+    for (x, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!((g - w).abs() < 1e-12, "{what}: token {x}: {g} vs law {w}");
+    }
+    assert!(
+        (got_acc - want_acc).abs() < 1e-12,
+        "{what}: acceptance {got_acc} vs law {want_acc}"
+    );
+}
+
 fn tuples(vocab: usize, k: usize) -> Vec<Vec<usize>> {
     (0..vocab.pow(k as u32))
         .map(|mut code| {
@@ -249,13 +262,7 @@ fn decide_integrated_over_its_grid_is_law() {
                         "{} V={vocab} K={k} seed {seed} drafts {drafts:?}",
                         scheme.name()
                     );
-                    for (x, (g, w)) in got.iter().zip(&want).enumerate() {
-                        assert!((g - w).abs() < 1e-12, "{what}: token {x}: {g} vs law {w}");
-                    }
-                    assert!(
-                        (got_acc - want_acc).abs() < 1e-12,
-                        "{what}: acceptance {got_acc} vs law {want_acc}"
-                    );
+                    assert_law(&what, (&got, got_acc), (&want, want_acc));
                     let mass: f64 = got.iter().sum::<f64>();
                     assert!((mass - 1.0).abs() < 1e-12, "{what}: mass {mass}");
                 }
@@ -305,13 +312,7 @@ fn weighted_tail_selection_integrated_over_its_grid_is_law() {
                 let dims = tuple_cuts(w, &drafts);
                 let (got, got_acc) = integrate_over(&v.plan, &drafts, vocab, &dims);
                 let what = format!("K={k} identical {identical} drafts {drafts:?}");
-                for (x, (g, w)) in got.iter().zip(&want).enumerate() {
-                    assert!((g - w).abs() < 1e-12, "{what}: token {x}: {g} vs law {w}");
-                }
-                assert!(
-                    (got_acc - want_acc).abs() < 1e-12,
-                    "{what}: acceptance {got_acc} vs law {want_acc}"
-                );
+                assert_law(&what, (&got, got_acc), (&want, want_acc));
                 let mass: f64 = got.iter().sum::<f64>();
                 assert!((mass - 1.0).abs() < 1e-12, "{what}: mass {mass}");
             }
@@ -354,10 +355,7 @@ fn declining_tail_plans_integrated_over_their_grid_are_law() {
                     let dims = tuple_cuts(&w, &drafts);
                     let (got, got_acc) = integrate_over(&plan, &drafts, vocab, &dims);
                     let what = format!("K={k} seed {seed} drafts {drafts:?}");
-                    for (x, (g, l)) in got.iter().zip(&want).enumerate() {
-                        assert!((g - l).abs() < 1e-12, "{what}: token {x}: {g} vs law {l}");
-                    }
-                    assert!((got_acc - want_acc).abs() < 1e-12, "{what}: acceptance");
+                    assert_law(&what, (&got, got_acc), (&want, want_acc));
                 }
                 checked += 1;
             }

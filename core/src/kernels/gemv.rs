@@ -5,6 +5,8 @@
 
 use cubecl::prelude::*;
 
+use super::rms_norm::{normed, residual_sum};
+
 /// Units that sum the split partials in the first reduction pass (divides every `splits`).
 const REDUCERS: usize = 8;
 
@@ -261,7 +263,7 @@ fn norm_rows<F: Float>(
             let mut i = tid;
             while i < k_dim {
                 let at = row * k_dim + i;
-                let v = F::cast_from(f32::cast_from(x[at]) + f32::cast_from(y[at]));
+                let v = residual_sum::<F>(x, y, at);
                 if write {
                     sum[at] = v;
                 }
@@ -309,9 +311,7 @@ fn input_value<F: Float>(
     let mut v = f32::cast_from(x[at]);
     if norm {
         let s = F::cast_from(v + f32::cast_from(y[at]));
-        v = f32::cast_from(F::cast_from(
-            f32::cast_from(s) * inv[r] * f32::cast_from(gamma[k]),
-        ));
+        v = f32::cast_from(normed::<F>(s, inv[r], gamma[k]));
     }
     v
 }

@@ -2,6 +2,7 @@
 
 mod gemv;
 pub mod linear;
+pub mod reduce;
 pub mod rms_norm;
 pub mod rope;
 pub mod silu_mul;

@@ -9,6 +9,7 @@ use burn_cubecl::{
 };
 use cubecl::prelude::*;
 
+use super::reduce::cube_sum;
 use super::row_grid;
 
 /// Units per row (a power of two: the tree halves evenly).
@@ -39,7 +40,7 @@ fn rms_norm_kernel<F: Float>(
         squares += v * v;
         i += units;
     }
-    let inv = inverse_rms(squares, unit, cols, eps, units);
+    let inv = inverse_rms(squares, cols, eps, units);
     scale_row::<F>(x, gamma, out, base, unit, inv, units);
 }
 
@@ -68,37 +69,24 @@ fn add_rms_norm_kernel<F: Float>(
     let mut squares = f32::new(0.0);
     let mut i = unit;
     while i < cols {
-        let rounded = F::cast_from(f32::cast_from(x[base + i]) + f32::cast_from(y[base + i]));
+        let rounded = residual_sum::<F>(x, y, base + i);
         sum[base + i] = rounded;
         let v = f32::cast_from(rounded);
         squares += v * v;
         i += units;
     }
-    let inv = inverse_rms(squares, unit, cols, eps, units);
+    let inv = inverse_rms(squares, cols, eps, units);
     let mut i = unit;
     while i < cols {
-        let rounded = F::cast_from(f32::cast_from(x[base + i]) + f32::cast_from(y[base + i]));
-        out[base + i] = F::cast_from(f32::cast_from(rounded) * inv * f32::cast_from(gamma[i]));
+        out[base + i] = normed::<F>(residual_sum::<F>(x, y, base + i), inv, gamma[i]);
         i += units;
     }
 }
 
 /// `1 / √(mean + ε)` of the row from every unit's sum of squares (a shared-memory tree).
 #[cube]
-fn inverse_rms(squares: f32, unit: usize, cols: usize, eps: f32, #[comptime] units: usize) -> f32 {
-    let mut shared = Shared::<[f32]>::new_slice(units);
-    shared[unit] = squares;
-    sync_cube();
-    // Runtime, not comptime: the loop mutates it.
-    let mut half = CUBE_DIM_X as usize / 2;
-    while half > 0 {
-        if unit < half {
-            shared[unit] += shared[unit + half];
-        }
-        sync_cube();
-        half /= 2;
-    }
-    f32::new(1.0) / f32::sqrt(shared[0] / f32::cast_from(cols) + eps)
+fn inverse_rms(squares: f32, cols: usize, eps: f32, #[comptime] units: usize) -> f32 {
+    f32::new(1.0) / f32::sqrt(cube_sum(squares, units) / f32::cast_from(cols) + eps)
 }
 
 /// `out = x · inv · γ` over the unit's strided share of the row at `base`.
@@ -115,9 +103,22 @@ fn scale_row<F: Float>(
     let cols = gamma.len();
     let mut i = unit;
     while i < cols {
-        out[base + i] = F::cast_from(f32::cast_from(x[base + i]) * inv * f32::cast_from(gamma[i]));
+        out[base + i] = normed::<F>(x[base + i], inv, gamma[i]);
         i += units;
     }
+}
+
+/// The residual sum `x[at] + y[at]`, added in f32 and rounded to the dtype as a separate add
+/// stores it.
+#[cube]
+pub(super) fn residual_sum<F: Float>(x: &Tensor<F>, y: &Tensor<F>, at: usize) -> F {
+    F::cast_from(f32::cast_from(x[at]) + f32::cast_from(y[at]))
+}
+
+/// One normed element `v · inv · γ`, in f32 and rounded to the dtype.
+#[cube]
+pub(super) fn normed<F: Float>(v: F, inv: f32, gamma: F) -> F {
+    F::cast_from(f32::cast_from(v) * inv * f32::cast_from(gamma))
 }
 
 /// `x · γ / √(mean(x²) + ε)` over the last dimension, accumulated in f32.

@@ -12,12 +12,11 @@
 //! quantization, MiniCache + 4-bit; then a γ sweep and a start-layer sweep of MiniCache, with
 //! the fraction of merged token pairs retained unmerged.
 
-use burn::tensor::{DType, Device};
+use burn::tensor::Device;
 use burn_kernels_core::{KvCache, ReferenceAttention};
 use burn_kvcache::{MiniCacheConfig, MiniCacheKv, QuantConfig};
 use burn_llama::eval::{CacheEval, CacheKind, CacheSpec, perplexity_with_cache_chunked};
-use burn_llama::loader::{default_model_path, load};
-use burn_llama::model::Llama;
+use burn_llama_examples::smollm::load_smollm;
 use clap::Parser;
 
 #[derive(Debug, Parser)]
@@ -67,10 +66,7 @@ struct Row {
 fn main() {
     let args = Args::parse();
     let device = Device::flex();
-    let ckpt = load(&default_model_path()).unwrap_or_else(|e| {
-        panic!("{e}\n(the SmolLM2 weights come from `cargo xtask fetch-model`)")
-    });
-    let model = Llama::from_checkpoint(&ckpt, &device, DType::F32).expect("model");
+    let (ckpt, model) = load_smollm(&device);
     let text = std::fs::read_to_string(&args.text).expect("readable text");
     let mut tokens = ckpt.tokenizer.encode(&text).expect("tokenizes");
     if let Some(m) = args.max_tokens {

@@ -21,13 +21,13 @@
 
 use std::time::Instant;
 
-use burn::tensor::{DType, Device, Int, Tensor, TensorData};
-use burn_kernels_core::{AttentionImpl, AttnOptions, KvCache, ReferenceAttention, append_kv};
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn_kernels_core::{FullKvCache, KvCache, ReferenceAttention};
 use burn_kvcache::ShadowKvConfig;
 use burn_llama::eval::shadowkv_for;
-use burn_llama::loader::{default_model_path, load};
 use burn_llama::model::Llama;
 use burn_llama::passkey::{fillers_for, holds_key, passkey_text};
+use burn_llama_examples::smollm::load_smollm;
 use clap::Parser;
 
 #[derive(Debug, Parser)]
@@ -59,58 +59,6 @@ struct Args {
     max_new: usize,
 }
 
-/// A full cache whose tensors can be read and cloned (to seed the caches compared).
-#[derive(Debug, Clone)]
-struct Recorder {
-    layers: Vec<Option<(Tensor<4>, Tensor<4>)>>,
-}
-
-impl KvCache for Recorder {
-    fn attend(
-        &mut self,
-        layer: usize,
-        q: Tensor<4>,
-        k: Tensor<4>,
-        v: Tensor<4>,
-        attention: &dyn AttentionImpl,
-        opts: &AttnOptions,
-    ) -> Result<Tensor<4>, burn_kernels_core::CacheError> {
-        append_kv(&mut self.layers[layer], k, v);
-        let (k, v) = self.layers[layer].clone().expect("just appended");
-        Ok(attention.attend(layer, q, k, v, opts))
-    }
-
-    fn seq_len(&self) -> usize {
-        self.layers
-            .iter()
-            .flatten()
-            .map(|(k, _)| k.dims()[2])
-            .next_back()
-            .unwrap_or(0)
-    }
-
-    fn truncate(&mut self, len: usize) {
-        for (k, v) in self.layers.iter_mut().flatten() {
-            let [b, h, s, d] = k.dims();
-            let n = len.min(s);
-            *k = k.clone().slice([0..b, 0..h, 0..n, 0..d]);
-            *v = v.clone().slice([0..b, 0..h, 0..n, 0..d]);
-        }
-    }
-
-    fn bytes_held(&self) -> usize {
-        self.layers
-            .iter()
-            .flatten()
-            .map(|(k, v)| (k.shape().num_elements() + v.shape().num_elements()) * 4)
-            .sum()
-    }
-
-    fn name(&self) -> String {
-        "full".into()
-    }
-}
-
 fn argmax_last(model: &Llama, hidden: Tensor<3>) -> u32 {
     let [_, s, h] = hidden.dims();
     let last = hidden.slice([0..1, s - 1..s, 0..h]);
@@ -139,10 +87,7 @@ fn decode(model: &Llama, cache: &mut dyn KvCache, first: u32, n: usize) -> Vec<u
 fn main() {
     let args = Args::parse();
     let device = Device::flex();
-    let ckpt = load(&default_model_path()).unwrap_or_else(|e| {
-        panic!("{e}\n(the SmolLM2 weights come from `cargo xtask fetch-model`)")
-    });
-    let model = Llama::from_checkpoint(&ckpt, &device, DType::F32).expect("model");
+    let (ckpt, model) = load_smollm(&device);
     let tok = &ckpt.tokenizer;
     let cfg = model.config.clone();
     let fillers = fillers_for(tok, args.tokens).expect("encode");
@@ -163,9 +108,7 @@ fn main() {
                 .expect("encode");
             let n = ids.len();
             let t = Instant::now();
-            let mut rec = Recorder {
-                layers: vec![None; cfg.num_layers],
-            };
+            let mut rec = FullKvCache::new(cfg.num_layers);
             let mut hidden = None;
             for from in (0..n).step_by(args.piece) {
                 let to = (from + args.piece).min(n);
@@ -204,8 +147,8 @@ fn main() {
                 }
                 let t = Instant::now();
                 let mut sk = shadowkv_for(&cfg, sc).expect("valid config");
-                for (layer, kv) in rec.layers.iter().enumerate() {
-                    let (k, v) = kv.clone().expect("prefilled");
+                for layer in 0..cfg.num_layers {
+                    let (k, v) = rec.layer(layer).expect("prefilled");
                     let sparse = sk.compress_prompt(layer, k, v, None).expect("valid prompt");
                     assert!(sparse, "a prompt of {n} tokens is compressed");
                 }

@@ -10,12 +10,11 @@
 //! exactly as the kernels do. Q/K/V are captured (after RoPE) from one forward pass with the
 //! reference attention, so every layer's inputs are the full-precision model's.
 
-use burn::tensor::{DType, Device};
+use burn::tensor::Device;
 use burn_kernels_core::ReferenceAttention;
 use burn_llama::attention::{AttentionChoice, SAGE_VARIANTS, capture_qkv, sage_variant};
 use burn_llama::generate::perplexity;
-use burn_llama::loader::{default_model_path, load};
-use burn_llama::model::Llama;
+use burn_llama_examples::smollm::load_smollm;
 use burn_sage::adaptive::{DEFAULT_INT4_THRESHOLD, accuracies};
 use burn_sage::{Accuracy, SageOptions};
 use clap::Parser;
@@ -34,10 +33,7 @@ struct Args {
 fn main() {
     let args = Args::parse();
     let device = Device::flex();
-    let ckpt = load(&default_model_path()).unwrap_or_else(|e| {
-        panic!("{e}\n(the SmolLM2 weights come from `cargo xtask fetch-model`)")
-    });
-    let model = Llama::from_checkpoint(&ckpt, &device, DType::F32).expect("model");
+    let (ckpt, model) = load_smollm(&device);
     let text = std::fs::read_to_string(&args.text).expect("readable text");
     let tokens = ckpt.tokenizer.encode(&text).expect("tokenizes");
     let cfg = &model.config;

@@ -3,6 +3,7 @@
 //!
 //! - `llama generate|perplexity` ([`cli::llama`]) and `finetune` ([`cli::finetune`]): `src/bin/`
 //! - tables and profiles: `examples/` (`kv_table`, `needle`, `sage_table`, `spec_table`,
-//!   `decode_profile`)
+//!   `decode_profile`), which load their model with [`smollm::load_smollm`]
 
 pub mod cli;
+pub mod smollm;

@@ -51,9 +51,9 @@ use serde_json::json;
 
 use super::SuiteOptions;
 use super::kv_decode::{
-    F16, Footprint, GB, Plan, SharedModel, SkipAttention, ctx_label, decode_step, describe,
-    fill_opts, fill_query, gb, host_rss, median_mean, model_config, plan, plan_candidate,
-    problem_params, random_states, reserved, seq_bytes, sync, timed_steps, weight_allocs,
+    F16, Footprint, GB, Plan, RunEnv, SharedModel, SkipAttention, ctx_label, describe, fill_opts,
+    fill_query, gb, host_rss, median_mean, model_config, plan, plan_candidate, problem_params,
+    random_states, reserved, seq_bytes, sync, timed_steps, warm_up, weight_allocs,
 };
 use crate::harness::{Extra, PeerRun, Problem, Suite, params};
 
@@ -260,25 +260,19 @@ fn problem(
         bytes: None,
         tokens: None,
         setup: Box::new(move |device| {
-            let (m, pr, st, dv, lb) = (
-                model.clone(),
-                probe.clone(),
-                steps.clone(),
-                device.clone(),
-                label.clone(),
-            );
+            let env = RunEnv {
+                model: model.clone(),
+                probe: probe.clone(),
+                device: device.clone(),
+                label: label.clone(),
+            };
+            let (en, st) = (env.clone(), steps.clone());
             let full = plan_candidate("full", &full, move |p, info| {
-                run_full(&m, p, ctx, &st, &pr, &dv, &lb, info)
+                run_full(&en, p, ctx, &st, info)
             });
-            let (model, probe, steps, device, label) = (
-                model.clone(),
-                probe.clone(),
-                steps.clone(),
-                device.clone(),
-                label.clone(),
-            );
+            let steps = steps.clone();
             let shadow = plan_candidate("shadowkv", &shadow, move |p, info| {
-                run_shadow(&model, p, sk, ctx, &steps, &probe, &device, &label, info)
+                run_shadow(&env, p, sk, ctx, &steps, info)
             });
             vec![full, shadow]
         }),
@@ -340,19 +334,15 @@ fn with_decode_kernel(
     )
 }
 
-#[allow(clippy::too_many_arguments)]
 fn run_full(
-    model: &SharedModel,
+    env: &RunEnv,
     p: &Plan,
     ctx: usize,
     steps: &Steps,
-    probe: &Option<crate::harness::MemoryProbe>,
-    device: &Device,
-    label: &str,
     info: &RefCell<Extra>,
 ) -> Result<PeerRun, String> {
-    device.memory_cleanup();
-    let m = model.get(device);
+    let m = env.start();
+    let (model, probe, device, label) = (&env.model, &env.probe, &env.device, &env.label);
     let cfg = model.config();
     let b = p.batch;
     let t0 = Instant::now();
@@ -367,12 +357,7 @@ fn run_full(
     }
     sync(device);
     let fill_s = t0.elapsed().as_secs_f64();
-    let mut step = 0u64;
-    for _ in 0..steps.warmup + steps.profiled {
-        decode_step(&m, &mut cache, b, step, device, &BurnAttention);
-        step += 1;
-    }
-    sync(device);
+    let mut step = warm_up(&m, &mut cache, b, steps.warmup + steps.profiled, device);
     let pool = reserved(probe);
     eprintln!(
         "  {label} full: batch {b}, filled {} layers in {fill_s:.1} s; cache {}, pool {} \

@@ -11,38 +11,29 @@ use burn_kvcache::{RopeParams, ShadowKvCache, ShadowKvConfig};
 use serde_json::json;
 
 use super::super::kv_decode::{
-    GB, Plan, SharedModel, decode_step, gb, host_rss, median_mean, random_states, reserved, sync,
-    timed_steps,
+    GB, Plan, RunEnv, SharedModel, gb, host_rss, median_mean, random_states, reserved, sync,
+    timed_steps, warm_up,
 };
 use super::{BASIS_ROWS, KEY_NOISE, KEY_RANK, Steps, base_params, with_decode_kernel};
-use crate::harness::{Extra, MemoryProbe, PeerRun, params};
+use crate::harness::{Extra, PeerRun, params};
 
-#[allow(clippy::too_many_arguments)]
 pub(super) fn run_shadow(
-    model: &SharedModel,
+    env: &RunEnv,
     p: &Plan,
     sk: ShadowKvConfig,
     ctx: usize,
     steps: &Steps,
-    probe: &Option<MemoryProbe>,
-    device: &Device,
-    label: &str,
     info: &RefCell<Extra>,
 ) -> Result<PeerRun, String> {
-    device.memory_cleanup();
-    let m = model.get(device);
+    let m = env.start();
+    let (model, probe, device, label) = (&env.model, &env.probe, &env.device, &env.label);
     let b = p.batch;
     let t0 = Instant::now();
     let mut cache = fill(model, sk, ctx, b, device, label)?;
     sync(device);
     let fill_s = t0.elapsed().as_secs_f64();
     let bytes = cache.bytes_split();
-    let mut step = 0u64;
-    for _ in 0..steps.warmup {
-        decode_step(&m, &mut cache, b, step, device, &BurnAttention);
-        step += 1;
-    }
-    sync(device);
+    let mut step = warm_up(&m, &mut cache, b, steps.warmup, device);
     let pool = reserved(probe);
     eprintln!(
         "  {label} shadowkv: batch {b}, filled in {fill_s:.1} s; cache {} device + {} host, \
