@@ -12,11 +12,14 @@ pub fn merged_shapes(a: &Shape) -> (Shape, Shape) {
     (Shape::new([n, d]), Shape::new([n]))
 }
 
+/// Keys per split of the fused quantized attention's partial launch.
+pub const QUANT_ATTENTION_SPLIT: usize = 256;
+
 /// Key splits of the fused quantized attention read over `keys` cached keys: each split's f32
 /// partial results (`[rows, splits, d]` outputs and `[rows, splits]` maxima and sums) are its
 /// working set, merged after.
 pub fn quant_attention_splits(keys: usize) -> usize {
-    keys.div_ceil(crate::kernels::quant_attention::SPLIT).max(1)
+    keys.div_ceil(QUANT_ATTENTION_SPLIT).max(1)
 }
 
 /// The dequantized rows for scales `[rows, groups]`: `[rows, layout.cols]`.

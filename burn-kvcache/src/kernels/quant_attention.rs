@@ -27,7 +27,7 @@ use super::UNITS;
 use super::dequantize::code_value;
 
 /// Keys per split of the partial launch.
-pub const SPLIT: usize = 256;
+use crate::shapes::QUANT_ATTENTION_SPLIT as SPLIT;
 
 /// Sizes and strides of one launch (see [`crate::QuantAttnView`]).
 #[derive(CubeLaunch, CubeType, Clone, Copy, Debug)]

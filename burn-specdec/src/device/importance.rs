@@ -6,7 +6,7 @@
 use cubecl::prelude::*;
 
 use super::cube::{cube_max, cube_sum, ratio_capped};
-use super::kernel::{
+use super::rows::{
     PLATEAU_ULPS, Pos, RESERVE_ITERATIONS, RESERVE_TOLERANCE, copy_target, owned_value, q_at,
     residual_step, sample_residual, spectr_rho,
 };

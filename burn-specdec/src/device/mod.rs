@@ -31,6 +31,8 @@ mod cube;
 mod importance;
 #[cfg_attr(not(feature = "cube"), allow(dead_code))]
 mod kernel;
+#[cfg_attr(not(feature = "cube"), allow(dead_code))]
+mod rows;
 // Apart from the crate's `Result` alias, which the `ExtensionType` derive would pick up.
 mod extension;
 
