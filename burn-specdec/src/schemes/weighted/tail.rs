@@ -36,7 +36,8 @@
 //! `c` between the smallest and the largest ratio `p_R / q_{k,R}` (`c` below the smallest is the
 //! first-draft rule; at the largest every `a` is `p_R / (c q_R)`), a golden-section refinement
 //! around the best grid point, and, for identical drafts, the rounds of a stage-wise reserve
-//! refinement of the best `c` (at most `RESERVE_ROUNDS`, which it needs ~40-50 of at K = 8).
+//! refinement of the best `c` (at most `RESERVE_ROUNDS`; it stops earlier once the rows or
+//! the overlap stop moving, typically after ~10-30 at K = 8).
 //! Where the rule may decline, the score adds what the declined mass can at most add on the
 //! alphabet (`min(declined, room)`); the plan then compares the true acceptances.
 //!

@@ -286,10 +286,21 @@ fn unpruned_best(p: &[f64], qs: &[Vec<f64>], flow: &Flow) -> WeightedPlan {
     ];
     for leftover in [Leftover::Proportional, Leftover::Fill] {
         for shift in super::SHIFTS {
-            candidates.push(WeightedPlan::build(p, qs, flow, leftover, false, Some(shift)));
+            candidates.push(WeightedPlan::build(
+                p,
+                qs,
+                flow,
+                leftover,
+                false,
+                Some(shift),
+            ));
         }
     }
-    candidates.extend(super::decline::tail_first(p, qs, flow).into_iter().flatten());
+    candidates.extend(
+        super::decline::tail_first(p, qs, flow)
+            .into_iter()
+            .flatten(),
+    );
     let mut best = 0;
     for (i, plan) in candidates.iter().enumerate() {
         if plan.acceptance > candidates[best].acceptance {
@@ -317,9 +328,11 @@ fn acceptance_bound_prunes_only_candidates_that_cannot_win() {
                 // A floor just above the candidate's own acceptance: pruning it is allowed, and
                 // a floor at or below it must keep it (the bound is an upper bound).
                 let below = built.acceptance - 1e-6;
-                let kept =
-                    WeightedPlan::build_above(&p, &qs, &flow, leftover, false, shift, below);
-                assert!(kept.is_some(), "{name}, {leftover:?} {shift:?}: bound below q~");
+                let kept = WeightedPlan::build_above(&p, &qs, &flow, leftover, false, shift, below);
+                assert!(
+                    kept.is_some(),
+                    "{name}, {leftover:?} {shift:?}: bound below q~"
+                );
                 let above = plan.acceptance + 1e-6;
                 if built.acceptance < plan.acceptance
                     && WeightedPlan::build_above(&p, &qs, &flow, leftover, false, shift, above)
