@@ -5,6 +5,8 @@
 //! each scheme's exact probability of accepting one of K identical drafts
 //! (`Verifier::acceptance_probability`). Per prompt the positions are averaged; the table gives
 //! the mean over prompts ± its standard error, and an SVG chart plots acceptance against K.
+//! Every (prompt, cell, position) is a job for one worker per core (see `Exact::measure`), so a
+//! many-core machine runs a few hundred prompts in parallel with the model's passes.
 
 use std::fmt::Write as _;
 use std::path::Path;
@@ -106,7 +108,10 @@ impl Exact<'_> {
         order.sort_by_key(|c| std::cmp::Reverse((self.ks[c.k], cost(self.schemes[c.scheme]))));
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
         let started = std::time::Instant::now();
-        let (job_tx, job_rx) = mpsc::sync_channel::<Job>(2 * threads);
+        // Room for a whole prompt's jobs: the next prompt's rows are computed while the workers
+        // run them (a few prompts' rows alive at most).
+        let bound = (cells.len() * self.new_tokens).max(2 * threads);
+        let (job_tx, job_rx) = mpsc::sync_channel::<Job>(bound);
         let job_rx = Mutex::new(job_rx);
         let (done_tx, done_rx) = mpsc::channel::<Done>();
         std::thread::scope(|scope| {
