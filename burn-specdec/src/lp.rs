@@ -63,7 +63,7 @@
 //! coupling reads `k*` off this record; weighted importance sampling uses all of it to select
 //! among the tail drafts (`schemes::weighted`).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 
 use microlp::{ComparisonOp, OptimizationDirection, Problem};
 
@@ -154,7 +154,7 @@ pub(crate) struct Flow {
     pub bit_of: Vec<Option<u32>>,
     pub tail_bit: Option<u32>,
     /// Set mask -> `(symbol, f(S, symbol) / P(S))`, in bit order.
-    pub table: HashMap<u64, Vec<(Symbol, f64)>>,
+    pub table: BTreeMap<u64, Vec<(Symbol, f64)>>,
     /// `tail_accept[k][t] = min(1, p_R(t) / q_{k,R}(t))` (0 outside the tail).
     pub tail_accept: Vec<Vec<f64>>,
     /// `norm(max(p_R - q_{k,R}, 0))`, or `p_R` if empty.
@@ -537,7 +537,7 @@ pub(crate) fn solve_with(
 
     repair(&vars, &mut flows, &sets, m + 1, capacity);
 
-    let mut table: HashMap<u64, Vec<(Symbol, f64)>> = HashMap::new();
+    let mut table: BTreeMap<u64, Vec<(Symbol, f64)>> = BTreeMap::new();
     let mut inflow = vec![0.0; m + 1];
     let mut acceptance = 0.0;
     for (x, &f) in vars.iter().zip(&flows) {

@@ -114,21 +114,40 @@ pub(crate) fn plan(p: &[f64], qs: &[Vec<f64>], trunc: LpTruncation) -> Result<(P
 impl WeightedPlan {
     /// The best of the two leftover rules, each with the best tail rule that always selects a
     /// tail draft and the best that may decline them all (the first of these on ties).
+    ///
+    /// The tail-first plans are built first; every other candidate is skipped as soon as its
+    /// acceptance bound shows it cannot beat the best so far (`build_above`), which leaves the
+    /// chosen plan unchanged.
     pub(crate) fn from_flow(p: &[f64], qs: &[Vec<f64>], flow: &Flow) -> Self {
-        let mut candidates = vec![Self::build(p, qs, flow, Leftover::Fill, false, None)];
+        let mut specs = vec![(Leftover::Proportional, None), (Leftover::Fill, None)];
         for leftover in [Leftover::Proportional, Leftover::Fill] {
-            for shift in SHIFTS {
-                candidates.push(Self::build(p, qs, flow, leftover, false, Some(shift)));
+            specs.extend(SHIFTS.map(|shift| (leftover, Some(shift))));
+        }
+        let tail_first: Vec<Self> = decline::tail_first(p, qs, flow)
+            .into_iter()
+            .flatten()
+            .collect();
+        let mut floor = tail_first
+            .iter()
+            .map(|plan| plan.acceptance)
+            .fold(f64::NEG_INFINITY, f64::max);
+        // In the order of the candidates (the first of equal ones is kept).
+        let mut candidates = Vec::new();
+        for (leftover, shift) in specs {
+            let plan = Self::build_above(p, qs, flow, leftover, false, shift, floor);
+            if let Some(plan) = plan {
+                floor = floor.max(plan.acceptance);
+                candidates.push(plan);
             }
         }
-        candidates.extend(decline::tail_first(p, qs, flow).into_iter().flatten());
-        let mut best = Self::build(p, qs, flow, Leftover::Proportional, false, None);
-        for plan in candidates {
-            if plan.acceptance > best.acceptance {
-                best = plan;
+        candidates.extend(tail_first);
+        let mut best = 0;
+        for (i, plan) in candidates.iter().enumerate() {
+            if plan.acceptance > candidates[best].acceptance {
+                best = i;
             }
         }
-        best
+        candidates.swap_remove(best)
     }
 
     /// The plan before the tail selection used all tail drafts: proportional leftover, first
@@ -138,9 +157,8 @@ impl WeightedPlan {
         Self::build(p, qs, flow, Leftover::Proportional, true, None)
     }
 
-    /// `first_tail_draft`: select the first tail draft whenever the tail symbol is selected;
-    /// `decline`: the tail rule may decline every tail draft of a set that holds an alphabet
-    /// symbol (see the module docs).
+    /// [`WeightedPlan::build_above`] without a floor.
+    #[cfg(test)]
     pub(crate) fn build(
         p: &[f64],
         qs: &[Vec<f64>],
@@ -149,6 +167,34 @@ impl WeightedPlan {
         first_tail_draft: bool,
         decline: Option<f64>,
     ) -> Self {
+        Self::build_above(
+            p,
+            qs,
+            flow,
+            leftover,
+            first_tail_draft,
+            decline,
+            f64::NEG_INFINITY,
+        )
+        .expect("no floor")
+    }
+
+    /// The plan with `leftover` and the best tail rule. `first_tail_draft`: select the first
+    /// tail draft whenever the tail symbol is selected; `decline`: the tail rule may decline
+    /// every tail draft of a set that holds an alphabet symbol, after shifting that fraction of
+    /// the alphabet symbols' weight to the tail symbol (see the module docs). None, before the
+    /// tail rule is searched, when an upper bound on the plan's acceptance shows that it cannot
+    /// reach `floor` ([`TailProblem::upper_bound`] plus the alphabet's overlap, which the tail
+    /// rule changes only through declined mass, which that bound covers).
+    pub(crate) fn build_above(
+        p: &[f64],
+        qs: &[Vec<f64>],
+        flow: &Flow,
+        leftover: Leftover,
+        first_tail_draft: bool,
+        decline: Option<f64>,
+        floor: f64,
+    ) -> Option<Self> {
         let v = p.len();
         let mut select = selection_rows(p, flow, leftover);
         if let Some(shift) = decline {
@@ -186,13 +232,21 @@ impl WeightedPlan {
             .map(|&y| (p[y] - proposal[y]).max(0.0));
         let decline = decline.map(|_| room.sum());
         let problem = TailProblem::new(p, qs, &tail_tokens, shared, visits, decline);
+        if floor > f64::NEG_INFINITY {
+            let alphabet: f64 = p.iter().zip(&proposal).map(|(&a, &b)| a.min(b)).sum();
+            if alphabet + problem.upper_bound() < floor - BOUND_MARGIN {
+                return None;
+            }
+        }
         let first_only = first_tail_draft || !flow.tracking.keeps_all();
         let (tail, tail_law) = problem.solve(v, first_only);
         for (&t, &q) in tail_tokens.iter().zip(&tail_law) {
             proposal[t] += q;
         }
         let declined = decline::rows(p, flow, &select, &tail, &mut proposal);
-        Self::with_proposal(p, flow, select, tail, declined, proposal)
+        Some(Self::with_proposal(
+            p, flow, select, tail, declined, proposal,
+        ))
     }
 
     /// The SD stage against `proposal`.
@@ -358,6 +412,10 @@ impl WeightedPlan {
         (law, accepted)
     }
 }
+
+/// A candidate plan is skipped when its acceptance bound is below the best plan's acceptance by
+/// more than this (far above the bound's round-off, far below any gain that matters).
+const BOUND_MARGIN: f64 = 1e-9;
 
 /// Fractions of the alphabet symbols' selection weight offered to the tail symbol instead in
 /// the sets that hold both, when the tail rule may decline (see the module docs).

@@ -276,3 +276,73 @@ fn many_different_drafts_select_the_first_tail_draft() {
     let err = max_diff(&selected_law(&plan, &qs), &plan.proposal);
     assert!(err < 1e-12, "|q~ - enumerated| = {err:e}");
 }
+
+/// Every candidate of `from_flow` built without the acceptance bound, in its order: the plan
+/// `from_flow` must pick (the first of the best).
+fn unpruned_best(p: &[f64], qs: &[Vec<f64>], flow: &Flow) -> WeightedPlan {
+    let mut candidates = vec![
+        WeightedPlan::build(p, qs, flow, Leftover::Proportional, false, None),
+        WeightedPlan::build(p, qs, flow, Leftover::Fill, false, None),
+    ];
+    for leftover in [Leftover::Proportional, Leftover::Fill] {
+        for shift in super::SHIFTS {
+            candidates.push(WeightedPlan::build(
+                p,
+                qs,
+                flow,
+                leftover,
+                false,
+                Some(shift),
+            ));
+        }
+    }
+    candidates.extend(
+        super::decline::tail_first(p, qs, flow)
+            .into_iter()
+            .flatten(),
+    );
+    let mut best = 0;
+    for (i, plan) in candidates.iter().enumerate() {
+        if plan.acceptance > candidates[best].acceptance {
+            best = i;
+        }
+    }
+    candidates.swap_remove(best)
+}
+
+#[test]
+fn acceptance_bound_prunes_only_candidates_that_cannot_win() {
+    let mut pruned = 0;
+    for (name, p, qs, trunc) in cases() {
+        let flow = flow(&p, &qs, trunc);
+        let plan = WeightedPlan::from_flow(&p, &qs, &flow);
+        let full = unpruned_best(&p, &qs, &flow);
+        assert_eq!(
+            plan.acceptance, full.acceptance,
+            "{name}: the pruned search chose another plan"
+        );
+        assert_eq!(plan.proposal, full.proposal, "{name}");
+        for leftover in [Leftover::Proportional, Leftover::Fill] {
+            for shift in [None, Some(0.0), Some(0.5), Some(1.0)] {
+                let built = WeightedPlan::build(&p, &qs, &flow, leftover, false, shift);
+                // A floor just above the candidate's own acceptance: pruning it is allowed, and
+                // a floor at or below it must keep it (the bound is an upper bound).
+                let below = built.acceptance - 1e-6;
+                let kept = WeightedPlan::build_above(&p, &qs, &flow, leftover, false, shift, below);
+                assert!(
+                    kept.is_some(),
+                    "{name}, {leftover:?} {shift:?}: bound below q~"
+                );
+                let above = plan.acceptance + 1e-6;
+                if built.acceptance < plan.acceptance
+                    && WeightedPlan::build_above(&p, &qs, &flow, leftover, false, shift, above)
+                        .is_none()
+                {
+                    pruned += 1;
+                }
+            }
+        }
+    }
+    // The bound is tight enough to skip candidates in some cases.
+    assert!(pruned >= 8, "{pruned}");
+}

@@ -5,9 +5,12 @@
 //! each scheme's exact probability of accepting one of K identical drafts
 //! (`Verifier::acceptance_probability`). Per prompt the positions are averaged; the table gives
 //! the mean over prompts ± its standard error, and an SVG chart plots acceptance against K.
+//! Every (prompt, cell, position) is a job for one worker per core (see `Exact::measure`), so a
+//! many-core machine runs a few hundred prompts in parallel with the model's passes.
 
 use std::fmt::Write as _;
 use std::path::Path;
+use std::sync::{Arc, Mutex, mpsc};
 
 use burn_kernels_core::{AttentionImpl, FullKvCache, SamplingConfig};
 use burn_llama::generate::{GenerateOptions, generate};
@@ -23,6 +26,32 @@ fn mean_se(values: &[f64]) -> (f64, f64) {
     }
     let var = values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / (n - 1.0);
     (mean, (var / n).sqrt())
+}
+
+/// A prompt's rows: the target's `p` per position, and the draft's rows per draft temperature
+/// and position.
+struct Rows {
+    p: Vec<Vec<f64>>,
+    qs: Vec<Vec<Vec<f64>>>,
+}
+
+/// A prompt's index, its rows, a cell and the position to measure it at.
+type Job = (usize, Arc<Rows>, Cell, usize);
+
+/// A finished job: the prompt's index, the cell, the position and the acceptance there.
+type Done = (usize, Cell, usize, f64);
+
+/// Acceptance per position, indexed `[temperature][scheme][k][prompt][position]`.
+type PerPosition = Vec<Vec<Vec<Vec<Vec<f64>>>>>;
+
+/// A rough rank of a scheme's cost per position (the LP-based ones are the slowest).
+fn cost(scheme: Scheme) -> u8 {
+    match scheme {
+        Scheme::Optimal(_) | Scheme::WeightedImportance(_) => 3,
+        Scheme::SequentialImportance => 2,
+        Scheme::SpecTr => 1,
+        _ => 0,
+    }
 }
 
 /// What one table cell needs: a draft temperature, a scheme, K.
@@ -50,72 +79,151 @@ pub struct Exact<'a> {
 }
 
 impl Exact<'_> {
-    /// Acceptance per prompt, indexed `[temperature][scheme][k][prompt]`.
+    /// Acceptance per prompt, indexed `[temperature][scheme][k][prompt]`. The model runs on this
+    /// thread, prompt after prompt; every (prompt, cell, position) is a job for a pool of workers
+    /// (one per core), so that later prompts' rows are computed while earlier prompts' cells run,
+    /// and the slow cells (large K, LP-based schemes) of many prompts run side by side.
     fn measure(&self) -> Vec<Vec<Vec<Vec<f64>>>> {
         let (nt, ns, nk) = (
             self.draft_temperatures.len(),
             self.schemes.len(),
             self.ks.len(),
         );
-        let mut out = vec![vec![vec![Vec::new(); nk]; ns]; nt];
-        let started = std::time::Instant::now();
-        for (i, prompt) in self.prompts.iter().enumerate() {
-            let sequence = self.continue_prompt(prompt, i as u64);
-            let rows = sequence.len() - prompt.len();
-            let first = prompt.len() - 1;
-            let p = &super::distributions(
-                self.target,
-                &sequence,
-                &[self.target_temperature],
-                self.attention,
-            )[0][first..first + rows];
-            let qs = super::distributions(
-                self.draft,
-                &sequence,
-                &self.draft_temperatures,
-                self.attention,
-            );
-            let cells: Vec<Cell> = (0..nt)
-                .flat_map(|t| {
-                    (0..ns).flat_map(move |s| {
-                        (0..nk).map(move |k| Cell {
-                            temperature: t,
-                            scheme: s,
-                            k,
-                        })
+        let n = self.prompts.len();
+        // Per position, summed in order at the end (whatever order the jobs finish in).
+        let mut out: PerPosition = vec![vec![vec![vec![Vec::new(); n]; nk]; ns]; nt];
+        let cells: Vec<Cell> = (0..nt)
+            .flat_map(|t| {
+                (0..ns).flat_map(move |s| {
+                    (0..nk).map(move |k| Cell {
+                        temperature: t,
+                        scheme: s,
+                        k,
                     })
                 })
-                .collect();
-            let values = self.parallel(&cells, |c| {
-                let q = &qs[c.temperature][first..first + rows];
-                let k = self.ks[c.k];
-                let scheme = if k == 1 {
-                    Scheme::SingleDraft
-                } else {
-                    self.schemes[c.scheme]
-                };
-                p.iter()
-                    .zip(q)
-                    .map(|(p, q)| {
-                        let drafts = vec![q.as_slice(); k];
-                        Verifier::new(scheme, p, &drafts)
-                            .expect("valid rows")
-                            .acceptance_probability()
-                    })
-                    .sum::<f64>()
-                    / rows as f64
-            });
-            for (c, v) in cells.iter().zip(values) {
-                out[c.temperature][c.scheme][c.k].push(v);
+            })
+            .collect();
+        // The slowest cells first.
+        let mut order = cells.clone();
+        order.sort_by_key(|c| std::cmp::Reverse((self.ks[c.k], cost(self.schemes[c.scheme]))));
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let started = std::time::Instant::now();
+        // Room for a whole prompt's jobs: the next prompt's rows are computed while the workers
+        // run them (a few prompts' rows alive at most).
+        let bound = (cells.len() * self.new_tokens).max(2 * threads);
+        let (job_tx, job_rx) = mpsc::sync_channel::<Job>(bound);
+        let job_rx = Mutex::new(job_rx);
+        let (done_tx, done_rx) = mpsc::channel::<Done>();
+        std::thread::scope(|scope| {
+            for _ in 0..threads {
+                let (job_rx, done_tx) = (&job_rx, done_tx.clone());
+                scope.spawn(move || {
+                    loop {
+                        let job = job_rx.lock().expect("job queue").recv();
+                        let Ok((prompt, rows, cell, position)) = job else {
+                            break;
+                        };
+                        let value = self.acceptance(&rows, cell, position);
+                        if done_tx.send((prompt, cell, position, value)).is_err() {
+                            break;
+                        }
+                    }
+                });
             }
-            eprintln!(
-                "  exact: prompt {}/{} ({rows} positions) [{:.0}s elapsed]",
-                i + 1,
-                self.prompts.len(),
-                started.elapsed().as_secs_f64()
-            );
-        }
-        out
+            drop(done_tx);
+            let mut left = vec![0; n];
+            let record = |(prompt, c, i, v): Done, out: &mut PerPosition, left: &mut [usize]| {
+                out[c.temperature][c.scheme][c.k][prompt][i] = v;
+                left[prompt] -= 1;
+                if left[prompt] == 0 {
+                    eprintln!(
+                        "  exact: prompt {}/{n} done [{:.0}s elapsed]",
+                        prompt + 1,
+                        started.elapsed().as_secs_f64()
+                    );
+                }
+            };
+            for (i, prompt) in self.prompts.iter().enumerate() {
+                let rows = Arc::new(self.rows(prompt, i as u64));
+                let positions = rows.p.len();
+                left[i] = cells.len() * positions;
+                for c in &cells {
+                    out[c.temperature][c.scheme][c.k][i] = vec![f64::NAN; positions];
+                }
+                for &cell in &order {
+                    for position in 0..positions {
+                        job_tx
+                            .send((i, Arc::clone(&rows), cell, position))
+                            .expect("workers run");
+                    }
+                }
+                while let Ok(done) = done_rx.try_recv() {
+                    record(done, &mut out, &mut left);
+                }
+            }
+            drop(job_tx);
+            for done in done_rx {
+                record(done, &mut out, &mut left);
+            }
+        });
+        out.into_iter()
+            .map(|by_scheme| {
+                by_scheme
+                    .into_iter()
+                    .map(|by_k| {
+                        by_k.into_iter()
+                            .map(|by_prompt| {
+                                by_prompt
+                                    .into_iter()
+                                    .map(|v| v.iter().sum::<f64>() / v.len() as f64)
+                                    .collect()
+                            })
+                            .collect()
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// The target's rows `p` and the draft's rows at each draft temperature, at the positions
+    /// of the prompt's continuation.
+    fn rows(&self, prompt: &[u32], seed: u64) -> Rows {
+        let sequence = self.continue_prompt(prompt, seed);
+        let rows = sequence.len() - prompt.len();
+        let first = prompt.len() - 1;
+        let p = super::distributions(
+            self.target,
+            &sequence,
+            &[self.target_temperature],
+            self.attention,
+        )
+        .swap_remove(0)
+        .drain(first..first + rows)
+        .collect();
+        let qs = super::distributions(
+            self.draft,
+            &sequence,
+            &self.draft_temperatures,
+            self.attention,
+        )
+        .into_iter()
+        .map(|mut q| q.drain(first..first + rows).collect())
+        .collect();
+        Rows { p, qs }
+    }
+
+    /// A cell's exact acceptance probability at one position of a prompt.
+    fn acceptance(&self, rows: &Rows, c: Cell, position: usize) -> f64 {
+        let k = self.ks[c.k];
+        let scheme = if k == 1 {
+            Scheme::SingleDraft
+        } else {
+            self.schemes[c.scheme]
+        };
+        let q = rows.qs[c.temperature][position].as_slice();
+        Verifier::new(scheme, &rows.p[position], &vec![q; k])
+            .expect("valid rows")
+            .acceptance_probability()
     }
 
     /// The prompt and the target's own continuation of it.
@@ -144,25 +252,6 @@ impl Exact<'_> {
         let mut sequence = prompt.to_vec();
         sequence.extend(&g.tokens[0]);
         sequence
-    }
-
-    /// `f` over `cells` on every core.
-    fn parallel(&self, cells: &[Cell], f: impl Fn(Cell) -> f64 + Sync) -> Vec<f64> {
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let chunk = cells.len().div_ceil(threads).max(1);
-        std::thread::scope(|scope| {
-            let handles: Vec<_> = cells
-                .chunks(chunk)
-                .map(|part| {
-                    let f = &f;
-                    scope.spawn(move || part.iter().map(|&c| f(c)).collect::<Vec<f64>>())
-                })
-                .collect();
-            handles
-                .into_iter()
-                .flat_map(|h| h.join().expect("worker"))
-                .collect()
-        })
     }
 
     /// Measures, prints the markdown table (and writes the chart).
