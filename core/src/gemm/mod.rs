@@ -120,15 +120,7 @@ mod cube_backend {
     impl GemmKernels for CubeBackend {
         fn gemm(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
             let dtype = a.dtype;
-            if matches!(dtype, DType::F16 | DType::BF16)
-                && b.dtype == dtype
-                && let Some(out) =
-                    fixed_gemm(a.clone(), b.clone(), dtype, GemmKernel::DEFAULT, false)
-            {
-                count_launch("gemm");
-                return out;
-            }
-            Self::float_matmul(a, b)
+            Self::gemm_to(a, b, dtype)
         }
     }
 
@@ -142,7 +134,12 @@ mod cube_backend {
                 count_launch("gemm");
                 return c;
             }
-            Self::float_cast(Self::float_matmul(a, b), out.into())
+            let c = Self::float_matmul(a, b);
+            if c.dtype == out {
+                c
+            } else {
+                Self::float_cast(c, out.into())
+            }
         }
     }
 }
