@@ -30,7 +30,6 @@ use burn::tensor::{DType, Tensor};
 
 use crate::attention::{AttentionImpl, AttnOptions, BurnAttention, burn_scale};
 use crate::gemm::GemmTo;
-use crate::recompute_backward::half_backward;
 use crate::route::{Grad, count_launch, route};
 
 /// The op's name for [`crate::route::launches`]: counted once per backward pass that
@@ -138,7 +137,74 @@ pub trait RecomputeAttentionOps: Backend {
 #[cfg(feature = "cube")]
 impl RecomputeAttentionOps for burn_cubecl::CubeBackend {}
 
-impl<B: RecomputeAttentionOps + GemmTo, C: CheckpointStrategy> RecomputeAttentionOps
+/// The op's name for [`crate::route::launches`]: counted once per backward pass that ran the
+/// flash kernels ([`crate::kernels::flash_backward`]).
+pub const FLASH_BACKWARD: &str = "flash-attention-backward";
+
+/// The backward of attention for f16/bf16 operands, as a backend extension: on `CubeBackend`
+/// (and `Fusion` of it) the FlashAttention-2 style kernels of
+/// [`crate::kernels::flash_backward`] where they take the problem (CUDA's 16-bit MMA, head dim
+/// 64), else a composed backward on core's GEMMs with the scores in f32.
+#[backend_extension(
+    Cube: cfg(feature = "cube"),
+    Fusion: cfg(all(feature = "cube", feature = "fusion")),
+)]
+pub trait HalfAttentionBackward: GemmTo {
+    /// `(dQ, dK, dV)` from the inputs, the output `out`, the forward's log-sum-exp `lse` of
+    /// the scaled scores and the output's gradient `dout`; `causal` bottom-right.
+    ///
+    /// # Shapes
+    /// - `q`, `out`, `dout`: `[batch, q_heads, sq, d]`; `k`, `v`: `[batch, kv_heads, skv, d]`;
+    ///   `lse`: `[batch, q_heads, sq]` f32
+    /// - returns the gradients in `q`'s, `k`'s and `v`'s shapes and dtype
+    #[fusion(meta = |q, k, v, _out, _lse, _dout, _causal, _scale| (q.clone(), k.clone(), v.clone()))]
+    #[allow(clippy::too_many_arguments)]
+    fn half_attention_backward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        dout: FloatTensor<Self>,
+        causal: bool,
+        scale: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
+}
+
+#[cfg(feature = "cube")]
+impl HalfAttentionBackward for burn_cubecl::CubeBackend {
+    fn half_attention_backward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        dout: FloatTensor<Self>,
+        causal: bool,
+        scale: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        use crate::kernels::flash_backward::flash_backward;
+        use crate::recompute_backward::half_backward;
+        let flash = flash_backward(
+            q.clone(),
+            k.clone(),
+            v.clone(),
+            out.clone(),
+            lse.clone(),
+            dout.clone(),
+            causal,
+            scale,
+        );
+        if let Some(grads) = flash {
+            count_launch(FLASH_BACKWARD);
+            return grads;
+        }
+        let g = half_backward::<Self>(q, k, v, out, lse, dout, options(causal, Some(scale)));
+        (g.query, g.key, g.value)
+    }
+}
+
+impl<B: RecomputeAttentionOps + HalfAttentionBackward, C: CheckpointStrategy> RecomputeAttentionOps
     for Autodiff<B, C>
 {
     fn recompute_attention(
@@ -174,7 +240,7 @@ impl<B: RecomputeAttentionOps + GemmTo, C: CheckpointStrategy> RecomputeAttentio
 #[derive(Debug)]
 struct RecomputeBackward;
 
-impl<B: GemmTo> Backward<B, 3> for RecomputeBackward {
+impl<B: HalfAttentionBackward> Backward<B, 3> for RecomputeBackward {
     type State = (
         NodeId,
         NodeId,
@@ -200,8 +266,12 @@ impl<B: GemmTo> Backward<B, 3> for RecomputeBackward {
             let g = attention_backward_default::<B>(q, k, v, out, lse, out_grad, options);
             [g.query_grad, g.key_grad, g.value_grad]
         } else {
-            let g = half_backward::<B>(q, k, v, out, lse, out_grad, options);
-            [g.query, g.key, g.value]
+            let d = q.shape().dims::<4>()[3];
+            let scale = options.scale.unwrap_or(1.0 / (d as f64).sqrt());
+            let causal = options.is_causal;
+            let (dq, dk, dv) =
+                B::half_attention_backward(q, k, v, out, lse, out_grad, causal, scale);
+            [dq, dk, dv]
         };
         count_launch(RECOMPUTE_BACKWARD);
         for (node, g) in [q_node, k_node, v_node].into_iter().zip(grads_qkv) {

@@ -43,6 +43,7 @@ pub(crate) struct HalfGradients<B: Backend> {
 /// - `q`, `out`, `dout`: `[batch, q_heads, seq_q, d]` (`out`, `dout` with `d_v`)
 /// - `k`: `[batch, kv_heads, seq_k, d]`, `v`: `[batch, kv_heads, seq_k, d_v]`
 /// - returns gradients of `q`, `k`, `v`'s shapes, in their dtype
+#[cfg_attr(not(feature = "cube"), allow(dead_code))]
 pub(crate) fn half_backward<B: GemmTo>(
     q: FloatTensor<B>,
     k: FloatTensor<B>,

@@ -28,8 +28,8 @@ use caches::{full_cache_decode_equals_one_shot, static_cache_equals_one_shot};
 mod attention_grad;
 #[cfg(feature = "cuda")]
 use attention_grad::{
-    fused_attention_gradients_match_reference, fused_attention_keeps_no_scores,
-    recompute_attention_gradients_match_reference,
+    flash_attention_gradients_match_reference, fused_attention_gradients_match_reference,
+    fused_attention_keeps_no_scores, recompute_attention_gradients_match_reference,
 };
 
 fn host<const D: usize>(v: &[f32], shape: [usize; D], device: &Device) -> Tensor<D> {
@@ -329,6 +329,11 @@ mod cuda_training {
     #[test]
     fn recompute_attention_gradients_match_reference() {
         super::recompute_attention_gradients_match_reference(&device());
+    }
+
+    #[test]
+    fn flash_attention_gradients_match_reference() {
+        super::flash_attention_gradients_match_reference(&device());
     }
 
     #[test]

@@ -33,9 +33,9 @@ use burn::tensor::DType;
 use burn_cubecl::{kernel::into_contiguous, tensor::CubeTensor};
 use cubecl::prelude::*;
 
-use super::common::grid;
+use super::common::{grid, keys_end, kv_head};
 use super::pv_grid::{RoundArgs, round_v};
-use super::{AttnArgs, MatrixLaunch};
+use super::{AttnArgs, MatrixLaunch, QuantizedInputs};
 use crate::SagePlan;
 
 mod stages;
@@ -82,7 +82,7 @@ fn attn_cmma_kernel<F: Float, P: Float, NK: Size, NV: Size>(
     }
     let bh = cube / q_tiles;
     let q0 = (cube % q_tiles) * bq;
-    let bhk = (bh / args.hq) * (args.hq / args.group) + (bh % args.hq) / args.group;
+    let bhk = kv_head(&args, bh);
     let lane = UNIT_POS_X as usize;
     let plane = UNIT_POS_Y as usize;
     let tid = plane * 32 + lane;
@@ -101,14 +101,7 @@ fn attn_cmma_kernel<F: Float, P: Float, NK: Size, NV: Size>(
     let row = row_state(qs, &args, bh, q0, plane, lane);
     let mut m = f32::new(-1.0e30);
     let mut l = f32::new(0.0);
-    let mut last = q0 + bq;
-    if last > args.sq {
-        last = args.sq;
-    }
-    let mut kv_end = args.skv;
-    if causal {
-        kv_end = last + offset;
-    }
+    let kv_end = keys_end(&args, q0, bq, causal);
     let s_plane = plane * 16 * bkv;
 
     // The next tile's K, V and K scales are loaded into registers while the current tile is
@@ -186,18 +179,20 @@ fn attn_cmma_kernel<F: Float, P: Float, NK: Size, NV: Size>(
 }
 
 /// Launches the matrix-unit kernel. Quantized Q/K must be i8.
-#[allow(clippy::too_many_arguments)]
-pub fn launch(
-    qi: CubeTensor,
-    ki: CubeTensor,
-    qs: CubeTensor,
-    ks: CubeTensor,
-    ds: Option<CubeTensor>,
-    v: CubeTensor,
-    post: CubeTensor,
+pub(crate) fn launch(
+    x: QuantizedInputs,
     args: AttnArgs,
     plan: &SagePlan,
 ) -> (CubeTensor, Option<CubeTensor>) {
+    let QuantizedInputs {
+        qi,
+        ki,
+        qs,
+        ks,
+        ds,
+        v,
+        post,
+    } = x;
     let client = qi.client.clone();
     let [b, hq, sq, d] = qi.meta.shape().dims::<4>();
     let ml = MatrixLaunch::new(&qi, &qs, ds, plan);

@@ -36,9 +36,9 @@ use burn_cubecl::{kernel::into_contiguous, tensor::CubeTensor};
 use cubecl::ir::{ElemType, FastMath, FloatKind, IntKind, features::MmaConfig};
 use cubecl::prelude::*;
 
-use super::common::grid;
+use super::common::{grid, keys_end, kv_head};
 use super::pv_grid::{RoundArgs, v_transposed};
-use super::{AttnArgs, MatrixLaunch};
+use super::{AttnArgs, MatrixLaunch, QuantizedInputs};
 use crate::{SagePlan, Unsupported};
 
 mod stages;
@@ -117,7 +117,7 @@ fn attn_mma_kernel<F: Float, P: Float, N2: Size, N4: Size, N8: Size, N16: Size>(
     let bh = cube / q_tiles;
     // Longest tiles first: with a causal mask the last query tiles see the most keys.
     let q0 = (q_tiles - 1 - cube % q_tiles) * bq;
-    let bhk = (bh / args.hq) * (args.hq / args.group) + (bh % args.hq) / args.group;
+    let bhk = kv_head(&args, bh);
     let lane = UNIT_POS_X as usize;
     let plane = UNIT_POS_Y as usize;
     let tid = plane * 32 + lane;
@@ -174,14 +174,7 @@ fn attn_mma_kernel<F: Float, P: Float, N2: Size, N4: Size, N8: Size, N16: Size>(
         tid, dim, threads, has_ds,
     );
 
-    let mut last = q0 + bq;
-    if last > args.sq {
-        last = args.sq;
-    }
-    let mut kv_end = args.skv;
-    if causal {
-        kv_end = last + offset;
-    }
+    let kv_end = keys_end(&args, q0, bq, causal);
 
     let mut s = Array::<Vector<i32, N2>>::new(comptime!(BKV / 4));
     let mut sf = Array::<f32>::new(comptime!(BKV / 2));
@@ -238,18 +231,20 @@ fn attn_mma_kernel<F: Float, P: Float, N2: Size, N4: Size, N8: Size, N16: Size>(
 }
 
 /// Launches the register-tile kernel (head dims 64 and 128). Quantized Q/K must be i8.
-#[allow(clippy::too_many_arguments)]
-pub fn launch(
-    qi: CubeTensor,
-    ki: CubeTensor,
-    qs: CubeTensor,
-    ks: CubeTensor,
-    ds: Option<CubeTensor>,
-    v: CubeTensor,
-    post: CubeTensor,
+pub(crate) fn launch(
+    x: QuantizedInputs,
     args: AttnArgs,
     plan: &SagePlan,
 ) -> (CubeTensor, Option<CubeTensor>) {
+    let QuantizedInputs {
+        qi,
+        ki,
+        qs,
+        ks,
+        ds,
+        v,
+        post,
+    } = x;
     let client = qi.client.clone();
     let [b, hq, sq, d] = qi.meta.shape().dims::<4>();
     let skv = plan.kv_len;

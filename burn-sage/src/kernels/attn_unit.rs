@@ -9,14 +9,12 @@
 //! keys.
 
 use burn::backend::cubecl::dtype_to_storage_type;
-use burn::tensor::Shape;
-use burn_cubecl::{
-    kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype, tensor::CubeTensor,
-};
+use burn_cubecl::{kernel::into_contiguous, tensor::CubeTensor};
 use cubecl::{calculate_cube_count_elemwise, prelude::*};
 
-use super::common::round_grid;
-use super::{AttnArgs, dummy, lse_shape};
+use super::common::{keys_end, kv_head, round_grid};
+use super::{AttnArgs, MatrixLaunch, QuantizedInputs};
+use crate::SagePlan;
 
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
@@ -43,7 +41,7 @@ fn attn_unit_kernel<F: Float, I: Int, V: Float>(
     }
     let bh = idx / args.sq;
     let i = idx % args.sq;
-    let bhk = (bh / args.hq) * (args.hq / args.group) + (bh % args.hq) / args.group;
+    let bhk = kv_head(&args, bh);
     let qg = (i / args.q_block) * args.q_inter + (i % args.q_block) % args.q_inter;
     let qscale = qs[bh * args.q_groups + qg];
 
@@ -54,11 +52,7 @@ fn attn_unit_kernel<F: Float, I: Int, V: Float>(
     }
     let mut m = f32::new(-1.0e30);
     let mut l = f32::new(0.0);
-    let mut kv_end = args.skv;
-    if causal {
-        kv_end = i + (args.skv - args.sq) + 1;
-    }
-    for j in 0..kv_end {
+    for j in 0..keys_end(&args, i, 1usize, causal) {
         let krow = (bhk * args.skv + j) * dim;
         let mut dot = i32::new(0);
         #[unroll]
@@ -103,47 +97,18 @@ fn attn_unit_kernel<F: Float, I: Int, V: Float>(
     }
 }
 
-/// Launches the portable kernel. Inputs as [`super::attention`] documents.
-#[allow(clippy::too_many_arguments)]
-pub fn launch(
-    qi: CubeTensor,
-    ki: CubeTensor,
-    qs: CubeTensor,
-    ks: CubeTensor,
-    ds: Option<CubeTensor>,
-    v: CubeTensor,
-    post: CubeTensor,
+/// Launches the portable kernel on the [`QuantizedInputs`].
+pub(crate) fn launch(
+    x: QuantizedInputs,
     args: AttnArgs,
-    out_dtype: burn::tensor::DType,
-    dim: usize,
-    causal: bool,
-    write_lse: bool,
+    plan: &SagePlan,
 ) -> (CubeTensor, Option<CubeTensor>) {
-    let client = qi.client.clone();
-    let device = qi.device.clone();
-    let [b, hq, sq, d] = qi.meta.shape().dims::<4>();
-    let out = empty_device_contiguous_dtype(
-        client.clone(),
-        device.clone(),
-        Shape::new([b, hq, sq, d]),
-        out_dtype,
-    );
-    let lse = if write_lse {
-        empty_device_contiguous_dtype(
-            client.clone(),
-            device.clone(),
-            lse_shape(qi.meta.shape()),
-            burn::tensor::DType::F32,
-        )
-    } else {
-        dummy(&qs)
-    };
-    let has_ds = ds.is_some();
-    let ds = ds.map(into_contiguous).unwrap_or_else(|| dummy(&qs));
+    let client = x.qi.client.clone();
+    let ml = MatrixLaunch::new(&x.qi, &x.qs, x.ds, plan);
     let dtypes = [
-        dtype_to_storage_type(out_dtype),
-        dtype_to_storage_type(qi.dtype),
-        dtype_to_storage_type(v.dtype),
+        dtype_to_storage_type(plan.dtype),
+        dtype_to_storage_type(x.qi.dtype),
+        dtype_to_storage_type(x.v.dtype),
     ];
     let cube_dim = CubeDim::new_1d(64);
     let cube_count = calculate_cube_count_elemwise(&client, args.rows, cube_dim);
@@ -151,21 +116,21 @@ pub fn launch(
         &client,
         cube_count,
         cube_dim,
-        qi.into_tensor_arg(),
-        ki.into_tensor_arg(),
-        qs.into_tensor_arg(),
-        ks.into_tensor_arg(),
-        ds.into_tensor_arg(),
-        into_contiguous(v).into_tensor_arg(),
-        into_contiguous(post).into_tensor_arg(),
-        out.clone().into_tensor_arg(),
-        lse.clone().into_tensor_arg(),
+        x.qi.into_tensor_arg(),
+        x.ki.into_tensor_arg(),
+        x.qs.into_tensor_arg(),
+        x.ks.into_tensor_arg(),
+        ml.ds.clone().into_tensor_arg(),
+        into_contiguous(x.v).into_tensor_arg(),
+        into_contiguous(x.post).into_tensor_arg(),
+        ml.out.clone().into_tensor_arg(),
+        ml.lse.clone().into_tensor_arg(),
         args.launch_arg(),
-        dim,
-        causal,
-        has_ds,
-        write_lse,
+        plan.head_dim,
+        plan.opts.causal,
+        ml.has_ds,
+        ml.write_lse,
         dtypes,
     );
-    (out, write_lse.then_some(lse))
+    ml.outputs()
 }

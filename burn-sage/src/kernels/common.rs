@@ -2,6 +2,8 @@
 
 use cubecl::prelude::*;
 
+use super::AttnArgs;
+
 /// `log₂ e` as an f32 constant (kernel literals are written as f64).
 const LOG2_E: f64 = std::f32::consts::LOG2_E as f64;
 /// The smallest positive normal f32, as a kernel literal.
@@ -26,6 +28,28 @@ pub fn round_grid(x: f32, mantissa: f32, min_exp: f32, max: f32) -> f32 {
         r = f32::min(f32::floor(a / step + 0.5) * step, max);
     }
     if x < 0.0 { -r } else { r }
+}
+
+/// The K/V head that query head row `bh` (`batch·q_heads + head`) reads under grouped-query
+/// attention.
+#[cube]
+pub fn kv_head(args: &AttnArgs, bh: usize) -> usize {
+    (bh / args.hq) * (args.hq / args.group) + (bh % args.hq) / args.group
+}
+
+/// One past the last key that query rows `q0 .. q0 + rows` (those below `sq`) attend to: every
+/// key, or with a causal mask (queries aligned to the end of the keys) the last row's diagonal.
+#[cube]
+pub fn keys_end(args: &AttnArgs, q0: usize, rows: usize, #[comptime] causal: bool) -> usize {
+    let mut end = args.skv;
+    if causal {
+        let mut last = q0 + rows;
+        if last > args.sq {
+            last = args.sq;
+        }
+        end = last + (args.skv - args.sq);
+    }
+    end
 }
 
 /// A grid of at least `cubes` cubes; beyond one grid dimension they spill into the second,

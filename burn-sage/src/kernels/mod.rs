@@ -120,7 +120,26 @@ pub(crate) fn dummy(like: &CubeTensor) -> CubeTensor {
     )
 }
 
-/// What both matrix-unit launchers allocate and derive from the plan before their launch.
+/// What every attention kernel reads: Q and K quantized with their group scales, ΔS when Q is
+/// smoothed, V as the PV product reads it and V's smoothing `post`.
+pub(crate) struct QuantizedInputs {
+    /// `[b, hq, sq, d]` integers.
+    pub qi: CubeTensor,
+    /// `[b, hkv, skv, d]` integers.
+    pub ki: CubeTensor,
+    /// Q's group scales, `[b, hq, q_groups]` f32.
+    pub qs: CubeTensor,
+    /// K's group scales, `[b, hkv, k_groups]` f32.
+    pub ks: CubeTensor,
+    /// `[b, hq, nm, skv]` f32 when Q is smoothed.
+    pub ds: Option<CubeTensor>,
+    /// `[b, hkv, skv, d]`.
+    pub v: CubeTensor,
+    /// `[b, hkv, 1, d]` f32.
+    pub post: CubeTensor,
+}
+
+/// What every attention launcher allocates and derives from the plan before its launch.
 pub(crate) struct MatrixLaunch {
     /// `[b, hq, sq, d]` in the plan's dtype.
     pub out: CubeTensor,
@@ -356,23 +375,19 @@ pub fn sage_forward(
     );
     let (ki, ks) = quantize::quantize(k, k_mean, plan.kv_len, qk.k_layout(), qk.qmax(), int_dtype);
     let args = AttnArgs::new(plan, mean_blocks);
+    let x = QuantizedInputs {
+        qi,
+        ki,
+        qs,
+        ks,
+        ds: delta_s,
+        v,
+        post,
+    };
     match choice {
-        KernelChoice::Unit => attn_unit::launch(
-            qi,
-            ki,
-            qs,
-            ks,
-            delta_s,
-            v,
-            post,
-            args,
-            plan.dtype,
-            plan.head_dim,
-            plan.opts.causal,
-            plan.opts.return_lse,
-        ),
-        KernelChoice::Cmma => attn_cmma::launch(qi, ki, qs, ks, delta_s, v, post, args, plan),
-        KernelChoice::Mma => attn_mma::launch(qi, ki, qs, ks, delta_s, v, post, args, plan),
+        KernelChoice::Unit => attn_unit::launch(x, args, plan),
+        KernelChoice::Cmma => attn_cmma::launch(x, args, plan),
+        KernelChoice::Mma => attn_mma::launch(x, args, plan),
     }
 }
 

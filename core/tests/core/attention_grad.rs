@@ -8,7 +8,7 @@
 //! passed once (2026-11-28).
 
 use burn::tensor::{DType, Device, Tensor};
-use burn_kernels_core::recompute_attention::RECOMPUTE_BACKWARD;
+use burn_kernels_core::recompute_attention::{FLASH_BACKWARD, RECOMPUTE_BACKWARD};
 use burn_kernels_core::route::{launches, memory_in_use};
 use burn_kernels_core::{
     AttentionImpl, AttnOptions, BurnAttention, RecomputeAttention, ReferenceAttention,
@@ -27,6 +27,18 @@ const CASES: [Case; 5] = [
     (1, 2, 1, 7, 29, 64, true),
     (1, 9, 3, 130, 130, 64, true),
     (2, 3, 3, 41, 41, 32, false),
+];
+
+/// Head dim 64, where 16-bit operands take the flash backward kernels on CUDA: one query and
+/// key; primes past a 64-row tile with three query heads a key head; fewer queries than keys
+/// (bottom-right causal, so the first key tiles are hidden from some query tiles); SmolLM2's
+/// 9 / 3 heads; no mask with fewer keys than queries.
+const FLASH_CASES: [Case; 5] = [
+    (1, 1, 1, 1, 1, 64, true),
+    (2, 6, 2, 67, 67, 64, true),
+    (1, 2, 1, 37, 131, 64, true),
+    (1, 9, 3, 130, 130, 64, true),
+    (2, 4, 4, 97, 53, 64, false),
 ];
 
 /// `(out, dQ, dK, dV)` of `attention` on `q, k, v` with the upstream gradient `g`.
@@ -100,13 +112,50 @@ pub fn recompute_attention_gradients_match_reference(device: &Device) {
     );
 }
 
+/// [`RecomputeAttention`]'s 16-bit backward at head dim 64 ([`FLASH_CASES`]): the flash kernels
+/// must have run for every case and 16-bit dtype (counted). Before each case the memory pool is
+/// handed blocks of NaN the size of each gradient, so a gradient the kernels leave unwritten
+/// fails the comparison instead of reading a previous test's values.
+pub fn flash_attention_gradients_match_reference(device: &Device) {
+    let dtypes: Vec<DType> = float_dtypes(device)
+        .into_iter()
+        .filter(|d| matches!(d, DType::F16 | DType::BF16))
+        .collect();
+    assert!(!dtypes.is_empty(), "no 16-bit dtype on this device");
+    let before = launches(FLASH_BACKWARD);
+    for &dtype in &dtypes {
+        for &(b, hq, hkv, sq, skv, d, _) in &FLASH_CASES {
+            for shape in [[b, hq, sq, d], [b, hkv, skv, d], [b, hkv, skv, d]] {
+                drop(Tensor::<4>::full(shape, f32::NAN, (device, dtype)));
+            }
+            let _ = device.sync();
+        }
+        attention_gradients_match_cases(&RecomputeAttention, &[dtype], &FLASH_CASES, device);
+    }
+    let ran = launches(FLASH_BACKWARD) - before;
+    let want = (FLASH_CASES.len() * dtypes.len()) as u64;
+    assert!(
+        ran >= want,
+        "the flash backward ran {ran} times for {want} cases ({dtypes:?})"
+    );
+}
+
 fn attention_gradients_match_reference(
     attention: &dyn AttentionImpl,
     dtypes: &[DType],
     device: &Device,
 ) {
+    attention_gradients_match_cases(attention, dtypes, &CASES, device);
+}
+
+fn attention_gradients_match_cases(
+    attention: &dyn AttentionImpl,
+    dtypes: &[DType],
+    cases: &[Case],
+    device: &Device,
+) {
     for &dtype in dtypes {
-        for (i, &(b, hq, hkv, sq, skv, d, causal)) in CASES.iter().enumerate() {
+        for (i, &(b, hq, hkv, sq, skv, d, causal)) in cases.iter().enumerate() {
             let seed = 100 + 10 * i as u64;
             let make = |shape: [usize; 4], s: u64| {
                 random_tensor(shape, Dist::STANDARD, seed + s, dtype, device)

@@ -44,15 +44,7 @@ pub(super) fn q_fragments(
     #[unroll]
     for kk in 0..dim / 16 {
         let a_off = kk * bq * 16 + plane * 256;
-        qf.push(cmma::Matrix::<i8>::from_slice(
-            cmma::MatrixIdent::A,
-            16usize,
-            16usize,
-            16usize,
-            cmma::MatrixLayout::RowMajor,
-            q_sm.slice(a_off, a_off + 256),
-            16u32,
-        ));
+        qf.push(a_fragment::<i8>(q_sm.slice(a_off, a_off + 256), 16u32));
     }
     qf
 }
@@ -63,14 +55,7 @@ pub(super) fn zero_accumulators(#[comptime] dim: usize) -> Sequence<cmma::Matrix
     let mut of = Sequence::<cmma::Matrix<f32>>::new();
     #[unroll]
     for _t in 0..dim / 16 {
-        of.push(cmma::Matrix::<f32>::from_value(
-            cmma::MatrixIdent::Accumulator,
-            16usize,
-            16usize,
-            16usize,
-            cmma::MatrixLayout::Undefined,
-            f32::new(0.0),
-        ));
+        of.push(zero_accumulator::<f32>());
     }
     of
 }
@@ -204,6 +189,42 @@ pub(super) fn store_tile<P: Float, NK: Size, NV: Size>(
     }
 }
 
+/// A 16×16×16 A fragment loaded from the row-major rows of `src`, `stride` apart.
+#[cube]
+fn a_fragment<T: Numeric>(src: &[T], stride: u32) -> cmma::Matrix<T> {
+    cmma::Matrix::<T>::from_slice(
+        cmma::MatrixIdent::A,
+        16usize,
+        16usize,
+        16usize,
+        cmma::MatrixLayout::RowMajor,
+        src,
+        stride,
+    )
+}
+
+/// A 16×16×16 B fragment in `layout`, to be loaded before use: B tiles come from vectorized
+/// shared memory, which `from_slice` does not take.
+#[cube]
+fn b_fragment<T: Numeric>(layout: cmma::MatrixLayout) -> cmma::Matrix<T> {
+    unsafe {
+        cmma::Matrix::<T>::uninitialized(cmma::MatrixIdent::B, 16usize, 16usize, 16usize, layout)
+    }
+}
+
+/// A 16×16 accumulator fragment at zero.
+#[cube]
+fn zero_accumulator<T: Numeric>() -> cmma::Matrix<T> {
+    cmma::Matrix::<T>::from_value(
+        cmma::MatrixIdent::Accumulator,
+        16usize,
+        16usize,
+        16usize,
+        cmma::MatrixLayout::Undefined,
+        T::from_int(0),
+    )
+}
+
 /// `S = Q·Kᵀ` for the plane's 16 rows and the tile's keys, i8·i8→i32 on the matrix units,
 /// stored to the plane's rows of `s_sm`.
 #[cube]
@@ -214,26 +235,10 @@ pub(super) fn scores_tile<NK: Size>(
     s_plane: usize,
     #[comptime] dim: usize,
 ) {
-    // B fragments are loaded from vectorized shared memory, which `from_slice` does not take.
-    let mut kb = unsafe {
-        cmma::Matrix::<i8>::uninitialized(
-            cmma::MatrixIdent::B,
-            16usize,
-            16usize,
-            16usize,
-            cmma::MatrixLayout::ColMajor,
-        )
-    };
+    let mut kb = b_fragment::<i8>(cmma::MatrixLayout::ColMajor);
     #[unroll]
     for n in 0..BKV / 16 {
-        let acc = cmma::Matrix::<i32>::from_value(
-            cmma::MatrixIdent::Accumulator,
-            16usize,
-            16usize,
-            16usize,
-            cmma::MatrixLayout::Undefined,
-            i32::new(0),
-        );
+        let acc = zero_accumulator::<i32>();
         #[unroll]
         for kk in 0..dim / 16 {
             let b_off = (kk * BKV * 16 + n * 256) / K_VEC;
@@ -437,26 +442,12 @@ pub(super) fn accumulate_pv<P: Float, NV: Size>(
     s_plane: usize,
     #[comptime] dim: usize,
 ) {
-    // B fragments are loaded from vectorized shared memory, which `from_slice` does not take.
-    let mut vb = unsafe {
-        cmma::Matrix::<P>::uninitialized(
-            cmma::MatrixIdent::B,
-            16usize,
-            16usize,
-            16usize,
-            cmma::MatrixLayout::RowMajor,
-        )
-    };
+    let mut vb = b_fragment::<P>(cmma::MatrixLayout::RowMajor);
     let mut pf = Sequence::<cmma::Matrix<P>>::new();
     #[unroll]
     for kk in 0..BKV / 16 {
         let a_off = s_plane + kk * 16;
-        pf.push(cmma::Matrix::<P>::from_slice(
-            cmma::MatrixIdent::A,
-            16usize,
-            16usize,
-            16usize,
-            cmma::MatrixLayout::RowMajor,
+        pf.push(a_fragment::<P>(
             p_sm.slice(a_off, a_off + 15 * BKV + 16),
             comptime!(BKV as u32),
         ));

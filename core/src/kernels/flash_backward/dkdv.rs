@@ -1,0 +1,118 @@
+//! The key-owned walk: one cube per `(batch · kv_head, tile of TILE keys)`, one plane per 16
+//! keys, walking every query head of the key head's group and the query tiles that see the
+//! keys. Per query tile: `Sᵀ = K·Qᵀ` and `dPᵀ = V·dOᵀ` (K and V fragments held in registers),
+//! `Pᵀ` and `dSᵀ = Pᵀ ⊙ (dPᵀ − Δ)` on the registers, `dV += Pᵀ·dO` and `dK += dSᵀ·Q`. The
+//! group's query heads sum in the registers, so grouped-query attention needs no reduction
+//! afterwards.
+
+use cubecl::prelude::*;
+
+use super::stages::{
+    a_fragments, accumulate, key_rows_gradients, rows_product, store_tile, write_rows, zero,
+};
+use super::{FlashArgs, PAD, TILE};
+
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments, clippy::manual_div_ceil)]
+pub(super) fn flash_dkdv_kernel<P: Float, N2: Size>(
+    q: &Tensor<Vector<P, N2>>,
+    k: &Tensor<Vector<P, N2>>,
+    v: &Tensor<Vector<P, N2>>,
+    dout: &Tensor<Vector<P, N2>>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    dk: &mut Tensor<P>,
+    dv: &mut Tensor<P>,
+    args: FlashArgs,
+    #[comptime] dim: usize,
+    #[comptime] causal: bool,
+    #[define(P)] _dtype: ElemType,
+) {
+    let k_tiles = (args.skv + TILE - 1) / TILE;
+    let cube = (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize;
+    let group = args.hq / args.hkv;
+    if cube >= (args.heads / group) * k_tiles {
+        terminate!();
+    }
+    let bhk = cube / k_tiles;
+    // With a causal mask the first key tiles are seen by the most queries: they go first.
+    let k0 = (cube % k_tiles) * TILE;
+    let lane = UNIT_POS_X as usize;
+    let plane = UNIT_POS_Y as usize;
+    let tid = plane * 32 + lane;
+    let first = k0 + plane * 16;
+    let row = first + lane / 4;
+
+    let mut kf = Array::<Vector<P, N2>>::new(comptime!(dim / 4));
+    let mut vf = Array::<Vector<P, N2>>::new(comptime!(dim / 4));
+    a_fragments::<P, N2>(k, bhk * args.skv, first, args.skv, lane, &mut kf, dim);
+    a_fragments::<P, N2>(v, bhk * args.skv, first, args.skv, lane, &mut vf, dim);
+    let mut dk_acc = Array::<Vector<f32, N2>>::new(comptime!(dim / 4));
+    let mut dv_acc = Array::<Vector<f32, N2>>::new(comptime!(dim / 4));
+    zero::<N2>(&mut dk_acc, dim);
+    zero::<N2>(&mut dv_acc, dim);
+
+    let rows = comptime!(TILE * (dim / 2 + PAD));
+    let cols = comptime!(dim * (TILE / 2 + PAD));
+    let mut q_sm = Shared::<[Vector<P, N2>]>::new_aligned_slice(rows, 16usize);
+    let mut qt_sm = Shared::<[Vector<P, N2>]>::new_aligned_slice(cols, 16usize);
+    let mut do_sm = Shared::<[Vector<P, N2>]>::new_aligned_slice(rows, 16usize);
+    let mut dot_sm = Shared::<[Vector<P, N2>]>::new_aligned_slice(cols, 16usize);
+    let mut lse_sm = Shared::<[f32]>::new_slice(TILE);
+    let mut delta_sm = Shared::<[f32]>::new_slice(TILE);
+    let mut st = Array::<Vector<f32, N2>>::new(comptime!(TILE / 4));
+    let mut dpt = Array::<Vector<f32, N2>>::new(comptime!(TILE / 4));
+    let mut p = Array::<Vector<P, N2>>::new(comptime!(TILE / 4));
+    let mut ds = Array::<Vector<P, N2>>::new(comptime!(TILE / 4));
+
+    // The first query tile that sees any of the keys.
+    let mut q_start = 0usize;
+    if causal && k0 > args.offset {
+        q_start = (k0 - args.offset) / TILE * TILE;
+    }
+    let b = bhk / args.hkv;
+    let hk = bhk % args.hkv;
+    for gi in 0..group {
+        let bh = b * args.hq + hk * group + gi;
+        let mut q0 = q_start;
+        while q0 < args.sq {
+            sync_cube();
+            let base = bh * args.sq + q0;
+            let valid = args.sq - q0;
+            store_tile::<P, N2>(q, base, valid, &mut q_sm, &mut qt_sm, tid, dim, true);
+            store_tile::<P, N2>(dout, base, valid, &mut do_sm, &mut dot_sm, tid, dim, true);
+            if tid < TILE {
+                let mut l = f32::new(0.0);
+                let mut d = f32::new(0.0);
+                if tid < valid {
+                    l = lse[base + tid];
+                    d = delta[base + tid];
+                }
+                lse_sm[tid] = l;
+                delta_sm[tid] = d;
+            }
+            sync_cube();
+            rows_product::<P, N2>(&kf, &q_sm, &mut st, lane, dim);
+            rows_product::<P, N2>(&vf, &do_sm, &mut dpt, lane, dim);
+            key_rows_gradients::<P, N2>(
+                &st,
+                &dpt,
+                &mut p,
+                &mut ds,
+                &lse_sm,
+                &delta_sm,
+                &args,
+                row,
+                q0,
+                lane % 4,
+                causal,
+            );
+            accumulate::<P, N2>(&p, &dot_sm, &mut dv_acc, lane, dim);
+            accumulate::<P, N2>(&ds, &qt_sm, &mut dk_acc, lane, dim);
+            q0 += TILE;
+        }
+    }
+    let base = bhk * args.skv;
+    write_rows::<P, N2>(&dk_acc, dk, base, first, args.skv, args.scale, lane, dim);
+    write_rows::<P, N2>(&dv_acc, dv, base, first, args.skv, f32::new(1.0), lane, dim);
+}

@@ -1,0 +1,134 @@
+//! The query-owned walk: one cube per `(batch · q_head, tile of TILE queries)`, one plane per 16
+//! queries, walking the key tiles the queries see. Per key tile: `S = Q·Kᵀ` and `dP = dO·Vᵀ`
+//! (Q and dO fragments held in registers for the whole walk), `dS = P ⊙ (dP − Δ)` on the
+//! registers, `dQ += dS·K`. `dQ · scale` is written once at the end.
+
+use cubecl::prelude::*;
+
+use super::stages::{
+    a_fragments, accumulate, query_rows_gradients, rows_product, store_tile, write_rows, zero,
+};
+use super::{FlashArgs, PAD, TILE};
+
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments, clippy::manual_div_ceil)]
+pub(super) fn flash_dq_kernel<P: Float, N2: Size>(
+    q: &Tensor<Vector<P, N2>>,
+    k: &Tensor<Vector<P, N2>>,
+    v: &Tensor<Vector<P, N2>>,
+    dout: &Tensor<Vector<P, N2>>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    dq: &mut Tensor<P>,
+    args: FlashArgs,
+    #[comptime] dim: usize,
+    #[comptime] causal: bool,
+    #[define(P)] _dtype: ElemType,
+) {
+    let q_tiles = (args.sq + TILE - 1) / TILE;
+    let cube = (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize;
+    if cube >= args.heads * q_tiles {
+        terminate!();
+    }
+    let bh = cube / q_tiles;
+    // Longest walks first: with a causal mask the last query tiles see the most keys.
+    let q0 = (q_tiles - 1 - cube % q_tiles) * TILE;
+    let bhk = (bh / args.hq) * args.hkv + (bh % args.hq) / (args.hq / args.hkv);
+    let lane = UNIT_POS_X as usize;
+    let plane = UNIT_POS_Y as usize;
+    let tid = plane * 32 + lane;
+    let first = q0 + plane * 16;
+    let row = first + lane / 4;
+
+    let mut qf = Array::<Vector<P, N2>>::new(comptime!(dim / 4));
+    let mut dof = Array::<Vector<P, N2>>::new(comptime!(dim / 4));
+    a_fragments::<P, N2>(q, bh * args.sq, first, args.sq, lane, &mut qf, dim);
+    a_fragments::<P, N2>(dout, bh * args.sq, first, args.sq, lane, &mut dof, dim);
+    let mut row_lse = Array::<f32>::new(2usize);
+    let mut row_delta = Array::<f32>::new(2usize);
+    #[unroll]
+    for v in 0..2usize {
+        let r = row + 8 * v;
+        let mut l = f32::new(0.0);
+        let mut d = f32::new(0.0);
+        if r < args.sq {
+            l = lse[bh * args.sq + r];
+            d = delta[bh * args.sq + r];
+        }
+        row_lse[v] = l;
+        row_delta[v] = d;
+    }
+    let mut acc = Array::<Vector<f32, N2>>::new(comptime!(dim / 4));
+    zero::<N2>(&mut acc, dim);
+
+    let mut k_sm =
+        Shared::<[Vector<P, N2>]>::new_aligned_slice(comptime!(TILE * (dim / 2 + PAD)), 16usize);
+    let mut kt_sm =
+        Shared::<[Vector<P, N2>]>::new_aligned_slice(comptime!(dim * (TILE / 2 + PAD)), 16usize);
+    let mut v_sm =
+        Shared::<[Vector<P, N2>]>::new_aligned_slice(comptime!(TILE * (dim / 2 + PAD)), 16usize);
+    let mut s = Array::<Vector<f32, N2>>::new(comptime!(TILE / 4));
+    let mut dp = Array::<Vector<f32, N2>>::new(comptime!(TILE / 4));
+    let mut ds = Array::<Vector<P, N2>>::new(comptime!(TILE / 4));
+
+    let mut kv_end = args.skv;
+    if causal {
+        let mut last = q0 + TILE;
+        if last > args.sq {
+            last = args.sq;
+        }
+        kv_end = last + args.offset;
+    }
+    let mut kv0 = 0usize;
+    while kv0 < kv_end {
+        sync_cube();
+        store_tile::<P, N2>(
+            k,
+            bhk * args.skv + kv0,
+            args.skv - kv0,
+            &mut k_sm,
+            &mut kt_sm,
+            tid,
+            dim,
+            true,
+        );
+        // V's rows only: its channel-major copy goes to `kt_sm`'s slot unused (`columns` off).
+        store_tile::<P, N2>(
+            v,
+            bhk * args.skv + kv0,
+            args.skv - kv0,
+            &mut v_sm,
+            &mut kt_sm,
+            tid,
+            dim,
+            false,
+        );
+        sync_cube();
+        rows_product::<P, N2>(&qf, &k_sm, &mut s, lane, dim);
+        rows_product::<P, N2>(&dof, &v_sm, &mut dp, lane, dim);
+        query_rows_gradients::<P, N2>(
+            &s,
+            &dp,
+            &mut ds,
+            &row_lse,
+            &row_delta,
+            &args,
+            row,
+            kv0,
+            lane % 4,
+            causal,
+        );
+        accumulate::<P, N2>(&ds, &kt_sm, &mut acc, lane, dim);
+        kv0 += TILE;
+    }
+    write_rows::<P, N2>(
+        &acc,
+        dq,
+        bh * args.sq,
+        first,
+        args.sq,
+        args.scale,
+        lane,
+        dim,
+    );
+}

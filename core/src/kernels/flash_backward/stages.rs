@@ -1,0 +1,308 @@
+//! What both backward kernels do on a tile, as `#[cube]` functions (inlined into each kernel):
+//! loading a tile into shared memory (row-major, and channel-major for the products that walk
+//! its rows), the A fragments of a plane's rows, the two shapes of `mma.m16n8k16` products, and
+//! the probabilities and score gradients of a tile on the lane's registers.
+//!
+//! Fragment layouts are PTX's for `mma.m16n8k16` with 16-bit operands and f32 accumulators:
+//! lane `l` (group `g = l / 4`, `t = l mod 4`) holds rows `g` and `g + 8` and, in each block of
+//! 8 columns, columns `2t` and `2t + 1`. An accumulator block of 16 × 8 is two `Vector<f32, 2>`
+//! (row `g`, row `g + 8`); two adjacent blocks are the A operand of one 16-deep step, which is
+//! how probabilities and score gradients go from one product into the next without leaving the
+//! registers.
+
+use cubecl::cmma::MmaDefinition;
+use cubecl::prelude::*;
+
+use super::{FlashArgs, PAD, THREADS, TILE};
+
+/// Stores tile rows `0 .. TILE` (rows `base + r` of `src`, `[.., dim]` in pairs; rows at or
+/// past `valid` as zeros) to `rows_sm` (row-major, `dim / 2 + PAD` words a row) and, when
+/// `columns`, to `cols_sm` (channel-major: row `c` holds the tile's rows in pairs,
+/// `TILE / 2 + PAD` words a row). Every unit of the cube takes 2 × 2 blocks.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn store_tile<P: Float, N2: Size>(
+    src: &Tensor<Vector<P, N2>>,
+    base: usize,
+    valid: usize,
+    rows_sm: &mut Shared<[Vector<P, N2>]>,
+    cols_sm: &mut Shared<[Vector<P, N2>]>,
+    tid: usize,
+    #[comptime] dim: usize,
+    #[comptime] columns: bool,
+) {
+    let half = comptime!(dim / 2);
+    let rw = comptime!(dim / 2 + PAD);
+    let tw = comptime!(TILE / 2 + PAD);
+    #[unroll]
+    for i in 0..comptime!(TILE * dim / 4 / THREADS) {
+        let b = tid + i * THREADS;
+        let r2 = b / half;
+        let c2 = b % half;
+        let r = 2 * r2;
+        let mut x0 = Vector::<P, N2>::new(P::from_int(0));
+        let mut x1 = Vector::<P, N2>::new(P::from_int(0));
+        if r < valid {
+            x0 = src[(base + r) * half + c2];
+        }
+        if r + 1 < valid {
+            x1 = src[(base + r + 1) * half + c2];
+        }
+        rows_sm[r * rw + c2] = x0;
+        rows_sm[(r + 1) * rw + c2] = x1;
+        if columns {
+            let mut y0 = Vector::<P, N2>::empty();
+            let mut y1 = Vector::<P, N2>::empty();
+            y0.insert(0usize, x0.extract(0usize));
+            y0.insert(1usize, x1.extract(0usize));
+            y1.insert(0usize, x0.extract(1usize));
+            y1.insert(1usize, x1.extract(1usize));
+            cols_sm[2 * c2 * tw + r2] = y0;
+            cols_sm[(2 * c2 + 1) * tw + r2] = y1;
+        }
+    }
+}
+
+/// The A fragments of rows `first + g` and `first + g + 8` of `src` (rows `base + r`,
+/// `[.., dim]` in pairs; rows at or past `len` zero): step `kk` (channels `16kk ..`) at
+/// `frag[4kk ..]`.
+#[cube]
+pub fn a_fragments<P: Float, N2: Size>(
+    src: &Tensor<Vector<P, N2>>,
+    base: usize,
+    first: usize,
+    len: usize,
+    lane: usize,
+    frag: &mut Array<Vector<P, N2>>,
+    #[comptime] dim: usize,
+) {
+    let half = comptime!(dim / 2);
+    let g = lane / 4;
+    let t = lane % 4;
+    #[unroll]
+    for kk in 0..comptime!(dim / 16) {
+        #[unroll]
+        for j in 0..4usize {
+            let row = first + g + 8 * (j % 2);
+            let mut x = Vector::<P, N2>::new(P::from_int(0));
+            if row < len {
+                x = src[(base + row) * half + kk * 8 + t + 4 * (j / 2)];
+            }
+            frag[kk * 4 + j] = x;
+        }
+    }
+}
+
+/// `c = A · Bᵀ`: the plane's 16 rows (A fragments `a`, `dim` deep) against the tile's `TILE`
+/// rows in `rows_sm`; block `n` (tile rows `8n ..`) at `c[2n]` (row `g`) and `c[2n + 1]`.
+#[cube]
+pub fn rows_product<P: Float, N2: Size>(
+    a: &Array<Vector<P, N2>>,
+    rows_sm: &Shared<[Vector<P, N2>]>,
+    c: &mut Array<Vector<f32, N2>>,
+    lane: usize,
+    #[comptime] dim: usize,
+) {
+    let def = MmaDefinition::<P, P, f32>::new(16usize, 8usize, 16usize);
+    let rw = comptime!(dim / 2 + PAD);
+    let g = lane / 4;
+    let t = lane % 4;
+    let mut ah = Array::<Vector<P, N2>>::new(4usize);
+    let mut bh = Array::<Vector<P, N2>>::new(2usize);
+    let mut cf = Array::<Vector<f32, N2>>::new(2usize);
+    #[unroll]
+    for n in 0..comptime!(TILE / 8) {
+        cf[0] = Vector::<f32, N2>::new(f32::new(0.0));
+        cf[1] = Vector::<f32, N2>::new(f32::new(0.0));
+        let base = (n * 8 + g) * rw + t;
+        #[unroll]
+        for kk in 0..comptime!(dim / 16) {
+            #[unroll]
+            for j in 0..4usize {
+                ah[j] = a[kk * 4 + j];
+            }
+            bh[0] = rows_sm[base + kk * 8];
+            bh[1] = rows_sm[base + kk * 8 + 4];
+            let r = def.execute(&ah, &bh, &cf);
+            cf[0] = r[0];
+            cf[1] = r[1];
+        }
+        c[n * 2] = cf[0];
+        c[n * 2 + 1] = cf[1];
+    }
+}
+
+/// `acc += A · B`: A the plane's 16 rows by the tile's `TILE` rows (pairs of accumulator
+/// blocks, as [`rows_product`] leaves them, rounded), B the tile's rows by `dim` channels from
+/// `cols_sm`; channel block `dn` at `acc[2dn]` (row `g`) and `acc[2dn + 1]`.
+#[cube]
+pub fn accumulate<P: Float, N2: Size>(
+    a: &Array<Vector<P, N2>>,
+    cols_sm: &Shared<[Vector<P, N2>]>,
+    acc: &mut Array<Vector<f32, N2>>,
+    lane: usize,
+    #[comptime] dim: usize,
+) {
+    let def = MmaDefinition::<P, P, f32>::new(16usize, 8usize, 16usize);
+    let tw = comptime!(TILE / 2 + PAD);
+    let g = lane / 4;
+    let t = lane % 4;
+    let mut ah = Array::<Vector<P, N2>>::new(4usize);
+    let mut bh = Array::<Vector<P, N2>>::new(2usize);
+    let mut cf = Array::<Vector<f32, N2>>::new(2usize);
+    #[unroll]
+    for dn in 0..comptime!(dim / 8) {
+        cf[0] = acc[dn * 2];
+        cf[1] = acc[dn * 2 + 1];
+        let base = (dn * 8 + g) * tw + t;
+        #[unroll]
+        for kk in 0..comptime!(TILE / 16) {
+            #[unroll]
+            for j in 0..4usize {
+                ah[j] = a[kk * 4 + j];
+            }
+            bh[0] = cols_sm[base + kk * 8];
+            bh[1] = cols_sm[base + kk * 8 + 4];
+            let r = def.execute(&ah, &bh, &cf);
+            cf[0] = r[0];
+            cf[1] = r[1];
+        }
+        acc[dn * 2] = cf[0];
+        acc[dn * 2 + 1] = cf[1];
+    }
+}
+
+/// Whether query `query` sees key `key`: both exist and, with a causal mask (bottom-right:
+/// `offset = skv − sq`), the key is not after the query's diagonal.
+#[cube]
+fn visible(args: &FlashArgs, query: usize, key: usize, #[comptime] causal: bool) -> bool {
+    let mut seen = query < args.sq && key < args.skv;
+    if causal {
+        seen = seen && key <= query + args.offset;
+    }
+    seen
+}
+
+/// A tile of the query-owned walk (rows queries, columns keys `col0 ..`): from the scores `s`
+/// and `dp = dO·Vᵀ`, the score gradients `dS = P ⊙ (dP − Δ)` with
+/// `P = exp(scale · s − lse)`, as A-operand pairs in `ds` (zero where a key is hidden).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn query_rows_gradients<P: Float, N2: Size>(
+    s: &Array<Vector<f32, N2>>,
+    dp: &Array<Vector<f32, N2>>,
+    ds: &mut Array<Vector<P, N2>>,
+    lse: &Array<f32>,
+    delta: &Array<f32>,
+    args: &FlashArgs,
+    row: usize,
+    col0: usize,
+    t: usize,
+    #[comptime] causal: bool,
+) {
+    #[unroll]
+    for n in 0..comptime!(TILE / 8) {
+        #[unroll]
+        for v in 0..2usize {
+            let sv = s[n * 2 + v];
+            let dv = dp[n * 2 + v];
+            let mut out = Vector::<P, N2>::empty();
+            #[unroll]
+            for e in 0..2usize {
+                let key = col0 + n * 8 + 2 * t + e;
+                let p = f32::exp(sv.extract(e) * args.scale - lse[v]);
+                let g = p * (dv.extract(e) - delta[v]);
+                let g = select(visible(args, row + 8 * v, key, causal), g, f32::new(0.0));
+                out.insert(e, P::cast_from(g));
+            }
+            ds[n * 2 + v] = out;
+        }
+    }
+}
+
+/// A tile of the key-owned walk (rows keys, columns queries `col0 ..`): from the transposed
+/// scores `st` and `dpt = V·dOᵀ`, the probabilities `Pᵀ` in `p` and the score gradients
+/// `dSᵀ` in `ds`, as A-operand pairs (zero where a query does not see the key); the queries'
+/// log-sum-exp and `Δ` from shared memory.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn key_rows_gradients<P: Float, N2: Size>(
+    st: &Array<Vector<f32, N2>>,
+    dpt: &Array<Vector<f32, N2>>,
+    p: &mut Array<Vector<P, N2>>,
+    ds: &mut Array<Vector<P, N2>>,
+    lse_sm: &Shared<[f32]>,
+    delta_sm: &Shared<[f32]>,
+    args: &FlashArgs,
+    row: usize,
+    col0: usize,
+    t: usize,
+    #[comptime] causal: bool,
+) {
+    #[unroll]
+    for n in 0..comptime!(TILE / 8) {
+        #[unroll]
+        for v in 0..2usize {
+            let sv = st[n * 2 + v];
+            let dv = dpt[n * 2 + v];
+            let mut pv = Vector::<P, N2>::empty();
+            let mut gv = Vector::<P, N2>::empty();
+            #[unroll]
+            for e in 0..2usize {
+                let c = n * 8 + 2 * t + e;
+                let seen = visible(args, col0 + c, row + 8 * v, causal);
+                let pe = select(
+                    seen,
+                    f32::exp(sv.extract(e) * args.scale - lse_sm[c]),
+                    f32::new(0.0),
+                );
+                pv.insert(e, P::cast_from(pe));
+                gv.insert(e, P::cast_from(pe * (dv.extract(e) - delta_sm[c])));
+            }
+            p[n * 2 + v] = pv;
+            ds[n * 2 + v] = gv;
+        }
+    }
+}
+
+/// Writes the lane's accumulators times `factor` as rows `first + g` and `first + g + 8` of
+/// `dst` (rows `base + r`, `[.., dim]`), those below `len`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn write_rows<P: Float, N2: Size>(
+    acc: &Array<Vector<f32, N2>>,
+    dst: &mut Tensor<P>,
+    base: usize,
+    first: usize,
+    len: usize,
+    factor: f32,
+    lane: usize,
+    #[comptime] dim: usize,
+) {
+    let g = lane / 4;
+    let t = lane % 4;
+    #[unroll]
+    for v in 0..2usize {
+        let row = first + g + 8 * v;
+        if row < len {
+            #[unroll]
+            for dn in 0..comptime!(dim / 8) {
+                let x = acc[dn * 2 + v];
+                #[unroll]
+                for e in 0..2usize {
+                    dst[(base + row) * dim + dn * 8 + 2 * t + e] =
+                        P::cast_from(x.extract(e) * factor);
+                }
+            }
+        }
+    }
+}
+
+/// Zeros `acc` (`dim / 4` accumulator registers: `dim / 8` blocks of two rows).
+#[cube]
+pub fn zero<N2: Size>(acc: &mut Array<Vector<f32, N2>>, #[comptime] dim: usize) {
+    #[unroll]
+    for i in 0..comptime!(dim / 4) {
+        acc[i] = Vector::<f32, N2>::new(f32::new(0.0));
+    }
+}
