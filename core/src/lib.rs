@@ -26,7 +26,6 @@ pub mod kernels;
 pub mod layer_ops;
 pub mod logging;
 pub mod recompute_attention;
-mod recompute_backward;
 pub mod rope;
 pub mod route;
 pub mod sampling;

@@ -1,18 +1,19 @@
 //! Attention for training: Burn's fused forward, which saves only the output and one
-//! log-sum-exp per query, and a backward that recomputes the probabilities from them with tensor
-//! ops (Burn's matmuls) one layer at a time.
+//! log-sum-exp per query, and a backward that recomputes the probabilities from them one layer
+//! at a time.
 //!
-//! Why: Burn 0.23.0-pre.1's fused attention backward (cubek's) has no tensor-core routine for
-//! f32 operands; the one routine that takes f32 walks one query or key per thread, which made an
-//! f32 training step with Burn's attention 3.1× slower than one with the decomposed attention
-//! (H200, 2026-11-28, SmolLM2-135M, batch 8 × 1024). The decomposed attention is fast but keeps
-//! every layer's `batch · heads · seq²` scores and probabilities until the backward. This op
-//! keeps what the fused attention keeps and differentiates with Burn's own composed backward
-//! (`attention_backward_default`: `QKᵀ` again, `exp(s − lse)`, four matmuls), whose `seq²`
-//! tensors live only while one layer's gradient is computed. In f16/bf16 the same backward runs
-//! with core's GEMMs ([`crate::recompute_backward`]), an alternative to cubek's fused backward
-//! that is not faster yet (4.5 against 3.5 ms a layer at SmolLM2's batch 8 × 1024 in bf16, H200),
-//! which is why training in bf16 defaults to Burn's attention.
+//! - f32 operands: Burn's own composed backward (`attention_backward_default`: `QKᵀ` again,
+//!   `exp(s − lse)`, four TF32 matmuls), whose `seq²` tensors live only while one layer's
+//!   gradient is computed. Why: Burn 0.23.0-pre.1's fused attention backward (cubek's) has no
+//!   tensor-core routine for f32 operands; the one routine that takes f32 walks one query or key
+//!   per thread, which made an f32 training step with Burn's attention 3.1× slower than one with
+//!   the decomposed attention (H200, 2026-11-28, SmolLM2-135M, batch 8 × 1024), and the
+//!   decomposed attention keeps every layer's `batch · heads · seq²` scores until the backward.
+//! - f16/bf16 operands: [`HalfAttentionBackward`], the FlashAttention-2 style kernels of
+//!   [`crate::kernels::flash_backward`] where they take the problem (CUDA, head dim 64), else
+//!   Burn's fused backward (cubek's). The kernels made a bf16 SmolLM2 step at batch 8 × 1024
+//!   1.44× faster than with Burn's fused attention (H200, 2026-11-29: 181.7 against 261.1 ms;
+//!   cubek's backward took 104 of the 219 ms of the step's GPU time).
 
 use burn::backend::TensorMetadata;
 use burn::backend::autodiff::{
@@ -29,7 +30,6 @@ use burn::tensor::ops::CausalAlignment;
 use burn::tensor::{DType, Tensor};
 
 use crate::attention::{AttentionImpl, AttnOptions, BurnAttention, burn_scale};
-use crate::gemm::GemmTo;
 use crate::route::{Grad, count_launch, route};
 
 /// The op's name for [`crate::route::launches`]: counted once per backward pass that
@@ -108,10 +108,8 @@ fn options(causal: bool, scale: Option<f64>) -> AttentionModuleOptions {
 
 /// [`recompute_attention`] as a Burn backend extension. Without autodiff it is Burn's
 /// `attention` (the fused kernel); `Autodiff<B>` runs `B::attention_with_logsumexp` forward and
-/// a composed backward: Burn's `attention_backward_default` for f32 operands, and for 16-bit ones
-/// [`crate::recompute_backward`]'s (core's fixed GEMMs, f32 scores), since Burn's composed
-/// backward would run their products on Burn's autotuned 16-bit matmul, which fails at some
-/// shapes on Hopper ([`crate::gemm`]), and cubek's fused backward is slow.
+/// a backward that recomputes the probabilities: Burn's `attention_backward_default` for f32
+/// operands, [`HalfAttentionBackward`] for 16-bit ones.
 #[backend_extension(
     Cube: cfg(feature = "cube"),
     Fusion: cfg(all(feature = "cube", feature = "fusion")),
@@ -144,12 +142,13 @@ pub const FLASH_BACKWARD: &str = "flash-attention-backward";
 /// The backward of attention for f16/bf16 operands, as a backend extension: on `CubeBackend`
 /// (and `Fusion` of it) the FlashAttention-2 style kernels of
 /// [`crate::kernels::flash_backward`] where they take the problem (CUDA's 16-bit MMA, head dim
-/// 64), else a composed backward on core's GEMMs with the scores in f32.
+/// 64, a causal mask only with no more queries than keys), else Burn's fused backward
+/// (`attention_backward`, cubek's kernels), with a debug log line saying why.
 #[backend_extension(
     Cube: cfg(feature = "cube"),
     Fusion: cfg(all(feature = "cube", feature = "fusion")),
 )]
-pub trait HalfAttentionBackward: GemmTo {
+pub trait HalfAttentionBackward: Backend {
     /// `(dQ, dK, dV)` from the inputs, the output `out`, the forward's log-sum-exp `lse` of
     /// the scaled scores and the output's gradient `dout`; `causal` bottom-right.
     ///
@@ -184,7 +183,7 @@ impl HalfAttentionBackward for burn_cubecl::CubeBackend {
         scale: f64,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         use crate::kernels::flash_backward::flash_backward;
-        use crate::recompute_backward::half_backward;
+        use burn::backend::ops::ModuleOps;
         let flash = flash_backward(
             q.clone(),
             k.clone(),
@@ -199,8 +198,8 @@ impl HalfAttentionBackward for burn_cubecl::CubeBackend {
             count_launch(FLASH_BACKWARD);
             return grads;
         }
-        let g = half_backward::<Self>(q, k, v, out, lse, dout, options(causal, Some(scale)));
-        (g.query, g.key, g.value)
+        let g = Self::attention_backward(q, k, v, out, lse, dout, options(causal, Some(scale)));
+        (g.query_grad, g.key_grad, g.value_grad)
     }
 }
 

@@ -250,11 +250,13 @@ pub fn sage_variant(name: &str) -> SageOptions {
 
 /// The attention of a training step (`finetune --attention`).
 ///
-/// Measured on an H200 (2026-11-28, SmolLM2-135M shape, batch 8 × 1024, CCE; `bench/results/
-/// 2026-11-28/nvidia-h200-s32-e2e-train.md`): in f32 `recompute` takes 396 ms and 15.0 GB a
-/// step, `reference` 488 ms and 43.0 GB, `fused` 1485 ms and 14.1 GB (cubek's f32 attention
-/// backward); at 2048 tokens only `recompute` fits among the f32 ones (1077 ms, 31 GB). In bf16
-/// `fused` takes 280 ms and 10.8 GB. [`TrainAttention::for_precision`] picks the default.
+/// Measured on an H200 (SmolLM2-135M shape, batch 8 × 1024, CCE): in f32 (2026-11-28,
+/// `bench/results/2026-11-28/nvidia-h200-s32-e2e-train.md`) `recompute` takes 396 ms and
+/// 15.0 GB a step, `reference` 488 ms and 43.0 GB, `fused` 1485 ms and 14.1 GB (cubek's f32
+/// attention backward); at 2048 tokens only `recompute` fits among the f32 ones (1077 ms,
+/// 31 GB). In bf16 (2026-11-29, `bench/results/2026-11-29/nvidia-h200-s34-e2e-train.md`)
+/// `recompute` (core's flash backward kernels) takes 197 ms, `fused` 283 ms, both 10.8 GB.
+/// [`TrainAttention::for_precision`] picks the default.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum TrainAttention {
     /// Burn's attention op: on a CubeCL device its fused kernels, whose backward recomputes the
@@ -267,21 +269,20 @@ pub enum TrainAttention {
     #[default]
     Reference,
     /// On a CubeCL device: Burn's fused forward (saves the output and one log-sum-exp per
-    /// query, as `fused`) and a backward that recomputes each layer's probabilities with tensor
-    /// ops and GEMMs (TF32 matmuls in f32; in f16/bf16 core's fixed GEMM with f32 scores)
+    /// query, as `fused`) and a backward that recomputes each layer's probabilities: Burn's
+    /// composed backward with TF32 matmuls in f32; in f16/bf16 core's FlashAttention-2 style
+    /// kernels on CUDA at head dim 64, else Burn's fused backward
     /// ([`burn_kernels_core::recompute_attention`]). `fused` elsewhere.
     Recompute,
 }
 
 impl TrainAttention {
-    /// The default for `precision`: [`TrainAttention::Fused`] in bf16 (fast and small there),
-    /// [`TrainAttention::Recompute`] in f32 (cubek's f32 attention backward is slow; the
-    /// decomposed attention keeps every layer's scores).
-    pub fn for_precision(precision: Precision) -> Self {
-        match precision {
-            Precision::Bf16 => TrainAttention::Fused,
-            Precision::F32 => TrainAttention::Recompute,
-        }
+    /// The default for `precision`: [`TrainAttention::Recompute`] (in bf16 the flash backward
+    /// kernels where they apply and Burn's fused backward elsewhere, so never slower than
+    /// `fused`; in f32 cubek's attention backward is slow and the decomposed attention keeps
+    /// every layer's scores).
+    pub fn for_precision(_precision: Precision) -> Self {
+        TrainAttention::Recompute
     }
 
     /// The implementation.

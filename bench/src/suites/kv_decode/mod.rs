@@ -11,8 +11,8 @@ use burn::tensor::{DType, Device, Distribution, Int, Tensor, TensorData};
 use burn_kernels_core::{AttentionImpl, AttnOptions, BurnAttention, KvCache, Rope};
 use burn_llama::{Llama, LlamaConfig};
 
-use super::{PoolProps, SuiteOptions};
-use crate::harness::{Candidate, Extra, MemoryProbe, PeerRun};
+use super::SuiteOptions;
+use crate::harness::MemoryProbe;
 
 mod memory;
 pub use memory::*;
@@ -277,6 +277,7 @@ pub fn median_mean(times: &[f64]) -> (f64, f64) {
 #[cfg(test)]
 pub mod tests {
     use super::*;
+    use crate::suites::PoolProps;
 
     /// An 80 GB H100 as CUDA reports it to CubeCL (a quarter of 85.5 GB per page).
     pub const H100: PoolProps = PoolProps {

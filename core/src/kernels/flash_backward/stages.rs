@@ -93,6 +93,34 @@ pub fn a_fragments<P: Float, N2: Size>(
     }
 }
 
+/// `cf += Σ_kk A_kk · B_kk` over `steps` 16-deep steps of `mma.m16n8k16`: A step `kk` is
+/// `a[4kk .. 4kk + 4]`, B step `kk` the words `sm[base + 8kk]` and `sm[base + 8kk + 4]` (the
+/// lane's pairs of a row-major or channel-major shared tile, `base` its row and lane offset).
+#[cube]
+fn mma_steps<P: Float, N2: Size>(
+    a: &Array<Vector<P, N2>>,
+    sm: &Shared<[Vector<P, N2>]>,
+    base: usize,
+    cf: &mut Array<Vector<f32, N2>>,
+    #[comptime] steps: usize,
+) {
+    let def = MmaDefinition::<P, P, f32>::new(16usize, 8usize, 16usize);
+    let mut ah = Array::<Vector<P, N2>>::new(4usize);
+    let mut bh = Array::<Vector<P, N2>>::new(2usize);
+    #[unroll]
+    for kk in 0..steps {
+        #[unroll]
+        for j in 0..4usize {
+            ah[j] = a[kk * 4 + j];
+        }
+        bh[0] = sm[base + kk * 8];
+        bh[1] = sm[base + kk * 8 + 4];
+        let r = def.execute(&ah, &bh, &*cf);
+        cf[0] = r[0];
+        cf[1] = r[1];
+    }
+}
+
 /// `c = A · Bᵀ`: the plane's 16 rows (A fragments `a`, `dim` deep) against the tile's `TILE`
 /// rows in `rows_sm`; block `n` (tile rows `8n ..`) at `c[2n]` (row `g`) and `c[2n + 1]`.
 #[cube]
@@ -103,30 +131,14 @@ pub fn rows_product<P: Float, N2: Size>(
     lane: usize,
     #[comptime] dim: usize,
 ) {
-    let def = MmaDefinition::<P, P, f32>::new(16usize, 8usize, 16usize);
     let rw = comptime!(dim / 2 + PAD);
-    let g = lane / 4;
-    let t = lane % 4;
-    let mut ah = Array::<Vector<P, N2>>::new(4usize);
-    let mut bh = Array::<Vector<P, N2>>::new(2usize);
     let mut cf = Array::<Vector<f32, N2>>::new(2usize);
     #[unroll]
     for n in 0..comptime!(TILE / 8) {
         cf[0] = Vector::<f32, N2>::new(f32::new(0.0));
         cf[1] = Vector::<f32, N2>::new(f32::new(0.0));
-        let base = (n * 8 + g) * rw + t;
-        #[unroll]
-        for kk in 0..comptime!(dim / 16) {
-            #[unroll]
-            for j in 0..4usize {
-                ah[j] = a[kk * 4 + j];
-            }
-            bh[0] = rows_sm[base + kk * 8];
-            bh[1] = rows_sm[base + kk * 8 + 4];
-            let r = def.execute(&ah, &bh, &cf);
-            cf[0] = r[0];
-            cf[1] = r[1];
-        }
+        let base = (n * 8 + lane / 4) * rw + lane % 4;
+        mma_steps::<P, N2>(a, rows_sm, base, &mut cf, comptime!(dim / 16));
         c[n * 2] = cf[0];
         c[n * 2 + 1] = cf[1];
     }
@@ -143,30 +155,14 @@ pub fn accumulate<P: Float, N2: Size>(
     lane: usize,
     #[comptime] dim: usize,
 ) {
-    let def = MmaDefinition::<P, P, f32>::new(16usize, 8usize, 16usize);
     let tw = comptime!(TILE / 2 + PAD);
-    let g = lane / 4;
-    let t = lane % 4;
-    let mut ah = Array::<Vector<P, N2>>::new(4usize);
-    let mut bh = Array::<Vector<P, N2>>::new(2usize);
     let mut cf = Array::<Vector<f32, N2>>::new(2usize);
     #[unroll]
     for dn in 0..comptime!(dim / 8) {
         cf[0] = acc[dn * 2];
         cf[1] = acc[dn * 2 + 1];
-        let base = (dn * 8 + g) * tw + t;
-        #[unroll]
-        for kk in 0..comptime!(TILE / 16) {
-            #[unroll]
-            for j in 0..4usize {
-                ah[j] = a[kk * 4 + j];
-            }
-            bh[0] = cols_sm[base + kk * 8];
-            bh[1] = cols_sm[base + kk * 8 + 4];
-            let r = def.execute(&ah, &bh, &cf);
-            cf[0] = r[0];
-            cf[1] = r[1];
-        }
+        let base = (dn * 8 + lane / 4) * tw + lane % 4;
+        mma_steps::<P, N2>(a, cols_sm, base, &mut cf, comptime!(TILE / 16));
         acc[dn * 2] = cf[0];
         acc[dn * 2 + 1] = cf[1];
     }

@@ -91,8 +91,7 @@ struct Cli {
     backend: BackendArg,
     #[arg(long, value_enum, default_value = "cce")]
     loss: LossArg,
-    /// The attention of training and validation [default: fused with `--precision bf16`,
-    /// recompute with f32].
+    /// The attention of training and validation [default: recompute].
     #[arg(long, value_enum)]
     attention: Option<TrainAttention>,
     /// The precision of the forward and backward; weights, optimizer state and checkpoints
