@@ -184,23 +184,14 @@ pub(crate) fn launch(
     args: AttnArgs,
     plan: &SagePlan,
 ) -> (CubeTensor, Option<CubeTensor>) {
-    let QuantizedInputs {
-        qi,
-        ki,
-        qs,
-        ks,
-        ds,
-        v,
-        post,
-    } = x;
-    let client = qi.client.clone();
-    let [b, hq, sq, d] = qi.meta.shape().dims::<4>();
-    let ml = MatrixLaunch::new(&qi, &qs, ds, plan);
+    let client = x.qi.client.clone();
+    let [b, hq, sq, d] = x.qi.meta.shape().dims::<4>();
+    let ml = MatrixLaunch::new(&x.qi, &x.qs, x.ds, plan);
     // V in FP16 mode is already in the PV format unless the input is f32.
-    let v = if !ml.fp8 && v.dtype == ml.pv_dtype {
-        into_contiguous(v)
+    let v = if !ml.fp8 && x.v.dtype == ml.pv_dtype {
+        into_contiguous(x.v)
     } else {
-        round_v(v, ml.pv_dtype, ml.g, ml.fp8 || plan.dtype == DType::F32)
+        round_v(x.v, ml.pv_dtype, ml.g, ml.fp8 || plan.dtype == DType::F32)
     };
     let dtypes = [
         dtype_to_storage_type(plan.dtype),
@@ -213,13 +204,13 @@ pub(crate) fn launch(
         CubeDim::new_2d(32, PLANES as u32),
         K_VEC,
         V_VEC,
-        into_contiguous(qi).into_tensor_arg(),
-        into_contiguous(ki).into_tensor_arg(),
-        qs.into_tensor_arg(),
-        ks.into_tensor_arg(),
+        into_contiguous(x.qi).into_tensor_arg(),
+        into_contiguous(x.ki).into_tensor_arg(),
+        x.qs.into_tensor_arg(),
+        x.ks.into_tensor_arg(),
         ml.ds.clone().into_tensor_arg(),
         v.into_tensor_arg(),
-        into_contiguous(post).into_tensor_arg(),
+        into_contiguous(x.post).into_tensor_arg(),
         ml.out.clone().into_tensor_arg(),
         ml.lse.clone().into_tensor_arg(),
         args.launch_arg(),

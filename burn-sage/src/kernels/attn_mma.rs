@@ -236,22 +236,13 @@ pub(crate) fn launch(
     args: AttnArgs,
     plan: &SagePlan,
 ) -> (CubeTensor, Option<CubeTensor>) {
-    let QuantizedInputs {
-        qi,
-        ki,
-        qs,
-        ks,
-        ds,
-        v,
-        post,
-    } = x;
-    let client = qi.client.clone();
-    let [b, hq, sq, d] = qi.meta.shape().dims::<4>();
+    let client = x.qi.client.clone();
+    let [b, hq, sq, d] = x.qi.meta.shape().dims::<4>();
     let skv = plan.kv_len;
-    let ml = MatrixLaunch::new(&qi, &qs, ds, plan);
+    let ml = MatrixLaunch::new(&x.qi, &x.qs, x.ds, plan);
     let skv_pad = skv.div_ceil(BKV) * BKV;
     let vt = v_transposed(
-        v,
+        x.v,
         ml.pv_dtype,
         ml.g,
         ml.fp8 || plan.dtype == DType::F32,
@@ -285,13 +276,13 @@ pub(crate) fn launch(
             4,
             8,
             16,
-            into_contiguous(qi).into_tensor_arg(),
-            into_contiguous(ki).into_tensor_arg(),
-            qs.into_tensor_arg(),
-            ks.into_tensor_arg(),
+            into_contiguous(x.qi).into_tensor_arg(),
+            into_contiguous(x.ki).into_tensor_arg(),
+            x.qs.into_tensor_arg(),
+            x.ks.into_tensor_arg(),
             ml.ds.clone().into_tensor_arg(),
             vt.into_tensor_arg(),
-            into_contiguous(post).into_tensor_arg(),
+            into_contiguous(x.post).into_tensor_arg(),
             ml.out.clone().into_tensor_arg(),
             ml.lse.clone().into_tensor_arg(),
             args.launch_arg(),

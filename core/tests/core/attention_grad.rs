@@ -97,8 +97,8 @@ pub fn fused_attention_gradients_match_reference(device: &Device) {
 }
 
 /// The same for [`RecomputeAttention`], every float dtype the device runs (f32: Burn's composed
-/// backward; f16/bf16: core's GEMMs with f32 scores): its recomputing backward must have run
-/// once per case and dtype (counted), not Burn's fused one.
+/// backward; f16/bf16: core's flash kernels at head dim 64, Burn's fused backward at the other
+/// head dims): its own backward must have run once per case and dtype (counted).
 pub fn recompute_attention_gradients_match_reference(device: &Device) {
     let before = launches(RECOMPUTE_BACKWARD);
     let dtypes = float_dtypes(device);

@@ -60,7 +60,7 @@ pub struct FlashArgs {
 pub fn unsupported(
     client: &Client,
     dtype: DType,
-    [q, k]: [&Shape; 2],
+    [q, k, v]: [&Shape; 3],
     causal: bool,
 ) -> Option<String> {
     let elem = match dtype {
@@ -79,8 +79,11 @@ pub fn unsupported(
     if !client.properties().features.matmul.mma.contains(&mma) {
         return Some(format!("no {dtype:?} 16×8×16 manual MMA on this runtime"));
     }
-    if q[3] != HEAD_DIM || k[3] != HEAD_DIM {
-        return Some(format!("head dim {} (built for {HEAD_DIM})", q[3]));
+    if q[3] != HEAD_DIM || k[3] != HEAD_DIM || v[3] != HEAD_DIM {
+        return Some(format!(
+            "head dims {} / {} (built for {HEAD_DIM})",
+            q[3], v[3]
+        ));
     }
     if causal && q[2] > k[2] {
         return Some(format!(
@@ -133,7 +136,12 @@ pub fn flash_backward(
     let client = q.client.clone();
     let dtype = q.dtype;
     let (qs, ks) = (q.meta.shape().clone(), k.meta.shape().clone());
-    if let Some(why) = unsupported(&client, dtype, [&qs, &ks], causal) {
+    let mixed = [&k, &v, &out, &dout].iter().any(|t| t.dtype != dtype) || lse.dtype != DType::F32;
+    let why = match mixed {
+        true => Some("operands of different dtypes (or a log-sum-exp not in f32)".to_string()),
+        false => unsupported(&client, dtype, [&qs, &ks, v.meta.shape()], causal),
+    };
+    if let Some(why) = why {
         log::debug!("flash attention backward declined: {why}");
         return None;
     }
