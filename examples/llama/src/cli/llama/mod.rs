@@ -224,7 +224,7 @@ fn run_generate(
         first_token.get_or_insert_with(|| started.elapsed().as_secs_f64());
         stream.push(tok)
     };
-    let (g, cache_name) = if *decode == DecodeMode::Graph && !compressed {
+    let (g, cache_name, capture) = if *decode == DecodeMode::Graph && !compressed {
         let (g, info) = generate_captured(
             model,
             &[ids],
@@ -234,9 +234,7 @@ fn run_generate(
             &mut on_token,
         )
         .map_err(|e| e.to_string())?;
-        println!();
-        eprintln!("{info}");
-        (g, "static".to_string())
+        (g, "static".to_string(), Some(info))
     } else {
         if *decode == DecodeMode::Graph {
             eprintln!("decode: eager (graph decoding needs the full KV cache)");
@@ -251,9 +249,12 @@ fn run_generate(
             &mut on_token,
         )
         .map_err(|e| e.to_string())?;
-        println!();
-        (g, cache.name())
+        (g, cache.name(), None)
     };
+    println!();
+    if let Some(info) = capture {
+        eprintln!("{info}");
+    }
     let cached = g.prefill_tokens + g.decode_steps;
     let full = full_kv_bytes(&model.config, 1, cached, model.embed.val().dtype().size());
     eprintln!(
