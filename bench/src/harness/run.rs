@@ -317,8 +317,9 @@ fn set_speedups(rows: &mut [Record], baseline: &str) {
     }
 }
 
-/// The log line of one candidate: its median (or why it has none), rates, memory, note and the
-/// wall time it took.
+/// The log line of one candidate: its median with min, p90 and repetitions (or why it has
+/// none), rates, memory, note and the wall time it took. A run cut short by a time limit keeps
+/// these lines, while the JSON and markdown are written only at the end.
 fn report_line(problem: &Problem, rec: &Record, wall_s: f64) -> String {
     let opt = |v: Option<f64>, f: &dyn Fn(f64) -> String| v.map_or(String::new(), f);
     format!(
@@ -327,7 +328,10 @@ fn report_line(problem: &Problem, rec: &Record, wall_s: f64) -> String {
         rec.implementation,
         rec.median_ms.map_or_else(
             || rec.skipped.clone().unwrap_or_default(),
-            |m| format!("{m:.3} ms")
+            |m| {
+                let (min, p90) = (rec.min_ms.unwrap_or(m), rec.p90_ms.unwrap_or(m));
+                format!("{m:.3} ms (min {min:.3}, p90 {p90:.3}, {} reps)", rec.reps)
+            }
         ),
         opt(rec.tokens_per_sec, &|t| format!(", {t:.1} tokens/s")),
         opt(rec.peak_mem_mb, &|m| format!(", peak {m:.0} MB")),
@@ -404,5 +408,29 @@ mod tests {
             "{bad:?}"
         );
         assert!(by("after").median_ms.is_some());
+    }
+
+    /// A candidate's log line carries its median, min, p90 and repetitions, so a run cut
+    /// short before the JSON is written still has them.
+    #[test]
+    fn report_line_has_min_and_p90() {
+        let problem = Problem {
+            label: "p".into(),
+            params: BTreeMap::new(),
+            flops: None,
+            bytes: None,
+            tokens: None,
+            setup: Box::new(|_| Vec::new()),
+        };
+        let mut rec = Record::new(&problem, "c");
+        rec.median_ms = Some(2.5);
+        rec.min_ms = Some(2.25);
+        rec.p90_ms = Some(3.0);
+        rec.reps = 7;
+        let line = report_line(&problem, &rec, 1.0);
+        assert!(
+            line.contains("2.500 ms (min 2.250, p90 3.000, 7 reps)"),
+            "{line}"
+        );
     }
 }
