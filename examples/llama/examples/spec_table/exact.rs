@@ -6,9 +6,9 @@
 //! (`Verifier::acceptance_probability`). Per prompt the positions are averaged; the table gives
 //! the mean over prompts ± its standard error, and an SVG chart plots acceptance against K.
 //! Every (prompt, cell, position) is a job for one worker per core (see `Exact::measure`), so a
-//! many-core machine runs a few hundred prompts in parallel with the model's passes.
+//! many-core machine runs a few hundred prompts in parallel with the model's passes. With
+//! `--rows-out`, each prompt's means go to a rows file as soon as it finishes (`rows.rs`).
 
-use std::fmt::Write as _;
 use std::path::Path;
 use std::sync::{Arc, Mutex, mpsc};
 
@@ -17,16 +17,8 @@ use burn_llama::generate::{GenerateOptions, generate};
 use burn_llama::model::Llama;
 use burn_specdec::{Scheme, Verifier};
 
-/// Mean and standard error of the mean.
-fn mean_se(values: &[f64]) -> (f64, f64) {
-    let n = values.len() as f64;
-    let mean = values.iter().sum::<f64>() / n;
-    if values.len() < 2 {
-        return (mean, f64::NAN);
-    }
-    let var = values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / (n - 1.0);
-    (mean, (var / n).sqrt())
-}
+use super::rows::{Row, RowsWriter};
+use super::table::Table;
 
 /// A prompt's rows: the target's `p` per position, and the draft's rows per draft temperature
 /// and position.
@@ -69,6 +61,9 @@ pub struct Exact<'a> {
     pub draft_name: String,
     pub attention: &'a dyn AttentionImpl,
     pub prompts: Vec<Vec<u32>>,
+    /// The first prompt's index in the corpus selection (`--prompt-start`): prompt `i` of
+    /// `prompts` is seeded and recorded as `first_prompt + i`.
+    pub first_prompt: usize,
     pub new_tokens: usize,
     pub target_temperature: f32,
     pub draft_temperatures: Vec<f32>,
@@ -76,6 +71,8 @@ pub struct Exact<'a> {
     pub ks: Vec<usize>,
     /// Where the chart goes (none: no chart).
     pub chart: Option<&'a Path>,
+    /// Where each finished prompt's rows go (`--rows-out`; none: nowhere).
+    pub rows_out: Option<&'a Path>,
 }
 
 impl Exact<'_> {
@@ -83,7 +80,8 @@ impl Exact<'_> {
     /// thread, prompt after prompt; every (prompt, cell, position) is a job for a pool of workers
     /// (one per core), so that later prompts' rows are computed while earlier prompts' cells run,
     /// and the slow cells (large K, LP-based schemes) of many prompts run side by side.
-    fn measure(&self) -> Vec<Vec<Vec<Vec<f64>>>> {
+    /// Each finished prompt's rows go to `writer` (a failed write is reported and ends writing).
+    fn measure(&self, mut writer: Option<RowsWriter>) -> Vec<Vec<Vec<Vec<f64>>>> {
         let (nt, ns, nk) = (
             self.draft_temperatures.len(),
             self.schemes.len(),
@@ -132,19 +130,26 @@ impl Exact<'_> {
             }
             drop(done_tx);
             let mut left = vec![0; n];
-            let record = |(prompt, c, i, v): Done, out: &mut PerPosition, left: &mut [usize]| {
-                out[c.temperature][c.scheme][c.k][prompt][i] = v;
-                left[prompt] -= 1;
-                if left[prompt] == 0 {
-                    eprintln!(
-                        "  exact: prompt {}/{n} done [{:.0}s elapsed]",
-                        prompt + 1,
-                        started.elapsed().as_secs_f64()
-                    );
-                }
-            };
+            let mut record =
+                |(prompt, c, i, v): Done, out: &mut PerPosition, left: &mut [usize]| {
+                    out[c.temperature][c.scheme][c.k][prompt][i] = v;
+                    left[prompt] -= 1;
+                    if left[prompt] == 0 {
+                        eprintln!(
+                            "  exact: prompt {}/{n} done [{:.0}s elapsed]",
+                            prompt + 1,
+                            started.elapsed().as_secs_f64()
+                        );
+                        if let Some(w) = &mut writer
+                            && let Err(e) = w.write_prompt(&self.prompt_rows(out, &cells, prompt))
+                        {
+                            eprintln!("error: --rows-out {e}; no more rows are written");
+                            writer = None;
+                        }
+                    }
+                };
             for (i, prompt) in self.prompts.iter().enumerate() {
-                let rows = Arc::new(self.rows(prompt, i as u64));
+                let rows = Arc::new(self.rows(prompt, (self.first_prompt + i) as u64));
                 let positions = rows.p.len();
                 left[i] = cells.len() * positions;
                 for c in &cells {
@@ -254,8 +259,33 @@ impl Exact<'_> {
         sequence
     }
 
-    /// Measures, prints the markdown table (and writes the chart).
-    pub fn run(&self) {
+    /// Prompt `prompt`'s rows file lines: per cell, its mean over the prompt's positions.
+    fn prompt_rows(&self, out: &PerPosition, cells: &[Cell], prompt: usize) -> Vec<Row> {
+        cells
+            .iter()
+            .map(|c| {
+                let v = &out[c.temperature][c.scheme][c.k][prompt];
+                Row {
+                    prompt: self.first_prompt + prompt,
+                    k: self.ks[c.k],
+                    temperature: self.draft_temperatures[c.temperature],
+                    scheme: self.schemes[c.scheme].name().to_string(),
+                    positions: v.len(),
+                    // The same sum as `measure`'s, so the rows give the printed table.
+                    mean: v.iter().sum::<f64>() / v.len() as f64,
+                    draft: self.draft_name.clone(),
+                    target_temperature: self.target_temperature,
+                }
+            })
+            .collect()
+    }
+
+    /// Measures, prints the markdown table (and writes the chart and the rows file).
+    pub fn run(&self) -> Result<(), String> {
+        let writer = match self.rows_out {
+            Some(path) => Some(RowsWriter::create(path).map_err(|e| format!("--rows-out {e}"))?),
+            None => None,
+        };
         eprintln!(
             "exact: {} prompts, {} continuation tokens each, target T = {}, draft = {}",
             self.prompts.len(),
@@ -263,151 +293,19 @@ impl Exact<'_> {
             self.target_temperature,
             self.draft_name
         );
-        let values = self.measure();
-        let mut table = super::header("draft T", &self.ks);
-        for (t, temp) in self.draft_temperatures.iter().enumerate() {
-            for (s, scheme) in self.schemes.iter().enumerate() {
-                let _ = write!(table, "| {temp:.1} | {} |", scheme.name());
-                for per_prompt in &values[t][s] {
-                    let (mean, se) = mean_se(per_prompt);
-                    let _ = write!(table, " {mean:.4} ± {se:.4} |");
-                }
-                table.push('\n');
-            }
+        let values = self.measure(writer);
+        Table {
+            draft_name: self.draft_name.clone(),
+            target_temperature: self.target_temperature,
+            temperatures: self.draft_temperatures.clone(),
+            schemes: self.schemes.iter().map(|s| s.name().to_string()).collect(),
+            ks: self.ks.clone(),
+            prompts: (0..self.prompts.len())
+                .map(|i| self.first_prompt + i)
+                .collect(),
+            values,
         }
-        println!(
-            "Exact acceptance probability per token, mean over {} prompts ± standard error \
-             (draft: {}, target T = {})\n\n{table}",
-            self.prompts.len(),
-            self.draft_name,
-            self.target_temperature
-        );
-        // The spread across prompts (easy and hard contexts) is shared by every scheme: the
-        // per-prompt differences to the first scheme order them.
-        let mut diffs = super::header("draft T", &self.ks);
-        for (t, temp) in self.draft_temperatures.iter().enumerate() {
-            for (s, scheme) in self.schemes.iter().enumerate().skip(1) {
-                let _ = write!(
-                    diffs,
-                    "| {temp:.1} | {} − {} |",
-                    scheme.name(),
-                    self.schemes[0].name()
-                );
-                for (k, per_prompt) in values[t][s].iter().enumerate() {
-                    let d: Vec<f64> = per_prompt
-                        .iter()
-                        .zip(&values[t][0][k])
-                        .map(|(a, b)| a - b)
-                        .collect();
-                    let (mean, se) = mean_se(&d);
-                    let _ = write!(diffs, " {mean:+.4} ± {se:.4} |");
-                }
-                diffs.push('\n');
-            }
-        }
-        println!("Paired differences per token (mean over prompts ± standard error)\n\n{diffs}");
-        if let Some(path) = self.chart {
-            match std::fs::write(path, self.chart_svg(&values)) {
-                Ok(()) => eprintln!("chart: {}", path.display()),
-                Err(e) => eprintln!("chart: {}: {e}", path.display()),
-            }
-        }
-    }
-
-    /// One panel per draft temperature: acceptance against K, a line per scheme, ±1 standard
-    /// error bars.
-    fn chart_svg(&self, values: &[Vec<Vec<Vec<f64>>>]) -> String {
-        const W: f64 = 320.0;
-        const H: f64 = 240.0;
-        const PAD: f64 = 40.0;
-        const COLORS: [&str; 6] = [
-            "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b",
-        ];
-        let cells: Vec<(f64, f64)> = values
-            .iter()
-            .flatten()
-            .flatten()
-            .map(|v| mean_se(v))
-            .collect();
-        let se = |c: &(f64, f64)| if c.1.is_finite() { c.1 } else { 0.0 };
-        let lo = cells
-            .iter()
-            .map(|c| c.0 - se(c))
-            .fold(f64::INFINITY, f64::min);
-        let hi = cells
-            .iter()
-            .map(|c| c.0 + se(c))
-            .fold(f64::NEG_INFINITY, f64::max);
-        let span = (hi - lo).max(1e-6);
-        let (lo, hi) = (lo - 0.05 * span, hi + 0.05 * span);
-        let kmax = *self.ks.iter().max().unwrap_or(&1) as f64;
-        let kmin = *self.ks.iter().min().unwrap_or(&1) as f64;
-        let x = |k: usize| PAD + (k as f64 - kmin) / (kmax - kmin).max(1.0) * (W - 2.0 * PAD);
-        let y = |v: f64| H - PAD - (v - lo) / (hi - lo) * (H - 2.0 * PAD);
-        let width = W * self.draft_temperatures.len() as f64;
-        let mut svg = format!(
-            "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{width}\" height=\"{}\" \
-             font-family=\"sans-serif\" font-size=\"11\">\n",
-            H + 20.0 * self.schemes.len() as f64
-        );
-        for (t, temp) in self.draft_temperatures.iter().enumerate() {
-            let _ = writeln!(
-                svg,
-                "<g transform=\"translate({})\"><text x=\"{PAD}\" y=\"16\">draft T = {temp:.1}\
-                 </text><line x1=\"{PAD}\" y1=\"{b}\" x2=\"{r}\" y2=\"{b}\" stroke=\"black\"/>\
-                 <line x1=\"{PAD}\" y1=\"{PAD}\" x2=\"{PAD}\" y2=\"{b}\" stroke=\"black\"/>\
-                 <text x=\"2\" y=\"{top}\">{hi:.3}</text><text x=\"2\" y=\"{b}\">{lo:.3}</text>",
-                W * t as f64,
-                b = H - PAD,
-                r = W - PAD,
-                top = PAD + 4.0,
-            );
-            for &k in &self.ks {
-                let _ = writeln!(
-                    svg,
-                    "<text x=\"{}\" y=\"{}\">K={k}</text>",
-                    x(k) - 8.0,
-                    H - PAD + 14.0
-                );
-            }
-            for (s, _) in self.schemes.iter().enumerate() {
-                let color = COLORS[s % COLORS.len()];
-                let points: Vec<String> = self
-                    .ks
-                    .iter()
-                    .zip(&values[t][s])
-                    .map(|(&k, v)| format!("{:.1},{:.1}", x(k), y(mean_se(v).0)))
-                    .collect();
-                let _ = writeln!(
-                    svg,
-                    "<polyline fill=\"none\" stroke=\"{color}\" points=\"{}\"/>",
-                    points.join(" ")
-                );
-                for (&k, v) in self.ks.iter().zip(&values[t][s]) {
-                    let (m, se) = mean_se(v);
-                    let se = if se.is_finite() { se } else { 0.0 };
-                    let _ = writeln!(
-                        svg,
-                        "<line x1=\"{0:.1}\" x2=\"{0:.1}\" y1=\"{1:.1}\" y2=\"{2:.1}\" \
-                         stroke=\"{color}\"/>",
-                        x(k),
-                        y(m - se),
-                        y(m + se)
-                    );
-                }
-            }
-            svg.push_str("</g>\n");
-        }
-        for (s, scheme) in self.schemes.iter().enumerate() {
-            let _ = writeln!(
-                svg,
-                "<text x=\"{PAD}\" y=\"{}\" fill=\"{}\">{}</text>",
-                H + 14.0 + 20.0 * s as f64,
-                COLORS[s % COLORS.len()],
-                scheme.name()
-            );
-        }
-        svg.push_str("</svg>\n");
-        svg
+        .print(self.chart);
+        Ok(())
     }
 }

@@ -21,7 +21,11 @@
 //!    acceptance probability for K = `--exact-ks` identical drafts; mean over prompts ±
 //!    standard error, and a chart with `--chart` (see `exact.rs`):
 //!    `spec_table --exact --corpus ~/.cache/burn-kernels/corpus/shakespeare --prompts 500
-//!    --prompt-len 64 --new-tokens 16 --draft-temperatures 1.0,1.2,2.0 --chart exact.svg`
+//!    --prompt-len 64 --new-tokens 16 --draft-temperatures 1.0,1.2,2.0 --chart exact.svg`.
+//!    Split over several runs (each may be killed by a time limit: its rows file keeps every
+//!    finished prompt): the same command with `--prompt-start S --prompt-count C --rows-out
+//!    rows_S.jsonl` per run, then `spec_table --merge rows_*.jsonl --chart exact.svg` (no model
+//!    needed) prints the table of all of them (see `rows.rs`).
 //! 2. *Analytic acceptance* (skipped with `--analytic-positions 0`): at evenly spaced positions
 //!    of the paragraph (teacher-forced contexts), each scheme's exact probability of accepting
 //!    one of K identical drafts, `Verifier::acceptance_probability`, averaged over positions (the
@@ -41,6 +45,8 @@ use burn_specdec::{LpTruncation, Scheme, Verifier};
 use clap::{Parser, ValueEnum};
 
 mod exact;
+mod rows;
+mod table;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum BackendArg {
@@ -120,6 +126,22 @@ struct Args {
     /// Where the exact table's chart (SVG) goes.
     #[arg(long)]
     chart: Option<PathBuf>,
+    /// Skip the first N prompts of the selection (`--prompts` windows, as one run over all of
+    /// them would choose and seed them), so that runs can cover disjoint prompt ranges.
+    #[arg(long, default_value_t = 0, requires = "exact")]
+    prompt_start: usize,
+    /// With `--exact`, measure at most this many prompts (from `--prompt-start` on; default: all
+    /// the rest), so that each run of a split covers its own range.
+    #[arg(long, requires = "exact")]
+    prompt_count: Option<usize>,
+    /// Write each prompt's mean acceptance per cell and scheme to this file as JSON lines,
+    /// flushed as each prompt finishes (see `rows.rs`); `--merge` makes the table from them.
+    #[arg(long, requires = "exact")]
+    rows_out: Option<PathBuf>,
+    /// Print the exact table (and `--chart`) from these `--rows-out` files instead of
+    /// measuring (no model is loaded); a prompt in several files is counted once.
+    #[arg(long, num_args = 1.., conflicts_with_all = ["exact", "rows_out"])]
+    merge: Vec<PathBuf>,
 }
 
 fn scheme(name: &str, lp_max_variables: Option<usize>) -> Scheme {
@@ -202,6 +224,11 @@ fn distributions(
 
 fn main() {
     let args = Args::parse();
+    if !args.merge.is_empty() {
+        let merged = rows::merge_files(&args.merge).map_err(|e| format!("--merge: {e}"));
+        burn_llama_examples::cli::exit_on_error(merged.map(|t| t.print(args.chart.as_deref())));
+        return;
+    }
     let ckpt = load(&default_model_path()).expect("model (cargo xtask fetch-model)");
     match args.backend {
         BackendArg::Cpu => run(&args, &ckpt, &Device::flex(), &ReferenceAttention),
@@ -271,9 +298,20 @@ fn run(args: &Args, ckpt: &Checkpoint, device: &Device, attention: &dyn Attentio
                 ),
             ),
         };
-        let prompts = prompts(args, ckpt, &ids);
+        let mut prompts = prompts(args, ckpt, &ids);
         if args.exact {
-            exact::Exact {
+            if args.prompt_start >= prompts.len() || args.prompt_count == Some(0) {
+                eprintln!(
+                    "error: --prompt-start {} --prompt-count {:?} leaves none of the {} prompts",
+                    args.prompt_start,
+                    args.prompt_count,
+                    prompts.len()
+                );
+                std::process::exit(2);
+            }
+            prompts.drain(..args.prompt_start);
+            prompts.truncate(args.prompt_count.unwrap_or(usize::MAX));
+            let result = exact::Exact {
                 target: &target,
                 draft: &draft,
                 draft_name,
@@ -289,8 +327,11 @@ fn run(args: &Args, ckpt: &Checkpoint, device: &Device, attention: &dyn Attentio
                     .collect(),
                 ks: args.exact_ks.clone(),
                 chart: args.chart.as_deref(),
+                first_prompt: args.prompt_start,
+                rows_out: args.rows_out.as_deref(),
             }
             .run();
+            burn_llama_examples::cli::exit_on_error(result);
             eprintln!("total {:.0}s", started.elapsed().as_secs_f64());
             return;
         }
