@@ -95,7 +95,19 @@ fn build_all() -> Built {
 /// runner, 43 MiB).
 const BINARIES_PER_GROUP: usize = 3;
 
-pub fn device_build(dir: &Path, no_tests: bool, with_model: bool) {
+/// The name a binary goes by in `--only`: a tool's file name, a test executable's without the
+/// `-<hash>` cargo appends.
+fn binary_name(exe: &Path) -> String {
+    let file = exe.file_name().unwrap_or_default().to_string_lossy();
+    match file.rsplit_once('-') {
+        Some((name, hash)) if hash.len() == 16 && hash.chars().all(|c| c.is_ascii_hexdigit()) => {
+            name.to_string()
+        }
+        _ => file.to_string(),
+    }
+}
+
+pub fn device_build(dir: &Path, no_tests: bool, with_model: bool, only: &[String]) {
     let built = build_all();
     let commit = git_commit();
     // (folder in the bundle, executable): the bench runner first, so group 0 runs the benches.
@@ -105,6 +117,15 @@ pub fn device_build(dir: &Path, no_tests: bool, with_model: bool) {
     items.extend(bins.into_iter().map(|(_, exe)| ("bin", exe)));
     if !no_tests {
         items.extend(built.tests.iter().map(|t| ("tests", t.clone())));
+    }
+    if !only.is_empty() {
+        items.retain(|(_, exe)| only.contains(&binary_name(exe)));
+        let found: Vec<String> = items.iter().map(|(_, exe)| binary_name(exe)).collect();
+        if let Some(missing) = only.iter().find(|n| !found.contains(n)) {
+            fail(&format!(
+                "--only {missing}: no such test target or tool was built"
+            ));
+        }
     }
     let shared = dir.join("shared");
     let _ = std::fs::remove_dir_all(&shared);
@@ -347,3 +368,29 @@ fn write_run_sh(dir: &Path) {
 
 /// Gathers the parts, unpacks once per commit, sets the environment, runs.
 const RUN_SH: &str = include_str!("run.sh");
+
+#[cfg(test)]
+mod tests {
+    use super::binary_name;
+    use std::path::Path;
+
+    #[test]
+    fn binary_names_drop_cargos_hash() {
+        assert_eq!(
+            binary_name(Path::new("/t/deps/core-d0357ae3be187ded")),
+            "core"
+        );
+        assert_eq!(
+            binary_name(Path::new("/t/deps/cce_tests-18695877e10b096c")),
+            "cce_tests"
+        );
+        assert_eq!(
+            binary_name(Path::new("/t/release/burn-kernels-bench")),
+            "burn-kernels-bench"
+        );
+        assert_eq!(
+            binary_name(Path::new("/t/release/spec_table")),
+            "spec_table"
+        );
+    }
+}

