@@ -142,6 +142,7 @@ pub fn device_build(dir: &Path, no_tests: bool, with_model: bool, only: &[String
     }
     // Each group is its own archive, so a call can run what it carries before the rest arrives,
     // and the groups pack in parallel.
+    let packed: Vec<&str> = items.iter().map(|(folder, _)| *folder).collect();
     let groups: Vec<Vec<(&str, PathBuf)>> = items
         .chunks(BINARIES_PER_GROUP)
         .map(<[_]>::to_vec)
@@ -182,8 +183,8 @@ pub fn device_build(dir: &Path, no_tests: bool, with_model: bool, only: &[String
         "{}: {} test binaries, {} tools, commit {commit}; carry `.device/run.sh`, \
          `.device/MANIFEST` and the parts a call needs (each fits one call):",
         dir.display(),
-        if no_tests { 0 } else { built.tests.len() },
-        built.bins.len()
+        packed.iter().filter(|f| **f == "tests").count(),
+        packed.iter().filter(|f| **f == "bin").count()
     );
     for p in &parts {
         let size = std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
