@@ -357,33 +357,38 @@ mod tests {
     }
 
     use super::*;
-    use crate::harness::Timing;
+    use crate::harness::{Setup, Timing};
     use std::collections::BTreeMap;
     use std::time::Duration;
 
-    /// A panic on another thread during a candidate's run (as the device runtime's server
-    /// thread panics when out of memory) fails that candidate, not the next one.
-    #[test]
-    fn panic_on_another_thread_fails_the_candidate() {
-        let problem = Problem {
+    /// A problem labelled `p` with no counts, whose candidates `setup` makes.
+    fn problem_p(setup: Setup) -> Problem {
+        Problem {
             label: "p".into(),
             params: BTreeMap::new(),
             flops: None,
             bytes: None,
             tokens: None,
-            setup: Box::new(|_| {
-                let mut once = true;
-                vec![
-                    Candidate::timed_here("clean", || {}),
-                    Candidate::timed_here("server-panic", move || {
-                        if std::mem::take(&mut once) {
-                            let _ = std::thread::spawn(|| panic!("simulated server panic")).join();
-                        }
-                    }),
-                    Candidate::timed_here("after", || {}),
-                ]
-            }),
-        };
+            setup,
+        }
+    }
+
+    /// A panic on another thread during a candidate's run (as the device runtime's server
+    /// thread panics when out of memory) fails that candidate, not the next one.
+    #[test]
+    fn panic_on_another_thread_fails_the_candidate() {
+        let problem = problem_p(Box::new(|_| {
+            let mut once = true;
+            vec![
+                Candidate::timed_here("clean", || {}),
+                Candidate::timed_here("server-panic", move || {
+                    if std::mem::take(&mut once) {
+                        let _ = std::thread::spawn(|| panic!("simulated server panic")).join();
+                    }
+                }),
+                Candidate::timed_here("after", || {}),
+            ]
+        }));
         let suite = Suite {
             name: "t",
             description: "",
@@ -414,14 +419,7 @@ mod tests {
     /// short before the JSON is written still has them.
     #[test]
     fn report_line_has_min_and_p90() {
-        let problem = Problem {
-            label: "p".into(),
-            params: BTreeMap::new(),
-            flops: None,
-            bytes: None,
-            tokens: None,
-            setup: Box::new(|_| Vec::new()),
-        };
+        let problem = problem_p(Box::new(|_| Vec::new()));
         let mut rec = Record::new(&problem, "c");
         rec.median_ms = Some(2.5);
         rec.min_ms = Some(2.25);
