@@ -8,6 +8,7 @@
 
 pub mod attention;
 pub mod config;
+pub mod data_parallel;
 pub mod error;
 pub mod eval;
 pub mod finetune;

@@ -6,6 +6,8 @@
 
 mod common;
 
+mod data_parallel;
+
 mod finetune;
 mod loader;
 mod model;
