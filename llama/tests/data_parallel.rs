@@ -9,24 +9,11 @@ use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use burn_kernels_core::ReferenceAttention;
 use burn_kernels_testing::compare::to_f32;
 use burn_kernels_testing::{Tolerance, assert_close};
-use burn_llama::config::LlamaConfig;
 use burn_llama::data_parallel::all_reduce_mean;
 use burn_llama::model::Llama;
 use burn_llama::train::{LossKind, next_token_loss};
 
-fn tiny() -> LlamaConfig {
-    LlamaConfig {
-        vocab_size: 53,
-        hidden_size: 32,
-        intermediate_size: 48,
-        num_layers: 2,
-        num_heads: 4,
-        num_kv_heads: 2,
-        head_dim: 8,
-        max_seq_len: 64,
-        ..LlamaConfig::smollm2_135m()
-    }
-}
+use crate::finetune::tiny;
 
 /// The gradients of the mean next-token loss of `model` on `rows` (each `seq + 1` ids).
 fn grads(model: &Llama, rows: &[Vec<i64>], kind: LossKind) -> GradientsParams {
@@ -59,7 +46,7 @@ fn two_replicas_average_to_the_whole_batch() {
     let device = Device::flex().autodiff();
     device.seed(7);
     let model = Llama::random(&tiny(), &device, DType::F32);
-    // Six rows of 13 tokens (primes, every id valid): three per replica.
+    // Six rows of 13 tokens (ids below the tiny vocabulary's 61): three per replica.
     let mut state = 99u64;
     let rows: Vec<Vec<i64>> = (0..6)
         .map(|_| {

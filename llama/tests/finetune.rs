@@ -21,7 +21,7 @@ fn train_device() -> Device {
     Device::flex().autodiff()
 }
 
-fn tiny() -> LlamaConfig {
+pub(crate) fn tiny() -> LlamaConfig {
     LlamaConfig {
         vocab_size: 61,
         hidden_size: 32,
