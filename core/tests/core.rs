@@ -19,7 +19,7 @@ mod projections;
 use projections::{fused_projections_match_host_products, norm_projections_match_composition};
 #[path = "core/gemm.rs"]
 mod gemm;
-use gemm::{batched_gemm_to_matches_host, gemm_gradients_match_host, gemm_matches_host_products};
+use gemm::{batched_gemm_matches_host, gemm_gradients_match_host, gemm_matches_host_products};
 #[path = "core/caches.rs"]
 mod caches;
 use caches::{full_cache_decode_equals_one_shot, static_cache_equals_one_shot};
@@ -303,7 +303,7 @@ testgen! {
         fused_projections_match_host_products,
         norm_projections_match_composition,
         gemm_matches_host_products,
-        batched_gemm_to_matches_host,
+        batched_gemm_matches_host,
     ],
     autodiff: [gemm_gradients_match_host],
 }

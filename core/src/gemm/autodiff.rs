@@ -1,6 +1,7 @@
 //! The GEMM's gradient: `dA = dC · Bᵀ` and `dB = Aᵀ · dC`, each by the inner backend's
 //! [`GemmKernels::gemm`] on transposed views (no copies).
 
+use burn::backend::TensorMetadata;
 use burn::backend::autodiff::{
     Autodiff,
     checkpoint::{base::Checkpointer, strategy::CheckpointStrategy},
@@ -45,7 +46,11 @@ impl<B: GemmKernels> Backward<B, 2> for GemmBackward {
         let [a_node, b_node] = ops.parents;
         let grad = grads.consume::<B>(&ops.node);
         let (a, b) = ops.state;
-        let t = |x: FloatTensor<B>| B::float_swap_dims(x, 0, 1);
+        // The last two dimensions: matrices, or batches of them.
+        let t = |x: FloatTensor<B>| {
+            let rank = x.shape().num_dims();
+            B::float_swap_dims(x, rank - 2, rank - 1)
+        };
         if let Some(node) = b_node {
             grads.register::<B>(node.id, B::gemm(t(a), grad.clone()));
         }

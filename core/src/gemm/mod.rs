@@ -15,7 +15,6 @@ pub mod launch;
 use burn::backend::{Backend, Dispatch, backend_extension, tensor::FloatTensor};
 use burn::tensor::{DType, Shape, Tensor};
 
-use crate::gemv_shape;
 use crate::route::{Grad, route};
 
 /// `a · b` of 2-D tensors: [`GemmKernels::gemm`] (a fixed cubek kernel, f32 accumulation) where
@@ -70,35 +69,10 @@ pub trait GemmKernels: Backend {
     /// for f16/bf16 inputs of one dtype; Burn's matmul for anything else.
     ///
     /// # Shapes
-    /// - `a`: `[m, k]`, `b`: `[k, n]` (any strides); returns `[m, n]` in `a`'s dtype,
-    ///   contiguous
-    #[fusion(dtype = a, shape = gemv_shape(a, b))]
+    /// - `a`: `[m, k]`, `b`: `[k, n]` (any strides), or batches of them with the same leading
+    ///   dimensions; returns `[.., m, n]` in `a`'s dtype, contiguous
+    #[fusion(dtype = a, shape = gemm_shape(a, b))]
     fn gemm(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self>;
-}
-
-/// Batched GEMMs with a chosen output dtype by the fixed kernel, for backward passes that run on
-/// the inner backend (no autodiff): `CubeBackend` launches it, `Fusion<CubeBackend>` defers it.
-/// The recomputing attention's 16-bit backward takes its scores in f32 from it
-/// ([`crate::recompute_attention`]).
-#[backend_extension(
-    Cube: cfg(feature = "cube"),
-    Fusion: cfg(all(feature = "cube", feature = "fusion")),
-)]
-pub trait GemmTo: Backend {
-    /// `a · b` with f32 accumulation written as `out`, by [`GemmKernel::DEFAULT`] (then the
-    /// portable kernels) for f16/bf16 inputs of one dtype; Burn's matmul, cast to `out`, for
-    /// anything else.
-    ///
-    /// # Shapes
-    /// - `a`: `[.., m, k]`, `b`: `[.., k, n]` (the same leading dimensions, any strides);
-    ///   returns `[.., m, n]`, contiguous
-    #[fusion(dtype = out_dtype(out), shape = gemm_shape(a, b))]
-    fn gemm_to(a: FloatTensor<Self>, b: FloatTensor<Self>, out: DType) -> FloatTensor<Self>;
-}
-
-/// [`GemmTo::gemm_to`]'s output dtype, for its fusion description.
-fn out_dtype(out: &DType) -> DType {
-    *out
 }
 
 /// The shape of `a · b` for (batches of) matrices.
@@ -111,7 +85,7 @@ pub fn gemm_shape(a: &Shape, b: &Shape) -> Shape {
 
 #[cfg(feature = "cube")]
 mod cube_backend {
-    use super::{GemmKernel, GemmKernels, GemmTo, launch::fixed_gemm};
+    use super::{GemmKernel, GemmKernels, launch::fixed_gemm};
     use crate::route::count_launch;
     use burn::backend::{ops::FloatTensorOps, tensor::FloatTensor};
     use burn::tensor::DType;
@@ -120,26 +94,14 @@ mod cube_backend {
     impl GemmKernels for CubeBackend {
         fn gemm(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
             let dtype = a.dtype;
-            Self::gemm_to(a, b, dtype)
-        }
-    }
-
-    impl GemmTo for CubeBackend {
-        fn gemm_to(a: FloatTensor<Self>, b: FloatTensor<Self>, out: DType) -> FloatTensor<Self> {
-            let dtype = a.dtype;
             if matches!(dtype, DType::F16 | DType::BF16)
                 && b.dtype == dtype
-                && let Some(c) = fixed_gemm(a.clone(), b.clone(), out, GemmKernel::DEFAULT, false)
+                && let Some(c) = fixed_gemm(a.clone(), b.clone(), dtype, GemmKernel::DEFAULT, false)
             {
                 count_launch("gemm");
                 return c;
             }
-            let c = Self::float_matmul(a, b);
-            if c.dtype == out {
-                c
-            } else {
-                Self::float_cast(c, out.into())
-            }
+            Self::float_matmul(a, b)
         }
     }
 }

@@ -92,13 +92,12 @@ pub fn gemm_matches_host_products(device: &Device) {
     }
 }
 
-/// [`gemm::GemmTo::gemm_to`] (batched, a chosen output dtype; what the recomputing attention's
-/// 16-bit backward runs) against per-batch f64 host products: one element; primes with the
-/// right operand as a transposed view; each in f32 and in the inputs' dtype. f16/bf16 inputs
-/// (the kernel's fast path), outputs in NaN-poisoned memory.
-pub fn batched_gemm_to_matches_host(device: &Device) {
+/// [`gemm::GemmKernels::gemm`] on batches of matrices against per-batch f64 host products: one
+/// element; primes with the right operand as a transposed view. f16/bf16 inputs (the kernel's
+/// fast path), outputs in NaN-poisoned memory.
+pub fn batched_gemm_matches_host(device: &Device) {
     use burn::backend::Dispatch;
-    use burn_kernels_core::gemm::GemmTo;
+    use burn_kernels_core::gemm::GemmKernels;
     let before = launches("gemm");
     let mut calls = 0;
     for dtype in float_dtypes(device).into_iter().filter(|d| is_half(*d)) {
@@ -117,18 +116,15 @@ pub fn batched_gemm_to_matches_host(device: &Device) {
                     host_product(sa, sb, m, k, n)
                 })
                 .collect();
-            for out in [DType::F32, dtype] {
-                poison_memory(device, batch * m * n, out);
-                let got = Tensor::<3>::from_dispatch(Dispatch::gemm_to(
-                    a.clone().into_dispatch(),
-                    b.clone().into_dispatch(),
-                    out,
-                ));
-                calls += 1;
-                assert_eq!((got.dims(), got.dtype()), ([batch, m, n], out));
-                let name = format!("gemm_to {dtype:?} → {out:?} [{batch}×{m}×{k}]·[{k}×{n}]ᵀ");
-                assert_product_close(&name, &to_f32(got.into_data()), &want, out, k, device);
-            }
+            poison_memory(device, batch * m * n, dtype);
+            let got = Tensor::<3>::from_dispatch(Dispatch::gemm(
+                a.clone().into_dispatch(),
+                b.clone().into_dispatch(),
+            ));
+            calls += 1;
+            assert_eq!((got.dims(), got.dtype()), ([batch, m, n], dtype));
+            let name = format!("gemm {dtype:?} [{batch}×{m}×{k}]·[{k}×{n}]ᵀ");
+            assert_product_close(&name, &to_f32(got.into_data()), &want, dtype, k, device);
         }
     }
     let launched = launches("gemm") - before;
