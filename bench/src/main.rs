@@ -132,6 +132,10 @@ struct Args {
     /// attention kernel (autoregressive and speculative alike) instead of Burn's attention op.
     #[arg(long)]
     decode_kernels: bool,
+    /// Tokens the specdec suite generates per repetition (default 64): more weighs the
+    /// captured rows' one-time capture less.
+    #[arg(long, value_name = "N")]
+    spec_new_tokens: Option<usize>,
     /// e2e suite: also time each Burn step's phases (forward + loss, backward, optimizer) with a
     /// device synchronization between them, printed as medians when a candidate ends (the
     /// synchronizations add to the step times of that run).
@@ -388,6 +392,7 @@ fn run(
         batches: args.batches.clone(),
         seq: args.seq,
         decode_kernels: args.decode_kernels,
+        spec_new_tokens: args.spec_new_tokens,
         e2e_phases: args.e2e_phases,
         e2e_profile_step: args.e2e_profile_step,
     };

@@ -90,6 +90,30 @@ impl StaticKvCache {
         beyond.expand([b, cap]).bool_or(padding)
     }
 
+    /// Copies what row `row` holds at `positions` into every row, in place, in every layer
+    /// written so far: after a speculative block, the rows continue from the accepted draft's
+    /// row. Reads no host value (a step a captured graph can replay).
+    ///
+    /// # Shapes
+    /// - `row`: `[1]`, `positions`: `[s]` int device tensors, each `< capacity`
+    pub fn copy_row(&mut self, row: Tensor<1, Int>, positions: Tensor<1, Int>) {
+        let s = positions.dims()[0];
+        for slot in &mut self.layers {
+            let Some((kc, vc)) = slot.take() else {
+                continue;
+            };
+            let [b, h, _, d] = kc.dims();
+            let pick = |c: &Tensor<4>| {
+                c.clone()
+                    .select(0, row.clone())
+                    .select(2, positions.clone())
+                    .expand([b, h, s, d])
+            };
+            let (k, v) = (pick(&kc), pick(&vc));
+            *slot = Some(write_at(kc, vc, k, v, positions.clone()));
+        }
+    }
+
     /// The layer's buffers, allocated on the first write.
     fn slot(
         &mut self,
@@ -203,29 +227,7 @@ impl KvCache for IndexedWrite<'_> {
         opts: &AttnOptions,
     ) -> Result<Tensor<4>, CacheError> {
         let (kc, vc) = self.cache.slot(layer, &k, &v)?;
-        let unsupported = (k.dtype() != kc.dtype() || v.dtype() != vc.dtype()).then(|| {
-            format!(
-                "k {:?}, v {:?}, cache {:?}",
-                k.dtype(),
-                v.dtype(),
-                kc.dtype()
-            )
-        });
-        let (kc, vc) = if route("store_kv", &k.device(), Grad::ForwardOnly, unsupported) {
-            let (kc, vc) = Dispatch::store_kv(
-                kc.into_dispatch(),
-                vc.into_dispatch(),
-                k.into_dispatch(),
-                v.into_dispatch(),
-                self.index.clone().into_dispatch(),
-            );
-            (Tensor::from_dispatch(kc), Tensor::from_dispatch(vc))
-        } else {
-            (
-                kc.select_assign(2, self.index.clone(), k, IndexingUpdateOp::Assign),
-                vc.select_assign(2, self.index.clone(), v, IndexingUpdateOp::Assign),
-            )
-        };
+        let (kc, vc) = write_at(kc, vc, k, v, self.index.clone());
         let out = attention.attend(layer, q, kc.clone(), vc.clone(), opts);
         self.cache.layers[layer] = Some((kc, vc));
         Ok(out)
@@ -245,5 +247,39 @@ impl KvCache for IndexedWrite<'_> {
 
     fn name(&self) -> String {
         "static (indexed)".into()
+    }
+}
+
+/// `kc[:, :, index[t]] = k[:, :, t]` and the same for the values, in place: core's `store_kv`
+/// kernel where it runs, else Burn's `select_assign`.
+fn write_at(
+    kc: Tensor<4>,
+    vc: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    index: Tensor<1, Int>,
+) -> (Tensor<4>, Tensor<4>) {
+    let unsupported = (k.dtype() != kc.dtype() || v.dtype() != vc.dtype()).then(|| {
+        format!(
+            "k {:?}, v {:?}, cache {:?}",
+            k.dtype(),
+            v.dtype(),
+            kc.dtype()
+        )
+    });
+    if route("store_kv", &k.device(), Grad::ForwardOnly, unsupported) {
+        let (kc, vc) = Dispatch::store_kv(
+            kc.into_dispatch(),
+            vc.into_dispatch(),
+            k.into_dispatch(),
+            v.into_dispatch(),
+            index.into_dispatch(),
+        );
+        (Tensor::from_dispatch(kc), Tensor::from_dispatch(vc))
+    } else {
+        (
+            kc.select_assign(2, index.clone(), k, IndexingUpdateOp::Assign),
+            vc.select_assign(2, index, v, IndexingUpdateOp::Assign),
+        )
     }
 }

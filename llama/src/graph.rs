@@ -25,7 +25,8 @@ use crate::model::{ForwardError, Llama};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum DecodeMode {
     /// Capture one decode step as a graph and replay it (CUDA, wgpu; the CPU re-runs the
-    /// step). The full KV cache only, without speculative decoding.
+    /// step). The full KV cache only; speculative decoding with model drafts replays its draft
+    /// and verification steps ([`crate::spec::graph`]).
     #[default]
     Graph,
     /// Run every step's ops one by one, through the chosen KV cache.
@@ -59,15 +60,6 @@ impl std::fmt::Display for CaptureInfo {
     }
 }
 
-/// What the captured step reads besides the model: kept in one place so the closure borrows
-/// them and the host can refresh `inputs` between replays.
-struct StepState {
-    cache: StaticKvCache,
-    /// `[2·batch + 1]`: each row's token, each row's RoPE position, then the cache length (the
-    /// position the step writes).
-    inputs: Option<Tensor<1, Int>>,
-}
-
 /// Writes `values` into `slot`'s buffer in place (allocating it the first time).
 ///
 /// # Errors
@@ -95,20 +87,104 @@ pub enum GraphError {
     NotInPlace,
 }
 
+impl From<GraphError> for ForwardError {
+    fn from(e: GraphError) -> Self {
+        ForwardError::Cache {
+            layer: 0,
+            message: e.to_string(),
+        }
+    }
+}
+
+/// The device tensor a step reads its host-given values from (`[n]` int, refreshed in place).
+pub(crate) type StepInputs = Rc<RefCell<Option<Tensor<1, Int>>>>;
+
+/// The values a step closure reads, written before every run.
+pub(crate) fn step_inputs(inputs: &StepInputs) -> Tensor<1, Int> {
+    inputs
+        .borrow()
+        .clone()
+        .expect("inputs are written before a step")
+}
+
+/// A step with fixed shapes that reads its host-given values from one device tensor
+/// ([`StepInputs`]), captured on its first run and replayed on the next ones: what
+/// [`CapturedDecoder`] and the captured speculative decoding ([`crate::spec::graph`]) are built
+/// from.
+pub(crate) struct Replayed<'a, O> {
+    inputs: StepInputs,
+    step: Option<Box<dyn FnMut() -> O + 'a>>,
+    graph: Option<Graph<O, Box<dyn FnMut() -> O + 'a>>>,
+    device: Device,
+    /// Whether the capture gave a hardware graph, why not, and how long it took.
+    pub(crate) info: CaptureInfo,
+}
+
+impl<'a, O: Clone> Replayed<'a, O> {
+    /// `step` must read its values through `inputs` ([`step_inputs`]).
+    pub(crate) fn new(
+        device: &Device,
+        inputs: StepInputs,
+        step: Box<dyn FnMut() -> O + 'a>,
+    ) -> Self {
+        Self {
+            inputs,
+            step: Some(step),
+            graph: None,
+            device: device.clone(),
+            info: CaptureInfo {
+                graph: false,
+                reason: None,
+                capture_secs: 0.0,
+                capacity: 0,
+            },
+        }
+    }
+
+    /// Writes `values` into the inputs and runs the step: the first call captures it (three
+    /// warm-up runs, then the recorded one), later calls replay it.
+    ///
+    /// # Errors
+    /// [`GraphError::NotInPlace`] when the inputs could not be refreshed in place.
+    pub(crate) fn run(&mut self, values: Vec<i64>) -> Result<O, GraphError> {
+        refresh(&mut self.inputs.borrow_mut(), values, &self.device)?;
+        Ok(match &mut self.graph {
+            None => {
+                let t = Instant::now();
+                let g = capture(&self.device, self.step.take().expect("captured once"));
+                self.info.capture_secs = t.elapsed().as_secs_f64();
+                self.info.graph = g.is_hardware();
+                self.info.reason = g.capture_error().map(|e| {
+                    // One line: the backend's error and its causes.
+                    let text = e.to_string();
+                    text.split('\n')
+                        .map(str::trim)
+                        .filter(|l| !l.is_empty())
+                        .collect::<Vec<_>>()
+                        .join(" ")
+                });
+                self.graph.insert(g).output().clone()
+            }
+            // Safety: the graph reads what its closure owns or borrows for 'a (the model's
+            // weights, constants, caches held in `Rc`s that the closure keeps alive) and the
+            // inputs, refreshed in place above on the same device stream; nothing else writes
+            // them while it runs, and the caller's read of the output waits for it.
+            Some(g) => unsafe { g.replay() }.clone(),
+        })
+    }
+}
+
 /// What one step returns: the logits of every row, `[batch, vocab]` f32.
-type StepOutput = Result<Tensor<2>, ForwardError>;
-type StepFn<'a> = Box<dyn FnMut() -> StepOutput + 'a>;
+pub(crate) type StepOutput = Result<Tensor<2>, ForwardError>;
 
 /// A model's decode step over a [`StaticKvCache`], captured on its first call and replayed on
 /// the next ones (see the module docs).
 pub struct CapturedDecoder<'a> {
-    state: Rc<RefCell<StepState>>,
-    step: Option<StepFn<'a>>,
-    graph: Option<Graph<StepOutput, StepFn<'a>>>,
-    device: Device,
+    cache: Rc<RefCell<StaticKvCache>>,
+    step: Replayed<'a, StepOutput>,
     pad: Vec<usize>,
     len: usize,
-    info: CaptureInfo,
+    capacity: usize,
 }
 
 impl<'a> CapturedDecoder<'a> {
@@ -131,10 +207,8 @@ impl<'a> CapturedDecoder<'a> {
         let mut cache = StaticKvCache::new(model.config.num_layers, capacity);
         let hidden = model.try_forward(tokens, &pad, &mut cache, attention)?;
         let logits = last_logits(model, hidden)?;
-        let state = Rc::new(RefCell::new(StepState {
-            cache,
-            inputs: None,
-        }));
+        let cache = Rc::new(RefCell::new(cache));
+        let inputs = StepInputs::default();
 
         // Constant inputs of the step, owned by it (so alive as long as the graph).
         let positions =
@@ -147,10 +221,9 @@ impl<'a> CapturedDecoder<'a> {
             Tensor::<2, Bool>::from_data(TensorData::new(padding, [b, capacity]), &device);
         let scale = model.attention_scale();
         let vocab = model.config.vocab_size;
-        let shared = state.clone();
-        let step: StepFn<'a> = Box::new(move || {
-            let mut st = shared.borrow_mut();
-            let inputs = st.inputs.clone().expect("inputs are written before a step");
+        let (shared, values) = (cache.clone(), inputs.clone());
+        let step = Box::new(move || {
+            let inputs = step_inputs(&values);
             let tokens = inputs.clone().slice(0..b).reshape([b, 1]);
             let rope = inputs.clone().slice(b..2 * b).reshape([b, 1]);
             let len = inputs.slice(2 * b..2 * b + 1);
@@ -161,22 +234,18 @@ impl<'a> CapturedDecoder<'a> {
                 scale,
                 key_padding: Some(mask),
             };
-            let hidden = model.forward_at(tokens, rope, &opts, &mut st.cache.at(len), attention)?;
+            let mut cache = shared.borrow_mut();
+            let hidden = model.forward_at(tokens, rope, &opts, &mut cache.at(len), attention)?;
             Ok(model.logits(hidden).reshape([b, vocab]))
         });
+        let mut step = Replayed::new(&device, inputs, step);
+        step.info.capacity = capacity;
         let decoder = Self {
-            state,
-            step: Some(step),
-            graph: None,
-            device,
+            cache,
+            step,
             pad,
             len: longest,
-            info: CaptureInfo {
-                graph: false,
-                reason: None,
-                capture_secs: 0.0,
-                capacity,
-            },
+            capacity,
         };
         Ok((decoder, logits))
     }
@@ -189,48 +258,22 @@ impl<'a> CapturedDecoder<'a> {
     /// [`GenerateError::ContextTooLong`] past the cache's capacity; [`GenerateError::Forward`]
     /// when the step failed or its input could not be refreshed in place.
     pub fn step(&mut self, tokens: &[u32]) -> Result<Tensor<2>, GenerateError> {
-        let b = self.pad.len();
-        assert_eq!(tokens.len(), b, "one token per row");
-        if self.len >= self.info.capacity {
+        assert_eq!(tokens.len(), self.pad.len(), "one token per row");
+        if self.len >= self.capacity {
             return Err(GenerateError::ContextTooLong {
                 prompt: self.len,
                 new_tokens: 1,
                 needed: self.len + 1,
-                max: self.info.capacity,
+                max: self.capacity,
             });
         }
         let mut inputs: Vec<i64> = tokens.iter().map(|&t| t as i64).collect();
         inputs.extend(self.pad.iter().map(|&p| (self.len - p) as i64));
         inputs.push(self.len as i64);
-        refresh(&mut self.state.borrow_mut().inputs, inputs, &self.device).map_err(|e| {
-            GenerateError::Forward(ForwardError::Cache {
-                layer: 0,
-                message: e.to_string(),
-            })
-        })?;
-        let output = match &mut self.graph {
-            None => {
-                let t = Instant::now();
-                let g = capture(&self.device, self.step.take().expect("captured once"));
-                self.info.capture_secs = t.elapsed().as_secs_f64();
-                self.info.graph = g.is_hardware();
-                self.info.reason = g.capture_error().map(|e| {
-                    // One line: the backend's error and its causes.
-                    let text = e.to_string();
-                    text.split('\n')
-                        .map(str::trim)
-                        .filter(|l| !l.is_empty())
-                        .collect::<Vec<_>>()
-                        .join(" ")
-                });
-                self.graph.insert(g).output().clone()
-            }
-            // Safety: the graph reads the model's weights (borrowed for 'a), the constants it
-            // owns, the cache's buffers (held by `state`, which outlives it) and `inputs`,
-            // refreshed in place above on the same device stream; nothing else writes them
-            // while it runs, and the caller's read of the output waits for it.
-            Some(g) => unsafe { g.replay() }.clone(),
-        };
+        let output = self
+            .step
+            .run(inputs)
+            .map_err(|e| GenerateError::Forward(e.into()))?;
         self.len += 1;
         Ok(output?)
     }
@@ -239,6 +282,12 @@ impl<'a> CapturedDecoder<'a> {
     /// (benchmarks repeat one step this way).
     pub fn rewind(&mut self) {
         self.len = self.len.saturating_sub(1);
+    }
+
+    /// Sets the positions cached to `len` (at most the current length): the next step writes
+    /// position `len` and attends to the positions before it.
+    pub fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
     }
 
     /// Positions cached: the prompt's (padded) length plus the steps taken.
@@ -253,12 +302,17 @@ impl<'a> CapturedDecoder<'a> {
 
     /// How the steps ran so far.
     pub fn info(&self) -> &CaptureInfo {
-        &self.info
+        &self.step.info
+    }
+
+    /// The static cache the step writes (shared with the captured step).
+    pub(crate) fn cache(&self) -> &Rc<RefCell<StaticKvCache>> {
+        &self.cache
     }
 
     /// Bytes the static cache holds.
     pub fn cache_bytes(&self) -> usize {
-        burn_kernels_core::KvCache::bytes_held(&self.state.borrow().cache)
+        burn_kernels_core::KvCache::bytes_held(&*self.cache.borrow())
     }
 }
 

@@ -5,6 +5,7 @@
 //! submodules, one per topic.
 
 mod caches;
+mod captured;
 mod errors;
 mod fixtures;
 mod generation;
@@ -83,4 +84,22 @@ fn one_token_prompts_and_zero_new_tokens() {
 #[test]
 fn linear_cache_layout_errors_are_typed() {
     errors::linear_cache_layout_errors_are_typed();
+}
+
+// Captured (CUDA-graph) speculative decoding
+#[test]
+fn captured_speculation_refuses_with_typed_errors() {
+    captured::captured_speculation_refuses_with_typed_errors();
+}
+
+use burn::tensor::Device;
+use captured::captured_speculation_matches_eager;
+burn_kernels_testing::testgen! {
+    backend: [captured_speculation_matches_eager],
+    autodiff: [],
+}
+
+#[test]
+fn captured_speculation_matches_eager_cpu() {
+    captured_speculation_matches_eager(&Device::flex());
 }

@@ -13,6 +13,7 @@
 //! | kernels | decode attention kernel, fused layer ops | full | autoregressive |
 //! | kernels+graph | decode kernel, fused layer ops | static | autoregressive, each step a replayed CUDA graph (captured per generation) |
 //! | kernels+spec-sd | decode kernel, fused layer ops | full (branching) | speculative |
+//! | kernels+graph+spec-sd | decode kernel, fused layer ops | static, one row per draft | speculative, draft and verification steps replayed graphs (captured per generation) |
 //! | sage+shadowkv+spec-sd | Sage | ShadowKV | speculative (truncation rollback) |
 //! | fused sage+shadowkv+spec-sd | Sage, fused layer ops | ShadowKV | speculative |
 //! | spec-lookup, kernels+spec-lookup, sage+shadowkv+spec-lookup, fused sage+shadowkv+spec-lookup | as above | as above | speculative with a prompt-lookup draft (no model) |
@@ -37,6 +38,7 @@ use burn_llama::eval::shadowkv_for;
 use burn_llama::generate::{GenerateOptions, Generation, generate};
 use burn_llama::graph::generate_captured;
 use burn_llama::passkey::{holds_key, passkey_prompt};
+use burn_llama::spec::graph::speculative_generate_captured;
 use burn_llama::spec::{
     Draft, LinearSpecCache, SpecOptions, speculative_generate, speculative_generate_with_cache,
 };
@@ -136,6 +138,13 @@ const COMBOS: &[Combo] = &[
         shadowkv: false,
         spec: Some(Spec::Model),
         graph: false,
+    },
+    Combo {
+        name: "kernels+graph+spec-sd",
+        attention: Att::Kernels,
+        shadowkv: false,
+        spec: Some(Spec::Model),
+        graph: true,
     },
     Combo {
         name: "sage+shadowkv+spec-sd",
@@ -341,7 +350,7 @@ fn run(
         block_efficiency: None,
     };
     let sampler = || greedy.build();
-    if combo.graph {
+    if combo.graph && combo.spec.is_none() {
         let (g, _) = generate_captured(
             model,
             &prompts,
@@ -383,7 +392,17 @@ fn run(
         stop_tokens: Vec::new(),
         seed: 0,
     };
-    let (tokens, stats, cache, cache_bytes) = if combo.shadowkv {
+    let (tokens, stats, cache, cache_bytes) = if combo.graph {
+        let g =
+            speculative_generate_captured(model, &drafts, prompt, attention, &opts, &mut |_| {})
+                .expect("a valid configuration");
+        (
+            vec![g.tokens],
+            g.stats,
+            "static".to_string(),
+            g.target_cache_bytes,
+        )
+    } else if combo.shadowkv {
         let cache = LinearSpecCache::new(Box::new(shadowkv(cfg, prompt.len())));
         let g = speculative_generate_with_cache(
             model,

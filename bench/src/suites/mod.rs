@@ -96,6 +96,8 @@ pub struct SuiteOptions {
     /// with the fused layer ops and the decode attention kernel instead of Burn's attention
     /// op and tensor ops.
     pub decode_kernels: bool,
+    /// `--spec-new-tokens`: tokens the specdec suite generates per repetition.
+    pub spec_new_tokens: Option<usize>,
     /// `--e2e-phases`: the e2e suite times each Burn step's phases too.
     pub e2e_phases: bool,
     /// `--e2e-profile-step`: the e2e step whose kernels a CUDA profiler records.

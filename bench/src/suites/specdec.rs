@@ -11,7 +11,12 @@
 //! 4 (or `--draft-lens`), f32 weights, Burn's fused attention (or `--decode-kernels`), batch 1.
 //! With K = 1 the target cache is the autoregressive one, rolled back by truncation.
 //!
-//! One repetition: the prefill of the prompt, then [`NEW_TOKENS`] generated tokens (no stop
+//! Each scheme also runs as `<scheme> (graph)` beside `autoregressive (graph)`: the draft and
+//! verification steps captured once per generation and replayed
+//! ([`burn_llama::spec::graph`]); their notes give the capture time and the rate after it.
+//!
+//! One repetition: the prefill of the prompt, then [`NEW_TOKENS`] (or `--spec-new-tokens`)
+//! generated tokens (no stop
 //! token, so every repetition emits the same count); tokens/s counts the generated tokens.
 //! Block efficiency (tokens per target call), the acceptance rate per draft position and the
 //! split of the decode time (drafting, target forward, verification per target call) are the
@@ -24,7 +29,9 @@ use burn::tensor::{DType, Device};
 use burn_kernels_core::{AttentionImpl, BurnAttention, FullKvCache, FusedLayers, SamplingConfig};
 use burn_kvcache::DecodeAttention;
 use burn_llama::generate::{GenerateOptions, generate};
+use burn_llama::graph::generate_captured;
 use burn_llama::loader::{Checkpoint, default_model_path, load};
+use burn_llama::spec::graph::speculative_generate_captured;
 use burn_llama::spec::{
     BranchKvCache, Draft, LinearSpecCache, SpecCache, SpecOptions, SpecStats,
     speculative_generate_with_cache, truncated_draft,
@@ -52,7 +59,7 @@ pub fn suite(opts: SuiteOptions) -> Suite {
     let (default_drafts, new_tokens): (&[usize], usize) = if opts.quick {
         (&[1, 2], 8)
     } else {
-        (&[1, 2, 4], NEW_TOKENS)
+        (&[1, 2, 4], opts.spec_new_tokens.unwrap_or(NEW_TOKENS))
     };
     let drafts = match opts.spec_drafts.is_empty() {
         true => default_drafts.to_vec(),
@@ -277,6 +284,19 @@ fn problem(
                 .with_extra(move || weights_extra(weights)),
             );
 
+            candidates.push(autoregressive_graph(
+                &model, &prompt, &attention, shape, new_tokens,
+            ));
+            for scheme in schemes(k) {
+                candidates.push(spec_graph(
+                    (&model, &draft, &prompt),
+                    &attention,
+                    scheme,
+                    shape,
+                    new_tokens,
+                    weights,
+                ));
+            }
             for scheme in schemes(k) {
                 let (m, d, p) = (model.clone(), draft.clone(), prompt.clone());
                 let att = attention.clone();
@@ -315,6 +335,90 @@ fn problem(
             candidates
         }),
     }
+}
+
+/// Plain decoding with the step captured and replayed (`generate_captured`): the baseline of
+/// the `(graph)` rows.
+fn autoregressive_graph(
+    model: &Llama,
+    prompt: &[u32],
+    attention: &Arc<dyn AttentionImpl>,
+    shape: Shape,
+    new_tokens: usize,
+) -> Candidate<'static> {
+    let (m, p, att) = (model.clone(), prompt.to_vec(), attention.clone());
+    let mut seed = 0;
+    Candidate::timed_here("autoregressive (graph)", move || {
+        seed += 1;
+        let opts = GenerateOptions {
+            max_new_tokens: new_tokens,
+            stop_tokens: Vec::new(),
+        };
+        let (g, _) = generate_captured(
+            &m,
+            std::slice::from_ref(&p),
+            att.as_ref(),
+            sampling(shape.temperature, seed).build().as_mut(),
+            &opts,
+            &mut |_, _| {},
+        )
+        .expect("the prompt fits the model's context");
+        assert_eq!(g.tokens[0].len(), new_tokens, "no stop tokens");
+    })
+}
+
+/// `scheme` with the draft and target steps captured and replayed
+/// (`speculative_generate_captured`).
+fn spec_graph(
+    (model, draft, prompt): (&Llama, &Llama, &[u32]),
+    attention: &Arc<dyn AttentionImpl>,
+    scheme: Scheme,
+    shape: Shape,
+    new_tokens: usize,
+    weights: &'static str,
+) -> Candidate<'static> {
+    let (m, d, p, att) = (
+        model.clone(),
+        draft.clone(),
+        prompt.to_vec(),
+        attention.clone(),
+    );
+    let last: Rc<RefCell<Option<(SpecStats, f64)>>> = Rc::default();
+    let seen = last.clone();
+    let mut seed = 0;
+    // Candidate names are static; one short name per scheme and problem.
+    let name = &*Box::leak(format!("{} (graph)", scheme.name()).into_boxed_str());
+    Candidate::timed_here(name, move || {
+        seed += 1;
+        let drafts = vec![Draft::model(&d, sampling(shape.temperature, 0)); shape.k];
+        let opts = SpecOptions {
+            scheme,
+            draft_len: shape.len,
+            target_sampling: sampling(shape.temperature, 0),
+            max_new_tokens: new_tokens,
+            stop_tokens: Vec::new(),
+            seed,
+        };
+        let g = speculative_generate_captured(&m, &drafts, &p, att.as_ref(), &opts, &mut |_| {})
+            .expect("a valid configuration");
+        assert_eq!(g.tokens.len(), new_tokens, "no stop tokens");
+        *seen.borrow_mut() = Some((g.stats, g.capture_secs));
+    })
+    .with_extra(move || {
+        let last = last.borrow();
+        let mut x = spec_extra(weights, last.as_ref().map(|(s, _)| s));
+        if let Some((s, capture)) = last.as_ref() {
+            let steady = s.emitted as f64 / (s.decode_secs - capture).max(1e-9);
+            x.params.insert("capture_secs".into(), json!(capture));
+            x.params
+                .insert("decode_tokens_per_sec_after_capture".into(), json!(steady));
+            let note = x.note.take().unwrap_or_default();
+            x.note = Some(format!(
+                "{note}; capture {capture:.2} s, then {steady:.0} tok/s"
+            ));
+        }
+        x
+    })
 }
 
 /// One speculative generation with `cache` as the target cache: its tokens and statistics.

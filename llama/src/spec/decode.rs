@@ -13,7 +13,7 @@ use super::block::{Loop, group_drafts};
 use super::rows::{Distribution, forward_rows};
 use super::*;
 
-fn validate(
+pub(super) fn validate(
     target: &Llama,
     drafts: &[Draft<'_>],
     prompts: &[Vec<u32>],

@@ -66,6 +66,7 @@ mod block;
 mod cache;
 mod decode;
 mod draft;
+pub mod graph;
 mod rows;
 
 pub use cache::*;
@@ -153,6 +154,14 @@ pub enum SpecError {
         /// Positions held.
         held: usize,
     },
+    /// The captured path ([`graph::speculative_generate_captured`]) cannot run this
+    /// configuration.
+    #[error("captured speculative decoding: {0}")]
+    GraphUnsupported(String),
+    /// The prompt and the new tokens exceed a model's context, or the device failed (as plain
+    /// generation reports it).
+    #[error(transparent)]
+    Generate(#[from] crate::generate::GenerateError),
     /// The verification scheme rejected its inputs.
     #[error(transparent)]
     Verify(#[from] SpecDecError),

@@ -305,6 +305,7 @@ pub mod tests {
             batches: Vec::new(),
             seq: None,
             decode_kernels: false,
+            spec_new_tokens: None,
             e2e_phases: false,
             e2e_profile_step: None,
         }

@@ -236,7 +236,8 @@ pub(super) struct GenerateArgs {
     pub(super) seed: u64,
     /// Decode steps: `graph` captures one step and replays it (a CUDA graph on CUDA; other
     /// backends re-run it), `eager` runs every op of every step. `graph` needs the full KV
-    /// cache and no --spec; otherwise decoding is eager.
+    /// cache, and with --spec model drafts only (no --lookup-draft); otherwise decoding is
+    /// eager.
     #[arg(long, value_enum, default_value = "graph")]
     pub(super) decode: DecodeMode,
     #[command(flatten)]

@@ -215,6 +215,7 @@ fn run_generate(
                 device,
                 dtype,
                 attention,
+                *decode,
                 &mut stream,
             );
         }

@@ -3,7 +3,9 @@
 use burn::tensor::{DType, Device};
 use burn_kernels_core::{AttentionImpl, KvCache, SamplingConfig};
 use burn_llama::eval::full_kv_bytes;
+use burn_llama::graph::DecodeMode;
 use burn_llama::model::Llama;
+use burn_llama::spec::graph::speculative_generate_captured;
 use burn_llama::spec::{
     Draft, LinearSpecCache, SpecOptions, speculative_generate, speculative_generate_with_cache,
     truncated_draft,
@@ -21,7 +23,9 @@ pub(super) enum Decoding {
 }
 
 /// `llama generate --spec ...`: speculative decoding of one prompt, streamed, then its metrics.
-/// `compressed` is the target cache when `--kv-cache` is not the full one.
+/// `compressed` is the target cache when `--kv-cache` is not the full one; otherwise
+/// `--decode graph` (the default) replays captured draft and target steps when every draft is
+/// a model.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn run_speculative(
     target: &Llama,
@@ -32,6 +36,7 @@ pub(super) fn run_speculative(
     device: &Device,
     dtype: DType,
     attention: &dyn AttentionImpl,
+    decode: DecodeMode,
     stream: &mut StreamPrinter<'_>,
 ) -> Result<(), String> {
     let lookups = usize::from(args.lookup_draft).min(args.drafts);
@@ -86,7 +91,20 @@ pub(super) fn run_speculative(
             let c = &g.target_cache;
             (g.stats, c.name(), c.bytes_held(), c.seq_len())
         }
+        None if decode == DecodeMode::Graph && lookups == 0 => {
+            let g =
+                speculative_generate_captured(target, &drafts, ids, attention, &opts, &mut |t| {
+                    on_token(0, t)
+                })
+                .map_err(|e| e.to_string())?;
+            eprintln!("\ndraft: {}\ntarget: {}", g.draft, g.target);
+            let cached = ids.len() + g.stats.emitted - 1;
+            (g.stats, "static".to_string(), g.target_cache_bytes, cached)
+        }
         None => {
+            if decode == DecodeMode::Graph {
+                eprintln!("decode: eager (a prompt-lookup draft runs no model step to capture)");
+            }
             let g =
                 speculative_generate(target, &drafts, &prompts, attention, &opts, &mut on_token)
                     .map_err(|e| e.to_string())?;

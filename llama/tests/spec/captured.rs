@@ -1,0 +1,183 @@
+//! Captured speculative decoding (`spec::graph`) against the eager loop on the same seed, and
+//! its typed refusals.
+
+use crate::common::{checkpoint, tiny_config};
+
+use std::sync::Arc;
+
+use burn::tensor::{DType, Device};
+use burn_kernels_core::{AttentionImpl, FusedLayers, ReferenceAttention};
+use burn_kvcache::DecodeAttention;
+use burn_llama::model::Llama;
+use burn_llama::spec::graph::speculative_generate_captured;
+use burn_llama::spec::{Draft, SpecError, speculative_generate, truncated_draft};
+use burn_specdec::{PromptLookup, Scheme};
+
+use super::fixtures::*;
+
+/// The captured path runs the eager loop's algorithm with the same random streams, so on one
+/// seed it emits the same tokens with the same acceptances: sampled SpecInfer with K = 3 drafts
+/// (rows committed after every block), single-draft SD with the whole target as its draft (L = 2:
+/// nearly every block accepts both drafts and takes a bonus token, so the draft catches up by
+/// two tokens), and a greedy target (which must also be plain greedy decoding). A sampled token
+/// is an inverse-CDF draw from a row that the two paths compute in differently shaped batches,
+/// so a draw that lands within rounding of a boundary may differ (seen once on the CPU, the
+/// neighbouring token id) and the runs part there: sampled cases must agree on the first half
+/// of the tokens at least, and entirely when they do not part. One case and fewer tokens on
+/// lavapipe. On CUDA the steps must have replayed as hardware graphs.
+pub(super) fn captured_speculation_matches_eager(device: &Device) {
+    let model = Llama::from_checkpoint(checkpoint(), device, DType::F32).expect("checkpoint");
+    let draft = truncated_draft(&model, EXACTNESS_DRAFT_LAYERS).unwrap();
+    let whole = truncated_draft(&model, model.layers.len()).unwrap();
+    let prompt = prompts()[1].clone();
+    let attention: Box<dyn AttentionImpl> = if *device == Device::flex() {
+        Box::new(ReferenceAttention)
+    } else {
+        Box::new(FusedLayers::new(Arc::new(DecodeAttention::default())))
+    };
+    let n = if burn_kernels_testing::is_wgpu(device) {
+        10
+    } else {
+        32
+    };
+    let cases = [
+        (Scheme::SpecInfer, 3, 3, 1.0, 1.0, &draft),
+        (Scheme::SingleDraft, 1, 2, 1.0, 1.0, &whole),
+        (Scheme::SpecInfer, 2, 4, 0.0, 0.7, &draft),
+    ];
+    // Lavapipe runs the first case only (minutes per case for this model).
+    let cases = if burn_kernels_testing::is_wgpu(device) {
+        &cases[..1]
+    } else {
+        &cases[..]
+    };
+    let (mut accepted_runs, mut rejections, mut bonus) = (0, 0, 0);
+    for &(scheme, k, len, t_target, t_draft, draft) in cases {
+        let opts = options(scheme, len, t_target, n);
+        let drafts = identical(draft, k, t_draft);
+        let eager = speculative_generate(
+            &model,
+            &drafts,
+            std::slice::from_ref(&prompt),
+            attention.as_ref(),
+            &opts,
+            &mut |_, _| {},
+        )
+        .unwrap();
+        let mut streamed = Vec::new();
+        let got = speculative_generate_captured(
+            &model,
+            &drafts,
+            &prompt,
+            attention.as_ref(),
+            &opts,
+            &mut |t| streamed.push(t),
+        )
+        .unwrap();
+        let (s, e) = (&got.stats, &eager.stats);
+        println!(
+            "{device:?} {} K={k} L={len} T={t_target}: block efficiency {:.2} (eager {:.2}), \
+             {} blocks; draft: {}; target: {}",
+            scheme.name(),
+            s.block_efficiency(),
+            e.block_efficiency(),
+            s.blocks,
+            got.draft,
+            got.target
+        );
+        assert_eq!(streamed, got.tokens);
+        let want = &eager.tokens[0];
+        let agree = got
+            .tokens
+            .iter()
+            .zip(want)
+            .take_while(|(a, b)| a == b)
+            .count();
+        if t_target == 0.0 || agree == got.tokens.len().max(want.len()) {
+            assert_eq!(&got.tokens, want, "{} K={k} L={len}", scheme.name());
+            assert_eq!(
+                (s.blocks, s.accepted, &s.accepted_at, s.emitted),
+                (e.blocks, e.accepted, &e.accepted_at, e.emitted)
+            );
+        } else {
+            println!(
+                "parted after {agree} tokens: {:?} vs {:?}",
+                &got.tokens[agree..],
+                &want[agree..]
+            );
+            assert!(
+                2 * agree >= n,
+                "{} K={k} L={len}: {:?} vs {want:?}",
+                scheme.name(),
+                got.tokens
+            );
+        }
+        assert_eq!(s.target_calls, s.blocks);
+        if t_target == 0.0 {
+            let plain = plain_greedy(&model, std::slice::from_ref(&prompt), n, &eos());
+            assert_eq!(got.tokens, plain[0]);
+        }
+        if burn_kernels_testing::is_cuda(device) {
+            assert!(
+                got.draft.graph && got.target.graph,
+                "{:?}",
+                (got.draft, got.target)
+            );
+        }
+        accepted_runs += usize::from(s.accepted > 0);
+        rejections += usize::from(s.accepted < s.blocks * len);
+        bonus += s.accepted_at[len - 1];
+    }
+    let want_bonus = usize::from(cases.len() > 1);
+    assert!(
+        accepted_runs > 0 && rejections > 0 && bonus >= want_bonus,
+        "the cases must accept, reject and reach bonus tokens: {accepted_runs} {rejections} {bonus}"
+    );
+}
+
+/// Drafts the captured path cannot run (two draft models, a prompt-lookup draft) and a prompt
+/// past the context are typed errors, on a tiny random model.
+pub(super) fn captured_speculation_refuses_with_typed_errors() {
+    let device = Device::flex();
+    let cfg = tiny_config(29, 2, 64);
+    let target = Llama::random(&cfg, &device, DType::F32);
+    let other = Llama::random(&cfg, &device, DType::F32);
+    let mut opts = options(Scheme::SpecInfer, 2, 1.0, 4);
+    opts.stop_tokens.clear();
+    let run = |drafts: &[Draft<'_>], prompt: &[u32], opts: &burn_llama::spec::SpecOptions| {
+        speculative_generate_captured(
+            &target,
+            drafts,
+            prompt,
+            &ReferenceAttention,
+            opts,
+            &mut |_| {},
+        )
+    };
+    let two_models = [
+        Draft::model(&target, sampling(1.0)),
+        Draft::model(&other, sampling(1.0)),
+    ];
+    assert!(matches!(
+        run(&two_models, &[1, 2, 3], &opts),
+        Err(SpecError::GraphUnsupported(_))
+    ));
+    let lookup = [Draft::lookup(PromptLookup::default())];
+    assert!(matches!(
+        run(&lookup, &[1, 2, 3], &opts),
+        Err(SpecError::GraphUnsupported(_))
+    ));
+    assert!(matches!(
+        run(&[], &[1, 2, 3], &opts),
+        Err(SpecError::NoDrafts)
+    ));
+    let drafts = [Draft::model(&other, sampling(1.0))];
+    let long = vec![1; 60];
+    assert!(matches!(
+        run(&drafts, &long, &opts),
+        Err(SpecError::Generate(_))
+    ));
+    // One token of prompt is enough (nothing to prefill in the target).
+    let got = run(&drafts, &[5], &opts).expect("a one-token prompt");
+    assert_eq!(got.tokens.len(), 4);
+}
