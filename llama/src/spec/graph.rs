@@ -247,6 +247,38 @@ fn one_draft_model<'m>(drafts: &[Draft<'m>]) -> Result<&'m Llama, SpecError> {
     }
 }
 
+/// Each row's draft tokens and the rows they were drawn from (`[K][L]`, `[K][L][vocab]`).
+type Drafts = (Vec<Vec<u32>>, Vec<Vec<Vec<f32>>>);
+
+/// A block's drafts: `L` tokens per row and the rows they were drawn from, sampled from
+/// `logits` (`[K · vocab]`, after the pending token) and then from `L − 1` replayed draft steps;
+/// `logits` is left holding the last step's.
+fn draft_block(
+    draft: &mut CapturedDecoder<'_>,
+    logits: &mut Vec<f32>,
+    dists: &[Distribution],
+    len: usize,
+    rng: &mut StdRng,
+) -> Result<Drafts, SpecError> {
+    let k = dists.len();
+    let vocab = logits.len() / k;
+    let jobs: Vec<(usize, usize, usize)> = (0..k).map(|r| (r, 0, r)).collect();
+    let mut tokens = vec![Vec::with_capacity(len); k];
+    let mut q = vec![Vec::with_capacity(len); k];
+    for j in 0..len {
+        let drawn = sample_drafts(logits, vocab, &jobs, dists, rng);
+        for (r, (dist, token)) in drawn.into_iter().enumerate() {
+            tokens[r].push(token);
+            q[r].push(dist);
+        }
+        if j + 1 < len {
+            let last: Vec<u32> = tokens.iter().map(|t| t[j]).collect();
+            *logits = host(draft.step(&last)?)?;
+        }
+    }
+    Ok((tokens, q))
+}
+
 /// [`super::speculative_generate`] for one prompt with every decode step replayed from a
 /// capture (layout in the module docs): the same algorithm, schemes and statistics, with the
 /// draft's `[K, 1]` step, the target's `[K, L + 1]` verification and (K > 1) the row commits
@@ -301,25 +333,12 @@ pub fn speculative_generate_captured(
     let mut rng = StdRng::seed_from_u64(opts.seed);
     let (mut n, mut pending) = (p - 1, prompt[p - 1]);
     let mut out = Vec::new();
-    let jobs: Vec<(usize, usize, usize)> = (0..k).map(|r| (r, 0, r)).collect();
     let t1 = Instant::now();
     while out.len() < opts.max_new_tokens {
         // Draft: L tokens per row; the first from the logits after the pending token.
         let td = Instant::now();
-        let mut tokens = vec![Vec::with_capacity(len); k];
-        let mut q = vec![Vec::with_capacity(len); k];
-        for j in 0..len {
-            let drawn = sample_drafts(&draft_logits, vocab, &jobs, &draft_dist, &mut rng);
-            for (r, (dist, token)) in drawn.into_iter().enumerate() {
-                tokens[r].push(token);
-                q[r].push(dist);
-            }
-            if j + 1 < len {
-                let last: Vec<u32> = tokens.iter().map(|t| t[j]).collect();
-                draft_logits = host(draft.step(&last)?)?;
-                stats.draft_calls += 1;
-            }
-        }
+        let (tokens, q) = draft_block(&mut draft, &mut draft_logits, &draft_dist, len, &mut rng)?;
+        stats.draft_calls += len - 1;
         stats.draft_secs += td.elapsed().as_secs_f64();
         // Target: every row's block in one replay.
         let tt = Instant::now();
