@@ -1,6 +1,8 @@
 //! The model on the real SmolLM2-135M-Instruct weights (fetched by `./scripts/setup.sh`).
 
-use crate::common::{checkpoint, paragraph_tokens, paragraph_tokens_on, tiny_config};
+use crate::common::{
+    checkpoint, decode_attention_for, paragraph_tokens, paragraph_tokens_on, tiny_config,
+};
 use crate::replay::assert_replay_logits_match;
 
 use burn::tensor::{DType, Device};
@@ -256,11 +258,7 @@ fn captured_decode_matches_eager(device: &Device) {
         ]),
     ];
     assert_ne!(batches[1][0].len(), batches[1][1].len());
-    let attention: Box<dyn AttentionImpl> = if *device == Device::flex() {
-        Box::new(ReferenceAttention)
-    } else {
-        Box::new(FusedLayers::new(Arc::new(DecodeAttention::default())))
-    };
+    let attention = decode_attention_for(device);
     let n = if burn_kernels_testing::is_wgpu(device) {
         5
     } else {

@@ -70,3 +70,15 @@ pub fn last_logits(model: &Llama, tokens: &[u32]) -> Vec<f32> {
     let logits = model.logits(hidden.slice([0..1, n - 1..n, 0..h]));
     logits.into_data().try_to_vec::<f32>().unwrap()
 }
+
+/// The attention a decode test on `device` runs: the reference on the CPU, the decode kernels
+/// (fused layer ops, decode attention) on GPUs.
+pub fn decode_attention_for(device: &Device) -> Box<dyn burn_kernels_core::AttentionImpl> {
+    if *device == Device::flex() {
+        Box::new(ReferenceAttention)
+    } else {
+        Box::new(burn_kernels_core::FusedLayers::new(std::sync::Arc::new(
+            burn_kvcache::DecodeAttention::default(),
+        )))
+    }
+}

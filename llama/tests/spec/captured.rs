@@ -1,13 +1,10 @@
 //! Captured speculative decoding (`spec::graph`) against the eager loop on the same seed, and
 //! its typed refusals.
 
-use crate::common::{checkpoint, tiny_config};
-
-use std::sync::Arc;
+use crate::common::{checkpoint, decode_attention_for, tiny_config};
 
 use burn::tensor::{DType, Device};
-use burn_kernels_core::{AttentionImpl, FusedLayers, ReferenceAttention};
-use burn_kvcache::DecodeAttention;
+use burn_kernels_core::ReferenceAttention;
 use burn_llama::model::Llama;
 use burn_llama::spec::graph::speculative_generate_captured;
 use burn_llama::spec::{Draft, SpecError, speculative_generate, truncated_draft};
@@ -23,36 +20,22 @@ use super::fixtures::*;
 /// is an inverse-CDF draw from a row that the two paths compute in differently shaped batches,
 /// so a draw that lands within rounding of a boundary may differ (seen once on the CPU, the
 /// neighbouring token id) and the runs part there: sampled cases must agree on the first half
-/// of the tokens at least, and entirely when they do not part. One case and fewer tokens on
-/// lavapipe. On CUDA the steps must have replayed as hardware graphs.
+/// of the tokens at least, and entirely when they do not part. On CUDA the steps must have
+/// replayed as hardware graphs.
 pub(super) fn captured_speculation_matches_eager(device: &Device) {
     let model = Llama::from_checkpoint(checkpoint(), device, DType::F32).expect("checkpoint");
     let draft = truncated_draft(&model, EXACTNESS_DRAFT_LAYERS).unwrap();
     let whole = truncated_draft(&model, model.layers.len()).unwrap();
     let prompt = prompts()[1].clone();
-    let attention: Box<dyn AttentionImpl> = if *device == Device::flex() {
-        Box::new(ReferenceAttention)
-    } else {
-        Box::new(FusedLayers::new(Arc::new(DecodeAttention::default())))
-    };
-    let n = if burn_kernels_testing::is_wgpu(device) {
-        10
-    } else {
-        32
-    };
+    let attention = decode_attention_for(device);
+    let n = 32;
     let cases = [
         (Scheme::SpecInfer, 3, 3, 1.0, 1.0, &draft),
         (Scheme::SingleDraft, 1, 2, 1.0, 1.0, &whole),
         (Scheme::SpecInfer, 2, 4, 0.0, 0.7, &draft),
     ];
-    // Lavapipe runs the first case only (minutes per case for this model).
-    let cases = if burn_kernels_testing::is_wgpu(device) {
-        &cases[..1]
-    } else {
-        &cases[..]
-    };
     let (mut accepted_runs, mut rejections, mut bonus) = (0, 0, 0);
-    for &(scheme, k, len, t_target, t_draft, draft) in cases {
+    for (scheme, k, len, t_target, t_draft, draft) in cases {
         let opts = options(scheme, len, t_target, n);
         let drafts = identical(draft, k, t_draft);
         let eager = speculative_generate(
@@ -128,9 +111,8 @@ pub(super) fn captured_speculation_matches_eager(device: &Device) {
         rejections += usize::from(s.accepted < s.blocks * len);
         bonus += s.accepted_at[len - 1];
     }
-    let want_bonus = usize::from(cases.len() > 1);
     assert!(
-        accepted_runs > 0 && rejections > 0 && bonus >= want_bonus,
+        accepted_runs > 0 && rejections > 0 && bonus > 0,
         "the cases must accept, reject and reach bonus tokens: {accepted_runs} {rejections} {bonus}"
     );
 }
