@@ -100,12 +100,17 @@ pub(crate) fn last_logits(
 /// allocation surfaces at this read).
 pub(crate) fn host_rows(logits: Tensor<2>) -> Result<Vec<Vec<f32>>, GenerateError> {
     let [_, vocab] = logits.dims();
-    let data = logits
+    let data = host_logits(logits)?;
+    Ok(data.chunks(vocab).map(<[f32]>::to_vec).collect())
+}
+
+/// `[rows, vocab]` f32 logits read back to the host, row after row.
+pub(crate) fn host_logits(logits: Tensor<2>) -> Result<Vec<f32>, GenerateError> {
+    Ok(logits
         .try_into_data()
         .map_err(|e| GenerateError::Device(e.to_string()))?
         .try_to_vec::<f32>()
-        .expect("logits are f32");
-    Ok(data.chunks(vocab).map(<[f32]>::to_vec).collect())
+        .expect("logits are f32"))
 }
 
 /// The prompts left-padded into one `[batch, longest]` batch (each row padded with its own

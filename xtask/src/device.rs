@@ -377,21 +377,13 @@ mod tests {
 
     #[test]
     fn binary_names_drop_cargos_hash() {
-        assert_eq!(
-            binary_name(Path::new("/t/deps/core-d0357ae3be187ded")),
-            "core"
-        );
-        assert_eq!(
-            binary_name(Path::new("/t/deps/cce_tests-18695877e10b096c")),
-            "cce_tests"
-        );
-        assert_eq!(
-            binary_name(Path::new("/t/release/burn-kernels-bench")),
-            "burn-kernels-bench"
-        );
-        assert_eq!(
-            binary_name(Path::new("/t/release/spec_table")),
-            "spec_table"
-        );
+        for (path, name) in [
+            ("/t/deps/core-d0357ae3be187ded", "core"),
+            ("/t/deps/cce_tests-18695877e10b096c", "cce_tests"),
+            ("/t/release/burn-kernels-bench", "burn-kernels-bench"),
+            ("/t/release/spec_table", "spec_table"),
+        ] {
+            assert_eq!(binary_name(Path::new(path)), name);
+        }
     }
 }

@@ -307,14 +307,7 @@ fn problem(
                     Candidate::timed_here(scheme.name(), move || {
                         seed += 1;
                         let drafts = vec![Draft::model(&d, sampling(temperature, 0)); k];
-                        let opts = SpecOptions {
-                            scheme,
-                            draft_len,
-                            target_sampling: sampling(temperature, 0),
-                            max_new_tokens: new_tokens,
-                            stop_tokens: Vec::new(),
-                            seed,
-                        };
+                        let opts = spec_options(scheme, shape, new_tokens, seed);
                         let prompts = std::slice::from_ref(&p);
                         // One sequence and one draft: the target cache is the autoregressive
                         // one, rolled back by truncation (no branch rows to widen and merge).
@@ -334,6 +327,19 @@ fn problem(
             }
             candidates
         }),
+    }
+}
+
+/// The options of one timed speculative generation: no stop tokens, the target at the shape's
+/// temperature, the repetition's seed.
+fn spec_options(scheme: Scheme, shape: Shape, new_tokens: usize, seed: u64) -> SpecOptions {
+    SpecOptions {
+        scheme,
+        draft_len: shape.len,
+        target_sampling: sampling(shape.temperature, 0),
+        max_new_tokens: new_tokens,
+        stop_tokens: Vec::new(),
+        seed,
     }
 }
 
@@ -391,14 +397,7 @@ fn spec_graph(
     Candidate::timed_here(name, move || {
         seed += 1;
         let drafts = vec![Draft::model(&d, sampling(shape.temperature, 0)); shape.k];
-        let opts = SpecOptions {
-            scheme,
-            draft_len: shape.len,
-            target_sampling: sampling(shape.temperature, 0),
-            max_new_tokens: new_tokens,
-            stop_tokens: Vec::new(),
-            seed,
-        };
+        let opts = spec_options(scheme, shape, new_tokens, seed);
         let g = speculative_generate_captured(&m, &drafts, &p, att.as_ref(), &opts, &mut |_| {})
             .expect("a valid configuration");
         assert_eq!(g.tokens.len(), new_tokens, "no stop tokens");

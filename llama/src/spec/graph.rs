@@ -33,7 +33,7 @@ use burn_kernels_core::{AttentionImpl, AttnOptions, CacheError, KvCache, StaticK
 use burn_specdec::verify_block;
 use rand::{SeedableRng, rngs::StdRng};
 
-use crate::generate::GenerateError;
+use crate::generate::{GenerateError, host_logits};
 use crate::graph::{CaptureInfo, CapturedDecoder, Replayed, StepInputs, StepOutput, step_inputs};
 use crate::model::{ForwardError, Llama};
 
@@ -157,7 +157,7 @@ impl<'a> Verifier<'a> {
         values.extend((self.main..self.main + w).map(|p| p as i64));
         values.push(n as i64);
         let logits = self.step.run(values).map_err(ForwardError::from)??;
-        host(logits)
+        Ok(host_logits(logits)?)
     }
 }
 
@@ -228,13 +228,6 @@ impl KvCache for TailWrite<'_> {
     }
 }
 
-fn host(logits: Tensor<2>) -> Result<Vec<f32>, SpecError> {
-    let data = logits
-        .try_into_data()
-        .map_err(|e| GenerateError::Device(e.to_string()))?;
-    Ok(data.try_to_vec::<f32>().expect("logits are f32"))
-}
-
 /// The draft model every draft runs on, or why the captured path cannot take these drafts.
 fn one_draft_model<'m>(drafts: &[Draft<'m>]) -> Result<&'m Llama, SpecError> {
     let mut models = drafts.iter().map(Draft::model_ref);
@@ -273,7 +266,7 @@ fn draft_block(
         }
         if j + 1 < len {
             let last: Vec<u32> = tokens.iter().map(|t| t[j]).collect();
-            *logits = host(draft.step(&last)?)?;
+            *logits = host_logits(draft.step(&last)?)?;
         }
     }
     Ok((tokens, q))
@@ -394,7 +387,7 @@ pub fn speculative_generate_captured(
             stats.draft_calls += 1;
         }
         let last = *outcome.tokens.last().expect("a block emits a token") as u32;
-        draft_logits = host(draft.step(&vec![last; k])?)?;
+        draft_logits = host_logits(draft.step(&vec![last; k])?)?;
         stats.draft_calls += 1;
         stats.draft_secs += td.elapsed().as_secs_f64();
         n += a + 1;
