@@ -2,7 +2,7 @@
 
 use burn::tensor::module::attention;
 use burn::tensor::ops::{AttentionModuleOptions, CausalAlignment};
-use burn::tensor::{Bool, DType, Device, Tensor, TensorData, activation};
+use burn::tensor::{Bool, DType, Device, Int, Tensor, activation};
 
 /// What every attention call gets besides Q, K and V.
 #[derive(Debug, Clone)]
@@ -79,6 +79,28 @@ pub fn repeat_kv(x: Tensor<4>, group: usize) -> Tensor<4> {
         .reshape([b, h * group, s, d])
 }
 
+/// The bottom-right causal mask `[sq, skv]` (`true` = hidden: key `j` after query `i`'s
+/// position `i + skv − sq`), built by device kernels only: no host upload, which a wgpu capture
+/// window cannot record (a captured verification step has `sq > 1`). Only the last `sq` keys
+/// can be hidden; their triangle comes from the positions `1..=sq` as a cumulative sum of ones.
+fn causal_mask(sq: usize, skv: usize, device: &Device) -> Tensor<2, Bool> {
+    let position = Tensor::<1, Int>::ones([sq], device).cumsum(0);
+    let triangle = position
+        .clone()
+        .reshape([1, sq])
+        .greater(position.reshape([sq, 1]));
+    match skv - sq {
+        0 => triangle,
+        offset => Tensor::cat(
+            vec![
+                Tensor::<2, Int>::zeros([sq, offset], device).bool(),
+                triangle,
+            ],
+            1,
+        ),
+    }
+}
+
 /// `[batch, 1, sq, skv]` mask (`true` = hidden) combining the bottom-right causal mask and the
 /// key padding; `None` when nothing is masked.
 pub fn build_mask(
@@ -89,11 +111,7 @@ pub fn build_mask(
     device: &Device,
 ) -> Option<Tensor<4, Bool>> {
     let causal = (opts.causal && sq > 1).then(|| {
-        let offset = skv - sq;
-        let data: Vec<bool> = (0..sq)
-            .flat_map(|i| (0..skv).map(move |j| j > i + offset))
-            .collect();
-        Tensor::<2, Bool>::from_data(TensorData::new(data, [sq, skv]), device)
+        causal_mask(sq, skv, device)
             .reshape([1, 1, sq, skv])
             .expand([batch, 1, sq, skv])
     });

@@ -163,7 +163,15 @@ impl<'a, O: Clone> Replayed<'a, O> {
                         .collect::<Vec<_>>()
                         .join(" ")
                 });
-                self.graph.insert(g).output().clone()
+                let g = self.graph.insert(g);
+                if g.is_hardware() {
+                    g.output().clone()
+                } else {
+                    // A failed capture's output was recorded, not computed (wgpu records
+                    // dispatches only); the fallback re-runs the step for it.
+                    // Safety: re-running the closure, as every later call does.
+                    unsafe { g.replay() }.clone()
+                }
             }
             // Safety: the graph reads what its closure owns or borrows for 'a (the model's
             // weights, constants, caches held in `Rc`s that the closure keeps alive) and the

@@ -108,3 +108,23 @@ mod cuda {
 fn captured_speculation_matches_eager_cpu() {
     captured::captured_speculation_matches_eager(&burn::tensor::Device::flex());
 }
+
+/// The captured steps as graphs on a GPU runtime (wgpu records dispatches only, so a step
+/// that uploads from the host cannot be captured there).
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+mod graphs {
+    #[cfg(feature = "wgpu")]
+    #[test]
+    fn captured_speculation_replays_as_graphs_wgpu() {
+        burn_kernels_testing::runtimes::quick_software_shaders();
+        let device = burn::tensor::Device::wgpu(burn::tensor::DeviceKind::DefaultDevice);
+        super::captured::captured_speculation_replays_as_graphs(&device);
+    }
+
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn captured_speculation_replays_as_graphs_cuda() {
+        burn_kernels_testing::runtimes::exact_f32_matmul();
+        super::captured::captured_speculation_replays_as_graphs(&burn::tensor::Device::cuda(0));
+    }
+}

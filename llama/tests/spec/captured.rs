@@ -163,3 +163,54 @@ pub(super) fn captured_speculation_refuses_with_typed_errors() {
     let got = run(&drafts, &[5], &opts).expect("a one-token prompt");
     assert_eq!(got.tokens.len(), 4);
 }
+
+/// On a GPU runtime every step of the captured path must replay as a graph and emit the eager
+/// loop's tokens, with Burn's reference attention (whose verification step builds a causal mask:
+/// a host upload there would fail a wgpu capture) and with the decode kernel, twice in one
+/// process (the second generation captures anew), on a tiny random model: greedy SpecInfer with
+/// K = 2 (row commits) and sampled single-draft SD with K = 1.
+pub(super) fn captured_speculation_replays_as_graphs(device: &Device) {
+    let cfg = tiny_config(29, 2, 64);
+    let target = Llama::random(&cfg, device, DType::F32);
+    let draft = truncated_draft(&target, 1).unwrap();
+    let attentions: [Box<dyn burn_kernels_core::AttentionImpl>; 2] =
+        [Box::new(ReferenceAttention), decode_attention_for(device)];
+    let prompt = [3, 1, 4, 1, 5];
+    for attention in &attentions {
+        for (scheme, k, len, t_target) in [
+            (Scheme::SpecInfer, 2, 3, 0.0),
+            (Scheme::SingleDraft, 1, 4, 1.0),
+            (Scheme::SingleDraft, 1, 4, 1.0),
+        ] {
+            let mut opts = options(scheme, len, t_target, 12);
+            opts.stop_tokens.clear();
+            let drafts = identical(&draft, k, 1.0);
+            let eager = speculative_generate(
+                &target,
+                &drafts,
+                &[prompt.to_vec()],
+                attention.as_ref(),
+                &opts,
+                &mut |_, _| {},
+            )
+            .unwrap();
+            let got = speculative_generate_captured(
+                &target,
+                &drafts,
+                &prompt,
+                attention.as_ref(),
+                &opts,
+                &mut |_| {},
+            )
+            .unwrap_or_else(|e| panic!("{} {}: {e}", attention.name(), scheme.name()));
+            let what = format!("{} {} K={k}", attention.name(), scheme.name());
+            assert!(
+                got.draft.graph && got.target.graph,
+                "{what}: {:?}",
+                (got.draft, got.target)
+            );
+            assert_eq!(got.tokens, eager.tokens[0], "{what}");
+            assert_eq!(got.stats.accepted, eager.stats.accepted, "{what}");
+        }
+    }
+}
