@@ -128,6 +128,10 @@ struct Args {
     /// grow with it: shorter sequences are where CCE's saving decides the batch.
     #[arg(long)]
     seq: Option<usize>,
+    /// e2e-dp suite (which `--suite e2e` adds when this lists two GPUs or more): data-parallel
+    /// fine-tuning over these CUDA GPUs (comma-separated, e.g. `0,1`) against one GPU.
+    #[arg(long, value_delimiter = ',')]
+    devices: Vec<usize>,
     /// specdec suite: decode with burn-kernels-core's fused layer ops and burn-kvcache's decode
     /// attention kernel (autoregressive and speculative alike) instead of Burn's attention op.
     #[arg(long)]
@@ -372,6 +376,12 @@ fn run(
     {
         names.insert(i + 1, "e2e-generate".into());
     }
+    if let Some(i) = names.iter().position(|n| n == "e2e-generate")
+        && args.devices.len() > 1
+        && !names.iter().any(|n| n == "e2e-dp")
+    {
+        names.insert(i + 1, "e2e-dp".into());
+    }
     let opts = suites::SuiteOptions {
         quick: args.quick,
         max_mem_bytes: args.max_mem_gb * 1e9,
@@ -395,11 +405,17 @@ fn run(
         spec_new_tokens: args.spec_new_tokens,
         e2e_phases: args.e2e_phases,
         e2e_profile_step: args.e2e_profile_step,
+        devices: args.devices.clone(),
     };
     let mut built = Vec::new();
     for n in &names {
-        let mut suite = suites::build(n, opts.clone())
-            .ok_or_else(|| format!("unknown suite `{n}`; known: {}", suites::ALL.join(", ")))?;
+        let mut suite = suites::build(n, opts.clone()).ok_or_else(|| {
+            format!(
+                "unknown suite `{n}`; known: {}, {}",
+                suites::ALL.join(", "),
+                suites::ON_REQUEST.join(", ")
+            )
+        })?;
         suite.problems.retain(|p| opts.selects(&p.label));
         suite.measure_memory &= !args.skip_memory;
         built.push(suite);

@@ -1,14 +1,23 @@
-//! Data parallelism's gradient step: the replicas' gradients averaged parameter by parameter with
-//! Burn's all-reduce (`Tensor::all_reduce`, which runs NCCL between CUDA devices and transfers
-//! elsewhere), so that every replica can take the same optimizer step. Each replica computes its
-//! gradients on its slice of the global batch; with a loss that is a mean over equally many
-//! tokens per slice, the average of the slices' gradients is the global batch's gradient.
+//! Data-parallel training over several devices: one replica of the model per device, each on
+//! its own thread with its own optimizer; every step each replica computes the gradients of
+//! its slice of the global batch, Burn's all-reduce (`Tensor::all_reduce`: NCCL between CUDA
+//! devices, transfers elsewhere) averages them parameter by parameter, and every replica takes
+//! the same optimizer step with its copy of the mean, so the replicas stay equal.
+//!
+//! With a loss that is a mean over equally many tokens per slice, the average of the slices'
+//! gradients is the global batch's gradient: a run on `n` devices follows the one-device run of
+//! the same global batch ([`crate::finetune::train_parallel`]).
+
+use std::ops::Range;
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::thread::{Scope, ScopedJoinHandle};
 
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
-use burn::optim::GradientsParams;
-use burn::tensor::Tensor;
+use burn::optim::{GradientsParams, ModuleOptimizer};
 use burn::tensor::distributed::ReduceOperation;
+use burn::tensor::{Device, Tensor};
 
+use crate::finetune::{StepContext, TrainError, replica_grads};
 use crate::model::Llama;
 
 /// The float parameters of a model by rank (the Llama model has rank-1 norms and rank-2
@@ -31,17 +40,17 @@ impl ModuleVisitor for ParamsByRank {
 }
 
 /// The mean of `grads` (one per replica of `model`, each on its replica's device) for every
-/// float parameter, on the first replica's device: what the first replica's optimizer step
-/// takes. Parameters without a gradient in every replica are left out.
+/// float parameter, once per replica on its device (in `grads`' order): what each replica's
+/// optimizer step takes. Parameters without a gradient in every replica are left out.
 ///
 /// # Panics
 /// When `grads` is empty, or `model` has float parameters of a rank other than 1 or 2.
-pub fn all_reduce_mean(model: &Llama, mut grads: Vec<GradientsParams>) -> GradientsParams {
+pub fn all_reduce_mean(model: &Llama, mut grads: Vec<GradientsParams>) -> Vec<GradientsParams> {
     assert!(!grads.is_empty(), "no replica gradients to average");
     let mut params = ParamsByRank::default();
     model.visit(&mut params);
     assert_eq!(params.other, 0, "parameters of rank other than 1 and 2");
-    let mut out = GradientsParams::new();
+    let mut out: Vec<GradientsParams> = grads.iter().map(|_| GradientsParams::new()).collect();
     for id in params.rank1 {
         reduce_param::<1>(id, &mut grads, &mut out);
     }
@@ -51,18 +60,317 @@ pub fn all_reduce_mean(model: &Llama, mut grads: Vec<GradientsParams>) -> Gradie
     out
 }
 
-/// Moves the mean of every replica's gradient of `id` into `out` (the first replica's copy).
+/// Moves the mean of every replica's gradient of `id` into `out` (each replica's copy).
 fn reduce_param<const D: usize>(
     id: ParamId,
     grads: &mut [GradientsParams],
-    out: &mut GradientsParams,
+    out: &mut [GradientsParams],
 ) {
     let members: Option<Vec<Tensor<D>>> = grads.iter_mut().map(|g| g.remove::<D>(id)).collect();
-    if let Some(members) = members
-        && let Some(first) = Tensor::all_reduce(members, ReduceOperation::Mean)
+    if let Some(members) = members {
+        let means = Tensor::all_reduce(members, ReduceOperation::Mean);
+        for (o, mean) in out.iter_mut().zip(means) {
+            o.register::<D>(id, mean);
+        }
+    }
+}
+
+/// The rows of a global batch of `batch` rows that replica `r` of `n` trains on.
+pub fn replica_rows(batch: usize, n: usize, r: usize) -> Range<usize> {
+    let per = batch / n;
+    r * per..(r + 1) * per
+}
+
+/// Checks a replica device list before anything trains: a global batch that splits evenly.
+/// A device may be listed more than once (replicas sharing it; Burn's all-reduce then runs over
+/// transfers): the CPU tests run two replicas on the one CPU device.
+///
+/// # Errors
+/// [`TrainError::Config`] naming what is wrong.
+pub fn check_devices(devices: &[Device], batch: usize) -> Result<(), TrainError> {
+    let n = devices.len().max(1);
+    if batch % n != 0 {
+        return Err(TrainError::Config(format!(
+            "the global batch of {batch} sequences does not split evenly over {n} devices; \
+             use a multiple of {n}"
+        )));
+    }
+    Ok(())
+}
+
+/// The CUDA devices `indices` (training devices: with autodiff), after checking that each
+/// exists.
+///
+/// # Errors
+/// [`TrainError::Config`] for an index the machine does not have (with the count it has), a
+/// repeated index, or no index.
+#[cfg(feature = "cuda")]
+pub fn cuda_devices(indices: &[usize]) -> Result<Vec<Device>, TrainError> {
+    if indices.is_empty() {
+        return Err(TrainError::Config("no device index given".into()));
+    }
+    for &i in indices {
+        cubecl::Device::cuda(i)
+            .map_err(|e| TrainError::Config(format!("CUDA device {i} is not available: {e}")))?;
+    }
+    let devices: Vec<Device> = indices
+        .iter()
+        .map(|&i| Device::cuda(i).autodiff())
+        .collect();
+    for (pos, i) in indices.iter().enumerate() {
+        if indices[..pos].contains(i) {
+            return Err(TrainError::Config(format!(
+                "CUDA device {i} is listed twice; list each device once"
+            )));
+        }
+    }
+    Ok(devices)
+}
+
+/// Whether CUDA device `index` reaches its peers through NCCL (else Burn's all-reduce copies
+/// through the host). Opens the device.
+#[cfg(feature = "cuda")]
+pub fn cuda_has_nccl(index: usize) -> bool {
+    cubecl::Device::cuda(index).is_ok_and(|d| d.client().has_device_transport())
+}
+
+/// The replicas a training run steps: one model on its device, or [`Workers`] on threads.
+pub(crate) trait Replicas {
+    /// One optimizer step at `lr` over step `step`'s global batch; the mean training loss.
+    fn step(&mut self, step: usize, lr: f64) -> Result<f64, TrainError>;
+    /// The first replica's model (validation and checkpoints read it).
+    fn model(&mut self) -> Result<Llama, TrainError>;
+    /// The first replica's optimizer (checkpoints save it).
+    fn optimizer(&mut self) -> Result<ModuleOptimizer, TrainError>;
+}
+
+/// One replica on the caller's thread.
+pub(crate) struct Single<'a> {
+    /// Always `Some` between steps (taken by the optimizer step, so that it holds the only
+    /// handle to each parameter and may update it in place).
+    model: Option<Llama>,
+    optim: ModuleOptimizer,
+    ctx: StepContext<'a>,
+}
+
+impl<'a> Single<'a> {
+    pub(crate) fn new(model: Llama, optim: ModuleOptimizer, ctx: StepContext<'a>) -> Self {
+        Self {
+            model: Some(model),
+            optim,
+            ctx,
+        }
+    }
+
+    pub(crate) fn into_model(self) -> Llama {
+        self.model.expect("a model between steps")
+    }
+}
+
+impl Replicas for Single<'_> {
+    fn step(&mut self, step: usize, lr: f64) -> Result<f64, TrainError> {
+        let model = self.model.take().expect("a model between steps");
+        let rows = 0..self.ctx.cfg.batch;
+        let result = replica_grads(&model, &self.ctx, step, rows);
+        let (grads, loss) = match result {
+            Ok(done) => done,
+            Err(e) => {
+                self.model = Some(model);
+                return Err(e);
+            }
+        };
+        self.model = Some(self.optim.step(lr, model, grads));
+        Ok(loss)
+    }
+
+    fn model(&mut self) -> Result<Llama, TrainError> {
+        Ok(self.model.clone().expect("a model between steps"))
+    }
+
+    fn optimizer(&mut self) -> Result<ModuleOptimizer, TrainError> {
+        Ok(self.optim.clone())
+    }
+}
+
+/// What the coordinator asks a worker.
+enum Ask {
+    /// The gradients of its rows of step `.0`'s global batch, and its mean loss.
+    Grads(usize),
+    /// An optimizer step at `.0` with the averaged gradients `.1`.
+    Apply(f64, GradientsParams),
+    Model,
+    Optimizer,
+}
+
+/// What a worker answers.
+enum Answer {
+    Grads(Result<(GradientsParams, f64), TrainError>),
+    Applied,
+    Model(Llama),
+    Optimizer(ModuleOptimizer),
+}
+
+/// Replicas on threads, one per device, driven over channels by the caller's thread (the
+/// coordinator, which runs the all-reduce).
+pub(crate) struct Workers<'scope> {
+    asks: Vec<Sender<Ask>>,
+    answers: Vec<Receiver<Answer>>,
+    handles: Vec<ScopedJoinHandle<'scope, Llama>>,
+    /// The model as given (its parameter ids are every replica's).
+    template: Llama,
+}
+
+impl<'scope> Workers<'scope> {
+    /// Starts one worker per device in `scope`: replica `r` is `model` forked to `devices[r]`
+    /// with a copy of `optim` (and of the teacher, on the device's inner backend).
+    pub(crate) fn spawn<'env>(
+        scope: &'scope Scope<'scope, 'env>,
+        model: Llama,
+        optim: ModuleOptimizer,
+        devices: &[Device],
+        ctx: StepContext<'env>,
+        teacher: Option<Llama>,
+    ) -> Self {
+        let n = devices.len();
+        let (mut asks, mut answers, mut handles) = (Vec::new(), Vec::new(), Vec::new());
+        for (r, device) in devices.iter().enumerate() {
+            let (ask_tx, ask_rx) = channel::<Ask>();
+            let (answer_tx, answer_rx) = channel::<Answer>();
+            let replica = model.clone().fork(device);
+            let teacher = teacher
+                .clone()
+                .map(|t| t.to_device(&device.clone().inner()));
+            let optim = optim.clone();
+            let ctx = StepContext {
+                teacher: None,
+                ..ctx
+            };
+            let rows = replica_rows(ctx.cfg.batch, n, r);
+            handles.push(scope.spawn(move || {
+                let ctx = StepContext {
+                    teacher: teacher.as_ref(),
+                    ..ctx
+                };
+                worker(replica, optim, &ctx, rows, ask_rx, answer_tx)
+            }));
+            asks.push(ask_tx);
+            answers.push(answer_rx);
+        }
+        Self {
+            asks,
+            answers,
+            handles,
+            template: model,
+        }
+    }
+
+    fn ask(&self, r: usize, ask: Ask) -> Result<(), TrainError> {
+        self.asks[r].send(ask).map_err(|_| stopped(r))
+    }
+
+    fn answer(&self, r: usize) -> Result<Answer, TrainError> {
+        self.answers[r].recv().map_err(|_| stopped(r))
+    }
+
+    /// Stops the workers after a failed step: joins every thread (a panicked one included, so
+    /// that the scope does not panic in turn) and returns `error`.
+    pub(crate) fn abandon(self, error: TrainError) -> TrainError {
+        drop(self.asks);
+        for h in self.handles {
+            let _ = h.join();
+        }
+        error
+    }
+
+    /// Stops the workers and returns the first replica's model.
+    ///
+    /// # Errors
+    /// [`TrainError::Replica`] when a worker panicked.
+    pub(crate) fn finish(self) -> Result<Llama, TrainError> {
+        drop(self.asks);
+        let mut first = None;
+        for (r, h) in self.handles.into_iter().enumerate() {
+            let model = h.join().map_err(|_| stopped(r))?;
+            first.get_or_insert(model);
+        }
+        first.ok_or_else(|| stopped(0))
+    }
+}
+
+fn stopped(r: usize) -> TrainError {
+    TrainError::Replica(format!(
+        "replica {r} stopped (its thread panicked: see the message above)"
+    ))
+}
+
+/// A worker's loop: answers asks until the coordinator hangs up, then returns its model.
+fn worker(
+    mut model: Llama,
+    mut optim: ModuleOptimizer,
+    ctx: &StepContext<'_>,
+    rows: Range<usize>,
+    asks: Receiver<Ask>,
+    answers: Sender<Answer>,
+) -> Llama {
+    for ask in asks {
+        let answer = match ask {
+            Ask::Grads(step) => Answer::Grads(replica_grads(&model, ctx, step, rows.clone())),
+            Ask::Apply(lr, grads) => {
+                model = optim.step(lr, model, grads);
+                Answer::Applied
+            }
+            Ask::Model => Answer::Model(model.clone()),
+            Ask::Optimizer => Answer::Optimizer(optim.clone()),
+        };
+        if answers.send(answer).is_err() {
+            break;
+        }
+    }
+    model
+}
+
+impl Replicas for Workers<'_> {
+    fn step(&mut self, step: usize, lr: f64) -> Result<f64, TrainError> {
+        let n = self.asks.len();
+        for r in 0..n {
+            self.ask(r, Ask::Grads(step))?;
+        }
+        let (mut grads, mut loss) = (Vec::with_capacity(n), 0.0);
+        for r in 0..n {
+            match self.answer(r)? {
+                Answer::Grads(result) => {
+                    let (g, l) = result?;
+                    grads.push(g);
+                    loss += l;
+                }
+                _ => unreachable!("a worker answers what it was asked"),
+            }
+        }
+        for (r, mean) in all_reduce_mean(&self.template, grads)
             .into_iter()
-            .next()
-    {
-        out.register::<D>(id, first);
+            .enumerate()
+        {
+            self.ask(r, Ask::Apply(lr, mean))?;
+        }
+        for r in 0..n {
+            self.answer(r)?;
+        }
+        Ok(loss / n as f64)
+    }
+
+    fn model(&mut self) -> Result<Llama, TrainError> {
+        self.ask(0, Ask::Model)?;
+        match self.answer(0)? {
+            Answer::Model(m) => Ok(m),
+            _ => unreachable!("a worker answers what it was asked"),
+        }
+    }
+
+    fn optimizer(&mut self) -> Result<ModuleOptimizer, TrainError> {
+        self.ask(0, Ask::Optimizer)?;
+        match self.answer(0)? {
+            Answer::Optimizer(o) => Ok(o),
+            _ => unreachable!("a worker answers what it was asked"),
+        }
     }
 }

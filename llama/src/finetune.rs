@@ -18,6 +18,7 @@ use serde::{Deserialize, Serialize};
 
 pub use crate::attention::TrainAttention;
 use crate::config::LlamaConfig;
+use crate::data_parallel::{self, Replicas, Single, Workers};
 use crate::generate::{GenerateOptions, generate};
 use crate::model::Llama;
 use crate::precision::Precision;
@@ -35,6 +36,9 @@ pub enum TrainError {
     /// Reading or writing a checkpoint.
     #[error("checkpoint {path}: {reason}")]
     Checkpoint { path: PathBuf, reason: String },
+    /// A data-parallel replica stopped.
+    #[error("data parallelism: {0}")]
+    Replica(String),
 }
 
 /// Hyper-parameters of a run.
@@ -265,6 +269,52 @@ pub fn validation_loss(
     Ok(total / n as f64)
 }
 
+/// What every replica's gradient step reads.
+#[derive(Clone, Copy)]
+pub(crate) struct StepContext<'a> {
+    pub(crate) corpus: &'a Corpus,
+    pub(crate) cfg: &'a TrainConfig,
+    pub(crate) kind: LossKind,
+    pub(crate) teacher: Option<&'a Llama>,
+    pub(crate) attention: &'a dyn AttentionImpl,
+    pub(crate) val_attention: &'a dyn AttentionImpl,
+}
+
+/// The gradients of `model`'s loss on rows `rows` of every micro-batch of step `step` (the
+/// mean over the micro-batches), and that mean loss.
+pub(crate) fn replica_grads(
+    model: &Llama,
+    ctx: &StepContext<'_>,
+    step: usize,
+    rows: std::ops::Range<usize>,
+) -> Result<(GradientsParams, f64), TrainError> {
+    let (cfg, corpus) = (ctx.cfg, ctx.corpus);
+    let device = model.embed.val().device();
+    let window = cfg.seq + 1;
+    let mut acc = GradientsAccumulator::<Llama>::new();
+    let mut loss_sum = 0.0;
+    for micro in 0..cfg.grad_accum {
+        let ids = batch_windows(cfg, &corpus.train, corpus.align, step, micro);
+        let ids = ids[rows.start * window..rows.end * window].to_vec();
+        let tokens =
+            Tensor::<2, Int>::from_data(TensorData::new(ids, [rows.len(), window]), &device);
+        // f32: the model itself; bf16: its parameters cast inside the graph, so the
+        // gradients below reach the f32 master parameters (crate::precision).
+        let view = cfg.precision.compute_view(model);
+        let loss = match ctx.teacher {
+            Some(teacher) => {
+                soft_label_loss(&view, teacher, tokens, ctx.attention, ctx.val_attention)
+            }
+            None => next_token_loss(&view, tokens, ctx.attention, ctx.kind, -100)?,
+        };
+        loss_sum += loss.clone().into_scalar::<f64>();
+        // Mean over micro-batches: each one's gradient is scaled before they are summed.
+        let grads = (loss / cfg.grad_accum as f32).backward();
+        acc.accumulate(model, GradientsParams::from_grads(grads, model));
+    }
+    Ok((acc.grads(), loss_sum / cfg.grad_accum as f64))
+}
+
 /// Trains `model` for `cfg.steps` optimizer steps, calling `on_step` after each; the run stops
 /// early when `on_step` returns `false`.
 ///
@@ -283,7 +333,7 @@ pub fn validation_loss(
 /// a checkpoint that cannot be read or written, the loss's errors.
 #[allow(clippy::too_many_arguments)]
 pub fn train(
-    mut model: Llama,
+    model: Llama,
     corpus: &Corpus,
     cfg: &TrainConfig,
     kind: LossKind,
@@ -291,77 +341,147 @@ pub fn train(
     attention: &dyn AttentionImpl,
     val_attention: &dyn AttentionImpl,
     checkpoint: Option<(&Path, usize, bool)>,
-    mut on_step: impl FnMut(&StepLog) -> bool,
+    on_step: impl FnMut(&StepLog) -> bool,
 ) -> Result<(Llama, Vec<StepLog>), TrainError> {
-    cfg.validate(corpus)?;
-    if cfg.soft_labels != teacher.is_some() {
+    let ctx = StepContext {
+        corpus,
+        cfg,
+        kind,
+        teacher,
+        attention,
+        val_attention,
+    };
+    train_parallel(model, &[], ctx, checkpoint, on_step)
+}
+
+/// [`train`] data-parallel over `devices` (training devices, with autodiff; none or one: the
+/// model's device alone): replica `r` is the model forked to `devices[r]`, trains on rows
+/// `r · batch / n ..` of every micro-batch of the global batch (`cfg.batch` sequences), and
+/// the replicas' gradients are averaged by Burn's all-reduce before every optimizer step
+/// ([`crate::data_parallel`]), so the run follows the one-device run of the same global batch.
+/// Validation and checkpoints use the first replica; the returned model is the first replica's.
+///
+/// # Errors
+/// Those of [`train`]; [`TrainError::Config`] for a global batch that does not split evenly
+/// over the devices; [`TrainError::Replica`] when a replica's thread
+/// panicked.
+#[allow(clippy::too_many_arguments)]
+pub fn train_data_parallel(
+    model: Llama,
+    devices: &[Device],
+    corpus: &Corpus,
+    cfg: &TrainConfig,
+    kind: LossKind,
+    teacher: Option<&Llama>,
+    attention: &dyn AttentionImpl,
+    val_attention: &dyn AttentionImpl,
+    checkpoint: Option<(&Path, usize, bool)>,
+    on_step: impl FnMut(&StepLog) -> bool,
+) -> Result<(Llama, Vec<StepLog>), TrainError> {
+    let ctx = StepContext {
+        corpus,
+        cfg,
+        kind,
+        teacher,
+        attention,
+        val_attention,
+    };
+    train_parallel(model, devices, ctx, checkpoint, on_step)
+}
+
+fn train_parallel(
+    mut model: Llama,
+    devices: &[Device],
+    ctx: StepContext<'_>,
+    checkpoint: Option<(&Path, usize, bool)>,
+    on_step: impl FnMut(&StepLog) -> bool,
+) -> Result<(Llama, Vec<StepLog>), TrainError> {
+    let cfg = ctx.cfg;
+    cfg.validate(ctx.corpus)?;
+    data_parallel::check_devices(devices, cfg.batch)?;
+    if cfg.soft_labels != ctx.teacher.is_some() {
         return Err(TrainError::Config(match cfg.soft_labels {
             true => "soft_labels is set but no teacher was given".into(),
             false => "a teacher was given but soft_labels is not set".into(),
         }));
     }
-    let device = model.embed.val().device();
     let mut optim = AdamWConfig::new()
         .with_weight_decay(cfg.weight_decay)
         .init();
     let mut log = Vec::new();
-    if let Some((dir, _, true)) = checkpoint {
-        let state_path = dir.join("state.json");
-        if state_path.exists() {
-            let text =
-                std::fs::read_to_string(&state_path).map_err(|e| ckpt_err(&state_path, e))?;
-            let state: RunState =
-                serde_json::from_str(&text).map_err(|e| ckpt_err(&state_path, e))?;
-            if state.config != *cfg {
-                return Err(ckpt_err(
-                    &state_path,
-                    "was written with another configuration; resume with the same one",
-                ));
-            }
-            model = model
-                .try_load_file(dir.join(MODEL_FILE))
-                .map_err(|e| ckpt_err(dir, e))?;
-            optim = optim
-                .load(dir.join(OPTIMIZER_FILE))
-                .map_err(|e| ckpt_err(dir, e))?;
-            log = state.log;
-        }
+    if let Some((dir, _, true)) = checkpoint
+        && let Some(state) = read_state(dir, cfg)?
+    {
+        model = model
+            .try_load_file(dir.join(MODEL_FILE))
+            .map_err(|e| ckpt_err(dir, e))?;
+        optim = optim
+            .load(dir.join(OPTIMIZER_FILE))
+            .map_err(|e| ckpt_err(dir, e))?;
+        log = state.log;
     }
-    let start = log.len();
-    for step in start..cfg.steps {
-        let lr = cfg.lr_at(step);
-        let mut acc = GradientsAccumulator::<Llama>::new();
-        let mut loss_sum = 0.0;
-        for micro in 0..cfg.grad_accum {
-            let ids = batch_windows(cfg, &corpus.train, corpus.align, step, micro);
-            let tokens = Tensor::<2, Int>::from_data(
-                TensorData::new(ids, [cfg.batch, cfg.seq + 1]),
-                &device,
-            );
-            // f32: the model itself; bf16: its parameters cast inside the graph, so the
-            // gradients below reach the f32 master parameters (crate::precision).
-            let view = cfg.precision.compute_view(&model);
-            let loss = match teacher {
-                Some(teacher) => soft_label_loss(&view, teacher, tokens, attention, val_attention),
-                None => next_token_loss(&view, tokens, attention, kind, -100)?,
-            };
-            loss_sum += loss.clone().into_scalar::<f64>();
-            // Mean over micro-batches: each one's gradient is scaled before they are summed.
-            let grads = (loss / cfg.grad_accum as f32).backward();
-            acc.accumulate(&model, GradientsParams::from_grads(grads, &model));
+    if devices.len() <= 1 {
+        let mut single = Single::new(model, optim, ctx);
+        run_steps(&mut single, &ctx, checkpoint, &mut log, on_step)?;
+        return Ok((single.into_model(), log));
+    }
+    let teacher = ctx.teacher.cloned();
+    std::thread::scope(|scope| {
+        let mut workers = Workers::spawn(scope, model, optim, devices, ctx, teacher);
+        match run_steps(&mut workers, &ctx, checkpoint, &mut log, on_step) {
+            Ok(()) => Ok((workers.finish()?, log)),
+            Err(e) => Err(workers.abandon(e)),
         }
-        model = optim.step(lr, model, acc.grads());
+    })
+}
+
+/// The run state of a checkpoint in `dir`, if there is one; it must have been written with
+/// `cfg`.
+fn read_state(dir: &Path, cfg: &TrainConfig) -> Result<Option<RunState>, TrainError> {
+    let state_path = dir.join("state.json");
+    if !state_path.exists() {
+        return Ok(None);
+    }
+    let text = std::fs::read_to_string(&state_path).map_err(|e| ckpt_err(&state_path, e))?;
+    let state: RunState = serde_json::from_str(&text).map_err(|e| ckpt_err(&state_path, e))?;
+    if state.config != *cfg {
+        return Err(ckpt_err(
+            &state_path,
+            "was written with another configuration; resume with the same one",
+        ));
+    }
+    Ok(Some(state))
+}
+
+/// The steps after those in `log`: each replica step, validation and checkpoints as [`train`]
+/// describes, `on_step` after each.
+fn run_steps(
+    replicas: &mut dyn Replicas,
+    ctx: &StepContext<'_>,
+    checkpoint: Option<(&Path, usize, bool)>,
+    log: &mut Vec<StepLog>,
+    mut on_step: impl FnMut(&StepLog) -> bool,
+) -> Result<(), TrainError> {
+    let cfg = ctx.cfg;
+    for step in log.len()..cfg.steps {
+        let lr = cfg.lr_at(step);
+        let loss = replicas.step(step, lr)?;
         let done = step + 1;
         let validate = done == cfg.steps || (cfg.val_every > 0 && done % cfg.val_every == 0);
-        let val_loss = if validate {
-            Some(validation_loss(&model, corpus, cfg, val_attention, kind)?)
-        } else {
-            None
+        let val_loss = match validate {
+            true => Some(validation_loss(
+                &replicas.model()?,
+                ctx.corpus,
+                cfg,
+                ctx.val_attention,
+                ctx.kind,
+            )?),
+            false => None,
         };
         let entry = StepLog {
             step: done,
             lr,
-            loss: loss_sum / cfg.grad_accum as f64,
+            loss,
             val_loss,
         };
         let go_on = on_step(&entry);
@@ -369,13 +489,13 @@ pub fn train(
         if let Some((dir, every, _)) = checkpoint
             && (done == cfg.steps || !go_on || (every > 0 && done % every == 0))
         {
-            save_checkpoint(dir, &model, &optim, cfg, &log)?;
+            save_checkpoint(dir, &replicas.model()?, &replicas.optimizer()?, cfg, log)?;
         }
         if !go_on {
             break;
         }
     }
-    Ok((model, log))
+    Ok(())
 }
 
 fn save_checkpoint(

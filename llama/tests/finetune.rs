@@ -36,7 +36,7 @@ pub(crate) fn tiny() -> LlamaConfig {
 }
 
 /// A learnable sequence: a fixed cycle of 13 ids with every 7th token random.
-fn corpus() -> Corpus {
+pub(crate) fn corpus() -> Corpus {
     let mut state = 12345u64;
     let tokens = (0..3000u32)
         .map(|i| {
@@ -61,7 +61,7 @@ fn model(seed: u64) -> Llama {
     Llama::random(&tiny(), &device, DType::F32)
 }
 
-fn cfg(steps: usize) -> TrainConfig {
+pub(crate) fn cfg(steps: usize) -> TrainConfig {
     TrainConfig {
         steps,
         batch: 4,

@@ -63,6 +63,14 @@ if [ -z "${CUDA_PATH:-}" ]; then
   export CUDA_PATH=${has:-$dest/cuda}
 fi
 
+# NCCL for Burn's all-reduce between GPUs (data-parallel fine-tuning): cudarc loads
+# libnccl.so.2 by name, so the directory of a copy (PyTorch's nvidia-nccl wheel) joins the
+# loader path when the system has none. Without it the all-reduce copies through the host.
+if ! ldconfig -p 2>/dev/null | grep -q 'libnccl\.so'; then
+  nccl=$(python3 -c 'import nvidia, glob, os; print(next((os.path.dirname(f) for d in nvidia.__path__ for f in glob.glob(d + "/**/libnccl.so*", recursive=True)), ""))' 2>/dev/null)
+  [ -n "$nccl" ] && [ -d "$nccl" ] && export LD_LIBRARY_PATH="$nccl${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
+
 # Peer wheels (pure Python; torch and triton are on the device) install once.
 if [ -d "$dest/wheels" ] && [ ! -f "$dest/py/.installed" ] && compgen -G "$dest/wheels/*.whl" > /dev/null; then
   python3 -m pip install --quiet --no-deps --no-index --target "$dest/py" "$dest"/wheels/*.whl \
@@ -79,7 +87,8 @@ case "$what" in
     ls -la "$stash" ;;
   env)
     echo "dest=$dest commit=$commit CUDA_PATH=$CUDA_PATH XDG_CACHE_HOME=$XDG_CACHE_HOME"
-    echo "BURN_KERNELS_MODEL=${BURN_KERNELS_MODEL:-} PYTHONPATH=${PYTHONPATH:-}" ;;
+    echo "BURN_KERNELS_MODEL=${BURN_KERNELS_MODEL:-} PYTHONPATH=${PYTHONPATH:-}"
+    echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}" ;;
   tests)
     cd "$dest" || exit 3
     status=0

@@ -2,6 +2,7 @@
 
 pub mod attention;
 pub mod cce;
+pub mod data_parallel;
 pub mod e2e;
 pub mod gemm;
 pub mod generate;
@@ -44,6 +45,9 @@ pub const ALL: &[&str] = &[
     "e2e",
     "e2e-generate",
 ];
+
+/// Suites that run only when asked for by name (or through `--suite e2e --devices …`).
+pub const ON_REQUEST: &[&str] = &["e2e-dp"];
 
 /// The device memory pool's page limits (CubeCL's `MemoryDeviceProperties`), which decide
 /// how much a set of tensors really reserves.
@@ -102,6 +106,8 @@ pub struct SuiteOptions {
     pub e2e_phases: bool,
     /// `--e2e-profile-step`: the e2e step whose kernels a CUDA profiler records.
     pub e2e_profile_step: Option<usize>,
+    /// `--devices`: the GPUs of the data-parallel suite (`e2e-dp`).
+    pub devices: Vec<usize>,
 }
 
 impl SuiteOptions {
@@ -126,6 +132,7 @@ pub fn build(name: &str, opts: SuiteOptions) -> Option<Suite> {
         "specdec" => Some(specdec::suite(opts)),
         "e2e" => Some(e2e::suite(opts)),
         "e2e-generate" => Some(generate::suite(opts)),
+        "e2e-dp" => Some(data_parallel::suite(opts)),
         _ => None,
     }
 }

@@ -308,6 +308,7 @@ pub mod tests {
             spec_new_tokens: None,
             e2e_phases: false,
             e2e_profile_step: None,
+            devices: Vec::new(),
         }
     }
 

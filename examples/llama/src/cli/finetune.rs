@@ -23,7 +23,7 @@ use burn_kernels_core::BurnAttention;
 use burn_llama::config::LlamaConfig;
 use burn_llama::finetune::{
     Corpus, StepLog, TeacherOptions, TrainAttention, TrainConfig, read_corpus, teacher_samples,
-    train, validation_loss,
+    train_data_parallel, validation_loss,
 };
 use burn_llama::loader::{Checkpoint, default_model_path, load};
 use burn_llama::model::Llama;
@@ -89,6 +89,11 @@ struct Cli {
     soft_labels: bool,
     #[arg(long, value_enum, default_value = "cpu")]
     backend: BackendArg,
+    /// Data parallelism over these GPUs (`--backend cuda`), e.g. `0,1`: one replica per GPU,
+    /// each on `--batch / N` sequences of every micro-batch, gradients averaged by Burn's
+    /// all-reduce (NCCL). Default: GPU 0 alone.
+    #[arg(long, value_delimiter = ',')]
+    devices: Vec<usize>,
     #[arg(long, value_enum, default_value = "cce")]
     loss: LossArg,
     /// The attention of training and validation [default: recompute].
@@ -138,8 +143,56 @@ pub fn main() {
     if cli.backend != super::BackendArg::Cpu {
         super::keep_compiled_kernels();
     }
-    let result = cli.backend.device().and_then(|device| run(&cli, &device));
+    let result = train_devices(&cli).and_then(|devices| run(&cli, &devices));
     super::exit_on_error(result);
+}
+
+/// The training devices (with autodiff) of `--backend` and `--devices`, checked before anything
+/// loads: every index exists, none repeats, and the global batch splits over them.
+fn train_devices(cli: &Cli) -> Result<Vec<Device>, String> {
+    let device = cli.backend.device()?;
+    if cli.devices.is_empty() || cli.devices == [0] {
+        return Ok(vec![device.autodiff()]);
+    }
+    if cli.backend != BackendArg::Cuda {
+        return Err(format!(
+            "--devices {:?}: data parallelism runs on CUDA GPUs (--backend cuda); the {} backend \
+             has one device here",
+            cli.devices,
+            cli.backend
+                .to_possible_value()
+                .expect("no skipped variant")
+                .get_name()
+        ));
+    }
+    cuda_train_devices(cli)
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_train_devices(cli: &Cli) -> Result<Vec<Device>, String> {
+    use burn_llama::data_parallel::{check_devices, cuda_devices, cuda_has_nccl};
+    let devices = cuda_devices(&cli.devices).map_err(|e| e.to_string())?;
+    check_devices(&devices, cli.batch).map_err(|e| e.to_string())?;
+    let nccl = cli.devices.iter().all(|&i| cuda_has_nccl(i));
+    eprintln!(
+        "data parallel over {} GPUs {:?}: {} sequences per GPU of each global batch of {}; \
+         gradients averaged by Burn's all-reduce ({})",
+        devices.len(),
+        cli.devices,
+        cli.batch / devices.len(),
+        cli.batch,
+        if nccl {
+            "NCCL"
+        } else {
+            "no NCCL found: copies through the host"
+        }
+    );
+    Ok(devices)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_train_devices(_: &Cli) -> Result<Vec<Device>, String> {
+    unreachable!("--backend cuda needs the cuda feature, checked by BackendArg::device")
 }
 
 /// Same rule as xtask's `fetch-corpus`.
@@ -148,9 +201,11 @@ fn default_corpus() -> PathBuf {
     PathBuf::from(home).join(".cache/burn-kernels/corpus/shakespeare")
 }
 
-/// Trains on `device.autodiff()`; the teacher (distillation) runs on `device` itself.
-fn run(cli: &Cli, device: &Device) -> Result<(), String> {
-    let train_device = device.clone().autodiff();
+/// Trains on `devices` (data-parallel when there are several); the teacher (distillation) runs
+/// on each device's inner backend.
+fn run(cli: &Cli, devices: &[Device]) -> Result<(), String> {
+    let train_device = devices[0].clone();
+    let device = &train_device.clone().inner();
     let corpus_path = cli.corpus.clone().unwrap_or_else(default_corpus);
     if !corpus_path.exists() {
         return Err(format!(
@@ -230,8 +285,9 @@ fn run(cli: &Cli, device: &Device) -> Result<(), String> {
     };
     let bar = progress(cfg.steps as u64, "steps");
     let ckpt_dir = cli.out.join("checkpoint");
-    let (_, log) = train(
+    let (_, log) = train_data_parallel(
         model,
+        devices,
         &corpus,
         &cfg,
         kind,
