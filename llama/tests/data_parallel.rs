@@ -191,9 +191,10 @@ fn uneven_split_is_a_typed_error() {
     }
 }
 
-/// On two CUDA GPUs (ignored elsewhere: run with `--ignored` on a machine with two): the
-/// SmolLM2-135M weights fine-tuned 50 steps data-parallel over GPUs 0 and 1 (NCCL) follow the
-/// one-GPU run of the same global batch and seed, and the loss falls.
+/// On CUDA: the SmolLM2-135M weights fine-tuned 50 steps data-parallel (f32 and bf16) follow
+/// the one-GPU run of the same global batch and seed, and the loss falls: over GPUs 0 and 1
+/// (NCCL; ignored unless run with `--ignored` where there are two), and as two replicas on
+/// GPU 0 (Burn's all-reduce over transfers; the threads, forks and averaging on CUDA).
 #[cfg(feature = "cuda")]
 mod cuda {
     use super::*;
@@ -210,6 +211,17 @@ mod cuda {
             burn_llama::data_parallel::cuda_has_nccl(0),
             "NCCL is not loadable: put libnccl.so.2 on LD_LIBRARY_PATH"
         );
+        replicas_follow_one_gpu(&devices);
+    }
+
+    #[test]
+    fn two_replicas_on_one_gpu_follow_one_gpu() {
+        burn_kernels_testing::runtimes::exact_f32_matmul();
+        let gpu = Device::cuda(0).autodiff();
+        replicas_follow_one_gpu(&[gpu.clone(), gpu]);
+    }
+
+    fn replicas_follow_one_gpu(devices: &[Device]) {
         let model =
             Llama::from_checkpoint(checkpoint(), &devices[0], DType::F32).expect("checkpoint");
         // A learnable stream over the real vocabulary: a cycle of 97 ids, every 5th random.
@@ -257,22 +269,23 @@ mod cuda {
                 (log, t.elapsed().as_secs_f64())
             };
             let (one, one_secs) = run(&devices[..1]);
-            let (two, two_secs) = run(&devices);
+            let (many, many_secs) = run(devices);
             let worst = one
                 .iter()
-                .zip(&two)
+                .zip(&many)
                 .map(|(a, b)| (a.loss - b.loss).abs() / a.loss)
                 .fold(0.0, f64::max);
             println!(
                 "{precision:?}: loss {:.4} -> {:.4} (1 GPU, {one_secs:.1} s) vs {:.4} -> {:.4} \
-                 (2 GPUs, {two_secs:.1} s); largest relative step difference {worst:.2e}; \
+                 ({} replicas, {many_secs:.1} s); largest relative step difference {worst:.2e}; \
                  validation {:?} vs {:?}",
                 one[0].loss,
                 one[49].loss,
-                two[0].loss,
-                two[49].loss,
+                many[0].loss,
+                many[49].loss,
+                devices.len(),
                 one.iter().filter_map(|s| s.val_loss).collect::<Vec<_>>(),
-                two.iter().filter_map(|s| s.val_loss).collect::<Vec<_>>()
+                many.iter().filter_map(|s| s.val_loss).collect::<Vec<_>>()
             );
             assert!(one[49].loss < 0.5 * one[0].loss, "the loss falls: {one:?}");
             // Noise: the halves' gradients are summed in another order (and bf16 rounds
