@@ -157,6 +157,20 @@ const CASES: &[Case] = &[
         bits: 2,
         pad: [0, 0],
     },
+    // No quantized part (the decode attention), head dim 8 (below a CUDA plane), a speculative
+    // verification's 4 causal queries over two rows, GQA 2:1, padding.
+    Case {
+        b: 2,
+        hq: 2,
+        hkv: 1,
+        sq: 4,
+        causal: true,
+        n: 0,
+        t: 29,
+        d: 8,
+        bits: 2,
+        pad: [0, 3],
+    },
 ];
 
 /// Host copy of the tensors a case feeds the op, as stored (rounded to the dtype).

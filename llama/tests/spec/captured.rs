@@ -171,6 +171,9 @@ pub(super) fn captured_speculation_refuses_with_typed_errors() {
 /// K = 2 (row commits) and sampled single-draft SD with K = 1.
 pub(super) fn captured_speculation_replays_as_graphs(device: &Device) {
     let cfg = tiny_config(29, 2, 64);
+    // Seeded: on CUDA the decode kernel with the fused layer ops parts from the eager loop on
+    // some random models (this one among them; see the CUDA test).
+    device.seed(4);
     let target = Llama::random(&cfg, device, DType::F32);
     let draft = truncated_draft(&target, 1).unwrap();
     let attentions: [Box<dyn burn_kernels_core::AttentionImpl>; 2] =
