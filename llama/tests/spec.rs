@@ -121,14 +121,8 @@ mod graphs {
         super::captured::captured_speculation_replays_as_graphs(&device);
     }
 
-    /// Known defect (2026-11-29, H200): with the decode attention *and* the fused layer ops
-    /// (not either alone, nor the reference attention), the captured greedy SpecInfer K = 2
-    /// emits other tokens than the eager loop on some random tiny models (this seed; 3 of 4
-    /// seeds agreed), from the first block on; the real-weight test
-    /// (`spec::cuda::captured_speculation_matches_eager`) passes. Under investigation.
     #[cfg(feature = "cuda")]
     #[test]
-    #[ignore = "known defect on CUDA: decode attention + fused layer ops under capture, K = 2"]
     fn captured_speculation_replays_as_graphs_cuda() {
         burn_kernels_testing::runtimes::exact_f32_matmul();
         super::captured::captured_speculation_replays_as_graphs(&burn::tensor::Device::cuda(0));

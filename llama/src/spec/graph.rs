@@ -58,6 +58,33 @@ pub struct CapturedSpec {
     pub target_cache_bytes: usize,
 }
 
+/// `attention` without its layer ops: the model's tensor ops run around it.
+///
+/// Known defect (H200, 2026-11-29): the verification step of K ≥ 2 rows, captured on CUDA
+/// with [`burn_kernels_core::FusedOps`] (with any attention), emitted one wrong token over
+/// and over on some tiny random models (a flaky, order-dependent failure: not the GEMV
+/// kernels, not the row commit's ordering; eager forwards with the same ops are exact). Until
+/// it is found, that step runs the tensor ops (`llama_tests spec::graphs`).
+#[derive(Debug)]
+struct WithoutLayerOps<'a>(&'a dyn AttentionImpl);
+
+impl AttentionImpl for WithoutLayerOps<'_> {
+    fn name(&self) -> String {
+        self.0.name()
+    }
+
+    fn attend(
+        &self,
+        layer: usize,
+        q: Tensor<4>,
+        k: Tensor<4>,
+        v: Tensor<4>,
+        opts: &AttnOptions,
+    ) -> Tensor<4> {
+        self.0.attend(layer, q, k, v, opts)
+    }
+}
+
 /// The target's `[K, L + 1]` verification step and its commit, over one [`StaticKvCache`].
 struct Verifier<'a> {
     cache: Rc<RefCell<StaticKvCache>>,
@@ -306,7 +333,20 @@ pub fn speculative_generate_captured(
         .into());
     }
     let t0 = Instant::now();
-    let mut verifier = Verifier::new(target, attention, &prompt[..p - 1], k, width, main)?;
+    // See `WithoutLayerOps`.
+    let plain = WithoutLayerOps(attention);
+    let verify_attention: &dyn AttentionImpl = match k > 1 && attention.layer_ops().is_some() {
+        true => {
+            log::info!(
+                "captured verification of {k} rows runs the model's tensor ops around {} \
+                 (a known defect of the fused layer ops in that step)",
+                attention.name()
+            );
+            &plain
+        }
+        false => attention,
+    };
+    let mut verifier = Verifier::new(target, verify_attention, &prompt[..p - 1], k, width, main)?;
     let rows = vec![prompt.to_vec(); k];
     let (mut draft, first) = CapturedDecoder::prefill(draft_model, attention, &rows, main - p)?;
     let mut draft_commit = Committer::new(&draft_model.embed.device(), draft.cache().clone());

@@ -166,54 +166,69 @@ pub(super) fn captured_speculation_refuses_with_typed_errors() {
 
 /// On a GPU runtime every step of the captured path must replay as a graph and emit the eager
 /// loop's tokens, with Burn's reference attention (whose verification step builds a causal mask:
-/// a host upload there would fail a wgpu capture) and with the decode kernel, twice in one
-/// process (the second generation captures anew), on a tiny random model: greedy SpecInfer with
-/// K = 2 (row commits) and sampled single-draft SD with K = 1.
+/// a host upload there would fail a wgpu capture), with it and the fused layer ops, and with
+/// the decode kernel and the fused layer ops; twice in one process (the second generation
+/// captures anew), on tiny random models: greedy SpecInfer with K = 2 and 3 (row commits) and
+/// sampled single-draft SD. Before the verification of several rows ran the tensor ops
+/// (`spec::graph`'s `WithoutLayerOps`), the fused layer ops made it emit wrong tokens on CUDA
+/// for these seeds (8 of 60 generations over ten seeds; 0 of 60 since).
 pub(super) fn captured_speculation_replays_as_graphs(device: &Device) {
+    use burn_kernels_core::{AttentionImpl, FusedLayers};
+    use burn_llama::spec::SpecOptions;
     let cfg = tiny_config(29, 2, 64);
-    // Seeded: on CUDA the decode kernel with the fused layer ops parts from the eager loop on
-    // some random models (this one among them; see the CUDA test).
-    device.seed(4);
-    let target = Llama::random(&cfg, device, DType::F32);
-    let draft = truncated_draft(&target, 1).unwrap();
-    let attentions: [Box<dyn burn_kernels_core::AttentionImpl>; 2] =
-        [Box::new(ReferenceAttention), decode_attention_for(device)];
+    let attentions: [Box<dyn AttentionImpl>; 3] = [
+        Box::new(ReferenceAttention),
+        Box::new(FusedLayers::new(std::sync::Arc::new(ReferenceAttention))),
+        decode_attention_for(device),
+    ];
     let prompt = [3, 1, 4, 1, 5];
-    for attention in &attentions {
-        for (scheme, k, len, t_target) in [
-            (Scheme::SpecInfer, 2, 3, 0.0),
-            (Scheme::SingleDraft, 1, 4, 1.0),
-            (Scheme::SingleDraft, 1, 4, 1.0),
-        ] {
-            let mut opts = options(scheme, len, t_target, 12);
-            opts.stop_tokens.clear();
-            let drafts = identical(&draft, k, 1.0);
-            let eager = speculative_generate(
-                &target,
-                &drafts,
-                &[prompt.to_vec()],
-                attention.as_ref(),
-                &opts,
-                &mut |_, _| {},
-            )
-            .unwrap();
-            let got = speculative_generate_captured(
-                &target,
-                &drafts,
-                &prompt,
-                attention.as_ref(),
-                &opts,
-                &mut |_| {},
-            )
-            .unwrap_or_else(|e| panic!("{} {}: {e}", attention.name(), scheme.name()));
-            let what = format!("{} {} K={k}", attention.name(), scheme.name());
-            assert!(
-                got.draft.graph && got.target.graph,
-                "{what}: {:?}",
-                (got.draft, got.target)
-            );
-            assert_eq!(got.tokens, eager.tokens[0], "{what}");
-            assert_eq!(got.stats.accepted, eager.stats.accepted, "{what}");
+    for seed in [2, 6] {
+        device.seed(seed);
+        let target = Llama::random(&cfg, device, DType::F32);
+        let draft = truncated_draft(&target, 1).unwrap();
+        for attention in &attentions {
+            for (scheme, k, len, t_target) in [
+                (Scheme::SpecInfer, 2, 3, 0.0),
+                (Scheme::SpecInfer, 3, 3, 0.0),
+                (Scheme::SingleDraft, 1, 4, 1.0),
+                (Scheme::SingleDraft, 1, 4, 1.0),
+            ] {
+                let opts = SpecOptions {
+                    scheme,
+                    draft_len: len,
+                    target_sampling: sampling(t_target),
+                    max_new_tokens: 12,
+                    stop_tokens: Vec::new(),
+                    seed,
+                };
+                let drafts = identical(&draft, k, 1.0);
+                let eager = speculative_generate(
+                    &target,
+                    &drafts,
+                    &[prompt.to_vec()],
+                    attention.as_ref(),
+                    &opts,
+                    &mut |_, _| {},
+                )
+                .unwrap();
+                let what = format!("seed {seed} {} {} K={k}", attention.name(), scheme.name());
+                let got = speculative_generate_captured(
+                    &target,
+                    &drafts,
+                    &prompt,
+                    attention.as_ref(),
+                    &opts,
+                    &mut |_| {},
+                )
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+                assert!(
+                    got.draft.graph && got.target.graph,
+                    "{what}: {:?}",
+                    (got.draft, got.target)
+                );
+                assert_eq!(got.tokens, eager.tokens[0], "{what}");
+                assert_eq!(got.stats.accepted, eager.stats.accepted, "{what}");
+            }
         }
     }
 }
