@@ -89,7 +89,7 @@ pub fn replica_rows(batch: usize, n: usize, r: usize) -> Range<usize> {
 /// [`TrainError::Config`] naming what is wrong.
 pub fn check_devices(devices: &[Device], batch: usize) -> Result<(), TrainError> {
     let n = devices.len().max(1);
-    if batch % n != 0 {
+    if !batch.is_multiple_of(n) {
         return Err(TrainError::Config(format!(
             "the global batch of {batch} sequences does not split evenly over {n} devices; \
              use a multiple of {n}"
@@ -206,7 +206,7 @@ enum Ask {
 enum Answer {
     Grads(Result<(GradientsParams, f64), TrainError>),
     Applied,
-    Model(Llama),
+    Model(Box<Llama>),
     Optimizer(ModuleOptimizer),
 }
 
@@ -319,7 +319,7 @@ fn worker(
                 model = optim.step(lr, model, grads);
                 Answer::Applied
             }
-            Ask::Model => Answer::Model(model.clone()),
+            Ask::Model => Answer::Model(Box::new(model.clone())),
             Ask::Optimizer => Answer::Optimizer(optim.clone()),
         };
         if answers.send(answer).is_err() {
@@ -361,7 +361,7 @@ impl Replicas for Workers<'_> {
     fn model(&mut self) -> Result<Llama, TrainError> {
         self.ask(0, Ask::Model)?;
         match self.answer(0)? {
-            Answer::Model(m) => Ok(m),
+            Answer::Model(m) => Ok(*m),
             _ => unreachable!("a worker answers what it was asked"),
         }
     }

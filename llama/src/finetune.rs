@@ -343,15 +343,18 @@ pub fn train(
     checkpoint: Option<(&Path, usize, bool)>,
     on_step: impl FnMut(&StepLog) -> bool,
 ) -> Result<(Llama, Vec<StepLog>), TrainError> {
-    let ctx = StepContext {
+    train_data_parallel(
+        model,
+        &[],
         corpus,
         cfg,
         kind,
         teacher,
         attention,
         val_attention,
-    };
-    train_parallel(model, &[], ctx, checkpoint, on_step)
+        checkpoint,
+        on_step,
+    )
 }
 
 /// [`train`] data-parallel over `devices` (training devices, with autodiff; none or one: the

@@ -101,7 +101,7 @@ fn problem(
             };
             let corpus = synthetic_corpus(cfg.vocab_size, 64 * (seq + 1));
             let mut rows = vec![("1 GPU", one, batch)];
-            if batch % n == 0 {
+            if batch.is_multiple_of(n) {
                 rows.push(("N GPUs, same global batch", many.clone(), batch));
             }
             rows.push(("N GPUs, N x batch", many, n * batch));
