@@ -45,16 +45,31 @@ impl ModuleVisitor for ParamsByRank {
 ///
 /// # Panics
 /// When `grads` is empty, or `model` has float parameters of a rank other than 1 or 2.
-pub fn all_reduce_mean(model: &Llama, mut grads: Vec<GradientsParams>) -> Vec<GradientsParams> {
+pub fn all_reduce_mean(model: &Llama, grads: Vec<GradientsParams>) -> Vec<GradientsParams> {
+    reduce_params(&ParamsByRank::of(model), grads)
+}
+
+impl ParamsByRank {
+    /// The float parameters of `model`.
+    ///
+    /// # Panics
+    /// When `model` has float parameters of a rank other than 1 or 2.
+    fn of(model: &Llama) -> Self {
+        let mut params = ParamsByRank::default();
+        model.visit(&mut params);
+        assert_eq!(params.other, 0, "parameters of rank other than 1 and 2");
+        params
+    }
+}
+
+/// [`all_reduce_mean`] over the parameters `params`.
+fn reduce_params(params: &ParamsByRank, mut grads: Vec<GradientsParams>) -> Vec<GradientsParams> {
     assert!(!grads.is_empty(), "no replica gradients to average");
-    let mut params = ParamsByRank::default();
-    model.visit(&mut params);
-    assert_eq!(params.other, 0, "parameters of rank other than 1 and 2");
     let mut out: Vec<GradientsParams> = grads.iter().map(|_| GradientsParams::new()).collect();
-    for id in params.rank1 {
+    for &id in &params.rank1 {
         reduce_param::<1>(id, &mut grads, &mut out);
     }
-    for id in params.rank2 {
+    for &id in &params.rank2 {
         reduce_param::<2>(id, &mut grads, &mut out);
     }
     out
@@ -216,8 +231,9 @@ pub(crate) struct Workers<'scope> {
     asks: Vec<Sender<Ask>>,
     answers: Vec<Receiver<Answer>>,
     handles: Vec<ScopedJoinHandle<'scope, Llama>>,
-    /// The model as given (its parameter ids are every replica's).
-    template: Llama,
+    /// The model's float parameters (every replica has the same ids); the model itself is not
+    /// kept, so the first device holds one copy of the weights, its replica's.
+    params: ParamsByRank,
 }
 
 impl<'scope> Workers<'scope> {
@@ -260,7 +276,7 @@ impl<'scope> Workers<'scope> {
             asks,
             answers,
             handles,
-            template: model,
+            params: ParamsByRank::of(&model),
         }
     }
 
@@ -346,10 +362,7 @@ impl Replicas for Workers<'_> {
                 _ => unreachable!("a worker answers what it was asked"),
             }
         }
-        for (r, mean) in all_reduce_mean(&self.template, grads)
-            .into_iter()
-            .enumerate()
-        {
+        for (r, mean) in reduce_params(&self.params, grads).into_iter().enumerate() {
             self.ask(r, Ask::Apply(lr, mean))?;
         }
         for r in 0..n {
