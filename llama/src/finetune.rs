@@ -366,8 +366,7 @@ pub fn train(
 ///
 /// # Errors
 /// Those of [`train`]; [`TrainError::Config`] for a global batch that does not split evenly
-/// over the devices; [`TrainError::Replica`] when a replica's thread
-/// panicked.
+/// over the devices; [`TrainError::Replica`] when a replica's thread panicked.
 #[allow(clippy::too_many_arguments)]
 pub fn train_data_parallel(
     model: Llama,
