@@ -14,6 +14,7 @@ use std::rc::Rc;
 use std::time::Instant;
 
 use burn::tensor::{Bool, Device, Graph, Int, Tensor, TensorData, capture};
+use burn_kernels_core::route::cube_device;
 use burn_kernels_core::{AttentionImpl, AttnOptions, Sampler, StaticKvCache};
 
 use crate::generate::{
@@ -163,14 +164,16 @@ impl<'a, O: Clone> Replayed<'a, O> {
                         .collect::<Vec<_>>()
                         .join(" ")
                 });
+                // A capture that a CubeCL runtime began and then refused (wgpu records
+                // dispatches only, so a host write inside fails it) leaves an output that was
+                // recorded, not computed: the fallback re-runs the step for it. Elsewhere (the
+                // CPU) capture is refused before the run, whose output is computed.
+                let recorded = !g.is_hardware() && cube_device(&self.device).is_some();
                 let g = self.graph.insert(g);
-                if g.is_hardware() {
-                    g.output().clone()
-                } else {
-                    // A failed capture's output was recorded, not computed (wgpu records
-                    // dispatches only); the fallback re-runs the step for it.
+                match recorded {
                     // Safety: re-running the closure, as every later call does.
-                    unsafe { g.replay() }.clone()
+                    true => unsafe { g.replay() }.clone(),
+                    false => g.output().clone(),
                 }
             }
             // Safety: the graph reads what its closure owns or borrows for 'a (the model's

@@ -293,10 +293,12 @@ mod cuda {
                 // The halves' f32 gradients are summed in another order; 50 steps amplify
                 // that to ~1e-3 (9.1e-4 on an H200 with two replicas on one GPU).
                 Precision::F32 => assert!(worst <= 2e-3, "{worst:.2e} > 2e-3"),
-                // Each replica's weight gradients are rounded to bf16 (2^-8) on half the
-                // tokens: another rounding of every gradient at every step, which compounds
-                // (4.0e-2 apart at the worst step, 2% in the end, on an H200). What must hold
-                // is that the run trains as well.
+                // Held looser than f32, after a first version (2e-2 per step) failed on an
+                // H200: 4.0e-2 apart at the worst step, 2% in the end. Attributed to bf16
+                // rounding (each replica's weight gradients rounded to bf16 over half the
+                // tokens: another rounding of every gradient at every step, which compounds),
+                // not isolated from a systematic cause; f32 above is the strict check. What
+                // this holds is that the run trains as well.
                 _ => {
                     let last = |log: &[burn_llama::finetune::StepLog]| log[49].val_loss.unwrap();
                     let gap = (last(&many) - last(&one)).abs() / last(&one);
