@@ -115,8 +115,9 @@ mod prob;
 pub mod schemes;
 
 pub use analytic::{
-    ENUMERATION_LIMIT, Figure2Row, acceptance_probability, acceptance_probability_enumerated,
-    figure2_markdown, figure2_row, optimal_acceptance_bound, output_law_enumerated,
+    ENUMERATION_LIMIT, Figure2Row, acceptance_probabilities, acceptance_probability,
+    acceptance_probability_enumerated, figure2_markdown, figure2_row, optimal_acceptance_bound,
+    output_law_enumerated,
 };
 pub use block::{BlockOutcome, verify_block};
 pub use error::{DistributionId, Result, SpecDecError};

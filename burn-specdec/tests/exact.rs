@@ -6,9 +6,9 @@ use crate::common::{
     random_dist, schemes_for,
 };
 use burn_specdec::{
-    LpTruncation, Scheme, SelectionRule, Verifier, acceptance_probability,
-    acceptance_probability_enumerated, optimal_acceptance_bound, output_law_enumerated,
-    uniforms_per_token,
+    LpTruncation, Scheme, SelectionRule, Verifier, acceptance_probabilities,
+    acceptance_probability, acceptance_probability_enumerated, optimal_acceptance_bound,
+    output_law_enumerated, uniforms_per_token,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -334,4 +334,67 @@ fn f32_rows_give_the_same_decisions_as_f64_rows() {
             );
         }
     }
+}
+
+/// `acceptance_probabilities` shares the LP and the sequential plan between schemes; every
+/// value must be the one-by-one value, on the seeded cases, the forced tails, and random rows
+/// over 61 and 200 tokens (the default truncation's 40-token alphabet plus a tail) with 2, 3
+/// and 8 identical or different drafts, for mixed truncations in one call (a disabled LP too).
+#[test]
+fn shared_acceptances_equal_one_by_one() {
+    let disabled = LpTruncation {
+        max_variables: 0,
+        ..LpTruncation::DEFAULT
+    };
+    let mut rng = StdRng::seed_from_u64(0x5a4e);
+    let mut rows: Vec<(String, Vec<f64>, Vec<Vec<f64>>)> = cases()
+        .into_iter()
+        .chain(forced_tail_cases())
+        .map(|c| (c.name.to_string(), c.p, c.qs))
+        .collect();
+    for (v, k, same) in [
+        (61, 2, true),
+        (61, 3, false),
+        (200, 8, true),
+        (200, 2, false),
+    ] {
+        let p = random_dist(&mut rng, v, 0.1);
+        let q = random_dist(&mut rng, v, 0.1);
+        let qs = (0..k)
+            .map(|_| {
+                if same {
+                    q.clone()
+                } else {
+                    random_dist(&mut rng, v, 0.1)
+                }
+            })
+            .collect();
+        rows.push((format!("V{v} K{k} random"), p, qs));
+    }
+    let (mut checked, mut positive) = (0, 0);
+    for (name, p, qs) in &rows {
+        let mut schemes = all_schemes(qs.len());
+        schemes.extend([
+            Scheme::Optimal(disabled),
+            Scheme::WeightedImportance(disabled),
+            Scheme::WeightedImportance(TINY_LP_WITH_FALLBACK),
+            Scheme::Optimal(ONE_TOKEN_LP),
+        ]);
+        let shared = acceptance_probabilities(&schemes, p, qs).unwrap();
+        assert_eq!(shared.len(), schemes.len(), "{name}");
+        for (scheme, got) in schemes.iter().zip(&shared) {
+            let want = acceptance_probability(*scheme, p, qs).unwrap();
+            assert!(
+                (got - want).abs() <= 1e-12,
+                "{name} / {scheme:?}: shared {got} vs one by one {want}"
+            );
+            checked += 1;
+            positive += usize::from(*got > 0.0);
+        }
+    }
+    // Disjoint supports accept nothing; most cases accept something.
+    assert!(
+        checked > 300 && positive * 10 > checked * 9,
+        "{positive} of {checked} positive"
+    );
 }

@@ -259,15 +259,6 @@ impl<'a> TailProblem<'a> {
         &self.q_cond[slot.min(self.q_cond.len() - 1)]
     }
 
-    /// `a` of a slot at tail token `i` (1 for the first-draft rule's empty rows).
-    fn a(rows: &Rows, slot: usize, i: usize) -> f64 {
-        if rows.is_empty() {
-            1.0
-        } else {
-            rows[slot.min(rows.len() - 1)][i]
-        }
-    }
-
     /// `min(1, p_R / (c q_R))` for each draft row.
     fn rejection_rows(&self, c: f64) -> Rows {
         self.q_cond
@@ -287,9 +278,13 @@ impl<'a> TailProblem<'a> {
         (0..self.slots(rows))
             .map(|s| {
                 let q = self.q_row(s);
-                (0..q.len())
-                    .map(|i| q[i] * (1.0 - Self::a(rows, s, i)))
-                    .sum()
+                match rows.is_empty() {
+                    true => q.iter().map(|&qt| qt * (1.0 - 1.0)).sum(),
+                    false => {
+                        let a = &rows[s.min(rows.len() - 1)];
+                        q.iter().zip(a).map(|(&qt, &at)| qt * (1.0 - at)).sum()
+                    }
+                }
             })
             .collect()
     }
@@ -338,10 +333,19 @@ impl<'a> TailProblem<'a> {
     /// stage masses `sel` and `last`.
     fn law_with(&self, rows: &Rows, sel: &[f64], last: &[f64]) -> Vec<f64> {
         let mut out = vec![0.0; self.tokens.len()];
+        // The row slices are taken out of the loops (which then vectorise); the products are
+        // those of `m * a(s, i) * q(i)`, in that order (`a = 1` for the first-draft rule).
         for (s, &m) in sel.iter().enumerate().filter(|&(_, &m)| m > 0.0) {
-            let q = self.q_row(s);
-            for (i, o) in out.iter_mut().enumerate() {
-                *o += m * Self::a(rows, s, i) * q[i];
+            let q = &self.q_row(s)[..out.len()];
+            if rows.is_empty() {
+                for (o, &qt) in out.iter_mut().zip(q) {
+                    *o += m * qt;
+                }
+            } else {
+                let a = &rows[s.min(rows.len() - 1)][..out.len()];
+                for ((o, &at), &qt) in out.iter_mut().zip(a).zip(q) {
+                    *o += m * at * qt;
+                }
             }
         }
         for (r, &m) in last.iter().enumerate().filter(|&(_, &m)| m > 0.0) {
@@ -450,17 +454,18 @@ impl<'a> TailProblem<'a> {
             for (s, row) in rows.iter_mut().enumerate().rev() {
                 // The slot's pass probability, summed as in `pass`, with the updated row.
                 let mut slot_pass = 0.0;
-                for (i, a) in row.iter_mut().enumerate() {
-                    let supply = sel[s] * q[i];
+                let m = sel[s];
+                for (((a, &qt), l), &pt) in row.iter_mut().zip(q).zip(law.iter_mut()).zip(&self.p) {
+                    let supply = m * qt;
                     if supply > 0.0 {
-                        let others = law[i] - supply * *a;
-                        let target = ((self.p[i] - others) / supply).clamp(0.0, 1.0);
+                        let others = *l - supply * *a;
+                        let target = ((pt - others) / supply).clamp(0.0, 1.0);
                         let next = 0.5 * (*a + target);
                         change = change.max((next - *a).abs());
-                        law[i] += supply * (next - *a);
+                        *l += supply * (next - *a);
                         *a = next;
                     }
-                    slot_pass += q[i] * (1.0 - *a);
+                    slot_pass += qt * (1.0 - *a);
                 }
                 pass[s] = slot_pass;
             }
@@ -494,14 +499,20 @@ impl<'a> TailProblem<'a> {
     pub(crate) fn upper_bound(&self) -> f64 {
         let mut reach = vec![0.0; self.tokens.len()];
         let mut total = 0.0;
+        // `ln (1 - q_{k,R})` per draft row, computed once (the visits repeat the rows).
+        let log_pass: Vec<Vec<f64>> = self
+            .q_cond
+            .iter()
+            .map(|q| q.iter().map(|&qt| (-qt).ln_1p()).collect())
+            .collect();
         for (drafts, w, _) in self.visits.iter().filter(|&(_, w, _)| *w > 0.0) {
             total += w;
             // `ln prod (1 - q)`, kept in logs so that small `q` do not round away.
             let mut log_missed = vec![0.0; self.tokens.len()];
             for &k in drafts {
-                let q = &self.q_cond[k.min(self.q_cond.len() - 1)];
-                for (m, &qt) in log_missed.iter_mut().zip(q) {
-                    *m += (-qt).ln_1p();
+                let row = &log_pass[k.min(self.q_cond.len() - 1)];
+                for (m, &l) in log_missed.iter_mut().zip(row) {
+                    *m += l;
                 }
             }
             for (r, m) in reach.iter_mut().zip(log_missed) {

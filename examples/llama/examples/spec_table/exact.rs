@@ -3,9 +3,10 @@
 //! (sampled at `--target-temperature`, seed = the prompt's index); at every position of that
 //! continuation the target's row `p` and the draft's row `q` (at each draft temperature) give
 //! each scheme's exact probability of accepting one of K identical drafts
-//! (`Verifier::acceptance_probability`). Per prompt the positions are averaged; the table gives
-//! the mean over prompts ± its standard error, and an SVG chart plots acceptance against K.
-//! Every (prompt, cell, position) is a job for one worker per core (see `Exact::measure`), so a
+//! (`burn_specdec::acceptance_probabilities`, which shares the LP between schemes). Per prompt
+//! the positions are averaged; the table gives the mean over prompts ± its standard error, and
+//! an SVG chart plots acceptance against K. Every (prompt, draft temperature, K, position) is a
+//! job, all schemes at once, for one worker per core (see `Exact::measure`), so a
 //! many-core machine runs a few hundred prompts in parallel with the model's passes. With
 //! `--rows-out`, each prompt's means go to a rows file as soon as it finishes (`rows.rs`).
 
@@ -15,7 +16,7 @@ use std::sync::{Arc, Mutex, mpsc};
 use burn_kernels_core::{AttentionImpl, FullKvCache, SamplingConfig};
 use burn_llama::generate::{GenerateOptions, generate};
 use burn_llama::model::Llama;
-use burn_specdec::{Scheme, Verifier};
+use burn_specdec::{Scheme, acceptance_probabilities};
 
 use super::rows::{Row, RowsWriter};
 use super::table::Table;
@@ -27,30 +28,30 @@ struct Rows {
     qs: Vec<Vec<Vec<f64>>>,
 }
 
-/// A prompt's index, its rows, a cell and the position to measure it at.
-type Job = (usize, Arc<Rows>, Cell, usize);
+/// A prompt's index, its rows, a group of cells and the position to measure them at.
+type Job = (usize, Arc<Rows>, Group, usize);
 
-/// A finished job: the prompt's index, the cell, the position and the acceptance there.
-type Done = (usize, Cell, usize, f64);
+/// A finished job: the prompt's index, the group, the position and each scheme's acceptance
+/// there.
+type Done = (usize, Group, usize, Vec<f64>);
 
 /// Acceptance per position, indexed `[temperature][scheme][k][prompt][position]`.
 type PerPosition = Vec<Vec<Vec<Vec<Vec<f64>>>>>;
-
-/// A rough rank of a scheme's cost per position (the LP-based ones are the slowest).
-fn cost(scheme: Scheme) -> u8 {
-    match scheme {
-        Scheme::Optimal(_) | Scheme::WeightedImportance(_) => 3,
-        Scheme::SequentialImportance => 2,
-        Scheme::SpecTr => 1,
-        _ => 0,
-    }
-}
 
 /// What one table cell needs: a draft temperature, a scheme, K.
 #[derive(Clone, Copy)]
 struct Cell {
     temperature: usize,
     scheme: usize,
+    k: usize,
+}
+
+/// The cells of every scheme at one draft temperature and K: one job per position computes
+/// them together (`burn_specdec::acceptance_probabilities` shares the LP between the LP-based
+/// schemes and the sequential plan).
+#[derive(Clone, Copy)]
+struct Group {
+    temperature: usize,
     k: usize,
 }
 
@@ -79,7 +80,7 @@ impl Exact<'_> {
     /// Acceptance per prompt, indexed `[temperature][scheme][k][prompt]`. The model runs on this
     /// thread, prompt after prompt; every (prompt, cell, position) is a job for a pool of workers
     /// (one per core), so that later prompts' rows are computed while earlier prompts' cells run,
-    /// and the slow cells (large K, LP-based schemes) of many prompts run side by side.
+    /// and the slow groups (large K) of many prompts run side by side.
     /// Each finished prompt's rows go to `writer` (a failed write is reported and ends writing).
     fn measure(&self, mut writer: Option<RowsWriter>) -> Vec<Vec<Vec<Vec<f64>>>> {
         let (nt, ns, nk) = (
@@ -101,14 +102,16 @@ impl Exact<'_> {
                 })
             })
             .collect();
-        // The slowest cells first.
-        let mut order = cells.clone();
-        order.sort_by_key(|c| std::cmp::Reverse((self.ks[c.k], cost(self.schemes[c.scheme]))));
+        let mut groups: Vec<Group> = (0..nt)
+            .flat_map(|t| (0..nk).map(move |k| Group { temperature: t, k }))
+            .collect();
+        // The slowest groups first.
+        groups.sort_by_key(|g| std::cmp::Reverse(self.ks[g.k]));
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
         let started = std::time::Instant::now();
         // Room for a whole prompt's jobs: the next prompt's rows are computed while the workers
         // run them (a few prompts' rows alive at most).
-        let bound = (cells.len() * self.new_tokens).max(2 * threads);
+        let bound = (groups.len() * self.new_tokens).max(2 * threads);
         let (job_tx, job_rx) = mpsc::sync_channel::<Job>(bound);
         let job_rx = Mutex::new(job_rx);
         let (done_tx, done_rx) = mpsc::channel::<Done>();
@@ -118,11 +121,11 @@ impl Exact<'_> {
                 scope.spawn(move || {
                     loop {
                         let job = job_rx.lock().expect("job queue").recv();
-                        let Ok((prompt, rows, cell, position)) = job else {
+                        let Ok((prompt, rows, group, position)) = job else {
                             break;
                         };
-                        let value = self.acceptance(&rows, cell, position);
-                        if done_tx.send((prompt, cell, position, value)).is_err() {
+                        let values = self.acceptances(&rows, group, position);
+                        if done_tx.send((prompt, group, position, values)).is_err() {
                             break;
                         }
                     }
@@ -131,8 +134,10 @@ impl Exact<'_> {
             drop(done_tx);
             let mut left = vec![0; n];
             let mut record =
-                |(prompt, c, i, v): Done, out: &mut PerPosition, left: &mut [usize]| {
-                    out[c.temperature][c.scheme][c.k][prompt][i] = v;
+                |(prompt, g, i, vs): Done, out: &mut PerPosition, left: &mut [usize]| {
+                    for (s, v) in vs.into_iter().enumerate() {
+                        out[g.temperature][s][g.k][prompt][i] = v;
+                    }
                     left[prompt] -= 1;
                     if left[prompt] == 0 {
                         eprintln!(
@@ -151,14 +156,14 @@ impl Exact<'_> {
             for (i, prompt) in self.prompts.iter().enumerate() {
                 let rows = Arc::new(self.rows(prompt, (self.first_prompt + i) as u64));
                 let positions = rows.p.len();
-                left[i] = cells.len() * positions;
+                left[i] = groups.len() * positions;
                 for c in &cells {
                     out[c.temperature][c.scheme][c.k][i] = vec![f64::NAN; positions];
                 }
-                for &cell in &order {
+                for &group in &groups {
                     for position in 0..positions {
                         job_tx
-                            .send((i, Arc::clone(&rows), cell, position))
+                            .send((i, Arc::clone(&rows), group, position))
                             .expect("workers run");
                     }
                 }
@@ -217,18 +222,17 @@ impl Exact<'_> {
         Rows { p, qs }
     }
 
-    /// A cell's exact acceptance probability at one position of a prompt.
-    fn acceptance(&self, rows: &Rows, c: Cell, position: usize) -> f64 {
-        let k = self.ks[c.k];
-        let scheme = if k == 1 {
-            Scheme::SingleDraft
+    /// Every scheme's exact acceptance probability at one position of a prompt, for a group's
+    /// draft temperature and K.
+    fn acceptances(&self, rows: &Rows, g: Group, position: usize) -> Vec<f64> {
+        let k = self.ks[g.k];
+        let schemes: Vec<Scheme> = if k == 1 {
+            vec![Scheme::SingleDraft; self.schemes.len()]
         } else {
-            self.schemes[c.scheme]
+            self.schemes.clone()
         };
-        let q = rows.qs[c.temperature][position].as_slice();
-        Verifier::new(scheme, &rows.p[position], &vec![q; k])
-            .expect("valid rows")
-            .acceptance_probability()
+        let q = rows.qs[g.temperature][position].as_slice();
+        acceptance_probabilities(&schemes, &rows.p[position], &vec![q; k]).expect("valid rows")
     }
 
     /// The prompt and the target's own continuation of it.
