@@ -278,8 +278,9 @@ impl<'a> TailProblem<'a> {
         (0..self.slots(rows))
             .map(|s| {
                 let q = self.q_row(s);
+                // The first-draft rule (no rows, `a = 1`) passes nothing.
                 match rows.is_empty() {
-                    true => q.iter().map(|&qt| qt * (1.0 - 1.0)).sum(),
+                    true => 0.0,
                     false => {
                         let a = &rows[s.min(rows.len() - 1)];
                         q.iter().zip(a).map(|(&qt, &at)| qt * (1.0 - at)).sum()
