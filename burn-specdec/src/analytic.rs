@@ -79,7 +79,9 @@ where
                 Some((flow, weighted)) => flow.max(weighted).max(importance_acceptance()),
                 None => importance_acceptance(),
             }),
-            other => acceptance_probability(other, p, qs),
+            other => Ok(crate::plan_scheme(other, &target, &drafts)?
+                .plan
+                .acceptance()),
         })
         .collect()
 }

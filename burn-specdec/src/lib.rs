@@ -225,6 +225,40 @@ pub struct Verifier {
     lp_info: Option<LpInfo>,
 }
 
+/// A scheme's plan, with SpecTr's `rho` and the LP's report where the scheme has them.
+pub(crate) struct Planned {
+    pub(crate) plan: Plan,
+    pub(crate) rho: Option<f64>,
+    pub(crate) lp_info: Option<LpInfo>,
+}
+
+/// Prepares `scheme` on inputs that [`prob::validate_inputs`] returned.
+pub(crate) fn plan_scheme(scheme: Scheme, target: &[f64], drafts: &[Vec<f64>]) -> Result<Planned> {
+    let mut rho = None;
+    let mut lp_info = None;
+    let plan = match scheme {
+        Scheme::SingleDraft => Plan::Sequential(schemes::single::plan(target, drafts)?),
+        Scheme::SpecInfer => Plan::Sequential(schemes::specinfer::plan(target, drafts)),
+        Scheme::SpecTr => {
+            let (plan, r) = schemes::spectr::plan(target, drafts);
+            rho = Some(r);
+            Plan::Sequential(plan)
+        }
+        Scheme::SequentialImportance => Plan::Selection(schemes::importance::plan(target, drafts)),
+        Scheme::WeightedImportance(trunc) => {
+            let (plan, info) = schemes::weighted::plan(target, drafts, trunc)?;
+            lp_info = Some(info);
+            plan
+        }
+        Scheme::Optimal(trunc) => {
+            let (plan, info) = schemes::optimal::plan(target, drafts, trunc)?;
+            lp_info = Some(info);
+            plan
+        }
+    };
+    Ok(Planned { plan, rho, lp_info })
+}
+
 impl Verifier {
     /// Validates and normalises `p` and `qs` (one row per draft) and prepares `scheme`.
     ///
@@ -239,30 +273,7 @@ impl Verifier {
         Q: AsRef<[T]>,
     {
         let (target, drafts) = prob::validate_inputs(p, qs)?;
-        let mut rho = None;
-        let mut lp_info = None;
-        let plan = match scheme {
-            Scheme::SingleDraft => Plan::Sequential(schemes::single::plan(&target, &drafts)?),
-            Scheme::SpecInfer => Plan::Sequential(schemes::specinfer::plan(&target, &drafts)),
-            Scheme::SpecTr => {
-                let (plan, r) = schemes::spectr::plan(&target, &drafts);
-                rho = Some(r);
-                Plan::Sequential(plan)
-            }
-            Scheme::SequentialImportance => {
-                Plan::Selection(schemes::importance::plan(&target, &drafts))
-            }
-            Scheme::WeightedImportance(trunc) => {
-                let (plan, info) = schemes::weighted::plan(&target, &drafts, trunc)?;
-                lp_info = Some(info);
-                plan
-            }
-            Scheme::Optimal(trunc) => {
-                let (plan, info) = schemes::optimal::plan(&target, &drafts, trunc)?;
-                lp_info = Some(info);
-                plan
-            }
-        };
+        let Planned { plan, rho, lp_info } = plan_scheme(scheme, &target, &drafts)?;
         Ok(Self {
             scheme,
             target,
