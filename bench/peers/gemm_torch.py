@@ -1,8 +1,9 @@
 """PyTorch peer for the `gemm` bench suite: torch.matmul on the same GPU in the same run.
 
 --m --n --k: a [m, k] @ [k, n] product (the right side stored [n, k] and transposed with
---rhs-t); --dtype f32|bf16|f16; --tf32 1 allows TF32 for f32 (torch's
-allow_tf32 matmul flag), 0 keeps strict f32; --add adds an [m, n] tensor to the product.
+--rhs-t, the left side stored [k, m] and transposed with --lhs-t); --dtype f32|bf16|f16; --tf32 1 allows TF32 for f32 (torch's
+allow_tf32 matmul flag), 0 keeps strict f32; --add adds an [m, n] tensor to the product; --inner N runs the product N times per
+timed repetition.
 Prints one JSON line: {"times_ms": [...]} or {"error": ...}.
 """
 import argparse
@@ -18,6 +19,8 @@ def main():
     ap.add_argument("--dtype", required=True, choices=["f32", "bf16", "f16"])
     ap.add_argument("--tf32", default="1", choices=["0", "1"])
     ap.add_argument("--rhs-t", action="store_true")
+    ap.add_argument("--lhs-t", action="store_true")
+    ap.add_argument("--inner", type=int, default=1)
     ap.add_argument("--add", action="store_true")
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args()
@@ -29,16 +32,24 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = args.tf32 == "1"
     dt = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[args.dtype]
     g = torch.Generator(device="cuda").manual_seed(0)
-    a = torch.randn(args.m, args.k, device="cuda", generator=g).to(dt)
+    if args.lhs_t:
+        a = torch.randn(args.k, args.m, device="cuda", generator=g).to(dt).t()
+    else:
+        a = torch.randn(args.m, args.k, device="cuda", generator=g).to(dt)
     if args.rhs_t:
         b = torch.randn(args.n, args.k, device="cuda", generator=g).to(dt).t()
     else:
         b = torch.randn(args.k, args.n, device="cuda", generator=g).to(dt)
     c = torch.randn(args.m, args.n, device="cuda", generator=g).to(dt) if args.add else None
 
-    def call():
+    def one():
         out = a @ b
         return out + c if c is not None else out
+
+    def call():
+        for _ in range(args.inner - 1):
+            one()
+        return one()
 
     for _ in range(3):
         call()

@@ -14,7 +14,7 @@ use burn_kernels_core::gemm::launch::fixed_gemm;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::live;
-use crate::{GemmKernel, GemmStrategy};
+use crate::GemmStrategy;
 
 type Cb = CubeBackend;
 
@@ -40,7 +40,7 @@ pub(crate) fn matmul_to(
 ) -> CubeTensor {
     static WARNED: AtomicBool = AtomicBool::new(false);
     let kernel = match strategy {
-        GemmStrategy::Fixed => Some(GemmKernel::DEFAULT),
+        GemmStrategy::Fixed => Some(burn_kernels_core::gemm::default_kernel()),
         GemmStrategy::Kernel(kernel) => Some(kernel),
         GemmStrategy::Autotune => None,
     };

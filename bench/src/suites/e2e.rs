@@ -11,6 +11,7 @@
 
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{DType, Int, Tensor, TensorData};
+use burn_kernels_core::gemm::{self, GemmKernel};
 use burn_llama::finetune::TrainAttention;
 use burn_llama::precision::Precision;
 use burn_llama::train::{LossKind, next_token_loss};
@@ -67,62 +68,92 @@ pub fn suite(opts: SuiteOptions) -> Suite {
 /// example trained before fused attention (plain loss, the decomposed f32 attention, f32). They
 /// run baseline first, then the f32 step with the recomputing attention backward, the bf16
 /// steps, the PyTorch peers and the other f32 steps (the slowest to tune), so a run cut short
-/// by a time limit keeps the comparisons that matter.
-type Variant = (&'static str, fn() -> LossKind, TrainAttention, Precision);
-const VARIANTS: [Variant; 9] = [
+/// by a time limit keeps the comparisons that matter. The f16/bf16 GEMMs run on the named kernel
+/// ([`GemmKernel::DEFAULT`], or cubek's `mma` kernel for comparison).
+type Variant = (
+    &'static str,
+    fn() -> LossKind,
+    TrainAttention,
+    Precision,
+    GemmKernel,
+);
+const VARIANTS: [Variant; 11] = [
     (
         "cce",
         LossKind::cce,
         TrainAttention::Reference,
         Precision::F32,
+        GemmKernel::DEFAULT,
     ),
     (
         "cce + recompute attn",
         LossKind::cce,
         TrainAttention::Recompute,
         Precision::F32,
+        GemmKernel::DEFAULT,
     ),
     (
         "plain loss",
         plain,
         TrainAttention::Reference,
         Precision::F32,
+        GemmKernel::DEFAULT,
     ),
     (
         "cce + fused attn",
         LossKind::cce,
         TrainAttention::Fused,
         Precision::F32,
+        GemmKernel::DEFAULT,
     ),
     (
         "plain + fused attn",
         plain,
         TrainAttention::Fused,
         Precision::F32,
+        GemmKernel::DEFAULT,
     ),
     (
         "cce + fused attn, bf16",
         LossKind::cce,
         TrainAttention::Fused,
         Precision::Bf16,
+        GemmKernel::DEFAULT,
     ),
     (
         "plain + fused attn, bf16",
         plain,
         TrainAttention::Fused,
         Precision::Bf16,
+        GemmKernel::DEFAULT,
     ),
     (
         "cce + recompute attn, bf16",
         LossKind::cce,
         TrainAttention::Recompute,
         Precision::Bf16,
+        GemmKernel::DEFAULT,
     ),
     (
         "plain + recompute attn, bf16",
         plain,
         TrainAttention::Recompute,
         Precision::Bf16,
+        GemmKernel::DEFAULT,
+    ),
+    (
+        "cce + recompute attn, bf16, cubek gemm",
+        LossKind::cce,
+        TrainAttention::Recompute,
+        Precision::Bf16,
+        GemmKernel::SpecializedTma,
+    ),
+    (
+        "plain + recompute attn, bf16, cubek gemm",
+        plain,
+        TrainAttention::Recompute,
+        Precision::Bf16,
+        GemmKernel::SpecializedTma,
     ),
 ];
 
@@ -163,7 +194,7 @@ fn problem(
             let (first, other_f32): (Vec<&Variant>, Vec<&Variant>) = f32_steps
                 .into_iter()
                 .partition(|v| v.0 == "plain loss" || v.2 == TrainAttention::Recompute);
-            let step = |&(name, kind, attention, precision): &Variant| {
+            let step = |&(name, kind, attention, precision, gemm_kernel): &Variant| {
                 device.seed(0);
                 let model = Llama::random(&cfg, &device, DType::F32);
                 let ids: Vec<i64> = (0..batch * (seq + 1))
@@ -176,6 +207,7 @@ fn problem(
                 let mut clock = phases.then(|| PhaseClock::new(name, device.clone()));
                 let mut profiled = ProfiledStep::new(profile_step, name, device.clone());
                 Candidate::timed_here(name, move || {
+                    gemm::set_default_kernel(gemm_kernel);
                     let _profiling = profiled.next_step();
                     let (model, mut optim) = state.take().expect("state is put back");
                     let mut lap = PhaseClock::lap_of(&mut clock);

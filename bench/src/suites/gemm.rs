@@ -8,6 +8,7 @@
 //! fusion folds into the GEMM's epilogue.
 
 use burn::tensor::{DType, Tensor};
+use burn_kernels_core::gemm::{self, GemmKernel};
 use burn_kernels_testing::{Dist, random_tensor};
 use serde_json::json;
 
@@ -15,7 +16,9 @@ use super::{SuiteOptions, run_python_peer};
 use crate::harness::{Candidate, Extra, Problem, Suite, keep, params};
 
 /// One GEMM: `[m, k] · [k, n]`, the right side stored `[n, k]` and transposed (a view) when
-/// `rhs_t`, as `x · wᵀ` does.
+/// `rhs_t`, as `x · wᵀ` does; the left side stored `[k, m]` and transposed when `lhs_t`, as a
+/// weight gradient `xᵀ · dy` does. Each timed call runs the product `inner` times (short
+/// products, where one synchronization per product would be most of the time).
 #[derive(Debug, Clone, Copy)]
 struct Shape {
     name: &'static str,
@@ -23,8 +26,54 @@ struct Shape {
     n: usize,
     k: usize,
     rhs_t: bool,
+    lhs_t: bool,
     dtype: DType,
+    inner: usize,
 }
+
+impl Shape {
+    const fn new(name: &'static str, [m, k, n]: [usize; 3], dtype: DType) -> Self {
+        Shape {
+            name,
+            m,
+            n,
+            k,
+            rhs_t: false,
+            lhs_t: false,
+            dtype,
+            inner: 1,
+        }
+    }
+
+    /// A SmolLM2-135M training product at batch 8 × 1024 tokens, bf16, 10 per timed call.
+    const fn train(name: &'static str, mkn: [usize; 3], rhs_t: bool, lhs_t: bool) -> Self {
+        Shape {
+            rhs_t,
+            lhs_t,
+            inner: 10,
+            ..Shape::new(name, mkn, DType::BF16)
+        }
+    }
+}
+
+/// The products of a SmolLM2-135M training step (8 × 1024 tokens, hidden 576, K/V 192, MLP
+/// 1536, vocabulary 49152): each projection's forward `x · w`, input gradient `dy · wᵀ` and
+/// weight gradient `xᵀ · dy`, and the tied head's logits `x · Eᵀ`.
+const TRAIN: &[Shape] = &[
+    Shape::train("train q/o fwd", [8192, 576, 576], false, false),
+    Shape::train("train k/v fwd", [8192, 576, 192], false, false),
+    Shape::train("train up fwd", [8192, 576, 1536], false, false),
+    Shape::train("train down fwd", [8192, 1536, 576], false, false),
+    Shape::train("train up dx", [8192, 1536, 576], true, false),
+    Shape::train("train k/v dx", [8192, 192, 576], true, false),
+    Shape::train("train up dw", [576, 8192, 1536], false, true),
+    Shape::train("train k/v dw", [576, 8192, 192], false, true),
+    Shape::train("train down dw", [1536, 8192, 576], false, true),
+    Shape {
+        inner: 1,
+        ..Shape::train("train logits", [8192, 576, 49152], true, false)
+    },
+];
 
 const SHAPES: &[Shape] = &[
     Shape {
@@ -33,7 +82,9 @@ const SHAPES: &[Shape] = &[
         n: 8192,
         k: 8192,
         rhs_t: false,
+        lhs_t: false,
         dtype: DType::F32,
+        inner: 1,
     },
     Shape {
         name: "square",
@@ -41,7 +92,9 @@ const SHAPES: &[Shape] = &[
         n: 8192,
         k: 8192,
         rhs_t: false,
+        lhs_t: false,
         dtype: DType::BF16,
+        inner: 1,
     },
     // ShadowKV's bench fill: keys from a rank-64 mix at a 128K context.
     Shape {
@@ -50,7 +103,9 @@ const SHAPES: &[Shape] = &[
         n: 1024,
         k: 64,
         rhs_t: false,
+        lhs_t: false,
         dtype: DType::F16,
+        inner: 1,
     },
     // ShadowKV's projection onto the key basis (f32).
     Shape {
@@ -59,7 +114,9 @@ const SHAPES: &[Shape] = &[
         n: 160,
         k: 1024,
         rhs_t: true,
+        lhs_t: false,
         dtype: DType::F32,
+        inner: 1,
     },
     // CCE's chunk logits at the Gemma-2 shape: E · C_chunkᵀ.
     Shape {
@@ -68,7 +125,9 @@ const SHAPES: &[Shape] = &[
         n: 4096,
         k: 2304,
         rhs_t: true,
+        lhs_t: false,
         dtype: DType::BF16,
+        inner: 1,
     },
 ];
 
@@ -79,7 +138,9 @@ const QUICK: &[Shape] = &[
         n: 256,
         k: 256,
         rhs_t: false,
+        lhs_t: false,
         dtype: DType::F32,
+        inner: 1,
     },
     Shape {
         name: "odd",
@@ -87,15 +148,26 @@ const QUICK: &[Shape] = &[
         n: 67,
         k: 97,
         rhs_t: true,
+        lhs_t: false,
         dtype: DType::F32,
+        inner: 1,
     },
 ];
 
 pub fn suite(opts: SuiteOptions) -> Suite {
-    let shapes = if opts.quick { QUICK } else { SHAPES };
+    let shapes: Vec<Shape> = if opts.quick {
+        QUICK.to_vec()
+    } else {
+        SHAPES.iter().chain(TRAIN).copied().collect()
+    };
     let problems = shapes
         .iter()
-        .flat_map(|&s| [problem(s, false, &opts), problem(s, true, &opts)])
+        .flat_map(|&s| {
+            // The training products run without the `+add` epilogue variant.
+            let adds: &[bool] = if s.inner > 1 || s.lhs_t { &[false] } else { &[false, true] };
+            let opts = &opts;
+            adds.iter().map(move |&add| problem(s, add, opts)).collect::<Vec<_>>()
+        })
         .collect();
     Suite {
         name: "gemm",
@@ -123,13 +195,16 @@ fn problem(s: Shape, add: bool, opts: &SuiteOptions) -> Problem {
         n,
         k,
         rhs_t,
+        lhs_t,
         dtype,
+        inner,
         ..
     } = s;
     Problem {
         label: format!(
-            "{} {m}x{n}x{k}{} {}{}",
+            "{} {m}x{n}x{k}{}{} {}{}",
             s.name,
+            if lhs_t { " (lhs transposed)" } else { "" },
             if rhs_t { " (rhs transposed)" } else { "" },
             dtype_name(dtype),
             if add { " +add" } else { "" }
@@ -140,10 +215,12 @@ fn problem(s: Shape, add: bool, opts: &SuiteOptions) -> Problem {
             ("n", json!(n)),
             ("k", json!(k)),
             ("rhs_transposed", json!(rhs_t)),
+            ("lhs_transposed", json!(lhs_t)),
             ("dtype", json!(dtype_name(dtype))),
             ("epilogue_add", json!(add)),
+            ("products_per_call", json!(inner)),
         ]),
-        flops: Some(2.0 * (m * n * k) as f64),
+        flops: Some(2.0 * (m * n * k * inner) as f64),
         bytes: None,
         tokens: None,
         setup: Box::new(move |device| {
@@ -152,36 +229,63 @@ fn problem(s: Shape, add: bool, opts: &SuiteOptions) -> Problem {
             } else {
                 DType::F32
             };
-            let a = random_tensor::<2>([m, k], Dist::STANDARD, 1, dtype, device);
+            let a = if lhs_t {
+                random_tensor::<2>([k, m], Dist::STANDARD, 1, dtype, device).transpose()
+            } else {
+                random_tensor::<2>([m, k], Dist::STANDARD, 1, dtype, device)
+            };
             let b = if rhs_t {
                 random_tensor::<2>([n, k], Dist::STANDARD, 2, dtype, device).transpose()
             } else {
                 random_tensor::<2>([k, n], Dist::STANDARD, 2, dtype, device)
             };
             let c = add.then(|| random_tensor::<2>([m, n], Dist::STANDARD, 3, dtype, device));
-            let run = {
-                let (a, b, c) = (a.clone(), b.clone(), c.clone());
-                move || {
-                    let out = a.clone().matmul(b.clone());
-                    match &c {
-                        Some(c) => out + c.clone(),
-                        None => out,
+            // Burn's autotuned matmul, and for f16/bf16 core's fixed kernels by name.
+            let mut impls: Vec<(&'static str, Option<GemmKernel>)> = vec![("burn", None)];
+            if matches!(dtype, DType::F16 | DType::BF16) {
+                impls.push(("core specialized-tma", Some(GemmKernel::SpecializedTma)));
+                impls.push(("core wgmma", Some(GemmKernel::Wgmma)));
+            }
+            let mut cands = Vec::new();
+            for (name, kernel) in impls {
+                let one = {
+                    let (a, b, c) = (a.clone(), b.clone(), c.clone());
+                    move || {
+                        let out = match kernel {
+                            Some(kernel) => {
+                                gemm::set_default_kernel(kernel);
+                                gemm::matmul(a.clone(), b.clone())
+                            }
+                            None => a.clone().matmul(b.clone()),
+                        };
+                        match &c {
+                            Some(c) => out + c.clone(),
+                            None => out,
+                        }
                     }
-                }
-            };
-            let check = sampled_error(&run(), &a, &b, c.as_ref());
-            let mut cands = vec![match check {
-                Ok(err) if err <= TOLERANCE => Candidate::timed_here("burn", move || keep(run()))
-                    .with_extra(move || Extra {
-                        params: params([("max_sampled_error", json!(err))]),
-                        note: Some(format!("sampled error {err:.1e} of the output's rms")),
-                    }),
-                Ok(err) => Candidate::skipped(
-                    "burn",
-                    format!("wrong output: sampled error {err:.2e} of the output's rms"),
-                ),
-                Err(why) => Candidate::skipped("burn", format!("output unreadable: {why}")),
-            }];
+                };
+                let check = sampled_error(&one(), &a, &b, c.as_ref());
+                let run = move || {
+                    for _ in 1..inner {
+                        keep(one());
+                    }
+                    keep(one())
+                };
+                cands.push(match check {
+                    Ok(err) if err <= TOLERANCE => Candidate::timed_here(name, run).with_extra(
+                        move || Extra {
+                            params: params([("max_sampled_error", json!(err))]),
+                            note: Some(format!("sampled error {err:.1e} of the output's rms")),
+                        },
+                    ),
+                    Ok(err) => Candidate::skipped(
+                        name,
+                        format!("wrong output: sampled error {err:.2e} of the output's rms"),
+                    ),
+                    Err(why) => Candidate::skipped(name, format!("output unreadable: {why}")),
+                });
+            }
+            gemm::set_default_kernel(GemmKernel::DEFAULT);
             let tf32_modes: &[&str] = if dtype == DType::F32 {
                 &["1", "0"]
             } else {
@@ -199,14 +303,18 @@ fn problem(s: Shape, add: bool, opts: &SuiteOptions) -> Problem {
                     n.to_string(),
                     k.to_string(),
                     dtype_name(dtype).to_string(),
+                    inner.to_string(),
                 ];
                 cands.push(Candidate::timed_elsewhere(name, move || {
                     let mut argv = vec![
                         "--m", &args[0], "--n", &args[1], "--k", &args[2], "--dtype", &args[3],
-                        "--tf32", tf32,
+                        "--tf32", tf32, "--inner", &args[4],
                     ];
                     if rhs_t {
                         argv.push("--rhs-t");
+                    }
+                    if lhs_t {
+                        argv.push("--lhs-t");
                     }
                     if add {
                         argv.push("--add");

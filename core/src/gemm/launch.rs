@@ -67,6 +67,7 @@ pub fn dims2(t: &CubeTensor) -> [usize; 2] {
 enum Launch {
     Cubek(Strategy),
     TileDsl,
+    Wgmma,
 }
 
 impl std::fmt::Display for Launch {
@@ -74,13 +75,29 @@ impl std::fmt::Display for Launch {
         match self {
             Launch::Cubek(strategy) => write!(f, "{strategy}"),
             Launch::TileDsl => f.write_str("tile-dsl (cubek tables)"),
+            Launch::Wgmma => f.write_str("wgmma (burn-kernels-core)"),
         }
     }
 }
 
+/// The launch counter ([`crate::route::launches`]) of GEMMs that ran on this crate's Hopper
+/// kernel ([`GemmKernel::Wgmma`]), counted once the launch is known to have run.
+pub const WGMMA_LAUNCHES: &str = "gemm-wgmma";
+
 impl Launch {
+    /// Counts a launch that ran, for the kernels tests ask about.
+    fn count(&self) {
+        if matches!(self, Launch::Wgmma) {
+            crate::route::count_launch(WGMMA_LAUNCHES);
+        }
+    }
+
     fn of(kernel: GemmKernel) -> Self {
-        cubek_strategy(kernel).map_or(Launch::TileDsl, Launch::Cubek)
+        match kernel {
+            GemmKernel::Wgmma => Launch::Wgmma,
+            GemmKernel::TileDsl => Launch::TileDsl,
+            other => Launch::Cubek(cubek_strategy(other).expect("a cubek strategy")),
+        }
     }
 
     /// Writes `lhs · rhs` into `out` (contiguous `[m, n]` in `out_dtype`); an error where the
@@ -96,6 +113,7 @@ impl Launch {
         let in_storage = dtype_to_storage_type(lhs.dtype);
         let out_storage = dtype_to_storage_type(out_dtype);
         match self {
+            Launch::Wgmma => super::hopper::hopper_gemm(lhs, rhs, out, out_dtype),
             Launch::Cubek(strategy) => {
                 let mut elems = MatmulElems::from_globals(&MatmulGlobalElems {
                     lhs: in_storage,
@@ -160,7 +178,7 @@ impl Launch {
 }
 
 /// cubek's multi-level launch strategy for `kernel`; `None` for [`GemmKernel::TileDsl`], which
-/// goes through cubek's tile-DSL selection instead.
+/// goes through cubek's tile-DSL selection instead, and for this crate's [`GemmKernel::Wgmma`].
 fn cubek_strategy(kernel: GemmKernel) -> Option<Strategy> {
     let simple = |multi_rows| SimpleArgs {
         multi_rows,
@@ -195,7 +213,7 @@ fn cubek_strategy(kernel: GemmKernel) -> Option<Strategy> {
         GemmKernel::SimpleTmaMultiRowCmma => MultiLevel::SimpleTmaCmma(Inferred(simple_cmma(true))),
         GemmKernel::SpecializedTmaCmma => MultiLevel::SpecializedTmaCmma(Inferred(().into())),
         GemmKernel::SpecializedTma => MultiLevel::SpecializedTmaMma(Inferred(().into())),
-        GemmKernel::TileDsl => return None,
+        GemmKernel::TileDsl | GemmKernel::Wgmma => return None,
     };
     Some(strategy.into())
 }
@@ -276,9 +294,16 @@ pub fn fixed_gemm(
     let mma = Launch::of(kernel);
     // A kernel the device cannot run (TMA before Hopper, on Vulkan) falls back to the
     // portable double-buffered one, then to the unit kernel.
-    let candidates = match (tensor_cores, kernel == GemmKernel::DoubleCyclic) {
-        (true, true) => vec![mma, unit],
-        (true, false) => vec![mma, Launch::of(GemmKernel::DoubleCyclic), unit],
+    // The Hopper kernel falls back to cubek's fastest `mma` one before the portable ones.
+    let candidates = match (tensor_cores, kernel) {
+        (true, GemmKernel::DoubleCyclic) => vec![mma, unit],
+        (true, GemmKernel::Wgmma) => vec![
+            mma,
+            Launch::of(GemmKernel::SpecializedTma),
+            Launch::of(GemmKernel::DoubleCyclic),
+            unit,
+        ],
+        (true, _) => vec![mma, Launch::of(GemmKernel::DoubleCyclic), unit],
         (false, _) => vec![unit],
     };
     let client: Client = lhs.client.clone();
@@ -315,6 +340,7 @@ pub fn fixed_gemm(
             for key in failed {
                 record(key, false);
             }
+            strategy.count();
             return Some(out);
         }
         // The first launch of this kernel at this problem: did the device thread run it?
@@ -324,6 +350,7 @@ pub fn fixed_gemm(
                 for key in failed {
                     record(key, false);
                 }
+                strategy.count();
                 return Some(out);
             }
             Err(err) => {

@@ -10,10 +10,13 @@
 //! products keep Burn's autotuned matmul, which runs.
 
 mod autodiff;
+pub mod hopper;
 pub mod launch;
 
 use burn::backend::{Backend, Dispatch, backend_extension, tensor::FloatTensor};
 use burn::tensor::{DType, Shape, Tensor};
+
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::route::{Grad, route};
 
@@ -75,6 +78,36 @@ pub trait GemmKernels: Backend {
     fn gemm(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self>;
 }
 
+/// The kernel's index in [`GemmKernel::ALL`] that [`default_kernel`] names.
+static DEFAULT_KERNEL: AtomicUsize = AtomicUsize::new(usize::MAX);
+
+/// The kernel [`GemmKernels::gemm`] (so [`matmul`], [`linear`] and burn-cce's
+/// `GemmStrategy::Fixed`) runs: [`GemmKernel::DEFAULT`] unless [`set_default_kernel`] chose
+/// another, or the environment variable `BURN_KERNELS_GEMM` names one ([`GemmKernel::name`]).
+pub fn default_kernel() -> GemmKernel {
+    let mut index = DEFAULT_KERNEL.load(Ordering::Relaxed);
+    if index == usize::MAX {
+        let named = std::env::var("BURN_KERNELS_GEMM").ok();
+        let chosen = named
+            .as_deref()
+            .and_then(GemmKernel::from_name)
+            .unwrap_or(GemmKernel::DEFAULT);
+        if let Some(name) = named.filter(|n| GemmKernel::from_name(n).is_none()) {
+            log::warn!("BURN_KERNELS_GEMM={name} names no GEMM kernel; {} runs", chosen.name());
+        }
+        index = GemmKernel::ALL.iter().position(|&k| k == chosen).expect("listed");
+        DEFAULT_KERNEL.store(index, Ordering::Relaxed);
+    }
+    GemmKernel::ALL[index]
+}
+
+/// Makes `kernel` the one [`default_kernel`] names, for the whole process (benchmarks compare
+/// kernels in one run this way).
+pub fn set_default_kernel(kernel: GemmKernel) {
+    let index = GemmKernel::ALL.iter().position(|&k| k == kernel).expect("listed");
+    DEFAULT_KERNEL.store(index, Ordering::Relaxed);
+}
+
 /// The shape of `a · b` for (batches of) matrices.
 pub fn gemm_shape(a: &Shape, b: &Shape) -> Shape {
     let mut dims = a.to_vec();
@@ -85,7 +118,7 @@ pub fn gemm_shape(a: &Shape, b: &Shape) -> Shape {
 
 #[cfg(feature = "cube")]
 mod cube_backend {
-    use super::{GemmKernel, GemmKernels, launch::fixed_gemm};
+    use super::{GemmKernels, default_kernel, launch::fixed_gemm};
     use crate::route::count_launch;
     use burn::backend::{ops::FloatTensorOps, tensor::FloatTensor};
     use burn::tensor::DType;
@@ -96,7 +129,7 @@ mod cube_backend {
             let dtype = a.dtype;
             if matches!(dtype, DType::F16 | DType::BF16)
                 && b.dtype == dtype
-                && let Some(c) = fixed_gemm(a.clone(), b.clone(), dtype, GemmKernel::DEFAULT, false)
+                && let Some(c) = fixed_gemm(a.clone(), b.clone(), dtype, default_kernel(), false)
             {
                 count_launch("gemm");
                 return c;
@@ -145,17 +178,21 @@ pub enum GemmKernel {
     SimpleTmaMultiRowCmma,
     /// [`GemmKernel::SpecializedTma`] on the `cmma` tile instruction.
     SpecializedTmaCmma,
+    /// This crate's Hopper kernel ([`hopper`](crate::gemm::hopper)): warpgroup MMAs fed by TMA
+    /// through a 4-stage ring, split K for few output tiles; matrices (not batches) of f16/bf16
+    /// with one contiguous dimension each. Where it cannot run (before Hopper, Vulkan, batches),
+    /// [`GemmKernel::SpecializedTma`] runs instead.
+    Wgmma,
 }
 
 impl GemmKernel {
     /// The kernel of a fixed-kernel GEMM ([`gemm::matmul`](crate::gemm::matmul), burn-cce's
-    /// `GemmStrategy::Fixed`): the fastest of the ten in a sweep on an NVIDIA
-    /// H100 (2026-11-25, bf16, N = 8192; `cargo xtask bench --suite cce --cce-gemm-sweep`):
-    /// Gemma-2 shape loss 48.1 ms (double-cyclic 57.6 ms, Burn's plain path 53.8 ms) and
-    /// gradient 107.9 ms (double-cyclic 134.0 ms, autotuned 110.2 ms); SmolLM2 loss 5.24 ms
-    /// (5.55 ms). Devices without the tensor memory accelerator (before Hopper, Vulkan) run
-    /// [`GemmKernel::DoubleCyclic`] instead.
-    pub const DEFAULT: GemmKernel = GemmKernel::SpecializedTma;
+    /// `GemmStrategy::Fixed`; [`default_kernel`] may name another): this crate's Hopper kernel,
+    /// which falls back to [`GemmKernel::SpecializedTma`] (the fastest of cubek's ten in a sweep
+    /// on an H100, 2026-11-25) where it cannot run, and that one to
+    /// [`GemmKernel::DoubleCyclic`] on devices without the tensor memory accelerator (before
+    /// Hopper, Vulkan).
+    pub const DEFAULT: GemmKernel = GemmKernel::Wgmma;
 
     /// The kernel burn-cce's `GemmStrategy::Fixed` uses in the backward's second dE pass (row
     /// blocks of `E`, `GemmStrategy::for_row_blocks`): the fastest there in a sweep on an NVIDIA
@@ -165,7 +202,7 @@ impl GemmKernel {
     pub const ROW_BLOCKS: GemmKernel = GemmKernel::SimpleTma;
 
     /// Every kernel, for sweeps.
-    pub const ALL: [GemmKernel; 14] = [
+    pub const ALL: [GemmKernel; 15] = [
         GemmKernel::DoubleCyclic,
         GemmKernel::DoubleCyclicSpecialized,
         GemmKernel::SimpleCyclic,
@@ -180,7 +217,13 @@ impl GemmKernel {
         GemmKernel::SimpleTmaCmma,
         GemmKernel::SimpleTmaMultiRowCmma,
         GemmKernel::SpecializedTmaCmma,
+        GemmKernel::Wgmma,
     ];
+
+    /// The kernel whose [`GemmKernel::name`] is `name`.
+    pub fn from_name(name: &str) -> Option<GemmKernel> {
+        GemmKernel::ALL.into_iter().find(|k| k.name() == name)
+    }
 
     /// A short name for tables.
     pub fn name(self) -> &'static str {
@@ -199,6 +242,7 @@ impl GemmKernel {
             GemmKernel::SimpleTmaCmma => "simple-tma-cmma",
             GemmKernel::SimpleTmaMultiRowCmma => "simple-tma-rows-cmma",
             GemmKernel::SpecializedTmaCmma => "specialized-tma-cmma",
+            GemmKernel::Wgmma => "wgmma",
         }
     }
 }

@@ -218,3 +218,66 @@ pub fn gemm_runs_at_training_shapes(device: &Device) {
         }
     }
 }
+
+/// This crate's Hopper kernel ([`gemm::GemmKernel::Wgmma`]: warpgroup MMA fed by TMA), through
+/// `gemm::matmul` and its gradients, against f64 host products: tails in M, N and K (TMA's zero
+/// fill), both layouts of each operand (a transposed `b` is K-major, the weight gradient's `aᵀ`
+/// MN-major), split K (a long K with one output tile; the SmolLM2 K/V projection's 19 tiles),
+/// no split (33 × 3 tiles). Every call must have run the kernel (counted once its launch was
+/// checked, so a refused launch that fell back to cubek's kernel fails here); a K whose rows
+/// TMA cannot address (67 bf16 = 134 bytes) must fall back, still correct. Outputs land in
+/// NaN-poisoned memory.
+#[cfg(feature = "cuda")]
+pub fn hopper_gemm_matches_host(device: &Device) {
+    use burn_kernels_core::gemm::{GemmKernel, default_kernel, launch::WGMMA_LAUNCHES};
+    let before_default = default_kernel();
+    gemm::set_default_kernel(GemmKernel::Wgmma);
+    let cases: [([usize; 3], bool); 9] = [
+        ([16, 16, 16], true),
+        ([131, 64, 72], true),
+        ([200, 584, 328], true),
+        ([64, 8192, 96], true),
+        ([2312, 576, 192], true),
+        ([4104, 576, 576], true),
+        ([300, 1536, 1544], true),
+        ([37, 67, 45], false),
+        ([1, 64, 64], false),
+    ];
+    for dtype in [DType::BF16, DType::F16] {
+        for (i, ([m, k, n], runs)) in cases.into_iter().enumerate() {
+            for transposed in [false, true] {
+                let seed = 700 + 4 * i as u64 + 2 * transposed as u64;
+                let a = random_tensor::<2>([m, k], Dist::STANDARD, seed, dtype, device);
+                let b = operand(k, n, transposed, seed + 1, dtype, device);
+                let want = host_product(&to_f32(a.to_data()), &to_f32(b.to_data()), m, k, n);
+                poison_memory(device, m * n, dtype);
+                let before = launches(WGMMA_LAUNCHES);
+                let got = to_f32(gemm::matmul(a, b).into_data());
+                let ran = launches(WGMMA_LAUNCHES) - before;
+                let name = format!("wgmma {dtype:?} [{m}×{k}]·[{k}×{n}] transposed b {transposed}");
+                assert_eq!(ran, runs as u64, "{name}: Hopper kernel launches");
+                assert_product_close(&name, &got, &want, dtype, k, device);
+            }
+        }
+        // Gradients: dA = g · bᵀ (a K-major transposed `b`), dB = aᵀ · g (an MN-major `aᵀ`).
+        let ad = device.clone().autodiff();
+        let [m, k, n] = [200, 584, 328];
+        let a = random_tensor::<2>([m, k], Dist::STANDARD, 790, dtype, &ad);
+        let b = random_tensor::<2>([k, n], Dist::STANDARD, 791, dtype, &ad);
+        let g = random_tensor::<2>([m, n], Dist::STANDARD, 792, dtype, &ad);
+        let (ha, hb, hg) = (
+            to_f32(a.to_data()),
+            to_f32(b.to_data()),
+            to_f32(g.to_data()),
+        );
+        let before = launches(WGMMA_LAUNCHES);
+        let [da, db] = gradients(a, b, g);
+        let ran = launches(WGMMA_LAUNCHES) - before;
+        assert_eq!(ran, 3, "wgmma {dtype:?}: forward, dA and dB on the Hopper kernel");
+        let want_a = host_product(&hg, &host_transpose(&hb, k, n), m, n, k);
+        let want_b = host_product(&host_transpose(&ha, m, k), &hg, k, m, n);
+        assert_product_close(&format!("wgmma dA {dtype:?}"), &da, &want_a, dtype, n, device);
+        assert_product_close(&format!("wgmma dB {dtype:?}"), &db, &want_b, dtype, m, device);
+    }
+    gemm::set_default_kernel(before_default);
+}

@@ -1,0 +1,461 @@
+//! A GEMM on Hopper's warpgroup MMA (`wgmma`) fed by the tensor memory accelerator (TMA).
+//!
+//! Why: cubek 0.4.0-pre.1's kernels ran SmolLM2's training projections at 70–140 µs each on an
+//! H200 against cuBLAS's 18–25 µs (`ncu`, 2026-11-29, 69.9 of a 219 ms bf16 step's GPU time):
+//! they issue `mma.sync`, a quarter of what a Hopper SM's tensor cores do per instruction.
+//!
+//! One cube computes a `BM × bn` tile of `C = A · B` (`BM` = 128, `bn` 64–256 chosen per
+//! problem) over its share of K:
+//! - warpgroup 0 is the producer: one unit loads `BK` = 64 columns of K of `A` and `B` per stage
+//!   by TMA (boxes one 128-byte swizzle panel wide) into a ring of [`STAGES`] stages, each
+//!   guarded by a "full" barrier (TMA bytes arrived) and an "empty" one (both consumers done);
+//! - warpgroups 1 and 2 are the consumers: each issues the `64 × bn × 16` MMAs of its 64 rows
+//!   for a stage, waits for them, releases the stage, and after the last stage writes its rows.
+//!
+//! Both operands may be K-major (row-major `A`, a transposed view of `B`) or MN-major (a
+//! transposed view of `A`, row-major `B`): the MMA reads either from shared memory, so a
+//! backward pass's `Aᵀ · dC` needs no copy. TMA fills out-of-range rows and K with zeros, so
+//! any `m`, `n`, `k` work. Where the output has few tiles and K is long (a weight gradient:
+//! `576 × 192` over 8192 tokens), K is split across cubes into f32 partial sums, which a second
+//! kernel adds and rounds.
+
+use burn::backend::cubecl::dtype_to_storage_type;
+use burn::tensor::DType;
+use burn_cubecl::{ops::numeric::empty_device_contiguous_dtype, tensor::CubeTensor};
+use cubecl::features::{Tma, WgmmaElems};
+use cubecl::ir::{ElemType, FloatKind, types::MatrixShape};
+use cubecl::prelude::barrier::Barrier;
+use cubecl::prelude::*;
+use cubecl::wgmma::{Accumulator, Major, MatrixDescriptor, Swizzle, WARPGROUP_M, WgmmaTileLayout};
+use cubecl::zspace::{Shape, Strides};
+use cubecl::{calculate_cube_count_elemwise, client::Client};
+
+/// Rows of `C` per cube: one 64-row MMA for each of the two consumer warpgroups.
+pub const BM: usize = 2 * WARPGROUP_M;
+/// K per stage: one 128-byte swizzle panel of 16-bit elements.
+pub const BK: usize = 64;
+/// Stages in the shared-memory ring.
+pub const STAGES: usize = 4;
+/// Units of a warpgroup.
+const WG: u32 = 128;
+/// Elements of one MN-major panel (64 along M or N × `BK`), one TMA box.
+const PANEL: usize = 64 * BK;
+/// Bytes of an element (f16/bf16 only).
+const ELEM_BYTES: usize = 2;
+
+/// The comptime shape of one kernel: the tile width and the operands' layouts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct HopperTile {
+    /// Columns of `C` per cube (a multiple of 64 up to 256 where `B` is MN-major, of 8
+    /// otherwise).
+    pub bn: usize,
+    /// `K`: `A` row-major; `MN`: `A` column-major (a transposed view).
+    pub a_major: Major,
+    /// `MN`: `B` row-major (`[k, n]`, N contiguous); `K`: `B` column-major (`x · wᵀ`).
+    pub b_major: Major,
+}
+
+impl HopperTile {
+    fn layout(major: Major, rows: usize) -> WgmmaTileLayout {
+        WgmmaTileLayout {
+            major,
+            swizzle: Swizzle::B128,
+            rows,
+            k: BK,
+        }
+    }
+
+    /// The layout of one stage of `A`'s tile.
+    pub fn a_layout(&self) -> WgmmaTileLayout {
+        Self::layout(self.a_major, BM)
+    }
+
+    /// The layout of one stage of `B`'s tile.
+    pub fn b_layout(&self) -> WgmmaTileLayout {
+        Self::layout(self.b_major, self.bn)
+    }
+}
+
+/// Loads one stage of an operand tile (`rows` along M or N, `BK` along K) starting at
+/// `(row0, k0)` into `dst` by TMA, signalling `bar`: one box for a K-major tile, one per
+/// 64-row panel for an MN-major one.
+#[cube]
+fn load_stage<E: Float>(
+    map: &TensorMap<E, Tiled>,
+    dst: &mut [E],
+    bar: &Shared<Barrier>,
+    row0: u32,
+    k0: u32,
+    #[comptime] major: Major,
+    #[comptime] rows: usize,
+) {
+    if comptime![major == Major::K] {
+        // The map is `[rows, K]`: y = row, x = k.
+        bar.tma_load_2d(map, dst, row0 as i32, k0 as i32);
+    } else {
+        // The map is `[K, rows]`: y = k, x = row; one box per panel of 64 rows.
+        #[unroll]
+        for p in 0..comptime![rows / 64] {
+            let start = p * PANEL;
+            bar.tma_load_2d(
+                map,
+                &mut dst[start..start + PANEL],
+                k0 as i32,
+                (row0 + p as u32 * 64) as i32,
+            );
+        }
+    }
+}
+
+/// `out[z] = A[:, Kz] · B[Kz, :]` for the cube's tile, where `Kz` is split `z`'s range of K
+/// tiles (`tiles_per_split` of the `k_tiles`); `out` is `[splits, m, n]` contiguous.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments, clippy::manual_div_ceil)]
+fn hopper_gemm_kernel<E: Float, O: Float>(
+    a: &TensorMap<E, Tiled>,
+    b: &TensorMap<E, Tiled>,
+    out: &mut Tensor<O>,
+    m: u32,
+    n: u32,
+    k_tiles: u32,
+    tiles_per_split: u32,
+    #[comptime] tile: HopperTile,
+    #[define(E, O)] _dtypes: [ElemType; 2],
+) {
+    let bn = comptime![tile.bn];
+    let a_layout = comptime![tile.a_layout()];
+    let b_layout = comptime![tile.b_layout()];
+    let a_stage = comptime![BM * BK];
+    let b_stage = comptime![tile.bn * BK];
+    let mut a_smem = Shared::<[E]>::new_aligned_slice(comptime![STAGES * BM * BK], 1024usize);
+    let mut b_smem = Shared::<[E]>::new_aligned_slice(comptime![STAGES * tile.bn * BK], 1024usize);
+
+    let mut full = Sequence::<Shared<Barrier>>::new();
+    let mut empty = Sequence::<Shared<Barrier>>::new();
+    #[unroll]
+    for _ in 0..STAGES {
+        full.push(Barrier::shared_uninit());
+        empty.push(Barrier::shared_uninit());
+    }
+    if UNIT_POS == 0 {
+        #[unroll]
+        for s in 0..STAGES {
+            full.index(s).init_manual(1u32);
+            empty.index(s).init_manual(2 * WG);
+        }
+    }
+    sync_async_proxy_shared();
+    sync_cube();
+
+    let first = CUBE_POS_Z * tiles_per_split;
+    let end = first + tiles_per_split;
+    let last = select(end < k_tiles, end, k_tiles);
+    let count = select(last > first, last - first, 0u32);
+    let rounds = (count + STAGES as u32 - 1) / STAGES as u32;
+    let row0 = CUBE_POS_Y * BM as u32;
+    let col0 = CUBE_POS_X * bn as u32;
+    let wg = UNIT_POS / WG;
+
+    if wg == 0 {
+        if UNIT_POS == 0 {
+            let bytes = comptime![((BM + tile.bn) * BK * ELEM_BYTES) as u32];
+            for round in 0..rounds {
+                #[unroll]
+                for s in 0..STAGES {
+                    let t = round * STAGES as u32 + s as u32;
+                    if t < count {
+                        empty.index(s).wait_parity((round & 1) ^ 1);
+                        let k0 = (first + t) * BK as u32;
+                        let bar = full.index(s);
+                        let a_dst = &mut a_smem[s * a_stage..(s + 1) * a_stage];
+                        load_stage::<E>(a, a_dst, bar, row0, k0, tile.a_major, BM);
+                        let b_dst = &mut b_smem[s * b_stage..(s + 1) * b_stage];
+                        load_stage::<E>(b, b_dst, bar, col0, k0, tile.b_major, bn);
+                        bar.arrive_and_expect_tx(1u32, bytes);
+                    }
+                }
+            }
+        }
+    } else {
+        let c = (wg - 1) as usize;
+        let mut acc = Accumulator::<f32>::new(bn).start();
+        for round in 0..rounds {
+            #[unroll]
+            for s in 0..STAGES {
+                let t = round * STAGES as u32 + s as u32;
+                if t < count {
+                    full.index(s).wait_parity(round & 1);
+                    let a_desc =
+                        MatrixDescriptor::new(&a_smem[s * a_stage..(s + 1) * a_stage], a_layout);
+                    let b_desc =
+                        MatrixDescriptor::new(&b_smem[s * b_stage..(s + 1) * b_stage], b_layout);
+                    #[unroll]
+                    for step in 0..comptime![BK / 16] {
+                        acc.execute(&a_desc.at(c * 64, step * 16), &b_desc.at(0usize, step * 16));
+                    }
+                    acc.commit().wait();
+                    empty.index(s).arrive();
+                }
+            }
+        }
+        let acc = acc.wait();
+        let unit = UNIT_POS % WG;
+        let base = CUBE_POS_Z as usize * m as usize * n as usize;
+        #[unroll]
+        for nth in 0..acc.len() {
+            let (r, col) = acc.position_of_nth(unit, nth as u32);
+            let row = row0 + c as u32 * 64 + r;
+            let col = col0 + col;
+            if row < m && col < n {
+                out[base + row as usize * n as usize + col as usize] = O::cast_from(acc.get(nth));
+            }
+        }
+    }
+}
+
+/// `out = Σ_z partials[z]`, rounded to `out`'s dtype.
+#[cube(launch)]
+fn split_sum_kernel<O: Float>(
+    partials: &Tensor<f32>,
+    out: &mut Tensor<O>,
+    splits: u32,
+    #[define(O)] _dtype: ElemType,
+) {
+    let i = ABSOLUTE_POS;
+    if i >= out.len() {
+        terminate!();
+    }
+    let len = out.len();
+    let mut sum = f32::new(0.0);
+    for z in 0..splits as usize {
+        sum += partials[z * len + i];
+    }
+    out[i] = O::cast_from(sum);
+}
+
+/// The layout of `[rows, cols]` with `strides`: K-major where the columns (K for `A`, N for
+/// `B`) are contiguous is `first_contiguous = false`. `None` where neither dimension is
+/// contiguous or TMA cannot address the other's stride (16-byte multiples).
+fn operand(dims: [usize; 2], strides: [usize; 2]) -> Option<(bool, usize)> {
+    let aligned = |s: usize| (s * ELEM_BYTES).is_multiple_of(16);
+    if strides[1] == 1 && strides[0] >= dims[1] && aligned(strides[0]) {
+        Some((false, strides[0]))
+    } else if strides[0] == 1 && strides[1] >= dims[0] && aligned(strides[1]) {
+        Some((true, strides[1]))
+    } else {
+        None
+    }
+}
+
+/// The widest tile that wastes the fewest columns of `n`, for `major` (64-column panels where
+/// `B` is MN-major).
+pub fn tile_width(n: usize) -> usize {
+    [256, 192, 128, 64]
+        .into_iter()
+        .min_by_key(|&bn| (n.div_ceil(bn) * bn - n, usize::MAX - bn))
+        .expect("candidates")
+}
+
+/// How many splits of K: enough cubes for every SM where the tiles alone are too few, each split
+/// at least 4 stages long.
+pub fn splits_for(tiles: usize, k_tiles: usize, sms: usize) -> usize {
+    if tiles >= sms / 2 || k_tiles < 8 {
+        return 1;
+    }
+    (sms / tiles).clamp(1, k_tiles / 4)
+}
+
+fn elem(dtype: DType) -> Option<ElemType> {
+    match dtype {
+        DType::F16 => Some(ElemType::Float(FloatKind::F16)),
+        DType::BF16 => Some(ElemType::Float(FloatKind::BF16)),
+        _ => None,
+    }
+}
+
+/// Why this device or problem cannot run the kernel; `None` where it can.
+pub fn unsupported(client: &Client, lhs: &CubeTensor, rhs: &CubeTensor) -> Option<String> {
+    let Some(e) = elem(lhs.dtype).filter(|_| rhs.dtype == lhs.dtype) else {
+        return Some(format!("{:?} · {:?} (f16/bf16 only)", lhs.dtype, rhs.dtype));
+    };
+    let features = &client.properties().features;
+    if !features.tma.contains(Tma::Base) {
+        return Some("no tensor memory accelerator".into());
+    }
+    let (ls, rs) = (lhs.meta.shape(), rhs.meta.shape());
+    if ls.num_dims() != 2 || rs.num_dims() != 2 {
+        return Some("batched operands".into());
+    }
+    if lhs.meta.is_tiled() || rhs.meta.is_tiled() {
+        return Some("storage-tiled operands".into());
+    }
+    let n = rs[1];
+    let bn = tile_width(n);
+    let elems = WgmmaElems {
+        a: e,
+        b: e,
+        cd: ElemType::Float(FloatKind::F32),
+    };
+    let shape = MatrixShape {
+        m: WARPGROUP_M,
+        n: bn,
+        k: WgmmaTileLayout::k_step(ELEM_BYTES),
+    };
+    if !features.matmul.wgmma.iter().any(|c| c.matches(elems, shape)) {
+        return Some(format!("no {:?} warpgroup MMA of n = {bn}", lhs.dtype));
+    }
+    let dims = |t: &CubeTensor| t.meta.shape().dims::<2>();
+    let strides = |t: &CubeTensor| {
+        let s = t.meta.strides();
+        [s[0], s[1]]
+    };
+    if operand(dims(lhs), strides(lhs)).is_none() || operand(dims(rhs), strides(rhs)).is_none() {
+        return Some("an operand with no contiguous dimension or an unaligned stride".into());
+    }
+    None
+}
+
+/// A tensor map over `t` (`[rows, cols]`, one of them contiguous), seen with its contiguous
+/// dimension last, in boxes of `box_rows × 64` of that dimension's elements swizzled 128 bytes.
+fn tensor_map(t: &CubeTensor, contiguous_first: bool, stride: usize, box_outer: usize) -> TensorMapArg<Tiled> {
+    let [rows, cols] = t.meta.shape().dims::<2>();
+    let mut binding = t.clone().binding();
+    let (outer, inner) = if contiguous_first { (cols, rows) } else { (rows, cols) };
+    binding.shape = Shape::new([outer, inner]);
+    binding.strides = Strides::new(&[stride, 1]);
+    TensorMapArg::new(
+        TiledArgs {
+            tile_size: Shape::new([box_outer, BK]),
+        },
+        binding.into_tensor_arg(),
+        elem(t.dtype).expect("checked"),
+    )
+    .with_swizzle(HopperTile::layout(Major::K, 64).tensor_map_swizzle())
+}
+
+/// Writes `lhs · rhs` (`[m, k] · [k, n]`) into `out` (contiguous `[m, n]` of `out_dtype`); an
+/// error where [`unsupported`] says why not.
+pub fn hopper_gemm(
+    lhs: &CubeTensor,
+    rhs: &CubeTensor,
+    out: &CubeTensor,
+    out_dtype: DType,
+) -> Result<(), String> {
+    let client = lhs.client.clone();
+    if let Some(why) = unsupported(&client, lhs, rhs) {
+        return Err(why);
+    }
+    let [m, k] = lhs.meta.shape().dims::<2>();
+    let n = rhs.meta.shape().dims::<2>()[1];
+    let s2 = |t: &CubeTensor| {
+        let s = t.meta.strides();
+        [s[0], s[1]]
+    };
+    let (a_mn, a_stride) = operand([m, k], s2(lhs)).expect("checked");
+    // `B` is `[k, n]`: its second dimension (N) contiguous is MN-major.
+    let (b_k, b_stride) = operand([k, n], s2(rhs)).expect("checked");
+    let bn = tile_width(n);
+    let tile = HopperTile {
+        bn,
+        a_major: if a_mn { Major::MN } else { Major::K },
+        b_major: if b_k { Major::K } else { Major::MN },
+    };
+    // The boxes: a K-major tile is one box of all its rows; an MN-major one a box per 64-row
+    // panel, `BK` lines of K each.
+    let a_map = tensor_map(lhs, a_mn, a_stride, if a_mn { BK } else { BM });
+    let b_map = tensor_map(rhs, b_k, b_stride, if b_k { bn } else { BK });
+    let k_tiles = k.div_ceil(BK);
+    let tiles = m.div_ceil(BM) * n.div_ceil(bn);
+    let sms = client
+        .properties()
+        .hardware
+        .num_streaming_multiprocessors
+        .unwrap_or(132) as usize;
+    let splits = splits_for(tiles, k_tiles, sms);
+    let per_split = k_tiles.div_ceil(splits);
+    let splits = k_tiles.div_ceil(per_split);
+    let in_storage = dtype_to_storage_type(lhs.dtype);
+    let count = CubeCount::Static(n.div_ceil(bn) as u32, m.div_ceil(BM) as u32, splits as u32);
+    let dim = CubeDim::new_1d(3 * WG);
+    let partials = (splits > 1).then(|| {
+        empty_device_contiguous_dtype(
+            client.clone(),
+            lhs.device.clone(),
+            burn::tensor::Shape::new([splits, m, n]),
+            DType::F32,
+        )
+    });
+    let (target, target_dtype) = match &partials {
+        Some(p) => (p.clone(), DType::F32),
+        None => (out.clone(), out_dtype),
+    };
+    // SAFETY: TMA reads only inside the maps (zeros past their ends); the output is written only
+    // at rows below `m` and columns below `n` of each split's `[m, n]` block, which `target`
+    // holds.
+    unsafe {
+        hopper_gemm_kernel::launch_unchecked(
+            &client,
+            count,
+            dim,
+            a_map,
+            b_map,
+            target.into_tensor_arg(),
+            m as u32,
+            n as u32,
+            k_tiles as u32,
+            per_split as u32,
+            tile,
+            [in_storage, dtype_to_storage_type(target_dtype)],
+        );
+    }
+    if let Some(partials) = partials {
+        let len = m * n;
+        let units = CubeDim::new_1d(256);
+        split_sum_kernel::launch(
+            &client,
+            calculate_cube_count_elemwise(&client, len, units),
+            units,
+            partials.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            splits as u32,
+            dtype_to_storage_type(out_dtype),
+        );
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tile_widths_waste_least() {
+        assert_eq!(tile_width(576), 192);
+        assert_eq!(tile_width(192), 192);
+        assert_eq!(tile_width(1536), 256);
+        assert_eq!(tile_width(49152), 256);
+        assert_eq!(tile_width(64), 64);
+        assert_eq!(tile_width(100), 128);
+        assert_eq!(tile_width(1), 64);
+    }
+
+    #[test]
+    fn splits_fill_the_device_only_for_few_tiles() {
+        // The projections' forward: 64 × 3 tiles, no split.
+        assert_eq!(splits_for(64 * 3, 9, 132), 1);
+        // A weight gradient 576 × 192 over 8192 tokens: 5 tiles, 128 K tiles.
+        assert_eq!(splits_for(5, 128, 132), 26);
+        // Short K: no split.
+        assert_eq!(splits_for(5, 7, 132), 1);
+        // Few K tiles cap the split at 4 stages each.
+        assert_eq!(splits_for(2, 12, 132), 3);
+    }
+
+    #[test]
+    fn layouts_of_operands() {
+        assert_eq!(operand([128, 576], [576, 1]), Some((false, 576)));
+        assert_eq!(operand([576, 128], [1, 576]), Some((true, 576)));
+        assert_eq!(operand([128, 577], [577, 1]), None);
+        assert_eq!(operand([128, 576], [1152, 2]), None);
+    }
+}
