@@ -53,6 +53,9 @@ pub struct HopperTile {
     pub a_major: Major,
     /// `MN`: `B` row-major (`[k, n]`, N contiguous); `K`: `B` column-major (`x · wᵀ`).
     pub b_major: Major,
+    /// Whether the output is stored two columns at a time (`n` even; the output vectorized
+    /// by 2).
+    pub pairs: bool,
 }
 
 impl HopperTile {
@@ -108,13 +111,14 @@ fn load_stage<E: Float>(
 }
 
 /// `out[z] = A[:, Kz] · B[Kz, :]` for the cube's tile, where `Kz` is split `z`'s range of K
-/// tiles (`tiles_per_split` of the `k_tiles`); `out` is `[splits, m, n]` contiguous.
+/// tiles (`tiles_per_split` of the `k_tiles`); `out` is `[splits, m, n]` contiguous, in vectors
+/// of 2 where `tile.pairs`.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments, clippy::manual_div_ceil)]
-fn hopper_gemm_kernel<E: Float, O: Float>(
+fn hopper_gemm_kernel<E: Float, O: Float, N2: Size>(
     a: &TensorMap<E, Tiled>,
     b: &TensorMap<E, Tiled>,
-    out: &mut Tensor<O>,
+    out: &mut Tensor<Vector<O, N2>>,
     m: u32,
     n: u32,
     k_tiles: u32,
@@ -179,6 +183,9 @@ fn hopper_gemm_kernel<E: Float, O: Float>(
     } else {
         let c = (wg - 1) as usize;
         let mut acc = Accumulator::<f32>::new(bn).start();
+        // One group of MMAs stays in flight: a stage is released once the next one's MMAs are
+        // issued and its own have completed.
+        let mut released = acc.commit();
         for round in 0..rounds {
             #[unroll]
             for s in 0..STAGES {
@@ -193,21 +200,43 @@ fn hopper_gemm_kernel<E: Float, O: Float>(
                     for step in 0..comptime![BK / 16] {
                         acc.execute(&a_desc.at(c * 64, step * 16), &b_desc.at(0usize, step * 16));
                     }
-                    acc.commit().wait();
-                    empty.index(s).arrive();
+                    let read = acc.commit();
+                    released.wait();
+                    if t > 0 {
+                        empty.index(comptime![(s + STAGES - 1) % STAGES]).arrive();
+                    }
+                    released = read;
                 }
             }
         }
+        released.wait();
         let acc = acc.wait();
         let unit = UNIT_POS % WG;
         let base = CUBE_POS_Z as usize * m as usize * n as usize;
-        #[unroll]
-        for nth in 0..acc.len() {
-            let (r, col) = acc.position_of_nth(unit, nth as u32);
-            let row = row0 + c as u32 * 64 + r;
-            let col = col0 + col;
-            if row < m && col < n {
-                out[base + row as usize * n as usize + col as usize] = O::cast_from(acc.get(nth));
+        if comptime![tile.pairs] {
+            // Two adjacent columns per store (`n` even, so a pair never straddles a row).
+            #[unroll]
+            for j in 0..comptime![WARPGROUP_M * tile.bn / (2 * WG as usize)] {
+                let (r, col) = acc.position_of_nth(unit, 2 * j as u32);
+                let row = row0 + c as u32 * 64 + r;
+                let col = col0 + col;
+                if row < m && col < n {
+                    let mut v = Vector::<O, N2>::empty();
+                    v.insert(0usize, O::cast_from(acc.get(2 * j)));
+                    v.insert(1usize, O::cast_from(acc.get(2 * j + 1)));
+                    out[(base + row as usize * n as usize + col as usize) / 2] = v;
+                }
+            }
+        } else {
+            #[unroll]
+            for nth in 0..acc.len() {
+                let (r, col) = acc.position_of_nth(unit, nth as u32);
+                let row = row0 + c as u32 * 64 + r;
+                let col = col0 + col;
+                if row < m && col < n {
+                    out[base + row as usize * n as usize + col as usize] =
+                        Vector::<O, N2>::new(O::cast_from(acc.get(nth)));
+                }
             }
         }
     }
@@ -359,6 +388,7 @@ pub fn hopper_gemm(
         bn,
         a_major: if a_mn { Major::MN } else { Major::K },
         b_major: if b_k { Major::K } else { Major::MN },
+        pairs: n.is_multiple_of(2),
     };
     // The boxes: a K-major tile is one box of all its rows; an MN-major one a box per 64-row
     // panel, `BK` lines of K each.
@@ -397,6 +427,7 @@ pub fn hopper_gemm(
             &client,
             count,
             dim,
+            if tile.pairs { 2 } else { 1 },
             a_map,
             b_map,
             target.into_tensor_arg(),
