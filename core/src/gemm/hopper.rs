@@ -56,6 +56,11 @@ pub struct HopperTile {
     /// Whether the output is stored two columns at a time (`n` even; the output vectorized
     /// by 2).
     pub pairs: bool,
+    /// Whether consecutive cubes walk down M (sharing a tile of `B`) rather than along N
+    /// (sharing a tile of `A`): the cubes running at once then read few tiles of the larger
+    /// operand, and the smaller one stays in L2 (the tied head's logits read `E`, 56 MB at
+    /// SmolLM2's shape, once instead of once per 128 rows).
+    pub m_fast: bool,
 }
 
 impl HopperTile {
@@ -156,8 +161,13 @@ fn hopper_gemm_kernel<E: Float, O: Float, N2: Size>(
     let last = select(end < k_tiles, end, k_tiles);
     let count = select(last > first, last - first, 0u32);
     let rounds = (count + STAGES as u32 - 1) / STAGES as u32;
-    let row0 = CUBE_POS_Y * BM as u32;
-    let col0 = CUBE_POS_X * bn as u32;
+    let (tile_m, tile_n) = if comptime![tile.m_fast] {
+        (CUBE_POS_X, CUBE_POS_Y)
+    } else {
+        (CUBE_POS_Y, CUBE_POS_X)
+    };
+    let row0 = tile_m * BM as u32;
+    let col0 = tile_n * bn as u32;
     let wg = UNIT_POS / WG;
 
     if wg == 0 {
@@ -341,6 +351,11 @@ pub fn unsupported(client: &Client, lhs: &CubeTensor, rhs: &CubeTensor) -> Optio
     if operand(dims(lhs), strides(lhs)).is_none() || operand(dims(rhs), strides(rhs)).is_none() {
         return Some("an operand with no contiguous dimension or an unaligned stride".into());
     }
+    // TMA reads from 16-byte aligned addresses only.
+    let offset = |t: &CubeTensor| t.handle.offset_start.unwrap_or(0);
+    if !offset(lhs).is_multiple_of(16) || !offset(rhs).is_multiple_of(16) {
+        return Some("an operand starting at an address TMA cannot read from".into());
+    }
     None
 }
 
@@ -389,6 +404,7 @@ pub fn hopper_gemm(
         a_major: if a_mn { Major::MN } else { Major::K },
         b_major: if b_k { Major::K } else { Major::MN },
         pairs: n.is_multiple_of(2),
+        m_fast: m * k < k * n,
     };
     // The boxes: a K-major tile is one box of all its rows; an MN-major one a box per 64-row
     // panel, `BK` lines of K each.
@@ -405,7 +421,11 @@ pub fn hopper_gemm(
     let per_split = k_tiles.div_ceil(splits);
     let splits = k_tiles.div_ceil(per_split);
     let in_storage = dtype_to_storage_type(lhs.dtype);
-    let count = CubeCount::Static(n.div_ceil(bn) as u32, m.div_ceil(BM) as u32, splits as u32);
+    let (tiles_m, tiles_n) = (m.div_ceil(BM) as u32, n.div_ceil(bn) as u32);
+    let count = match tile.m_fast {
+        true => CubeCount::Static(tiles_m, tiles_n, splits as u32),
+        false => CubeCount::Static(tiles_n, tiles_m, splits as u32),
+    };
     let dim = CubeDim::new_1d(3 * WG);
     let partials = (splits > 1).then(|| {
         empty_device_contiguous_dtype(
