@@ -13,8 +13,8 @@ pub(crate) use burn_kernels_core::gemm::launch::dims2;
 use burn_kernels_core::gemm::launch::fixed_gemm;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use crate::live;
 use crate::GemmStrategy;
+use crate::live;
 
 type Cb = CubeBackend;
 

@@ -164,9 +164,15 @@ pub fn suite(opts: SuiteOptions) -> Suite {
         .iter()
         .flat_map(|&s| {
             // The training products run without the `+add` epilogue variant.
-            let adds: &[bool] = if s.inner > 1 || s.lhs_t { &[false] } else { &[false, true] };
+            let adds: &[bool] = if s.inner > 1 || s.lhs_t {
+                &[false]
+            } else {
+                &[false, true]
+            };
             let opts = &opts;
-            adds.iter().map(move |&add| problem(s, add, opts)).collect::<Vec<_>>()
+            adds.iter()
+                .map(move |&add| problem(s, add, opts))
+                .collect::<Vec<_>>()
         })
         .collect();
     Suite {
@@ -278,12 +284,12 @@ fn problem(s: Shape, add: bool, opts: &SuiteOptions) -> Problem {
                     keep(one())
                 };
                 cands.push(match check {
-                    Ok(err) if err <= TOLERANCE => Candidate::timed_here(name, run).with_extra(
-                        move || Extra {
+                    Ok(err) if err <= TOLERANCE => {
+                        Candidate::timed_here(name, run).with_extra(move || Extra {
                             params: params([("max_sampled_error", json!(err))]),
                             note: Some(format!("sampled error {err:.1e} of the output's rms")),
-                        },
-                    ),
+                        })
+                    }
                     Ok(err) => Candidate::skipped(
                         name,
                         format!("wrong output: sampled error {err:.2e} of the output's rms"),

@@ -340,7 +340,12 @@ pub fn unsupported(client: &Client, lhs: &CubeTensor, rhs: &CubeTensor) -> Optio
         n: bn,
         k: WgmmaTileLayout::k_step(ELEM_BYTES),
     };
-    if !features.matmul.wgmma.iter().any(|c| c.matches(elems, shape)) {
+    if !features
+        .matmul
+        .wgmma
+        .iter()
+        .any(|c| c.matches(elems, shape))
+    {
         return Some(format!("no {:?} warpgroup MMA of n = {bn}", lhs.dtype));
     }
     let dims = |t: &CubeTensor| t.meta.shape().dims::<2>();
@@ -361,10 +366,19 @@ pub fn unsupported(client: &Client, lhs: &CubeTensor, rhs: &CubeTensor) -> Optio
 
 /// A tensor map over `t` (`[rows, cols]`, one of them contiguous), seen with its contiguous
 /// dimension last, in boxes of `box_rows × 64` of that dimension's elements swizzled 128 bytes.
-fn tensor_map(t: &CubeTensor, contiguous_first: bool, stride: usize, box_outer: usize) -> TensorMapArg<Tiled> {
+fn tensor_map(
+    t: &CubeTensor,
+    contiguous_first: bool,
+    stride: usize,
+    box_outer: usize,
+) -> TensorMapArg<Tiled> {
     let [rows, cols] = t.meta.shape().dims::<2>();
     let mut binding = t.clone().binding();
-    let (outer, inner) = if contiguous_first { (cols, rows) } else { (rows, cols) };
+    let (outer, inner) = if contiguous_first {
+        (cols, rows)
+    } else {
+        (rows, cols)
+    };
     binding.shape = Shape::new([outer, inner]);
     binding.strides = Strides::new(&[stride, 1]);
     TensorMapArg::new(

@@ -93,9 +93,15 @@ pub fn default_kernel() -> GemmKernel {
             .and_then(GemmKernel::from_name)
             .unwrap_or(GemmKernel::DEFAULT);
         if let Some(name) = named.filter(|n| GemmKernel::from_name(n).is_none()) {
-            log::warn!("BURN_KERNELS_GEMM={name} names no GEMM kernel; {} runs", chosen.name());
+            log::warn!(
+                "BURN_KERNELS_GEMM={name} names no GEMM kernel; {} runs",
+                chosen.name()
+            );
         }
-        index = GemmKernel::ALL.iter().position(|&k| k == chosen).expect("listed");
+        index = GemmKernel::ALL
+            .iter()
+            .position(|&k| k == chosen)
+            .expect("listed");
         DEFAULT_KERNEL.store(index, Ordering::Relaxed);
     }
     GemmKernel::ALL[index]
@@ -104,7 +110,10 @@ pub fn default_kernel() -> GemmKernel {
 /// Makes `kernel` the one [`default_kernel`] names, for the whole process (benchmarks compare
 /// kernels in one run this way).
 pub fn set_default_kernel(kernel: GemmKernel) {
-    let index = GemmKernel::ALL.iter().position(|&k| k == kernel).expect("listed");
+    let index = GemmKernel::ALL
+        .iter()
+        .position(|&k| k == kernel)
+        .expect("listed");
     DEFAULT_KERNEL.store(index, Ordering::Relaxed);
 }
 

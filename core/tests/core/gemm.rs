@@ -275,11 +275,28 @@ pub fn hopper_gemm_matches_host(device: &Device) {
         let before = launches(WGMMA_LAUNCHES);
         let [da, db] = gradients(a, b, g);
         let ran = launches(WGMMA_LAUNCHES) - before;
-        assert_eq!(ran, 3, "wgmma {dtype:?}: forward, dA and dB on the Hopper kernel");
+        assert_eq!(
+            ran, 3,
+            "wgmma {dtype:?}: forward, dA and dB on the Hopper kernel"
+        );
         let want_a = host_product(&hg, &host_transpose(&hb, k, n), m, n, k);
         let want_b = host_product(&host_transpose(&ha, m, k), &hg, k, m, n);
-        assert_product_close(&format!("wgmma dA {dtype:?}"), &da, &want_a, dtype, n, device);
-        assert_product_close(&format!("wgmma dB {dtype:?}"), &db, &want_b, dtype, m, device);
+        assert_product_close(
+            &format!("wgmma dA {dtype:?}"),
+            &da,
+            &want_a,
+            dtype,
+            n,
+            device,
+        );
+        assert_product_close(
+            &format!("wgmma dB {dtype:?}"),
+            &db,
+            &want_b,
+            dtype,
+            m,
+            device,
+        );
     }
     gemm::set_default_kernel(before_default);
 }
