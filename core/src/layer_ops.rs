@@ -110,7 +110,7 @@ pub trait LayerOps: Send + Sync + std::fmt::Debug {
 pub struct TensorOps;
 
 impl LayerOps for TensorOps {
-    /// f16/bf16 projections run [`crate::gemm::linear`] (a fixed cubek kernel where Burn's
+    /// f16/bf16 projections run [`crate::gemm::linear`] (a fixed kernel where Burn's
     /// autotuned matmul fails on Hopper), f32 ones Burn's matmul.
     fn linear(&self, x: Tensor<3>, w: Tensor<2>) -> Tensor<3> {
         crate::gemm::linear(x, w)

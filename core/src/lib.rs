@@ -11,8 +11,9 @@
 //!   ops or as one CubeCL kernel each ([`fused_layers::FusedLayers`], inference), the kernels a
 //!   Burn backend extension ([`LayerKernels`]) that runs on `Fusion<CubeBackend>` and Burn's
 //!   `Dispatch`;
-//! - [`gemm`]: f16/bf16 GEMMs by a fixed cubek kernel, differentiable ([`GemmKernels`]): the
-//!   projections' and burn-cce's, where Burn's autotuned matmul fails on Hopper;
+//! - [`gemm`]: f16/bf16 GEMMs by a fixed kernel (a Hopper one of its own), differentiable
+//!   ([`GemmKernels`]): the projections' and burn-cce's, where Burn's autotuned matmul fails on
+//!   Hopper;
 //! - [`route`]: the one place where every crate decides between a kernel and the reference;
 //! - [`sampling::Sampler`]: next-token distributions and draws (greedy, temperature, top-k,
 //!   top-p), which speculative decoding builds on.
