@@ -526,6 +526,16 @@ mod tests {
     }
 
     #[test]
+    fn kernel_names_round_trip() {
+        use crate::gemm::GemmKernel;
+        for kernel in GemmKernel::ALL {
+            assert_eq!(GemmKernel::from_name(kernel.name()), Some(kernel));
+        }
+        assert_eq!(GemmKernel::from_name("wgmma"), Some(GemmKernel::Wgmma));
+        assert_eq!(GemmKernel::from_name("cublas"), None);
+    }
+
+    #[test]
     fn layouts_of_operands() {
         assert_eq!(operand([128, 576], [576, 1]), Some((false, 576)));
         assert_eq!(operand([576, 128], [1, 576]), Some((true, 576)));
