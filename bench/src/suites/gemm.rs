@@ -208,12 +208,18 @@ fn problem(s: Shape, add: bool, opts: &SuiteOptions) -> Problem {
     } = s;
     Problem {
         label: format!(
-            "{} {m}x{n}x{k}{}{} {}{}",
+            "{} {m}x{n}x{k}{}{} {}{}{}",
             s.name,
             if lhs_t { " (lhs transposed)" } else { "" },
             if rhs_t { " (rhs transposed)" } else { "" },
             dtype_name(dtype),
-            if add { " +add" } else { "" }
+            if add { " +add" } else { "" },
+            // The times are per call: say how many products a call runs.
+            if inner > 1 {
+                format!(" x{inner} per call")
+            } else {
+                String::new()
+            }
         ),
         params: params([
             ("shape", json!(s.name)),
