@@ -264,46 +264,14 @@ fn problem(s: Shape, add: bool, opts: &SuiteOptions) -> Problem {
                 impls.push(("core specialized-tma", Some(GemmKernel::SpecializedTma)));
                 impls.push(("core wgmma", Some(GemmKernel::Wgmma)));
             }
-            let mut cands = Vec::new();
-            for (name, kernel) in impls {
-                let one = {
-                    let (a, b, c) = (a.clone(), b.clone(), c.clone());
-                    move || {
-                        let out = match kernel {
-                            Some(kernel) => {
-                                gemm::set_default_kernel(kernel);
-                                gemm::matmul(a.clone(), b.clone())
-                            }
-                            None => a.clone().matmul(b.clone()),
-                        };
-                        match &c {
-                            Some(c) => out + c.clone(),
-                            None => out,
-                        }
-                    }
-                };
-                let check = sampled_error(&one(), &a, &b, c.as_ref());
-                let run = move || {
-                    for _ in 1..inner {
-                        keep(one());
-                    }
-                    keep(one())
-                };
-                cands.push(match check {
-                    Ok(err) if err <= TOLERANCE => {
-                        Candidate::timed_here(name, run).with_extra(move || Extra {
-                            params: params([("max_sampled_error", json!(err))]),
-                            note: Some(format!("sampled error {err:.1e} of the output's rms")),
-                        })
-                    }
-                    Ok(err) => Candidate::skipped(
-                        name,
-                        format!("wrong output: sampled error {err:.2e} of the output's rms"),
-                    ),
-                    Err(why) => Candidate::skipped(name, format!("output unreadable: {why}")),
-                });
-            }
-            gemm::set_default_kernel(GemmKernel::DEFAULT);
+            // Checking each candidate chose its kernel process-wide: put back the one in force
+            // before (each timed call chooses its own again).
+            let before = gemm::default_kernel();
+            let mut cands: Vec<Candidate> = impls
+                .into_iter()
+                .map(|(name, kernel)| burn_candidate(name, kernel, [&a, &b], c.as_ref(), inner))
+                .collect();
+            gemm::set_default_kernel(before);
             let tf32_modes: &[&str] = if dtype == DType::F32 {
                 &["1", "0"]
             } else {
@@ -342,6 +310,52 @@ fn problem(s: Shape, add: bool, opts: &SuiteOptions) -> Problem {
             }
             cands
         }),
+    }
+}
+
+/// One Burn implementation of `a · b (+ c)`: Burn's autotuned matmul (`kernel` `None`) or core's
+/// GEMM on `kernel`, run `inner` times per timed call; checked at sampled entries first, and
+/// skipped with the reason when its output is wrong or unreadable.
+fn burn_candidate<'a>(
+    name: &'static str,
+    kernel: Option<GemmKernel>,
+    [a, b]: [&Tensor<2>; 2],
+    c: Option<&Tensor<2>>,
+    inner: usize,
+) -> Candidate<'a> {
+    let one = {
+        let (a, b, c) = (a.clone(), b.clone(), c.cloned());
+        move || {
+            let out = match kernel {
+                Some(kernel) => {
+                    gemm::set_default_kernel(kernel);
+                    gemm::matmul(a.clone(), b.clone())
+                }
+                None => a.clone().matmul(b.clone()),
+            };
+            match &c {
+                Some(c) => out + c.clone(),
+                None => out,
+            }
+        }
+    };
+    let check = sampled_error(&one(), a, b, c);
+    let run = move || {
+        for _ in 1..inner {
+            keep(one());
+        }
+        keep(one())
+    };
+    match check {
+        Ok(err) if err <= TOLERANCE => Candidate::timed_here(name, run).with_extra(move || Extra {
+            params: params([("max_sampled_error", json!(err))]),
+            note: Some(format!("sampled error {err:.1e} of the output's rms")),
+        }),
+        Ok(err) => Candidate::skipped(
+            name,
+            format!("wrong output: sampled error {err:.2e} of the output's rms"),
+        ),
+        Err(why) => Candidate::skipped(name, format!("output unreadable: {why}")),
     }
 }
 

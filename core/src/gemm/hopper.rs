@@ -281,9 +281,9 @@ fn split_sum_kernel<O: Float>(
     out[i] = O::cast_from(sum);
 }
 
-/// The layout of `[rows, cols]` with `strides`: K-major where the columns (K for `A`, N for
-/// `B`) are contiguous is `first_contiguous = false`. `None` where neither dimension is
-/// contiguous or TMA cannot address the other's stride (16-byte multiples).
+/// The layout of `[rows, cols]` with `strides`: whether its first dimension is the contiguous
+/// one (`A` MN-major, `B` K-major), and the stride of the other. `None` where neither dimension
+/// is contiguous or TMA cannot address the other's stride (16-byte multiples).
 fn operand(dims: [usize; 2], strides: [usize; 2]) -> Option<(bool, usize)> {
     let aligned = |s: usize| (s * ELEM_BYTES).is_multiple_of(16);
     if strides[1] == 1 && strides[0] >= dims[1] && aligned(strides[0]) {
@@ -321,23 +321,34 @@ fn elem(dtype: DType) -> Option<ElemType> {
     }
 }
 
-/// Why this device or problem cannot run the kernel; `None` where it can.
-pub fn unsupported(client: &Client, lhs: &CubeTensor, rhs: &CubeTensor) -> Option<String> {
+/// What a launch needs to know of a problem the kernel takes: its sizes, the tile, and each
+/// operand's stride along its non-contiguous dimension.
+struct Plan {
+    m: usize,
+    n: usize,
+    k: usize,
+    tile: HopperTile,
+    a_stride: usize,
+    b_stride: usize,
+}
+
+/// The [`Plan`] of `lhs · rhs` on this device, or why the kernel cannot run it.
+fn plan(client: &Client, lhs: &CubeTensor, rhs: &CubeTensor) -> Result<Plan, String> {
     let Some(e) = elem(lhs.dtype).filter(|_| rhs.dtype == lhs.dtype) else {
-        return Some(format!("{:?} · {:?} (f16/bf16 only)", lhs.dtype, rhs.dtype));
+        return Err(format!("{:?} · {:?} (f16/bf16 only)", lhs.dtype, rhs.dtype));
     };
     let features = &client.properties().features;
     if !features.tma.contains(Tma::Base) {
-        return Some("no tensor memory accelerator".into());
+        return Err("no tensor memory accelerator".into());
     }
-    let (ls, rs) = (lhs.meta.shape(), rhs.meta.shape());
-    if ls.num_dims() != 2 || rs.num_dims() != 2 {
-        return Some("batched operands".into());
+    if lhs.meta.shape().num_dims() != 2 || rhs.meta.shape().num_dims() != 2 {
+        return Err("batched operands".into());
     }
     if lhs.meta.is_tiled() || rhs.meta.is_tiled() {
-        return Some("storage-tiled operands".into());
+        return Err("storage-tiled operands".into());
     }
-    let n = rs[1];
+    let [m, k] = lhs.meta.shape().dims::<2>();
+    let n = rhs.meta.shape().dims::<2>()[1];
     let bn = tile_width(n);
     let elems = WgmmaElems {
         a: e,
@@ -355,22 +366,41 @@ pub fn unsupported(client: &Client, lhs: &CubeTensor, rhs: &CubeTensor) -> Optio
         .iter()
         .any(|c| c.matches(elems, shape))
     {
-        return Some(format!("no {:?} warpgroup MMA of n = {bn}", lhs.dtype));
+        return Err(format!("no {:?} warpgroup MMA of n = {bn}", lhs.dtype));
     }
-    let dims = |t: &CubeTensor| t.meta.shape().dims::<2>();
     let strides = |t: &CubeTensor| {
         let s = t.meta.strides();
         [s[0], s[1]]
     };
-    if operand(dims(lhs), strides(lhs)).is_none() || operand(dims(rhs), strides(rhs)).is_none() {
-        return Some("an operand with no contiguous dimension or an unaligned stride".into());
-    }
+    let unaligned = || "an operand with no contiguous dimension or an unaligned stride".to_string();
+    let (a_mn, a_stride) = operand([m, k], strides(lhs)).ok_or_else(unaligned)?;
+    // `B` is `[k, n]`: its first dimension (K) contiguous is K-major.
+    let (b_k, b_stride) = operand([k, n], strides(rhs)).ok_or_else(unaligned)?;
     // TMA reads from 16-byte aligned addresses only.
     let offset = |t: &CubeTensor| t.handle.offset_start.unwrap_or(0);
     if !offset(lhs).is_multiple_of(16) || !offset(rhs).is_multiple_of(16) {
-        return Some("an operand starting at an address TMA cannot read from".into());
+        return Err("an operand starting at an address TMA cannot read from".into());
     }
-    None
+    let tile = HopperTile {
+        bn,
+        a_major: if a_mn { Major::MN } else { Major::K },
+        b_major: if b_k { Major::K } else { Major::MN },
+        pairs: n.is_multiple_of(2),
+        m_fast: m * k < k * n,
+    };
+    Ok(Plan {
+        m,
+        n,
+        k,
+        tile,
+        a_stride,
+        b_stride,
+    })
+}
+
+/// Why this device or problem cannot run the kernel; `None` where it can.
+pub fn unsupported(client: &Client, lhs: &CubeTensor, rhs: &CubeTensor) -> Option<String> {
+    plan(client, lhs, rhs).err()
 }
 
 /// A tensor map over `t` (`[rows, cols]`, one of them contiguous), seen with its contiguous
@@ -409,26 +439,15 @@ pub fn hopper_gemm(
     out_dtype: DType,
 ) -> Result<(), String> {
     let client = lhs.client.clone();
-    if let Some(why) = unsupported(&client, lhs, rhs) {
-        return Err(why);
-    }
-    let [m, k] = lhs.meta.shape().dims::<2>();
-    let n = rhs.meta.shape().dims::<2>()[1];
-    let s2 = |t: &CubeTensor| {
-        let s = t.meta.strides();
-        [s[0], s[1]]
-    };
-    let (a_mn, a_stride) = operand([m, k], s2(lhs)).expect("checked");
-    // `B` is `[k, n]`: its second dimension (N) contiguous is MN-major.
-    let (b_k, b_stride) = operand([k, n], s2(rhs)).expect("checked");
-    let bn = tile_width(n);
-    let tile = HopperTile {
-        bn,
-        a_major: if a_mn { Major::MN } else { Major::K },
-        b_major: if b_k { Major::K } else { Major::MN },
-        pairs: n.is_multiple_of(2),
-        m_fast: m * k < k * n,
-    };
+    let Plan {
+        m,
+        n,
+        k,
+        tile,
+        a_stride,
+        b_stride,
+    } = plan(&client, lhs, rhs)?;
+    let (a_mn, b_k, bn) = (tile.a_major == Major::MN, tile.b_major == Major::K, tile.bn);
     // The boxes: a K-major tile is one box of all its rows; an MN-major one a box per 64-row
     // panel, `BK` lines of K each.
     let a_map = tensor_map(lhs, a_mn, a_stride, if a_mn { BK } else { BM });

@@ -44,6 +44,22 @@ fn operand(k: usize, n: usize, transposed: bool, seed: u64, dtype: DType, d: &De
     }
 }
 
+/// Seeded `a` `[m, k]` and `b` `[k, n]` (a transposed view where `transposed`), their f64 host
+/// product, and `m · n` NaN-poisoned elements of the device's memory for the output to land in.
+fn product_case(
+    [m, k, n]: [usize; 3],
+    transposed: bool,
+    seed: u64,
+    dtype: DType,
+    device: &Device,
+) -> (Tensor<2>, Tensor<2>, Vec<f32>) {
+    let a = random_tensor::<2>([m, k], Dist::STANDARD, seed, dtype, device);
+    let b = operand(k, n, transposed, seed + 1, dtype, device);
+    let want = host_product(&to_f32(a.to_data()), &to_f32(b.to_data()), m, k, n);
+    poison_memory(device, m * n, dtype);
+    (a, b, want)
+}
+
 /// One row, one column and one inner element; primes; sizes below a tensor-core tile (the
 /// unit kernel) and above it with tails; `b` contiguous and as a transposed view. Outputs land
 /// in NaN-poisoned memory.
@@ -61,10 +77,7 @@ pub fn gemm_matches_host_products(device: &Device) {
         for (i, [m, k, n]) in cases.into_iter().enumerate() {
             for transposed in [false, true] {
                 let seed = 300 + 4 * i as u64 + 2 * transposed as u64;
-                let a = random_tensor::<2>([m, k], Dist::STANDARD, seed, dtype, device);
-                let b = operand(k, n, transposed, seed + 1, dtype, device);
-                let want = host_product(&to_f32(a.to_data()), &to_f32(b.to_data()), m, k, n);
-                poison_memory(device, m * n, dtype);
+                let (a, b, want) = product_case([m, k, n], transposed, seed, dtype, device);
                 let got = kernel_call(device, dtype, || gemm::matmul(a, b));
                 half_calls += is_half(dtype) as u64;
                 assert_eq!((got.dims(), got.dtype()), ([m, n], dtype));
@@ -247,10 +260,7 @@ pub fn hopper_gemm_matches_host(device: &Device) {
         for (i, ([m, k, n], runs)) in cases.into_iter().enumerate() {
             for transposed in [false, true] {
                 let seed = 700 + 4 * i as u64 + 2 * transposed as u64;
-                let a = random_tensor::<2>([m, k], Dist::STANDARD, seed, dtype, device);
-                let b = operand(k, n, transposed, seed + 1, dtype, device);
-                let want = host_product(&to_f32(a.to_data()), &to_f32(b.to_data()), m, k, n);
-                poison_memory(device, m * n, dtype);
+                let (a, b, want) = product_case([m, k, n], transposed, seed, dtype, device);
                 let before = launches(WGMMA_LAUNCHES);
                 let got = to_f32(gemm::matmul(a, b).into_data());
                 let ran = launches(WGMMA_LAUNCHES) - before;
