@@ -1,6 +1,5 @@
-//! Attention for training: Burn's fused forward, which saves only the output and one
-//! log-sum-exp per query, and a backward that recomputes the probabilities from them one layer
-//! at a time.
+//! Attention for training: a fused forward, which saves only the output and one log-sum-exp
+//! per query, and a backward that recomputes the probabilities from them one layer at a time.
 //!
 //! - f32 operands: Burn's own composed backward (`attention_backward_default`: `QKᵀ` again,
 //!   `exp(s − lse)`, four TF32 matmuls), whose `seq²` tensors live only while one layer's
@@ -9,11 +8,17 @@
 //!   per thread, which made an f32 training step with Burn's attention 3.1× slower than one with
 //!   the decomposed attention (H200, 2026-11-28, SmolLM2-135M, batch 8 × 1024), and the
 //!   decomposed attention keeps every layer's `batch · heads · seq²` scores until the backward.
-//! - f16/bf16 operands: [`HalfAttentionBackward`], the FlashAttention-2 style kernels of
-//!   [`crate::kernels::flash_backward`] where they take the problem (CUDA, head dim 64), else
-//!   Burn's fused backward (cubek's). The kernels made a bf16 SmolLM2 step at batch 8 × 1024
-//!   1.44× faster than with Burn's fused attention (H200, 2026-11-29: 181.7 against 261.1 ms;
-//!   cubek's backward took 104 of the 219 ms of the step's GPU time).
+//! - f16/bf16 operands: [`HalfAttention`], the FlashAttention-2 style kernels of
+//!   [`crate::kernels::flash`] for the forward and the backward where they take the problem
+//!   (CUDA, head dim 64), else Burn's fused forward and backward (cubek's). The backward kernels
+//!   made a bf16 SmolLM2 step at batch 8 × 1024 1.44× faster than with Burn's fused attention
+//!   (H200, 2026-11-29: 181.7 against 261.1 ms; cubek's backward took 104 of the 219 ms of the
+//!   step's GPU time). The forward kernel replaces cubek's forward (0.54 ms a layer at
+//!   8 × 2048) and, without autodiff (a validation pass), Burn's attention op, whose autotune
+//!   also benchmarks a decomposed candidate that runs Burn's matmul autotune in bf16.
+//!
+//! f32 operands take Burn's fused forward (`attention_with_logsumexp`) with autodiff and Burn's
+//! `attention` op without.
 
 use burn::backend::TensorMetadata;
 use burn::backend::autodiff::{
@@ -106,10 +111,11 @@ fn options(causal: bool, scale: Option<f64>) -> AttentionModuleOptions {
     }
 }
 
-/// [`recompute_attention`] as a Burn backend extension. Without autodiff it is Burn's
-/// `attention` (the fused kernel); `Autodiff<B>` runs `B::attention_with_logsumexp` forward and
-/// a backward that recomputes the probabilities: Burn's `attention_backward_default` for f32
-/// operands, [`HalfAttentionBackward`] for 16-bit ones.
+/// [`recompute_attention`] as a Burn backend extension. Without autodiff it is the forward alone
+/// ([`HalfAttention::half_attention_forward`] for 16-bit operands, Burn's `attention` for f32);
+/// `Autodiff<B>` runs that forward with the log-sum-exp (`B::attention_with_logsumexp` for f32)
+/// and a backward that recomputes the probabilities: Burn's `attention_backward_default` for
+/// f32 operands, [`HalfAttention::half_attention_backward`] for 16-bit ones.
 #[backend_extension(
     Cube: cfg(feature = "cube"),
     Fusion: cfg(all(feature = "cube", feature = "fusion")),
@@ -120,7 +126,14 @@ pub trait RecomputeAttentionOps: Backend {
     ///
     /// # Shapes
     /// As [`recompute_attention`].
-    #[fusion(default)]
+    #[fusion(meta = |q, _k, v, _causal, _scale| {
+        let [b, h, s, _] = q.shape.dims::<4>();
+        let dv = v.shape.dims::<4>()[3];
+        burn::backend::fusion::custom::TensorSpec::new(
+            burn::tensor::Shape::new([b, h, s, dv]),
+            q.dtype,
+        )
+    })]
     fn recompute_attention(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
@@ -133,22 +146,72 @@ pub trait RecomputeAttentionOps: Backend {
 }
 
 #[cfg(feature = "cube")]
-impl RecomputeAttentionOps for burn_cubecl::CubeBackend {}
+impl RecomputeAttentionOps for burn_cubecl::CubeBackend {
+    fn recompute_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        causal: bool,
+        scale: Option<f64>,
+    ) -> FloatTensor<Self> {
+        use burn::backend::ops::ModuleOps;
+        if q.dtype() == DType::F32 {
+            return Self::attention(q, k, v, None, None, options(causal, scale));
+        }
+        let scale = resolve_scale::<Self>(scale, &q);
+        Self::half_attention_forward(q, k, v, causal, scale).0
+    }
+}
+
+/// `scale`, or `1/√head_dim` of `q`.
+fn resolve_scale<B: Backend>(scale: Option<f64>, q: &FloatTensor<B>) -> f64 {
+    let d = q.shape().dims::<4>()[3];
+    scale.unwrap_or(1.0 / (d as f64).sqrt())
+}
 
 /// The op's name for [`crate::route::launches`]: counted once per backward pass that ran the
-/// flash kernels ([`crate::kernels::flash_backward`]).
+/// flash kernels ([`crate::kernels::flash`]).
 pub const FLASH_BACKWARD: &str = "flash-attention-backward";
 
-/// The backward of attention for f16/bf16 operands, as a backend extension: on `CubeBackend`
-/// (and `Fusion` of it) the FlashAttention-2 style kernels of
-/// [`crate::kernels::flash_backward`] where they take the problem (CUDA's 16-bit MMA, head dim
-/// 64, a causal mask only with no more queries than keys), else Burn's fused backward
-/// (`attention_backward`, cubek's kernels), with a debug log line saying why.
+/// The op's name for [`crate::route::launches`]: counted once per forward that ran the flash
+/// kernel ([`crate::kernels::flash`]).
+pub const FLASH_FORWARD: &str = "flash-attention-forward";
+
+/// Attention for f16/bf16 operands, forward and backward, as a backend extension: on
+/// `CubeBackend` (and `Fusion` of it) the FlashAttention-2 style kernels of
+/// [`crate::kernels::flash`] where they take the problem (CUDA's 16-bit MMA, head dim 64, a
+/// causal mask only with no more queries than keys), else Burn's fused forward and backward
+/// (`attention_with_logsumexp`, `attention_backward`: cubek's kernels), with a debug log line
+/// saying why.
 #[backend_extension(
     Cube: cfg(feature = "cube"),
     Fusion: cfg(all(feature = "cube", feature = "fusion")),
 )]
-pub trait HalfAttentionBackward: Backend {
+pub trait HalfAttention: Backend {
+    /// The output and each query's log-sum-exp of the scaled scores (natural log); `causal`
+    /// bottom-right.
+    ///
+    /// # Shapes
+    /// - `q`: `[batch, q_heads, sq, d]`; `k`, `v`: `[batch, kv_heads, skv, d]`
+    /// - returns the output, `[batch, q_heads, sq, d]` in `q`'s dtype, and the log-sum-exp,
+    ///   `[batch, q_heads, sq]` f32
+    #[fusion(meta = |q, _k, v, _causal, _scale| {
+        let spec = burn::backend::fusion::custom::TensorSpec::new;
+        let [b, h, s, _] = q.shape.dims::<4>();
+        let dv = v.shape.dims::<4>()[3];
+        (
+            spec(burn::tensor::Shape::new([b, h, s, dv]), q.dtype),
+            spec(burn::tensor::Shape::new([b, h, s]), DType::F32),
+        )
+    })]
+    fn half_attention_forward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        causal: bool,
+        scale: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
+
     /// `(dQ, dK, dV)` from the inputs, the output `out`, the forward's log-sum-exp `lse` of
     /// the scaled scores and the output's gradient `dout`; `causal` bottom-right.
     ///
@@ -171,7 +234,23 @@ pub trait HalfAttentionBackward: Backend {
 }
 
 #[cfg(feature = "cube")]
-impl HalfAttentionBackward for burn_cubecl::CubeBackend {
+impl HalfAttention for burn_cubecl::CubeBackend {
+    fn half_attention_forward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        causal: bool,
+        scale: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        use crate::kernels::flash::flash_forward;
+        use burn::backend::ops::ModuleOps;
+        if let Some(out) = flash_forward(q.clone(), k.clone(), v.clone(), causal, scale) {
+            count_launch(FLASH_FORWARD);
+            return out;
+        }
+        Self::attention_with_logsumexp(q, k, v, options(causal, Some(scale)))
+    }
+
     fn half_attention_backward(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
@@ -182,7 +261,7 @@ impl HalfAttentionBackward for burn_cubecl::CubeBackend {
         causal: bool,
         scale: f64,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        use crate::kernels::flash_backward::flash_backward;
+        use crate::kernels::flash::flash_backward;
         use burn::backend::ops::ModuleOps;
         let flash = flash_backward(
             q.clone(),
@@ -203,7 +282,7 @@ impl HalfAttentionBackward for burn_cubecl::CubeBackend {
     }
 }
 
-impl<B: RecomputeAttentionOps + HalfAttentionBackward, C: CheckpointStrategy> RecomputeAttentionOps
+impl<B: RecomputeAttentionOps + HalfAttention, C: CheckpointStrategy> RecomputeAttentionOps
     for Autodiff<B, C>
 {
     fn recompute_attention(
@@ -224,12 +303,18 @@ impl<B: RecomputeAttentionOps + HalfAttentionBackward, C: CheckpointStrategy> Re
                 let k_state = prep.checkpoint(&k);
                 let v_state = prep.checkpoint(&v);
                 let [q, k, v] = [q, k, v].map(|t| t.into_parts().0);
-                let (out, lse) = B::attention_with_logsumexp(q, k, v, options);
+                let (out, lse) = match q.dtype() {
+                    DType::F32 => B::attention_with_logsumexp(q, k, v, options),
+                    _ => {
+                        let scale = resolve_scale::<B>(scale, &q);
+                        B::half_attention_forward(q, k, v, causal, scale)
+                    }
+                };
                 prep.finish((q_state, k_state, v_state, out.clone(), lse, options), out)
             }
             OpsKind::UnTracked(prep) => {
                 let [q, k, v] = [q, k, v].map(|t| t.into_parts().0);
-                prep.finish(B::attention(q, k, v, None, None, options))
+                prep.finish(B::recompute_attention(q, k, v, causal, scale))
             }
         }
     }
@@ -239,7 +324,7 @@ impl<B: RecomputeAttentionOps + HalfAttentionBackward, C: CheckpointStrategy> Re
 #[derive(Debug)]
 struct RecomputeBackward;
 
-impl<B: HalfAttentionBackward> Backward<B, 3> for RecomputeBackward {
+impl<B: HalfAttention> Backward<B, 3> for RecomputeBackward {
     type State = (
         NodeId,
         NodeId,
@@ -265,8 +350,7 @@ impl<B: HalfAttentionBackward> Backward<B, 3> for RecomputeBackward {
             let g = attention_backward_default::<B>(q, k, v, out, lse, out_grad, options);
             [g.query_grad, g.key_grad, g.value_grad]
         } else {
-            let d = q.shape().dims::<4>()[3];
-            let scale = options.scale.unwrap_or(1.0 / (d as f64).sqrt());
+            let scale = resolve_scale::<B>(options.scale, &q);
             let causal = options.is_causal;
             let (dq, dk, dv) =
                 B::half_attention_backward(q, k, v, out, lse, out_grad, causal, scale);

@@ -1,6 +1,6 @@
 //! CubeCL kernels of [`crate::LayerKernels`], one file per op, for every CubeCL runtime.
 
-pub mod flash_backward;
+pub mod flash;
 mod gemv;
 pub mod linear;
 pub mod reduce;

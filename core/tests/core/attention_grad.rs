@@ -8,7 +8,7 @@
 //! passed once (2026-11-28).
 
 use burn::tensor::{DType, Device, Tensor};
-use burn_kernels_core::recompute_attention::{FLASH_BACKWARD, RECOMPUTE_BACKWARD};
+use burn_kernels_core::recompute_attention::{FLASH_BACKWARD, FLASH_FORWARD, RECOMPUTE_BACKWARD};
 use burn_kernels_core::route::{launches, memory_in_use};
 use burn_kernels_core::{
     AttentionImpl, AttnOptions, BurnAttention, RecomputeAttention, ReferenceAttention,
@@ -112,32 +112,102 @@ pub fn recompute_attention_gradients_match_reference(device: &Device) {
     );
 }
 
-/// [`RecomputeAttention`]'s 16-bit backward at head dim 64 ([`FLASH_CASES`]): the flash kernels
-/// must have run for every case and 16-bit dtype (counted). Before each case the memory pool is
-/// handed blocks of NaN the size of each gradient, so a gradient the kernels leave unwritten
-/// fails the comparison instead of reading a previous test's values.
+/// [`RecomputeAttention`]'s 16-bit forward and backward at head dim 64 ([`FLASH_CASES`]), with
+/// Q/K/V contiguous and as views of token-major (`[batch, seq, heads, dim]`) buffers, as a
+/// model's projections are: the flash kernels must have run for every case, layout and 16-bit
+/// dtype (counted), the forward also without autodiff (a validation pass), where only the
+/// output is compared. Before each case the memory pool is handed blocks of NaN the size of
+/// each output and gradient, so an element the kernels leave unwritten fails the comparison
+/// instead of reading a previous test's values.
 pub fn flash_attention_gradients_match_reference(device: &Device) {
     let dtypes: Vec<DType> = float_dtypes(device)
         .into_iter()
         .filter(|d| matches!(d, DType::F16 | DType::BF16))
         .collect();
     assert!(!dtypes.is_empty(), "no 16-bit dtype on this device");
-    let before = launches(FLASH_BACKWARD);
+    let (backward, forward) = (launches(FLASH_BACKWARD), launches(FLASH_FORWARD));
     for &dtype in &dtypes {
-        for &(b, hq, hkv, sq, skv, d, _) in &FLASH_CASES {
-            for shape in [[b, hq, sq, d], [b, hkv, skv, d], [b, hkv, skv, d]] {
-                drop(Tensor::<4>::full(shape, f32::NAN, (device, dtype)));
-            }
-            let _ = device.sync();
+        for token_major in [false, true] {
+            poison(&FLASH_CASES, dtype, device);
+            attention_gradients_match_layout(
+                &RecomputeAttention,
+                &[dtype],
+                &FLASH_CASES,
+                token_major,
+                device,
+            );
+            poison(&FLASH_CASES, dtype, device);
+            forward_matches_reference(&RecomputeAttention, dtype, token_major, device);
         }
-        attention_gradients_match_cases(&RecomputeAttention, &[dtype], &FLASH_CASES, device);
     }
-    let ran = launches(FLASH_BACKWARD) - before;
-    let want = (FLASH_CASES.len() * dtypes.len()) as u64;
+    let runs = (FLASH_CASES.len() * dtypes.len() * 2) as u64;
+    let ran = launches(FLASH_BACKWARD) - backward;
     assert!(
-        ran >= want,
-        "the flash backward ran {ran} times for {want} cases ({dtypes:?})"
+        ran >= runs,
+        "the flash backward ran {ran} times for {runs} cases ({dtypes:?})"
     );
+    // A tracked and an untracked forward a case.
+    let ran = launches(FLASH_FORWARD) - forward;
+    assert!(
+        ran >= 2 * runs,
+        "the flash forward ran {ran} times for {} forwards ({dtypes:?})",
+        2 * runs
+    );
+}
+
+/// Hands the memory pool blocks of NaN the size of every case's operands and outputs.
+fn poison(cases: &[Case], dtype: DType, device: &Device) {
+    for &(b, hq, hkv, sq, skv, d, _) in cases {
+        for shape in [[b, hq, sq, d], [b, hkv, skv, d], [b, hkv, skv, d]] {
+            drop(Tensor::<4>::full(shape, f32::NAN, (device, dtype)));
+        }
+        let _ = device.sync();
+    }
+}
+
+/// `[batch, heads, seq, dim]` random inputs: contiguous, or a view of a token-major buffer.
+fn operand(
+    [b, h, s, d]: [usize; 4],
+    seed: u64,
+    dtype: DType,
+    token_major: bool,
+    device: &Device,
+) -> Tensor<4> {
+    match token_major {
+        false => random_tensor([b, h, s, d], Dist::STANDARD, seed, dtype, device),
+        true => random_tensor([b, s, h, d], Dist::STANDARD, seed, dtype, device).swap_dims(1, 2),
+    }
+}
+
+/// The output of `attention` without autodiff against the reference's, [`FLASH_CASES`].
+fn forward_matches_reference(
+    attention: &dyn AttentionImpl,
+    dtype: DType,
+    token_major: bool,
+    device: &Device,
+) {
+    for (i, &(b, hq, hkv, sq, skv, d, causal)) in FLASH_CASES.iter().enumerate() {
+        let seed = 500 + 10 * i as u64;
+        let q = operand([b, hq, sq, d], seed, dtype, token_major, device);
+        let k = operand([b, hkv, skv, d], seed + 1, dtype, token_major, device);
+        let v = operand([b, hkv, skv, d], seed + 2, dtype, token_major, device);
+        let opts = AttnOptions {
+            causal,
+            scale: (d as f32).sqrt().recip(),
+            key_padding: None,
+        };
+        let run = |a: &dyn AttentionImpl| {
+            let out = a.attend(0, q.clone(), k.clone(), v.clone(), &opts);
+            to_f32(out.cast(DType::F32).into_data())
+        };
+        let name = format!(
+            "{} forward (no autodiff) {dtype:?} token-major {token_major} b{b} hq{hq} hkv{hkv} \
+             sq{sq} skv{skv}",
+            attention.name()
+        );
+        let len = sq.max(skv) * d;
+        check(&name, &run(attention), &run(&ReferenceAttention), dtype, len, device);
+    }
 }
 
 fn attention_gradients_match_reference(
@@ -154,12 +224,21 @@ fn attention_gradients_match_cases(
     cases: &[Case],
     device: &Device,
 ) {
+    attention_gradients_match_layout(attention, dtypes, cases, false, device);
+}
+
+fn attention_gradients_match_layout(
+    attention: &dyn AttentionImpl,
+    dtypes: &[DType],
+    cases: &[Case],
+    token_major: bool,
+    device: &Device,
+) {
     for &dtype in dtypes {
         for (i, &(b, hq, hkv, sq, skv, d, causal)) in cases.iter().enumerate() {
             let seed = 100 + 10 * i as u64;
-            let make = |shape: [usize; 4], s: u64| {
-                random_tensor(shape, Dist::STANDARD, seed + s, dtype, device)
-            };
+            let make =
+                |shape: [usize; 4], s: u64| operand(shape, seed + s, dtype, token_major, device);
             let q = make([b, hq, sq, d], 0);
             let k = make([b, hkv, skv, d], 1);
             let v = make([b, hkv, skv, d], 2);
@@ -177,7 +256,8 @@ fn attention_gradients_match_cases(
                 .zip(fused.iter().zip(&reference))
             {
                 let name = format!(
-                    "{} {what} {dtype:?} b{b} hq{hq} hkv{hkv} sq{sq} skv{skv} d{d}",
+                    "{} {what} {dtype:?} token-major {token_major} b{b} hq{hq} hkv{hkv} sq{sq} \
+                     skv{skv} d{d}",
                     attention.name()
                 );
                 check(&name, a, e, dtype, len, device);

@@ -6,9 +6,10 @@
 use cubecl::prelude::*;
 
 use super::stages::{
-    a_fragments, accumulate, query_rows_gradients, rows_product, store_tile, write_rows, zero,
+    a_fragments, accumulate, head_base, query_rows_gradients, rows_product, store_tile,
+    write_rows, zero,
 };
-use super::{FlashArgs, PAD, TILE};
+use super::{FlashArgs, PAD, Rows, TILE};
 
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments, clippy::manual_div_ceil)]
@@ -21,6 +22,11 @@ pub(super) fn flash_dq_kernel<P: Float, N2: Size>(
     delta: &Tensor<f32>,
     dq: &mut Tensor<P>,
     args: FlashArgs,
+    q_rows: Rows,
+    k_rows: Rows,
+    v_rows: Rows,
+    do_rows: Rows,
+    dq_rows: Rows,
     #[comptime] dim: usize,
     #[comptime] causal: bool,
     #[define(P)] _dtype: ElemType,
@@ -42,8 +48,12 @@ pub(super) fn flash_dq_kernel<P: Float, N2: Size>(
 
     let mut qf = Array::<Vector<P, N2>>::new(comptime!(dim / 4));
     let mut dof = Array::<Vector<P, N2>>::new(comptime!(dim / 4));
-    a_fragments::<P, N2>(q, bh * args.sq, first, args.sq, lane, &mut qf, dim);
-    a_fragments::<P, N2>(dout, bh * args.sq, first, args.sq, lane, &mut dof, dim);
+    let q_base = head_base(&q_rows, bh, args.hq);
+    let do_base = head_base(&do_rows, bh, args.hq);
+    a_fragments::<P, N2>(q, q_base, q_rows.row, first, args.sq, lane, &mut qf, dim);
+    a_fragments::<P, N2>(dout, do_base, do_rows.row, first, args.sq, lane, &mut dof, dim);
+    let k_base = head_base(&k_rows, bhk, args.hkv);
+    let v_base = head_base(&v_rows, bhk, args.hkv);
     let mut row_lse = Array::<f32>::new(2usize);
     let mut row_delta = Array::<f32>::new(2usize);
     #[unroll]
@@ -82,26 +92,15 @@ pub(super) fn flash_dq_kernel<P: Float, N2: Size>(
     let mut kv0 = 0usize;
     while kv0 < kv_end {
         sync_cube();
+        let valid = args.skv - kv0;
+        let k_at = k_base + kv0 * k_rows.row;
+        let v_at = v_base + kv0 * v_rows.row;
         store_tile::<P, N2>(
-            k,
-            bhk * args.skv + kv0,
-            args.skv - kv0,
-            &mut k_sm,
-            &mut kt_sm,
-            tid,
-            dim,
-            true,
+            k, k_at, k_rows.row, valid, &mut k_sm, &mut kt_sm, tid, dim, true, true,
         );
-        // V's rows only: its channel-major copy goes to `kt_sm`'s slot unused (`columns` off).
+        // V's rows only (`kt_sm` stands in for the channel-major slot it leaves unused).
         store_tile::<P, N2>(
-            v,
-            bhk * args.skv + kv0,
-            args.skv - kv0,
-            &mut v_sm,
-            &mut kt_sm,
-            tid,
-            dim,
-            false,
+            v, v_at, v_rows.row, valid, &mut v_sm, &mut kt_sm, tid, dim, true, false,
         );
         sync_cube();
         rows_product::<P, N2>(&qf, &k_sm, &mut s, lane, dim);
@@ -121,13 +120,18 @@ pub(super) fn flash_dq_kernel<P: Float, N2: Size>(
         accumulate::<P, N2>(&ds, &kt_sm, &mut acc, lane, dim);
         kv0 += TILE;
     }
+    let mut factor = Array::<f32>::new(2usize);
+    factor[0] = args.scale;
+    factor[1] = args.scale;
+    let dq_base = head_base(&dq_rows, bh, args.hq);
     write_rows::<P, N2>(
         &acc,
         dq,
-        bh * args.sq,
+        dq_base,
+        dq_rows.row,
         first,
         args.sq,
-        args.scale,
+        &factor,
         lane,
         dim,
     );

@@ -8,9 +8,10 @@
 use cubecl::prelude::*;
 
 use super::stages::{
-    a_fragments, accumulate, key_rows_gradients, rows_product, store_tile, write_rows, zero,
+    a_fragments, accumulate, head_base, key_rows_gradients, rows_product, store_tile,
+    write_rows, zero,
 };
-use super::{FlashArgs, PAD, TILE};
+use super::{FlashArgs, PAD, Rows, TILE};
 
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments, clippy::manual_div_ceil)]
@@ -24,6 +25,11 @@ pub(super) fn flash_dkdv_kernel<P: Float, N2: Size>(
     dk: &mut Tensor<P>,
     dv: &mut Tensor<P>,
     args: FlashArgs,
+    q_rows: Rows,
+    k_rows: Rows,
+    v_rows: Rows,
+    do_rows: Rows,
+    dkv_rows: Rows,
     #[comptime] dim: usize,
     #[comptime] causal: bool,
     #[define(P)] _dtype: ElemType,
@@ -45,8 +51,10 @@ pub(super) fn flash_dkdv_kernel<P: Float, N2: Size>(
 
     let mut kf = Array::<Vector<P, N2>>::new(comptime!(dim / 4));
     let mut vf = Array::<Vector<P, N2>>::new(comptime!(dim / 4));
-    a_fragments::<P, N2>(k, bhk * args.skv, first, args.skv, lane, &mut kf, dim);
-    a_fragments::<P, N2>(v, bhk * args.skv, first, args.skv, lane, &mut vf, dim);
+    let k_base = head_base(&k_rows, bhk, args.hkv);
+    let v_base = head_base(&v_rows, bhk, args.hkv);
+    a_fragments::<P, N2>(k, k_base, k_rows.row, first, args.skv, lane, &mut kf, dim);
+    a_fragments::<P, N2>(v, v_base, v_rows.row, first, args.skv, lane, &mut vf, dim);
     let mut dk_acc = Array::<Vector<f32, N2>>::new(comptime!(dim / 4));
     let mut dv_acc = Array::<Vector<f32, N2>>::new(comptime!(dim / 4));
     zero::<N2>(&mut dk_acc, dim);
@@ -79,8 +87,14 @@ pub(super) fn flash_dkdv_kernel<P: Float, N2: Size>(
             sync_cube();
             let base = bh * args.sq + q0;
             let valid = args.sq - q0;
-            store_tile::<P, N2>(q, base, valid, &mut q_sm, &mut qt_sm, tid, dim, true);
-            store_tile::<P, N2>(dout, base, valid, &mut do_sm, &mut dot_sm, tid, dim, true);
+            let q_at = head_base(&q_rows, bh, args.hq) + q0 * q_rows.row;
+            let do_at = head_base(&do_rows, bh, args.hq) + q0 * do_rows.row;
+            store_tile::<P, N2>(
+                q, q_at, q_rows.row, valid, &mut q_sm, &mut qt_sm, tid, dim, true, true,
+            );
+            store_tile::<P, N2>(
+                dout, do_at, do_rows.row, valid, &mut do_sm, &mut dot_sm, tid, dim, true, true,
+            );
             if tid < TILE {
                 let mut l = f32::new(0.0);
                 let mut d = f32::new(0.0);
@@ -112,7 +126,12 @@ pub(super) fn flash_dkdv_kernel<P: Float, N2: Size>(
             q0 += TILE;
         }
     }
-    let base = bhk * args.skv;
-    write_rows::<P, N2>(&dk_acc, dk, base, first, args.skv, args.scale, lane, dim);
-    write_rows::<P, N2>(&dv_acc, dv, base, first, args.skv, f32::new(1.0), lane, dim);
+    let base = head_base(&dkv_rows, bhk, args.hkv);
+    let mut factor = Array::<f32>::new(2usize);
+    factor[0] = args.scale;
+    factor[1] = args.scale;
+    write_rows::<P, N2>(&dk_acc, dk, base, dkv_rows.row, first, args.skv, &factor, lane, dim);
+    factor[0] = f32::new(1.0);
+    factor[1] = f32::new(1.0);
+    write_rows::<P, N2>(&dv_acc, dv, base, dkv_rows.row, first, args.skv, &factor, lane, dim);
 }

@@ -1,7 +1,11 @@
-//! What both backward kernels do on a tile, as `#[cube]` functions (inlined into each kernel):
+//! What the flash kernels do on a tile, as `#[cube]` functions (inlined into each kernel):
 //! loading a tile into shared memory (row-major, and channel-major for the products that walk
 //! its rows), the A fragments of a plane's rows, the two shapes of `mma.m16n8k16` products, and
 //! the probabilities and score gradients of a tile on the lane's registers.
+//!
+//! Operands are addressed by a head's first element `base` and a row stride `stride`, both in
+//! elements (even: rows are read in pairs), so a `[batch, heads, seq, dim]` view of a
+//! `[batch, seq, heads, dim]` buffer is read in place.
 //!
 //! Fragment layouts are PTX's for `mma.m16n8k16` with 16-bit operands and f32 accumulators:
 //! lane `l` (group `g = l / 4`, `t = l mod 4`) holds rows `g` and `g + 8` and, in each block of
@@ -13,22 +17,31 @@
 use cubecl::cmma::MmaDefinition;
 use cubecl::prelude::*;
 
-use super::{FlashArgs, PAD, THREADS, TILE};
+use super::{FlashArgs, PAD, Rows, THREADS, TILE};
 
-/// Stores tile rows `0 .. TILE` (rows `base + r` of `src`, `[.., dim]` in pairs; rows at or
-/// past `valid` as zeros) to `rows_sm` (row-major, `dim / 2 + PAD` words a row) and, when
-/// `columns`, to `cols_sm` (channel-major: row `c` holds the tile's rows in pairs,
-/// `TILE / 2 + PAD` words a row). Every unit of the cube takes 2 × 2 blocks.
+/// The first element of head `bh` (`batch · heads + head`) of an operand laid out as `rows`.
+#[cube]
+pub fn head_base(rows: &Rows, bh: usize, heads: usize) -> usize {
+    (bh / heads) * rows.batch + (bh % heads) * rows.head
+}
+
+/// Stores tile rows `0 .. TILE` (row `r` at element `base + r · stride` of `src`, `dim`
+/// channels in pairs; rows at or past `valid` as zeros) to `rows_sm` when `rows` (row-major,
+/// `dim / 2 + PAD` words a row) and to `cols_sm` when `columns` (channel-major: row `c` holds
+/// the tile's rows in pairs, `TILE / 2 + PAD` words a row). Every unit of the cube takes 2 × 2
+/// blocks.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn store_tile<P: Float, N2: Size>(
     src: &Tensor<Vector<P, N2>>,
     base: usize,
+    stride: usize,
     valid: usize,
     rows_sm: &mut Shared<[Vector<P, N2>]>,
     cols_sm: &mut Shared<[Vector<P, N2>]>,
     tid: usize,
     #[comptime] dim: usize,
+    #[comptime] rows: bool,
     #[comptime] columns: bool,
 ) {
     let half = comptime!(dim / 2);
@@ -43,13 +56,15 @@ pub fn store_tile<P: Float, N2: Size>(
         let mut x0 = Vector::<P, N2>::new(P::from_int(0));
         let mut x1 = Vector::<P, N2>::new(P::from_int(0));
         if r < valid {
-            x0 = src[(base + r) * half + c2];
+            x0 = src[(base + r * stride) / 2 + c2];
         }
         if r + 1 < valid {
-            x1 = src[(base + r + 1) * half + c2];
+            x1 = src[(base + (r + 1) * stride) / 2 + c2];
         }
-        rows_sm[r * rw + c2] = x0;
-        rows_sm[(r + 1) * rw + c2] = x1;
+        if rows {
+            rows_sm[r * rw + c2] = x0;
+            rows_sm[(r + 1) * rw + c2] = x1;
+        }
         if columns {
             let mut y0 = Vector::<P, N2>::empty();
             let mut y1 = Vector::<P, N2>::empty();
@@ -63,20 +78,21 @@ pub fn store_tile<P: Float, N2: Size>(
     }
 }
 
-/// The A fragments of rows `first + g` and `first + g + 8` of `src` (rows `base + r`,
-/// `[.., dim]` in pairs; rows at or past `len` zero): step `kk` (channels `16kk ..`) at
-/// `frag[4kk ..]`.
+/// The A fragments of rows `first + g` and `first + g + 8` of `src` (row `r` at element
+/// `base + r · stride`, `dim` channels in pairs; rows at or past `len` zero): step `kk`
+/// (channels `16kk ..`) at `frag[4kk ..]`.
 #[cube]
+#[allow(clippy::too_many_arguments)]
 pub fn a_fragments<P: Float, N2: Size>(
     src: &Tensor<Vector<P, N2>>,
     base: usize,
+    stride: usize,
     first: usize,
     len: usize,
     lane: usize,
     frag: &mut Array<Vector<P, N2>>,
     #[comptime] dim: usize,
 ) {
-    let half = comptime!(dim / 2);
     let g = lane / 4;
     let t = lane % 4;
     #[unroll]
@@ -86,7 +102,7 @@ pub fn a_fragments<P: Float, N2: Size>(
             let row = first + g + 8 * (j % 2);
             let mut x = Vector::<P, N2>::new(P::from_int(0));
             if row < len {
-                x = src[(base + row) * half + kk * 8 + t + 4 * (j / 2)];
+                x = src[(base + row * stride) / 2 + kk * 8 + t + 4 * (j / 2)];
             }
             frag[kk * 4 + j] = x;
         }
@@ -171,7 +187,7 @@ pub fn accumulate<P: Float, N2: Size>(
 /// Whether query `query` sees key `key`: both exist and, with a causal mask (bottom-right:
 /// `offset = skv − sq`), the key is not after the query's diagonal.
 #[cube]
-fn visible(args: &FlashArgs, query: usize, key: usize, #[comptime] causal: bool) -> bool {
+pub fn visible(args: &FlashArgs, query: usize, key: usize, #[comptime] causal: bool) -> bool {
     let mut seen = query < args.sq && key < args.skv;
     if causal {
         seen = seen && key <= query + args.offset;
@@ -261,17 +277,19 @@ pub fn key_rows_gradients<P: Float, N2: Size>(
     }
 }
 
-/// Writes the lane's accumulators times `factor` as rows `first + g` and `first + g + 8` of
-/// `dst` (rows `base + r`, `[.., dim]`), those below `len`.
+/// Writes the lane's accumulators as rows `first + g` and `first + g + 8` of `dst` (row `r` at
+/// element `base + r · stride`, `dim` channels), those below `len`; row `g + 8v` times
+/// `factor[v]`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn write_rows<P: Float, N2: Size>(
     acc: &Array<Vector<f32, N2>>,
     dst: &mut Tensor<P>,
     base: usize,
+    stride: usize,
     first: usize,
     len: usize,
-    factor: f32,
+    factor: &Array<f32>,
     lane: usize,
     #[comptime] dim: usize,
 ) {
@@ -281,13 +299,13 @@ pub fn write_rows<P: Float, N2: Size>(
     for v in 0..2usize {
         let row = first + g + 8 * v;
         if row < len {
+            let f = factor[v];
             #[unroll]
             for dn in 0..comptime!(dim / 8) {
                 let x = acc[dn * 2 + v];
                 #[unroll]
                 for e in 0..2usize {
-                    dst[(base + row) * dim + dn * 8 + 2 * t + e] =
-                        P::cast_from(x.extract(e) * factor);
+                    dst[base + row * stride + dn * 8 + 2 * t + e] = P::cast_from(x.extract(e) * f);
                 }
             }
         }
@@ -300,5 +318,82 @@ pub fn zero<N2: Size>(acc: &mut Array<Vector<f32, N2>>, #[comptime] dim: usize) 
     #[unroll]
     for i in 0..comptime!(dim / 4) {
         acc[i] = Vector::<f32, N2>::new(f32::new(0.0));
+    }
+}
+
+/// A tile of the forward walk (rows queries, columns keys `col0 ..`): folds the scores `s`
+/// (replaced by the scaled, masked scores) into the running maxima `m` of the lane's two rows
+/// and the lane's partial sums `l`, rescales `acc` by `exp(m_old − m_new)`, and leaves
+/// `P = exp(scale · s − m_new)` as A-operand pairs in `p` (zero where a key is hidden). The
+/// maxima are reduced over the 4 lanes that share a row; the sums stay per lane until the end.
+/// A hidden score is `-1e30`, a finite "minus infinity": its probability is selected away, so
+/// no infinity reaches the arithmetic.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn online_softmax<P: Float, N2: Size>(
+    s: &mut Array<Vector<f32, N2>>,
+    p: &mut Array<Vector<P, N2>>,
+    m: &mut Array<f32>,
+    l: &mut Array<f32>,
+    acc: &mut Array<Vector<f32, N2>>,
+    args: &FlashArgs,
+    row: usize,
+    col0: usize,
+    t: usize,
+    #[comptime] dim: usize,
+    #[comptime] causal: bool,
+) {
+    #[unroll]
+    for v in 0..2usize {
+        let query = row + 8 * v;
+        let mut mx = m[v];
+        #[unroll]
+        for n in 0..comptime!(TILE / 8) {
+            let sv = s[n * 2 + v];
+            let mut x = Vector::<f32, N2>::empty();
+            #[unroll]
+            for e in 0..2usize {
+                let key = col0 + n * 8 + 2 * t + e;
+                let seen = visible(args, query, key, causal);
+                let xe = select(seen, sv.extract(e) * args.scale, f32::new(-1.0e30));
+                mx = f32::max(mx, xe);
+                x.insert(e, xe);
+            }
+            s[n * 2 + v] = x;
+        }
+        mx = f32::max(mx, plane_shuffle_xor(mx, 1u32));
+        mx = f32::max(mx, plane_shuffle_xor(mx, 2u32));
+        let alpha = f32::exp(m[v] - mx);
+        let mut sum = f32::new(0.0);
+        #[unroll]
+        for n in 0..comptime!(TILE / 8) {
+            let x = s[n * 2 + v];
+            let mut pv = Vector::<P, N2>::empty();
+            #[unroll]
+            for e in 0..2usize {
+                let xe = x.extract(e);
+                let pe = select(xe > f32::new(-1.0e30), f32::exp(xe - mx), f32::new(0.0));
+                sum += pe;
+                pv.insert(e, P::cast_from(pe));
+            }
+            p[n * 2 + v] = pv;
+        }
+        l[v] = l[v] * alpha + sum;
+        m[v] = mx;
+        let scale = Vector::<f32, N2>::new(alpha);
+        #[unroll]
+        for dn in 0..comptime!(dim / 8) {
+            acc[dn * 2 + v] = acc[dn * 2 + v] * scale;
+        }
+    }
+}
+
+/// The running maxima and partial sums of the forward walk at their start.
+#[cube]
+pub fn softmax_start(m: &mut Array<f32>, l: &mut Array<f32>) {
+    #[unroll]
+    for v in 0..2usize {
+        m[v] = f32::new(-1.0e30);
+        l[v] = f32::new(0.0);
     }
 }
