@@ -32,6 +32,7 @@ pub mod route;
 pub mod sampling;
 pub mod setup;
 pub mod static_cache;
+pub mod train_ops;
 
 pub use attention::{AttentionImpl, AttentionKind, AttnOptions, BurnAttention, ReferenceAttention};
 pub use cache::{CacheError, FullKvCache, KvCache, append_kv};
@@ -43,3 +44,4 @@ pub use recompute_attention::RecomputeAttention;
 pub use rope::{Rope, RopeScaling};
 pub use sampling::{Greedy, Sampler, SamplingConfig, TopKTopP};
 pub use static_cache::{IndexedWrite, StaticCacheError, StaticKvCache};
+pub use train_ops::{TrainLayerGrads, TrainLayerKernels, TrainOps};

@@ -375,6 +375,12 @@ impl AttentionImpl for RecomputeAttention {
         "recompute".into()
     }
 
+    /// [`crate::TrainOps`]: RMSNorm, the SwiGLU gate and RoPE as differentiable kernels (CUDA,
+    /// f16/bf16), the tensor ops elsewhere.
+    fn layer_ops(&self) -> Option<&dyn crate::layer_ops::LayerOps> {
+        Some(&crate::train_ops::TrainOps)
+    }
+
     fn attend(
         &self,
         layer: usize,

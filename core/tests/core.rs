@@ -27,6 +27,9 @@ use caches::{full_cache_decode_equals_one_shot, static_cache_equals_one_shot};
 #[path = "core/attention_grad.rs"]
 mod attention_grad;
 #[cfg(feature = "cuda")]
+#[path = "core/train_ops.rs"]
+mod train_ops;
+#[cfg(feature = "cuda")]
 use attention_grad::{
     flash_attention_gradients_match_reference, fused_attention_gradients_match_reference,
     fused_attention_keeps_no_scores, recompute_attention_gradients_match_reference,
@@ -334,6 +337,11 @@ mod cuda_training {
     #[test]
     fn flash_attention_gradients_match_reference() {
         super::flash_attention_gradients_match_reference(&device());
+    }
+
+    #[test]
+    fn train_ops_match_tensor_ops() {
+        super::train_ops::train_ops_match_tensor_ops(&device());
     }
 
     #[test]
