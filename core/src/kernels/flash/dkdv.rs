@@ -48,6 +48,7 @@ pub(super) fn flash_dkdv_kernel<P: Float, N2: Size>(
     let tid = plane * 32 + lane;
     let first = k0 + plane * 16;
     let row = first + lane / 4;
+    let t = lane % 4;
 
     let mut kf = Array::<Vector<P, N2>>::new(comptime!(dim / 4));
     let mut vf = Array::<Vector<P, N2>>::new(comptime!(dim / 4));
@@ -108,19 +109,22 @@ pub(super) fn flash_dkdv_kernel<P: Float, N2: Size>(
             sync_cube();
             rows_product::<P, N2>(&kf, &q_sm, &mut st, lane, dim);
             rows_product::<P, N2>(&vf, &do_sm, &mut dpt, lane, dim);
-            key_rows_gradients::<P, N2>(
-                &st,
-                &dpt,
-                &mut p,
-                &mut ds,
-                &lse_sm,
-                &delta_sm,
-                &args,
-                row,
-                q0,
-                lane % 4,
-                causal,
-            );
+            // Every query of the tile exists and sees every key of the plane: no mask.
+            let mut full = q0 + TILE <= args.sq;
+            if causal {
+                full = full && first + 16 <= q0 + args.offset + 1;
+            }
+            if full {
+                key_rows_gradients::<P, N2>(
+                    &st, &dpt, &mut p, &mut ds, &lse_sm, &delta_sm, &args, row, q0, t, causal,
+                    false,
+                );
+            } else {
+                key_rows_gradients::<P, N2>(
+                    &st, &dpt, &mut p, &mut ds, &lse_sm, &delta_sm, &args, row, q0, t, causal,
+                    true,
+                );
+            }
             accumulate::<P, N2>(&p, &dot_sm, &mut dv_acc, lane, dim);
             accumulate::<P, N2>(&ds, &qt_sm, &mut dk_acc, lane, dim);
             q0 += TILE;

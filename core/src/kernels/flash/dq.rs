@@ -1,7 +1,9 @@
 //! The query-owned walk: one cube per `(batch · q_head, tile of TILE queries)`, one plane per 16
 //! queries, walking the key tiles the queries see. Per key tile: `S = Q·Kᵀ` and `dP = dO·Vᵀ`
 //! (Q and dO fragments held in registers for the whole walk), `dS = P ⊙ (dP − Δ)` on the
-//! registers, `dQ += dS·K`. `dQ · scale` is written once at the end.
+//! registers, `dQ += dS·K`. `dQ · scale` is written once at the end. Before the walk each plane
+//! computes `Δ = rowsum(dO ⊙ O)` of its rows from register fragments and writes it for
+//! [`super::dkdv`], which runs after this walk.
 
 use cubecl::prelude::*;
 
@@ -18,14 +20,16 @@ pub(super) fn flash_dq_kernel<P: Float, N2: Size>(
     k: &Tensor<Vector<P, N2>>,
     v: &Tensor<Vector<P, N2>>,
     dout: &Tensor<Vector<P, N2>>,
+    out: &Tensor<Vector<P, N2>>,
     lse: &Tensor<f32>,
-    delta: &Tensor<f32>,
+    delta: &mut Tensor<f32>,
     dq: &mut Tensor<P>,
     args: FlashArgs,
     q_rows: Rows,
     k_rows: Rows,
     v_rows: Rows,
     do_rows: Rows,
+    o_rows: Rows,
     dq_rows: Rows,
     #[comptime] dim: usize,
     #[comptime] causal: bool,
@@ -54,16 +58,38 @@ pub(super) fn flash_dq_kernel<P: Float, N2: Size>(
     a_fragments::<P, N2>(dout, do_base, do_rows.row, first, args.sq, lane, &mut dof, dim);
     let k_base = head_base(&k_rows, bhk, args.hkv);
     let v_base = head_base(&v_rows, bhk, args.hkv);
+    // Δ = rowsum(dO ⊙ O) of the plane's rows from the lane's fragments (rows `g`, `g + 8`:
+    // fragments `j` even and odd), summed over the 4 lanes of a row; written for `dkdv`.
+    let t = lane % 4;
+    let mut of = Array::<Vector<P, N2>>::new(comptime!(dim / 4));
+    let o_base = head_base(&o_rows, bh, args.hq);
+    a_fragments::<P, N2>(out, o_base, o_rows.row, first, args.sq, lane, &mut of, dim);
     let mut row_lse = Array::<f32>::new(2usize);
     let mut row_delta = Array::<f32>::new(2usize);
     #[unroll]
     for v in 0..2usize {
+        let mut d = f32::new(0.0);
+        #[unroll]
+        for kk in 0..comptime!(dim / 16) {
+            #[unroll]
+            for h in 0..2usize {
+                let a = dof[kk * 4 + 2 * h + v];
+                let b = of[kk * 4 + 2 * h + v];
+                #[unroll]
+                for e in 0..2usize {
+                    d += f32::cast_from(a.extract(e)) * f32::cast_from(b.extract(e));
+                }
+            }
+        }
+        d += plane_shuffle_xor(d, 1u32);
+        d += plane_shuffle_xor(d, 2u32);
         let r = row + 8 * v;
         let mut l = f32::new(0.0);
-        let mut d = f32::new(0.0);
         if r < args.sq {
             l = lse[bh * args.sq + r];
-            d = delta[bh * args.sq + r];
+            if t == 0 {
+                delta[bh * args.sq + r] = d;
+            }
         }
         row_lse[v] = l;
         row_delta[v] = d;
@@ -105,18 +131,19 @@ pub(super) fn flash_dq_kernel<P: Float, N2: Size>(
         sync_cube();
         rows_product::<P, N2>(&qf, &k_sm, &mut s, lane, dim);
         rows_product::<P, N2>(&dof, &v_sm, &mut dp, lane, dim);
-        query_rows_gradients::<P, N2>(
-            &s,
-            &dp,
-            &mut ds,
-            &row_lse,
-            &row_delta,
-            &args,
-            row,
-            kv0,
-            lane % 4,
-            causal,
-        );
+        let mut full = kv0 + TILE <= args.skv;
+        if causal {
+            full = full && kv0 + TILE <= first + args.offset + 1;
+        }
+        if full {
+            query_rows_gradients::<P, N2>(
+                &s, &dp, &mut ds, &row_lse, &row_delta, &args, row, kv0, t, causal, false,
+            );
+        } else {
+            query_rows_gradients::<P, N2>(
+                &s, &dp, &mut ds, &row_lse, &row_delta, &args, row, kv0, t, causal, true,
+            );
+        }
         accumulate::<P, N2>(&ds, &kt_sm, &mut acc, lane, dim);
         kv0 += TILE;
     }

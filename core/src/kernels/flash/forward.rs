@@ -89,9 +89,20 @@ pub(super) fn flash_forward_kernel<P: Float, N2: Size>(
         );
         sync_cube();
         rows_product::<P, N2>(&qf, &k_sm, &mut s, lane, dim);
-        online_softmax::<P, N2>(
-            &mut s, &mut p, &mut m, &mut l, &mut acc, &args, row, kv0, t, dim, causal,
-        );
+        // Every key of the tile exists and every query of the plane sees it: no mask.
+        let mut full = kv0 + TILE <= args.skv;
+        if causal {
+            full = full && kv0 + TILE <= first + args.offset + 1;
+        }
+        if full {
+            online_softmax::<P, N2>(
+                &mut s, &mut p, &mut m, &mut l, &mut acc, &args, row, kv0, t, dim, causal, false,
+            );
+        } else {
+            online_softmax::<P, N2>(
+                &mut s, &mut p, &mut m, &mut l, &mut acc, &args, row, kv0, t, dim, causal, true,
+            );
+        }
         accumulate::<P, N2>(&p, &vt_sm, &mut acc, lane, dim);
         kv0 += TILE;
     }

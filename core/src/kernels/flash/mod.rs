@@ -4,10 +4,13 @@
 //! writes a `seq²` tensor.
 //!
 //! - [`forward`]: owned by the queries, `O` and the log-sum-exp (online softmax);
+//! - [`dq`]: owned by the queries, `dQ`, and first `Δ = rowsum(dO ⊙ O)` in f32 from the
+//!   register fragments, which it writes for the next launch;
 //! - [`dkdv`]: owned by the keys, `dK` and `dV` (the query heads of a group summed in
-//!   registers);
-//! - [`dq`]: owned by the queries, `dQ`;
-//! - before the backward walks, `Δ = rowsum(dO ⊙ O)` in f32 (one unit per query row).
+//!   registers).
+//!
+//! Each walk masks only the tiles that need it (a tail, or a causal diagonal): a tile whose
+//! every query sees every key skips the per-element test.
 //!
 //! The backward walks compute `S` and `dP` again (seven products a tile in all, as
 //! FlashAttention-2 without atomics); every fragment of `P` and `dS` goes from one product's
@@ -39,9 +42,9 @@ use burn_cubecl::{
     tensor::CubeTensor,
 };
 use cubecl::ir::{ElemType, FloatKind, features::MmaConfig};
-use cubecl::{calculate_cube_count_elemwise, prelude::*};
+use cubecl::prelude::*;
 
-use super::{UNITS, row_grid};
+use super::row_grid;
 
 /// Rows a cube owns (keys in [`dkdv`], queries in [`dq`]) and rows of the tiles it walks.
 pub(crate) const TILE: usize = 64;
@@ -173,34 +176,6 @@ pub fn unsupported(
     None
 }
 
-/// `Δ = rowsum(dO ⊙ O)` in f32, one unit per query row (`batch · q_heads · sq` rows).
-#[cube(launch)]
-fn delta_kernel<F: Float>(
-    out: &Tensor<F>,
-    dout: &Tensor<F>,
-    delta: &mut Tensor<f32>,
-    sq: usize,
-    heads: usize,
-    out_rows: Rows,
-    do_rows: Rows,
-    #[comptime] dim: usize,
-    #[define(F)] _dtype: ElemType,
-) {
-    let row = ABSOLUTE_POS;
-    if row >= delta.len() {
-        terminate!();
-    }
-    let (bh, r) = (row / sq, row % sq);
-    let o = stages::head_base(&out_rows, bh, heads) + r * out_rows.row;
-    let g = stages::head_base(&do_rows, bh, heads) + r * do_rows.row;
-    let mut sum = f32::new(0.0);
-    #[unroll]
-    for c in 0..dim {
-        sum += f32::cast_from(out[o + c]) * f32::cast_from(dout[g + c]);
-    }
-    delta[row] = sum;
-}
-
 fn flash_args(b: usize, hq: usize, hkv: usize, sq: usize, skv: usize, causal: bool, scale: f64) -> FlashArgsLaunch {
     FlashArgsLaunch::new(
         b * hq,
@@ -318,23 +293,7 @@ pub fn flash_backward(
         Shape::new([b, hq, sq]),
         DType::F32,
     );
-    let rows = b * hq * sq;
-    let cube_dim = CubeDim::new_1d(UNITS);
     let storage = dtype_to_storage_type(dtype);
-    delta_kernel::launch(
-        &client,
-        calculate_cube_count_elemwise(&client, rows.max(1), cube_dim),
-        cube_dim,
-        out.into_tensor_arg(),
-        dout.clone().into_tensor_arg(),
-        delta.clone().into_tensor_arg(),
-        sq,
-        hq,
-        out_rows.launch(),
-        do_rows.launch(),
-        d,
-        storage,
-    );
     let (dq, dq_rows) = token_major(&q, [b, hq, sq, d], dtype);
     let (dk, dkv_rows) = token_major(&q, [b, hkv, skv, d], dtype);
     let (dv, _) = token_major(&q, [b, hkv, skv, d], dtype);
@@ -342,32 +301,33 @@ pub fn flash_backward(
     // SAFETY: rows are read only below their lengths (zeros past them), shared tiles within
     // their declared sizes, and the outputs written only for rows below their lengths.
     unsafe {
-        dkdv::flash_dkdv_kernel::launch_unchecked(
+        dq::flash_dq_kernel::launch_unchecked(
             &client,
-            row_grid(&client, b * hkv * skv.div_ceil(TILE)),
+            row_grid(&client, b * hq * sq.div_ceil(TILE)),
             planes,
             2,
             q.clone().into_tensor_arg(),
             k.clone().into_tensor_arg(),
             v.clone().into_tensor_arg(),
             dout.clone().into_tensor_arg(),
+            out.into_tensor_arg(),
             lse.clone().into_tensor_arg(),
             delta.clone().into_tensor_arg(),
-            dk.clone().into_tensor_arg(),
-            dv.clone().into_tensor_arg(),
+            dq.clone().into_tensor_arg(),
             flash_args(b, hq, hkv, sq, skv, causal, scale),
             q_rows.launch(),
             k_rows.launch(),
             v_rows.launch(),
             do_rows.launch(),
-            dkv_rows.launch(),
+            out_rows.launch(),
+            dq_rows.launch(),
             d,
             causal,
             storage,
         );
-        dq::flash_dq_kernel::launch_unchecked(
+        dkdv::flash_dkdv_kernel::launch_unchecked(
             &client,
-            row_grid(&client, b * hq * sq.div_ceil(TILE)),
+            row_grid(&client, b * hkv * skv.div_ceil(TILE)),
             planes,
             2,
             q.into_tensor_arg(),
@@ -376,13 +336,14 @@ pub fn flash_backward(
             dout.into_tensor_arg(),
             lse.into_tensor_arg(),
             delta.into_tensor_arg(),
-            dq.clone().into_tensor_arg(),
+            dk.clone().into_tensor_arg(),
+            dv.clone().into_tensor_arg(),
             flash_args(b, hq, hkv, sq, skv, causal, scale),
             q_rows.launch(),
             k_rows.launch(),
             v_rows.launch(),
             do_rows.launch(),
-            dq_rows.launch(),
+            dkv_rows.launch(),
             d,
             causal,
             storage,

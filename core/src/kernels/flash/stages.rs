@@ -185,12 +185,22 @@ pub fn accumulate<P: Float, N2: Size>(
 }
 
 /// Whether query `query` sees key `key`: both exist and, with a causal mask (bottom-right:
-/// `offset = skv − sq`), the key is not after the query's diagonal.
+/// `offset = skv − sq`), the key is not after the query's diagonal. Without `masked` (a tile
+/// whose every query sees every key, checked once a tile by the caller) always.
 #[cube]
-pub fn visible(args: &FlashArgs, query: usize, key: usize, #[comptime] causal: bool) -> bool {
-    let mut seen = query < args.sq && key < args.skv;
-    if causal {
-        seen = seen && key <= query + args.offset;
+pub fn visible(
+    args: &FlashArgs,
+    query: usize,
+    key: usize,
+    #[comptime] causal: bool,
+    #[comptime] masked: bool,
+) -> bool {
+    let mut seen = true;
+    if masked {
+        seen = query < args.sq && key < args.skv;
+        if causal {
+            seen = seen && key <= query + args.offset;
+        }
     }
     seen
 }
@@ -211,6 +221,7 @@ pub fn query_rows_gradients<P: Float, N2: Size>(
     col0: usize,
     t: usize,
     #[comptime] causal: bool,
+    #[comptime] masked: bool,
 ) {
     #[unroll]
     for n in 0..comptime!(TILE / 8) {
@@ -224,7 +235,7 @@ pub fn query_rows_gradients<P: Float, N2: Size>(
                 let key = col0 + n * 8 + 2 * t + e;
                 let p = f32::exp(sv.extract(e) * args.scale - lse[v]);
                 let g = p * (dv.extract(e) - delta[v]);
-                let g = select(visible(args, row + 8 * v, key, causal), g, f32::new(0.0));
+                let g = select(visible(args, row + 8 * v, key, causal, masked), g, f32::new(0.0));
                 out.insert(e, P::cast_from(g));
             }
             ds[n * 2 + v] = out;
@@ -250,6 +261,7 @@ pub fn key_rows_gradients<P: Float, N2: Size>(
     col0: usize,
     t: usize,
     #[comptime] causal: bool,
+    #[comptime] masked: bool,
 ) {
     #[unroll]
     for n in 0..comptime!(TILE / 8) {
@@ -262,7 +274,7 @@ pub fn key_rows_gradients<P: Float, N2: Size>(
             #[unroll]
             for e in 0..2usize {
                 let c = n * 8 + 2 * t + e;
-                let seen = visible(args, col0 + c, row + 8 * v, causal);
+                let seen = visible(args, col0 + c, row + 8 * v, causal, masked);
                 let pe = select(
                     seen,
                     f32::exp(sv.extract(e) * args.scale - lse_sm[c]),
@@ -342,6 +354,7 @@ pub fn online_softmax<P: Float, N2: Size>(
     t: usize,
     #[comptime] dim: usize,
     #[comptime] causal: bool,
+    #[comptime] masked: bool,
 ) {
     #[unroll]
     for v in 0..2usize {
@@ -354,7 +367,7 @@ pub fn online_softmax<P: Float, N2: Size>(
             #[unroll]
             for e in 0..2usize {
                 let key = col0 + n * 8 + 2 * t + e;
-                let seen = visible(args, query, key, causal);
+                let seen = visible(args, query, key, causal, masked);
                 let xe = select(seen, sv.extract(e) * args.scale, f32::new(-1.0e30));
                 mx = f32::max(mx, xe);
                 x.insert(e, xe);
