@@ -112,7 +112,8 @@ fn options(causal: bool, scale: Option<f64>) -> AttentionModuleOptions {
 }
 
 /// [`recompute_attention`] as a Burn backend extension. Without autodiff it is the forward alone
-/// ([`HalfAttention::half_attention_forward`] for 16-bit operands, Burn's `attention` for f32);
+/// (the flash forward kernel for 16-bit operands where it takes them, Burn's `attention` op
+/// elsewhere);
 /// `Autodiff<B>` runs that forward with the log-sum-exp (`B::attention_with_logsumexp` for f32)
 /// and a backward that recomputes the probabilities: Burn's `attention_backward_default` for
 /// f32 operands, [`HalfAttention::half_attention_backward`] for 16-bit ones.
@@ -154,12 +155,16 @@ impl RecomputeAttentionOps for burn_cubecl::CubeBackend {
         causal: bool,
         scale: Option<f64>,
     ) -> FloatTensor<Self> {
+        use crate::kernels::flash::flash_forward;
         use burn::backend::ops::ModuleOps;
-        if q.dtype() == DType::F32 {
-            return Self::attention(q, k, v, None, None, options(causal, scale));
+        if q.dtype() != DType::F32 {
+            let s = resolve_scale::<Self>(scale, &q);
+            if let Some((out, _)) = flash_forward(q.clone(), k.clone(), v.clone(), causal, s) {
+                count_launch(FLASH_FORWARD);
+                return out;
+            }
         }
-        let scale = resolve_scale::<Self>(scale, &q);
-        Self::half_attention_forward(q, k, v, causal, scale).0
+        Self::attention(q, k, v, None, None, options(causal, scale))
     }
 }
 

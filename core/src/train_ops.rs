@@ -39,8 +39,11 @@ pub trait TrainLayerKernels: Backend {
     /// # Shapes
     /// - `x`: `[..., cols]`, `gamma`: `[cols]` in `x`'s dtype; returns `x`'s shape
     #[fusion(dtype = x, shape = x)]
-    fn train_rms_norm(x: FloatTensor<Self>, gamma: FloatTensor<Self>, eps: f64)
-    -> FloatTensor<Self>;
+    fn train_rms_norm(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        eps: f64,
+    ) -> FloatTensor<Self>;
 
     /// `silu(gate) · up`.
     ///
@@ -270,7 +273,11 @@ impl<B: TrainLayerKernels + TrainLayerGrads, C: CheckpointStrategy> TrainLayerKe
         let (x, x_node) = x.into_parts();
         let cos = cos.into_primitive();
         let sin = sin.into_primitive();
-        match RopeBackward.prepare::<C>([x_node]).compute_bound().stateful() {
+        match RopeBackward
+            .prepare::<C>([x_node])
+            .compute_bound()
+            .stateful()
+        {
             OpsKind::Tracked(prep) => {
                 let out = B::train_rope(x, positions.clone(), cos.clone(), sin.clone());
                 prep.finish((positions, cos, sin), out)

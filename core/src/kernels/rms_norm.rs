@@ -288,11 +288,8 @@ pub fn rms_norm_backward(
     let dx = empty_device_contiguous_dtype(client.clone(), x.device.clone(), shape, dtype);
     let blocks = rows.div_ceil(BACKWARD_ROWS);
     if blocks == 0 || cols == 0 {
-        let dgamma = CubeBackend::float_zeros(
-            Shape::new([cols]),
-            &x.device,
-            burn::tensor::FloatDType::F32,
-        );
+        let dgamma =
+            CubeBackend::float_zeros(Shape::new([cols]), &x.device, burn::tensor::FloatDType::F32);
         return (dx, dgamma);
     }
     let partial = empty_device_contiguous_dtype(

@@ -86,9 +86,8 @@ pub fn silu_mul_backward(
     let n = shape.num_elements();
     let client = gate.client.clone();
     let dtype = gate.dtype;
-    let new = || {
-        empty_device_contiguous_dtype(client.clone(), gate.device.clone(), shape.clone(), dtype)
-    };
+    let new =
+        || empty_device_contiguous_dtype(client.clone(), gate.device.clone(), shape.clone(), dtype);
     let (dgate, dup) = (new(), new());
     if n == 0 {
         return (dgate, dup);

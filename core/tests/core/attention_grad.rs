@@ -206,7 +206,14 @@ fn forward_matches_reference(
             attention.name()
         );
         let len = sq.max(skv) * d;
-        check(&name, &run(attention), &run(&ReferenceAttention), dtype, len, device);
+        check(
+            &name,
+            &run(attention),
+            &run(&ReferenceAttention),
+            dtype,
+            len,
+            device,
+        );
     }
 }
 

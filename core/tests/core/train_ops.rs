@@ -101,7 +101,9 @@ fn silu_mul_case(dtype: DType, shape: [usize; 3], seed: u64, device: &Device) {
     let n: usize = shape.iter().product();
     poison(&[n, n, n], dtype, device);
     let (before, bwd) = (launches("train_silu_mul"), launches("silu_mul_backward"));
-    let (out, [dg, du]) = run([gate.clone(), up.clone()], &g, |[a, b]| TrainOps.silu_mul(a, b));
+    let (out, [dg, du]) = run([gate.clone(), up.clone()], &g, |[a, b]| {
+        TrainOps.silu_mul(a, b)
+    });
     let f32s = [gate, up].map(|t| t.cast(DType::F32));
     let (r_out, [r_dg, r_du]) = run(f32s, &g, |[a, b]| TensorOps.silu_mul(a, b));
     let name = format!("silu_mul {shape:?}");

@@ -8,8 +8,8 @@
 use cubecl::prelude::*;
 
 use super::stages::{
-    a_fragments, accumulate, head_base, key_rows_gradients, rows_product, store_tile,
-    write_rows, zero,
+    a_fragments, accumulate, head_base, key_rows_gradients, rows_product, store_tile, write_rows,
+    zero,
 };
 use super::{FlashArgs, PAD, Rows, TILE};
 
@@ -94,7 +94,16 @@ pub(super) fn flash_dkdv_kernel<P: Float, N2: Size>(
                 q, q_at, q_rows.row, valid, &mut q_sm, &mut qt_sm, tid, dim, true, true,
             );
             store_tile::<P, N2>(
-                dout, do_at, do_rows.row, valid, &mut do_sm, &mut dot_sm, tid, dim, true, true,
+                dout,
+                do_at,
+                do_rows.row,
+                valid,
+                &mut do_sm,
+                &mut dot_sm,
+                tid,
+                dim,
+                true,
+                true,
             );
             if tid < TILE {
                 let mut l = f32::new(0.0);
@@ -121,8 +130,7 @@ pub(super) fn flash_dkdv_kernel<P: Float, N2: Size>(
                 );
             } else {
                 key_rows_gradients::<P, N2>(
-                    &st, &dpt, &mut p, &mut ds, &lse_sm, &delta_sm, &args, row, q0, t, causal,
-                    true,
+                    &st, &dpt, &mut p, &mut ds, &lse_sm, &delta_sm, &args, row, q0, t, causal, true,
                 );
             }
             accumulate::<P, N2>(&p, &dot_sm, &mut dv_acc, lane, dim);
@@ -134,8 +142,28 @@ pub(super) fn flash_dkdv_kernel<P: Float, N2: Size>(
     let mut factor = Array::<f32>::new(2usize);
     factor[0] = args.scale;
     factor[1] = args.scale;
-    write_rows::<P, N2>(&dk_acc, dk, base, dkv_rows.row, first, args.skv, &factor, lane, dim);
+    write_rows::<P, N2>(
+        &dk_acc,
+        dk,
+        base,
+        dkv_rows.row,
+        first,
+        args.skv,
+        &factor,
+        lane,
+        dim,
+    );
     factor[0] = f32::new(1.0);
     factor[1] = f32::new(1.0);
-    write_rows::<P, N2>(&dv_acc, dv, base, dkv_rows.row, first, args.skv, &factor, lane, dim);
+    write_rows::<P, N2>(
+        &dv_acc,
+        dv,
+        base,
+        dkv_rows.row,
+        first,
+        args.skv,
+        &factor,
+        lane,
+        dim,
+    );
 }

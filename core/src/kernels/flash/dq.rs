@@ -8,8 +8,8 @@
 use cubecl::prelude::*;
 
 use super::stages::{
-    a_fragments, accumulate, head_base, query_rows_gradients, rows_product, store_tile,
-    write_rows, zero,
+    a_fragments, accumulate, head_base, query_rows_gradients, rows_product, store_tile, write_rows,
+    zero,
 };
 use super::{FlashArgs, PAD, Rows, TILE};
 
@@ -55,7 +55,16 @@ pub(super) fn flash_dq_kernel<P: Float, N2: Size>(
     let q_base = head_base(&q_rows, bh, args.hq);
     let do_base = head_base(&do_rows, bh, args.hq);
     a_fragments::<P, N2>(q, q_base, q_rows.row, first, args.sq, lane, &mut qf, dim);
-    a_fragments::<P, N2>(dout, do_base, do_rows.row, first, args.sq, lane, &mut dof, dim);
+    a_fragments::<P, N2>(
+        dout,
+        do_base,
+        do_rows.row,
+        first,
+        args.sq,
+        lane,
+        &mut dof,
+        dim,
+    );
     let k_base = head_base(&k_rows, bhk, args.hkv);
     let v_base = head_base(&v_rows, bhk, args.hkv);
     // Δ = rowsum(dO ⊙ O) of the plane's rows from the lane's fragments (rows `g`, `g + 8`:

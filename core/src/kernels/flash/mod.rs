@@ -176,7 +176,15 @@ pub fn unsupported(
     None
 }
 
-fn flash_args(b: usize, hq: usize, hkv: usize, sq: usize, skv: usize, causal: bool, scale: f64) -> FlashArgsLaunch {
+fn flash_args(
+    b: usize,
+    hq: usize,
+    hkv: usize,
+    sq: usize,
+    skv: usize,
+    causal: bool,
+    scale: f64,
+) -> FlashArgsLaunch {
     FlashArgsLaunch::new(
         b * hq,
         hq,
@@ -284,8 +292,13 @@ pub fn flash_backward(
     }
     let [b, hq, sq, d] = qs.dims::<4>();
     let [_, hkv, skv, _] = ks.dims::<4>();
-    let [(q, q_rows), (k, k_rows), (v, v_rows), (out, out_rows), (dout, do_rows)] =
-        [q, k, v, out, dout].map(readable);
+    let [
+        (q, q_rows),
+        (k, k_rows),
+        (v, v_rows),
+        (out, out_rows),
+        (dout, do_rows),
+    ] = [q, k, v, out, dout].map(readable);
     let lse = into_contiguous(lse);
     let delta = empty_device_contiguous_dtype(
         client.clone(),

@@ -235,7 +235,11 @@ pub fn query_rows_gradients<P: Float, N2: Size>(
                 let key = col0 + n * 8 + 2 * t + e;
                 let p = f32::exp(sv.extract(e) * args.scale - lse[v]);
                 let g = p * (dv.extract(e) - delta[v]);
-                let g = select(visible(args, row + 8 * v, key, causal, masked), g, f32::new(0.0));
+                let g = select(
+                    visible(args, row + 8 * v, key, causal, masked),
+                    g,
+                    f32::new(0.0),
+                );
                 out.insert(e, P::cast_from(g));
             }
             ds[n * 2 + v] = out;
@@ -341,7 +345,8 @@ pub fn zero<N2: Size>(acc: &mut Array<Vector<f32, N2>>, #[comptime] dim: usize) 
 /// A hidden score is `-1e30`, a finite "minus infinity": its probability is selected away, so
 /// no infinity reaches the arithmetic.
 #[cube]
-#[allow(clippy::too_many_arguments)]
+// `acc[i] = acc[i] * scale` as run on the GPU (the `*=` form was not tested there).
+#[allow(clippy::too_many_arguments, clippy::assign_op_pattern)]
 pub fn online_softmax<P: Float, N2: Size>(
     s: &mut Array<Vector<f32, N2>>,
     p: &mut Array<Vector<P, N2>>,
