@@ -171,11 +171,23 @@ fn step_times(
         },
     )
     .map_err(|e| e.to_string())?;
-    let times_ms: Vec<f64> = stamps
+    let intervals: Vec<f64> = stamps
         .windows(2)
+        .map(|w| (w[1] - w[0]).as_secs_f64() * 1e3)
+        .collect();
+    // Every interval, warm-up included, for the log: a stalled step shows where it falls.
+    let shown: Vec<String> = intervals.iter().map(|t| format!("{t:.1}")).collect();
+    eprintln!(
+        "    {} GPU(s), batch {batch}: step intervals ms [{}] (timed: {}..{})",
+        devices.len(),
+        shown.join(", "),
+        WARMUP_STEPS - 1,
+        WARMUP_STEPS - 1 + reps
+    );
+    let times_ms = intervals
+        .into_iter()
         .skip(WARMUP_STEPS - 1)
         .take(reps)
-        .map(|w| (w[1] - w[0]).as_secs_f64() * 1e3)
         .collect();
     Ok(PeerRun::from(times_ms))
 }

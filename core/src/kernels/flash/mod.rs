@@ -85,14 +85,15 @@ impl Rows {
     /// The strides of `t` where the kernels read it in place: adjacent channels, even strides
     /// and a 4-byte aligned start (rows are read in pairs of 16-bit elements).
     fn of(t: &CubeTensor) -> Option<Rows> {
-        let s = t.meta.strides();
+        let (shape, strides) = (t.meta.shape(), t.meta.strides());
+        if shape.num_dims() != 4 || strides.len() != 4 || strides[3] != 1 {
+            return None;
+        }
+        // A dimension of size 1 is never stepped over, whatever its stride.
+        let [batch, head, row] = [0, 1, 2].map(|i| if shape[i] == 1 { 0 } else { strides[i] });
+        let even = [batch, head, row].iter().all(|x| x % 2 == 0);
         let offset = t.handle.offset_start.unwrap_or(0);
-        let even = s[..3].iter().all(|x| x % 2 == 0);
-        (s.len() == 4 && s[3] == 1 && even && offset.is_multiple_of(4)).then(|| Rows {
-            batch: s[0],
-            head: s[1],
-            row: s[2],
-        })
+        (even && offset.is_multiple_of(4)).then_some(Rows { batch, head, row })
     }
 
     /// A `[batch, seq, heads, dim]` buffer's rows.
@@ -110,14 +111,20 @@ impl Rows {
 }
 
 /// `t` and its [`Rows`], copied to a contiguous layout first where the kernels cannot read it in
-/// place.
-fn readable(t: CubeTensor) -> (CubeTensor, Rows) {
+/// place; `None` where even the copy cannot be read (a start not 4-byte aligned).
+fn readable(t: CubeTensor) -> Option<(CubeTensor, Rows)> {
     if let Some(rows) = Rows::of(&t) {
-        return (t, rows);
+        return Some((t, rows));
     }
     let t = into_contiguous(t);
-    let rows = Rows::of(&t).expect("a contiguous head-dim-64 tensor is readable in place");
-    (t, rows)
+    Rows::of(&t).map(|rows| (t, rows))
+}
+
+/// [`readable`] of every operand, or why not.
+fn readable_all<const N: usize>(ts: [CubeTensor; N]) -> Result<[(CubeTensor, Rows); N], String> {
+    let read: Vec<_> = ts.into_iter().filter_map(readable).collect();
+    read.try_into()
+        .map_err(|_| "an operand whose start is not 4-byte aligned".to_string())
 }
 
 /// An uninitialised `[batch, seq, heads, dim]` buffer, viewed as `[batch, heads, seq, dim]`, and
@@ -224,7 +231,13 @@ pub fn flash_forward(
     }
     let [b, hq, sq, d] = qs.dims::<4>();
     let [_, hkv, skv, _] = ks.dims::<4>();
-    let [(q, q_rows), (k, k_rows), (v, v_rows)] = [q, k, v].map(readable);
+    let [(q, q_rows), (k, k_rows), (v, v_rows)] = match readable_all([q, k, v]) {
+        Ok(read) => read,
+        Err(why) => {
+            log::debug!("flash attention forward declined: {why}");
+            return None;
+        }
+    };
     let (out, out_rows) = token_major(&q, [b, hq, sq, d], dtype);
     let lse = empty_device_contiguous_dtype(
         client.clone(),
@@ -298,7 +311,13 @@ pub fn flash_backward(
         (v, v_rows),
         (out, out_rows),
         (dout, do_rows),
-    ] = [q, k, v, out, dout].map(readable);
+    ] = match readable_all([q, k, v, out, dout]) {
+        Ok(read) => read,
+        Err(why) => {
+            log::debug!("flash attention backward declined: {why}");
+            return None;
+        }
+    };
     let lse = into_contiguous(lse);
     let delta = empty_device_contiguous_dtype(
         client.clone(),
