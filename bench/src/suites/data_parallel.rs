@@ -184,7 +184,7 @@ fn step_times(
         WARMUP_STEPS - 1,
         WARMUP_STEPS - 1 + reps
     );
-    let times_ms = intervals
+    let times_ms: Vec<f64> = intervals
         .into_iter()
         .skip(WARMUP_STEPS - 1)
         .take(reps)
