@@ -8,8 +8,8 @@
 use cubecl::prelude::*;
 
 use super::stages::{
-    a_fragments, accumulate, head_base, query_rows_gradients, rows_product, store_tile, write_rows,
-    zero,
+    a_fragments, accumulate, head_base, keys_end, query_rows_gradients, rows_product,
+    sees_key_tile, store_tile, write_rows, zero,
 };
 use super::{FlashArgs, PAD, Rows, TILE};
 
@@ -116,14 +116,7 @@ pub(super) fn flash_dq_kernel<P: Float, N2: Size>(
     let mut dp = Array::<Vector<f32, N2>>::new(comptime!(TILE / 4));
     let mut ds = Array::<Vector<P, N2>>::new(comptime!(TILE / 4));
 
-    let mut kv_end = args.skv;
-    if causal {
-        let mut last = q0 + TILE;
-        if last > args.sq {
-            last = args.sq;
-        }
-        kv_end = last + args.offset;
-    }
+    let kv_end = keys_end(&args, q0, causal);
     let mut kv0 = 0usize;
     while kv0 < kv_end {
         sync_cube();
@@ -140,11 +133,7 @@ pub(super) fn flash_dq_kernel<P: Float, N2: Size>(
         sync_cube();
         rows_product::<P, N2>(&qf, &k_sm, &mut s, lane, dim);
         rows_product::<P, N2>(&dof, &v_sm, &mut dp, lane, dim);
-        let mut full = kv0 + TILE <= args.skv;
-        if causal {
-            full = full && kv0 + TILE <= first + args.offset + 1;
-        }
-        if full {
+        if sees_key_tile(&args, kv0, first, causal) {
             query_rows_gradients::<P, N2>(
                 &s, &dp, &mut ds, &row_lse, &row_delta, &args, row, kv0, t, causal, false,
             );

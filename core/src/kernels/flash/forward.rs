@@ -8,8 +8,8 @@
 use cubecl::prelude::*;
 
 use super::stages::{
-    a_fragments, accumulate, head_base, online_softmax, rows_product, softmax_start, store_tile,
-    write_rows, zero,
+    a_fragments, accumulate, head_base, keys_end, online_softmax, rows_product, sees_key_tile,
+    softmax_start, store_tile, write_rows, zero,
 };
 use super::{FlashArgs, PAD, Rows, TILE};
 
@@ -65,14 +65,7 @@ pub(super) fn flash_forward_kernel<P: Float, N2: Size>(
     let mut s = Array::<Vector<f32, N2>>::new(comptime!(TILE / 4));
     let mut p = Array::<Vector<P, N2>>::new(comptime!(TILE / 4));
 
-    let mut kv_end = args.skv;
-    if causal {
-        let mut last = q0 + TILE;
-        if last > args.sq {
-            last = args.sq;
-        }
-        kv_end = last + args.offset;
-    }
+    let kv_end = keys_end(&args, q0, causal);
     let mut kv0 = 0usize;
     while kv0 < kv_end {
         sync_cube();
@@ -89,12 +82,7 @@ pub(super) fn flash_forward_kernel<P: Float, N2: Size>(
         );
         sync_cube();
         rows_product::<P, N2>(&qf, &k_sm, &mut s, lane, dim);
-        // Every key of the tile exists and every query of the plane sees it: no mask.
-        let mut full = kv0 + TILE <= args.skv;
-        if causal {
-            full = full && kv0 + TILE <= first + args.offset + 1;
-        }
-        if full {
+        if sees_key_tile(&args, kv0, first, causal) {
             online_softmax::<P, N2>(
                 &mut s, &mut p, &mut m, &mut l, &mut acc, &args, row, kv0, t, dim, causal, false,
             );

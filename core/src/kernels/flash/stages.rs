@@ -205,6 +205,32 @@ pub fn visible(
     seen
 }
 
+/// The end of the keys a tile of queries `q0 .. q0 + TILE` sees: all of them, or with a causal
+/// mask those up to the last query's diagonal.
+#[cube]
+pub fn keys_end(args: &FlashArgs, q0: usize, #[comptime] causal: bool) -> usize {
+    let mut end = args.skv;
+    if causal {
+        let mut last = q0 + TILE;
+        if last > args.sq {
+            last = args.sq;
+        }
+        end = last + args.offset;
+    }
+    end
+}
+
+/// Whether every query from `first` on sees every key of the tile `kv0 .. kv0 + TILE` (no key
+/// past the end, none after the first query's diagonal): such a tile needs no mask.
+#[cube]
+pub fn sees_key_tile(args: &FlashArgs, kv0: usize, first: usize, #[comptime] causal: bool) -> bool {
+    let mut full = kv0 + TILE <= args.skv;
+    if causal {
+        full = full && kv0 + TILE <= first + args.offset + 1;
+    }
+    full
+}
+
 /// A tile of the query-owned walk (rows queries, columns keys `col0 ..`): from the scores `s`
 /// and `dp = dO·Vᵀ`, the score gradients `dS = P ⊙ (dP − Δ)` with
 /// `P = exp(scale · s − lse)`, as A-operand pairs in `ds` (zero where a key is hidden).
