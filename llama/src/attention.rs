@@ -268,11 +268,13 @@ pub enum TrainAttention {
     /// probabilities for the backward.
     #[default]
     Reference,
-    /// On a CubeCL device: Burn's fused forward (saves the output and one log-sum-exp per
-    /// query, as `fused`) and a backward that recomputes each layer's probabilities: Burn's
-    /// composed backward with TF32 matmuls in f32; in f16/bf16 core's FlashAttention-2 style
-    /// kernels on CUDA at head dim 64, else Burn's fused backward
-    /// ([`burn_kernels_core::recompute_attention`]). `fused` elsewhere.
+    /// On a CubeCL device: a fused forward (saves the output and one log-sum-exp per query,
+    /// as `fused`) and a backward that recomputes each layer's probabilities: Burn's forward
+    /// and composed backward with TF32 matmuls in f32; in f16/bf16 core's FlashAttention-2
+    /// style forward and backward kernels on CUDA at head dim 64, else Burn's fused ones
+    /// ([`burn_kernels_core::recompute_attention`]). On CUDA in f16/bf16 the layer's RMSNorm,
+    /// SwiGLU gate and RoPE run core's differentiable kernels too
+    /// ([`burn_kernels_core::TrainOps`]). `fused` elsewhere.
     Recompute,
 }
 
