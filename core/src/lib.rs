@@ -32,6 +32,7 @@ pub mod route;
 pub mod sampling;
 pub mod setup;
 pub mod static_cache;
+mod tracked;
 pub mod train_ops;
 
 pub use attention::{AttentionImpl, AttentionKind, AttnOptions, BurnAttention, ReferenceAttention};

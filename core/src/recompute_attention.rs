@@ -128,12 +128,7 @@ pub trait RecomputeAttentionOps: Backend {
     /// # Shapes
     /// As [`recompute_attention`].
     #[fusion(meta = |q, _k, v, _causal, _scale| {
-        let [b, h, s, _] = q.shape.dims::<4>();
-        let dv = v.shape.dims::<4>()[3];
-        burn::backend::fusion::custom::TensorSpec::new(
-            burn::tensor::Shape::new([b, h, s, dv]),
-            q.dtype,
-        )
+        burn::backend::fusion::custom::TensorSpec::new(out_shape(&q.shape, &v.shape), q.dtype)
     })]
     fn recompute_attention(
         q: FloatTensor<Self>,
@@ -155,17 +150,41 @@ impl RecomputeAttentionOps for burn_cubecl::CubeBackend {
         causal: bool,
         scale: Option<f64>,
     ) -> FloatTensor<Self> {
-        use crate::kernels::flash::flash_forward;
         use burn::backend::ops::ModuleOps;
         if q.dtype() != DType::F32 {
             let s = resolve_scale::<Self>(scale, &q);
-            if let Some((out, _)) = flash_forward(q.clone(), k.clone(), v.clone(), causal, s) {
-                count_launch(FLASH_FORWARD);
+            if let Some((out, _)) = flash_forward(&q, &k, &v, causal, s) {
                 return out;
             }
         }
         Self::attention(q, k, v, None, None, options(causal, scale))
     }
+}
+
+/// [`crate::kernels::flash::flash_forward`] of the operands (counted as [`FLASH_FORWARD`] when it
+/// ran), or `None` where it declined.
+#[cfg(feature = "cube")]
+fn flash_forward(
+    q: &burn_cubecl::tensor::CubeTensor,
+    k: &burn_cubecl::tensor::CubeTensor,
+    v: &burn_cubecl::tensor::CubeTensor,
+    causal: bool,
+    scale: f64,
+) -> Option<(
+    burn_cubecl::tensor::CubeTensor,
+    burn_cubecl::tensor::CubeTensor,
+)> {
+    let out = crate::kernels::flash::flash_forward(q.clone(), k.clone(), v.clone(), causal, scale);
+    if out.is_some() {
+        count_launch(FLASH_FORWARD);
+    }
+    out
+}
+
+/// The `[batch, q_heads, sq, dv]` shape of attention's output.
+fn out_shape(q: &burn::tensor::Shape, v: &burn::tensor::Shape) -> burn::tensor::Shape {
+    let [b, h, s, _] = q.dims::<4>();
+    burn::tensor::Shape::new([b, h, s, v.dims::<4>()[3]])
 }
 
 /// `scale`, or `1/√head_dim` of `q`.
@@ -203,9 +222,8 @@ pub trait HalfAttention: Backend {
     #[fusion(meta = |q, _k, v, _causal, _scale| {
         let spec = burn::backend::fusion::custom::TensorSpec::new;
         let [b, h, s, _] = q.shape.dims::<4>();
-        let dv = v.shape.dims::<4>()[3];
         (
-            spec(burn::tensor::Shape::new([b, h, s, dv]), q.dtype),
+            spec(out_shape(&q.shape, &v.shape), q.dtype),
             spec(burn::tensor::Shape::new([b, h, s]), DType::F32),
         )
     })]
@@ -247,10 +265,8 @@ impl HalfAttention for burn_cubecl::CubeBackend {
         causal: bool,
         scale: f64,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        use crate::kernels::flash::flash_forward;
         use burn::backend::ops::ModuleOps;
-        if let Some(out) = flash_forward(q.clone(), k.clone(), v.clone(), causal, scale) {
-            count_launch(FLASH_FORWARD);
+        if let Some(out) = flash_forward(&q, &k, &v, causal, scale) {
             return out;
         }
         Self::attention_with_logsumexp(q, k, v, options(causal, Some(scale)))

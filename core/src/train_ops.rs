@@ -165,18 +165,21 @@ fn to_dtype<B: Backend>(t: FloatTensor<B>, dtype: DType) -> FloatTensor<B> {
     }
 }
 
+/// The state keeps `(x, γ)`; `eps` rides along.
 #[derive(Debug)]
-struct RmsNormBackward;
+struct RmsNormBackward {
+    eps: f64,
+}
 
 impl<B: TrainLayerGrads> Backward<B, 2> for RmsNormBackward {
-    type State = (FloatTensor<B>, FloatTensor<B>, f64);
+    type State = (FloatTensor<B>, FloatTensor<B>);
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
         let [x_node, gamma_node] = ops.parents;
         let dy = grads.consume::<B>(&ops.node);
-        let (x, gamma, eps) = ops.state;
+        let (x, gamma) = ops.state;
         let (dtype, gamma_dtype) = (x.dtype(), gamma.dtype());
-        let (dx, dgamma) = B::rms_norm_backward(x, gamma, to_dtype::<B>(dy, dtype), eps);
+        let (dx, dgamma) = B::rms_norm_backward(x, gamma, to_dtype::<B>(dy, dtype), self.eps);
         if let Some(node) = x_node {
             grads.register::<B>(node.id, dx);
         }
@@ -233,35 +236,12 @@ impl<B: TrainLayerKernels + TrainLayerGrads, C: CheckpointStrategy> TrainLayerKe
         gamma: FloatTensor<Self>,
         eps: f64,
     ) -> FloatTensor<Self> {
-        let (x, x_node) = x.into_parts();
-        let (gamma, gamma_node) = gamma.into_parts();
-        match RmsNormBackward
-            .prepare::<C>([x_node, gamma_node])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => {
-                let out = B::train_rms_norm(x.clone(), gamma.clone(), eps);
-                prep.finish((x, gamma, eps), out)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(B::train_rms_norm(x, gamma, eps)),
-        }
+        let forward = |x, gamma| B::train_rms_norm(x, gamma, eps);
+        crate::tracked::binary::<B, C, _>(RmsNormBackward { eps }, x, gamma, forward)
     }
 
     fn train_silu_mul(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
-        let (gate, gate_node) = gate.into_parts();
-        let (up, up_node) = up.into_parts();
-        match SiluMulBackward
-            .prepare::<C>([gate_node, up_node])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => {
-                let out = B::train_silu_mul(gate.clone(), up.clone());
-                prep.finish((gate, up), out)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(B::train_silu_mul(gate, up)),
-        }
+        crate::tracked::binary::<B, C, _>(SiluMulBackward, gate, up, B::train_silu_mul)
     }
 
     fn train_rope(

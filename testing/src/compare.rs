@@ -274,6 +274,30 @@ pub fn assert_close_unless_tf32(
     );
 }
 
+/// The relative L2 error `‖out − ref‖₂ / ‖ref‖₂` that `roundings` roundings of a result to
+/// `dtype` can leave (each at most the dtype's unit roundoff relative to the value): for
+/// 16-bit outputs of a computation carried in f32, compared with the same computation in f32.
+pub fn rounding_rel_l2(dtype: DType, roundings: u32) -> f64 {
+    let unit = match dtype {
+        DType::F16 => 2f64.powi(-11),
+        DType::BF16 => 2f64.powi(-8),
+        DType::F32 | DType::Flex32 => 2f64.powi(-24),
+        other => panic!("rounding_rel_l2: {other:?} is not a float dtype"),
+    };
+    roundings as f64 * unit
+}
+
+/// Asserts the relative L2 error of `actual` against `expected` is at most `bound` and that
+/// non-finite values agree, panicking with the metrics otherwise.
+pub fn assert_rel_l2(name: &str, actual: &[f32], expected: &[f32], bound: f64) {
+    let m = metrics(actual, expected);
+    assert!(
+        m.non_finite_mismatches == 0 && m.rel_l2 <= bound,
+        "{name}: relative L2 {:.3e} above {bound:.1e}\n  metrics: {m}",
+        m.rel_l2
+    );
+}
+
 /// [`assert_close`] on two [`TensorData`] of the same shape, of any float dtype.
 pub fn assert_close_data(name: &str, actual: TensorData, expected: TensorData, tol: Tolerance) {
     assert_eq!(

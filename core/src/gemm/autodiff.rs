@@ -6,7 +6,7 @@ use burn::backend::autodiff::{
     Autodiff,
     checkpoint::{base::Checkpointer, strategy::CheckpointStrategy},
     grads::Gradients,
-    ops::{Backward, Ops, OpsKind},
+    ops::{Backward, Ops},
 };
 use burn::backend::tensor::FloatTensor;
 
@@ -14,19 +14,7 @@ use super::GemmKernels;
 
 impl<B: GemmKernels, C: CheckpointStrategy> GemmKernels for Autodiff<B, C> {
     fn gemm(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
-        let (a, a_node) = a.into_parts();
-        let (b, b_node) = b.into_parts();
-        match GemmBackward
-            .prepare::<C>([a_node, b_node])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => {
-                let out = B::gemm(a.clone(), b.clone());
-                prep.finish((a, b), out)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(B::gemm(a, b)),
-        }
+        crate::tracked::binary::<B, C, _>(GemmBackward, a, b, B::gemm)
     }
 }
 

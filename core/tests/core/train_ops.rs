@@ -10,38 +10,31 @@ use burn::nn::RmsNorm;
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use burn_kernels_core::route::launches;
 use burn_kernels_core::{LayerOps, Rope, TensorOps, TrainOps};
-use burn_kernels_testing::compare::{metrics, to_f32};
+use burn_kernels_testing::compare::{assert_rel_l2, rounding_rel_l2, to_f32};
 use burn_kernels_testing::{Dist, float_dtypes, random_tensor};
 
-/// Relative L2 bound for a 16-bit result against f32 on the same inputs: a few roundings of
-/// the dtype (the output, and the gradient passing through the dtype once more).
-fn bound(dtype: DType) -> f64 {
-    match dtype {
-        DType::F16 => 4.0 * 2f64.powi(-11),
-        _ => 4.0 * 2f64.powi(-8),
-    }
-}
-
+/// A 16-bit result against f32 on the same inputs: relative L2 within a few roundings of the
+/// dtype (the output, and the gradient passing through the dtype once more).
 fn check(name: &str, actual: &Tensor<1>, expected: &Tensor<1>, dtype: DType) {
-    let (a, e) = (
-        to_f32(actual.clone().cast(DType::F32).into_data()),
-        to_f32(expected.clone().cast(DType::F32).into_data()),
-    );
-    let m = metrics(&a, &e);
-    assert!(
-        m.non_finite_mismatches == 0 && m.rel_l2 <= bound(dtype),
-        "{name} {dtype:?}: relative L2 {:.3e} above {:.1e}\n  metrics: {m}",
-        m.rel_l2,
-        bound(dtype)
+    let values = |t: &Tensor<1>| to_f32(t.clone().cast(DType::F32).into_data());
+    let name = format!("{name} {dtype:?}");
+    assert_rel_l2(
+        &name,
+        &values(actual),
+        &values(expected),
+        rounding_rel_l2(dtype, 4),
     );
 }
 
-/// Blocks of NaN of `elems` elements for the pool to hand out next.
+/// Blocks of NaN of `elems` elements, alive together (one per output), for the pool to hand
+/// out next.
 fn poison(elems: &[usize], dtype: DType, device: &Device) {
-    for &n in elems {
-        drop(Tensor::<1>::full([n], f32::NAN, (device, dtype)));
-    }
+    let blocks: Vec<_> = elems
+        .iter()
+        .map(|&n| Tensor::<1>::full([n], f32::NAN, (device, dtype)))
+        .collect();
     let _ = device.sync();
+    drop(blocks);
 }
 
 fn flat<const D: usize>(t: Tensor<D>) -> Tensor<1> {
