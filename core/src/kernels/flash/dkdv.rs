@@ -62,11 +62,8 @@ pub(super) fn flash_dkdv_kernel<P: Float, N2: Size>(
     zero::<N2>(&mut dv_acc, dim);
 
     let rows = comptime!(TILE * (dim / 2 + PAD));
-    let cols = comptime!(dim * (TILE / 2 + PAD));
     let mut q_sm = Shared::<[Vector<P, N2>]>::new_aligned_slice(rows, 16usize);
-    let mut qt_sm = Shared::<[Vector<P, N2>]>::new_aligned_slice(cols, 16usize);
     let mut do_sm = Shared::<[Vector<P, N2>]>::new_aligned_slice(rows, 16usize);
-    let mut dot_sm = Shared::<[Vector<P, N2>]>::new_aligned_slice(cols, 16usize);
     let mut lse_sm = Shared::<[f32]>::new_slice(TILE);
     let mut delta_sm = Shared::<[f32]>::new_slice(TILE);
     let mut st = Array::<Vector<f32, N2>>::new(comptime!(TILE / 4));
@@ -90,21 +87,8 @@ pub(super) fn flash_dkdv_kernel<P: Float, N2: Size>(
             let valid = args.sq - q0;
             let q_at = head_base(&q_rows, bh, args.hq) + q0 * q_rows.row;
             let do_at = head_base(&do_rows, bh, args.hq) + q0 * do_rows.row;
-            store_tile::<P, N2>(
-                q, q_at, q_rows.row, valid, &mut q_sm, &mut qt_sm, tid, dim, true, true,
-            );
-            store_tile::<P, N2>(
-                dout,
-                do_at,
-                do_rows.row,
-                valid,
-                &mut do_sm,
-                &mut dot_sm,
-                tid,
-                dim,
-                true,
-                true,
-            );
+            store_tile::<P, N2>(q, q_at, q_rows.row, valid, &mut q_sm, tid, dim);
+            store_tile::<P, N2>(dout, do_at, do_rows.row, valid, &mut do_sm, tid, dim);
             if tid < TILE {
                 let mut l = f32::new(0.0);
                 let mut d = f32::new(0.0);
@@ -133,8 +117,8 @@ pub(super) fn flash_dkdv_kernel<P: Float, N2: Size>(
                     &st, &dpt, &mut p, &mut ds, &lse_sm, &delta_sm, &args, row, q0, t, causal, true,
                 );
             }
-            accumulate::<P, N2>(&p, &dot_sm, &mut dv_acc, lane, dim);
-            accumulate::<P, N2>(&ds, &qt_sm, &mut dk_acc, lane, dim);
+            accumulate::<P, N2>(&p, &do_sm, &mut dv_acc, lane, dim);
+            accumulate::<P, N2>(&ds, &q_sm, &mut dk_acc, lane, dim);
             q0 += TILE;
         }
     }

@@ -108,8 +108,6 @@ pub(super) fn flash_dq_kernel<P: Float, N2: Size>(
 
     let mut k_sm =
         Shared::<[Vector<P, N2>]>::new_aligned_slice(comptime!(TILE * (dim / 2 + PAD)), 16usize);
-    let mut kt_sm =
-        Shared::<[Vector<P, N2>]>::new_aligned_slice(comptime!(dim * (TILE / 2 + PAD)), 16usize);
     let mut v_sm =
         Shared::<[Vector<P, N2>]>::new_aligned_slice(comptime!(TILE * (dim / 2 + PAD)), 16usize);
     let mut s = Array::<Vector<f32, N2>>::new(comptime!(TILE / 4));
@@ -123,13 +121,8 @@ pub(super) fn flash_dq_kernel<P: Float, N2: Size>(
         let valid = args.skv - kv0;
         let k_at = k_base + kv0 * k_rows.row;
         let v_at = v_base + kv0 * v_rows.row;
-        store_tile::<P, N2>(
-            k, k_at, k_rows.row, valid, &mut k_sm, &mut kt_sm, tid, dim, true, true,
-        );
-        // V's rows only (`kt_sm` stands in for the channel-major slot it leaves unused).
-        store_tile::<P, N2>(
-            v, v_at, v_rows.row, valid, &mut v_sm, &mut kt_sm, tid, dim, true, false,
-        );
+        store_tile::<P, N2>(k, k_at, k_rows.row, valid, &mut k_sm, tid, dim);
+        store_tile::<P, N2>(v, v_at, v_rows.row, valid, &mut v_sm, tid, dim);
         sync_cube();
         rows_product::<P, N2>(&qf, &k_sm, &mut s, lane, dim);
         rows_product::<P, N2>(&dof, &v_sm, &mut dp, lane, dim);
@@ -142,7 +135,7 @@ pub(super) fn flash_dq_kernel<P: Float, N2: Size>(
                 &s, &dp, &mut ds, &row_lse, &row_delta, &args, row, kv0, t, causal, true,
             );
         }
-        accumulate::<P, N2>(&ds, &kt_sm, &mut acc, lane, dim);
+        accumulate::<P, N2>(&ds, &k_sm, &mut acc, lane, dim);
         kv0 += TILE;
     }
     let mut factor = Array::<f32>::new(2usize);

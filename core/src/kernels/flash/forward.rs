@@ -60,8 +60,8 @@ pub(super) fn flash_forward_kernel<P: Float, N2: Size>(
 
     let mut k_sm =
         Shared::<[Vector<P, N2>]>::new_aligned_slice(comptime!(TILE * (dim / 2 + PAD)), 16usize);
-    let mut vt_sm =
-        Shared::<[Vector<P, N2>]>::new_aligned_slice(comptime!(dim * (TILE / 2 + PAD)), 16usize);
+    let mut v_sm =
+        Shared::<[Vector<P, N2>]>::new_aligned_slice(comptime!(TILE * (dim / 2 + PAD)), 16usize);
     let mut s = Array::<Vector<f32, N2>>::new(comptime!(TILE / 4));
     let mut p = Array::<Vector<P, N2>>::new(comptime!(TILE / 4));
 
@@ -72,14 +72,8 @@ pub(super) fn flash_forward_kernel<P: Float, N2: Size>(
         let valid = args.skv - kv0;
         let k_at = k_base + kv0 * k_rows.row;
         let v_at = v_base + kv0 * v_rows.row;
-        // K's rows (for `Q·Kᵀ`) and V's channel-major copy (for `P·V`); `vt_sm` stands in for
-        // the slot each call leaves unused.
-        store_tile::<P, N2>(
-            k, k_at, k_rows.row, valid, &mut k_sm, &mut vt_sm, tid, dim, true, false,
-        );
-        store_tile::<P, N2>(
-            v, v_at, v_rows.row, valid, &mut k_sm, &mut vt_sm, tid, dim, false, true,
-        );
+        store_tile::<P, N2>(k, k_at, k_rows.row, valid, &mut k_sm, tid, dim);
+        store_tile::<P, N2>(v, v_at, v_rows.row, valid, &mut v_sm, tid, dim);
         sync_cube();
         rows_product::<P, N2>(&qf, &k_sm, &mut s, lane, dim);
         if sees_key_tile(&args, kv0, first, causal) {
@@ -91,7 +85,7 @@ pub(super) fn flash_forward_kernel<P: Float, N2: Size>(
                 &mut s, &mut p, &mut m, &mut l, &mut acc, &args, row, kv0, t, dim, causal, true,
             );
         }
-        accumulate::<P, N2>(&p, &vt_sm, &mut acc, lane, dim);
+        accumulate::<P, N2>(&p, &v_sm, &mut acc, lane, dim);
         kv0 += TILE;
     }
 

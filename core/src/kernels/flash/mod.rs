@@ -14,9 +14,9 @@
 //!
 //! The backward walks compute `S` and `dP` again (seven products a tile in all, as
 //! FlashAttention-2 without atomics); every fragment of `P` and `dS` goes from one product's
-//! accumulators straight into the next product's A operand. Shared tiles are stored twice where
-//! a product walks their rows (row-major for `A·Bᵀ`, channel-major for `A·B`), padded by [`PAD`]
-//! words a row against bank conflicts.
+//! accumulators straight into the next product's A operand. Each shared tile is stored once,
+//! row-major, padded by [`PAD`] words a row against bank conflicts; B fragments come from it by
+//! `ldmatrix.x4` (`A·Bᵀ`) or `ldmatrix.x4.trans` (`A·B`), four 8 × 8 matrices an instruction.
 //!
 //! Operands are read in place through their strides ([`Rows`]): a model's
 //! `[batch, seq, heads, dim]` projections viewed as `[batch, heads, seq, dim]` need no copy.

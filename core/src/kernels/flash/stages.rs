@@ -14,7 +14,7 @@
 //! how probabilities and score gradients go from one product into the next without leaving the
 //! registers.
 
-use cubecl::cmma::MmaDefinition;
+use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::*;
 
 use super::{FlashArgs, PAD, Rows, THREADS, TILE};
@@ -26,10 +26,8 @@ pub fn head_base(rows: &Rows, bh: usize, heads: usize) -> usize {
 }
 
 /// Stores tile rows `0 .. TILE` (row `r` at element `base + r · stride` of `src`, `dim`
-/// channels in pairs; rows at or past `valid` as zeros) to `rows_sm` when `rows` (row-major,
-/// `dim / 2 + PAD` words a row) and to `cols_sm` when `columns` (channel-major: row `c` holds
-/// the tile's rows in pairs, `TILE / 2 + PAD` words a row). Every unit of the cube takes 2 × 2
-/// blocks.
+/// channels in pairs; rows at or past `valid` as zeros) to `rows_sm` (row-major, `dim / 2 + PAD`
+/// words a row). Both products read this one copy (`ldmatrix`, plain or transposed).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn store_tile<P: Float, N2: Size>(
@@ -38,43 +36,21 @@ pub fn store_tile<P: Float, N2: Size>(
     stride: usize,
     valid: usize,
     rows_sm: &mut Shared<[Vector<P, N2>]>,
-    cols_sm: &mut Shared<[Vector<P, N2>]>,
     tid: usize,
     #[comptime] dim: usize,
-    #[comptime] rows: bool,
-    #[comptime] columns: bool,
 ) {
     let half = comptime!(dim / 2);
     let rw = comptime!(dim / 2 + PAD);
-    let tw = comptime!(TILE / 2 + PAD);
     #[unroll]
-    for i in 0..comptime!(TILE * dim / 4 / THREADS) {
+    for i in 0..comptime!(TILE * dim / 2 / THREADS) {
         let b = tid + i * THREADS;
-        let r2 = b / half;
+        let r = b / half;
         let c2 = b % half;
-        let r = 2 * r2;
-        let mut x0 = Vector::<P, N2>::new(P::from_int(0));
-        let mut x1 = Vector::<P, N2>::new(P::from_int(0));
+        let mut x = Vector::<P, N2>::new(P::from_int(0));
         if r < valid {
-            x0 = src[(base + r * stride) / 2 + c2];
+            x = src[(base + r * stride) / 2 + c2];
         }
-        if r + 1 < valid {
-            x1 = src[(base + (r + 1) * stride) / 2 + c2];
-        }
-        if rows {
-            rows_sm[r * rw + c2] = x0;
-            rows_sm[(r + 1) * rw + c2] = x1;
-        }
-        if columns {
-            let mut y0 = Vector::<P, N2>::empty();
-            let mut y1 = Vector::<P, N2>::empty();
-            y0.insert(0usize, x0.extract(0usize));
-            y0.insert(1usize, x1.extract(0usize));
-            y1.insert(0usize, x0.extract(1usize));
-            y1.insert(1usize, x1.extract(1usize));
-            cols_sm[2 * c2 * tw + r2] = y0;
-            cols_sm[(2 * c2 + 1) * tw + r2] = y1;
-        }
+        rows_sm[r * rw + c2] = x;
     }
 }
 
@@ -109,36 +85,35 @@ pub fn a_fragments<P: Float, N2: Size>(
     }
 }
 
-/// `cf += Σ_kk A_kk · B_kk` over `steps` 16-deep steps of `mma.m16n8k16`: A step `kk` is
-/// `a[4kk .. 4kk + 4]`, B step `kk` the words `sm[base + 8kk]` and `sm[base + 8kk + 4]` (the
-/// lane's pairs of a row-major or channel-major shared tile, `base` its row and lane offset).
+/// One `mma.m16n8k16` step: `cf += A · B` with A `a[4kk .. 4kk + 4]` and B the two registers
+/// `b[first]`, `b[first + 1]`.
 #[cube]
-fn mma_steps<P: Float, N2: Size>(
+fn mma_step<P: Float, N2: Size>(
+    def: &MmaDefinition<P, P, f32>,
     a: &Array<Vector<P, N2>>,
-    sm: &Shared<[Vector<P, N2>]>,
-    base: usize,
+    kk: usize,
+    b: &Array<Vector<P, N2>>,
+    first: usize,
     cf: &mut Array<Vector<f32, N2>>,
-    #[comptime] steps: usize,
 ) {
-    let def = MmaDefinition::<P, P, f32>::new(16usize, 8usize, 16usize);
     let mut ah = Array::<Vector<P, N2>>::new(4usize);
     let mut bh = Array::<Vector<P, N2>>::new(2usize);
     #[unroll]
-    for kk in 0..steps {
-        #[unroll]
-        for j in 0..4usize {
-            ah[j] = a[kk * 4 + j];
-        }
-        bh[0] = sm[base + kk * 8];
-        bh[1] = sm[base + kk * 8 + 4];
-        let r = def.execute(&ah, &bh, &*cf);
-        cf[0] = r[0];
-        cf[1] = r[1];
+    for j in 0..4usize {
+        ah[j] = a[kk * 4 + j];
     }
+    bh[0] = b[first];
+    bh[1] = b[first + 1];
+    let r = def.execute(&ah, &bh, &*cf);
+    cf[0] = r[0];
+    cf[1] = r[1];
 }
 
 /// `c = A · Bᵀ`: the plane's 16 rows (A fragments `a`, `dim` deep) against the tile's `TILE`
 /// rows in `rows_sm`; block `n` (tile rows `8n ..`) at `c[2n]` (row `g`) and `c[2n + 1]`.
+///
+/// B fragments come by `ldmatrix.x4`: lane `l` points at tile row `8n + l mod 8`, channels
+/// `32h + 8(l / 8) ..` (16 bytes); the four 8 × 8 matrices are two 16-deep steps.
 #[cube]
 pub fn rows_product<P: Float, N2: Size>(
     a: &Array<Vector<P, N2>>,
@@ -147,14 +122,25 @@ pub fn rows_product<P: Float, N2: Size>(
     lane: usize,
     #[comptime] dim: usize,
 ) {
+    let def = MmaDefinition::<P, P, f32>::new(16usize, 8usize, 16usize);
     let rw = comptime!(dim / 2 + PAD);
     let mut cf = Array::<Vector<f32, N2>>::new(2usize);
     #[unroll]
     for n in 0..comptime!(TILE / 8) {
         cf[0] = Vector::<f32, N2>::new(f32::new(0.0));
         cf[1] = Vector::<f32, N2>::new(f32::new(0.0));
-        let base = (n * 8 + lane / 4) * rw + lane % 4;
-        mma_steps::<P, N2>(a, rows_sm, base, &mut cf, comptime!(dim / 16));
+        #[unroll]
+        for h in 0..comptime!(dim / 32) {
+            let at = (n * 8 + lane % 8) * rw + h * 16 + (lane / 8) * 4;
+            let b = def.load_matrix::<Vector<P, N2>, N2>(
+                &rows_sm[at..at + 4],
+                MatrixIdent::B,
+                4usize,
+                false,
+            );
+            mma_step::<P, N2>(&def, a, 2 * h, &b, 0usize, &mut cf);
+            mma_step::<P, N2>(&def, a, 2 * h + 1, &b, 2usize, &mut cf);
+        }
         c[n * 2] = cf[0];
         c[n * 2 + 1] = cf[1];
     }
@@ -162,25 +148,46 @@ pub fn rows_product<P: Float, N2: Size>(
 
 /// `acc += A · B`: A the plane's 16 rows by the tile's `TILE` rows (pairs of accumulator
 /// blocks, as [`rows_product`] leaves them, rounded), B the tile's rows by `dim` channels from
-/// `cols_sm`; channel block `dn` at `acc[2dn]` (row `g`) and `acc[2dn + 1]`.
+/// the same row-major `rows_sm`; channel block `dn` at `acc[2dn]` (row `g`) and `acc[2dn + 1]`.
+///
+/// B fragments come by `ldmatrix.x4.trans`: lane `l` points at tile row
+/// `16kk + 8((l / 8) mod 2) + l mod 8`, channels `16dp + 8(l / 16) ..`; the four matrices are the
+/// two registers of channel blocks `2dp` and `2dp + 1` for step `kk`.
 #[cube]
 pub fn accumulate<P: Float, N2: Size>(
     a: &Array<Vector<P, N2>>,
-    cols_sm: &Shared<[Vector<P, N2>]>,
+    rows_sm: &Shared<[Vector<P, N2>]>,
     acc: &mut Array<Vector<f32, N2>>,
     lane: usize,
     #[comptime] dim: usize,
 ) {
-    let tw = comptime!(TILE / 2 + PAD);
-    let mut cf = Array::<Vector<f32, N2>>::new(2usize);
+    let def = MmaDefinition::<P, P, f32>::new(16usize, 8usize, 16usize);
+    let rw = comptime!(dim / 2 + PAD);
+    let mut c0 = Array::<Vector<f32, N2>>::new(2usize);
+    let mut c1 = Array::<Vector<f32, N2>>::new(2usize);
     #[unroll]
-    for dn in 0..comptime!(dim / 8) {
-        cf[0] = acc[dn * 2];
-        cf[1] = acc[dn * 2 + 1];
-        let base = (dn * 8 + lane / 4) * tw + lane % 4;
-        mma_steps::<P, N2>(a, cols_sm, base, &mut cf, comptime!(TILE / 16));
-        acc[dn * 2] = cf[0];
-        acc[dn * 2 + 1] = cf[1];
+    for dp in 0..comptime!(dim / 16) {
+        c0[0] = acc[dp * 4];
+        c0[1] = acc[dp * 4 + 1];
+        c1[0] = acc[dp * 4 + 2];
+        c1[1] = acc[dp * 4 + 3];
+        #[unroll]
+        for kk in 0..comptime!(TILE / 16) {
+            let row = kk * 16 + ((lane / 8) % 2) * 8 + lane % 8;
+            let at = row * rw + dp * 8 + (lane / 16) * 4;
+            let b = def.load_matrix::<Vector<P, N2>, N2>(
+                &rows_sm[at..at + 4],
+                MatrixIdent::B,
+                4usize,
+                true,
+            );
+            mma_step::<P, N2>(&def, a, kk, &b, 0usize, &mut c0);
+            mma_step::<P, N2>(&def, a, kk, &b, 2usize, &mut c1);
+        }
+        acc[dp * 4] = c0[0];
+        acc[dp * 4 + 1] = c0[1];
+        acc[dp * 4 + 2] = c1[0];
+        acc[dp * 4 + 3] = c1[1];
     }
 }
 
