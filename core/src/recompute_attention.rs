@@ -27,12 +27,12 @@ use burn::backend::autodiff::{
     grads::Gradients,
     ops::{Backward, Ops, OpsKind},
 };
-use burn::backend::ops::AttentionModuleOptions;
 use burn::backend::ops::attention::attention_backward_default;
-use burn::backend::tensor::FloatTensor;
+use burn::backend::ops::{AttentionModuleOptions, ModuleOps};
+use burn::backend::tensor::{BoolTensor, FloatTensor};
 use burn::backend::{Backend, Dispatch, backend_extension};
 use burn::tensor::ops::CausalAlignment;
-use burn::tensor::{DType, Tensor};
+use burn::tensor::{Bool, DType, Shape, Tensor};
 
 use crate::attention::{AttentionImpl, AttnOptions, BurnAttention, burn_scale};
 use crate::route::{Grad, count_launch, route};
@@ -51,55 +51,104 @@ pub const RECOMPUTE_BACKWARD: &str = "recompute-attention-backward";
 ///   read in place)
 /// - returns `[batch, q_heads, sq, head_dim]`
 ///
+/// - `key_padding`: `[batch, skv]`, `true` for keys no query may see
+///
 /// `causal` masks bottom-right (query `i` sees keys `j ≤ i + skv − sq`); `scale` `None` is
-/// `1/√head_dim`.
+/// `1/√head_dim`. A key-padding mask takes the flash kernels where they take the problem
+/// (16-bit operands on CUDA, head dim 64); elsewhere Burn's `attention` op with the mask (on an
+/// autodiff device its decomposed backward, which saves the scores), with a log line.
 ///
 /// # Errors
 /// [`AttentionShapeError`] when the shapes do not fit together (batch, head dimension, key and
-/// value lengths, query heads not a multiple of the key heads).
+/// value lengths, query heads not a multiple of the key heads, a mask not `[batch, skv]`).
 pub fn recompute_attention(
     q: Tensor<4>,
     k: Tensor<4>,
     v: Tensor<4>,
+    key_padding: Option<Tensor<2, Bool>>,
     causal: bool,
     scale: Option<f64>,
 ) -> Result<Tensor<4>, AttentionShapeError> {
-    check_shapes(q.dims(), k.dims(), v.dims())?;
+    check_shapes(
+        q.dims(),
+        k.dims(),
+        v.dims(),
+        key_padding.as_ref().map(|m| m.dims()),
+    )?;
+    let why = key_padding
+        .as_ref()
+        .and_then(|_| padded_unsupported(&q, &k, &v, causal));
     if !route(
         "recompute-attention",
         &q.device(),
         Grad::Differentiable,
-        None,
+        why,
     ) {
-        let options = options(causal, scale);
-        return Ok(burn::tensor::module::attention(
-            q, k, v, None, None, options,
-        ));
+        let opts = AttnOptions {
+            causal,
+            scale: scale.unwrap_or(1.0 / (q.dims()[3] as f64).sqrt()) as f32,
+            key_padding,
+        };
+        return Ok(BurnAttention.attend(0, q, k, v, &opts));
     }
-    Ok(Tensor::from_dispatch(Dispatch::recompute_attention(
-        q.into_dispatch(),
-        k.into_dispatch(),
-        v.into_dispatch(),
-        causal,
-        scale,
-    )))
+    let [q, k, v] = [q, k, v].map(Tensor::into_dispatch);
+    Ok(Tensor::from_dispatch(match key_padding {
+        None => Dispatch::recompute_attention(q, k, v, causal, scale),
+        Some(m) => Dispatch::recompute_attention_padded(q, k, v, m.into_dispatch(), causal, scale),
+    }))
+}
+
+/// Why the flash kernels cannot take a problem with a key-padding mask (the op's other
+/// backends and fallbacks have no masked fused attention), or `None`.
+fn padded_unsupported(q: &Tensor<4>, k: &Tensor<4>, v: &Tensor<4>, causal: bool) -> Option<String> {
+    #[cfg(feature = "cube")]
+    {
+        let Some(device) = crate::route::cube_device(&q.device()) else {
+            return Some("not a CubeCL device".to_string());
+        };
+        let [qs, ks, vs] = [q, k, v].map(|t| burn::tensor::Shape::from(t.dims()));
+        if k.dtype() != q.dtype() || v.dtype() != q.dtype() {
+            return Some("operands of different dtypes".to_string());
+        }
+        crate::kernels::flash::unsupported(&device.client(), q.dtype(), [&qs, &ks, &vs], causal)
+            .map(|why| format!("a key-padding mask with {why}"))
+    }
+    #[cfg(not(feature = "cube"))]
+    {
+        let _ = (q, k, v, causal);
+        Some("no CubeCL runtime in this build".to_string())
+    }
 }
 
 /// Q, K and V shapes that do not fit together.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error(
-    "attention shapes do not fit: q {q:?}, k {k:?}, v {v:?} (expected q [b, hq, sq, d], k [b, hkv, skv, d], v [b, hkv, skv, dv], hq a multiple of hkv ≥ 1)"
+    "attention shapes do not fit: q {q:?}, k {k:?}, v {v:?}, key padding {key_padding:?} (expected q [b, hq, sq, d], k [b, hkv, skv, d], v [b, hkv, skv, dv], hq a multiple of hkv ≥ 1, key padding [b, skv])"
 )]
 pub struct AttentionShapeError {
     pub q: [usize; 4],
     pub k: [usize; 4],
     pub v: [usize; 4],
+    pub key_padding: Option<[usize; 2]>,
 }
 
-fn check_shapes(q: [usize; 4], k: [usize; 4], v: [usize; 4]) -> Result<(), AttentionShapeError> {
+fn check_shapes(
+    q: [usize; 4],
+    k: [usize; 4],
+    v: [usize; 4],
+    key_padding: Option<[usize; 2]>,
+) -> Result<(), AttentionShapeError> {
     let fits =
         k[..3] == v[..3] && q[0] == k[0] && q[3] == k[3] && k[1] > 0 && q[1].is_multiple_of(k[1]);
-    fits.then_some(()).ok_or(AttentionShapeError { q, k, v })
+    let mask_fits = key_padding.is_none_or(|m| m == [k[0], k[2]]);
+    (fits && mask_fits)
+        .then_some(())
+        .ok_or(AttentionShapeError {
+            q,
+            k,
+            v,
+            key_padding,
+        })
 }
 
 fn options(causal: bool, scale: Option<f64>) -> AttentionModuleOptions {
@@ -116,7 +165,8 @@ fn options(causal: bool, scale: Option<f64>) -> AttentionModuleOptions {
 /// elsewhere);
 /// `Autodiff<B>` runs that forward with the log-sum-exp (`B::attention_with_logsumexp` for f32)
 /// and a backward that recomputes the probabilities: Burn's `attention_backward_default` for
-/// f32 operands, [`HalfAttention::half_attention_backward`] for 16-bit ones.
+/// f32 operands, [`HalfAttention::half_attention_backward`] for 16-bit ones. The `_padded` op
+/// takes a key-padding mask (Burn's lazy fusion takes no optional tensor, hence two ops).
 #[backend_extension(
     Cube: cfg(feature = "cube"),
     Fusion: cfg(all(feature = "cube", feature = "fusion")),
@@ -137,8 +187,65 @@ pub trait RecomputeAttentionOps: Backend {
         causal: bool,
         scale: Option<f64>,
     ) -> FloatTensor<Self> {
-        Self::attention(q, k, v, None, None, options(causal, scale))
+        burn_attention::<Self>(q, k, v, None, causal, scale)
     }
+
+    /// Attention with a key-padding mask (`true` = hidden), no bias.
+    ///
+    /// # Shapes
+    /// As [`recompute_attention`]; `key_padding`: `[batch, skv]`.
+    #[fusion(meta = |q, _k, v, _key_padding, _causal, _scale| {
+        burn::backend::fusion::custom::TensorSpec::new(out_shape(&q.shape, &v.shape), q.dtype)
+    })]
+    fn recompute_attention_padded(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        key_padding: BoolTensor<Self>,
+        causal: bool,
+        scale: Option<f64>,
+    ) -> FloatTensor<Self> {
+        burn_attention::<Self>(q, k, v, Some(key_padding), causal, scale)
+    }
+}
+
+/// Burn's `attention` op, the key-padding mask (`[batch, skv]`) expanded to the scores' shape.
+fn burn_attention<B: Backend>(
+    q: FloatTensor<B>,
+    k: FloatTensor<B>,
+    v: FloatTensor<B>,
+    key_padding: Option<BoolTensor<B>>,
+    causal: bool,
+    scale: Option<f64>,
+) -> FloatTensor<B> {
+    let [b, hq, sq, _] = q.shape().dims::<4>();
+    let skv = k.shape().dims::<4>()[2];
+    let mask = key_padding.map(|m| {
+        let m = B::bool_reshape(m, Shape::new([b, 1, 1, skv]));
+        B::bool_expand(m, Shape::new([b, hq, sq, skv]))
+    });
+    B::attention(q, k, v, mask, None, options(causal, scale))
+}
+
+/// The forward without autodiff on `CubeBackend`: the flash kernel for 16-bit operands where it
+/// takes them, else Burn's `attention` op.
+#[cfg(feature = "cube")]
+fn cube_forward(
+    q: burn_cubecl::tensor::CubeTensor,
+    k: burn_cubecl::tensor::CubeTensor,
+    v: burn_cubecl::tensor::CubeTensor,
+    key_padding: Option<burn_cubecl::tensor::CubeTensor>,
+    causal: bool,
+    scale: Option<f64>,
+) -> burn_cubecl::tensor::CubeTensor {
+    type Cb = burn_cubecl::CubeBackend;
+    if q.dtype() != DType::F32 {
+        let s = resolve_scale::<Cb>(scale, &q);
+        if let Some((out, _)) = flash_forward(&q, &k, &v, key_padding.as_ref(), causal, s) {
+            return out;
+        }
+    }
+    burn_attention::<Cb>(q, k, v, key_padding, causal, scale)
 }
 
 #[cfg(feature = "cube")]
@@ -150,14 +257,18 @@ impl RecomputeAttentionOps for burn_cubecl::CubeBackend {
         causal: bool,
         scale: Option<f64>,
     ) -> FloatTensor<Self> {
-        use burn::backend::ops::ModuleOps;
-        if q.dtype() != DType::F32 {
-            let s = resolve_scale::<Self>(scale, &q);
-            if let Some((out, _)) = flash_forward(&q, &k, &v, causal, s) {
-                return out;
-            }
-        }
-        Self::attention(q, k, v, None, None, options(causal, scale))
+        cube_forward(q, k, v, None, causal, scale)
+    }
+
+    fn recompute_attention_padded(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        key_padding: BoolTensor<Self>,
+        causal: bool,
+        scale: Option<f64>,
+    ) -> FloatTensor<Self> {
+        cube_forward(q, k, v, Some(key_padding), causal, scale)
     }
 }
 
@@ -168,13 +279,21 @@ fn flash_forward(
     q: &burn_cubecl::tensor::CubeTensor,
     k: &burn_cubecl::tensor::CubeTensor,
     v: &burn_cubecl::tensor::CubeTensor,
+    key_padding: Option<&burn_cubecl::tensor::CubeTensor>,
     causal: bool,
     scale: f64,
 ) -> Option<(
     burn_cubecl::tensor::CubeTensor,
     burn_cubecl::tensor::CubeTensor,
 )> {
-    let out = crate::kernels::flash::flash_forward(q.clone(), k.clone(), v.clone(), causal, scale);
+    let out = crate::kernels::flash::flash_forward(
+        q.clone(),
+        k.clone(),
+        v.clone(),
+        key_padding.cloned(),
+        causal,
+        scale,
+    );
     if out.is_some() {
         count_launch(FLASH_FORWARD);
     }
@@ -206,7 +325,8 @@ pub const FLASH_FORWARD: &str = "flash-attention-forward";
 /// [`crate::kernels::flash`] where they take the problem (CUDA's 16-bit MMA, head dim 64, a
 /// causal mask only with no more queries than keys), else Burn's fused forward and backward
 /// (`attention_with_logsumexp`, `attention_backward`: cubek's kernels), with a debug log line
-/// saying why.
+/// saying why. The `_padded` ops take a key-padding mask, which only the flash kernels do:
+/// [`recompute_attention`] routes a masked problem here only where they take it.
 #[backend_extension(
     Cube: cfg(feature = "cube"),
     Fusion: cfg(all(feature = "cube", feature = "fusion")),
@@ -219,18 +339,26 @@ pub trait HalfAttention: Backend {
     /// - `q`: `[batch, q_heads, sq, d]`; `k`, `v`: `[batch, kv_heads, skv, d]`
     /// - returns the output, `[batch, q_heads, sq, d]` in `q`'s dtype, and the log-sum-exp,
     ///   `[batch, q_heads, sq]` f32
-    #[fusion(meta = |q, _k, v, _causal, _scale| {
-        let spec = burn::backend::fusion::custom::TensorSpec::new;
-        let [b, h, s, _] = q.shape.dims::<4>();
-        (
-            spec(out_shape(&q.shape, &v.shape), q.dtype),
-            spec(burn::tensor::Shape::new([b, h, s]), DType::F32),
-        )
-    })]
+    #[fusion(meta = |q, _k, v, _causal, _scale| forward_specs(q, v))]
     fn half_attention_forward(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
         v: FloatTensor<Self>,
+        causal: bool,
+        scale: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
+
+    /// [`HalfAttention::half_attention_forward`] with a key-padding mask (`true` = hidden); a
+    /// query that sees no key gets a zero output.
+    ///
+    /// # Shapes
+    /// As the unmasked op; `key_padding`: `[batch, skv]`.
+    #[fusion(meta = |q, _k, v, _key_padding, _causal, _scale| forward_specs(q, v))]
+    fn half_attention_forward_padded(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        key_padding: BoolTensor<Self>,
         causal: bool,
         scale: f64,
     ) -> (FloatTensor<Self>, FloatTensor<Self>);
@@ -254,6 +382,121 @@ pub trait HalfAttention: Backend {
         causal: bool,
         scale: f64,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
+
+    /// [`HalfAttention::half_attention_backward`] with the forward's key-padding mask.
+    ///
+    /// # Shapes
+    /// As the unmasked op; `key_padding`: `[batch, skv]`.
+    #[fusion(meta = |q, k, v, _out, _lse, _dout, _key_padding, _causal, _scale| {
+        (q.clone(), k.clone(), v.clone())
+    })]
+    #[allow(clippy::too_many_arguments)]
+    fn half_attention_backward_padded(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        dout: FloatTensor<Self>,
+        key_padding: BoolTensor<Self>,
+        causal: bool,
+        scale: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
+}
+
+/// The output's and the log-sum-exp's specs of [`HalfAttention::half_attention_forward`].
+fn forward_specs(
+    q: &burn::backend::fusion::custom::TensorSpec,
+    v: &burn::backend::fusion::custom::TensorSpec,
+) -> (
+    burn::backend::fusion::custom::TensorSpec,
+    burn::backend::fusion::custom::TensorSpec,
+) {
+    let spec = burn::backend::fusion::custom::TensorSpec::new;
+    let [b, h, s, _] = q.shape.dims::<4>();
+    (
+        spec(out_shape(&q.shape, &v.shape), q.dtype),
+        spec(Shape::new([b, h, s]), DType::F32),
+    )
+}
+
+#[cfg(feature = "cube")]
+type CubePair = (
+    burn_cubecl::tensor::CubeTensor,
+    burn_cubecl::tensor::CubeTensor,
+);
+
+#[cfg(feature = "cube")]
+type CubeTriple = (
+    burn_cubecl::tensor::CubeTensor,
+    burn_cubecl::tensor::CubeTensor,
+    burn_cubecl::tensor::CubeTensor,
+);
+
+/// [`HalfAttention::half_attention_forward`] on `CubeBackend`, with or without the mask.
+#[cfg(feature = "cube")]
+fn cube_half_forward(
+    q: burn_cubecl::tensor::CubeTensor,
+    k: burn_cubecl::tensor::CubeTensor,
+    v: burn_cubecl::tensor::CubeTensor,
+    key_padding: Option<burn_cubecl::tensor::CubeTensor>,
+    causal: bool,
+    scale: f64,
+) -> CubePair {
+    if let Some(out) = flash_forward(&q, &k, &v, key_padding.as_ref(), causal, scale) {
+        return out;
+    }
+    assert!(
+        key_padding.is_none(),
+        "recompute attention: the flash forward declined a key-padding mask it was routed"
+    );
+    burn_cubecl::CubeBackend::attention_with_logsumexp(q, k, v, options(causal, Some(scale)))
+}
+
+/// [`HalfAttention::half_attention_backward`] on `CubeBackend`, with or without the mask.
+#[cfg(feature = "cube")]
+#[allow(clippy::too_many_arguments)]
+fn cube_half_backward(
+    q: burn_cubecl::tensor::CubeTensor,
+    k: burn_cubecl::tensor::CubeTensor,
+    v: burn_cubecl::tensor::CubeTensor,
+    out: burn_cubecl::tensor::CubeTensor,
+    lse: burn_cubecl::tensor::CubeTensor,
+    dout: burn_cubecl::tensor::CubeTensor,
+    key_padding: Option<burn_cubecl::tensor::CubeTensor>,
+    causal: bool,
+    scale: f64,
+) -> CubeTriple {
+    let masked = key_padding.is_some();
+    let flash = crate::kernels::flash::flash_backward(
+        q.clone(),
+        k.clone(),
+        v.clone(),
+        out.clone(),
+        lse.clone(),
+        dout.clone(),
+        key_padding,
+        causal,
+        scale,
+    );
+    if let Some(grads) = flash {
+        count_launch(FLASH_BACKWARD);
+        return grads;
+    }
+    assert!(
+        !masked,
+        "recompute attention: the flash backward declined a key-padding mask it was routed"
+    );
+    let g = burn_cubecl::CubeBackend::attention_backward(
+        q,
+        k,
+        v,
+        out,
+        lse,
+        dout,
+        options(causal, Some(scale)),
+    );
+    (g.query_grad, g.key_grad, g.value_grad)
 }
 
 #[cfg(feature = "cube")]
@@ -264,12 +507,19 @@ impl HalfAttention for burn_cubecl::CubeBackend {
         v: FloatTensor<Self>,
         causal: bool,
         scale: f64,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        use burn::backend::ops::ModuleOps;
-        if let Some(out) = flash_forward(&q, &k, &v, causal, scale) {
-            return out;
-        }
-        Self::attention_with_logsumexp(q, k, v, options(causal, Some(scale)))
+    ) -> CubePair {
+        cube_half_forward(q, k, v, None, causal, scale)
+    }
+
+    fn half_attention_forward_padded(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        key_padding: BoolTensor<Self>,
+        causal: bool,
+        scale: f64,
+    ) -> CubePair {
+        cube_half_forward(q, k, v, Some(key_padding), causal, scale)
     }
 
     fn half_attention_backward(
@@ -281,25 +531,22 @@ impl HalfAttention for burn_cubecl::CubeBackend {
         dout: FloatTensor<Self>,
         causal: bool,
         scale: f64,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        use crate::kernels::flash::flash_backward;
-        use burn::backend::ops::ModuleOps;
-        let flash = flash_backward(
-            q.clone(),
-            k.clone(),
-            v.clone(),
-            out.clone(),
-            lse.clone(),
-            dout.clone(),
-            causal,
-            scale,
-        );
-        if let Some(grads) = flash {
-            count_launch(FLASH_BACKWARD);
-            return grads;
-        }
-        let g = Self::attention_backward(q, k, v, out, lse, dout, options(causal, Some(scale)));
-        (g.query_grad, g.key_grad, g.value_grad)
+    ) -> CubeTriple {
+        cube_half_backward(q, k, v, out, lse, dout, None, causal, scale)
+    }
+
+    fn half_attention_backward_padded(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        dout: FloatTensor<Self>,
+        key_padding: BoolTensor<Self>,
+        causal: bool,
+        scale: f64,
+    ) -> CubeTriple {
+        cube_half_backward(q, k, v, out, lse, dout, Some(key_padding), causal, scale)
     }
 }
 
@@ -313,30 +560,66 @@ impl<B: RecomputeAttentionOps + HalfAttention, C: CheckpointStrategy> RecomputeA
         causal: bool,
         scale: Option<f64>,
     ) -> FloatTensor<Self> {
-        let options = options(causal, scale);
-        match RecomputeBackward
-            .prepare::<C>([q.node(), k.node(), v.node()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(mut prep) => {
-                let q_state = prep.checkpoint(&q);
-                let k_state = prep.checkpoint(&k);
-                let v_state = prep.checkpoint(&v);
-                let [q, k, v] = [q, k, v].map(|t| t.into_parts().0);
-                let (out, lse) = match q.dtype() {
-                    DType::F32 => B::attention_with_logsumexp(q, k, v, options),
-                    _ => {
-                        let scale = resolve_scale::<B>(scale, &q);
-                        B::half_attention_forward(q, k, v, causal, scale)
+        autodiff_forward::<B, C>(q, k, v, None, causal, scale)
+    }
+
+    fn recompute_attention_padded(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        key_padding: BoolTensor<Self>,
+        causal: bool,
+        scale: Option<f64>,
+    ) -> FloatTensor<Self> {
+        autodiff_forward::<B, C>(q, k, v, Some(key_padding), causal, scale)
+    }
+}
+
+/// The recomputing attention on `Autodiff<B, C>`: the forward with the log-sum-exp where a
+/// parent is tracked ([`RecomputeBackward`] keeps what its backward needs), the plain forward
+/// where none is.
+fn autodiff_forward<B: RecomputeAttentionOps + HalfAttention, C: CheckpointStrategy>(
+    q: FloatTensor<Autodiff<B, C>>,
+    k: FloatTensor<Autodiff<B, C>>,
+    v: FloatTensor<Autodiff<B, C>>,
+    key_padding: Option<BoolTensor<B>>,
+    causal: bool,
+    scale: Option<f64>,
+) -> FloatTensor<Autodiff<B, C>> {
+    let options = options(causal, scale);
+    match RecomputeBackward
+        .prepare::<C>([q.node(), k.node(), v.node()])
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(mut prep) => {
+            let q_state = prep.checkpoint(&q);
+            let k_state = prep.checkpoint(&k);
+            let v_state = prep.checkpoint(&v);
+            let [q, k, v] = [q, k, v].map(|t| t.into_parts().0);
+            let (out, lse) = match (q.dtype(), key_padding.clone()) {
+                // `recompute_attention` routes a masked f32 problem to Burn's op.
+                (DType::F32, None) => B::attention_with_logsumexp(q, k, v, options),
+                (DType::F32, Some(_)) => {
+                    panic!("recompute attention: a key-padding mask with f32 operands")
+                }
+                (_, pad) => {
+                    let scale = resolve_scale::<B>(scale, &q);
+                    match pad {
+                        None => B::half_attention_forward(q, k, v, causal, scale),
+                        Some(m) => B::half_attention_forward_padded(q, k, v, m, causal, scale),
                     }
-                };
-                prep.finish((q_state, k_state, v_state, out.clone(), lse, options), out)
-            }
-            OpsKind::UnTracked(prep) => {
-                let [q, k, v] = [q, k, v].map(|t| t.into_parts().0);
-                prep.finish(B::recompute_attention(q, k, v, causal, scale))
-            }
+                }
+            };
+            let state = (q_state, k_state, v_state, out.clone(), lse, key_padding);
+            prep.finish((state, options), out)
+        }
+        OpsKind::UnTracked(prep) => {
+            let [q, k, v] = [q, k, v].map(|t| t.into_parts().0);
+            prep.finish(match key_padding {
+                None => B::recompute_attention(q, k, v, causal, scale),
+                Some(m) => B::recompute_attention_padded(q, k, v, m, causal, scale),
+            })
         }
     }
 }
@@ -346,12 +629,17 @@ impl<B: RecomputeAttentionOps + HalfAttention, C: CheckpointStrategy> RecomputeA
 struct RecomputeBackward;
 
 impl<B: HalfAttention> Backward<B, 3> for RecomputeBackward {
+    /// Q, K and V's checkpoints, the output, the log-sum-exp and the key-padding mask; the
+    /// options.
     type State = (
-        NodeId,
-        NodeId,
-        NodeId,
-        FloatTensor<B>,
-        FloatTensor<B>,
+        (
+            NodeId,
+            NodeId,
+            NodeId,
+            FloatTensor<B>,
+            FloatTensor<B>,
+            Option<BoolTensor<B>>,
+        ),
         AttentionModuleOptions,
     );
 
@@ -363,7 +651,7 @@ impl<B: HalfAttention> Backward<B, 3> for RecomputeBackward {
     ) {
         let [q_node, k_node, v_node] = ops.parents;
         let out_grad = grads.consume::<B>(&ops.node);
-        let (q, k, v, out, lse, options) = ops.state;
+        let ((q, k, v, out, lse, key_padding), options) = ops.state;
         let q: FloatTensor<B> = checkpointer.retrieve_node_output(q);
         let k = checkpointer.retrieve_node_output(k);
         let v = checkpointer.retrieve_node_output(v);
@@ -373,8 +661,12 @@ impl<B: HalfAttention> Backward<B, 3> for RecomputeBackward {
         } else {
             let scale = resolve_scale::<B>(options.scale, &q);
             let causal = options.is_causal;
-            let (dq, dk, dv) =
-                B::half_attention_backward(q, k, v, out, lse, out_grad, causal, scale);
+            let (dq, dk, dv) = match key_padding {
+                None => B::half_attention_backward(q, k, v, out, lse, out_grad, causal, scale),
+                Some(m) => {
+                    B::half_attention_backward_padded(q, k, v, out, lse, out_grad, m, causal, scale)
+                }
+            };
             [dq, dk, dv]
         };
         count_launch(RECOMPUTE_BACKWARD);
@@ -386,8 +678,8 @@ impl<B: HalfAttention> Backward<B, 3> for RecomputeBackward {
     }
 }
 
-/// [`recompute_attention`] as an [`AttentionImpl`] (training's `recompute` attention): a
-/// key-padding mask takes [`BurnAttention`] (Burn's decomposed path with the mask).
+/// [`recompute_attention`] as an [`AttentionImpl`] (training's `recompute` attention), key
+/// padding included.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct RecomputeAttention;
 
@@ -404,19 +696,16 @@ impl AttentionImpl for RecomputeAttention {
 
     fn attend(
         &self,
-        layer: usize,
+        _layer: usize,
         q: Tensor<4>,
         k: Tensor<4>,
         v: Tensor<4>,
         opts: &AttnOptions,
     ) -> Tensor<4> {
-        if opts.key_padding.is_some() {
-            return BurnAttention.attend(layer, q, k, v, opts);
-        }
         let scale = burn_scale(opts.scale, q.dims()[3]);
         // `AttentionImpl` callers pass the model's own Q/K/V, whose shapes fit (as for the
         // other implementations, a mismatch is a bug of the caller).
-        recompute_attention(q, k, v, opts.causal, scale)
+        recompute_attention(q, k, v, opts.key_padding.clone(), opts.causal, scale)
             .unwrap_or_else(|e| panic!("recompute attention: {e}"))
     }
 }

@@ -388,23 +388,53 @@ fn recompute_attention_checks_shapes() {
         ([1, 4, 5, 8], [1, 2, 5, 8], [1, 2, 6, 8]),
     ];
     for (q, k, v) in bad {
-        let err = recompute_attention(t(q, 1), t(k, 2), t(v, 3), true, None).unwrap_err();
-        assert_eq!(err, AttentionShapeError { q, k, v });
+        let err = recompute_attention(t(q, 1), t(k, 2), t(v, 3), None, true, None).unwrap_err();
+        let key_padding = None;
+        assert_eq!(
+            err,
+            AttentionShapeError {
+                q,
+                k,
+                v,
+                key_padding
+            }
+        );
     }
     let (q, k, v) = (t([2, 4, 7, 8], 4), t([2, 2, 7, 8], 5), t([2, 2, 7, 8], 6));
-    let got = recompute_attention(q.clone(), k.clone(), v.clone(), true, None).expect("fits");
-    let opts = AttnOptions {
-        causal: true,
-        scale: (8f32).sqrt().recip(),
-        key_padding: None,
-    };
-    let want = ReferenceAttention.attend(0, q, k, v, &opts);
-    assert_close(
-        "recompute vs the reference (CPU)",
-        &to_f32(got.into_data()),
-        &to_f32(want.into_data()),
-        Tolerance::for_reduction(DType::F32, 8),
-    );
+    // A key-padding mask of the wrong length.
+    let wrong = Tensor::<2, Bool>::from_data(TensorData::new(vec![false; 12], [2, 6]), &device);
+    let err =
+        recompute_attention(q.clone(), k.clone(), v.clone(), Some(wrong), true, None).unwrap_err();
+    assert_eq!(err.key_padding, Some([2, 6]));
+    // Without and with key padding (batch 1 hides keys 3 and 5, never all of a query's keys).
+    let hidden: Vec<bool> = (0..14).map(|i| i == 10 || i == 12).collect();
+    let mask = Tensor::<2, Bool>::from_data(TensorData::new(hidden, [2, 7]), &device);
+    for key_padding in [None, Some(mask)] {
+        let got = recompute_attention(
+            q.clone(),
+            k.clone(),
+            v.clone(),
+            key_padding.clone(),
+            true,
+            None,
+        )
+        .expect("fits");
+        let opts = AttnOptions {
+            causal: true,
+            scale: (8f32).sqrt().recip(),
+            key_padding,
+        };
+        let want = ReferenceAttention.attend(0, q.clone(), k.clone(), v.clone(), &opts);
+        assert_close(
+            &format!(
+                "recompute vs the reference (CPU), padded {}",
+                opts.key_padding.is_some()
+            ),
+            &to_f32(got.into_data()),
+            &to_f32(want.into_data()),
+            Tolerance::for_reduction(DType::F32, 8),
+        );
+    }
 }
 
 #[test]

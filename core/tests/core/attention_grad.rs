@@ -7,7 +7,7 @@
 //! (`core.rs` says why); on lavapipe the f32 checks of the first three cases and the memory test
 //! passed once (2026-11-28).
 
-use burn::tensor::{DType, Device, Tensor};
+use burn::tensor::{Bool, DType, Device, Tensor, TensorData};
 use burn_kernels_core::recompute_attention::{FLASH_BACKWARD, FLASH_FORWARD, RECOMPUTE_BACKWARD};
 use burn_kernels_core::route::{launches, memory_in_use};
 use burn_kernels_core::{
@@ -134,7 +134,11 @@ pub fn flash_attention_gradients_match_reference(device: &Device) {
             forward_matches_reference(&RecomputeAttention, dtype, token_major, device);
         }
     }
-    let runs = (FLASH_CASES.len() * dtypes.len() * 2) as u64;
+    for &dtype in &dtypes {
+        poison(&PADDED_CASES, dtype, device);
+        padded_gradients_match_reference(dtype, device);
+    }
+    let runs = ((FLASH_CASES.len() * 2 + PADDED_CASES.len()) * dtypes.len()) as u64;
     let ran = launches(FLASH_BACKWARD) - backward;
     assert!(
         ran >= runs,
@@ -147,6 +151,70 @@ pub fn flash_attention_gradients_match_reference(device: &Device) {
         "the flash forward ran {ran} times for {} forwards ({dtypes:?})",
         2 * runs
     );
+}
+
+/// Flash cases with a key-padding mask: grouped heads past a tile (one batch unpadded), a whole
+/// key tile hidden with fewer queries than keys (bottom-right causal), no causal mask with more
+/// queries than keys. Key 0 is never hidden, so every query sees a key.
+const PADDED_CASES: [Case; 3] = [
+    (2, 6, 2, 67, 67, 64, true),
+    (1, 2, 1, 37, 131, 64, true),
+    (2, 4, 4, 97, 53, 64, false),
+];
+
+/// Whether case `case`'s mask hides key `key` of batch `b`: about 3 keys in 10 (none of batch 0
+/// in the first case), and in the second case the whole key tile 64..128.
+fn padded(case: usize, b: usize, key: usize) -> bool {
+    let spread = key > 0 && (key * 7 + b * 3 + case) % 10 < 3;
+    match case {
+        0 => b == 1 && spread,
+        1 => spread || (64..128).contains(&key),
+        _ => spread,
+    }
+}
+
+/// [`PADDED_CASES`] through [`RecomputeAttention`] (the flash kernels with the mask) against the
+/// reference with the same mask: output, dQ, dK, dV, and the output without autodiff.
+fn padded_gradients_match_reference(dtype: DType, device: &Device) {
+    for (i, &(b, hq, hkv, sq, skv, d, causal)) in PADDED_CASES.iter().enumerate() {
+        let seed = 700 + 10 * i as u64;
+        let make = |shape: [usize; 4], s: u64| operand(shape, seed + s, dtype, i == 1, device);
+        let q = make([b, hq, sq, d], 0);
+        let k = make([b, hkv, skv, d], 1);
+        let v = make([b, hkv, skv, d], 2);
+        let g = random_tensor([b, hq, sq, d], Dist::STANDARD, seed + 3, DType::F32, device);
+        let hidden: Vec<bool> = (0..b * skv).map(|j| padded(i, j / skv, j % skv)).collect();
+        let mask = Tensor::<2, Bool>::from_data(TensorData::new(hidden, [b, skv]), device);
+        let opts = AttnOptions {
+            causal,
+            scale: (d as f32).sqrt().recip(),
+            key_padding: Some(mask),
+        };
+        let flash = gradients(&RecomputeAttention, [&q, &k, &v, &g], &opts);
+        let reference = gradients(&ReferenceAttention, [&q, &k, &v, &g], &opts);
+        let len = sq.max(skv) * d;
+        let label = format!("{dtype:?} b{b} hq{hq} hkv{hkv} sq{sq} skv{skv}");
+        for (what, (a, e)) in ["out", "dQ", "dK", "dV"]
+            .iter()
+            .zip(flash.iter().zip(&reference))
+        {
+            check(&format!("padded {what} {label}"), a, e, dtype, len, device);
+        }
+        // Untracked operands: the forward alone (a validation pass).
+        let run = |a: &dyn AttentionImpl| {
+            let out = a.attend(0, q.clone(), k.clone(), v.clone(), &opts);
+            to_f32(out.cast(DType::F32).into_data())
+        };
+        let name = format!("padded forward (no autodiff) {label}");
+        check(
+            &name,
+            &run(&RecomputeAttention),
+            &run(&ReferenceAttention),
+            dtype,
+            len,
+            device,
+        );
+    }
 }
 
 /// Hands the memory pool blocks of NaN the size of every case's operands and outputs.

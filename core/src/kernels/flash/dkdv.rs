@@ -24,6 +24,7 @@ pub(super) fn flash_dkdv_kernel<P: Float, N2: Size>(
     delta: &Tensor<f32>,
     dk: &mut Tensor<P>,
     dv: &mut Tensor<P>,
+    pad: &Tensor<f32>,
     args: FlashArgs,
     q_rows: Rows,
     k_rows: Rows,
@@ -32,6 +33,7 @@ pub(super) fn flash_dkdv_kernel<P: Float, N2: Size>(
     dkv_rows: Rows,
     #[comptime] dim: usize,
     #[comptime] causal: bool,
+    #[comptime] padded: bool,
     #[define(P)] _dtype: ElemType,
 ) {
     let k_tiles = (args.skv + TILE - 1) / TILE;
@@ -78,6 +80,20 @@ pub(super) fn flash_dkdv_kernel<P: Float, N2: Size>(
     }
     let b = bhk / args.hkv;
     let hk = bhk % args.hkv;
+    // Whether a key-padding mask hides the lane's keys `row`, `row + 8` (past the end: hidden).
+    let mut key_hidden = Array::<f32>::new(2usize);
+    #[unroll]
+    for v in 0..2usize {
+        let key = row + 8 * v;
+        let mut h = f32::new(0.0);
+        if padded {
+            h = f32::new(1.0);
+            if key < args.skv {
+                h = pad[b * args.skv + key];
+            }
+        }
+        key_hidden[v] = h;
+    }
     for gi in 0..group {
         let bh = b * args.hq + hk * group + gi;
         let mut q0 = q_start;
@@ -107,14 +123,42 @@ pub(super) fn flash_dkdv_kernel<P: Float, N2: Size>(
             if causal {
                 full = full && first + 16 <= q0 + args.offset + 1;
             }
+            if padded {
+                full = false;
+            }
             if full {
                 key_rows_gradients::<P, N2>(
-                    &st, &dpt, &mut p, &mut ds, &lse_sm, &delta_sm, &args, row, q0, t, causal,
+                    &st,
+                    &dpt,
+                    &mut p,
+                    &mut ds,
+                    &lse_sm,
+                    &delta_sm,
+                    &key_hidden,
+                    &args,
+                    row,
+                    q0,
+                    t,
+                    causal,
                     false,
+                    padded,
                 );
             } else {
                 key_rows_gradients::<P, N2>(
-                    &st, &dpt, &mut p, &mut ds, &lse_sm, &delta_sm, &args, row, q0, t, causal, true,
+                    &st,
+                    &dpt,
+                    &mut p,
+                    &mut ds,
+                    &lse_sm,
+                    &delta_sm,
+                    &key_hidden,
+                    &args,
+                    row,
+                    q0,
+                    t,
+                    causal,
+                    true,
+                    padded,
                 );
             }
             accumulate::<P, N2>(&p, &do_sm, &mut dv_acc, lane, dim);

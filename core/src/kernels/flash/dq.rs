@@ -9,7 +9,7 @@ use cubecl::prelude::*;
 
 use super::stages::{
     a_fragments, accumulate, head_base, keys_end, query_rows_gradients, rows_product,
-    sees_key_tile, store_tile, write_rows, zero,
+    sees_key_tile, store_hidden, store_tile, write_rows, zero,
 };
 use super::{FlashArgs, PAD, Rows, TILE};
 
@@ -24,6 +24,7 @@ pub(super) fn flash_dq_kernel<P: Float, N2: Size>(
     lse: &Tensor<f32>,
     delta: &mut Tensor<f32>,
     dq: &mut Tensor<P>,
+    pad: &Tensor<f32>,
     args: FlashArgs,
     q_rows: Rows,
     k_rows: Rows,
@@ -33,6 +34,7 @@ pub(super) fn flash_dq_kernel<P: Float, N2: Size>(
     dq_rows: Rows,
     #[comptime] dim: usize,
     #[comptime] causal: bool,
+    #[comptime] padded: bool,
     #[define(P)] _dtype: ElemType,
 ) {
     let q_tiles = (args.sq + TILE - 1) / TILE;
@@ -113,6 +115,8 @@ pub(super) fn flash_dq_kernel<P: Float, N2: Size>(
     let mut s = Array::<Vector<f32, N2>>::new(comptime!(TILE / 4));
     let mut dp = Array::<Vector<f32, N2>>::new(comptime!(TILE / 4));
     let mut ds = Array::<Vector<P, N2>>::new(comptime!(TILE / 4));
+    let mut hidden_sm = Shared::<[f32]>::new_slice(TILE);
+    let pad_base = (bh / args.hq) * args.skv;
 
     let kv_end = keys_end(&args, q0, causal);
     let mut kv0 = 0usize;
@@ -123,16 +127,19 @@ pub(super) fn flash_dq_kernel<P: Float, N2: Size>(
         let v_at = v_base + kv0 * v_rows.row;
         store_tile::<P, N2>(k, k_at, k_rows.row, valid, &mut k_sm, tid, dim);
         store_tile::<P, N2>(v, v_at, v_rows.row, valid, &mut v_sm, tid, dim);
+        store_hidden(pad, pad_base, kv0, &args, &mut hidden_sm, tid, padded);
         sync_cube();
         rows_product::<P, N2>(&qf, &k_sm, &mut s, lane, dim);
         rows_product::<P, N2>(&dof, &v_sm, &mut dp, lane, dim);
-        if sees_key_tile(&args, kv0, first, causal) {
+        if sees_key_tile(&args, kv0, first, causal, padded) {
             query_rows_gradients::<P, N2>(
-                &s, &dp, &mut ds, &row_lse, &row_delta, &args, row, kv0, t, causal, false,
+                &s, &dp, &mut ds, &row_lse, &row_delta, &hidden_sm, &args, row, kv0, t, causal,
+                false, padded,
             );
         } else {
             query_rows_gradients::<P, N2>(
-                &s, &dp, &mut ds, &row_lse, &row_delta, &args, row, kv0, t, causal, true,
+                &s, &dp, &mut ds, &row_lse, &row_delta, &hidden_sm, &args, row, kv0, t, causal,
+                true, padded,
             );
         }
         accumulate::<P, N2>(&ds, &k_sm, &mut acc, lane, dim);

@@ -9,7 +9,7 @@ use cubecl::prelude::*;
 
 use super::stages::{
     a_fragments, accumulate, head_base, keys_end, online_softmax, rows_product, sees_key_tile,
-    softmax_start, store_tile, write_rows, zero,
+    softmax_start, store_hidden, store_tile, write_rows, zero,
 };
 use super::{FlashArgs, PAD, Rows, TILE};
 
@@ -21,6 +21,7 @@ pub(super) fn flash_forward_kernel<P: Float, N2: Size>(
     v: &Tensor<Vector<P, N2>>,
     out: &mut Tensor<P>,
     lse: &mut Tensor<f32>,
+    pad: &Tensor<f32>,
     args: FlashArgs,
     q_rows: Rows,
     k_rows: Rows,
@@ -28,6 +29,7 @@ pub(super) fn flash_forward_kernel<P: Float, N2: Size>(
     out_rows: Rows,
     #[comptime] dim: usize,
     #[comptime] causal: bool,
+    #[comptime] padded: bool,
     #[define(P)] _dtype: ElemType,
 ) {
     let q_tiles = (args.sq + TILE - 1) / TILE;
@@ -62,6 +64,8 @@ pub(super) fn flash_forward_kernel<P: Float, N2: Size>(
         Shared::<[Vector<P, N2>]>::new_aligned_slice(comptime!(TILE * (dim / 2 + PAD)), 16usize);
     let mut v_sm =
         Shared::<[Vector<P, N2>]>::new_aligned_slice(comptime!(TILE * (dim / 2 + PAD)), 16usize);
+    let mut hidden_sm = Shared::<[f32]>::new_slice(TILE);
+    let pad_base = (bh / args.hq) * args.skv;
     let mut s = Array::<Vector<f32, N2>>::new(comptime!(TILE / 4));
     let mut p = Array::<Vector<P, N2>>::new(comptime!(TILE / 4));
 
@@ -74,15 +78,18 @@ pub(super) fn flash_forward_kernel<P: Float, N2: Size>(
         let v_at = v_base + kv0 * v_rows.row;
         store_tile::<P, N2>(k, k_at, k_rows.row, valid, &mut k_sm, tid, dim);
         store_tile::<P, N2>(v, v_at, v_rows.row, valid, &mut v_sm, tid, dim);
+        store_hidden(pad, pad_base, kv0, &args, &mut hidden_sm, tid, padded);
         sync_cube();
         rows_product::<P, N2>(&qf, &k_sm, &mut s, lane, dim);
-        if sees_key_tile(&args, kv0, first, causal) {
+        if sees_key_tile(&args, kv0, first, causal, padded) {
             online_softmax::<P, N2>(
-                &mut s, &mut p, &mut m, &mut l, &mut acc, &args, row, kv0, t, dim, causal, false,
+                &mut s, &mut p, &mut m, &mut l, &mut acc, &hidden_sm, &args, row, kv0, t, dim,
+                causal, false, padded,
             );
         } else {
             online_softmax::<P, N2>(
-                &mut s, &mut p, &mut m, &mut l, &mut acc, &args, row, kv0, t, dim, causal, true,
+                &mut s, &mut p, &mut m, &mut l, &mut acc, &hidden_sm, &args, row, kv0, t, dim,
+                causal, true, padded,
             );
         }
         accumulate::<P, N2>(&p, &v_sm, &mut acc, lane, dim);
@@ -96,8 +103,11 @@ pub(super) fn flash_forward_kernel<P: Float, N2: Size>(
         sum += plane_shuffle_xor(sum, 2u32);
         inv[r] = select(sum > f32::new(0.0), f32::new(1.0) / sum, f32::new(0.0));
         let query = row + 8 * r;
+        // A query that sees no key (all hidden by a key-padding mask) gets a large finite
+        // log-sum-exp: its output is zero and the backward's probabilities of it are zero.
         if t == 0 && query < args.sq {
-            lse[bh * args.sq + query] = m[r] + f32::ln(sum);
+            lse[bh * args.sq + query] =
+                select(sum > f32::new(0.0), m[r] + f32::ln(sum), f32::new(1.0e30));
         }
     }
     let out_base = head_base(&out_rows, bh, args.hq);

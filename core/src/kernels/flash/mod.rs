@@ -10,7 +10,8 @@
 //!   registers).
 //!
 //! Each walk masks only the tiles that need it (a tail, or a causal diagonal): a tile whose
-//! every query sees every key skips the per-element test.
+//! every query sees every key skips the per-element test. A key-padding mask (`[batch, skv]`,
+//! as batched prompts of different lengths need) is tested on every tile.
 //!
 //! The backward walks compute `S` and `dP` again (seven products a tile in all, as
 //! FlashAttention-2 without atomics); every fragment of `P` and `dS` goes from one product's
@@ -35,8 +36,8 @@ mod forward;
 mod stages;
 
 use burn::backend::cubecl::dtype_to_storage_type;
-use burn::backend::ops::FloatTensorOps;
-use burn::tensor::{DType, Shape};
+use burn::backend::ops::{BoolTensorOps, FloatTensorOps};
+use burn::tensor::{DType, FloatDType, Shape};
 use burn_cubecl::{
     CubeBackend, kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype,
     tensor::CubeTensor,
@@ -142,6 +143,34 @@ fn token_major(like: &CubeTensor, [b, h, s, d]: [usize; 4], dtype: DType) -> (Cu
     )
 }
 
+/// The key-padding mask as the kernels read it: one f32 a key (nonzero = hidden), contiguous
+/// `[batch, skv]`; without a mask a one-element placeholder (never read). Why not, where the
+/// mask's shape is not `[batch, skv]`.
+fn key_padding(
+    pad: Option<CubeTensor>,
+    like: &CubeTensor,
+    batch: usize,
+    skv: usize,
+) -> Result<(CubeTensor, bool), String> {
+    let Some(pad) = pad else {
+        let none = empty_device_contiguous_dtype(
+            like.client.clone(),
+            like.device.clone(),
+            Shape::new([1]),
+            DType::F32,
+        );
+        return Ok((none, false));
+    };
+    let dims = pad.meta.shape().clone();
+    if dims.num_dims() != 2 || dims[0] != batch || dims[1] != skv {
+        return Err(format!(
+            "a key-padding mask of shape {dims:?} (expected [{batch}, {skv}])"
+        ));
+    }
+    let pad = CubeBackend::bool_into_float(pad, FloatDType::F32);
+    Ok((into_contiguous(pad), true))
+}
+
 /// Why the kernels do not take a problem.
 pub fn unsupported(
     client: &Client,
@@ -205,16 +234,19 @@ fn flash_args(
 
 /// The output of attention and each query's log-sum-exp of the scaled scores (natural log), as
 /// [`flash_backward`] takes it; `None` (nothing launched) where [`unsupported`] says why not.
+/// `pad`, a key-padding mask (`true` = no query sees the key), hides keys beside the causal
+/// mask; a query that sees no key gets a zero output.
 ///
 /// # Shapes
 /// - `q`: `[batch, q_heads, sq, 64]`; `k`, `v`: `[batch, kv_heads, skv, 64]` (`q_heads` a
-///   multiple of `kv_heads`), any strides with adjacent channels
+///   multiple of `kv_heads`), any strides with adjacent channels; `pad`: `[batch, skv]` bool
 /// - returns the output, `[batch, q_heads, sq, 64]` in `q`'s dtype (a view of a
 ///   `[batch, sq, q_heads, 64]` buffer), and the log-sum-exp, `[batch, q_heads, sq]` f32
 pub fn flash_forward(
     q: CubeTensor,
     k: CubeTensor,
     v: CubeTensor,
+    pad: Option<CubeTensor>,
     causal: bool,
     scale: f64,
 ) -> Option<(CubeTensor, CubeTensor)> {
@@ -231,7 +263,9 @@ pub fn flash_forward(
     }
     let [b, hq, sq, d] = qs.dims::<4>();
     let [_, hkv, skv, _] = ks.dims::<4>();
-    let [(q, q_rows), (k, k_rows), (v, v_rows)] = match readable_all([q, k, v]) {
+    let read = readable_all([q, k, v])
+        .and_then(|read| key_padding(pad, &read[0].0, b, skv).map(|pad| (read, pad)));
+    let ([(q, q_rows), (k, k_rows), (v, v_rows)], (pad, padded)) = match read {
         Ok(read) => read,
         Err(why) => {
             log::debug!("flash attention forward declined: {why}");
@@ -258,6 +292,7 @@ pub fn flash_forward(
             v.into_tensor_arg(),
             out.clone().into_tensor_arg(),
             lse.clone().into_tensor_arg(),
+            pad.into_tensor_arg(),
             flash_args(b, hq, hkv, sq, skv, causal, scale),
             q_rows.launch(),
             k_rows.launch(),
@@ -265,6 +300,7 @@ pub fn flash_forward(
             out_rows.launch(),
             d,
             causal,
+            padded,
             dtype_to_storage_type(dtype),
         );
     }
@@ -278,7 +314,7 @@ pub fn flash_forward(
 /// # Shapes
 /// - `q`, `out`, `dout`: `[batch, q_heads, sq, 64]`; `k`, `v`: `[batch, kv_heads, skv, 64]`
 ///   (`q_heads` a multiple of `kv_heads`), any strides with adjacent channels; `lse`:
-///   `[batch, q_heads, sq]` f32
+///   `[batch, q_heads, sq]` f32; `pad` (the forward's key-padding mask): `[batch, skv]` bool
 /// - returns the gradients in the operands' shapes and dtype (views of token-major buffers)
 #[allow(clippy::too_many_arguments)]
 pub fn flash_backward(
@@ -288,6 +324,7 @@ pub fn flash_backward(
     out: CubeTensor,
     lse: CubeTensor,
     dout: CubeTensor,
+    pad: Option<CubeTensor>,
     causal: bool,
     scale: f64,
 ) -> Option<(CubeTensor, CubeTensor, CubeTensor)> {
@@ -313,6 +350,13 @@ pub fn flash_backward(
         (dout, do_rows),
     ] = match readable_all([q, k, v, out, dout]) {
         Ok(read) => read,
+        Err(why) => {
+            log::debug!("flash attention backward declined: {why}");
+            return None;
+        }
+    };
+    let (pad, padded) = match key_padding(pad, &q, b, skv) {
+        Ok(pad) => pad,
         Err(why) => {
             log::debug!("flash attention backward declined: {why}");
             return None;
@@ -346,6 +390,7 @@ pub fn flash_backward(
             lse.clone().into_tensor_arg(),
             delta.clone().into_tensor_arg(),
             dq.clone().into_tensor_arg(),
+            pad.clone().into_tensor_arg(),
             flash_args(b, hq, hkv, sq, skv, causal, scale),
             q_rows.launch(),
             k_rows.launch(),
@@ -355,6 +400,7 @@ pub fn flash_backward(
             dq_rows.launch(),
             d,
             causal,
+            padded,
             storage,
         );
         dkdv::flash_dkdv_kernel::launch_unchecked(
@@ -370,6 +416,7 @@ pub fn flash_backward(
             delta.into_tensor_arg(),
             dk.clone().into_tensor_arg(),
             dv.clone().into_tensor_arg(),
+            pad.into_tensor_arg(),
             flash_args(b, hq, hkv, sq, skv, causal, scale),
             q_rows.launch(),
             k_rows.launch(),
@@ -378,6 +425,7 @@ pub fn flash_backward(
             dkv_rows.launch(),
             d,
             causal,
+            padded,
             storage,
         );
     }

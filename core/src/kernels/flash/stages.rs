@@ -228,19 +228,56 @@ pub fn keys_end(args: &FlashArgs, q0: usize, #[comptime] causal: bool) -> usize 
 }
 
 /// Whether every query from `first` on sees every key of the tile `kv0 .. kv0 + TILE` (no key
-/// past the end, none after the first query's diagonal): such a tile needs no mask.
+/// past the end, none after the first query's diagonal, no key-padding mask): such a tile needs
+/// no mask.
 #[cube]
-pub fn sees_key_tile(args: &FlashArgs, kv0: usize, first: usize, #[comptime] causal: bool) -> bool {
+pub fn sees_key_tile(
+    args: &FlashArgs,
+    kv0: usize,
+    first: usize,
+    #[comptime] causal: bool,
+    #[comptime] padded: bool,
+) -> bool {
     let mut full = kv0 + TILE <= args.skv;
     if causal {
         full = full && kv0 + TILE <= first + args.offset + 1;
     }
+    if padded {
+        full = false;
+    }
     full
+}
+
+/// Stores which keys of the tile `kv0 .. kv0 + TILE` a key-padding mask hides (`pad`: one f32 a
+/// key, nonzero = hidden, the batch's keys from `pad_base`) in `hidden_sm` (keys past the end
+/// hidden too), when `padded`. The caller syncs before the tile is read.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn store_hidden(
+    pad: &Tensor<f32>,
+    pad_base: usize,
+    kv0: usize,
+    args: &FlashArgs,
+    hidden_sm: &mut Shared<[f32]>,
+    tid: usize,
+    #[comptime] padded: bool,
+) {
+    if padded {
+        if tid < TILE {
+            let key = kv0 + tid;
+            let mut h = f32::new(1.0);
+            if key < args.skv {
+                h = pad[pad_base + key];
+            }
+            hidden_sm[tid] = h;
+        }
+    }
 }
 
 /// A tile of the query-owned walk (rows queries, columns keys `col0 ..`): from the scores `s`
 /// and `dp = dO·Vᵀ`, the score gradients `dS = P ⊙ (dP − Δ)` with
-/// `P = exp(scale · s − lse)`, as A-operand pairs in `ds` (zero where a key is hidden).
+/// `P = exp(scale · s − lse)`, as A-operand pairs in `ds` (zero where a key is hidden; with
+/// `padded` also where `hidden_sm`, from [`store_hidden`], marks the key).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn query_rows_gradients<P: Float, N2: Size>(
@@ -249,12 +286,14 @@ pub fn query_rows_gradients<P: Float, N2: Size>(
     ds: &mut Array<Vector<P, N2>>,
     lse: &Array<f32>,
     delta: &Array<f32>,
+    hidden_sm: &Shared<[f32]>,
     args: &FlashArgs,
     row: usize,
     col0: usize,
     t: usize,
     #[comptime] causal: bool,
     #[comptime] masked: bool,
+    #[comptime] padded: bool,
 ) {
     #[unroll]
     for n in 0..comptime!(TILE / 8) {
@@ -265,14 +304,14 @@ pub fn query_rows_gradients<P: Float, N2: Size>(
             let mut out = Vector::<P, N2>::empty();
             #[unroll]
             for e in 0..2usize {
-                let key = col0 + n * 8 + 2 * t + e;
+                let c = n * 8 + 2 * t + e;
+                let mut seen = visible(args, row + 8 * v, col0 + c, causal, masked);
+                if padded {
+                    seen = seen && hidden_sm[c] == f32::new(0.0);
+                }
                 let p = f32::exp(sv.extract(e) * args.scale - lse[v]);
                 let g = p * (dv.extract(e) - delta[v]);
-                let g = select(
-                    visible(args, row + 8 * v, key, causal, masked),
-                    g,
-                    f32::new(0.0),
-                );
+                let g = select(seen, g, f32::new(0.0));
                 out.insert(e, P::cast_from(g));
             }
             ds[n * 2 + v] = out;
@@ -283,7 +322,8 @@ pub fn query_rows_gradients<P: Float, N2: Size>(
 /// A tile of the key-owned walk (rows keys, columns queries `col0 ..`): from the transposed
 /// scores `st` and `dpt = V·dOᵀ`, the probabilities `Pᵀ` in `p` and the score gradients
 /// `dSᵀ` in `ds`, as A-operand pairs (zero where a query does not see the key); the queries'
-/// log-sum-exp and `Δ` from shared memory.
+/// log-sum-exp and `Δ` from shared memory. With `padded`, `key_hidden[v]` is nonzero where a
+/// key-padding mask hides the lane's key `row + 8v`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn key_rows_gradients<P: Float, N2: Size>(
@@ -293,12 +333,14 @@ pub fn key_rows_gradients<P: Float, N2: Size>(
     ds: &mut Array<Vector<P, N2>>,
     lse_sm: &Shared<[f32]>,
     delta_sm: &Shared<[f32]>,
+    key_hidden: &Array<f32>,
     args: &FlashArgs,
     row: usize,
     col0: usize,
     t: usize,
     #[comptime] causal: bool,
     #[comptime] masked: bool,
+    #[comptime] padded: bool,
 ) {
     #[unroll]
     for n in 0..comptime!(TILE / 8) {
@@ -311,7 +353,10 @@ pub fn key_rows_gradients<P: Float, N2: Size>(
             #[unroll]
             for e in 0..2usize {
                 let c = n * 8 + 2 * t + e;
-                let seen = visible(args, col0 + c, row + 8 * v, causal, masked);
+                let mut seen = visible(args, col0 + c, row + 8 * v, causal, masked);
+                if padded {
+                    seen = seen && key_hidden[v] == f32::new(0.0);
+                }
                 let pe = select(
                     seen,
                     f32::exp(sv.extract(e) * args.scale - lse_sm[c]),
@@ -373,7 +418,8 @@ pub fn zero<N2: Size>(acc: &mut Array<Vector<f32, N2>>, #[comptime] dim: usize) 
 /// A tile of the forward walk (rows queries, columns keys `col0 ..`): folds the scores `s`
 /// (replaced by the scaled, masked scores) into the running maxima `m` of the lane's two rows
 /// and the lane's partial sums `l`, rescales `acc` by `exp(m_old − m_new)`, and leaves
-/// `P = exp(scale · s − m_new)` as A-operand pairs in `p` (zero where a key is hidden). The
+/// `P = exp(scale · s − m_new)` as A-operand pairs in `p` (zero where a key is hidden; with
+/// `padded` also where `hidden_sm`, from [`store_hidden`], marks the key). The
 /// maxima are reduced over the 4 lanes that share a row; the sums stay per lane until the end.
 /// A hidden score is `-1e30`, a finite "minus infinity": its probability is selected away, so
 /// no infinity reaches the arithmetic.
@@ -386,6 +432,7 @@ pub fn online_softmax<P: Float, N2: Size>(
     m: &mut Array<f32>,
     l: &mut Array<f32>,
     acc: &mut Array<Vector<f32, N2>>,
+    hidden_sm: &Shared<[f32]>,
     args: &FlashArgs,
     row: usize,
     col0: usize,
@@ -393,6 +440,7 @@ pub fn online_softmax<P: Float, N2: Size>(
     #[comptime] dim: usize,
     #[comptime] causal: bool,
     #[comptime] masked: bool,
+    #[comptime] padded: bool,
 ) {
     #[unroll]
     for v in 0..2usize {
@@ -404,8 +452,11 @@ pub fn online_softmax<P: Float, N2: Size>(
             let mut x = Vector::<f32, N2>::empty();
             #[unroll]
             for e in 0..2usize {
-                let key = col0 + n * 8 + 2 * t + e;
-                let seen = visible(args, query, key, causal, masked);
+                let c = n * 8 + 2 * t + e;
+                let mut seen = visible(args, query, col0 + c, causal, masked);
+                if padded {
+                    seen = seen && hidden_sm[c] == f32::new(0.0);
+                }
                 let xe = select(seen, sv.extract(e) * args.scale, f32::new(-1.0e30));
                 mx = f32::max(mx, xe);
                 x.insert(e, xe);
