@@ -35,11 +35,6 @@ pub const GEMV_MAX_ROWS: usize = 16;
 /// - `swiglu`: `x` `[batch, seq, in]`, `gate`, `up` `[in, inter]`; returns
 ///   `silu(x · gate) · (x · up)`, `[batch, seq, inter]`
 /// - `add_rms_norm`: `x`, `y` `[batch, seq, hidden]`; returns `(x + y, rms_norm(x + y))`
-///
-/// Mixed precision: a residual stream `x` wider than the weights (f32 beside bf16 weights, as
-/// burn-llama's `Precision::compute_view` keeps it) stays in its dtype through the residual adds
-/// (`y` is cast to it), and `rms_norm` normalizes in the stream's dtype and returns the norm
-/// weight's dtype, what the projections after it take.
 /// - `rope2`: `rope` of `q` `[batch, q_heads, seq, head_dim]` and `k` `[batch, k_heads, seq,
 ///   head_dim]` at the same positions
 /// - `add_norm_linear3`: `x`, `y` `[batch, seq, hidden]`; returns `x + y` and `linear3` of
@@ -71,7 +66,7 @@ pub trait LayerOps: Send + Sync + std::fmt::Debug {
     }
 
     fn add_rms_norm(&self, norm: &RmsNorm, x: Tensor<3>, y: Tensor<3>) -> (Tensor<3>, Tensor<3>) {
-        let sum = residual_add(x, y);
+        let sum = x + y;
         (sum.clone(), self.rms_norm(norm, sum))
     }
 
@@ -122,14 +117,7 @@ impl LayerOps for TensorOps {
     }
 
     fn rms_norm(&self, norm: &RmsNorm, x: Tensor<3>) -> Tensor<3> {
-        let gamma = norm.gamma.val();
-        let (dtype, out) = (x.dtype(), gamma.dtype());
-        if dtype == out {
-            return norm.forward(x);
-        }
-        // A residual stream wider than the weights: normalized in its dtype, rounded once.
-        let rms = (x.clone().cast(DType::F32).square().mean_dim(2) + norm.epsilon).sqrt();
-        ((x / rms.cast(dtype)) * gamma.cast(dtype).unsqueeze::<3>()).cast(out)
+        norm.forward(x)
     }
 
     fn rope(&self, rope: &Rope, x: Tensor<4>, positions: Tensor<2, Int>) -> Tensor<4> {
@@ -307,10 +295,7 @@ impl LayerOps for FusedOps {
     }
 
     fn rms_norm(&self, norm: &RmsNorm, x: Tensor<3>) -> Tensor<3> {
-        let gamma_dtype = norm.gamma.val().dtype();
-        let why = (x.dtype() != gamma_dtype)
-            .then(|| format!("a {:?} stream with {gamma_dtype:?} weights", x.dtype()));
-        if !route("rms_norm", &x.device(), Grad::ForwardOnly, why) {
+        if !route("rms_norm", &x.device(), Grad::ForwardOnly, None) {
             return TensorOps.rms_norm(norm, x);
         }
         let gamma = norm.gamma.val().cast(x.dtype());
@@ -384,15 +369,6 @@ fn swiglu_mismatch(x: &Tensor<3>, gate: &Tensor<2>, up: &Tensor<2>) -> Option<St
         Some(format!("x is {:?}, the weights differ", x.dtype()))
     } else {
         None
-    }
-}
-
-/// `x + y` in `x`'s dtype (the residual stream's), `y` cast to it where they differ.
-pub fn residual_add(x: Tensor<3>, y: Tensor<3>) -> Tensor<3> {
-    let dtype = x.dtype();
-    match y.dtype() == dtype {
-        true => x + y,
-        false => x + y.cast(dtype),
     }
 }
 

@@ -245,19 +245,11 @@ impl Llama {
     }
 
     /// The output classifier as `[vocab, hidden]`: the embedding when tied, else the LM head
-    /// transposed (a view, no copy). This is the `C` of a linear cross-entropy. In the dtype
-    /// of the final norm's weight, which the hidden states come in: a tied embedding kept wider
-    /// (a mixed-precision compute view) is cast to it.
+    /// transposed (a view, no copy). This is the `C` of a linear cross-entropy.
     pub fn classifier(&self) -> Tensor<2> {
         match &self.lm_head {
             Some(w) => w.val().transpose(),
-            None => {
-                let (embed, dtype) = (self.embed.val(), self.norm.gamma.val().dtype());
-                match embed.dtype() == dtype {
-                    true => embed,
-                    false => embed.cast(dtype),
-                }
-            }
+            None => self.embed.val(),
         }
     }
 
@@ -275,7 +267,7 @@ impl Llama {
             // f16/bf16: core's fixed-kernel GEMM (Burn's autotuned one fails on Hopper), which
             // reads the tied embedding's transposed view in place.
             (Some(w), true) => gemm::matmul(x, w.val()),
-            (None, true) => gemm::matmul(x, self.classifier().transpose()),
+            (None, true) => gemm::matmul(x, self.embed.val().transpose()),
             (Some(w), false) => x.matmul(w.val()),
             // Tied: E·hᵀ reads the [vocab, hidden] embedding in its own layout instead of
             // transposing all of it on every call.

@@ -2,20 +2,11 @@
 //! piece that does its job for the model's parameters.
 //!
 //! A step in [`Precision::Bf16`] computes with a *compute view* of the model: every float
-//! parameter but the embedding is the master parameter (f32, the one the optimizer updates and
-//! keeps its moments for) cast to bf16 inside the autodiff graph. The forward and backward then
-//! run in bf16 — matrix products, attention, activations and their gradients — and autodiff's
-//! cast backward returns each parameter's gradient to its f32 master, so
-//! [`GradientsParams::from_grads`] on the master model reads f32 gradients and AdamW updates f32
-//! weights.
-//!
-//! As PyTorch's autocast does, the token embedding and the residual stream stay f32: the lookup
-//! reads the f32 table (so its gradient, summed over every occurrence of a token, is summed in
-//! f32), each layer's bf16 output is added to the f32 stream, and RMSNorm normalizes the f32
-//! stream and hands bf16 to the projections (see `burn_kernels_core::LayerOps`). A bf16
-//! stream rounds each layer's small update away against the stream (2⁻⁸ of its size): with it
-//! a 60-step Shakespeare fine-tune ended 2.6% above the f32 run's validation perplexity (H200,
-//! 2026-11-29). The tied classifier is the embedding cast to bf16 where the loss reads it. burn-cce accumulates its
+//! parameter is the master parameter (f32, the one the optimizer updates and keeps its moments
+//! for) cast to bf16 inside the autodiff graph. The forward and backward then run in bf16 —
+//! matrix products, attention, activations and their gradients — and autodiff's cast backward
+//! returns each parameter's gradient to its f32 master, so [`GradientsParams::from_grads`] on
+//! the master model reads f32 gradients and AdamW updates f32 weights. burn-cce accumulates its
 //! log-sum-exp and loss in f32 whatever its inputs, Burn's fused attention keeps its log-sum-exp
 //! in f32; the plain loss (Burn's ops) takes the log-softmax in the compute dtype and sums the
 //! per-token losses in f32.
@@ -67,18 +58,15 @@ impl Precision {
     }
 
     /// The model a step computes with: a clone of `model` where its parameters are already in
-    /// the compute dtype, else every float parameter but the embedding cast to it (same
-    /// parameter ids; on an autodiff device the casts are recorded, so gradients reach `model`'s
-    /// parameters in their own dtype). The embedding keeps its dtype, which makes the residual
-    /// stream that wide (see the module docs).
+    /// the compute dtype, else every float parameter cast to it (same parameter ids; on an
+    /// autodiff device the casts are recorded, so gradients reach `model`'s parameters in their
+    /// own dtype).
     pub fn compute_view(self, model: &Llama) -> Llama {
         let dtype = self.compute_dtype();
-        if model.norm.gamma.val().dtype() == dtype {
+        if model.embed.val().dtype() == dtype {
             return model.clone();
         }
-        let mut view = model.clone().map(&mut CastParams(dtype));
-        view.embed = model.embed.clone();
-        view
+        model.clone().map(&mut CastParams(dtype))
     }
 }
 
