@@ -244,13 +244,7 @@ fn batch_windows(
         .collect()
 }
 
-/// Mean next-token loss of `model` over the validation windows (no gradient), computed with
-/// the master weights in their own precision (f32), whatever the step's compute precision: the
-/// model a checkpoint holds. A bf16 forward would evaluate the weights rounded to 2⁻⁸ of their
-/// size, which at fine-tuning learning rates lag the masters by the last several updates (an
-/// update of `lr = 5e-5` moves a weight of 0.1 by a tenth of its bf16 step): measured that way,
-/// a bf16 Shakespeare fine-tune ended 2.6% above the f32 run's perplexity with its training loss
-/// 0.03 nats above from step 20 on (H200, 2026-11-29).
+/// Mean next-token loss of `model` over the validation windows (no gradient).
 pub fn validation_loss(
     model: &Llama,
     corpus: &Corpus,
@@ -258,7 +252,7 @@ pub fn validation_loss(
     attention: &dyn AttentionImpl,
     kind: LossKind,
 ) -> Result<f64, TrainError> {
-    let inner = model.valid();
+    let inner = cfg.precision.compute_view(&model.valid());
     let device = inner.embed.val().device();
     let n = cfg.val_windows.max(1);
     let mut total = 0.0;
