@@ -42,6 +42,16 @@ enum LossArg {
     Plain,
 }
 
+/// burn-cce's gradient filter (`--loss cce`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum CceFilterArg {
+    /// Leave out the vocabulary entries whose gradient stays below the dtype's precision for
+    /// every token (eps / 32: 2⁻¹² in bf16, 2⁻²⁸ in f32), as the paper does.
+    Auto,
+    /// Every entry: the gradient exact within the dtype's rounding.
+    Off,
+}
+
 #[derive(Debug, Parser)]
 #[command(
     about = "Fine-tune a Llama model on a text corpus with Cut Cross-Entropy or the plain loss"
@@ -96,6 +106,8 @@ struct Cli {
     devices: Vec<usize>,
     #[arg(long, value_enum, default_value = "cce")]
     loss: LossArg,
+    #[arg(long, value_enum, default_value = "auto")]
+    cce_filter: CceFilterArg,
     /// The attention of training and validation [default: recompute].
     #[arg(long, value_enum)]
     attention: Option<TrainAttention>,
@@ -266,7 +278,13 @@ fn run(cli: &Cli, devices: &[Device]) -> Result<(), String> {
         ..TrainConfig::default()
     };
     let kind = match cli.loss {
-        LossArg::Cce => LossKind::cce(),
+        LossArg::Cce => LossKind::Cce(burn_cce::CceOptions {
+            filter_eps: match cli.cce_filter {
+                CceFilterArg::Auto => burn_cce::FilterEps::Auto,
+                CceFilterArg::Off => burn_cce::FilterEps::Off,
+            },
+            ..burn_cce::CceOptions::default()
+        }),
         LossArg::Plain => LossKind::Plain,
     };
     let attention = cli
