@@ -49,8 +49,12 @@ pub(super) fn out_shape(q: &burn::tensor::Shape, v: &burn::tensor::Shape) -> bur
 
 /// `scale`, or `1/√head_dim` of `q`.
 pub(super) fn resolve_scale<B: Backend>(scale: Option<f64>, q: &FloatTensor<B>) -> f64 {
-    let d = q.shape().dims::<4>()[3];
-    scale.unwrap_or(1.0 / (d as f64).sqrt())
+    scale_or_default(scale, q.shape().dims::<4>()[3])
+}
+
+/// `scale`, or `1/√head_dim`.
+pub(super) fn scale_or_default(scale: Option<f64>, head_dim: usize) -> f64 {
+    scale.unwrap_or(1.0 / (head_dim as f64).sqrt())
 }
 
 /// The op's name for [`crate::route::launches`]: counted once per backward pass that ran the

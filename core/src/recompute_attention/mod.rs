@@ -36,10 +36,10 @@ use burn::tensor::{Bool, DType, Shape, Tensor};
 
 mod half;
 
-use half::resolve_scale;
 pub use half::{FLASH_BACKWARD, FLASH_FORWARD, HalfAttention};
 #[cfg(feature = "cube")]
 use half::{flash_forward, out_shape};
+use half::{resolve_scale, scale_or_default};
 
 use crate::attention::{AttentionImpl, AttnOptions, BurnAttention, burn_scale};
 use crate::route::{Grad, count_launch, route};
@@ -56,9 +56,8 @@ pub const RECOMPUTE_BACKWARD: &str = "recompute-attention-backward";
 /// - `q`: `[batch, q_heads, sq, head_dim]`
 /// - `k`, `v`: `[batch, kv_heads, skv, head_dim]`, `q_heads` a multiple of `kv_heads` (GQA,
 ///   read in place)
-/// - returns `[batch, q_heads, sq, head_dim]`
-///
 /// - `key_padding`: `[batch, skv]`, `true` for keys no query may see
+/// - returns `[batch, q_heads, sq, head_dim]`
 ///
 /// `causal` masks bottom-right (query `i` sees keys `j ≤ i + skv − sq`); `scale` `None` is
 /// `1/√head_dim`. A key-padding mask takes the flash kernels where they take the problem
@@ -93,7 +92,7 @@ pub fn recompute_attention(
     ) {
         let opts = AttnOptions {
             causal,
-            scale: scale.unwrap_or(1.0 / (q.dims()[3] as f64).sqrt()) as f32,
+            scale: scale_or_default(scale, q.dims()[3]) as f32,
             key_padding,
         };
         return Ok(BurnAttention.attend(0, q, k, v, &opts));
@@ -326,22 +325,30 @@ fn autodiff_forward<B: RecomputeAttentionOps + HalfAttention, C: CheckpointStrat
             let k_state = prep.checkpoint(&k);
             let v_state = prep.checkpoint(&v);
             let [q, k, v] = [q, k, v].map(|t| t.into_parts().0);
-            let (out, lse) = match (q.dtype(), key_padding.clone()) {
+            let (out, lse) = if q.dtype() == DType::F32 {
                 // `recompute_attention` routes a masked f32 problem to Burn's op.
-                (DType::F32, None) => B::attention_with_logsumexp(q, k, v, options),
-                (DType::F32, Some(_)) => {
-                    panic!("recompute attention: a key-padding mask with f32 operands")
-                }
-                (_, pad) => {
-                    let scale = resolve_scale::<B>(scale, &q);
-                    match pad {
-                        None => B::half_attention_forward(q, k, v, causal, scale),
-                        Some(m) => B::half_attention_forward_padded(q, k, v, m, causal, scale),
-                    }
+                assert!(
+                    key_padding.is_none(),
+                    "recompute attention: a key-padding mask with f32 operands"
+                );
+                B::attention_with_logsumexp(q, k, v, options)
+            } else {
+                let scale = resolve_scale::<B>(scale, &q);
+                match key_padding.clone() {
+                    None => B::half_attention_forward(q, k, v, causal, scale),
+                    Some(m) => B::half_attention_forward_padded(q, k, v, m, causal, scale),
                 }
             };
-            let state = (q_state, k_state, v_state, out.clone(), lse, key_padding);
-            prep.finish((state, options), out)
+            let state = (
+                q_state,
+                k_state,
+                v_state,
+                out.clone(),
+                lse,
+                key_padding,
+                options,
+            );
+            prep.finish(state, out)
         }
         OpsKind::UnTracked(prep) => {
             let [q, k, v] = [q, k, v].map(|t| t.into_parts().0);
@@ -358,17 +365,15 @@ fn autodiff_forward<B: RecomputeAttentionOps + HalfAttention, C: CheckpointStrat
 struct RecomputeBackward;
 
 impl<B: HalfAttention> Backward<B, 3> for RecomputeBackward {
-    /// Q, K and V's checkpoints, the output, the log-sum-exp and the key-padding mask; the
+    /// Q, K and V's checkpoints, the output, the log-sum-exp, the key-padding mask and the
     /// options.
     type State = (
-        (
-            NodeId,
-            NodeId,
-            NodeId,
-            FloatTensor<B>,
-            FloatTensor<B>,
-            Option<BoolTensor<B>>,
-        ),
+        NodeId,
+        NodeId,
+        NodeId,
+        FloatTensor<B>,
+        FloatTensor<B>,
+        Option<BoolTensor<B>>,
         AttentionModuleOptions,
     );
 
@@ -380,7 +385,7 @@ impl<B: HalfAttention> Backward<B, 3> for RecomputeBackward {
     ) {
         let [q_node, k_node, v_node] = ops.parents;
         let out_grad = grads.consume::<B>(&ops.node);
-        let ((q, k, v, out, lse, key_padding), options) = ops.state;
+        let (q, k, v, out, lse, key_padding, options) = ops.state;
         let q: FloatTensor<B> = checkpointer.retrieve_node_output(q);
         let k = checkpointer.retrieve_node_output(k);
         let v = checkpointer.retrieve_node_output(v);
