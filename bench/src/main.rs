@@ -145,6 +145,11 @@ struct Args {
     /// synchronizations add to the step times of that run).
     #[arg(long)]
     e2e_phases: bool,
+    /// e2e suite: Burn's steps run on an autodiff device with gradient checkpointing (Burn's
+    /// balanced strategy: memory-bound activations such as RMSNorm's output and the SwiGLU
+    /// product are recomputed in the backward instead of kept).
+    #[arg(long)]
+    e2e_checkpointing: bool,
     /// e2e suite, CUDA: bracket step N (1-based, after warm-up and autotuning) of each Burn
     /// candidate with `cuProfilerStart`/`cuProfilerStop`, so `ncu --profile-from-start off`
     /// profiles the kernels of that one step.
@@ -404,6 +409,7 @@ fn run(
         decode_kernels: args.decode_kernels,
         spec_new_tokens: args.spec_new_tokens,
         e2e_phases: args.e2e_phases,
+        e2e_checkpointing: args.e2e_checkpointing,
         e2e_profile_step: args.e2e_profile_step,
         devices: args.devices.clone(),
     };

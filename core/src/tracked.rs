@@ -1,16 +1,23 @@
 //! Recording a differentiable op of two float inputs whose backward needs both inputs (the
 //! GEMM, the SwiGLU gate, RMSNorm): one place for the autodiff bookkeeping.
+//!
+//! The inputs are kept through Burn's checkpointer (`prep.checkpoint`, read back in the
+//! backward with `retrieve_node_output`), not in the op's state: without gradient
+//! checkpointing that keeps them alive exactly as before; with it
+//! (`Device::autodiff().gradient_checkpointing()`, Burn's `BalancedCheckpointing`) an input made
+//! by a memory-bound op with a retro-forward (the SwiGLU gate, RMSNorm: [`binary_recomputable`])
+//! is dropped after the forward and recomputed from its own inputs when the backward needs it.
 
 use burn::backend::Backend;
 use burn::backend::autodiff::{
-    Autodiff,
-    checkpoint::strategy::CheckpointStrategy,
+    Autodiff, NodeId,
+    checkpoint::{retro_forward::RetroForward, strategy::CheckpointStrategy},
     ops::{Backward, OpsKind},
 };
 use burn::backend::tensor::FloatTensor;
 
-/// `forward(a, b)` on the inner backend, recorded as `op` over the parents `[a, b]` with the
-/// state `(a, b)` (shared handles, no copies) where either parent is tracked.
+/// `forward(a, b)` on the inner backend, recorded as the compute-bound `op` over the parents
+/// `[a, b]` with the state `(a, b)` as checkpointed node ids where either parent is tracked.
 pub(crate) fn binary<B, C, Op>(
     op: Op,
     a: FloatTensor<Autodiff<B, C>>,
@@ -20,15 +27,49 @@ pub(crate) fn binary<B, C, Op>(
 where
     B: Backend,
     C: CheckpointStrategy,
-    Op: Backward<B, 2, State = (FloatTensor<B>, FloatTensor<B>)>,
+    Op: Backward<B, 2, State = (NodeId, NodeId)>,
 {
-    let (a, a_node) = a.into_parts();
-    let (b, b_node) = b.into_parts();
-    match op.prepare::<C>([a_node, b_node]).compute_bound().stateful() {
-        OpsKind::Tracked(prep) => {
-            let out = forward(a.clone(), b.clone());
-            prep.finish((a, b), out)
+    match op
+        .prepare::<C>([a.node(), b.node()])
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(mut prep) => {
+            let state = (prep.checkpoint(&a), prep.checkpoint(&b));
+            let out = forward(a.into_parts().0, b.into_parts().0);
+            prep.finish(state, out)
         }
-        OpsKind::UnTracked(prep) => prep.finish(forward(a, b)),
+        OpsKind::UnTracked(prep) => prep.finish(forward(a.into_parts().0, b.into_parts().0)),
+    }
+}
+
+/// [`binary`] for a memory-bound op that `retro` recomputes: under gradient checkpointing its
+/// output is not kept for the ops that read it, but recomputed in their backward.
+pub(crate) fn binary_recomputable<B, C, Op, R>(
+    op: Op,
+    retro: R,
+    a: FloatTensor<Autodiff<B, C>>,
+    b: FloatTensor<Autodiff<B, C>>,
+    forward: impl FnOnce(FloatTensor<B>, FloatTensor<B>) -> FloatTensor<B>,
+) -> FloatTensor<Autodiff<B, C>>
+where
+    B: Backend,
+    C: CheckpointStrategy,
+    Op: Backward<B, 2, State = (NodeId, NodeId)>,
+    R: RetroForward,
+{
+    match op
+        .prepare::<C>([a.node(), b.node()])
+        .memory_bound()
+        .retro_forward(retro)
+        .parents([&a, &b])
+        .stateful()
+    {
+        OpsKind::Tracked(mut prep) => {
+            let state = (prep.checkpoint(&a), prep.checkpoint(&b));
+            let out = forward(a.into_parts().0, b.into_parts().0);
+            prep.finish(state, out)
+        }
+        OpsKind::UnTracked(prep) => prep.finish(forward(a.into_parts().0, b.into_parts().0)),
     }
 }

@@ -12,8 +12,11 @@
 //! kernels use 32-unit planes, so CUDA only.
 
 use burn::backend::autodiff::{
-    Autodiff,
-    checkpoint::{base::Checkpointer, strategy::CheckpointStrategy},
+    Autodiff, NodeId,
+    checkpoint::{
+        base::Checkpointer, retro_forward::RetroForward, state::BackwardStates,
+        strategy::CheckpointStrategy,
+    },
     grads::Gradients,
     ops::{Backward, Ops, OpsKind},
 };
@@ -21,6 +24,7 @@ use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::{Backend, Dispatch, TensorMetadata, backend_extension};
 use burn::nn::RmsNorm;
 use burn::tensor::{DType, FloatDType, Int, Tensor};
+use std::marker::PhantomData;
 
 use crate::layer_ops::{LayerOps, TensorOps};
 use crate::rope::Rope;
@@ -165,19 +169,21 @@ fn to_dtype<B: Backend>(t: FloatTensor<B>, dtype: DType) -> FloatTensor<B> {
     }
 }
 
-/// The state keeps `(x, γ)`; `eps` rides along.
+/// The checkpointer keeps `(x, γ)` (see [`crate::tracked`]); `eps` rides along.
 #[derive(Debug)]
 struct RmsNormBackward {
     eps: f64,
 }
 
 impl<B: TrainLayerGrads> Backward<B, 2> for RmsNormBackward {
-    type State = (FloatTensor<B>, FloatTensor<B>);
+    type State = (NodeId, NodeId);
 
-    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, ck: &mut Checkpointer) {
         let [x_node, gamma_node] = ops.parents;
         let dy = grads.consume::<B>(&ops.node);
         let (x, gamma) = ops.state;
+        let x: FloatTensor<B> = ck.retrieve_node_output(x);
+        let gamma: FloatTensor<B> = ck.retrieve_node_output(gamma);
         let (dtype, gamma_dtype) = (x.dtype(), gamma.dtype());
         let (dx, dgamma) = B::rms_norm_backward(x, gamma, to_dtype::<B>(dy, dtype), self.eps);
         if let Some(node) = x_node {
@@ -193,12 +199,14 @@ impl<B: TrainLayerGrads> Backward<B, 2> for RmsNormBackward {
 struct SiluMulBackward;
 
 impl<B: TrainLayerGrads> Backward<B, 2> for SiluMulBackward {
-    type State = (FloatTensor<B>, FloatTensor<B>);
+    type State = (NodeId, NodeId);
 
-    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, ck: &mut Checkpointer) {
         let [gate_node, up_node] = ops.parents;
         let dout = grads.consume::<B>(&ops.node);
         let (gate, up) = ops.state;
+        let gate: FloatTensor<B> = ck.retrieve_node_output(gate);
+        let up: FloatTensor<B> = ck.retrieve_node_output(up);
         let dtype = gate.dtype();
         let (dgate, dup) = B::silu_mul_backward(gate, up, to_dtype::<B>(dout, dtype));
         for (node, grad) in [gate_node, up_node].into_iter().zip([dgate, dup]) {
@@ -206,6 +214,39 @@ impl<B: TrainLayerGrads> Backward<B, 2> for SiluMulBackward {
                 grads.register::<B>(node.id, grad);
             }
         }
+    }
+}
+
+/// RMSNorm's output again from its inputs, for gradient checkpointing.
+#[derive(Debug)]
+struct RetroRmsNorm<B> {
+    x: NodeId,
+    gamma: NodeId,
+    eps: f64,
+    _backend: PhantomData<fn() -> B>,
+}
+
+impl<B: TrainLayerKernels> RetroForward for RetroRmsNorm<B> {
+    fn forward(&self, states: &mut BackwardStates, out_node: NodeId) {
+        let x = states.get_state::<FloatTensor<B>>(&self.x);
+        let gamma = states.get_state::<FloatTensor<B>>(&self.gamma);
+        states.save(out_node, B::train_rms_norm(x, gamma, self.eps));
+    }
+}
+
+/// `silu(gate) · up` again from its inputs, for gradient checkpointing.
+#[derive(Debug)]
+struct RetroSiluMul<B> {
+    gate: NodeId,
+    up: NodeId,
+    _backend: PhantomData<fn() -> B>,
+}
+
+impl<B: TrainLayerKernels> RetroForward for RetroSiluMul<B> {
+    fn forward(&self, states: &mut BackwardStates, out_node: NodeId) {
+        let gate = states.get_state::<FloatTensor<B>>(&self.gate);
+        let up = states.get_state::<FloatTensor<B>>(&self.up);
+        states.save(out_node, B::train_silu_mul(gate, up));
     }
 }
 
@@ -237,11 +278,29 @@ impl<B: TrainLayerKernels + TrainLayerGrads, C: CheckpointStrategy> TrainLayerKe
         eps: f64,
     ) -> FloatTensor<Self> {
         let forward = |x, gamma| B::train_rms_norm(x, gamma, eps);
-        crate::tracked::binary::<B, C, _>(RmsNormBackward { eps }, x, gamma, forward)
+        let retro = RetroRmsNorm::<B> {
+            x: x.node().id(),
+            gamma: gamma.node().id(),
+            eps,
+            _backend: PhantomData,
+        };
+        let op = RmsNormBackward { eps };
+        crate::tracked::binary_recomputable::<B, C, _, _>(op, retro, x, gamma, forward)
     }
 
     fn train_silu_mul(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
-        crate::tracked::binary::<B, C, _>(SiluMulBackward, gate, up, B::train_silu_mul)
+        let retro = RetroSiluMul::<B> {
+            gate: gate.node().id(),
+            up: up.node().id(),
+            _backend: PhantomData,
+        };
+        crate::tracked::binary_recomputable::<B, C, _, _>(
+            SiluMulBackward,
+            retro,
+            gate,
+            up,
+            B::train_silu_mul,
+        )
     }
 
     fn train_rope(

@@ -278,7 +278,11 @@ fn fused_layer_ops_match_tensor_ops(device: &Device) {
             want_k.reshape([b * 2, s, d]),
         );
 
-        for (i, shape) in [[1, 1, 1], [2, 3, 131]].into_iter().enumerate() {
+        // Vector widths 1, 2, 4 and 8 (the kernel's unit takes up to 8 elements).
+        for (i, shape) in [[1, 1, 1], [2, 3, 131], [1, 3, 4], [2, 5, 48]]
+            .into_iter()
+            .enumerate()
+        {
             let seed = 60 + 2 * i as u64;
             let gate = random_tensor::<3>(shape, Dist::STANDARD, seed, dtype, device);
             let up = random_tensor::<3>(shape, Dist::STANDARD, seed + 1, dtype, device);

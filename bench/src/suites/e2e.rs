@@ -47,6 +47,7 @@ pub fn suite(opts: SuiteOptions) -> Suite {
                 peers,
                 opts.e2e_phases,
                 opts.e2e_profile_step,
+                opts.e2e_checkpointing,
             )
         })
         .collect();
@@ -168,6 +169,7 @@ fn problem(
     peers: Option<PathBuf>,
     phases: bool,
     profile_step: Option<usize>,
+    checkpointing: bool,
 ) -> Problem {
     let tokens = (batch * seq) as f64;
     let (h, v) = (cfg.hidden_size as f64, cfg.vocab_size as f64);
@@ -187,7 +189,10 @@ fn problem(
         bytes: None,
         tokens: Some(tokens),
         setup: Box::new(move |device| {
-            let device = device.clone().autodiff();
+            let device = match checkpointing {
+                true => device.clone().autodiff().gradient_checkpointing(),
+                false => device.clone().autodiff(),
+            };
             let (f32_steps, bf16_steps): (Vec<&Variant>, Vec<&Variant>) =
                 VARIANTS.iter().partition(|v| v.3 == Precision::F32);
             // The baseline, then the f32 step with the fast attention backward.

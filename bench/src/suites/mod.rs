@@ -104,6 +104,8 @@ pub struct SuiteOptions {
     pub spec_new_tokens: Option<usize>,
     /// `--e2e-phases`: the e2e suite times each Burn step's phases too.
     pub e2e_phases: bool,
+    /// `--e2e-checkpointing`: the e2e suite's Burn steps with gradient checkpointing.
+    pub e2e_checkpointing: bool,
     /// `--e2e-profile-step`: the e2e step whose kernels a CUDA profiler records.
     pub e2e_profile_step: Option<usize>,
     /// `--devices`: the GPUs of the data-parallel suite (`e2e-dp`).

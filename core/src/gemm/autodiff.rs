@@ -3,7 +3,7 @@
 
 use burn::backend::TensorMetadata;
 use burn::backend::autodiff::{
-    Autodiff,
+    Autodiff, NodeId,
     checkpoint::{base::Checkpointer, strategy::CheckpointStrategy},
     grads::Gradients,
     ops::{Backward, Ops},
@@ -18,22 +18,24 @@ impl<B: GemmKernels, C: CheckpointStrategy> GemmKernels for Autodiff<B, C> {
     }
 }
 
-/// Parents `[a, b]`; the state keeps both inputs (shared handles, no copies).
+/// Parents `[a, b]`; both inputs are kept by the checkpointer (see [`crate::tracked`]).
 #[derive(Debug)]
 struct GemmBackward;
 
 impl<B: GemmKernels> Backward<B, 2> for GemmBackward {
-    type State = (FloatTensor<B>, FloatTensor<B>);
+    type State = (NodeId, NodeId);
 
     fn backward(
         self,
         ops: Ops<Self::State, 2>,
         grads: &mut Gradients,
-        _checkpointer: &mut Checkpointer,
+        checkpointer: &mut Checkpointer,
     ) {
         let [a_node, b_node] = ops.parents;
         let grad = grads.consume::<B>(&ops.node);
         let (a, b) = ops.state;
+        let a: FloatTensor<B> = checkpointer.retrieve_node_output(a);
+        let b: FloatTensor<B> = checkpointer.retrieve_node_output(b);
         // The last two dimensions: matrices, or batches of them.
         let t = |x: FloatTensor<B>| {
             let rank = x.shape().num_dims();

@@ -108,6 +108,11 @@ struct Cli {
     loss: LossArg,
     #[arg(long, value_enum, default_value = "auto")]
     cce_filter: CceFilterArg,
+    /// Recompute memory-bound activations (RMSNorm's outputs, the SwiGLU product) in the
+    /// backward instead of keeping them: Burn's balanced gradient checkpointing, for larger
+    /// batches at some extra time. One device only.
+    #[arg(long)]
+    gradient_checkpointing: bool,
     /// The attention of training and validation [default: recompute].
     #[arg(long, value_enum)]
     attention: Option<TrainAttention>,
@@ -164,7 +169,15 @@ pub fn main() {
 fn train_devices(cli: &Cli) -> Result<Vec<Device>, String> {
     let device = cli.backend.device()?;
     if cli.devices.is_empty() || cli.devices == [0] {
-        return Ok(vec![device.autodiff()]);
+        return Ok(vec![match cli.gradient_checkpointing {
+            true => device.autodiff().gradient_checkpointing(),
+            false => device.autodiff(),
+        }]);
+    }
+    if cli.gradient_checkpointing {
+        return Err(
+            "--gradient-checkpointing runs on one device (leave out --devices, or give one)".into(),
+        );
     }
     if cli.backend != BackendArg::Cuda {
         return Err(format!(
