@@ -108,6 +108,10 @@ struct Cli {
     loss: LossArg,
     #[arg(long, value_enum, default_value = "auto")]
     cce_filter: CceFilterArg,
+    /// An explicit threshold for burn-cce's gradient filter (finite, >= 0; 0 filters nothing),
+    /// instead of `--cce-filter`'s.
+    #[arg(long, value_name = "EPS", conflicts_with = "cce_filter")]
+    cce_filter_eps: Option<f32>,
     /// Recompute memory-bound activations (RMSNorm's outputs, the SwiGLU product) in the
     /// backward instead of keeping them: Burn's balanced gradient checkpointing, for larger
     /// batches at some extra time. One device only.
@@ -292,9 +296,10 @@ fn run(cli: &Cli, devices: &[Device]) -> Result<(), String> {
     };
     let kind = match cli.loss {
         LossArg::Cce => LossKind::Cce(burn_cce::CceOptions {
-            filter_eps: match cli.cce_filter {
-                CceFilterArg::Auto => burn_cce::FilterEps::Auto,
-                CceFilterArg::Off => burn_cce::FilterEps::Off,
+            filter_eps: match (cli.cce_filter_eps, cli.cce_filter) {
+                (Some(eps), _) => burn_cce::FilterEps::Value(eps),
+                (None, CceFilterArg::Auto) => burn_cce::FilterEps::Auto,
+                (None, CceFilterArg::Off) => burn_cce::FilterEps::Off,
             },
             ..burn_cce::CceOptions::default()
         }),
