@@ -321,6 +321,9 @@ fn run(cli: &Cli, devices: &[Device]) -> Result<(), String> {
     };
     let bar = progress(cfg.steps as u64, "steps");
     let ckpt_dir = cli.out.join("checkpoint");
+    // Wall time between consecutive steps (each ends by reading its loss back, a device
+    // synchronization); steps that validated are left out of the summary.
+    let mut step_times = StepTimes::new();
     let (_, log) = train_data_parallel(
         model,
         devices,
@@ -332,6 +335,7 @@ fn run(cli: &Cli, devices: &[Device]) -> Result<(), String> {
         attention.as_ref(),
         Some((&ckpt_dir, cli.checkpoint_every, cli.resume)),
         |s| {
+            step_times.record(s.val_loss.is_some());
             bar.set_position(s.step as u64);
             bar.set_message(format!("loss {:.4} lr {:.2e}", s.loss, s.lr));
             if let Some(v) = s.val_loss {
@@ -354,6 +358,9 @@ fn run(cli: &Cli, devices: &[Device]) -> Result<(), String> {
     )
     .map_err(|e| e.to_string())?;
     bar.finish();
+    if let Some(summary) = step_times.summary(cfg.batch * cfg.seq * cfg.grad_accum.max(1)) {
+        println!("{summary}");
+    }
     write_csv(&cli.out.join("log.csv"), &log)?;
     let this = Curve::from_log(&loss_name(cli.loss), &log, start_val);
     let mut curves = vec![this];
@@ -372,6 +379,56 @@ fn run(cli: &Cli, devices: &[Device]) -> Result<(), String> {
         );
     }
     Ok(())
+}
+
+/// Wall time of each training step, for the summary a run prints at its end.
+struct StepTimes {
+    last: std::time::Instant,
+    /// Milliseconds of the steps that did not validate, after the first two (kernel
+    /// compilation and autotuning).
+    ms: Vec<f64>,
+    seen: usize,
+}
+
+impl StepTimes {
+    fn new() -> Self {
+        Self {
+            last: std::time::Instant::now(),
+            ms: Vec::new(),
+            seen: 0,
+        }
+    }
+
+    /// A step ended now; `validated`: it also ran the validation.
+    fn record(&mut self, validated: bool) {
+        let now = std::time::Instant::now();
+        self.seen += 1;
+        if self.seen > 2 && !validated {
+            self.ms.push((now - self.last).as_secs_f64() * 1e3);
+        }
+        self.last = now;
+    }
+
+    /// `step ms median (min / p90) over n steps, tokens/s`, `None` with fewer than 3 steps.
+    fn summary(&self, tokens_per_step: usize) -> Option<String> {
+        if self.ms.len() < 3 {
+            return None;
+        }
+        let mut ms = self.ms.clone();
+        ms.sort_by(f64::total_cmp);
+        let n = ms.len();
+        let median = match n % 2 {
+            1 => ms[n / 2],
+            _ => (ms[n / 2 - 1] + ms[n / 2]) / 2.0,
+        };
+        let p90 = ms[((n as f64 * 0.9).ceil() as usize).clamp(1, n) - 1];
+        Some(format!(
+            "step time {median:.1} ms median (min {:.1}, p90 {p90:.1}) over {n} steps without \
+             validation: {:.0} tokens/s",
+            ms[0],
+            tokens_per_step as f64 / (median / 1e3)
+        ))
+    }
 }
 
 /// The teacher samples of a distillation run: read back from `--out` when an earlier run with
