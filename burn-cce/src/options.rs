@@ -16,13 +16,26 @@ pub enum Reduction {
 }
 
 /// Gradient filtering: vocabulary entries whose `|softmax − onehot|` stays below the threshold
-/// for every token are left out of the backward pass (their contribution is below the
-/// precision of the gradient's dtype).
+/// for every token are left out of the backward pass.
+///
+/// The paper's threshold, `eps(dtype) / 32`, drops contributions that a gradient accumulated in
+/// that 16-bit dtype could not hold anyway. Where 16-bit inputs accumulate the gradient in f32
+/// ([`CceOptions::accum_fp32`], the default) they are not lost, and leaving
+/// them out biases training: SmolLM2-135M fine-tuned in bf16 on Shakespeare (60 steps, real
+/// weights, H200) ended 2.6% above the f32 run's validation perplexity with the paper's 2⁻¹²
+/// and 0.4–0.5% above it with no filter or 2⁻¹⁶, at no cost in time (148 ms a step unfiltered,
+/// 154 ms filtered at 2⁻¹², 175 ms at 2⁻¹⁶: on a trained model's logits few entries stay
+/// below the threshold for every token of a chunk). Hence [`FilterEps::Auto`].
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub enum FilterEps {
-    /// `eps(dtype) / 32`, as in the paper: 2⁻¹² for bf16, 2⁻¹⁵ for f16, 2⁻²⁸ for f32.
+    /// The paper's threshold where the gradient accumulates in the inputs' dtype (f32 inputs:
+    /// 2⁻²⁸; 16-bit inputs with `accum_fp32` off: 2⁻¹² for bf16, 2⁻¹⁵ for f16); no filtering
+    /// where 16-bit inputs accumulate in f32.
     #[default]
     Auto,
+    /// The paper's threshold `eps(dtype) / 32` whatever the accumulation: 2⁻¹² for bf16, 2⁻¹⁵
+    /// for f16, 2⁻²⁸ for f32.
+    Paper,
     /// An explicit threshold (finite, ≥ 0; 0 filters nothing).
     Value(f32),
     /// No filtering: the gradient is exact within the dtype's rounding.
@@ -30,10 +43,13 @@ pub enum FilterEps {
 }
 
 impl FilterEps {
-    /// The threshold for inputs of `dtype`, `None` when filtering is off.
-    pub fn resolve(self, dtype: DType) -> Option<f32> {
+    /// The threshold for inputs of `dtype` (the gradient accumulated in f32 when
+    /// `accum_fp32`), `None` when filtering is off.
+    pub fn resolve(self, dtype: DType, accum_fp32: bool) -> Option<f32> {
+        let sixteen_bit = matches!(dtype, DType::BF16 | DType::F16);
         match self {
-            FilterEps::Auto => Some(dtype_epsilon(dtype) / 32.0),
+            FilterEps::Auto if sixteen_bit && accum_fp32 => None,
+            FilterEps::Auto | FilterEps::Paper => Some(dtype_epsilon(dtype) / 32.0),
             FilterEps::Value(v) if v > 0.0 => Some(v),
             FilterEps::Value(_) | FilterEps::Off => None,
         }
@@ -189,7 +205,7 @@ impl CceOptions {
     pub fn params(&self, dtype: DType) -> LceParams {
         LceParams {
             softcap: self.softcap,
-            filter_eps: self.filter_eps.resolve(dtype),
+            filter_eps: self.filter_eps.resolve(dtype, self.accum_fp32),
             sort_vocab: self.sort_vocab,
             accum_fp32: self.accum_fp32,
             chunk_bytes: self.chunk_bytes,

@@ -74,9 +74,9 @@ fn variants(
             },
         ),
         (
-            "cce (no grad filter)",
+            "cce (paper's grad filter)",
             CceOptions {
-                filter_eps: FilterEps::Off,
+                filter_eps: FilterEps::Paper,
                 ..d
             },
         ),

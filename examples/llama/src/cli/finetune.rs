@@ -45,9 +45,12 @@ enum LossArg {
 /// burn-cce's gradient filter (`--loss cce`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum CceFilterArg {
-    /// Leave out the vocabulary entries whose gradient stays below the dtype's precision for
-    /// every token (eps / 32: 2⁻¹² in bf16, 2⁻²⁸ in f32), as the paper does.
+    /// burn-cce's default: the paper's threshold where the gradient accumulates in the
+    /// inputs' dtype (2⁻²⁸ in f32), none for bf16 (its gradient accumulates in f32).
     Auto,
+    /// The paper's threshold whatever the accumulation (eps / 32: 2⁻¹² in bf16, 2⁻²⁸ in f32);
+    /// in bf16 it ends 2.6% above f32's validation perplexity on Shakespeare (60 steps).
+    Paper,
     /// Every entry: the gradient exact within the dtype's rounding.
     Off,
 }
@@ -299,6 +302,7 @@ fn run(cli: &Cli, devices: &[Device]) -> Result<(), String> {
             filter_eps: match (cli.cce_filter_eps, cli.cce_filter) {
                 (Some(eps), _) => burn_cce::FilterEps::Value(eps),
                 (None, CceFilterArg::Auto) => burn_cce::FilterEps::Auto,
+                (None, CceFilterArg::Paper) => burn_cce::FilterEps::Paper,
                 (None, CceFilterArg::Off) => burn_cce::FilterEps::Off,
             },
             ..burn_cce::CceOptions::default()
