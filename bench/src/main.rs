@@ -145,11 +145,11 @@ struct Args {
     /// synchronizations add to the step times of that run).
     #[arg(long)]
     e2e_phases: bool,
-    /// e2e suite: Burn's steps run on an autodiff device with gradient checkpointing (Burn's
-    /// balanced strategy: memory-bound activations such as RMSNorm's output and the SwiGLU
-    /// product are recomputed in the backward instead of kept).
-    #[arg(long)]
-    e2e_checkpointing: bool,
+    /// e2e suite: Burn's steps recompute activations in the backward instead of keeping them:
+    /// `ops` (Burn's balanced gradient checkpointing: RMSNorm's outputs, the SwiGLU product)
+    /// or `layers` (burn-llama's layer checkpointing: whole layers).
+    #[arg(long, value_enum)]
+    e2e_checkpointing: Option<suites::E2eCheckpointing>,
     /// e2e suite, CUDA: bracket step N (1-based, after warm-up and autotuning) of each Burn
     /// candidate with `cuProfilerStart`/`cuProfilerStop`, so `ncu --profile-from-start off`
     /// profiles the kernels of that one step.

@@ -7,6 +7,7 @@
 //! variants of `burn-sage` among them.
 
 pub mod attention;
+pub mod checkpoint;
 pub mod config;
 pub mod data_parallel;
 pub mod error;

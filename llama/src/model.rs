@@ -204,13 +204,7 @@ impl Llama {
         cache: &mut dyn KvCache,
         attention: &dyn AttentionImpl,
     ) -> Result<Tensor<3>, ForwardError> {
-        let [b, s] = tokens.dims();
-        let [_, hidden] = self.embed.dims();
-        let mut x = self
-            .embed
-            .val()
-            .select(0, tokens.reshape([b * s]))
-            .reshape([b, s, hidden]);
+        let mut x = self.embed_tokens(tokens);
         let ops = attention.layer_ops().unwrap_or(&TensorOps);
         let mut pending = None;
         for (layer, block) in self.layers.iter().enumerate() {
@@ -236,6 +230,59 @@ impl Llama {
             Some(y) => ops.add_rms_norm(&self.norm, x, y).1,
             None => ops.rms_norm(&self.norm, x),
         })
+    }
+
+    /// The token embeddings, the residual stream before the first layer.
+    ///
+    /// # Shapes
+    /// - `tokens`: `[batch, seq]`; returns `[batch, seq, hidden]`
+    pub fn embed_tokens(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
+        let [b, s] = tokens.dims();
+        let [_, hidden] = self.embed.dims();
+        self.embed
+            .val()
+            .select(0, tokens.reshape([b * s]))
+            .reshape([b, s, hidden])
+    }
+
+    /// One layer alone on the residual stream `x`, without a KV cache: the stream after it (its
+    /// input plus the attention's and the MLP's outputs). `block` holds the layer's weights:
+    /// `self.layers[layer]`, or a view of them (cast, say); the model gives the configuration
+    /// and the RoPE tables. Layer checkpointing ([`crate::checkpoint`]) runs the model a layer
+    /// at a time with it.
+    ///
+    /// # Shapes
+    /// - `x`: `[batch, seq, hidden]`; `positions`: `[batch, seq]`; returns `[batch, seq, hidden]`
+    ///
+    /// # Errors
+    /// [`ForwardError::Cache`] when the attention could not run.
+    pub fn block_forward(
+        &self,
+        block: &Block,
+        layer: usize,
+        x: Tensor<3>,
+        positions: &Tensor<2, Int>,
+        opts: &AttnOptions,
+        attention: &dyn AttentionImpl,
+    ) -> Result<Tensor<3>, ForwardError> {
+        let mut cache = burn_kernels_core::FullKvCache::new(self.config.num_layers);
+        let (x, y) = block
+            .forward(
+                layer,
+                x,
+                None,
+                &self.config,
+                &self.rope,
+                positions,
+                &mut cache,
+                attention,
+                opts,
+            )
+            .map_err(|e| ForwardError::Cache {
+                layer,
+                message: e.to_string(),
+            })?;
+        Ok(x + y)
     }
 
     /// Positions the model's RoPE tables cover, its context length here: the config's

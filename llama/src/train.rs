@@ -60,6 +60,18 @@ pub fn next_token_loss_with_targets(
 ) -> Result<Tensor<1>, CceError> {
     let mut cache = FullKvCache::new(model.config.num_layers);
     let hidden = model.forward(tokens, &[], &mut cache, attention);
+    hidden_loss(hidden, model.classifier(), targets, kind, ignore_index)
+}
+
+/// The mean next-token loss of final hidden states against `targets` (position `t` scored
+/// against `targets[t + 1]`), with the classifier `[vocab, hidden]`.
+pub(crate) fn hidden_loss(
+    hidden: Tensor<3>,
+    classifier: Tensor<2>,
+    targets: Tensor<2, Int>,
+    kind: LossKind,
+    ignore_index: i64,
+) -> Result<Tensor<1>, CceError> {
     match kind {
         LossKind::Cce(options) => {
             let options = CceOptions {
@@ -68,7 +80,7 @@ pub fn next_token_loss_with_targets(
                 reduction: Reduction::Mean,
                 ..options
             };
-            LinearCrossEntropyLoss::new(options).forward(hidden, model.classifier(), targets)
+            LinearCrossEntropyLoss::new(options).forward(hidden, classifier, targets)
         }
         LossKind::Plain => {
             let [b, s, h] = hidden.dims();
@@ -78,7 +90,7 @@ pub fn next_token_loss_with_targets(
             let targets = targets.slice([0..b, 1..s]).reshape([b * (s - 1)]);
             Ok(reference::plain_linear_cross_entropy(
                 inputs,
-                model.classifier(),
+                classifier,
                 None,
                 targets,
                 ignore_index,

@@ -6,6 +6,7 @@
 
 mod common;
 
+mod checkpoint;
 mod data_parallel;
 
 mod finetune;

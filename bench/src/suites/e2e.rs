@@ -12,6 +12,7 @@
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{DType, Int, Tensor, TensorData};
 use burn_kernels_core::gemm::{self, GemmKernel};
+use burn_llama::checkpoint::checkpointed_grads;
 use burn_llama::finetune::TrainAttention;
 use burn_llama::precision::Precision;
 use burn_llama::train::{LossKind, next_token_loss};
@@ -20,7 +21,7 @@ use serde_json::json;
 
 use std::path::{Path, PathBuf};
 
-use super::{SuiteOptions, run_python_peer};
+use super::{E2eCheckpointing, SuiteOptions, run_python_peer};
 use crate::harness::{Candidate, Problem, Suite, params};
 
 pub fn suite(opts: SuiteOptions) -> Suite {
@@ -169,7 +170,7 @@ fn problem(
     peers: Option<PathBuf>,
     phases: bool,
     profile_step: Option<usize>,
-    checkpointing: bool,
+    checkpointing: Option<E2eCheckpointing>,
 ) -> Problem {
     let tokens = (batch * seq) as f64;
     let (h, v) = (cfg.hidden_size as f64, cfg.vocab_size as f64);
@@ -190,9 +191,10 @@ fn problem(
         tokens: Some(tokens),
         setup: Box::new(move |device| {
             let device = match checkpointing {
-                true => device.clone().autodiff().gradient_checkpointing(),
-                false => device.clone().autodiff(),
+                Some(E2eCheckpointing::Ops) => device.clone().autodiff().gradient_checkpointing(),
+                _ => device.clone().autodiff(),
             };
+            let layers = checkpointing == Some(E2eCheckpointing::Layers);
             let (f32_steps, bf16_steps): (Vec<&Variant>, Vec<&Variant>) =
                 VARIANTS.iter().partition(|v| v.3 == Precision::F32);
             // The baseline, then the f32 step with the fast attention backward.
@@ -216,12 +218,31 @@ fn problem(
                     let _profiling = profiled.next_step();
                     let (model, mut optim) = state.take().expect("state is put back");
                     let mut lap = PhaseClock::lap_of(&mut clock);
-                    let view = precision.compute_view(&model);
-                    let loss =
-                        next_token_loss(&view, tokens.clone(), attention.as_ref(), kind(), -100)
-                            .expect("valid tokens");
-                    lap(0);
-                    let grads = GradientsParams::from_grads(loss.backward(), &model);
+                    let grads = if layers {
+                        let (_, grads) = checkpointed_grads(
+                            &model,
+                            precision,
+                            tokens.clone(),
+                            attention.as_ref(),
+                            kind(),
+                            -100,
+                            1.0,
+                        )
+                        .expect("valid tokens");
+                        grads
+                    } else {
+                        let view = precision.compute_view(&model);
+                        let loss = next_token_loss(
+                            &view,
+                            tokens.clone(),
+                            attention.as_ref(),
+                            kind(),
+                            -100,
+                        )
+                        .expect("valid tokens");
+                        lap(0);
+                        GradientsParams::from_grads(loss.backward(), &model)
+                    };
                     lap(1);
                     let model = optim.step(1e-5, model, grads);
                     lap(2);

@@ -104,8 +104,8 @@ pub struct SuiteOptions {
     pub spec_new_tokens: Option<usize>,
     /// `--e2e-phases`: the e2e suite times each Burn step's phases too.
     pub e2e_phases: bool,
-    /// `--e2e-checkpointing`: the e2e suite's Burn steps with gradient checkpointing.
-    pub e2e_checkpointing: bool,
+    /// `--e2e-checkpointing`: what the e2e suite's Burn steps recompute in the backward.
+    pub e2e_checkpointing: Option<E2eCheckpointing>,
     /// `--e2e-profile-step`: the e2e step whose kernels a CUDA profiler records.
     pub e2e_profile_step: Option<usize>,
     /// `--devices`: the GPUs of the data-parallel suite (`e2e-dp`).
@@ -185,4 +185,15 @@ pub fn peer_run(v: &serde_json::Value) -> Result<crate::harness::PeerRun, String
         times_ms,
         peak_mem_mb: v.get("peak_mem_mb").and_then(|x| x.as_f64()),
     })
+}
+
+/// What the e2e suite's Burn steps recompute in the backward instead of keeping.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum E2eCheckpointing {
+    /// Memory-bound activations (RMSNorm's outputs, the SwiGLU product): Burn's balanced
+    /// gradient checkpointing on the autodiff device.
+    Ops,
+    /// Whole layers: burn-llama's layer checkpointing (each layer's input kept, the layer run
+    /// again in the backward).
+    Layers,
 }

@@ -307,7 +307,7 @@ pub mod tests {
             decode_kernels: false,
             spec_new_tokens: None,
             e2e_phases: false,
-            e2e_checkpointing: false,
+            e2e_checkpointing: None,
             e2e_profile_step: None,
             devices: Vec::new(),
         }
