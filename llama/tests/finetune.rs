@@ -565,3 +565,67 @@ fn bad_distillation_input_is_a_typed_error() {
     .expect_err("a prompt as long as the sample");
     assert!(matches!(err, TrainError::Config(_)), "{err}");
 }
+
+#[test]
+fn layer_checkpointing_trains_the_same_curve() {
+    // Two micro-batches a step (the scaled gradients of each summed), 8 steps, validation at
+    // the end: the checkpointed step's gradients equal the plain one's up to f32 rounding, so
+    // the runs stay together.
+    let m = model(4);
+    let c = TrainConfig {
+        val_every: 4,
+        ..cfg(8)
+    };
+    let layers = TrainConfig {
+        layer_checkpointing: true,
+        ..c.clone()
+    };
+    let plain = run(m.clone(), &c, LossKind::cce(), None, None);
+    let checkpointed = run(m, &layers, LossKind::cce(), None, None);
+    assert_same_curve(
+        &plain,
+        &checkpointed,
+        1e-4,
+        ("plain", "layer checkpointing"),
+    );
+    for (a, b) in plain.iter().zip(&checkpointed) {
+        if let (Some(x), Some(y)) = (a.val_loss, b.val_loss) {
+            assert!(
+                (x - y).abs() <= 1e-4 * x,
+                "step {}: validation {x} vs {y}",
+                a.step
+            );
+        }
+    }
+    assert!(
+        plain.last().unwrap().loss < 0.9 * plain[0].loss,
+        "the run trains"
+    );
+}
+
+#[test]
+fn layer_checkpointing_refuses_distillation() {
+    let c = TrainConfig {
+        layer_checkpointing: true,
+        soft_labels: true,
+        ..cfg(2)
+    };
+    let teacher = model(5);
+    let err = train(
+        model(6),
+        &corpus(),
+        &c,
+        LossKind::cce(),
+        Some(&teacher),
+        &ReferenceAttention,
+        &ReferenceAttention,
+        None,
+        |_| true,
+    )
+    .err()
+    .expect("refused");
+    assert!(
+        matches!(&err, TrainError::Config(why) if why.contains("distillation")),
+        "{err}"
+    );
+}
