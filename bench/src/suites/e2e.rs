@@ -11,6 +11,7 @@
 
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{DType, Int, Tensor, TensorData};
+use burn_cce::CceOptions;
 use burn_kernels_core::gemm::{self, GemmKernel};
 use burn_llama::checkpoint::checkpointed_grads;
 use burn_llama::finetune::TrainAttention;
@@ -79,7 +80,7 @@ type Variant = (
     Precision,
     GemmKernel,
 );
-const VARIANTS: [Variant; 11] = [
+const VARIANTS: [Variant; 13] = [
     (
         "cce",
         LossKind::cce,
@@ -144,6 +145,20 @@ const VARIANTS: [Variant; 11] = [
         GemmKernel::DEFAULT,
     ),
     (
+        "cce + recompute attn, bf16, one f32 dE",
+        cce_whole_de,
+        TrainAttention::Recompute,
+        Precision::Bf16,
+        GemmKernel::DEFAULT,
+    ),
+    (
+        "cce + recompute attn, bf16, 64 MiB blocks",
+        cce_big_blocks,
+        TrainAttention::Recompute,
+        Precision::Bf16,
+        GemmKernel::DEFAULT,
+    ),
+    (
         "cce + recompute attn, bf16, cubek gemm",
         LossKind::cce,
         TrainAttention::Recompute,
@@ -161,6 +176,25 @@ const VARIANTS: [Variant; 11] = [
 
 fn plain() -> LossKind {
     LossKind::Plain
+}
+
+/// CCE with one f32 dE accumulator (`N·D·4` bytes, 38 MB at 8 × 2048 tokens of SmolLM2)
+/// instead of a second pass over row blocks, which recomputes every logit once more: within a
+/// training step's memory, is the pass worth its bytes?
+fn cce_whole_de() -> LossKind {
+    LossKind::Cce(CceOptions {
+        de_block_rows: Some(usize::MAX),
+        ..CceOptions::default()
+    })
+}
+
+/// CCE with 64 MiB working blocks in every pass (wide vocabulary chunks: fewer launches, and
+/// dE in one f32 accumulator where a chunk is at least the hidden size wide).
+fn cce_big_blocks() -> LossKind {
+    LossKind::Cce(CceOptions {
+        chunk_bytes: Some(64 << 20),
+        ..CceOptions::default()
+    })
 }
 
 fn problem(
