@@ -147,7 +147,8 @@ struct Args {
     e2e_phases: bool,
     /// e2e suite: Burn's steps recompute activations in the backward instead of keeping them:
     /// `ops` (Burn's balanced gradient checkpointing: RMSNorm's outputs, the SwiGLU product)
-    /// or `layers` (burn-llama's layer checkpointing: whole layers).
+    /// or `layers` (burn-llama's layer checkpointing: whole layers; also every replica of the
+    /// e2e-dp suite).
     #[arg(long, value_enum)]
     e2e_checkpointing: Option<suites::E2eCheckpointing>,
     /// e2e suite, CUDA: bracket step N (1-based, after warm-up and autotuning) of each Burn

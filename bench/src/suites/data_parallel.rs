@@ -48,9 +48,12 @@ pub fn suite(opts: SuiteOptions) -> Suite {
         0 | 1 => vec![0, 1],
         _ => opts.devices.clone(),
     };
+    // `--e2e-checkpointing layers`: every replica's step with layer checkpointing (`ops`, Burn's
+    // device-wide strategy, runs on one device only).
+    let layers = opts.e2e_checkpointing == Some(super::E2eCheckpointing::Layers);
     let problems = batches
         .into_iter()
-        .map(|b| problem(cfg.clone(), b, seq, indices.clone(), reps))
+        .map(|b| problem(cfg.clone(), b, seq, indices.clone(), reps, layers))
         .collect();
     Suite {
         name: "e2e-dp",
@@ -80,6 +83,7 @@ fn problem(
     seq: usize,
     indices: Vec<usize>,
     reps: usize,
+    layers: bool,
 ) -> Problem {
     let n = indices.len();
     Problem {
@@ -87,6 +91,7 @@ fn problem(
         params: params([
             ("batch_per_gpu", json!(batch)),
             ("seq", json!(seq)),
+            ("layer_checkpointing", json!(layers)),
             ("gpus", json!(n)),
             ("devices", json!(indices)),
         ]),
@@ -110,7 +115,7 @@ fn problem(
                     let (cfg, corpus) = (cfg.clone(), corpus.clone());
                     let tokens = (global * seq) as f64;
                     Candidate::timed_elsewhere(name, move || {
-                        step_times(&cfg, &corpus, &devices, global, seq, reps)
+                        step_times(&cfg, &corpus, &devices, global, seq, reps, layers)
                     })
                     .with_tokens(tokens)
                 })
@@ -137,6 +142,7 @@ fn step_times(
     batch: usize,
     seq: usize,
     reps: usize,
+    layers: bool,
 ) -> Result<PeerRun, String> {
     let device = devices[0].clone();
     device.seed(0);
@@ -151,6 +157,7 @@ fn step_times(
             true => Precision::Bf16,
             false => Precision::F32,
         },
+        layer_checkpointing: layers,
         ..TrainConfig::default()
     };
     let attention: Box<dyn AttentionImpl> = TrainAttention::Recompute.build();
