@@ -29,18 +29,11 @@ where
     C: CheckpointStrategy,
     Op: Backward<B, 2, State = (NodeId, NodeId)>,
 {
-    match op
+    let kind = op
         .prepare::<C>([a.node(), b.node()])
         .compute_bound()
-        .stateful()
-    {
-        OpsKind::Tracked(mut prep) => {
-            let state = (prep.checkpoint(&a), prep.checkpoint(&b));
-            let out = forward(a.into_parts().0, b.into_parts().0);
-            prep.finish(state, out)
-        }
-        OpsKind::UnTracked(prep) => prep.finish(forward(a.into_parts().0, b.into_parts().0)),
-    }
+        .stateful();
+    run(kind, a, b, forward)
 }
 
 /// [`binary`] for a memory-bound op that `retro` recomputes: under gradient checkpointing its
@@ -58,13 +51,29 @@ where
     Op: Backward<B, 2, State = (NodeId, NodeId)>,
     R: RetroForward,
 {
-    match op
+    let kind = op
         .prepare::<C>([a.node(), b.node()])
         .memory_bound()
         .retro_forward(retro)
         .parents([&a, &b])
-        .stateful()
-    {
+        .stateful();
+    run(kind, a, b, forward)
+}
+
+/// Runs `forward` on the inner tensors and finishes the prepared op: tracked, with `(a, b)`
+/// checkpointed as its state.
+fn run<B, C, Op>(
+    kind: OpsKind<Op, B, (NodeId, NodeId), C, 2>,
+    a: FloatTensor<Autodiff<B, C>>,
+    b: FloatTensor<Autodiff<B, C>>,
+    forward: impl FnOnce(FloatTensor<B>, FloatTensor<B>) -> FloatTensor<B>,
+) -> FloatTensor<Autodiff<B, C>>
+where
+    B: Backend,
+    C: CheckpointStrategy,
+    Op: Backward<B, 2, State = (NodeId, NodeId)>,
+{
+    match kind {
         OpsKind::Tracked(mut prep) => {
             let state = (prep.checkpoint(&a), prep.checkpoint(&b));
             let out = forward(a.into_parts().0, b.into_parts().0);
