@@ -14,6 +14,10 @@
 //! Memory: about `layers · hidden` values a token for the kept streams plus one layer's
 //! activations, against all layers' (~`layers · (8 hidden + 3 intermediate)` values a token for
 //! a SwiGLU Llama) without it.
+//!
+//! Measured (SmolLM2-135M shape, bf16, recompute attention, 8 × 2048 tokens, H200,
+//! 2026-11-30): peak 14.8 → 7.1 GB with the plain loss and 10.2 → 2.46 GB with CCE, the step
+//! 115 → 139 ms and 149 → 174 ms; with CCE a batch of 768 × 2048 tokens trains in 117 GB.
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
