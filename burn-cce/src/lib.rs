@@ -15,7 +15,7 @@
 //! `Dispatch` routes to it, `Fusion<CubeBackend>` registers each call as a custom operation of
 //! the fused stream, and `Autodiff<B>` registers their backward passes. The public functions
 //! decide with [`burn_kernels_core::route::route`] whether the kernels or the tensor-op
-//! [`reference`] run (the latter on Burn's `Flex` CPU backend, for example, which Burn
+//! [`reference`](mod@reference) run (the latter on Burn's `Flex` CPU backend, for example, which Burn
 //! differentiates itself).
 //!
 //! ```
@@ -73,7 +73,7 @@ use burn_kernels_core::route::{Grad, route};
 
 /// The Cut Cross-Entropy kernels as a Burn backend extension.
 ///
-/// `CubeBackend` runs the CubeCL kernels (the chunked path of [`chunked`]), `Fusion<CubeBackend>`
+/// `CubeBackend` runs the CubeCL kernels (the chunked path of `chunked`), `Fusion<CubeBackend>`
 /// defers them as custom operations, and `Autodiff<B>` registers the gradient of
 /// [`CceKernels::logsumexp_rows`] and of the loss ([`CceKernels::linear_ce_loss`],
 /// [`CceKernels::linear_ce_loss_bias`]) through [`CceKernels::linear_ce_backward`] and

@@ -10,7 +10,7 @@
 //! - [`sage_attention`]: the op, with typed errors for bad input. On a CubeCL device it runs
 //!   the CubeCL kernels ([`kernels`], through the backend extension [`SageKernels`], fused or
 //!   not); everywhere else (Burn's `Flex` CPU backend, an autodiff device, a configuration no
-//!   kernel takes: see [`sage_kernel`]) the tensor-op reference ([`reference`]), which applies
+//!   kernel takes: see [`sage_kernel`]) the tensor-op reference ([`reference`](mod@reference)), which applies
 //!   exactly the same quantization.
 //! - [`SageAttention`]: the op as the Llama model's attention implementation, with one
 //!   quantization choice per layer; [`adaptive`] picks INT4 or INT8 per layer from a

@@ -6,7 +6,7 @@
 //!
 //! With a loss that is a mean over equally many tokens per slice, the average of the slices'
 //! gradients is the global batch's gradient: a run on `n` devices follows the one-device run of
-//! the same global batch ([`crate::finetune::train_parallel`]).
+//! the same global batch ([`crate::finetune::train_data_parallel`]).
 
 use std::ops::Range;
 use std::sync::mpsc::{Receiver, Sender, channel};

@@ -286,7 +286,7 @@ impl Llama {
     }
 
     /// Positions the model's RoPE tables cover, its context length here: the config's
-    /// `max_seq_len`, at most [`MAX_ROPE_POSITIONS`].
+    /// `max_seq_len`, at most `MAX_ROPE_POSITIONS` (131 072).
     pub fn max_positions(&self) -> usize {
         self.rope.max_positions()
     }

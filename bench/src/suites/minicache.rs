@@ -7,7 +7,7 @@
 //! # Method
 //!
 //! - **Batch.** Each cache gets the largest batch whose weights, cache and working sets fit
-//!   `--max-mem-gb` (through a model of the memory pool's pages; see [`super::kv_decode`]).
+//!   `--max-mem-gb` (through a model of the memory pool's pages; see `super::kv_decode`).
 //!   Every cache here rebuilds a layer's full f16 keys and values at each step (dequantized,
 //!   restored), so the working set of a step is at least that of the full cache (more for
 //!   the compressed caches: the rebuilt sequence and its copies); only what is held shrinks.

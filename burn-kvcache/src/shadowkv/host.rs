@@ -99,7 +99,7 @@ pub const UPLOAD_PIECE_BYTES: usize = 8 << 20;
 /// pieces, and the runtime's copy of each). By default glibc serves blocks above a moving
 /// threshold with fresh `mmap`s and trims the heap's top past another, so every step faults
 /// those pages in again (~0.5 µs per 4 KB page, zeroed by the kernel). This fixes the mmap
-/// threshold at glibc's maximum (32 MB, above [`UPLOAD_PIECE_BYTES`]) and the trim threshold at
+/// threshold at glibc's maximum (32 MB, above `UPLOAD_PIECE_BYTES`) and the trim threshold at
 /// 2 GB, once per process (the settings are process-wide; [`crate::ShadowKvCache::new`] calls
 /// it). Returns whether both settings were taken; elsewhere than glibc it does nothing.
 pub fn tune_host_allocator() -> bool {

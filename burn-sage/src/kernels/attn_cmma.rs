@@ -25,7 +25,7 @@
 //! numerics (CubeCL 0.10's CUDA cmma has no e4m3 shape); its f32 accumulator is exact, so the
 //! two-level accumulation the hardware FP8 path needs is not required here.
 //!
-//! The kernel body reads as those stages; each is a `#[cube]` function in [`stages`]
+//! The kernel body reads as those stages; each is a `#[cube]` function in `stages`
 //! (inlined when the kernel is expanded, so the generated code is one kernel).
 
 use burn::backend::cubecl::dtype_to_storage_type;

@@ -17,7 +17,7 @@
 //! - `O += P̃·V`: `mma.m16n8k16` f16/bf16→f32. The accumulator layout of two adjacent 8-key
 //!   blocks of `S` is exactly the A-operand layout of one 16-key step, so `P̃` goes from the
 //!   softmax straight into the next product. V is read transposed (`Vᵀ`, keys contiguous,
-//!   padded to whole tiles with zeros, rounded to the PV grid once by [`v_transposed`]), so its
+//!   padded to whole tiles with zeros, rounded to the PV grid once by `v_transposed`), so its
 //!   B-operand words are contiguous pairs of keys.
 //! - Rescaling the output rows when a maximum moves by more than `tau` is a multiply of the
 //!   lane's own accumulator registers.
@@ -27,7 +27,7 @@
 //! unchecked: every index is in bounds by construction (Q rows past the end read nothing,
 //! keys past the end read zeros, `Vᵀ` is padded).
 //!
-//! The kernel body reads as those stages; each is a `#[cube]` function in [`stages`]
+//! The kernel body reads as those stages; each is a `#[cube]` function in `stages`
 //! (inlined when the kernel is expanded, so the generated code is one kernel).
 
 use burn::backend::cubecl::dtype_to_storage_type;

@@ -192,7 +192,7 @@ pub enum GemmKernel {
     SimpleTmaMultiRowCmma,
     /// [`GemmKernel::SpecializedTma`] on the `cmma` tile instruction.
     SpecializedTmaCmma,
-    /// This crate's Hopper kernel ([`hopper`](crate::gemm::hopper)): warpgroup MMAs fed by TMA
+    /// This crate's Hopper kernel ([`hopper`]): warpgroup MMAs fed by TMA
     /// through a 4-stage ring, split K for few output tiles; matrices (not batches) of f16/bf16
     /// with one contiguous dimension each. Where it cannot run (before Hopper, Vulkan, batches),
     /// [`GemmKernel::SpecializedTma`] runs instead.

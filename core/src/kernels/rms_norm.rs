@@ -268,7 +268,7 @@ fn rms_norm_backward_kernel<F: Float>(
 
 /// The gradients of [`rms_norm`] from the output's gradient `dy`: `dx` in `x`'s dtype and `dγ`
 /// in f32, accumulated in f32 (the row's `1 / √(mean + ε)` recomputed, not saved). One plane a
-/// cube of [`BACKWARD_ROWS`] rows; the cubes' partial `dγ` are summed by Burn's reduce.
+/// cube of `BACKWARD_ROWS` rows; the cubes' partial `dγ` are summed by Burn's reduce.
 /// Planes of 32 units: CUDA only.
 ///
 /// # Shapes

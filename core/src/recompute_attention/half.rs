@@ -71,7 +71,7 @@ pub const FLASH_FORWARD: &str = "flash-attention-forward";
 /// causal mask only with no more queries than keys), else Burn's fused forward and backward
 /// (`attention_with_logsumexp`, `attention_backward`: cubek's kernels), with a debug log line
 /// saying why. The `_padded` ops take a key-padding mask, which only the flash kernels do:
-/// [`recompute_attention`] routes a masked problem here only where they take it.
+/// [`recompute_attention`](super::recompute_attention) routes a masked problem here only where they take it.
 #[backend_extension(
     Cube: cfg(feature = "cube"),
     Fusion: cfg(all(feature = "cube", feature = "fusion")),

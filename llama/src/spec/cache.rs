@@ -20,7 +20,7 @@ struct LayerKv {
 /// `b × fan + i` = branch i of sequence b) while forked: the prefix is broadcast to the fan
 /// rows for each attention call instead of being copied into K caches. Every slot has a
 /// validity bit; invalid slots (left padding, dummy tokens of ragged inputs) are masked as keys,
-/// so the [`AttnOptions::key_padding`] that [`Llama::forward`] derives from `left_pad` is
+/// so the [`AttnOptions::key_padding`] that [`Llama::forward`](crate::model::Llama::forward) derives from `left_pad` is
 /// replaced by the cache's own mask.
 ///
 /// # Shapes

@@ -1,4 +1,4 @@
-//! Multi-draft speculative decoding with a target [`Llama`] and one or more draft [`Llama`]s
+//! Multi-draft speculative decoding with a target [`Llama`](crate::model::Llama) and one or more draft [`Llama`](crate::model::Llama)s
 //! that share its tokenizer.
 //!
 //! # One step (a *block*)
@@ -31,7 +31,7 @@
 //!    [`LinearSpecCache`]: one prompt, one draft) appends the block's tokens and is truncated to
 //!    what was kept.
 //!
-//! Why K rows rather than one flattened token tree: [`Llama::forward`] gives the tokens of a
+//! Why K rows rather than one flattened token tree: [`Llama::forward`](crate::model::Llama::forward) gives the tokens of a
 //! row consecutive RoPE positions and attention masks are causal plus key padding, so a
 //! flattened tree (positions repeating across branches, a tree-shaped mask) is not expressible
 //! without changing the model. K rows are: the shared prefix lives once in the
@@ -44,7 +44,7 @@
 //! block every sequence's tokens are packed right-aligned (left-padded) into one
 //! `[batch, kv_heads, max_len, head_dim]` tensor, and the cache masks padding and the dummy
 //! tokens that pad ragged inputs itself. RoPE positions are per row: [`forward_rows`] passes
-//! [`Llama::forward`] a `left_pad` such that each row's first real token lands at the row's own
+//! [`Llama::forward`](crate::model::Llama::forward) a `left_pad` such that each row's first real token lands at the row's own
 //! length (`position = start + t − left_pad`). Finished sequences stay in the batch with their
 //! caches frozen (their rows are computed and discarded) until every sequence is done.
 //!

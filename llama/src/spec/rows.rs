@@ -15,7 +15,7 @@ use super::SpecCache;
 /// with dummy tokens that the cache masks.
 ///
 /// # Shapes
-/// - `rows.len()` = [`BranchKvCache::rows`]
+/// - `rows.len()` = `BranchKvCache::rows`
 /// - returns `[rows, s, hidden]` with `s` the longest row; row r's tokens are its last
 ///   `rows[r].len()` positions
 ///

@@ -8,7 +8,7 @@
 //!
 //! - **Batch.** Each cache gets the largest batch whose weights, cache and working sets fit
 //!   `--max-mem-gb` of device memory (through a model of the memory pool's pages) and, for
-//!   ShadowKV's values, `--max-host-mem-gb` of host memory; see [`super::kv_decode`]. The plan
+//!   ShadowKV's values, `--max-host-mem-gb` of host memory; see `super::kv_decode`. The plan
 //!   is printed before anything runs, and each record carries it (`batch`, `batch_bound`,
 //!   `est_*`) next to what was measured (`pool_reserved_gb`, `host_rss_gb`).
 //! - **Synthetic prompts.** No prompt goes through the model (Burn's attention would take

@@ -3,10 +3,10 @@
 //! query, and a backward of two launches that recompute the probabilities from it. No launch
 //! writes a `seq²` tensor.
 //!
-//! - [`forward`]: owned by the queries, `O` and the log-sum-exp (online softmax);
-//! - [`dq`]: owned by the queries, `dQ`, and first `Δ = rowsum(dO ⊙ O)` in f32 from the
+//! - `forward`: owned by the queries, `O` and the log-sum-exp (online softmax);
+//! - `dq`: owned by the queries, `dQ`, and first `Δ = rowsum(dO ⊙ O)` in f32 from the
 //!   register fragments, which it writes for the next launch;
-//! - [`dkdv`]: owned by the keys, `dK` and `dV` (the query heads of a group summed in
+//! - `dkdv`: owned by the keys, `dK` and `dV` (the query heads of a group summed in
 //!   registers).
 //!
 //! Each walk masks only the tiles that need it (a tail, or a causal diagonal): a tile whose
@@ -16,7 +16,7 @@
 //! The backward walks compute `S` and `dP` again (seven products a tile in all, as
 //! FlashAttention-2 without atomics); every fragment of `P` and `dS` goes from one product's
 //! accumulators straight into the next product's A operand. Each shared tile is stored once,
-//! row-major, padded by [`PAD`] words a row against bank conflicts; B fragments come from it by
+//! row-major, padded by `PAD` words a row against bank conflicts; B fragments come from it by
 //! `ldmatrix.x4` (`A·Bᵀ`) or `ldmatrix.x4.trans` (`A·B`), four 8 × 8 matrices an instruction.
 //!
 //! Operands are read in place through their strides ([`Rows`]): a model's
