@@ -10,6 +10,7 @@ pub mod attention;
 pub mod checkpoint;
 pub mod config;
 pub mod data_parallel;
+mod distill;
 pub mod error;
 pub mod eval;
 pub mod finetune;
