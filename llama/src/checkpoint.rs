@@ -23,11 +23,15 @@ use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Gradients, Int, Tensor, TensorData};
 use burn_cce::CceError;
+use burn_kernels_core::route::count_launch;
 use burn_kernels_core::{AttentionImpl, AttnOptions, TensorOps};
 
-use crate::model::{ForwardError, Llama};
+use crate::model::{ForwardError, Llama, classifier_of, embed_rows};
 use crate::precision::{CastParams, Precision};
 use crate::train::{LossKind, hidden_loss};
+
+/// The name [`checkpointed_grads`] counts its calls under (`burn_kernels_core::route::launches`).
+pub const CHECKPOINTED_STEP: &str = "layer-checkpointed-step";
 
 /// Why a checkpointed step could not run.
 #[derive(Debug, thiserror::Error)]
@@ -61,6 +65,7 @@ pub fn checkpointed_grads(
     ignore_index: i64,
     scale: f32,
 ) -> Result<(Tensor<1>, GradientsParams), CheckpointError> {
+    count_launch(CHECKPOINTED_STEP);
     let dtype = precision.compute_dtype();
     let [b, s] = tokens.dims();
     let opts = AttnOptions {
@@ -94,9 +99,10 @@ pub fn checkpointed_grads(
         .layer_ops()
         .unwrap_or(&TensorOps)
         .rms_norm(&norm, h.clone());
+    // Only the classifier's parameter is cast (the embedding when tied).
     let classifier = match &model.lm_head {
-        Some(w) => view(w, dtype).val().transpose(),
-        None => view(&model.embed, dtype).val(),
+        Some(w) => classifier_of(&model.embed, Some(&view(w, dtype))),
+        None => classifier_of(&view(&model.embed, dtype), None),
     };
     let loss = hidden_loss(hidden, classifier, tokens.clone(), kind, ignore_index)?;
     let mut g_all = (loss.clone() * scale).backward();
@@ -134,12 +140,7 @@ pub fn checkpointed_grads(
     }
 
     // The embedding: backward of `sum(embed[tokens] · g)`.
-    let embed = view(&model.embed, dtype);
-    let [_, width] = embed.dims();
-    let x0 = embed
-        .val()
-        .select(0, tokens.reshape([b * s]))
-        .reshape([b, s, width]);
+    let x0 = embed_rows(view(&model.embed, dtype).val(), tokens);
     let mut g_all = (x0 * g).sum().backward();
     absorb(&mut grads, &mut g_all, &model.embed);
     Ok((loss.inner(), grads))

@@ -55,6 +55,28 @@ fn norm(gamma: Tensor<1>, eps: f32) -> RmsNorm {
     }
 }
 
+/// The rows of the token table `[vocab, hidden]` for `tokens` `[batch, seq]`:
+/// `[batch, seq, hidden]` ([`Llama::embed_tokens`]).
+pub(crate) fn embed_rows(table: Tensor<2>, tokens: Tensor<2, Int>) -> Tensor<3> {
+    let [b, s] = tokens.dims();
+    let [_, hidden] = table.dims();
+    table
+        .select(0, tokens.reshape([b * s]))
+        .reshape([b, s, hidden])
+}
+
+/// The classifier `[vocab, hidden]` of an embedding and an optional LM head
+/// ([`Llama::classifier`]): the head transposed (a view), else the tied embedding.
+pub(crate) fn classifier_of(
+    embed: &Param<Tensor<2>>,
+    lm_head: Option<&Param<Tensor<2>>>,
+) -> Tensor<2> {
+    match lm_head {
+        Some(w) => w.val().transpose(),
+        None => embed.val(),
+    }
+}
+
 /// Why [`Llama::try_forward`] could not run.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ForwardError {
@@ -237,12 +259,7 @@ impl Llama {
     /// # Shapes
     /// - `tokens`: `[batch, seq]`; returns `[batch, seq, hidden]`
     pub fn embed_tokens(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
-        let [b, s] = tokens.dims();
-        let [_, hidden] = self.embed.dims();
-        self.embed
-            .val()
-            .select(0, tokens.reshape([b * s]))
-            .reshape([b, s, hidden])
+        embed_rows(self.embed.val(), tokens)
     }
 
     /// One layer alone on the residual stream `x`, without a KV cache: the stream after it (its
@@ -294,10 +311,7 @@ impl Llama {
     /// The output classifier as `[vocab, hidden]`: the embedding when tied, else the LM head
     /// transposed (a view, no copy). This is the `C` of a linear cross-entropy.
     pub fn classifier(&self) -> Tensor<2> {
-        match &self.lm_head {
-            Some(w) => w.val().transpose(),
-            None => self.embed.val(),
-        }
+        classifier_of(&self.embed, self.lm_head.as_ref())
     }
 
     /// Logits of hidden states, in f32.

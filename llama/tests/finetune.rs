@@ -5,7 +5,9 @@
 
 use burn::module::Module;
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};
+use burn_kernels_core::route::launches;
 use burn_kernels_core::{FullKvCache, ReferenceAttention};
+use burn_llama::checkpoint::CHECKPOINTED_STEP;
 use burn_llama::config::LlamaConfig;
 use burn_llama::finetune::{
     Corpus, StepLog, TeacherOptions, TrainConfig, TrainError, load_model, load_trained,
@@ -581,7 +583,12 @@ fn layer_checkpointing_trains_the_same_curve() {
         ..c.clone()
     };
     let plain = run(m.clone(), &c, LossKind::cce(), None, None);
+    let before = launches(CHECKPOINTED_STEP);
     let checkpointed = run(m, &layers, LossKind::cce(), None, None);
+    // The flag reached the step: 8 steps of 2 micro-batches ran checkpointed (other tests of
+    // this process add fewer than 16 calls, so a run that ignored it fails here).
+    let calls = launches(CHECKPOINTED_STEP) - before;
+    assert!(calls >= 16, "{calls} checkpointed micro-batches");
     assert_same_curve(
         &plain,
         &checkpointed,

@@ -253,6 +253,8 @@ fn problem(
                     let (model, mut optim) = state.take().expect("state is put back");
                     let mut lap = PhaseClock::lap_of(&mut clock);
                     let grads = if layers {
+                        // Forwards and backwards interleave layer by layer: `--e2e-phases`
+                        // records them together as the backward (forward + loss shows 0).
                         let (_, grads) = checkpointed_grads(
                             &model,
                             precision,
