@@ -260,7 +260,7 @@ impl LceParams {
             parts
         });
         let want = want.clamp(1, n.max(1));
-        (1..=want).rev().find(|p| n % p == 0).unwrap_or(1)
+        (1..=want).rev().find(|&p| n.is_multiple_of(p)).unwrap_or(1)
     }
 
     /// Vocabulary entries per chunk of the forward and the backward's scoring pass for `rows`
