@@ -622,8 +622,7 @@ fn layer_checkpointing_refuses_distillation() {
         None,
         |_| true,
     )
-    .err()
-    .expect("refused");
+    .expect_err("refused");
     assert!(
         matches!(&err, TrainError::Config(why) if why.contains("distillation")),
         "{err}"
