@@ -80,7 +80,7 @@ type Variant = (
     Precision,
     GemmKernel,
 );
-const VARIANTS: [Variant; 13] = [
+const VARIANTS: [Variant; 14] = [
     (
         "cce",
         LossKind::cce,
@@ -159,6 +159,13 @@ const VARIANTS: [Variant; 13] = [
         GemmKernel::DEFAULT,
     ),
     (
+        "cce + recompute attn, bf16, dC in one GEMM",
+        cce_dc_one_gemm,
+        TrainAttention::Recompute,
+        Precision::Bf16,
+        GemmKernel::DEFAULT,
+    ),
+    (
         "cce + recompute attn, bf16, cubek gemm",
         LossKind::cce,
         TrainAttention::Recompute,
@@ -184,6 +191,14 @@ fn plain() -> LossKind {
 fn cce_whole_de() -> LossKind {
     LossKind::Cce(CceOptions {
         de_block_rows: Some(usize::MAX),
+        ..CceOptions::default()
+    })
+}
+
+/// CCE with each chunk's dC in one GEMM over all tokens (before the split into parts).
+fn cce_dc_one_gemm() -> LossKind {
+    LossKind::Cce(CceOptions {
+        dc_splits: Some(1),
         ..CceOptions::default()
     })
 }
