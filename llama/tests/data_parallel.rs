@@ -10,7 +10,7 @@ use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use burn_kernels_core::ReferenceAttention;
 use burn_kernels_testing::compare::to_f32;
 use burn_kernels_testing::{Tolerance, assert_close};
-use burn_llama::data_parallel::all_reduce_mean;
+use burn_llama::data_parallel::{all_reduce_mean, all_reduce_mean_bucketed};
 use burn_llama::finetune::{TrainConfig, TrainError, train_data_parallel};
 use burn_llama::model::Llama;
 use burn_llama::train::{LossKind, next_token_loss};
@@ -65,33 +65,52 @@ fn two_replicas_average_to_the_whole_batch() {
     for kind in [LossKind::Plain, LossKind::cce()] {
         let whole = grads(&model, &rows, kind);
         let replica = model.clone().fork(&device);
-        let halves = vec![
-            grads(&model, &rows[..3], kind),
-            grads(&replica, &rows[3..], kind),
-        ];
-        let means = all_reduce_mean(&model, halves);
-        assert_eq!(means.len(), 2, "one mean per replica");
-        let mut ids = Ids::default();
-        model.visit(&mut ids);
-        assert!(ids.0.len() > 10, "{} parameters", ids.0.len());
-        for ((id, rank), mean) in ids
-            .0
-            .into_iter()
-            .flat_map(|p| means.iter().map(move |m| (p, m)))
-        {
-            let (got, want) = (values(mean, id, rank), values(&whole, id, rank));
-            assert!(
-                want.iter().any(|x| *x != 0.0),
-                "parameter {id}: zero gradient"
-            );
-            // The averaged halves and the whole batch sum the same terms in another order.
-            assert_close(
-                &format!("{kind:?} parameter {id}"),
-                &got,
-                &want,
-                Tolerance::for_reduction(DType::F32, 6 * 12),
+        let halves = || {
+            vec![
+                grads(&model, &rows[..3], kind),
+                grads(&replica, &rows[3..], kind),
+            ]
+        };
+        // The default buckets (the whole tiny model in one), a bucket a parameter or fewer
+        // (1000 bytes: the embedding alone exceeds it) and buckets of a few parameters.
+        for (bucket, means) in [
+            ("default", all_reduce_mean(&model, halves())),
+            ("1000 B", all_reduce_mean_bucketed(&model, halves(), 1000)),
+            ("8 KiB", all_reduce_mean_bucketed(&model, halves(), 8 << 10)),
+        ] {
+            check_means(
+                &model,
+                &whole,
+                &means,
+                &format!("{kind:?}, buckets {bucket}"),
             );
         }
+    }
+}
+
+/// Each replica's `means` equal the whole batch's gradients `whole`, for every parameter.
+fn check_means(model: &Llama, whole: &GradientsParams, means: &[GradientsParams], what: &str) {
+    assert_eq!(means.len(), 2, "one mean per replica");
+    let mut ids = Ids::default();
+    model.visit(&mut ids);
+    assert!(ids.0.len() > 10, "{} parameters", ids.0.len());
+    for ((id, rank), mean) in ids
+        .0
+        .into_iter()
+        .flat_map(|p| means.iter().map(move |m| (p, m)))
+    {
+        let (got, want) = (values(mean, id, rank), values(whole, id, rank));
+        assert!(
+            want.iter().any(|x| *x != 0.0),
+            "parameter {id}: zero gradient"
+        );
+        // The averaged halves and the whole batch sum the same terms in another order.
+        assert_close(
+            &format!("{what}: parameter {id}"),
+            &got,
+            &want,
+            Tolerance::for_reduction(DType::F32, 6 * 12),
+        );
     }
 }
 
