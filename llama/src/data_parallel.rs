@@ -255,6 +255,47 @@ pub fn cuda_has_nccl(index: usize) -> bool {
     cubecl::Device::cuda(index).is_ok_and(|d| d.client().has_device_transport())
 }
 
+/// Host time of a step's phases, logged (`info`, target `burn_llama::data_parallel`) when the
+/// environment sets `BURN_KERNELS_DP_PHASES`: where a data-parallel step spends its time
+/// beside the one-device step. "grads" ends when every replica's loss is read (its forward
+/// and backward done on the device); the other phases are host time of work the devices run
+/// asynchronously, so their device time shows in the next step's "grads".
+struct PhaseClock {
+    on: bool,
+    last: std::time::Instant,
+    laps: Vec<(&'static str, f64)>,
+}
+
+impl PhaseClock {
+    fn start() -> Self {
+        Self {
+            on: std::env::var_os("BURN_KERNELS_DP_PHASES").is_some(),
+            last: std::time::Instant::now(),
+            laps: Vec::new(),
+        }
+    }
+
+    fn lap(&mut self, name: &'static str) {
+        if self.on {
+            let now = std::time::Instant::now();
+            self.laps
+                .push((name, (now - self.last).as_secs_f64() * 1e3));
+            self.last = now;
+        }
+    }
+
+    fn report(&self, step: usize) {
+        if self.on {
+            let laps: Vec<String> = self
+                .laps
+                .iter()
+                .map(|(name, ms)| format!("{name} {ms:.1} ms"))
+                .collect();
+            log::info!("step {step}: {}", laps.join(", "));
+        }
+    }
+}
+
 /// The replicas a training run steps: one model on its device, or [`Workers`] on threads.
 pub(crate) trait Replicas {
     /// One optimizer step at `lr` over step `step`'s global batch; the mean training loss.
@@ -292,7 +333,9 @@ impl Replicas for Single<'_> {
     fn step(&mut self, step: usize, lr: f64) -> Result<f64, TrainError> {
         let model = self.model.take().expect("a model between steps");
         let rows = 0..self.ctx.cfg.batch;
+        let mut clock = PhaseClock::start();
         let result = replica_grads(&model, &self.ctx, step, rows);
+        clock.lap("grads");
         let (grads, loss) = match result {
             Ok(done) => done,
             Err(e) => {
@@ -301,6 +344,8 @@ impl Replicas for Single<'_> {
             }
         };
         self.model = Some(self.optim.step(lr, model, grads));
+        clock.lap("optimizer (host)");
+        clock.report(step);
         Ok(loss)
     }
 
@@ -454,6 +499,7 @@ fn worker(
 impl Replicas for Workers<'_> {
     fn step(&mut self, step: usize, lr: f64) -> Result<f64, TrainError> {
         let n = self.asks.len();
+        let mut clock = PhaseClock::start();
         for r in 0..n {
             self.ask(r, Ask::Grads(step))?;
         }
@@ -468,15 +514,17 @@ impl Replicas for Workers<'_> {
                 _ => unreachable!("a worker answers what it was asked"),
             }
         }
-        for (r, mean) in reduce_params(&self.params, grads, BUCKET_BYTES)
-            .into_iter()
-            .enumerate()
-        {
+        clock.lap("grads");
+        let means = reduce_params(&self.params, grads, BUCKET_BYTES);
+        clock.lap("all-reduce (host)");
+        for (r, mean) in means.into_iter().enumerate() {
             self.ask(r, Ask::Apply(lr, mean))?;
         }
         for r in 0..n {
             self.answer(r)?;
         }
+        clock.lap("optimizer (host)");
+        clock.report(step);
         Ok(loss / n as f64)
     }
 

@@ -345,8 +345,10 @@ pub(crate) fn replica_grads(
             }
             None => next_token_loss(&view, tokens, ctx.attention, ctx.kind, -100)?,
         };
-        loss_sum += loss.clone().into_scalar::<f64>();
-        let grads = (loss * scale).backward();
+        // The loss is read after the backward is queued: reading it first would leave the
+        // device idle while the host builds the backward.
+        let grads = (loss.clone() * scale).backward();
+        loss_sum += loss.into_scalar::<f64>();
         acc.accumulate(model, GradientsParams::from_grads(grads, model));
     }
     Ok((acc.grads(), loss_sum / cfg.grad_accum as f64))

@@ -80,7 +80,7 @@ type Variant = (
     Precision,
     GemmKernel,
 );
-const VARIANTS: [Variant; 14] = [
+const VARIANTS: [Variant; 17] = [
     (
         "cce",
         LossKind::cce,
@@ -159,6 +159,27 @@ const VARIANTS: [Variant; 14] = [
         GemmKernel::DEFAULT,
     ),
     (
+        "cce + recompute attn, bf16, 128 MiB blocks",
+        cce_blocks_128,
+        TrainAttention::Recompute,
+        Precision::Bf16,
+        GemmKernel::DEFAULT,
+    ),
+    (
+        "cce + recompute attn, bf16, 256 MiB blocks",
+        cce_blocks_256,
+        TrainAttention::Recompute,
+        Precision::Bf16,
+        GemmKernel::DEFAULT,
+    ),
+    (
+        "cce + recompute attn, bf16, 64 MiB blocks, dC in one GEMM",
+        cce_big_blocks_dc_one_gemm,
+        TrainAttention::Recompute,
+        Precision::Bf16,
+        GemmKernel::DEFAULT,
+    ),
+    (
         "cce + recompute attn, bf16, dC in one GEMM",
         cce_dc_one_gemm,
         TrainAttention::Recompute,
@@ -208,6 +229,31 @@ fn cce_dc_one_gemm() -> LossKind {
 fn cce_big_blocks() -> LossKind {
     LossKind::Cce(CceOptions {
         chunk_bytes: Some(64 << 20),
+        ..CceOptions::default()
+    })
+}
+
+/// CCE with `mib` MiB working blocks in every pass.
+fn cce_blocks(mib: usize) -> LossKind {
+    LossKind::Cce(CceOptions {
+        chunk_bytes: Some(mib << 20),
+        ..CceOptions::default()
+    })
+}
+
+fn cce_blocks_128() -> LossKind {
+    cce_blocks(128)
+}
+
+fn cce_blocks_256() -> LossKind {
+    cce_blocks(256)
+}
+
+/// [`cce_big_blocks`] with each chunk's dC in one GEMM over all tokens.
+fn cce_big_blocks_dc_one_gemm() -> LossKind {
+    LossKind::Cce(CceOptions {
+        chunk_bytes: Some(64 << 20),
+        dc_splits: Some(1),
         ..CceOptions::default()
     })
 }
