@@ -411,7 +411,14 @@ impl Backward<'_> {
                     add_rows(target, product, rows.start);
                 }
             }
-            let dc_chunk = self.dc_chunk(&g, dc.dtype);
+            let dc_chunk = matmul_to(
+                transpose(g.clone()),
+                e.clone(),
+                dc.dtype,
+                p.gemm,
+                p.tf32,
+                "dC chunk",
+            );
             let db_chunk = db.as_ref().map(|_| {
                 let [_, len] = dims2(&g);
                 let g32 = cast(g.clone(), DType::F32);
@@ -446,38 +453,6 @@ impl Backward<'_> {
             live::sample(&dc, "dC chunk written");
         }
         (dc, db)
-    }
-
-    /// `Gᵀ·E` of one chunk (`G`: `[n, len]`), `[len, D]` in `dtype`: one GEMM, or one batched
-    /// GEMM over [`LceParams::dc_parts`] blocks of tokens whose f32 partials are summed.
-    fn dc_chunk(&self, g: &CubeTensor, dtype: DType) -> CubeTensor {
-        let (p, e) = (self.params, self.e);
-        let [n, d] = dims2(e);
-        let [_, len] = dims2(g);
-        let parts = p.dc_parts(n, len, d);
-        if parts == 1 {
-            return matmul_to(
-                transpose(g.clone()),
-                e.clone(),
-                dtype,
-                p.gemm,
-                p.tf32,
-                "dC chunk",
-            );
-        }
-        let rows = n / parts;
-        let g_parts = Cb::float_reshape(g.clone(), Shape::new([parts, rows, len]));
-        let e_parts = Cb::float_reshape(e.clone(), Shape::new([parts, rows, d]));
-        let partials = matmul_to(
-            Cb::float_swap_dims(g_parts, 1, 2),
-            e_parts,
-            DType::F32,
-            p.gemm,
-            p.tf32,
-            "dC partials",
-        );
-        let sum = Cb::float_sum_dim(partials, 0);
-        cast(Cb::float_reshape(sum, Shape::new([len, d])), dtype)
     }
 
     /// dE's second pass ([`DeAccumulation::RowBlocks`]): per block of rows, `G · C_chunk` of

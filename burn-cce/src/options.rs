@@ -108,12 +108,6 @@ pub struct CceOptions {
     /// accumulates blocks of `r` rows in a second pass; otherwise it sets the rows of each f32
     /// product `G·C_chunk` added into dE.
     pub de_block_rows: Option<usize>,
-    /// Parts the reduction over tokens of each chunk's dC GEMM (`Gᵀ·E`) is split into: one
-    /// batched GEMM over blocks of `N / parts` tokens whose f32 partials are summed. A chunk's
-    /// dC has only `chunk` rows (128 at 8 × 2048 tokens of SmolLM2), so one GEMM over all `N`
-    /// tokens has few output tiles to spread over the GPU. `None` (default): automatic, see
-    /// [`LceParams::dc_parts`]; `Some(1)`: one GEMM.
-    pub dc_splits: Option<usize>,
     /// How the chunk GEMMs pick their kernel.
     pub gemm: GemmStrategy,
     /// For f32 inputs, run the chunk GEMMs of [`GemmStrategy::Fixed`] and
@@ -177,7 +171,6 @@ impl Default for CceOptions {
             chunk_bytes: None,
             pass_chunk_bytes: None,
             de_block_rows: None,
-            dc_splits: None,
             gemm: GemmStrategy::Fixed,
             tf32: true,
         }
@@ -201,8 +194,6 @@ pub struct LceParams {
     pub pass_chunk_bytes: Option<usize>,
     /// See [`CceOptions::de_block_rows`].
     pub de_block_rows: Option<usize>,
-    /// See [`CceOptions::dc_splits`].
-    pub dc_splits: Option<usize>,
     /// See [`CceOptions::gemm`].
     pub gemm: GemmStrategy,
     /// See [`CceOptions::tf32`].
@@ -220,7 +211,6 @@ impl CceOptions {
             chunk_bytes: self.chunk_bytes,
             pass_chunk_bytes: self.pass_chunk_bytes,
             de_block_rows: self.de_block_rows,
-            dc_splits: self.dc_splits,
             gemm: self.gemm,
             tf32: self.tf32,
         }
@@ -247,25 +237,6 @@ fn fit_chunk(bytes: usize, rows: usize, vocab: usize) -> usize {
 }
 
 impl LceParams {
-    /// Parts of the dC GEMM's reduction over `n` tokens for a chunk of `chunk` entries of
-    /// hidden size `d` (see [`CceOptions::dc_splits`]): `dc_splits` where set; else powers of
-    /// two until the GEMM has about 2048 output rows (`parts · chunk`), at most 16, each part at
-    /// least 512 tokens, and no more than `n / d` parts, so that the f32 partials
-    /// (`parts · chunk · d`) fit in the chunk's logits block (`n · chunk`, freed by then) and
-    /// the backward's peak stays as [`crate::diagnostics::BackwardBlocks`] describes it. Then
-    /// the largest divisor of `n` not above that, so the parts are equal.
-    pub fn dc_parts(&self, n: usize, chunk: usize, d: usize) -> usize {
-        let want = self.dc_splits.unwrap_or_else(|| {
-            let mut parts = 1;
-            while parts < 16 && parts * chunk < 2048 && n / (2 * parts) >= 512 {
-                parts *= 2;
-            }
-            parts.min(n / d.max(1))
-        });
-        let want = want.clamp(1, n.max(1));
-        (1..=want).rev().find(|&p| n.is_multiple_of(p)).unwrap_or(1)
-    }
-
     /// Vocabulary entries per chunk of the forward and the backward's scoring pass for `rows`
     /// tokens, hidden size `d` and inputs of `dtype`: as many as fit `chunk_bytes`, a multiple
     /// of 32, at least 32, at most `vocab`.

@@ -25,32 +25,6 @@ use burn_cce::{
 };
 use burn_kernels_testing::{Tolerance, assert_close, testgen};
 
-/// The parts of each chunk's dC GEMM: enough for ~2048 output rows, parts of ≥ 512 tokens, no
-/// more than `n / d` (the partials fit in the freed logits block), equal (a divisor of `n`).
-#[test]
-fn dc_parts_fill_the_gemm() {
-    let parts = |n, chunk, d, splits| {
-        let options = CceOptions {
-            dc_splits: splits,
-            ..CceOptions::default()
-        };
-        options.params(DType::BF16).dc_parts(n, chunk, d)
-    };
-    // SmolLM2 at 8 × 2048 tokens (chunks of 128) and at 8192 tokens (256); Gemma-2 (672 of
-    // 2304: 3 parts' partials would not fit, 2 do).
-    assert_eq!(parts(16384, 128, 576, None), 16);
-    assert_eq!(parts(8192, 256, 576, None), 8);
-    assert_eq!(parts(8192, 672, 2304, None), 2);
-    assert_eq!(parts(1000, 64, 64, None), 1);
-    assert_eq!(parts(3000, 128, 64, None), 4);
-    assert_eq!(parts(3001, 128, 64, None), 1);
-    // Asked for: a divisor of n, at least 1.
-    assert_eq!(parts(51, 32, 16, Some(4)), 3);
-    assert_eq!(parts(7, 32, 16, Some(16)), 7);
-    assert_eq!(parts(0, 32, 16, Some(4)), 1);
-    assert_eq!(parts(100, 32, 16, Some(0)), 1);
-}
-
 /// The analytic working set of the backward at the benchmark shapes (8192 tokens, bf16,
 /// default options): the numbers documented in `burn_cce::diagnostics::BackwardBlocks`.
 #[test]

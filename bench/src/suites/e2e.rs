@@ -80,7 +80,7 @@ type Variant = (
     Precision,
     GemmKernel,
 );
-const VARIANTS: [Variant; 17] = [
+const VARIANTS: [Variant; 15] = [
     (
         "cce",
         LossKind::cce,
@@ -173,20 +173,6 @@ const VARIANTS: [Variant; 17] = [
         GemmKernel::DEFAULT,
     ),
     (
-        "cce + recompute attn, bf16, 64 MiB blocks, dC in one GEMM",
-        cce_big_blocks_dc_one_gemm,
-        TrainAttention::Recompute,
-        Precision::Bf16,
-        GemmKernel::DEFAULT,
-    ),
-    (
-        "cce + recompute attn, bf16, dC in one GEMM",
-        cce_dc_one_gemm,
-        TrainAttention::Recompute,
-        Precision::Bf16,
-        GemmKernel::DEFAULT,
-    ),
-    (
         "cce + recompute attn, bf16, cubek gemm",
         LossKind::cce,
         TrainAttention::Recompute,
@@ -216,14 +202,6 @@ fn cce_whole_de() -> LossKind {
     })
 }
 
-/// CCE with each chunk's dC in one GEMM over all tokens (before the split into parts).
-fn cce_dc_one_gemm() -> LossKind {
-    LossKind::Cce(CceOptions {
-        dc_splits: Some(1),
-        ..CceOptions::default()
-    })
-}
-
 /// CCE with 64 MiB working blocks in every pass (wide vocabulary chunks: fewer launches, and
 /// dE in one f32 accumulator where a chunk is at least the hidden size wide).
 fn cce_big_blocks() -> LossKind {
@@ -247,15 +225,6 @@ fn cce_blocks_128() -> LossKind {
 
 fn cce_blocks_256() -> LossKind {
     cce_blocks(256)
-}
-
-/// [`cce_big_blocks`] with each chunk's dC in one GEMM over all tokens.
-fn cce_big_blocks_dc_one_gemm() -> LossKind {
-    LossKind::Cce(CceOptions {
-        chunk_bytes: Some(64 << 20),
-        dc_splits: Some(1),
-        ..CceOptions::default()
-    })
 }
 
 fn problem(

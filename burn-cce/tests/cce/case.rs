@@ -27,9 +27,6 @@ pub(super) struct Case {
     pub(super) accum: bool,
     /// Vocabulary entries per chunk the case asks for (via `chunk_bytes`); `None`: automatic.
     pub(super) chunk: Option<usize>,
-    /// Parts of each chunk's dC GEMM (`CceOptions::dc_splits`); `None`: automatic (one part
-    /// at these token counts).
-    pub(super) dc_splits: Option<usize>,
     /// Most cases use the fixed GEMM: autotuning compiles ~30 candidate kernels per new shape
     /// (minutes per test on CUDA); one case runs the autotuned default.
     pub(super) gemm: GemmStrategy,
@@ -51,7 +48,6 @@ impl Case {
             sort: true,
             accum: true,
             chunk: Some(96),
-            dc_splits: None,
             gemm: GemmStrategy::Fixed,
             seed,
         }
@@ -74,7 +70,6 @@ impl Case {
             chunk_bytes: self.chunk.map(|chunk| self.tokens() * 4 * chunk),
             pass_chunk_bytes: None,
             de_block_rows: None,
-            dc_splits: self.dc_splits,
             gemm: self.gemm,
             tf32: true,
         }
@@ -258,11 +253,7 @@ pub(super) fn cce(case: &Case, x: &Inputs, dtype: DType, device: &Device) -> (Ou
 }
 
 pub(super) fn cases() -> Vec<Case> {
-    // dC in 4 batched parts of 63 tokens (the cases made from it too); the others in one GEMM.
-    let base = Case {
-        dc_splits: Some(4),
-        ..Case::new([4, 63], 123, 507, 11)
-    };
+    let base = Case::new([4, 63], 123, 507, 11);
     vec![
         base.clone(),
         Case {
@@ -312,11 +303,6 @@ pub(super) fn cases() -> Vec<Case> {
             chunk: Some(32),
             bias: true,
             ..Case::new([3, 17], 1, 1009, 13)
-        },
-        // 51 tokens asked in 4 parts: 3 parts of 17.
-        Case {
-            dc_splits: Some(4),
-            ..Case::new([3, 17], 16, 211, 15)
         },
         Case {
             shift: true,
