@@ -62,7 +62,9 @@ pub mod reference;
 
 pub use error::CceError;
 pub use loss::{CceOutput, LinearCrossEntropyLoss, linear_cross_entropy};
-pub use options::{CceOptions, FilterEps, GemmKernel, GemmStrategy, LceParams, Reduction};
+pub use options::{
+    CceOptions, FilterEps, GemmKernel, GemmStrategy, LceParams, Reduction, TRAINING_BLOCK_BYTES,
+};
 
 use burn::backend::{
     Backend, Dispatch, backend_extension,

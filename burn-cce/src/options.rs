@@ -177,6 +177,29 @@ impl Default for CceOptions {
     }
 }
 
+/// Bytes of the working blocks [`CceOptions::for_training`] sets.
+pub const TRAINING_BLOCK_BYTES: usize = 256 << 20;
+
+impl CceOptions {
+    /// The defaults with every pass in blocks of [`TRAINING_BLOCK_BYTES`] (256 MiB of f32
+    /// logits): for a training step, where the loss's working set is small beside the
+    /// activations. The automatic sizes of [`CceOptions::default`] keep the backward within
+    /// about 1.2× dE + dC (3% where the gradients are large, as at Gemma-2's shape) at the
+    /// price of narrow chunks and many launches where they are small: SmolLM2-135M's loss at
+    /// 8 × 2048 tokens then walks 384 chunks of 128 entries.
+    ///
+    /// Measured on an H200 (2026-11-30), a bf16 training step of SmolLM2-135M at 8 × 2048
+    /// (recomputing attention), same run: 158.4 ms with the automatic sizes, 128.8 with 64 MiB
+    /// blocks, 115.2 with 128 MiB, 112.1 with 256 MiB; Burn's plain loss 147.4 ms (min 130.5).
+    /// The step's peak memory grew from 10.15 to 10.53 GB (plain: 14.84 GB).
+    pub fn for_training() -> Self {
+        Self {
+            chunk_bytes: Some(TRAINING_BLOCK_BYTES),
+            ..Self::default()
+        }
+    }
+}
+
 /// The parameters the backend ops receive, after validation.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LceParams {

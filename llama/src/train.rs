@@ -17,9 +17,10 @@ pub enum LossKind {
 }
 
 impl LossKind {
-    /// CCE with default options (mean over tokens, filtering, sorting, f32 dE accumulation).
+    /// CCE with [`CceOptions::for_training`]: the default options (mean over tokens, f32 dE
+    /// accumulation) in 256 MiB working blocks.
     pub fn cce() -> Self {
-        LossKind::Cce(CceOptions::default())
+        LossKind::Cce(CceOptions::for_training())
     }
 }
 

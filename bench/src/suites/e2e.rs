@@ -166,8 +166,8 @@ const VARIANTS: [Variant; 15] = [
         GemmKernel::DEFAULT,
     ),
     (
-        "cce + recompute attn, bf16, 256 MiB blocks",
-        cce_blocks_256,
+        "cce + recompute attn, bf16, automatic blocks",
+        cce_automatic_blocks,
         TrainAttention::Recompute,
         Precision::Bf16,
         GemmKernel::DEFAULT,
@@ -223,8 +223,10 @@ fn cce_blocks_128() -> LossKind {
     cce_blocks(128)
 }
 
-fn cce_blocks_256() -> LossKind {
-    cce_blocks(256)
+/// CCE with burn-cce's automatic block sizes (the default `cce` rows use
+/// [`CceOptions::for_training`]'s 256 MiB blocks): the loss's memory near dE + dC.
+fn cce_automatic_blocks() -> LossKind {
+    LossKind::Cce(CceOptions::default())
 }
 
 fn problem(

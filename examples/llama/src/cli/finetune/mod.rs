@@ -130,6 +130,11 @@ struct Cli {
     /// instead of `--cce-filter`'s.
     #[arg(long, value_name = "EPS", conflicts_with = "cce_filter")]
     cce_filter_eps: Option<f32>,
+    /// MiB of f32 logits per working block of the CCE loss (default 256, fast in a training
+    /// step); 0: burn-cce's automatic sizes, which keep the loss's memory near dE + dC at the
+    /// price of speed where the vocabulary's gradients are small.
+    #[arg(long, value_name = "MIB")]
+    cce_block_mib: Option<usize>,
     /// Recompute activations in the backward instead of keeping them, for larger batches.
     #[arg(long, value_enum, default_value = "off")]
     checkpointing: CheckpointingArg,
@@ -320,6 +325,11 @@ fn run(cli: &Cli, devices: &[Device]) -> Result<(), String> {
                 (None, CceFilterArg::Auto) => burn_cce::FilterEps::Auto,
                 (None, CceFilterArg::Paper) => burn_cce::FilterEps::Paper,
                 (None, CceFilterArg::Off) => burn_cce::FilterEps::Off,
+            },
+            chunk_bytes: match cli.cce_block_mib {
+                Some(0) => None,
+                Some(mib) => Some(mib << 20),
+                None => Some(burn_cce::TRAINING_BLOCK_BYTES),
             },
             ..burn_cce::CceOptions::default()
         }),

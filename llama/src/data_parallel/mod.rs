@@ -9,36 +9,21 @@
 //! gradients is the global batch's gradient: a run on `n` devices follows the one-device run of
 //! the same global batch ([`crate::finetune::train_data_parallel`]).
 
+mod buckets;
+
 use std::ops::Range;
+use std::sync::Arc;
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::thread::{Scope, ScopedJoinHandle};
 
-use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use burn::module::Module;
 use burn::optim::{GradientsParams, ModuleOptimizer};
-use burn::tensor::distributed::ReduceOperation;
 use burn::tensor::{Device, Tensor};
+
+use buckets::{BucketPlan, Flattened};
 
 use crate::finetune::{StepContext, TrainError, replica_grads};
 use crate::model::Llama;
-
-/// The float parameters of a model by rank (the Llama model has rank-1 norms and rank-2
-/// matrices).
-#[derive(Default)]
-struct ParamsByRank {
-    rank1: Vec<ParamId>,
-    rank2: Vec<ParamId>,
-    other: usize,
-}
-
-impl ModuleVisitor for ParamsByRank {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        match D {
-            1 => self.rank1.push(param.id),
-            2 => self.rank2.push(param.id),
-            _ => self.other += 1,
-        }
-    }
-}
 
 /// The mean of `grads` (one per replica of `model`, each on its replica's device) for every
 /// float parameter, once per replica on its device (in `grads`' order): what each replica's
@@ -48,20 +33,7 @@ impl ModuleVisitor for ParamsByRank {
 /// # Panics
 /// When `grads` is empty, or `model` has float parameters of a rank other than 1 or 2.
 pub fn all_reduce_mean(model: &Llama, grads: Vec<GradientsParams>) -> Vec<GradientsParams> {
-    reduce_params(&ParamsByRank::of(model), grads, BUCKET_BYTES)
-}
-
-impl ParamsByRank {
-    /// The float parameters of `model`.
-    ///
-    /// # Panics
-    /// When `model` has float parameters of a rank other than 1 or 2.
-    fn of(model: &Llama) -> Self {
-        let mut params = ParamsByRank::default();
-        model.visit(&mut params);
-        assert_eq!(params.other, 0, "parameters of rank other than 1 and 2");
-        params
-    }
+    all_reduce_mean_bucketed(model, grads, BUCKET_BYTES)
 }
 
 /// Bytes of gradients one all-reduce carries at most: the gradients of consecutive parameters
@@ -80,120 +52,13 @@ pub fn all_reduce_mean_bucketed(
     grads: Vec<GradientsParams>,
     bucket_bytes: usize,
 ) -> Vec<GradientsParams> {
-    reduce_params(&ParamsByRank::of(model), grads, bucket_bytes)
-}
-
-/// One parameter's gradient, flattened: its id and shape (rank 1 or 2).
-struct Flat {
-    id: ParamId,
-    shape: Vec<usize>,
-}
-
-/// [`all_reduce_mean`] over the parameters `params`, in buckets of at most `bucket_bytes`.
-fn reduce_params(
-    params: &ParamsByRank,
-    mut grads: Vec<GradientsParams>,
-    bucket_bytes: usize,
-) -> Vec<GradientsParams> {
-    assert!(!grads.is_empty(), "no replica gradients to average");
-    let n = grads.len();
-    let mut out: Vec<GradientsParams> = grads.iter().map(|_| GradientsParams::new()).collect();
-    // Every replica's flattened gradients of the bucket being filled, and what they are.
-    let mut members: Vec<Vec<Tensor<1>>> = vec![Vec::new(); n];
-    let mut flats: Vec<Flat> = Vec::new();
-    let mut bytes = 0;
-    let ids = params
-        .rank1
-        .iter()
-        .map(|&id| (id, 1))
-        .chain(params.rank2.iter().map(|&id| (id, 2)));
-    for (id, rank) in ids {
-        let Some(tensors) = take_flat(id, rank, &mut grads) else {
-            continue;
-        };
-        let (size, dtype) = (tensors[0].1, tensors[0].0.dtype());
-        let alike = members[0].first().is_none_or(|t| t.dtype() == dtype);
-        if !flats.is_empty() && (!alike || bytes + size * dtype.size() > bucket_bytes) {
-            reduce_bucket(std::mem::take(&mut flats), &mut members, &mut out);
-            bytes = 0;
-        }
-        bytes += size * dtype.size();
-        flats.push(Flat {
-            id,
-            shape: tensors[0].2.clone(),
-        });
-        for (m, (t, _, _)) in members.iter_mut().zip(tensors) {
-            m.push(t);
-        }
-    }
-    if !flats.is_empty() {
-        reduce_bucket(flats, &mut members, &mut out);
-    }
-    out
-}
-
-/// Every replica's gradient of `id` flattened, with its element count and shape; `None` (and
-/// nothing removed) unless every replica has one.
-fn take_flat(
-    id: ParamId,
-    rank: usize,
-    grads: &mut [GradientsParams],
-) -> Option<Vec<(Tensor<1>, usize, Vec<usize>)>> {
-    let has = |g: &GradientsParams| match rank {
-        1 => g.get::<1>(id).is_some(),
-        _ => g.get::<2>(id).is_some(),
-    };
-    if !grads.iter().all(has) {
-        return None;
-    }
-    let flat = |g: &mut GradientsParams| {
-        let (t, shape) = match rank {
-            1 => {
-                let t = g.remove::<1>(id).expect("checked above");
-                let shape = t.dims().to_vec();
-                (t, shape)
-            }
-            _ => {
-                let t = g.remove::<2>(id).expect("checked above");
-                let shape = t.dims().to_vec();
-                (t.flatten::<1>(0, 1), shape)
-            }
-        };
-        (t, shape.iter().product(), shape)
-    };
-    Some(grads.iter_mut().map(flat).collect())
-}
-
-/// One collective over the bucket (`members[r]`: replica `r`'s flattened gradients of `flats`,
-/// taken), its mean cut back into each replica's parameters.
-fn reduce_bucket(flats: Vec<Flat>, members: &mut [Vec<Tensor<1>>], out: &mut [GradientsParams]) {
-    let buckets: Vec<Tensor<1>> = members
-        .iter_mut()
-        .map(|m| {
-            let parts = std::mem::take(m);
-            match parts.len() {
-                1 => parts.into_iter().next().expect("one part"),
-                _ => Tensor::cat(parts, 0),
-            }
-        })
-        .collect();
-    let means = Tensor::all_reduce(buckets, ReduceOperation::Mean);
-    for (o, mean) in out.iter_mut().zip(means) {
-        let mut offset = 0;
-        for flat in &flats {
-            let len: usize = flat.shape.iter().product();
-            let part = match flats.len() {
-                1 => mean.clone(),
-                _ => mean.clone().slice(offset..offset + len),
-            };
-            offset += len;
-            match flat.shape[..] {
-                [_] => o.register::<1>(flat.id, part),
-                [a, b] => o.register::<2>(flat.id, part.reshape([a, b])),
-                _ => unreachable!("parameters of rank 1 and 2 only"),
-            }
-        }
-    }
+    let plan = BucketPlan::new(model, bucket_bytes);
+    let flat = grads.into_iter().map(|g| plan.flatten(g)).collect();
+    let (means, keep) = BucketPlan::all_reduce_mean(flat);
+    means
+        .into_iter()
+        .map(|m| plan.unflatten(m, &keep))
+        .collect()
 }
 
 /// The rows of a global batch of `batch` rows that replica `r` of `n` trains on.
@@ -360,17 +225,18 @@ impl Replicas for Single<'_> {
 
 /// What the coordinator asks a worker.
 enum Ask {
-    /// The gradients of its rows of step `.0`'s global batch, and its mean loss.
+    /// The gradients of its rows of step `.0`'s global batch (flattened into the plan's
+    /// buckets), and its mean loss.
     Grads(usize),
-    /// An optimizer step at `.0` with the averaged gradients `.1`.
-    Apply(f64, GradientsParams),
+    /// An optimizer step at `.0` with the averaged buckets `.1`, for the parameters `.2` marks.
+    Apply(f64, Vec<Tensor<1>>, Arc<Vec<bool>>),
     Model,
     Optimizer,
 }
 
 /// What a worker answers.
 enum Answer {
-    Grads(Result<(GradientsParams, f64), TrainError>),
+    Grads(Result<(Flattened, f64), TrainError>),
     Applied,
     Model(Box<Llama>),
     Optimizer(ModuleOptimizer),
@@ -382,9 +248,6 @@ pub(crate) struct Workers<'scope> {
     asks: Vec<Sender<Ask>>,
     answers: Vec<Receiver<Answer>>,
     handles: Vec<ScopedJoinHandle<'scope, Llama>>,
-    /// The model's float parameters (every replica has the same ids); the model itself is not
-    /// kept, so the first device holds one copy of the weights, its replica's.
-    params: ParamsByRank,
 }
 
 impl<'scope> Workers<'scope> {
@@ -399,6 +262,9 @@ impl<'scope> Workers<'scope> {
         teacher: Option<Llama>,
     ) -> Self {
         let n = devices.len();
+        // The model itself is not kept, so the first device holds one copy of the weights,
+        // its replica's.
+        let plan = Arc::new(BucketPlan::new(&model, BUCKET_BYTES));
         let (mut asks, mut answers, mut handles) = (Vec::new(), Vec::new(), Vec::new());
         for (r, device) in devices.iter().enumerate() {
             let (ask_tx, ask_rx) = channel::<Ask>();
@@ -413,12 +279,13 @@ impl<'scope> Workers<'scope> {
                 ..ctx
             };
             let rows = replica_rows(ctx.cfg.batch, n, r);
+            let plan = plan.clone();
             handles.push(scope.spawn(move || {
                 let ctx = StepContext {
                     teacher: teacher.as_ref(),
                     ..ctx
                 };
-                worker(replica, optim, &ctx, rows, ask_rx, answer_tx)
+                worker(replica, optim, &ctx, (rows, &plan), ask_rx, answer_tx)
             }));
             asks.push(ask_tx);
             answers.push(answer_rx);
@@ -427,7 +294,6 @@ impl<'scope> Workers<'scope> {
             asks,
             answers,
             handles,
-            params: ParamsByRank::of(&model),
         }
     }
 
@@ -471,19 +337,23 @@ fn stopped(r: usize) -> TrainError {
 }
 
 /// A worker's loop: answers asks until the coordinator hangs up, then returns its model.
+/// `(rows, plan)`: its rows of each global batch, and the buckets its gradients travel in.
 fn worker(
     mut model: Llama,
     mut optim: ModuleOptimizer,
     ctx: &StepContext<'_>,
-    rows: Range<usize>,
+    (rows, plan): (Range<usize>, &BucketPlan),
     asks: Receiver<Ask>,
     answers: Sender<Answer>,
 ) -> Llama {
     for ask in asks {
         let answer = match ask {
-            Ask::Grads(step) => Answer::Grads(replica_grads(&model, ctx, step, rows.clone())),
-            Ask::Apply(lr, grads) => {
-                model = optim.step(lr, model, grads);
+            Ask::Grads(step) => Answer::Grads(
+                replica_grads(&model, ctx, step, rows.clone())
+                    .map(|(grads, loss)| (plan.flatten(grads), loss)),
+            ),
+            Ask::Apply(lr, means, keep) => {
+                model = optim.step(lr, model, plan.unflatten(means, &keep));
                 Answer::Applied
             }
             Ask::Model => Answer::Model(Box::new(model.clone())),
@@ -515,10 +385,11 @@ impl Replicas for Workers<'_> {
             }
         }
         clock.lap("grads");
-        let means = reduce_params(&self.params, grads, BUCKET_BYTES);
+        let (means, keep) = BucketPlan::all_reduce_mean(grads);
         clock.lap("all-reduce (host)");
+        let keep = Arc::new(keep);
         for (r, mean) in means.into_iter().enumerate() {
-            self.ask(r, Ask::Apply(lr, mean))?;
+            self.ask(r, Ask::Apply(lr, mean, keep.clone()))?;
         }
         for r in 0..n {
             self.answer(r)?;
