@@ -167,7 +167,7 @@ fn step_times(
         devices,
         corpus,
         &train_cfg,
-        LossKind::cce(),
+        LossKind::cce_for_training(),
         None,
         attention.as_ref(),
         attention.as_ref(),

@@ -83,14 +83,14 @@ type Variant = (
 const VARIANTS: [Variant; 15] = [
     (
         "cce",
-        LossKind::cce,
+        LossKind::cce_for_training,
         TrainAttention::Reference,
         Precision::F32,
         GemmKernel::DEFAULT,
     ),
     (
         "cce + recompute attn",
-        LossKind::cce,
+        LossKind::cce_for_training,
         TrainAttention::Recompute,
         Precision::F32,
         GemmKernel::DEFAULT,
@@ -104,7 +104,7 @@ const VARIANTS: [Variant; 15] = [
     ),
     (
         "cce + fused attn",
-        LossKind::cce,
+        LossKind::cce_for_training,
         TrainAttention::Fused,
         Precision::F32,
         GemmKernel::DEFAULT,
@@ -118,7 +118,7 @@ const VARIANTS: [Variant; 15] = [
     ),
     (
         "cce + fused attn, bf16",
-        LossKind::cce,
+        LossKind::cce_for_training,
         TrainAttention::Fused,
         Precision::Bf16,
         GemmKernel::DEFAULT,
@@ -132,7 +132,7 @@ const VARIANTS: [Variant; 15] = [
     ),
     (
         "cce + recompute attn, bf16",
-        LossKind::cce,
+        LossKind::cce_for_training,
         TrainAttention::Recompute,
         Precision::Bf16,
         GemmKernel::DEFAULT,
@@ -174,7 +174,7 @@ const VARIANTS: [Variant; 15] = [
     ),
     (
         "cce + recompute attn, bf16, cubek gemm",
-        LossKind::cce,
+        LossKind::cce_for_training,
         TrainAttention::Recompute,
         Precision::Bf16,
         GemmKernel::SpecializedTma,
