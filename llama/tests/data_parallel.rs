@@ -88,6 +88,55 @@ fn two_replicas_average_to_the_whole_batch() {
     }
 }
 
+/// A parameter without a gradient in one replica is left out of every replica's means (and
+/// the others are averaged as usual), whatever bucket it shares.
+#[test]
+fn a_gradient_missing_in_one_replica_is_left_out() {
+    let device = Device::flex().autodiff();
+    device.seed(3);
+    let model = Llama::random(&tiny(), &device, DType::F32);
+    let rows: Vec<Vec<i64>> = (0..4)
+        .map(|r| (0..9).map(|t| ((r * 7 + t * 5) % 53) as i64).collect())
+        .collect();
+    let replica = model.clone().fork(&device);
+    let mut halves = vec![
+        grads(&model, &rows[..2], LossKind::Plain),
+        grads(&replica, &rows[2..], LossKind::Plain),
+    ];
+    let mut ids = Ids::default();
+    model.visit(&mut ids);
+    // A rank-1 parameter in the middle of the list, so it shares a bucket with others.
+    let (gone, _) = *ids
+        .0
+        .iter()
+        .filter(|(_, rank)| *rank == 1)
+        .nth(1)
+        .expect("norm weights");
+    assert!(halves[1].remove::<1>(gone).is_some());
+    let whole_halves = [
+        grads(&model, &rows[..2], LossKind::Plain),
+        grads(&replica, &rows[2..], LossKind::Plain),
+    ];
+    let means = all_reduce_mean(&model, halves);
+    for mean in &means {
+        assert!(mean.get::<1>(gone).is_none(), "parameter {gone} kept");
+        for &(id, rank) in ids.0.iter().filter(|(id, _)| *id != gone) {
+            let got = values(mean, id, rank);
+            let (a, b) = (
+                values(&whole_halves[0], id, rank),
+                values(&whole_halves[1], id, rank),
+            );
+            let want: Vec<f32> = a.iter().zip(&b).map(|(x, y)| (x + y) / 2.0).collect();
+            assert_close(
+                &format!("parameter {id}"),
+                &got,
+                &want,
+                Tolerance::for_reduction(DType::F32, 2),
+            );
+        }
+    }
+}
+
 /// Each replica's `means` equal the whole batch's gradients `whole`, for every parameter.
 fn check_means(model: &Llama, whole: &GradientsParams, means: &[GradientsParams], what: &str) {
     assert_eq!(means.len(), 2, "one mean per replica");

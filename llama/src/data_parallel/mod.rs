@@ -1,9 +1,9 @@
 //! Data-parallel training over several devices: one replica of the model per device, each on
 //! its own thread with its own optimizer; every step each replica computes the gradients of
-//! its slice of the global batch, Burn's all-reduce (`Tensor::all_reduce`: NCCL between CUDA
-//! devices, transfers elsewhere) averages them in buckets of flattened gradients
-//! ([`BUCKET_BYTES`]), and every replica takes
-//! the same optimizer step with its copy of the mean, so the replicas stay equal.
+//! its slice of the global batch and flattens them into buckets ([`BUCKET_BYTES`]), Burn's
+//! all-reduce (`Tensor::all_reduce`: NCCL between CUDA devices, transfers elsewhere) averages
+//! each bucket, and every replica takes the same optimizer step with its copy of the mean, so
+//! the replicas stay equal.
 //!
 //! With a loss that is a mean over equally many tokens per slice, the average of the slices'
 //! gradients is the global batch's gradient: a run on `n` devices follows the one-device run of
