@@ -2,10 +2,10 @@
 //! (`burn_llama::finetune::train_data_parallel`: one replica per GPU on its thread, gradients
 //! averaged by Burn's all-reduce, NCCL between CUDA GPUs) against the same step on one GPU, in
 //! the same run. A step is the fine-tuning example's: a random-weight SmolLM2-135M shape, bf16
-//! mixed precision, CCE, the recomputing attention backward, AdamW. Rows: one GPU at the per-GPU
-//! batch (the baseline), N GPUs at the same global batch (strong scaling), N GPUs at N times
-//! the batch (weak scaling: the issue's "same per-GPU batch" figure). Tokens/s of the global
-//! batch, so the speed-up column is the scaling.
+//! mixed precision, CCE in 256 MiB blocks (as `finetune` runs it), the recomputing attention
+//! backward, AdamW. Rows: one GPU at the per-GPU batch (the baseline), N GPUs at the same
+//! global batch (strong scaling), N GPUs at N times the batch (weak scaling: the issue's "same
+//! per-GPU batch" figure). Tokens/s of the global batch, so the speed-up column is the scaling.
 //!
 //! Each candidate trains `warm-up + reps + 1` steps over a synthetic corpus and reports the
 //! time between consecutive steps after the warm-up (the last step's interval holds the final
