@@ -1,5 +1,6 @@
 //! A training step of SmolLM2-135M (real weights) with Cut Cross-Entropy gives the same loss and
-//! gradients as with Burn's plain cross-entropy, on the CPU and on every enabled runtime.
+//! gradients as with Burn's plain cross-entropy, on the CPU and on every enabled runtime; and
+//! the f32 CCE step is bitwise deterministic on every enabled runtime.
 
 use crate::common::checkpoint;
 
@@ -135,7 +136,99 @@ fn next_token_loss_shifts() {
     );
 }
 
+/// The f32 training step with CCE is deterministic once warm: the same step, with the memory
+/// pool filled with NaN before each run, gives bitwise the same loss and gradients in its
+/// second and third runs, with burn-cce's automatic block sizes and with the training
+/// preset's 256 MiB blocks. The first run (where Burn's autotune may still run its
+/// candidates) is only reported against them. A
+/// SmolLM2-sized vocabulary (49 152) on a one-layer model: on CUDA 8 × 256 tokens, so the
+/// preset walks two vocabulary chunks (32 768 + 16 384) as in the fine-tuning runs; on wgpu
+/// (lavapipe) 2 × 32 tokens with the blocks sized for the same two chunks.
+///
+/// Why: on an H200 (2026-11-30) two identical f32 fine-tuning runs with the 256 MiB blocks
+/// ended 0.3% apart after 50 steps, where the automatic sizes gave the same loss twice.
+fn cce_step_is_deterministic(device: &Device) {
+    let wgpu = burn_kernels_testing::is_wgpu(device);
+    let cfg = burn_llama::LlamaConfig {
+        hidden_size: 64,
+        intermediate_size: 96,
+        num_layers: 1,
+        num_heads: 4,
+        num_kv_heads: 2,
+        head_dim: 16,
+        max_seq_len: 512,
+        ..burn_llama::LlamaConfig::smollm2_135m()
+    };
+    device.seed(21);
+    let model = Llama::random(&cfg, device, DType::F32);
+    let [b, s] = if wgpu { [2, 33] } else { [8, 257] };
+    let ids: Vec<i64> = (0..b * s)
+        .map(|i| ((i as u64 * 2654435761) % cfg.vocab_size as u64) as i64)
+        .collect();
+    let tokens = Tensor::<2, Int>::from_data(TensorData::new(ids, [b, s]), device);
+    let n = b * (s - 1);
+    let training = match wgpu {
+        false => burn_cce::CceOptions::for_training(),
+        true => burn_cce::CceOptions {
+            chunk_bytes: Some(4 * n * 32_768),
+            ..burn_cce::CceOptions::for_training()
+        },
+    };
+    for (name, kind) in [
+        ("automatic blocks", LossKind::cce()),
+        ("training blocks", LossKind::Cce(training)),
+    ] {
+        let run = || {
+            burn_kernels_testing::poison_memory(device, 64 << 20, DType::F32);
+            let loss = next_token_loss(&model, tokens.clone(), &ReferenceAttention, kind, -100)
+                .expect("loss");
+            let grads = loss.backward();
+            let host = |t: Tensor<2>| to_f32(t.into_data());
+            (
+                to_f32(loss.into_data()),
+                host(model.embed.grad(&grads).expect("embed grad")),
+                host(model.layers[0].wq.grad(&grads).expect("wq grad")),
+            )
+        };
+        let (cold, first, second) = (run(), run(), run());
+        assert!(first.0[0].is_finite(), "{name}: loss {:?}", first.0);
+        assert!(
+            first.1.iter().any(|x| *x != 0.0),
+            "{name}: zero embedding gradient"
+        );
+        // Poisoned memory makes an element no kernel wrote NaN, in every run alike.
+        assert!(
+            first.1.iter().chain(&first.2).all(|x| x.is_finite()),
+            "{name}: a gradient is not finite"
+        );
+        let differing = |a: &[f32], b: &[f32]| {
+            a.iter()
+                .zip(b)
+                .filter(|(x, y)| x.to_bits() != y.to_bits())
+                .count()
+        };
+        for (what, a, b, c) in [
+            ("loss", &first.0, &second.0, &cold.0),
+            ("embedding gradient", &first.1, &second.1, &cold.1),
+            ("wq gradient", &first.2, &second.2, &cold.2),
+        ] {
+            let diff = differing(a, b);
+            assert_eq!(
+                diff,
+                0,
+                "{name}: {what} differs in {diff} of {} values",
+                a.len()
+            );
+            eprintln!(
+                "{name}: {what}: the cold run differs from the warm ones in {} of {} values",
+                differing(a, c),
+                a.len()
+            );
+        }
+    }
+}
+
 testgen! {
     backend: [],
-    autodiff: [cce_matches_plain],
+    autodiff: [cce_matches_plain, cce_step_is_deterministic],
 }
