@@ -12,6 +12,10 @@
 //! validation and is left out). Every step reads its loss back (a synchronization of each
 //! replica), so the intervals add up to the run's time.
 //!
+//! With `--peers-dir` (and without layer checkpointing), `peers/train_ddp_torch.py` adds
+//! PyTorch's step on one GPU and DistributedDataParallel over the same GPUs at N times the
+//! batch, so the peer's own scaling is in the same table.
+//!
 //! Without CUDA (`--quick` on wgpu) the replicas share the suite's one device, which checks the
 //! plumbing, not the scaling; where the device has no bf16 the steps run in f32.
 
@@ -51,15 +55,22 @@ pub fn suite(opts: SuiteOptions) -> Suite {
     // `--e2e-checkpointing layers`: every replica's step with layer checkpointing (`ops`, Burn's
     // device-wide strategy, runs on one device only).
     let layers = opts.e2e_checkpointing == Some(super::E2eCheckpointing::Layers);
+    // The PyTorch DDP peer has no layer checkpointing: it runs where the Burn rows do not use it.
+    let peers = (!opts.quick && !layers).then(|| opts.peers_dir.join("train_ddp_torch.py"));
     let problems = batches
         .into_iter()
-        .map(|b| problem(cfg.clone(), b, seq, indices.clone(), reps, layers))
+        .map(|b| {
+            let peer = peers.clone();
+            problem(cfg.clone(), b, seq, indices.clone(), reps, layers, peer)
+        })
         .collect();
     Suite {
         name: "e2e-dp",
-        description: "data-parallel fine-tuning step (bf16, CCE, recomputing attention \
-                      backward, AdamW) of a random-weight SmolLM2-135M shape over N GPUs \
-                      (Burn's all-reduce, NCCL) vs one GPU; tokens/s of the global batch",
+        description: "data-parallel fine-tuning step (bf16, CCE in 256 MiB blocks, \
+                      recomputing attention backward, AdamW) of a random-weight SmolLM2-135M \
+                      shape over N GPUs (Burn's all-reduce, NCCL) vs one GPU, and PyTorch's \
+                      DistributedDataParallel step (transformers, bf16 autocast, SDPA, its own \
+                      loss) on one and N GPUs; tokens/s of the global batch",
         baseline: "1 GPU",
         problems,
         measure_memory: false,
@@ -77,6 +88,9 @@ fn replica_devices(device: &Device, indices: &[usize]) -> Result<Vec<Device>, St
     Ok(indices.iter().map(|_| device.clone().autodiff()).collect())
 }
 
+/// The rows of one per-GPU batch: Burn on one GPU (the baseline), on N GPUs at the same global
+/// batch and at N times it, and with `peer` (`peers/train_ddp_torch.py`) PyTorch's
+/// DistributedDataParallel step on one GPU and on N GPUs at N times the batch.
 fn problem(
     cfg: LlamaConfig,
     batch: usize,
@@ -84,6 +98,7 @@ fn problem(
     indices: Vec<usize>,
     reps: usize,
     layers: bool,
+    peer: Option<std::path::PathBuf>,
 ) -> Problem {
     let n = indices.len();
     Problem {
@@ -110,16 +125,33 @@ fn problem(
                 rows.push(("N GPUs, same global batch", many.clone(), batch));
             }
             rows.push(("N GPUs, N x batch", many, n * batch));
-            rows.into_iter()
-                .map(|(name, devices, global)| {
-                    let (cfg, corpus) = (cfg.clone(), corpus.clone());
-                    let tokens = (global * seq) as f64;
-                    Candidate::timed_elsewhere(name, move || {
-                        step_times(&cfg, &corpus, &devices, global, seq, reps, layers)
-                    })
-                    .with_tokens(tokens)
+            let burn = rows.into_iter().map(|(name, devices, global)| {
+                let (cfg, corpus) = (cfg.clone(), corpus.clone());
+                let tokens = (global * seq) as f64;
+                Candidate::timed_elsewhere(name, move || {
+                    step_times(&cfg, &corpus, &devices, global, seq, reps, layers)
                 })
-                .collect()
+                .with_tokens(tokens)
+            });
+            let gpus: Vec<String> = indices.iter().map(|i| i.to_string()).collect();
+            let torch = peer.iter().flat_map(|script| {
+                [
+                    ("pytorch 1 GPU", gpus[0].clone(), batch),
+                    ("pytorch ddp N GPUs, N x batch", gpus.join(","), n * batch),
+                ]
+                .into_iter()
+                .map(|(name, list, global)| {
+                    let script = script.clone();
+                    let (b, s, r) = (batch.to_string(), seq.to_string(), reps.to_string());
+                    Candidate::timed_elsewhere(name, move || {
+                        let args = ["--batch", &b, "--seq", &s, "--devices", &list, "--reps", &r];
+                        super::run_python_peer(&script, &args)
+                    })
+                    .with_tokens((global * seq) as f64)
+                })
+                .collect::<Vec<_>>()
+            });
+            burn.chain(torch).collect()
         }),
     }
 }
