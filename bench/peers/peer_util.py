@@ -4,14 +4,16 @@ import json
 import time
 
 
-def import_hf_llama():
+def import_hf_llama(quiet=False):
     """(torch, LlamaConfig, LlamaForCausalLM) with torch's generator seeded to 0, or None after
-    printing why they are missing (the peers are optional: the bench shows the reason)."""
+    printing why they are missing (the peers are optional: the bench shows the reason; `quiet`
+    for a process that is not the one reporting)."""
     try:
         import torch
         from transformers import LlamaConfig, LlamaForCausalLM
     except Exception as e:
-        print(json.dumps({"error": f"import failed: {e}"}))
+        if not quiet:
+            print(json.dumps({"error": f"import failed: {e}"}))
         return None
     torch.manual_seed(0)
     return torch, LlamaConfig, LlamaForCausalLM

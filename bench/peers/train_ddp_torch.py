@@ -18,7 +18,7 @@ from train_torch import SMOLLM2
 
 
 def worker(rank, args, devices, port):
-    hf = import_hf_llama() if rank == 0 else _quiet_import()
+    hf = import_hf_llama(quiet=rank != 0)
     if hf is None:
         return
     torch, LlamaConfig, LlamaForCausalLM = hf
@@ -81,17 +81,6 @@ def worker(rank, args, devices, port):
         print(json.dumps(result), flush=True)
     if world > 1:
         dist.destroy_process_group()
-
-
-def _quiet_import():
-    """The other ranks import without printing (rank 0 reports a failed import)."""
-    try:
-        import torch
-        from transformers import LlamaConfig, LlamaForCausalLM
-    except Exception:
-        return None
-    torch.manual_seed(0)
-    return torch, LlamaConfig, LlamaForCausalLM
 
 
 def main():

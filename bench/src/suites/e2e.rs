@@ -153,7 +153,7 @@ const VARIANTS: [Variant; 15] = [
     ),
     (
         "cce + recompute attn, bf16, 64 MiB blocks",
-        cce_big_blocks,
+        cce_blocks_64,
         TrainAttention::Recompute,
         Precision::Bf16,
         GemmKernel::DEFAULT,
@@ -202,21 +202,17 @@ fn cce_whole_de() -> LossKind {
     })
 }
 
-/// CCE with 64 MiB working blocks in every pass (wide vocabulary chunks: fewer launches, and
-/// dE in one f32 accumulator where a chunk is at least the hidden size wide).
-fn cce_big_blocks() -> LossKind {
-    LossKind::Cce(CceOptions {
-        chunk_bytes: Some(64 << 20),
-        ..CceOptions::default()
-    })
-}
-
-/// CCE with `mib` MiB working blocks in every pass.
+/// CCE with `mib` MiB working blocks in every pass (wide vocabulary chunks: fewer launches,
+/// and dE in one f32 accumulator where a chunk is at least the hidden size wide).
 fn cce_blocks(mib: usize) -> LossKind {
     LossKind::Cce(CceOptions {
         chunk_bytes: Some(mib << 20),
         ..CceOptions::default()
     })
+}
+
+fn cce_blocks_64() -> LossKind {
+    cce_blocks(64)
 }
 
 fn cce_blocks_128() -> LossKind {

@@ -329,9 +329,9 @@ fn run(cli: &Cli, devices: &[Device]) -> Result<(), String> {
             chunk_bytes: match cli.cce_block_mib {
                 Some(0) => None,
                 Some(mib) => Some(mib << 20),
-                None => Some(burn_cce::TRAINING_BLOCK_BYTES),
+                None => burn_cce::CceOptions::for_training().chunk_bytes,
             },
-            ..burn_cce::CceOptions::default()
+            ..burn_cce::CceOptions::for_training()
         }),
         LossArg::Plain => LossKind::Plain,
     };
