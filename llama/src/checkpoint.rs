@@ -55,7 +55,8 @@ pub enum CheckpointError {
 /// - `tokens`: `[batch, seq]`, `seq ≥ 2`; the loss: `[1]` (f32)
 ///
 /// # Errors
-/// [`CheckpointError`]: the loss's typed errors, a layer that could not run.
+/// [`CheckpointError`]: the loss's typed errors, a sequence longer than the model's context
+/// ([`ForwardError::ContextTooLong`]), a layer that could not run.
 pub fn checkpointed_grads(
     model: &Llama,
     precision: Precision,
@@ -68,6 +69,14 @@ pub fn checkpointed_grads(
     count_launch(CHECKPOINTED_STEP);
     let dtype = precision.compute_dtype();
     let [b, s] = tokens.dims();
+    // As `Llama::try_forward`: the layers run without a cache, so this is the one check.
+    if s > model.max_positions() {
+        return Err(ForwardError::ContextTooLong {
+            needed: s,
+            max: model.max_positions(),
+        }
+        .into());
+    }
     let opts = AttnOptions {
         causal: true,
         scale: model.attention_scale(),

@@ -6,12 +6,13 @@
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};
+use burn_kernels_core::ReferenceAttention;
 use burn_kernels_testing::compare::{assert_rel_l2, rounding_rel_l2, to_f32};
 use burn_kernels_testing::{Tolerance, assert_close, assert_product_close, testgen};
-use burn_llama::checkpoint::checkpointed_grads;
+use burn_llama::checkpoint::{CheckpointError, checkpointed_grads};
 use burn_llama::config::LlamaConfig;
 use burn_llama::finetune::TrainAttention;
-use burn_llama::model::Llama;
+use burn_llama::model::{ForwardError, Llama};
 use burn_llama::precision::Precision;
 use burn_llama::train::{LossKind, next_token_loss};
 
@@ -137,6 +138,32 @@ fn checkpointed_step_matches_full(device: &Device) {
 #[test]
 fn cpu_checkpointed_step_matches_full() {
     checkpointed_step_matches_full(&Device::flex().autodiff());
+}
+
+/// A sequence past the model's context is a typed error before anything runs, as without
+/// checkpointing ([`Llama::try_forward`]).
+#[test]
+fn context_too_long_is_a_typed_error() {
+    let device = Device::flex().autodiff();
+    let cfg = config(true);
+    let model = Llama::random(&cfg, &device, DType::F32);
+    let max = model.max_positions();
+    let got = checkpointed_grads(
+        &model,
+        Precision::F32,
+        tokens(1, max + 1, cfg.vocab_size, &device),
+        &ReferenceAttention,
+        LossKind::cce(),
+        -100,
+        1.0,
+    );
+    match got {
+        Err(CheckpointError::Forward(ForwardError::ContextTooLong { needed, max: m })) => {
+            assert_eq!((needed, m), (max + 1, max));
+        }
+        Err(e) => panic!("expected ContextTooLong, got {e}"),
+        Ok(_) => panic!("expected ContextTooLong, the step ran"),
+    }
 }
 
 testgen! {
