@@ -1,6 +1,6 @@
 //! The per-layer KV cache interface and the full (uncompressed) cache.
 
-use burn::tensor::Tensor;
+use burn::tensor::{Int, Tensor};
 
 use crate::attention::{AttentionImpl, AttnOptions};
 
@@ -34,6 +34,33 @@ pub trait KvCache: Send {
         opts: &AttnOptions,
     ) -> Result<Tensor<4>, CacheError>;
 
+    /// The buffers of `layer` and the positions a step writes, taken out of the cache for a
+    /// kernel that projects, rotates and stores the new keys and values in one launch
+    /// ([`crate::LayerOps::add_norm_qkv_rope_store`]); hand them back through
+    /// [`KvCache::attend_indexed`]. `None` (the default) where the cache stores otherwise or
+    /// holds nothing for the layer yet.
+    fn indexed_slot(&mut self, layer: usize) -> Option<IndexedSlot> {
+        let _ = layer;
+        None
+    }
+
+    /// Puts back the `slot` [`KvCache::indexed_slot`] gave out, its new positions written by
+    /// the caller, and attends `q` over it.
+    ///
+    /// # Errors
+    /// Where the cache gave out no slot (the default).
+    fn attend_indexed(
+        &mut self,
+        layer: usize,
+        q: Tensor<4>,
+        slot: IndexedSlot,
+        attention: &dyn AttentionImpl,
+        opts: &AttnOptions,
+    ) -> Result<Tensor<4>, CacheError> {
+        let _ = (q, slot, attention, opts);
+        Err(format!("{} gives out no indexed slot (layer {layer})", self.name()).into())
+    }
+
     /// Positions cached (in the last layer written).
     fn seq_len(&self) -> usize;
 
@@ -45,6 +72,19 @@ pub trait KvCache: Send {
 
     /// A short name for logs and reports.
     fn name(&self) -> String;
+}
+
+/// One layer of a cache allocated to its capacity, out of the cache while a kernel writes a
+/// step's keys and values into it ([`KvCache::indexed_slot`]).
+///
+/// # Shapes
+/// - `keys`, `values`: `[batch, kv_heads, capacity, head_dim]`
+/// - `index`: `[s_new]` int: the position each new key and value goes to
+#[derive(Debug, Clone)]
+pub struct IndexedSlot {
+    pub keys: Tensor<4>,
+    pub values: Tensor<4>,
+    pub index: Tensor<1, Int>,
 }
 
 /// Every key and value of every layer, uncompressed.

@@ -167,6 +167,48 @@ pub trait LayerKernels: Backend {
         FloatTensor<Self>,
     );
 
+    /// [`LayerKernels::norm_gemv3`] whose epilogue also rotates the queries and keys (RoPE at
+    /// `positions`) and stores the keys and values into a static cache at `index`: a decode
+    /// layer's residual add, attention norm, Q/K/V projections, RoPE and cache write in one
+    /// launch. Returns `x + y`, the rotated queries and the written buffers.
+    ///
+    /// # Shapes
+    /// - `x`, `y`: `[rows, k]` with `rows = batch · seq`, `gamma`: `[k]`, `wq`: `[k, hq · d]`,
+    ///   `wk`, `wv`: `[k, hkv · d]`, one dtype
+    /// - `positions`: `[rows]` int; `cos`, `sin`: `[max_positions, d / 2]` f32
+    /// - `kc`, `vc`: `[batch, hkv, capacity, d]`; `index`: `[seq]` int, each `< capacity`
+    /// - returns `[rows, k]`, `[rows, hq · d]` and `kc`'s and `vc`'s shapes
+    #[fusion(meta = |x, _y, _gamma, _eps, wq, _wk, _wv, _positions, _cos, _sin, kc, vc, _index| {
+        let spec = burn::backend::fusion::custom::TensorSpec::new;
+        (
+            spec(x.shape.clone(), x.dtype),
+            spec(gemv_shape(&x.shape, &wq.shape), x.dtype),
+            spec(kc.shape.clone(), kc.dtype),
+            spec(vc.shape.clone(), vc.dtype),
+        )
+    })]
+    #[allow(clippy::too_many_arguments)]
+    fn norm_gemv3_rope_store(
+        x: FloatTensor<Self>,
+        y: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        eps: f64,
+        wq: FloatTensor<Self>,
+        wk: FloatTensor<Self>,
+        wv: FloatTensor<Self>,
+        positions: IntTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        kc: FloatTensor<Self>,
+        vc: FloatTensor<Self>,
+        index: IntTensor<Self>,
+    ) -> (
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+    );
+
     /// `(x + y, silu(h · wg) · (h · wu))` with `h = rms_norm(x + y)` (`gamma`, `eps`), in one
     /// launch: a decode layer's residual add after the attention, MLP norm and gated half.
     ///
@@ -297,6 +339,45 @@ mod cube_backend {
         ) {
             count_launch("norm_gemv3");
             kernels::linear::norm_gemv3(x, NormIn { y, gamma, eps }, wa, wb, wc)
+        }
+
+        fn norm_gemv3_rope_store(
+            x: FloatTensor<Self>,
+            y: FloatTensor<Self>,
+            gamma: FloatTensor<Self>,
+            eps: f64,
+            wq: FloatTensor<Self>,
+            wk: FloatTensor<Self>,
+            wv: FloatTensor<Self>,
+            positions: IntTensor<Self>,
+            cos: FloatTensor<Self>,
+            sin: FloatTensor<Self>,
+            kc: FloatTensor<Self>,
+            vc: FloatTensor<Self>,
+            index: IntTensor<Self>,
+        ) -> (
+            FloatTensor<Self>,
+            FloatTensor<Self>,
+            FloatTensor<Self>,
+            FloatTensor<Self>,
+        ) {
+            use kernels::qkv_store::{CacheWrite, RopeIn, norm_gemv3_rope_store};
+            count_launch("norm_gemv3_rope_store");
+            norm_gemv3_rope_store(
+                x,
+                NormIn { y, gamma, eps },
+                [wq, wk, wv],
+                RopeIn {
+                    positions,
+                    cos,
+                    sin,
+                },
+                CacheWrite {
+                    keys: kc,
+                    values: vc,
+                    index,
+                },
+            )
         }
 
         fn norm_gemv_swiglu(

@@ -15,8 +15,10 @@ use burn::nn::RmsNorm;
 use burn::tensor::{DType, Int, Tensor, activation};
 
 use crate::LayerKernels;
+use crate::cache::IndexedSlot;
 use crate::rope::Rope;
 use crate::route::{Grad, route};
+use crate::static_cache::write_at;
 
 /// Rows (`batch · seq`) up to which [`FusedOps::linear`] runs its GEMV kernel; more
 /// rows go to Burn's matmul.
@@ -41,6 +43,11 @@ pub const GEMV_MAX_ROWS: usize = 16;
 ///   `rms_norm(x + y)`
 /// - `add_norm_swiglu`: `x`, `y` `[batch, seq, hidden]`; returns `x + y` and `swiglu` of
 ///   `rms_norm(x + y)`
+/// - `add_norm_qkv_rope_store`: `x`, `y` `[batch, seq, hidden]`, `w` `[hidden, q_heads ·
+///   head_dim]`, `[hidden, kv_heads · head_dim]` twice, `positions` `[batch, seq]`, the slot's
+///   buffers `[batch, kv_heads, capacity, head_dim]` and index `[seq]`; returns `x + y`, the
+///   rotated queries `[batch, q_heads, seq, head_dim]` and the slot with the rotated keys and
+///   the values written at its index
 pub trait LayerOps: Send + Sync + std::fmt::Debug {
     fn linear(&self, x: Tensor<3>, w: Tensor<2>) -> Tensor<3>;
     fn rms_norm(&self, norm: &RmsNorm, x: Tensor<3>) -> Tensor<3>;
@@ -102,6 +109,23 @@ pub trait LayerOps: Send + Sync + std::fmt::Debug {
         up: Tensor<2>,
     ) -> (Tensor<3>, Tensor<3>) {
         default_add_norm_swiglu(self, norm, x, y, gate, up)
+    }
+
+    /// A decode layer's steps before its attention: [`LayerOps::add_norm_linear3`], RoPE of
+    /// the queries and keys ([`LayerOps::rope2`]) and the keys' and values' store into a
+    /// static cache's slot ([`crate::KvCache::indexed_slot`]).
+    #[allow(clippy::too_many_arguments)]
+    fn add_norm_qkv_rope_store(
+        &self,
+        norm: &RmsNorm,
+        x: Tensor<3>,
+        y: Tensor<3>,
+        w: [Tensor<2>; 3],
+        rope: &Rope,
+        positions: Tensor<2, Int>,
+        slot: IndexedSlot,
+    ) -> (Tensor<3>, Tensor<4>, IndexedSlot) {
+        default_add_norm_qkv_rope_store(self, norm, x, y, w, rope, positions, slot)
     }
 }
 
@@ -279,6 +303,63 @@ impl LayerOps for FusedOps {
         (out3(sum, k), out3(out, n))
     }
 
+    #[allow(clippy::too_many_arguments)]
+    fn add_norm_qkv_rope_store(
+        &self,
+        norm: &RmsNorm,
+        x: Tensor<3>,
+        y: Tensor<3>,
+        w: [Tensor<2>; 3],
+        rope: &Rope,
+        positions: Tensor<2, Int>,
+        slot: IndexedSlot,
+    ) -> (Tensor<3>, Tensor<4>, IndexedSlot) {
+        let [b, s, k] = x.dims();
+        if b * s > GEMV_MAX_ROWS || !one_launch_store() {
+            return default_add_norm_qkv_rope_store(self, norm, x, y, w, rope, positions, slot);
+        }
+        let unsupported = qkv_store_mismatch(&x, &y, &w, &positions, &slot);
+        if !route(
+            "norm_gemv3_rope_store",
+            &x.device(),
+            Grad::ForwardOnly,
+            unsupported,
+        ) {
+            return default_add_norm_qkv_rope_store(self, norm, x, y, w, rope, positions, slot);
+        }
+        let d = slot.keys.dims()[3];
+        let hq = w[0].dims()[1] / d;
+        let gamma = norm.gamma.val().cast(x.dtype());
+        let (cos, sin) = rope.tables();
+        let (cos, sin) = (cos.clone().cast(DType::F32), sin.clone().cast(DType::F32));
+        let [wq, wk, wv] = w.map(|w| w.into_dispatch());
+        let rows = |t: Tensor<3>| t.reshape([b * s, k]).into_dispatch();
+        let (sum, q, kc, vc) = Dispatch::norm_gemv3_rope_store(
+            rows(x),
+            rows(y),
+            gamma.into_dispatch(),
+            norm.epsilon,
+            wq,
+            wk,
+            wv,
+            positions.reshape([b * s]).into_dispatch(),
+            cos.into_dispatch(),
+            sin.into_dispatch(),
+            slot.keys.into_dispatch(),
+            slot.values.into_dispatch(),
+            slot.index.clone().into_dispatch(),
+        );
+        let q = Tensor::<2>::from_dispatch(q)
+            .reshape([b, s, hq, d])
+            .swap_dims(1, 2);
+        let slot = IndexedSlot {
+            keys: Tensor::from_dispatch(kc),
+            values: Tensor::from_dispatch(vc),
+            index: slot.index,
+        };
+        (Tensor::<2>::from_dispatch(sum).reshape([b, s, k]), q, slot)
+    }
+
     fn add_rms_norm(&self, norm: &RmsNorm, x: Tensor<3>, y: Tensor<3>) -> (Tensor<3>, Tensor<3>) {
         let unsupported = mismatch(&x, &y);
         if !route("add_rms_norm", &x.device(), Grad::ForwardOnly, unsupported) {
@@ -412,4 +493,83 @@ fn default_add_norm_swiglu<O: LayerOps + ?Sized>(
 ) -> (Tensor<3>, Tensor<3>) {
     let (sum, h) = ops.add_rms_norm(norm, x, y);
     (sum, ops.swiglu(h, gate, up))
+}
+
+/// Whether [`FusedOps::add_norm_qkv_rope_store`] runs its one launch: unless
+/// `BURN_KERNELS_QKV_STORE=0`, which keeps the three launches it replaces (to measure one
+/// against the other on a device).
+fn one_launch_store() -> bool {
+    use std::sync::OnceLock;
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("BURN_KERNELS_QKV_STORE").map_or(true, |v| v != "0"))
+}
+
+/// Why `x`, `y`, the weights, the positions and the slot cannot go to the one-launch
+/// projection, RoPE and cache store, if they cannot.
+fn qkv_store_mismatch(
+    x: &Tensor<3>,
+    y: &Tensor<3>,
+    w: &[Tensor<2>; 3],
+    positions: &Tensor<2, Int>,
+    slot: &IndexedSlot,
+) -> Option<String> {
+    let [b, s, k] = x.dims();
+    let [kb, hkv, _, d] = slot.keys.dims();
+    let ns = [0, 1, 2].map(|i| w[i].dims()[1]);
+    mismatch(x, y)
+        .or_else(|| {
+            let dtypes = [&w[0], &w[1], &w[2]].map(|w| w.dtype());
+            (dtypes.iter().any(|t| *t != x.dtype())
+                || slot.keys.dtype() != x.dtype()
+                || slot.values.dtype() != x.dtype())
+            .then(|| format!("x is {:?}, the weights or the cache differ", x.dtype()))
+        })
+        .or_else(|| {
+            (w.iter().any(|w| w.dims()[0] != k)
+                || slot.values.dims() != slot.keys.dims()
+                || kb != b
+                || ns[1] != hkv * d
+                || positions.dims() != [b, s]
+                || slot.index.dims() != [s]
+                || positions.dtype() != slot.index.dtype())
+            .then(|| {
+                format!(
+                    "x {:?}, weights {ns:?}, cache {:?}, positions {:?}, index {:?} do not fit",
+                    x.dims(),
+                    slot.keys.dims(),
+                    positions.dims(),
+                    slot.index.dims()
+                )
+            })
+        })
+        .or_else(|| crate::kernels::qkv_store::unsupported(ns, d, x.dtype().size()))
+}
+
+/// [`LayerOps::add_norm_qkv_rope_store`]'s composition with `ops`' own kernels (or ops).
+#[allow(clippy::too_many_arguments)]
+fn default_add_norm_qkv_rope_store<O: LayerOps + ?Sized>(
+    ops: &O,
+    norm: &RmsNorm,
+    x: Tensor<3>,
+    y: Tensor<3>,
+    w: [Tensor<2>; 3],
+    rope: &Rope,
+    positions: Tensor<2, Int>,
+    slot: IndexedSlot,
+) -> (Tensor<3>, Tensor<4>, IndexedSlot) {
+    let [b, s, _] = x.dims();
+    let d = slot.keys.dims()[3];
+    let (sum, [q, k, v]) = ops.add_norm_linear3(norm, x, y, w);
+    let heads = |t: Tensor<3>| {
+        let n = t.dims()[2] / d;
+        t.reshape([b, s, n, d]).swap_dims(1, 2)
+    };
+    let (q, k) = ops.rope2(rope, heads(q), heads(k), positions);
+    let (keys, values) = write_at(slot.keys, slot.values, k, heads(v), slot.index.clone());
+    let slot = IndexedSlot {
+        keys,
+        values,
+        index: slot.index,
+    };
+    (sum, q, slot)
 }

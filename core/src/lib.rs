@@ -36,7 +36,7 @@ mod tracked;
 pub mod train_ops;
 
 pub use attention::{AttentionImpl, AttentionKind, AttnOptions, BurnAttention, ReferenceAttention};
-pub use cache::{CacheError, FullKvCache, KvCache, append_kv};
+pub use cache::{CacheError, FullKvCache, IndexedSlot, KvCache, append_kv};
 pub use cube::{LayerKernels, gemv_shape};
 pub use fused_layers::FusedLayers;
 pub use gemm::{GemmKernel, GemmKernels};

@@ -8,7 +8,7 @@ use burn::backend::Dispatch;
 
 use crate::LayerKernels;
 use crate::attention::{AttentionImpl, AttnOptions};
-use crate::cache::{CacheError, KvCache};
+use crate::cache::{CacheError, IndexedSlot, KvCache};
 use crate::route::{Grad, route};
 
 /// Why a [`StaticKvCache`] refused a write.
@@ -233,6 +233,28 @@ impl KvCache for IndexedWrite<'_> {
         Ok(out)
     }
 
+    fn indexed_slot(&mut self, layer: usize) -> Option<IndexedSlot> {
+        let (keys, values) = self.cache.layers[layer].take()?;
+        Some(IndexedSlot {
+            keys,
+            values,
+            index: self.index.clone(),
+        })
+    }
+
+    fn attend_indexed(
+        &mut self,
+        layer: usize,
+        q: Tensor<4>,
+        slot: IndexedSlot,
+        attention: &dyn AttentionImpl,
+        opts: &AttnOptions,
+    ) -> Result<Tensor<4>, CacheError> {
+        let out = attention.attend(layer, q, slot.keys.clone(), slot.values.clone(), opts);
+        self.cache.layers[layer] = Some((slot.keys, slot.values));
+        Ok(out)
+    }
+
     fn seq_len(&self) -> usize {
         self.cache.seq_len()
     }
@@ -252,7 +274,7 @@ impl KvCache for IndexedWrite<'_> {
 
 /// `kc[:, :, index[t]] = k[:, :, t]` and the same for the values, in place: core's `store_kv`
 /// kernel where it runs, else Burn's `select_assign`.
-fn write_at(
+pub(crate) fn write_at(
     kc: Tensor<4>,
     vc: Tensor<4>,
     k: Tensor<4>,

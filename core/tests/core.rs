@@ -22,7 +22,10 @@ mod gemm;
 use gemm::{batched_gemm_matches_host, gemm_gradients_match_host, gemm_matches_host_products};
 #[path = "core/caches.rs"]
 mod caches;
+#[path = "core/qkv_store.rs"]
+mod qkv_store;
 use caches::{full_cache_decode_equals_one_shot, static_cache_equals_one_shot};
+use qkv_store::qkv_rope_store_matches_composition;
 #[cfg(feature = "cuda")]
 #[path = "core/attention_grad.rs"]
 mod attention_grad;
@@ -309,6 +312,7 @@ testgen! {
         fused_layer_ops_match_tensor_ops,
         fused_projections_match_host_products,
         norm_projections_match_composition,
+        qkv_rope_store_matches_composition,
         gemm_matches_host_products,
         batched_gemm_matches_host,
     ],

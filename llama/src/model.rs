@@ -115,18 +115,41 @@ impl Block {
         let (hq, hkv, d) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
         let ops = attention.layer_ops().unwrap_or(&TensorOps);
         let w = [self.wq.val(), self.wk.val(), self.wv.val()];
-        let (x, [q, k, v]) = match pending {
-            Some(y) => ops.add_norm_linear3(&self.attn_norm, x, y, w),
-            None => {
-                let [wq, wk, wv] = w;
-                let (q, k, v) = ops.linear3(ops.rms_norm(&self.attn_norm, x.clone()), wq, wk, wv);
-                (x, [q, k, v])
+        // A static cache written at device-held positions takes the keys and values from the
+        // projection's own launch (the decode step's 8 launches a layer become 6).
+        let slot = match pending {
+            Some(_) => cache.indexed_slot(layer),
+            None => None,
+        };
+        let (x, o) = match (pending, slot) {
+            (Some(y), Some(slot)) => {
+                let (x, q, slot) = ops.add_norm_qkv_rope_store(
+                    &self.attn_norm,
+                    x,
+                    y,
+                    w,
+                    rope,
+                    positions.clone(),
+                    slot,
+                );
+                (x, cache.attend_indexed(layer, q, slot, attention, opts)?)
+            }
+            (pending, _) => {
+                let (x, [q, k, v]) = match pending {
+                    Some(y) => ops.add_norm_linear3(&self.attn_norm, x, y, w),
+                    None => {
+                        let [wq, wk, wv] = w;
+                        let h = ops.rms_norm(&self.attn_norm, x.clone());
+                        let (q, k, v) = ops.linear3(h, wq, wk, wv);
+                        (x, [q, k, v])
+                    }
+                };
+                let heads = |t: Tensor<3>, n: usize| t.reshape([b, s, n, d]).swap_dims(1, 2);
+                let (q, k) = ops.rope2(rope, heads(q, hq), heads(k, hkv), positions.clone());
+                let v = heads(v, hkv);
+                (x, cache.attend(layer, q, k, v, attention, opts)?)
             }
         };
-        let heads = |t: Tensor<3>, n: usize| t.reshape([b, s, n, d]).swap_dims(1, 2);
-        let (q, k) = ops.rope2(rope, heads(q, hq), heads(k, hkv), positions.clone());
-        let v = heads(v, hkv);
-        let o = cache.attend(layer, q, k, v, attention, opts)?;
         let o = o.swap_dims(1, 2).reshape([b, s, hq * d]);
         let attn_out = ops.linear(o, self.wo.val());
         let (x, gated) = ops.add_norm_swiglu(

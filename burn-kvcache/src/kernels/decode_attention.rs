@@ -231,8 +231,24 @@ pub fn supported(client: &cubecl::client::Client, dim: usize, rows: usize) -> Op
 /// Keys per split for `skv` keys over `bkv` KV heads: at least [`MIN_SPLIT`], more where the
 /// splits would outnumber [`TARGET_PLANES`].
 fn split_len(skv: usize, bkv: usize) -> usize {
+    if let Some(fixed) = forced_split() {
+        return fixed;
+    }
     let even = (skv * bkv).div_ceil(TARGET_PLANES);
     even.max(MIN_SPLIT).next_multiple_of(CHUNK)
+}
+
+/// A split length forced by `BURN_KERNELS_DECODE_SPLIT` (a multiple of [`CHUNK`]), for
+/// measuring split lengths against each other on a device; unset, [`split_len`] decides.
+fn forced_split() -> Option<usize> {
+    use std::sync::OnceLock;
+    static SPLIT: OnceLock<Option<usize>> = OnceLock::new();
+    *SPLIT.get_or_init(|| {
+        std::env::var("BURN_KERNELS_DECODE_SPLIT")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|v| *v > 0 && v.is_multiple_of(CHUNK))
+    })
 }
 
 /// Attention of `q` `[b, hq, sq, d]` over `k`, `v` `[b, hkv, skv, d]` (any strides, `q`'s

@@ -220,17 +220,55 @@ fn combine_kernel<F: Float>(
     }
     let row = idx / dim;
     let c = idx % dim;
+    let base = row * splits;
+    // Four splits per round, their reads issued together: a round trip to L2 per split made
+    // this launch as long as the attention itself at a few dozen splits.
+    let whole = splits / 4 * 4;
     let mut mx = f32::new(-1.0e30);
-    for s in 0..splits {
-        mx = f32::max(mx, m_in[row * splits + s]);
+    let mut s = 0usize;
+    while s < whole {
+        let a = m_in[base + s];
+        let b = m_in[base + s + 1];
+        let e = m_in[base + s + 2];
+        let f = m_in[base + s + 3];
+        mx = f32::max(mx, f32::max(f32::max(a, b), f32::max(e, f)));
+        s += 4;
+    }
+    while s < splits {
+        mx = f32::max(mx, m_in[base + s]);
+        s += 1;
     }
     let mut l = f32::new(0.0);
     let mut acc = f32::new(0.0);
-    for s in 0..splits {
-        let part = row * splits + s;
+    s = 0;
+    while s < whole {
+        let p = base + s;
+        let m0 = m_in[p];
+        let m1 = m_in[p + 1];
+        let m2 = m_in[p + 2];
+        let m3 = m_in[p + 3];
+        let l0 = l_in[p];
+        let l1 = l_in[p + 1];
+        let l2 = l_in[p + 2];
+        let l3 = l_in[p + 3];
+        let a0 = acc_in[p * dim + c];
+        let a1 = acc_in[(p + 1) * dim + c];
+        let a2 = acc_in[(p + 2) * dim + c];
+        let a3 = acc_in[(p + 3) * dim + c];
+        let w0 = f32::exp(m0 - mx);
+        let w1 = f32::exp(m1 - mx);
+        let w2 = f32::exp(m2 - mx);
+        let w3 = f32::exp(m3 - mx);
+        l += w0 * l0 + w1 * l1 + w2 * l2 + w3 * l3;
+        acc += w0 * a0 + w1 * a1 + w2 * a2 + w3 * a3;
+        s += 4;
+    }
+    while s < splits {
+        let part = base + s;
         let w = f32::exp(m_in[part] - mx);
         l += w * l_in[part];
         acc += w * acc_in[part * dim + c];
+        s += 1;
     }
     // A row that sees no key returns zeros (finite, meaningless, as the interface allows).
     let mut y = f32::new(0.0);

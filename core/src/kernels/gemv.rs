@@ -215,7 +215,7 @@ pub(super) fn gemv_swiglu_kernel<F: Float, N: Size>(
 /// [`norm_rows`], which also writes `x + y` to `sum`); unread (and unset) without `norm`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn norm_prologue<F: Float>(
+pub(super) fn norm_prologue<F: Float>(
     x: &Tensor<F>,
     y: &Tensor<F>,
     sum: &mut Tensor<F>,
@@ -317,7 +317,7 @@ fn input_value<F: Float>(
 }
 
 #[cube]
-fn zeros<N: Size>(#[comptime] len: usize) -> Array<Vector<f32, N>> {
+pub(super) fn zeros<N: Size>(#[comptime] len: usize) -> Array<Vector<f32, N>> {
     let mut acc = Array::<Vector<f32, N>>::new(len);
     #[unroll]
     for i in 0..len {
@@ -331,7 +331,7 @@ fn zeros<N: Size>(#[comptime] len: usize) -> Array<Vector<f32, N>> {
 /// rows), `unroll` at a time; only the last chunk checks the inner dimension's end.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn product<F: Float, N: Size>(
+pub(super) fn product<F: Float, N: Size>(
     x: &Tensor<F>,
     y: &Tensor<F>,
     gamma: &Tensor<F>,
@@ -490,7 +490,7 @@ fn fma_chunk<F: Float, N: Size>(
 /// reducer `s` (of [`REDUCERS`]) adds slots `s, s + REDUCERS, …` into slot `s`, then every
 /// unit of split 0 adds the reducers' sums, leaving its totals in `part[c · slots + i]`.
 #[cube]
-fn reduce_splits<N: Size>(
+pub(super) fn reduce_splits<N: Size>(
     part: &mut Shared<[Vector<f32, N>]>,
     acc: &Array<Vector<f32, N>>,
     c: usize,

@@ -35,24 +35,24 @@ pub const MAX_ROWS_PER_CUBE: usize = 4;
 
 /// The launch's shape parameters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Plan {
+pub(super) struct Plan {
     /// Columns per vector read (16 bytes where `n` allows).
-    vec: usize,
+    pub(super) vec: usize,
     /// Column vectors per cube.
-    cv: usize,
+    pub(super) cv: usize,
     /// Units along the inner dimension (`UNITS / cv`).
-    splits: usize,
+    pub(super) splits: usize,
     /// Rows of `x` per cube.
-    rows_per_cube: usize,
+    pub(super) rows_per_cube: usize,
     /// Rows of `W` a unit reads before it multiplies.
-    unroll: usize,
+    pub(super) unroll: usize,
 }
 
 impl Plan {
     /// A plan for products with `ns` columns each (one launch), `rows` rows of `x`, an
     /// inner dimension of `k`, `slots` f32 accumulator vectors per row of `x` (two for the
     /// SwiGLU launch), within `max_shared` bytes of shared memory per cube.
-    fn new(
+    pub(super) fn new(
         rows: usize,
         k: usize,
         ns: &[usize],
@@ -61,11 +61,7 @@ impl Plan {
         norm: bool,
         max_shared: usize,
     ) -> Self {
-        let widest = (16 / elem_bytes).max(1);
-        let vec = [8, 4, 2, 1]
-            .into_iter()
-            .find(|v| *v <= widest && ns.iter().all(|n| n.is_multiple_of(*v)))
-            .unwrap_or(1);
+        let vec = vector_width(ns, elem_bytes);
         let n_vecs = ns.iter().sum::<usize>() / vec;
         // Two column vectors per cube keep a plane's reads at 32-byte sectors while small
         // products still cover many SMs; wide ones (from 512 vectors: Llama-3-8B's every
@@ -98,6 +94,16 @@ impl Plan {
     }
 }
 
+/// Columns per vector read for products with `ns` columns of `elem_bytes` each: 16 bytes
+/// where every `n` allows, else the widest that divides them all.
+pub(super) fn vector_width(ns: &[usize], elem_bytes: usize) -> usize {
+    let widest = (16 / elem_bytes).max(1);
+    [8, 4, 2, 1]
+        .into_iter()
+        .find(|v| *v <= widest && ns.iter().all(|n| n.is_multiple_of(*v)))
+        .unwrap_or(1)
+}
+
 /// A plan parameter forced by the environment variable `name` (2, 4 or 8), for measuring
 /// plans against each other on a device (`bench --suite llama`); unset, the plan decides.
 fn tuning(name: &str) -> Option<usize> {
@@ -114,12 +120,12 @@ fn tuning(name: &str) -> Option<usize> {
 }
 
 /// Shared memory a cube may use on `x`'s device.
-fn max_shared(x: &CubeTensor) -> usize {
+pub(super) fn max_shared(x: &CubeTensor) -> usize {
     x.client.properties().hardware.max_shared_memory_size
 }
 
 /// A `[rows, n]` output of `x`'s dtype on `x`'s device.
-fn output(x: &CubeTensor, rows: usize, n: usize) -> CubeTensor {
+pub(super) fn output(x: &CubeTensor, rows: usize, n: usize) -> CubeTensor {
     empty_device_contiguous_dtype(
         x.client.clone(),
         x.device.clone(),
@@ -129,7 +135,7 @@ fn output(x: &CubeTensor, rows: usize, n: usize) -> CubeTensor {
 }
 
 /// The grid and cube of a plan over `n_vecs` column vectors.
-fn launch_dims(plan: &Plan, rows: usize, n_vecs: usize) -> (CubeCount, CubeDim) {
+pub(super) fn launch_dims(plan: &Plan, rows: usize, n_vecs: usize) -> (CubeCount, CubeDim) {
     (
         CubeCount::Static(
             n_vecs.div_ceil(plan.cv) as u32,

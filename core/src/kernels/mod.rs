@@ -3,6 +3,7 @@
 pub mod flash;
 mod gemv;
 pub mod linear;
+pub mod qkv_store;
 pub mod reduce;
 pub mod rms_norm;
 pub mod rope;

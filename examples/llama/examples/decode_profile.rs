@@ -20,6 +20,7 @@ use burn_kernels_core::{
     AttentionImpl, AttentionKind, FullKvCache, FusedLayers, KvCache, ReferenceAttention,
 };
 use burn_kvcache::DecodeAttention;
+use burn_llama::graph::CapturedDecoder;
 use burn_llama::{Llama, LlamaConfig};
 use burn_llama_examples::cli::{BackendArg, DTypeArg};
 use clap::Parser;
@@ -53,6 +54,10 @@ struct Args {
     /// Layers of the model (default: SmolLM2-135M's 30).
     #[arg(long)]
     layers: Option<usize>,
+    /// Also time `llama generate`'s captured step (a static cache written at device-held
+    /// positions, replayed as a graph where the backend has graphs) after the eager one.
+    #[arg(long)]
+    graph: bool,
 }
 
 fn main() {
@@ -211,4 +216,39 @@ fn run(args: &Args, device: &Device, attention: Option<AttentionKind>) {
     let wall = t.elapsed().as_secs_f64() * 1e3;
     drop(hidden);
     println!("forward enqueue (host only) {enqueue:.2} ms, with the device done {wall:.2} ms");
+    if args.graph {
+        captured_steps(args, device, &model, attention.as_ref());
+    }
+}
+
+/// The captured step of `llama generate` from a prompt of `--context` tokens per row: its
+/// median over `--steps` replays (the first four, which warm up and capture, left out).
+fn captured_steps(args: &Args, device: &Device, model: &Llama, attention: &dyn AttentionImpl) {
+    let vocab = model.config.vocab_size;
+    let prompts: Vec<Vec<u32>> = (0..args.batch)
+        .map(|r| {
+            (0..args.context.max(1))
+                .map(|i| ((i * 7919 + r) % vocab) as u32)
+                .collect()
+        })
+        .collect();
+    let (mut decoder, _) = CapturedDecoder::prefill(model, attention, &prompts, args.steps + 8)
+        .unwrap_or_else(|e| panic!("prefill: {e}"));
+    let mut times = Vec::new();
+    for step in 0..args.steps + 4 {
+        let tokens: Vec<u32> = (0..args.batch)
+            .map(|r| ((step * 31 + r) % vocab) as u32)
+            .collect();
+        let (logits, ms) = timed(device, || decoder.step(&tokens));
+        drop(logits.unwrap_or_else(|e| panic!("step: {e}")));
+        if step >= 4 {
+            times.push(ms);
+        }
+    }
+    println!(
+        "captured decode step (median of {}): {:.3} ms; {}",
+        args.steps,
+        median(times),
+        decoder.info()
+    );
 }

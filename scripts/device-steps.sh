@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Named measurement steps for a GPU machine, over a bundle of `cargo xtask device-build`
+# (its run.sh): one device call runs several steps and leaves each step's log under $O.
+#   D=.device/sNN O=$OUT/name bash scripts/device-steps.sh STEP...
+# Steps:
+#   env      nvidia-smi, the bundle's environment, whether ncu reads counters
+#   decode   llama suite, SmolLM2 decode at batch 1, 8, 32: the replayed step against
+#            PyTorch's CUDA graph and torch.compile (same run)
+#   ncu1 ncu8  per-kernel device times of SmolLM2-shape decode steps, eager then captured
+#            (2 layers, f16, context 512, decode attention + fused ops), batch 1 / 8, ncu
+#   dp1 dp8 dp32  decode_profile's eager and captured step (30 layers, f16, context 512),
+#            with the one-launch Q/K/V + RoPE + cache store and without it
+#            (BURN_KERNELS_QKV_STORE=0), batch 1 / 8 / 32
+#   tllama   llama_tests captured-decode tests (CUDA)
+#   tcore    core's CUDA tests
+#   tdet     llama_tests train::cuda::cce_step_is_deterministic
+#   bcceb    cce suite, SmolLM2 shape, 256 MiB blocks against Burn's plain loss
+# TL (minutes, default 8) bounds each step.
+set -uo pipefail
+D=${D:?bundle dir, e.g. .device/s43}
+O=${O:?output dir}
+TL=${TL:-8}
+mkdir -p "$O"
+peers=$(cd "$(dirname "$0")/../bench/peers" && pwd)
+run() { timeout "$((TL * 60))" bash "$D/run.sh" "$@"; }
+step() {
+  local name=$1
+  shift
+  echo "== $name $(date +%T)"
+  "$@" >"$O/$name.log" 2>&1
+  echo "== $name rc=$? $(date +%T)"
+  tail -n 30 "$O/$name.log"
+}
+prof() {
+  RUN_WRAP="ncu --clock-control none --csv --metrics gpu__time_duration.sum" \
+    run bin decode_profile --backend cuda --dtype f16 --attention decode --fused-ops \
+    --layers 2 --context 512 --check-context 8 --steps 2 --graph --batch "$1"
+}
+dp() {
+  for store in 1 0; do
+    echo "-- BURN_KERNELS_QKV_STORE=$store"
+    BURN_KERNELS_QKV_STORE=$store run bin decode_profile --backend cuda --dtype f16 \
+      --attention decode --fused-ops --context 512 --steps 32 --graph --batch "$1"
+  done
+}
+for s in "$@"; do
+  case "$s" in
+    env) step env bash -c "nvidia-smi; bash $D/run.sh env; ncu --version | tail -1" ;;
+    decode) step decode run bench --suite llama --filter "smollm2-135m decode" \
+      --exclude "batch 128" --exclude bf16 --exclude f32 \
+      --skip-impl 'burn$' --skip-impl burn-kernels --skip-impl 'pytorch$' \
+      --peers-dir "$peers" --out "$O/decode" ;;
+    ncu1) step ncu1 prof 1 ;;
+    ncu8) step ncu8 prof 8 ;;
+    dp1 | dp8 | dp32) step "$s" dp "${s#dp}" ;;
+    tllama) step tllama run test llama_tests captured --include-ignored ;;
+    tcore) step tcore run test core ;;
+    tdet) step tdet run test llama_tests cce_step_is_deterministic --include-ignored --nocapture ;;
+    bcceb) step bcceb run bench --suite cce --filter smollm2 --cce-chunk-bytes 256 \
+      --peers-dir "$peers" --out "$O/bcceb" ;;
+    *) echo "unknown step $s" ;;
+  esac
+done
