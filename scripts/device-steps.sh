@@ -54,7 +54,7 @@ for s in "$@"; do
     ncu8) step ncu8 prof 8 ;;
     dp1 | dp8 | dp32) step "$s" dp "${s#dp}" ;;
     tllama) step tllama run test llama_tests captured --include-ignored ;;
-    tcore) step tcore run test core ;;
+    tcore) step tcore run test core qkv_rope_store norm_projections fused_projections static_cache fused_layer_ops ;;
     tdet) step tdet run test llama_tests cce_step_is_deterministic --include-ignored --nocapture ;;
     bcceb) step bcceb run bench --suite cce --filter smollm2 --cce-chunk-bytes 256 \
       --peers-dir "$peers" --out "$O/bcceb" ;;
