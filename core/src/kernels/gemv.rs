@@ -7,6 +7,15 @@ use cubecl::prelude::*;
 
 use super::rms_norm::{normed, residual_sum};
 
+/// The row strides (in vectors) of a three-weight launch's `W`s: Burn pads the rows of
+/// some tensors for alignment (a pitched layout), which the GEMVs read in place.
+#[derive(CubeLaunch, CubeType, Clone, Copy, Debug)]
+pub struct WeightRows {
+    pub a: usize,
+    pub b: usize,
+    pub c: usize,
+}
+
 /// Units that sum the split partials in the first reduction pass (divides every `splits`).
 const REDUCERS: usize = 8;
 
@@ -19,6 +28,7 @@ pub(super) fn gemv_kernel<F: Float, N: Size>(
     rows: usize,
     k_dim: usize,
     n_vecs: usize,
+    w_row: usize,
     #[comptime] cv: usize,
     #[comptime] splits: usize,
     #[comptime] rpc: usize,
@@ -34,7 +44,7 @@ pub(super) fn gemv_kernel<F: Float, N: Size>(
     let inv = Array::<f32>::new(1usize);
     if colv < n_vecs {
         product::<F, N>(
-            x, x, x, &inv, w, &mut acc, 0usize, colv, n_vecs, rows, k_dim, row0, s, splits, rpc,
+            x, x, x, &inv, w, &mut acc, 0usize, colv, w_row, rows, k_dim, row0, s, splits, rpc,
             unroll, false,
         );
     }
@@ -74,6 +84,7 @@ pub(super) fn gemv3_kernel<F: Float, N: Size>(
     na: usize,
     nb: usize,
     nc: usize,
+    w_rows: WeightRows,
     eps: f32,
     #[comptime] cv: usize,
     #[comptime] splits: usize,
@@ -101,20 +112,20 @@ pub(super) fn gemv3_kernel<F: Float, N: Size>(
     );
     if colv < na {
         product::<F, N>(
-            x, y, gamma, &inv, wa, &mut acc, 0usize, colv, na, rows, k_dim, row0, s, splits, rpc,
-            unroll, norm,
+            x, y, gamma, &inv, wa, &mut acc, 0usize, colv, w_rows.a, rows, k_dim, row0, s, splits,
+            rpc, unroll, norm,
         );
     } else if colv < na + nb {
         let cb = colv - na;
         product::<F, N>(
-            x, y, gamma, &inv, wb, &mut acc, 0usize, cb, nb, rows, k_dim, row0, s, splits, rpc,
-            unroll, norm,
+            x, y, gamma, &inv, wb, &mut acc, 0usize, cb, w_rows.b, rows, k_dim, row0, s, splits,
+            rpc, unroll, norm,
         );
     } else if colv < na + nb + nc {
         let cc = colv - na - nb;
         product::<F, N>(
-            x, y, gamma, &inv, wc, &mut acc, 0usize, cc, nc, rows, k_dim, row0, s, splits, rpc,
-            unroll, norm,
+            x, y, gamma, &inv, wc, &mut acc, 0usize, cc, w_rows.c, rows, k_dim, row0, s, splits,
+            rpc, unroll, norm,
         );
     }
     let mut part = Shared::<[Vector<f32, N>]>::new_slice(splits * cv * rpc);
@@ -153,6 +164,8 @@ pub(super) fn gemv_swiglu_kernel<F: Float, N: Size>(
     rows: usize,
     k_dim: usize,
     n_vecs: usize,
+    g_row: usize,
+    u_row: usize,
     eps: f32,
     #[comptime] cv: usize,
     #[comptime] splits: usize,
@@ -182,14 +195,14 @@ pub(super) fn gemv_swiglu_kernel<F: Float, N: Size>(
         let full = k_dim / (splits * unroll);
         for chunk in 0..full {
             swiglu_chunk::<F, N>(
-                x, y, gamma, &inv, wg, wu, &mut acc, chunk, colv, n_vecs, rows, k_dim, row0, s,
-                splits, rpc, unroll, false, norm,
+                x, y, gamma, &inv, wg, wu, &mut acc, chunk, colv, g_row, u_row, rows, k_dim, row0,
+                s, splits, rpc, unroll, false, norm,
             );
         }
         if full * splits * unroll < k_dim {
             swiglu_chunk::<F, N>(
-                x, y, gamma, &inv, wg, wu, &mut acc, full, colv, n_vecs, rows, k_dim, row0, s,
-                splits, rpc, unroll, true, norm,
+                x, y, gamma, &inv, wg, wu, &mut acc, full, colv, g_row, u_row, rows, k_dim, row0,
+                s, splits, rpc, unroll, true, norm,
             );
         }
     }
@@ -340,7 +353,7 @@ pub(super) fn product<F: Float, N: Size>(
     acc: &mut Array<Vector<f32, N>>,
     #[comptime] first: usize,
     colv: usize,
-    n_vecs: usize,
+    w_row: usize,
     rows: usize,
     k_dim: usize,
     row0: usize,
@@ -354,7 +367,7 @@ pub(super) fn product<F: Float, N: Size>(
     for chunk in 0..full {
         let mut wr = Array::<Vector<F, N>>::new(unroll);
         load_chunk::<F, N>(
-            w, &mut wr, chunk, s, k_dim, n_vecs, colv, splits, unroll, false,
+            w, &mut wr, chunk, s, k_dim, w_row, colv, splits, unroll, false,
         );
         fma_chunk::<F, N>(
             x, y, gamma, inv, &wr, acc, first, chunk, s, k_dim, rows, row0, splits, rpc, unroll,
@@ -364,7 +377,7 @@ pub(super) fn product<F: Float, N: Size>(
     if full * splits * unroll < k_dim {
         let mut wr = Array::<Vector<F, N>>::new(unroll);
         load_chunk::<F, N>(
-            w, &mut wr, full, s, k_dim, n_vecs, colv, splits, unroll, true,
+            w, &mut wr, full, s, k_dim, w_row, colv, splits, unroll, true,
         );
         fma_chunk::<F, N>(
             x, y, gamma, inv, &wr, acc, first, full, s, k_dim, rows, row0, splits, rpc, unroll,
@@ -386,7 +399,8 @@ fn swiglu_chunk<F: Float, N: Size>(
     acc: &mut Array<Vector<f32, N>>,
     chunk: usize,
     colv: usize,
-    n_vecs: usize,
+    g_row: usize,
+    u_row: usize,
     rows: usize,
     k_dim: usize,
     row0: usize,
@@ -400,10 +414,10 @@ fn swiglu_chunk<F: Float, N: Size>(
     let mut gr = Array::<Vector<F, N>>::new(unroll);
     let mut ur = Array::<Vector<F, N>>::new(unroll);
     load_chunk::<F, N>(
-        wg, &mut gr, chunk, s, k_dim, n_vecs, colv, splits, unroll, checked,
+        wg, &mut gr, chunk, s, k_dim, g_row, colv, splits, unroll, checked,
     );
     load_chunk::<F, N>(
-        wu, &mut ur, chunk, s, k_dim, n_vecs, colv, splits, unroll, checked,
+        wu, &mut ur, chunk, s, k_dim, u_row, colv, splits, unroll, checked,
     );
     fma_chunk::<F, N>(
         x, y, gamma, inv, &gr, acc, 0usize, chunk, s, k_dim, rows, row0, splits, rpc, unroll,
@@ -425,7 +439,7 @@ fn load_chunk<F: Float, N: Size>(
     chunk: usize,
     s: usize,
     k_dim: usize,
-    n_vecs: usize,
+    w_row: usize,
     colv: usize,
     #[comptime] splits: usize,
     #[comptime] unroll: usize,
@@ -437,11 +451,11 @@ fn load_chunk<F: Float, N: Size>(
         if checked {
             let mut wv = Vector::<F, N>::new(F::new(0.0));
             if k < k_dim {
-                wv = w[k * n_vecs + colv];
+                wv = w[k * w_row + colv];
             }
             wr[u] = wv;
         } else {
-            wr[u] = w[k * n_vecs + colv];
+            wr[u] = w[k * w_row + colv];
         }
     }
 }

@@ -18,11 +18,13 @@
 use burn::backend::cubecl::dtype_to_storage_type;
 use burn::tensor::Shape;
 use burn_cubecl::{
-    kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype, tensor::CubeTensor,
+    kernel::{into_contiguous, untile},
+    ops::numeric::empty_device_contiguous_dtype,
+    tensor::CubeTensor,
 };
 use cubecl::prelude::*;
 
-use super::gemv::{gemv_kernel, gemv_swiglu_kernel, gemv3_kernel};
+use super::gemv::{WeightRowsLaunch, gemv_kernel, gemv_swiglu_kernel, gemv3_kernel};
 
 /// Units per cube (`cv × splits`).
 const UNITS: usize = 256;
@@ -119,6 +121,23 @@ fn tuning(name: &str) -> Option<usize> {
     })
 }
 
+/// `w` (`[k, n]`) as the kernels read it, and its row stride in `vec`-column vectors: rows of
+/// unit-stride columns are read in place wherever they start, so a pitched layout (rows Burn
+/// pads for alignment, e.g. SmolLM2's 576-column projections) costs no copy; copying it made
+/// every decode step copy most of a model's weights. Strided columns are copied.
+pub(super) fn weight_rows(w: CubeTensor, vec: usize) -> (CubeTensor, usize) {
+    let w = untile(w);
+    let [k, n] = w.meta.shape().dims::<2>();
+    let [row, col] = [w.meta.strides()[0], w.meta.strides()[1]];
+    if k <= 1 {
+        (w, n / vec)
+    } else if (col == 1 || n == 1) && row >= n && row.is_multiple_of(vec) {
+        (w, row / vec)
+    } else {
+        (into_contiguous(w), n / vec)
+    }
+}
+
 /// Shared memory a cube may use on `x`'s device.
 pub(super) fn max_shared(x: &CubeTensor) -> usize {
     x.client.properties().hardware.max_shared_memory_size
@@ -152,7 +171,6 @@ pub(super) fn launch_dims(plan: &Plan, rows: usize, n_vecs: usize) -> (CubeCount
 /// - `x`: `[rows, k]`, `w`: `[k, n]` in `x`'s dtype; returns `[rows, n]`
 pub fn gemv(x: CubeTensor, w: CubeTensor) -> CubeTensor {
     let x = into_contiguous(x);
-    let w = into_contiguous(w);
     let [rows, k] = x.meta.shape().dims::<2>();
     let [_, n] = w.meta.shape().dims::<2>();
     let out = output(&x, rows, n);
@@ -160,6 +178,7 @@ pub fn gemv(x: CubeTensor, w: CubeTensor) -> CubeTensor {
         return out;
     }
     let plan = Plan::new(rows, k, &[n], x.dtype.size(), 1, false, max_shared(&x));
+    let (w, w_row) = weight_rows(w, plan.vec);
     let n_vecs = n / plan.vec;
     let (count, dim) = launch_dims(&plan, rows, n_vecs);
     let (client, dtype) = (x.client.clone(), x.dtype);
@@ -174,6 +193,7 @@ pub fn gemv(x: CubeTensor, w: CubeTensor) -> CubeTensor {
         rows,
         k,
         n_vecs,
+        w_row,
         plan.cv,
         plan.splits,
         plan.rows_per_cube,
@@ -247,7 +267,6 @@ fn gemv3_with(
     wc: CubeTensor,
 ) -> (CubeTensor, CubeTensor, CubeTensor, CubeTensor) {
     let x = into_contiguous(x);
-    let [wa, wb, wc] = [wa, wb, wc].map(into_contiguous);
     let [rows, k] = x.meta.shape().dims::<2>();
     let ns = [&wa, &wb, &wc].map(|w| w.meta.shape().dims::<2>()[1]);
     let [oa, ob, oc] = ns.map(|n| output(&x, rows, n));
@@ -257,6 +276,7 @@ fn gemv3_with(
         return (oa, ob, oc, sum);
     }
     let plan = Plan::new(rows, k, &ns, x.dtype.size(), 1, has_norm, max_shared(&x));
+    let [(wa, ra), (wb, rb), (wc, rc)] = [wa, wb, wc].map(|w| weight_rows(w, plan.vec));
     let [na, nb, nc] = ns.map(|n| n / plan.vec);
     let (count, dim) = launch_dims(&plan, rows, na + nb + nc);
     let (client, dtype) = (x.client.clone(), x.dtype);
@@ -280,6 +300,7 @@ fn gemv3_with(
         na,
         nb,
         nc,
+        WeightRowsLaunch::new(ra, rb, rc),
         eps,
         plan.cv,
         plan.splits,
@@ -322,7 +343,6 @@ fn gemv_swiglu_with(
     wu: CubeTensor,
 ) -> (CubeTensor, CubeTensor) {
     let x = into_contiguous(x);
-    let [wg, wu] = [wg, wu].map(into_contiguous);
     let [rows, k] = x.meta.shape().dims::<2>();
     let [_, n] = wg.meta.shape().dims::<2>();
     let out = output(&x, rows, n);
@@ -332,6 +352,7 @@ fn gemv_swiglu_with(
         return (out, sum);
     }
     let plan = Plan::new(rows, k, &[n], x.dtype.size(), 2, has_norm, max_shared(&x));
+    let [(wg, g_row), (wu, u_row)] = [wg, wu].map(|w| weight_rows(w, plan.vec));
     let n_vecs = n / plan.vec;
     let (count, dim) = launch_dims(&plan, rows, n_vecs);
     let (client, dtype) = (x.client.clone(), x.dtype);
@@ -350,6 +371,8 @@ fn gemv_swiglu_with(
         rows,
         k,
         n_vecs,
+        g_row,
+        u_row,
         eps,
         plan.cv,
         plan.splits,

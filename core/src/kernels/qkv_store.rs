@@ -12,8 +12,8 @@ use burn::backend::cubecl::dtype_to_storage_type;
 use burn_cubecl::{kernel::into_contiguous, tensor::CubeTensor};
 use cubecl::prelude::*;
 
-use super::gemv::{norm_prologue, product, reduce_splits, zeros};
-use super::linear::{NormIn, Plan, launch_dims, max_shared, output, vector_width};
+use super::gemv::{WeightRows, WeightRowsLaunch, norm_prologue, product, reduce_splits, zeros};
+use super::linear::{NormIn, Plan, launch_dims, max_shared, output, vector_width, weight_rows};
 
 /// Sizes of one launch (column counts in vectors).
 #[derive(CubeLaunch, CubeType, Clone, Copy, Debug)]
@@ -47,6 +47,7 @@ fn qkv_rope_store_kernel<F: Float, I: Int, N: Size>(
     cos: &Tensor<Vector<f32, N>>,
     sin: &Tensor<Vector<f32, N>>,
     dims: QkvDims,
+    w_rows: WeightRows,
     #[comptime] cv: usize,
     #[comptime] splits: usize,
     #[comptime] rpc: usize,
@@ -79,8 +80,8 @@ fn qkv_rope_store_kernel<F: Float, I: Int, N: Size>(
     );
     if colv < nq {
         product::<F, N>(
-            x, y, gamma, &inv, wq, &mut acc, 0usize, colv, nq, dims.rows, dims.k_dim, row0, s,
-            splits, rpc, unroll, true,
+            x, y, gamma, &inv, wq, &mut acc, 0usize, colv, w_rows.a, dims.rows, dims.k_dim, row0,
+            s, splits, rpc, unroll, true,
         );
     } else if colv < nq + nk {
         product::<F, N>(
@@ -92,7 +93,7 @@ fn qkv_rope_store_kernel<F: Float, I: Int, N: Size>(
             &mut acc,
             0usize,
             colv - nq,
-            nk,
+            w_rows.b,
             dims.rows,
             dims.k_dim,
             row0,
@@ -112,7 +113,7 @@ fn qkv_rope_store_kernel<F: Float, I: Int, N: Size>(
             &mut acc,
             0usize,
             colv - nq - nk,
-            nk,
+            w_rows.c,
             dims.rows,
             dims.k_dim,
             row0,
@@ -279,19 +280,19 @@ pub fn norm_gemv3_rope_store(
     };
     let (kc, vc) = (own(cache.keys), own(cache.values));
     let x = into_contiguous(x);
-    let [wq, wk, wv] = w.map(into_contiguous);
     let [positions, index, cos, sin] =
         [rope.positions, cache.index, rope.cos, rope.sin].map(into_contiguous);
     let (y, gamma) = (into_contiguous(norm.y), into_contiguous(norm.gamma));
     let [rows, k] = x.meta.shape().dims::<2>();
     let [_, _, capacity, d] = kc.meta.shape().dims::<4>();
     let seq = index.meta.shape()[0];
-    let ns = [&wq, &wk, &wv].map(|w| w.meta.shape().dims::<2>()[1]);
+    let ns = w.each_ref().map(|w| w.meta.shape().dims::<2>()[1]);
     let (sum, q) = (output(&x, rows, k), output(&x, rows, ns[0]));
     if rows == 0 {
         return (sum, q, kc, vc);
     }
     let plan = Plan::new(rows, k, &ns, x.dtype.size(), 1, true, max_shared(&x));
+    let [(wq, rq), (wk, rk), (wv, rv)] = w.map(|w| weight_rows(w, plan.vec));
     let [nq, nk, _] = ns.map(|n| n / plan.vec);
     let (count, dim) = launch_dims(&plan, rows, nq + 2 * nk);
     let (client, dtype) = (x.client.clone(), x.dtype);
@@ -319,6 +320,7 @@ pub fn norm_gemv3_rope_store(
         cos.into_tensor_arg(),
         sin.into_tensor_arg(),
         QkvDimsLaunch::new(rows, k, nq, nk, seq, capacity, norm.eps as f32),
+        WeightRowsLaunch::new(rq, rk, rv),
         plan.cv,
         plan.splits,
         plan.rows_per_cube,

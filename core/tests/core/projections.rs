@@ -33,6 +33,13 @@ fn weight(k: usize, n: usize, seed: u64, dtype: DType, device: &Device) -> Tenso
     random_tensor::<2>([k, n], Dist::STANDARD, seed, dtype, device)
 }
 
+/// `w` (`[k, n]`) as a view whose rows lie `2n` apart (a slice of `[w, w]`): the kernels must
+/// read such rows in place, as they read Burn's pitched layouts, with the same values.
+pub fn strided(w: Tensor<2>) -> Tensor<2> {
+    let [k, n] = w.dims();
+    Tensor::cat(vec![w.clone(), w], 1).slice([0..k, 0..n])
+}
+
 /// Rows one (one cube of rows), two, three (a partial cube of four), five (two cubes) and
 /// seventeen (past `GEMV_MAX_ROWS`: Burn's matmul, not a fallback); inner sizes that leave
 /// tails in the unrolled splits (97, 131, 1), several chunks (1031) and the long-K unroll
@@ -59,6 +66,8 @@ pub fn fused_projections_match_host_products(device: &Device) {
             let (hx, hw) = (to_f32(x.to_data()), to_f32(w.to_data()));
             let want = f32s(&host_product(&hx, &hw, b * s, k, n));
             poison_memory(device, b * s * n, dtype);
+            // Every other case reads a row-strided view of the same weight.
+            let w = if i % 2 == 1 { strided(w) } else { w };
             let got = require_kernels(|| FusedOps.linear(x, w));
             assert_eq!(got.dims(), [b, s, n]);
             let name = format!("linear {dtype:?} {b}x{s}x{k} · {k}x{n}");
@@ -156,7 +165,8 @@ fn max_abs(v: &[f32]) -> f64 {
 /// such flip (half a unit of the dtype times the largest normed value and weight) to the
 /// product's. The sum must equal the tensor-op `x + y`. Rows 1, 3 (a partial cube of rows),
 /// 5 (two cubes) and 17 (past `GEMV_MAX_ROWS`: the composition, not a fallback); inner sizes
-/// with tails (97, 131) and the long-K unroll (2053). Outputs land in NaN-poisoned memory.
+/// with tails (97, 131) and the long-K unroll (2053). Outputs land in NaN-poisoned memory. The
+/// one-launch kernels read row-strided views of the weights ([`strided`]).
 pub fn norm_projections_match_composition(device: &Device) {
     let ops = ["norm_gemv3", "norm_gemv_swiglu"];
     let before = ops.map(launches);
@@ -185,6 +195,9 @@ pub fn norm_projections_match_composition(device: &Device) {
                 .map(|(j, n)| weight(k, n, seed + 3 + j as u64, dtype, device))
                 .collect::<Vec<_>>();
             let w3 = || [ws[0].clone(), ws[1].clone(), ws[2].clone()];
+            // The launches under test read row-strided views of the weights (the references
+            // read the contiguous ones).
+            let w3_strided = || w3().map(strided);
             let name = format!("{dtype:?} {rows}x{k}");
 
             let (_, h) = FusedOps.add_rms_norm(&norm, x.clone(), y.clone());
@@ -206,8 +219,9 @@ pub fn norm_projections_match_composition(device: &Device) {
             };
 
             poison_memory(device, rows * (k + na + 2 * nb), dtype);
-            let (sum, got) =
-                require_kernels(|| FusedOps.add_norm_linear3(&norm, x.clone(), y.clone(), w3()));
+            let (sum, got) = require_kernels(|| {
+                FusedOps.add_norm_linear3(&norm, x.clone(), y.clone(), w3_strided())
+            });
             check_sum("add_norm_linear3", sum);
             let [wa, wb, wc] = w3();
             let (ea, eb, ec) = FusedOps.linear3(h.clone(), wa, wb, wc);
@@ -223,7 +237,8 @@ pub fn norm_projections_match_composition(device: &Device) {
 
             poison_memory(device, rows * (k + na), dtype);
             let (sum, got) = require_kernels(|| {
-                FusedOps.add_norm_swiglu(&norm, x.clone(), y.clone(), ws[3].clone(), ws[0].clone())
+                let (gate, up) = (strided(ws[3].clone()), strided(ws[0].clone()));
+                FusedOps.add_norm_swiglu(&norm, x.clone(), y.clone(), gate, up)
             });
             check_sum("add_norm_swiglu", sum);
             let want = FusedOps.swiglu(h.clone(), ws[3].clone(), ws[0].clone());

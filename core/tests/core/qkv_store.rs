@@ -10,6 +10,8 @@ use burn_kernels_testing::{
     Dist, Tolerance, assert_close, compare::to_f32, float_dtypes, poison_memory, random_tensor,
 };
 
+use crate::projections::strided;
+
 /// One test case: sequences, the cache positions of their new positions, hidden size, query
 /// and KV heads, head dim, cache capacity.
 struct Case {
@@ -30,8 +32,9 @@ struct Case {
 /// value. The caches start random and are compared whole: a position written that should not
 /// be, or one not written, fails. Cases: one row with two vectors per head; three sequences (a
 /// partial cube of rows, position 0); two sequences of three positions written out of order (a
-/// speculative verification); SmolLM2's shape with five rows (two cubes of rows). The queries
-/// land in NaN-poisoned memory.
+/// speculative verification); SmolLM2's shape with five rows (two cubes of rows). The launch
+/// reads row-strided views of the weights (as Burn's pitched layouts), the composition the
+/// contiguous ones. The queries land in NaN-poisoned memory.
 pub fn qkv_rope_store_matches_composition(device: &Device) {
     let before = launches("norm_gemv3_rope_store");
     let cases = [
@@ -113,7 +116,8 @@ fn check_case(device: &Device, dtype: DType, c: &Case, seed: u64) {
     };
     poison_memory(device, b * s * (k + c.hq * d), dtype);
     let (sum, q_got, slot) = require_kernels(|| {
-        FusedOps.add_norm_qkv_rope_store(&norm, x.clone(), y.clone(), w3(), &rope, positions, slot)
+        let w = w3().map(strided);
+        FusedOps.add_norm_qkv_rope_store(&norm, x.clone(), y.clone(), w, &rope, positions, slot)
     });
     assert_eq!(q_got.dims(), [b, c.hq, s, d], "{name}");
     assert_eq!(sum.dims(), [b, s, k], "{name}");
