@@ -6,6 +6,8 @@
 #   env      nvidia-smi, the bundle's environment, whether ncu reads counters
 #   decode   llama suite, SmolLM2 decode at batch 1, 8, 32: the replayed step against
 #            PyTorch's CUDA graph and torch.compile (same run)
+#   rpc8     decode_profile at batch 8 with the GEMVs' rows per cube capped at 1, 2 and 4
+#            (BURN_KERNELS_GEMV_RPC)
 #   ncu1 ncu8  per-kernel device times of SmolLM2-shape decode steps, eager then captured
 #            (2 layers, f16, context 512, decode attention + fused ops), batch 1 / 8, ncu
 #   dp1 dp8 dp32  decode_profile's eager and captured step (30 layers, f16, context 512),
@@ -43,6 +45,13 @@ dp() {
       --attention decode --fused-ops --context 512 --steps 32 --graph --batch "$1"
   done
 }
+rpc() {
+  for cap in 1 2 4; do
+    echo "-- BURN_KERNELS_GEMV_RPC=$cap"
+    BURN_KERNELS_GEMV_RPC=$cap run bin decode_profile --backend cuda --dtype f16 \
+      --attention decode --fused-ops --context 512 --steps 32 --graph --batch "$1"
+  done
+}
 for s in "$@"; do
   case "$s" in
     env) step env bash -c "nvidia-smi; bash $D/run.sh env; ncu --version | tail -1" ;;
@@ -53,6 +62,7 @@ for s in "$@"; do
     ncu1) step ncu1 prof 1 ;;
     ncu8) step ncu8 prof 8 ;;
     dp1 | dp8 | dp32) step "$s" dp "${s#dp}" ;;
+    rpc8) step rpc8 rpc 8 ;;
     tllama) step tllama run test llama_tests captured --include-ignored ;;
     tcore) step tcore run test core qkv_rope_store norm_projections fused_projections static_cache fused_layer_ops ;;
     tdet) step tdet run test llama_tests cce_step_is_deterministic --include-ignored --nocapture ;;

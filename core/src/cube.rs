@@ -105,6 +105,14 @@ pub trait LayerKernels: Backend {
     #[fusion(dtype = x, shape = gemv_shape(x, w))]
     fn gemv(x: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self>;
 
+    /// `x · eᵀ` for a few rows, reading `e` along its rows (a tied LM head), accumulated in
+    /// f32.
+    ///
+    /// # Shapes
+    /// - `x`: `[rows, k]`, `e`: `[n, k]` in `x`'s dtype; returns `[rows, n]`
+    #[fusion(dtype = x, shape = gemv_t_shape(x, e))]
+    fn gemv_t(x: FloatTensor<Self>, e: FloatTensor<Self>) -> FloatTensor<Self>;
+
     /// `(x · wa, x · wb, x · wc)` in one launch (a layer's Q, K and V projections).
     ///
     /// # Shapes
@@ -232,6 +240,11 @@ pub trait LayerKernels: Backend {
     ) -> (FloatTensor<Self>, FloatTensor<Self>);
 }
 
+/// The output shape of [`LayerKernels::gemv_t`]: `[rows, n]` for `e` `[n, k]`.
+pub fn gemv_t_shape(x: &Shape, e: &Shape) -> Shape {
+    Shape::new([x[0], e[0]])
+}
+
 /// The output shape of [`LayerKernels::gemv`]: `[rows, n]`.
 pub fn gemv_shape(x: &Shape, w: &Shape) -> Shape {
     Shape::new([x[0], w[1]])
@@ -302,6 +315,11 @@ mod cube_backend {
         fn gemv(x: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self> {
             count_launch("gemv");
             kernels::linear::gemv(x, w)
+        }
+
+        fn gemv_t(x: FloatTensor<Self>, e: FloatTensor<Self>) -> FloatTensor<Self> {
+            count_launch("gemv_t");
+            kernels::gemv_t::gemv_t(x, e)
         }
 
         fn gemv3(

@@ -24,6 +24,10 @@ use crate::static_cache::write_at;
 /// rows go to Burn's matmul.
 pub const GEMV_MAX_ROWS: usize = 16;
 
+/// Rows (`batch · seq`) up to which [`FusedOps::linear_t`] runs its kernel (the tied LM head
+/// of a decode step); more rows go to Burn's matmul.
+pub const LM_HEAD_MAX_ROWS: usize = 32;
+
 /// The layer ops a model runs around its attention.
 ///
 /// # Shapes
@@ -32,6 +36,7 @@ pub const GEMV_MAX_ROWS: usize = 16;
 ///   returns `x`'s shape
 /// - `silu_mul`: `gate`, `up` `[batch, seq, inter]`; returns `silu(gate) · up`
 /// - `linear`: `x` `[batch, seq, in]`, `w` `[in, out]`; returns `x · w`, `[batch, seq, out]`
+/// - `linear_t`: `x` `[batch, seq, in]`, `e` `[out, in]`; returns `x · eᵀ`, `[batch, seq, out]`
 /// - `linear3`: `x` `[batch, seq, in]`, `wa`, `wb`, `wc` `[in, out_*]`; returns the three
 ///   products `[batch, seq, out_*]` (a layer's Q, K and V)
 /// - `swiglu`: `x` `[batch, seq, in]`, `gate`, `up` `[in, inter]`; returns
@@ -53,6 +58,20 @@ pub trait LayerOps: Send + Sync + std::fmt::Debug {
     fn rms_norm(&self, norm: &RmsNorm, x: Tensor<3>) -> Tensor<3>;
     fn rope(&self, rope: &Rope, x: Tensor<4>, positions: Tensor<2, Int>) -> Tensor<4>;
     fn silu_mul(&self, gate: Tensor<3>, up: Tensor<3>) -> Tensor<3>;
+
+    /// `x · eᵀ` for `e` `[out, in]` read along its rows (a tied LM head): Burn's matmul of
+    /// `e`'s transposed view, or where `x` is f32 `(e · xᵀ)ᵀ` (`e` in its own layout).
+    fn linear_t(&self, x: Tensor<3>, e: Tensor<2>) -> Tensor<3> {
+        let [b, s, k] = x.dims();
+        let n = e.dims()[0];
+        let x = x.reshape([b * s, k]);
+        let out = if matches!(x.dtype(), DType::F16 | DType::BF16) {
+            crate::gemm::matmul(x, e.transpose())
+        } else {
+            e.matmul(x.transpose()).transpose()
+        };
+        out.reshape([b, s, n])
+    }
 
     fn linear3(
         &self,
@@ -175,6 +194,30 @@ impl LayerOps for FusedOps {
             return TensorOps.linear(x, w);
         }
         let out = Dispatch::gemv(x.reshape([b * s, k]).into_dispatch(), w.into_dispatch());
+        Tensor::<2>::from_dispatch(out).reshape([b, s, n])
+    }
+
+    /// The GEMV-T kernel for up to [`LM_HEAD_MAX_ROWS`] rows.
+    fn linear_t(&self, x: Tensor<3>, e: Tensor<2>) -> Tensor<3> {
+        let [b, s, k] = x.dims();
+        let n = e.dims()[0];
+        let unsupported = if b * s > LM_HEAD_MAX_ROWS {
+            return TensorOps.linear_t(x, e);
+        } else if x.dtype() != e.dtype() || e.dims()[1] != k {
+            Some(format!(
+                "x {:?} {:?}, e {:?} {:?}",
+                x.dims(),
+                x.dtype(),
+                e.dims(),
+                e.dtype()
+            ))
+        } else {
+            None
+        };
+        if !route("gemv_t", &x.device(), Grad::ForwardOnly, unsupported) {
+            return TensorOps.linear_t(x, e);
+        }
+        let out = Dispatch::gemv_t(x.reshape([b * s, k]).into_dispatch(), e.into_dispatch());
         Tensor::<2>::from_dispatch(out).reshape([b, s, n])
     }
 

@@ -15,7 +15,7 @@ use std::time::Instant;
 
 use burn::tensor::{Bool, Device, Graph, Int, Tensor, TensorData, capture};
 use burn_kernels_core::route::cube_device;
-use burn_kernels_core::{AttentionImpl, AttnOptions, Sampler, StaticKvCache};
+use burn_kernels_core::{AttentionImpl, AttnOptions, Sampler, StaticKvCache, TensorOps};
 
 use crate::generate::{
     GenerateError, GenerateOptions, Generation, Rows, host_rows, last_logits, padded_batch,
@@ -247,7 +247,8 @@ impl<'a> CapturedDecoder<'a> {
             };
             let mut cache = shared.borrow_mut();
             let hidden = model.forward_at(tokens, rope, &opts, &mut cache.at(len), attention)?;
-            Ok(model.logits(hidden).reshape([b, vocab]))
+            let ops = attention.layer_ops().unwrap_or(&TensorOps);
+            Ok(model.logits_with(hidden, ops).reshape([b, vocab]))
         });
         let mut step = Replayed::new(&device, inputs, step);
         step.info.capacity = capacity;

@@ -4,7 +4,9 @@
 use burn::module::{Module, Param};
 use burn::nn::RmsNorm;
 use burn::tensor::{DType, Device, Distribution, Int, Tensor, TensorCreationOptions, TensorData};
-use burn_kernels_core::{AttentionImpl, AttnOptions, CacheError, KvCache, Rope, TensorOps, gemm};
+use burn_kernels_core::{
+    AttentionImpl, AttnOptions, CacheError, KvCache, LayerOps, Rope, TensorOps, gemm,
+};
 
 use crate::config::LlamaConfig;
 use crate::loader::{Checkpoint, HostTensor, LoadError};
@@ -359,6 +361,20 @@ impl Llama {
         };
         let vocab = logits.dims()[1];
         logits.reshape([b, s, vocab]).cast(DType::F32)
+    }
+
+    /// [`Llama::logits`] through `ops`' projections: with [`burn_kernels_core::FusedOps`], a
+    /// decode step's few rows take the GEMV kernels (the tied head reads the embedding along
+    /// its rows) instead of Burn's matmul.
+    ///
+    /// # Shapes
+    /// - `hidden`: `[batch, seq, hidden]`; returns `[batch, seq, vocab]`
+    pub fn logits_with(&self, hidden: Tensor<3>, ops: &dyn LayerOps) -> Tensor<3> {
+        let logits = match &self.lm_head {
+            Some(w) => ops.linear(hidden, w.val()),
+            None => ops.linear_t(hidden, self.embed.val()),
+        };
+        logits.cast(DType::F32)
     }
 
     /// Builds the model from loaded weights, stored as `dtype` on `device`.

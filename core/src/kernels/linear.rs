@@ -71,11 +71,13 @@ impl Plan {
         // an H200 (2026-11-28, Llama-3-8B decode step, all projections forced): 2 vectors
         // 7.57 ms, 4 vectors 6.46, 8 vectors 6.68.
         let cv = tuning("BURN_KERNELS_GEMV_CV").unwrap_or(if n_vecs >= 512 { 4 } else { 2 });
+        let most = tuning("BURN_KERNELS_GEMV_RPC").unwrap_or(MAX_ROWS_PER_CUBE);
         let mut rows_per_cube = match rows {
             0..=1 => 1,
             2 => 2,
             _ => MAX_ROWS_PER_CUBE,
-        };
+        }
+        .min(most);
         // Every unit parks its partial sums in shared memory for the reduction (and, with a
         // norm in front, its sum of squares per row).
         let per_row = UNITS * (slots * vec + usize::from(norm)) * 4;
@@ -106,18 +108,26 @@ pub(super) fn vector_width(ns: &[usize], elem_bytes: usize) -> usize {
         .unwrap_or(1)
 }
 
-/// A plan parameter forced by the environment variable `name` (2, 4 or 8), for measuring
-/// plans against each other on a device (`bench --suite llama`); unset, the plan decides.
+/// A plan parameter forced by the environment variable `name` (1, 2, 4 or 8; `_RPC`: the
+/// most rows of `x` per cube, 1, 2 or 4), for measuring plans against each other on a device
+/// (`bench --suite llama`, `decode_profile`); unset, the plan decides.
 fn tuning(name: &str) -> Option<usize> {
     use std::sync::OnceLock;
     static CV: OnceLock<Option<usize>> = OnceLock::new();
     static UNROLL: OnceLock<Option<usize>> = OnceLock::new();
-    let cell = if name.ends_with("_CV") { &CV } else { &UNROLL };
+    static RPC: OnceLock<Option<usize>> = OnceLock::new();
+    let (cell, allowed): (_, &[usize]) = if name.ends_with("_CV") {
+        (&CV, &[2, 4, 8])
+    } else if name.ends_with("_RPC") {
+        (&RPC, &[1, 2, 4])
+    } else {
+        (&UNROLL, &[2, 4, 8])
+    };
     *cell.get_or_init(|| {
         std::env::var(name)
             .ok()
             .and_then(|v| v.parse().ok())
-            .filter(|v| [2, 4, 8].contains(v))
+            .filter(|v| allowed.contains(v))
     })
 }
 

@@ -2,6 +2,7 @@
 
 pub mod flash;
 mod gemv;
+pub mod gemv_t;
 pub mod linear;
 pub mod qkv_store;
 pub mod reduce;

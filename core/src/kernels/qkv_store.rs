@@ -65,6 +65,27 @@ fn qkv_rope_store_kernel<F: Float, I: Int, N: Size>(
     let nk = dims.nk;
     let n_vecs = nq + 2 * nk;
     let row0 = CUBE_POS_Y as usize * rpc;
+    // The epilogue's reads (each row's position, its angles, its cache slot), issued before the
+    // products so that their round trips overlap them: after the epilogue's first store the
+    // compiler could no longer move them ahead, and they cost two round trips per row.
+    let j = pair % half;
+    let mut cs = Array::<Vector<f32, N>>::new(rpc);
+    let mut sn = Array::<Vector<f32, N>>::new(rpc);
+    let mut at = Array::<u32>::new(rpc);
+    if s == 0 {
+        #[unroll]
+        for r in 0..rpc {
+            let mut row = row0 + r;
+            if row >= dims.rows {
+                row = dims.rows - 1;
+            }
+            // Positions are never negative (the model clamps padding to 0).
+            let t = usize::cast_from(positions[row]) * half + j;
+            cs[r] = cos[t];
+            sn[r] = sin[t];
+            at[r] = u32::cast_from(index[row % dims.seq]);
+        }
+    }
     let mut acc = zeros::<N>(rpc);
     let inv = norm_prologue::<F>(
         x,
@@ -134,15 +155,14 @@ fn qkv_rope_store_kernel<F: Float, I: Int, N: Size>(
         for r in 0..rpc {
             let row = row0 + r;
             if row < dims.rows {
-                write_row::<F, I, N>(
+                write_row::<F, N>(
                     &part,
                     q_out,
                     kc,
                     vc,
-                    positions,
-                    index,
-                    cos,
-                    sin,
+                    cs[r],
+                    sn[r],
+                    usize::cast_from(at[r]),
                     nq,
                     nk,
                     dims.seq,
@@ -151,7 +171,6 @@ fn qkv_rope_store_kernel<F: Float, I: Int, N: Size>(
                     partner,
                     member,
                     colv,
-                    pair % half,
                     row,
                     r,
                     rpc,
@@ -163,20 +182,19 @@ fn qkv_rope_store_kernel<F: Float, I: Int, N: Size>(
 }
 
 /// Row `row`'s value of column vector `colv` (this unit's total, rounded to the dtype as a
-/// separate projection stores it): rotated with its pair's other half `partner` where it is a
-/// query or a key (`member` 0 is the first half, `j` the vector within the half), then stored
-/// to the queries, or to the cache at `index[row % seq]`.
+/// separate projection stores it): rotated by the angles `cs`, `sn` with its pair's other half
+/// `partner` where it is a query or a key (`member` 0 is the first half), then stored to the
+/// queries, or to the cache at slot `at`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn write_row<F: Float, I: Int, N: Size>(
+fn write_row<F: Float, N: Size>(
     part: &Shared<[Vector<f32, N>]>,
     q_out: &mut Tensor<Vector<F, N>>,
     kc: &mut Tensor<Vector<F, N>>,
     vc: &mut Tensor<Vector<F, N>>,
-    positions: &Tensor<I>,
-    index: &Tensor<I>,
-    cos: &Tensor<Vector<f32, N>>,
-    sin: &Tensor<Vector<f32, N>>,
+    cs: Vector<f32, N>,
+    sn: Vector<f32, N>,
+    at: usize,
     nq: usize,
     nk: usize,
     seq: usize,
@@ -185,23 +203,19 @@ fn write_row<F: Float, I: Int, N: Size>(
     partner: usize,
     member: usize,
     colv: usize,
-    j: usize,
     row: usize,
     r: usize,
     #[comptime] rpc: usize,
     #[comptime] hv: usize,
 ) {
     let own = Vector::<f32, N>::cast_from(Vector::<F, N>::cast_from(part[c * rpc + r]));
-    // The cache row this sequence position goes to.
+    // The sequence this row belongs to (its cache slot is `at`).
     let b = row / seq;
-    let at = usize::cast_from(index[row % seq]);
     if colv < nq + nk {
         let other = Vector::<f32, N>::cast_from(Vector::<F, N>::cast_from(part[partner * rpc + r]));
-        // Positions are never negative (the model clamps padding to 0).
-        let t = usize::cast_from(positions[row]) * comptime!(hv / 2) + j;
         // First half: x1·cos − x2·sin; second half: x2·cos + x1·sin.
         let sign = Vector::<f32, N>::new(f32::cast_from(member) * f32::new(2.0) - f32::new(1.0));
-        let rotated = Vector::<F, N>::cast_from(own * cos[t] + sign * other * sin[t]);
+        let rotated = Vector::<F, N>::cast_from(own * cs + sign * other * sn);
         if colv < nq {
             q_out[row * nq + colv] = rotated;
         } else {

@@ -47,7 +47,7 @@ pub fn strided(w: Tensor<2>) -> Tensor<2> {
 /// time (45), in pairs (6) and in 16-byte vectors (200, 576), with partial cubes of columns.
 /// Outputs land in NaN-poisoned memory.
 pub fn fused_projections_match_host_products(device: &Device) {
-    let ops = ["gemv", "gemv3", "gemv_swiglu"];
+    let ops = ["gemv", "gemv_t", "gemv3", "gemv_swiglu"];
     let before = ops.map(launches);
     for dtype in float_dtypes(device) {
         let cases = [
@@ -71,6 +71,38 @@ pub fn fused_projections_match_host_products(device: &Device) {
             let got = require_kernels(|| FusedOps.linear(x, w));
             assert_eq!(got.dims(), [b, s, n]);
             let name = format!("linear {dtype:?} {b}x{s}x{k} · {k}x{n}");
+            assert_product_close(&name, &to_f32(got.into_data()), &want, dtype, k, device);
+        }
+
+        // x · eᵀ (a tied LM head): one row, three, eight (two cubes of rows), seventeen and
+        // thirty-two (past GEMV_MAX_ROWS, still the kernel); inner sizes in 16-byte vectors
+        // (576), pairs (130) and singles (97); output counts that leave a partial plane and
+        // cube (45, 1000, 33). Every other case reads a row-strided view of `e`.
+        for (i, [rows, k, n]) in [
+            [1, 576, 1000],
+            [3, 97, 45],
+            [8, 576, 200],
+            [17, 130, 33],
+            [32, 576, 100],
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let seed = 150 + 2 * i as u64;
+            let x = random_tensor::<3>([1, rows, k], Dist::STANDARD, seed, dtype, device);
+            let e = weight(n, k, seed + 1, dtype, device);
+            let (hx, he) = (to_f32(x.to_data()), to_f32(e.to_data()));
+            // e is [n, k]: its transpose [k, n] is what host_product multiplies by.
+            let ht: Vec<f32> = (0..k)
+                .flat_map(|j| (0..n).map(move |c| (j, c)))
+                .map(|(j, c)| he[c * k + j])
+                .collect();
+            let want = f32s(&host_product(&hx, &ht, rows, k, n));
+            let e = if i % 2 == 1 { strided(e) } else { e };
+            poison_memory(device, rows * n, dtype);
+            let got = require_kernels(|| FusedOps.linear_t(x, e));
+            assert_eq!(got.dims(), [1, rows, n]);
+            let name = format!("linear_t {dtype:?} {rows}x{k} · ({n}x{k})ᵀ");
             assert_product_close(&name, &to_f32(got.into_data()), &want, dtype, k, device);
         }
 
