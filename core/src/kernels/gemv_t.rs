@@ -36,6 +36,7 @@ fn gemv_t_kernel<F: Float, N: Size>(
     n: usize,
     e_row: usize,
     #[comptime] rpc: usize,
+    #[comptime] vec: usize,
     #[define(F)] _dtype: ElemType,
 ) {
     let lane = UNIT_POS_X as usize;
@@ -76,11 +77,18 @@ fn gemv_t_kernel<F: Float, N: Size>(
     let mut red = Shared::<[f32]>::new_slice(comptime!(PLANES * PER_PLANE * rpc * LANES));
     #[unroll]
     for i in 0..slots {
-        red[(plane * slots + i) * LANES + lane] = horizontal_sum::<N>(acc[i]);
+        // The sum of the vector's lanes.
+        let a = acc[i];
+        let mut t = f32::new(0.0);
+        #[unroll]
+        for l in 0..vec {
+            t += a.extract(l);
+        }
+        red[(plane * slots + i) * LANES + lane] = t;
     }
     sync_cube();
-    // Runtime, not comptime: the loop mutates it.
-    let mut half = LANES / 2;
+    // Runtime, not comptime: the loop mutates it (CUBE_DIM_X is LANES).
+    let mut half = CUBE_DIM_X as usize / 2;
     while half > 0 {
         if lane < half {
             #[unroll]
@@ -100,17 +108,6 @@ fn gemv_t_kernel<F: Float, N: Size>(
             out[row * n + v] = F::cast_from(red[(plane * slots + lane) * LANES]);
         }
     }
-}
-
-/// The sum of a vector's lanes.
-#[cube]
-fn horizontal_sum<N: Size>(v: Vector<f32, N>) -> f32 {
-    let mut t = f32::new(0.0);
-    #[unroll]
-    for i in 0..v.vector_size() {
-        t += v.extract(i);
-    }
-    t
 }
 
 /// `x · eᵀ` accumulated in f32.
@@ -163,6 +160,7 @@ pub fn gemv_t(x: CubeTensor, e: CubeTensor) -> CubeTensor {
         n,
         e_row,
         rpc,
+        vec,
         dtype_to_storage_type(dtype),
     );
     out
