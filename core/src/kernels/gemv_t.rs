@@ -11,11 +11,11 @@
 use burn::backend::cubecl::dtype_to_storage_type;
 use burn::tensor::Shape;
 use burn_cubecl::{
-    kernel::{into_contiguous, untile},
-    ops::numeric::empty_device_contiguous_dtype,
-    tensor::CubeTensor,
+    kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype, tensor::CubeTensor,
 };
 use cubecl::prelude::*;
+
+use super::linear::{vector_width, weight_rows};
 
 /// Rows of `E` per plane.
 const PER_PLANE: usize = 4;
@@ -33,7 +33,7 @@ fn gemv_t_kernel<F: Float, N: Size>(
     out: &mut Tensor<F>,
     rows: usize,
     k_vecs: usize,
-    n: usize,
+    n_out: usize,
     e_row: usize,
     #[comptime] rpc: usize,
     #[comptime] vec: usize,
@@ -54,8 +54,8 @@ fn gemv_t_kernel<F: Float, N: Size>(
         #[unroll]
         for i in 0..PER_PLANE {
             let mut v = v0 + i;
-            if v >= n {
-                v = n - 1;
+            if v >= n_out {
+                v = n_out - 1;
             }
             ev[i] = e[v * e_row + kv];
         }
@@ -104,8 +104,8 @@ fn gemv_t_kernel<F: Float, N: Size>(
         let r = lane / PER_PLANE;
         let v = v0 + lane % PER_PLANE;
         let row = row0 + r;
-        if row < rows && v < n {
-            out[row * n + v] = F::cast_from(red[(plane * slots + lane) * LANES]);
+        if row < rows && v < n_out {
+            out[row * n_out + v] = F::cast_from(red[(plane * slots + lane) * LANES]);
         }
     }
 }
@@ -128,18 +128,9 @@ pub fn gemv_t(x: CubeTensor, e: CubeTensor) -> CubeTensor {
     if rows == 0 || n == 0 {
         return out;
     }
-    let widest = (16 / x.dtype.size()).max(1);
-    let vec = [8, 4, 2, 1]
-        .into_iter()
-        .find(|v| *v <= widest && k.is_multiple_of(*v))
-        .unwrap_or(1);
-    let e = untile(e);
-    let [row, col] = [e.meta.strides()[0], e.meta.strides()[1]];
-    let (e, e_row) = if (col == 1 || k == 1) && row >= k && row.is_multiple_of(vec) {
-        (e, row / vec)
-    } else {
-        (into_contiguous(e), k / vec)
-    };
+    let vec = vector_width(&[k], x.dtype.size());
+    // `e`'s rows are what `weight_rows` calls rows: read in place wherever they start.
+    let (e, e_row) = weight_rows(e, vec);
     let rpc = rows.min(MAX_ROWS_PER_CUBE);
     let count = CubeCount::Static(
         n.div_ceil(PLANES * PER_PLANE) as u32,
