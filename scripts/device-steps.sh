@@ -14,7 +14,7 @@
 #            with the one-launch Q/K/V + RoPE + cache store and without it
 #            (BURN_KERNELS_QKV_STORE=0), batch 1 / 8 / 32
 #   tllama   llama_tests captured-decode tests (CUDA)
-#   tcore    core's CUDA tests
+#   tcore    core's CUDA tests of the decode-layer kernels (GEMVs, GEMV-T, Q/K/V + RoPE + store)
 #   tdet     llama_tests train::cuda::cce_step_is_deterministic
 #   bcceb    cce suite, SmolLM2 shape, 256 MiB blocks against Burn's plain loss
 # TL (minutes, default 8) bounds each step.
