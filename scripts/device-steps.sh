@@ -13,10 +13,17 @@
 #   dp1 dp8 dp32  decode_profile's eager and captured step (30 layers, f16, context 512),
 #            with the one-launch Q/K/V + RoPE + cache store and without it
 #            (BURN_KERNELS_QKV_STORE=0), batch 1 / 8 / 32
+#   att1 att8  decode_profile's captured step, batch 1 / 8, over the decode attention's
+#            layouts: planes per cube (BURN_KERNELS_DECODE_PLANES 2, 4, 8, 16) with the
+#            default split and with one split per KV head (BURN_KERNELS_DECODE_SPLIT=4096:
+#            the cube writes the output, no combine launch)
+#   tkv      kvcache_tests of the decode attention and the quantized read (CUDA)
 #   tllama   llama_tests captured-decode tests (CUDA)
 #   tcore    core's CUDA tests of the decode-layer kernels (GEMVs, GEMV-T, Q/K/V + RoPE + store)
 #   tdet     llama_tests train::cuda::cce_step_is_deterministic
 #   bcceb    cce suite, SmolLM2 shape, 256 MiB blocks against Burn's plain loss
+#   tdp      llama_tests data_parallel (two GPUs follow one; needs a 2-GPU machine)
+#   bdp bdp4  e2e-dp suite: the fine-tuning step on 1 GPU and on 2 (4) GPUs, same run
 # TL (minutes, default 8) bounds each step.
 set -uo pipefail
 D=${D:?bundle dir, e.g. .device/s43}
@@ -52,6 +59,17 @@ rpc() {
       --attention decode --fused-ops --context 512 --steps 32 --graph --batch "$1"
   done
 }
+att() {
+  for planes in 2 4 8 16; do
+    for split in default 4096; do
+      echo "-- BURN_KERNELS_DECODE_PLANES=$planes BURN_KERNELS_DECODE_SPLIT=$split"
+      if [ "$split" = default ]; then unset BURN_KERNELS_DECODE_SPLIT; else export BURN_KERNELS_DECODE_SPLIT=$split; fi
+      BURN_KERNELS_DECODE_PLANES=$planes run bin decode_profile --backend cuda --dtype f16 \
+        --attention decode --fused-ops --context 512 --steps 32 --graph --batch "$1"
+    done
+  done
+  unset BURN_KERNELS_DECODE_SPLIT
+}
 for s in "$@"; do
   case "$s" in
     env) step env bash -c "nvidia-smi; bash $D/run.sh env; ncu --version | tail -1" ;;
@@ -63,11 +81,16 @@ for s in "$@"; do
     ncu8) step ncu8 prof 8 ;;
     dp1 | dp8 | dp32) step "$s" dp "${s#dp}" ;;
     rpc8) step rpc8 rpc 8 ;;
+    att1 | att8) step "$s" att "${s#att}" ;;
+    tkv) step tkv run test kvcache_tests decode_attention quant_attention unfused ;;
     tllama) step tllama run test llama_tests captured --include-ignored ;;
     tcore) step tcore run test core qkv_rope_store norm_projections fused_projections static_cache fused_layer_ops ;;
     tdet) step tdet run test llama_tests cce_step_is_deterministic --include-ignored --nocapture ;;
     bcceb) step bcceb run bench --suite cce --filter smollm2 --cce-chunk-bytes 256 \
       --peers-dir "$peers" --out "$O/bcceb" ;;
+    tdp) step tdp run test llama_tests data_parallel --include-ignored --nocapture ;;
+    bdp) step bdp run bench --suite e2e-dp --devices 0,1 --out "$O/bdp" ;;
+    bdp4) step bdp4 run bench --suite e2e-dp --devices 0,1,2,3 --out "$O/bdp4" ;;
     *) echo "unknown step $s" ;;
   esac
 done

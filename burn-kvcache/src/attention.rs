@@ -2,7 +2,7 @@
 //! values, and attention straight from KIVI-packed keys and values.
 
 use burn::backend::Dispatch;
-use burn::tensor::{Device, IntDType, Tensor};
+use burn::tensor::{Device, Tensor};
 use burn_kernels_core::{AttentionImpl, AttnOptions, BurnAttention};
 
 use crate::{
@@ -51,11 +51,11 @@ pub fn kv_has_quant_attention(device: &Device) -> bool {
         && !device.is_autodiff()
 }
 
-/// The key padding as the kernels read it: `[batch, skv]` i32, non-zero = hidden.
+/// The key padding as the kernels read it: `[batch, skv]` bool, `true` = hidden, as stored.
 fn key_mask(opts: &AttnOptions) -> KeyMask<Dispatch> {
     match &opts.key_padding {
         Some(m) => KeyMask::Present {
-            mask: m.clone().int().cast(IntDType::I32).into_dispatch(),
+            mask: m.clone().into_dispatch(),
         },
         None => KeyMask::Absent,
     }

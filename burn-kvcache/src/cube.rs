@@ -9,7 +9,7 @@
 
 use burn::backend::{
     Backend, ExtensionType, backend_extension,
-    tensor::{FloatTensor, IntTensor},
+    tensor::{BoolTensor, FloatTensor, IntTensor},
 };
 
 use crate::QuantLayout;
@@ -46,12 +46,13 @@ pub enum KvTail<B: Backend> {
 /// The key padding of an attention call, if any.
 ///
 /// # Shapes
-/// - `mask`: `[b, skv]` i32, non-zero = hidden
+/// - `mask`: `[b, skv]` bool, `true` = hidden (any strides: the kernels read Burn's bool
+///   storage in place, so a step converts nothing)
 #[derive(ExtensionType)]
 #[extension_type(fusion: cfg(all(feature = "cube", feature = "fusion")))]
 pub enum KeyMask<B: Backend> {
     Absent,
-    Present { mask: IntTensor<B> },
+    Present { mask: BoolTensor<B> },
 }
 
 /// What [`KvKernels::kv_quant_attention`] needs besides its tensors: the layouts of the packed
@@ -332,7 +333,7 @@ mod cube_backend {
                     mask_of(mask),
                     scale,
                     causal,
-                    lanes,
+                    kernels::decode_attention::DecodeLayout::new(lanes),
                 );
             }
             // The quantized read with no quantized part: every position is in the tail.

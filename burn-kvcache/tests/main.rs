@@ -21,6 +21,7 @@ macro_rules! on_all {
 }
 
 mod cache;
+mod decode_attention;
 mod ops;
 mod quant_attention;
 mod shadowkv;

@@ -1,8 +1,8 @@
 //! Calling a backend extension on `CubeBackend` directly, outside Burn's `Dispatch` and
 //! `Fusion`: each crate has one test that compares this path with the `Dispatch` one.
 
-use burn::backend::ops::{FloatTensorOps, IntTensorOps};
-use burn::backend::tensor::{FloatTensor, IntTensor};
+use burn::backend::ops::{BoolTensorOps, FloatTensorOps, IntTensorOps};
+use burn::backend::tensor::{BoolTensor, FloatTensor, IntTensor};
 use burn::tensor::{Device, Tensor, TensorData, read_sync};
 use burn_cubecl::{CubeBackend, CubeDevice};
 
@@ -25,6 +25,14 @@ pub fn int<const D: usize>(
     device: &Device,
 ) -> IntTensor<CubeBackend> {
     CubeBackend::int_from_data(t.to_data(), &cube_device(device))
+}
+
+/// `t`'s values as an unfused `CubeBackend` bool tensor on `device`.
+pub fn boolean<const D: usize>(
+    t: &Tensor<D, burn::tensor::Bool>,
+    device: &Device,
+) -> BoolTensor<CubeBackend> {
+    CubeBackend::bool_from_data(t.to_data(), &cube_device(device))
 }
 
 /// Reads an unfused float tensor back.

@@ -1,40 +1,53 @@
 //! Split-K attention over full-precision keys and values for a few query rows per KV head
-//! (decode steps, speculative verification), one plane per split:
+//! (decode steps, speculative verification), one cube per split:
 //!
-//! - `split_kernel`: the cube `(lanes, PLANES)` holds `PLANES` planes; plane `y` of cube `x`
-//!   owns split `x · PLANES + y` of KV head `CUBE_POS_Y`. Its lanes hold interleaved channels
-//!   (`lane`, `lane + lanes`, ...) of every query row of the head's group, so each load of a key
-//!   or value row is one coalesced read, a dot product is a per-lane partial and a `plane_sum`,
-//!   and the online softmax runs in registers (identical in every lane). Keys are read
-//!   `CHUNK` at a time before any is used, to keep several reads in flight. It writes each
-//!   split's running max, sum and unnormalized output, as the quantized read's partial kernel
-//!   does, and `combine_kernel` of [`super::quant_attention`] finishes.
-//! - The query, keys and values are read through their strides (no contiguous copies of the
-//!   swapped-head views a layer hands over).
+//! - `split_kernel`: cube `(x, y)` owns split `x` of KV head `y`. Its `planes` planes take the
+//!   split's keys `chunk` at a time, interleaved (plane `p` reads chunks `p`, `p + planes`, …).
+//!   A plane's lanes hold interleaved channels (`lane`, `lane + lanes`, …) of every query row
+//!   of the head's group, so a key or value row is one coalesced read and a dot product is a
+//!   per-lane partial and a `plane_sum`.
+//! - A chunk is branch-free: its keys and values are all read before any is used, every row's
+//!   scores of the chunk are reduced together (independent `plane_sum`s the compiler can
+//!   overlap), then one online-softmax update per row and chunk. Hidden keys (past the split,
+//!   masked, or after the query when causal) get no weight, and hidden positions are never
+//!   multiplied into the sums (a static cache's unwritten rows may hold anything).
+//! - The cube's planes merge their partial softmax states through shared memory. With one
+//!   split per KV head the cube writes the normalized output itself (one launch); otherwise it
+//!   writes the split's running max, sum and unnormalized output, and `combine_kernel` of
+//!   [`super::quant_attention`] finishes.
+//! - The query, keys, values and the key mask are read through their strides (no contiguous
+//!   copies of the swapped-head views a layer hands over), and the mask in its own storage
+//!   (Burn's bool dtype: `u8` or `u32`, non-zero = hidden), so a step converts nothing.
 //!
 //! Runs where planes have one known size that divides the head dim; [`supported`] says so,
 //! and the caller uses the one-unit-per-split kernel of [`super::quant_attention`] elsewhere.
+//! With `lanes = 1` (planes of one unit) it needs no plane ops, which is how its tests run
+//! it on runtimes without them.
 
 use burn::backend::cubecl::dtype_to_storage_type;
 use burn::tensor::{DType, Shape};
-use burn_cubecl::{
-    kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype, tensor::CubeTensor,
-};
+use burn_cubecl::{ops::numeric::empty_device_contiguous_dtype, tensor::CubeTensor};
 use cubecl::ir::features::Plane;
 use cubecl::prelude::*;
 
 use super::quant_attention::combine;
 
-/// Planes (splits) per cube.
-const PLANES: u32 = 4;
-/// Keys read ahead of their use.
-const CHUNK: usize = 4;
-/// Fewest keys per split; more where the splits would outnumber [`TARGET_PLANES`].
-const MIN_SPLIT: usize = 16;
+/// Planes per cube unless `BURN_KERNELS_DECODE_PLANES` says otherwise.
+const PLANES: usize = 4;
+/// Most keys a plane reads ahead of their use.
+const MAX_CHUNK: usize = 16;
 /// Planes a launch aims for (a few per SM of a large GPU).
 const TARGET_PLANES: usize = 1024;
 /// Most registers of query and output a lane may hold (`2 · rows · dim / lanes`).
 const MAX_REGS: usize = 128;
+/// Most f32 registers a lane spends on a chunk: its keys and values (`chunk · dim / lanes`
+/// each) and every row's scores (`rows · chunk`).
+const CHUNK_REGS: usize = 128;
+/// Most f32 values of the planes' merge in shared memory (24 KiB, under every runtime's
+/// 32 KiB).
+const SHARED_FLOATS: usize = 6144;
+/// The score of a hidden key (finite: a row that sees nothing keeps finite sums).
+const HIDDEN: f64 = -1.0e30;
 
 /// Sizes of one launch.
 #[derive(CubeLaunch, CubeType, Clone, Copy, Debug)]
@@ -48,31 +61,44 @@ pub struct DecodeArgs {
     pub scale: f32,
 }
 
+/// The compile-time shape of one launch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct Plan {
+    dim: usize,
+    lanes: usize,
+    rows: usize,
+    chunk: usize,
+    planes: usize,
+}
+
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
-fn split_kernel<F: Float>(
+fn split_kernel<F: Float, B: Int>(
     q: &Tensor<F>,
     k: &Tensor<F>,
     v: &Tensor<F>,
-    mask: &Tensor<i32>,
+    mask: &Tensor<B>,
     m_out: &mut Tensor<f32>,
     l_out: &mut Tensor<f32>,
     acc_out: &mut Tensor<f32>,
+    out: &mut Tensor<F>,
     args: DecodeArgs,
-    #[comptime] dim: usize,
-    #[comptime] lanes: usize,
-    #[comptime] rows: usize,
+    #[comptime] plan: Plan,
     #[comptime] causal: bool,
     #[comptime] masked: bool,
-    #[define(F)] _dtype: ElemType,
+    #[comptime] direct: bool,
+    #[define(F, B)] _dtypes: [ElemType; 2],
 ) {
-    let s = (CUBE_POS_X * PLANES + UNIT_POS_Y) as usize;
-    if s >= args.splits {
-        terminate!();
-    }
+    let dim = comptime!(plan.dim);
+    let lanes = comptime!(plan.lanes);
+    let rows = comptime!(plan.rows);
+    let chunk = comptime!(plan.chunk);
+    let planes = comptime!(plan.planes);
     let per = comptime!(dim / lanes);
-    let lane = UNIT_POS_X as usize;
+    let s = CUBE_POS_X as usize;
     let bkv = CUBE_POS_Y as usize;
+    let plane = UNIT_POS_Y as usize;
+    let lane = UNIT_POS_X as usize;
     let batch = bkv / args.hkv;
     let kvh = bkv % args.hkv;
 
@@ -92,7 +118,7 @@ fn split_kernel<F: Float>(
     let mut l = Array::<f32>::new(rows);
     #[unroll]
     for r in 0..rows {
-        m[r] = f32::new(-1.0e30);
+        m[r] = f32::new(HIDDEN);
         l[r] = f32::new(0.0);
         #[unroll]
         for e in 0..per {
@@ -107,81 +133,236 @@ fn split_kernel<F: Float>(
     }
     let kb = batch * k.stride(0) + kvh * k.stride(1);
     let vb = batch * v.stride(0) + kvh * v.stride(1);
-    let mut j0 = start;
+    let mb = batch * mask.stride(0);
+    let mut j0 = start + plane * chunk;
     while j0 < stop {
-        // Read CHUNK key and value rows (the last one again past the split's end).
-        let mut kk = Array::<f32>::new(comptime!(CHUNK * per));
-        let mut vv = Array::<f32>::new(comptime!(CHUNK * per));
+        let mut kk = Array::<f32>::new(comptime!(chunk * per));
+        let mut vv = Array::<f32>::new(comptime!(chunk * per));
+        let mut open = Array::<u32>::new(chunk);
         #[unroll]
-        for u in 0..CHUNK {
-            let mut j = j0 + u;
-            if j >= stop {
-                j = stop - 1;
+        for u in 0..chunk {
+            let j = j0 + u;
+            let mut visible = j < stop;
+            let jc = select(visible, j, stop - 1);
+            if masked {
+                visible = visible && mask[mb + jc * mask.stride(1)] == B::from_int(0);
             }
+            open[u] = select(visible, 1u32, 0u32);
             #[unroll]
             for e in 0..per {
                 let c = lane + e * lanes;
-                kk[u * per + e] = f32::cast_from(k[kb + j * k.stride(2) + c * k.stride(3)]);
-                vv[u * per + e] = f32::cast_from(v[vb + j * v.stride(2) + c * v.stride(3)]);
+                let kx = f32::cast_from(k[kb + jc * k.stride(2) + c * k.stride(3)]);
+                let vx = f32::cast_from(v[vb + jc * v.stride(2) + c * v.stride(3)]);
+                kk[u * per + e] = select(visible, kx, f32::new(0.0));
+                vv[u * per + e] = select(visible, vx, f32::new(0.0));
             }
         }
+        let scores = chunk_scores(&qv, &kk, per, lanes, rows, chunk);
         #[unroll]
-        for u in 0..CHUNK {
-            let j = j0 + u;
-            let mut visible = j < stop;
-            if masked && visible {
-                visible = mask[batch * args.skv + j] == 0;
+        for r in 0..rows {
+            // Key `j` is seen by row `r` when open and, causally, not after its query.
+            let mut top = m[r];
+            let mut seen = Array::<u32>::new(chunk);
+            #[unroll]
+            for u in 0..chunk {
+                let mut ok = open[u] == 1;
+                if causal {
+                    ok = ok && j0 + u + args.sq <= r % args.sq + args.skv;
+                }
+                seen[u] = select(ok, 1u32, 0u32);
+                top = f32::max(top, select(ok, scores[r * chunk + u], f32::new(HIDDEN)));
             }
-            // Uniform over the plane: every lane has the same `j`.
-            if visible {
+            let alpha = f32::exp(m[r] - top);
+            let mut sum = l[r] * alpha;
+            #[unroll]
+            for e in 0..per {
+                acc[r * per + e] *= alpha;
+            }
+            #[unroll]
+            for u in 0..chunk {
+                let ok = seen[u] == 1;
+                let p = select(ok, f32::exp(scores[r * chunk + u] - top), f32::new(0.0));
+                sum += p;
                 #[unroll]
-                for r in 0..rows {
-                    let mut part = f32::new(0.0);
-                    #[unroll]
-                    for e in 0..per {
-                        part += qv[r * per + e] * kk[u * per + e];
-                    }
-                    let dot = plane_sum(part);
-                    let mut seen = true;
-                    if causal {
-                        seen = j + args.sq <= r % args.sq + args.skv;
-                    }
-                    if seen {
-                        let mut mr = m[r];
-                        if dot > mr {
-                            let alpha = f32::exp(mr - dot);
-                            l[r] *= alpha;
-                            #[unroll]
-                            for e in 0..per {
-                                acc[r * per + e] *= alpha;
-                            }
-                            mr = dot;
-                            m[r] = dot;
-                        }
-                        let p = f32::exp(dot - mr);
-                        l[r] += p;
-                        #[unroll]
-                        for e in 0..per {
-                            acc[r * per + e] += p * vv[u * per + e];
-                        }
-                    }
+                for e in 0..per {
+                    acc[r * per + e] += select(ok, p * vv[u * per + e], f32::new(0.0));
                 }
             }
+            l[r] = sum;
+            m[r] = top;
         }
-        j0 += CHUNK;
+        j0 += comptime!(planes * chunk);
     }
+    finish::<F>(
+        &m,
+        &l,
+        &acc,
+        m_out,
+        l_out,
+        acc_out,
+        out,
+        bkv,
+        s,
+        args.splits,
+        plane,
+        lane,
+        plan,
+        direct,
+    );
+}
 
+/// Every row's scaled score of each key of a chunk: `[rows, chunk]`, in every lane.
+#[cube]
+fn chunk_scores(
+    qv: &Array<f32>,
+    kk: &Array<f32>,
+    #[comptime] per: usize,
+    #[comptime] lanes: usize,
+    #[comptime] rows: usize,
+    #[comptime] chunk: usize,
+) -> Array<f32> {
+    let mut scores = Array::<f32>::new(comptime!(rows * chunk));
     #[unroll]
     for r in 0..rows {
-        let part = (bkv * rows + r) * args.splits + s;
-        if lane == 0 {
-            m_out[part] = m[r];
-            l_out[part] = l[r];
-        }
         #[unroll]
-        for e in 0..per {
-            acc_out[part * dim + lane + e * lanes] = acc[r * per + e];
+        for u in 0..chunk {
+            let mut part = f32::new(0.0);
+            #[unroll]
+            for e in 0..per {
+                part += qv[r * per + e] * kk[u * per + e];
+            }
+            if comptime!(lanes == 1) {
+                scores[r * chunk + u] = part;
+            } else {
+                scores[r * chunk + u] = plane_sum(part);
+            }
         }
+    }
+    scores
+}
+
+/// Merges the cube's planes (through shared memory when there are several) and writes the
+/// split's partial state, or with `direct` (one split) the normalized output.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn finish<F: Float>(
+    m: &Array<f32>,
+    l: &Array<f32>,
+    acc: &Array<f32>,
+    m_out: &mut Tensor<f32>,
+    l_out: &mut Tensor<f32>,
+    acc_out: &mut Tensor<f32>,
+    out: &mut Tensor<F>,
+    bkv: usize,
+    s: usize,
+    splits: usize,
+    plane: usize,
+    lane: usize,
+    #[comptime] plan: Plan,
+    #[comptime] direct: bool,
+) {
+    let dim = comptime!(plan.dim);
+    let lanes = comptime!(plan.lanes);
+    let rows = comptime!(plan.rows);
+    let planes = comptime!(plan.planes);
+    let per = comptime!(dim / lanes);
+    if comptime!(planes == 1) {
+        #[unroll]
+        for r in 0..rows {
+            #[unroll]
+            for e in 0..per {
+                let c = lane + e * lanes;
+                let row = bkv * rows + r;
+                write::<F>(
+                    m_out,
+                    l_out,
+                    acc_out,
+                    out,
+                    row,
+                    c,
+                    s,
+                    splits,
+                    m[r],
+                    l[r],
+                    acc[r * per + e],
+                    dim,
+                    direct,
+                );
+            }
+        }
+    } else {
+        let mut sm = Shared::<[f32]>::new_slice(comptime!(planes * rows));
+        let mut sl = Shared::<[f32]>::new_slice(comptime!(planes * rows));
+        let mut sa = Shared::<[f32]>::new_slice(comptime!(planes * rows * dim));
+        #[unroll]
+        for r in 0..rows {
+            if lane == 0 {
+                sm[plane * rows + r] = m[r];
+                sl[plane * rows + r] = l[r];
+            }
+            #[unroll]
+            for e in 0..per {
+                sa[(plane * rows + r) * dim + lane + e * lanes] = acc[r * per + e];
+            }
+        }
+        sync_cube();
+        let units = comptime!(planes * lanes);
+        let mut i = plane * lanes + lane;
+        while i < comptime!(rows * dim) {
+            let r = i / dim;
+            let c = i % dim;
+            let mut top = f32::new(HIDDEN);
+            #[unroll]
+            for y in 0..planes {
+                top = f32::max(top, sm[y * rows + r]);
+            }
+            let mut sum = f32::new(0.0);
+            let mut a = f32::new(0.0);
+            #[unroll]
+            for y in 0..planes {
+                let w = f32::exp(sm[y * rows + r] - top);
+                sum += w * sl[y * rows + r];
+                a += w * sa[(y * rows + r) * dim + c];
+            }
+            let row = bkv * rows + r;
+            write::<F>(
+                m_out, l_out, acc_out, out, row, c, s, splits, top, sum, a, dim, direct,
+            );
+            i += units;
+        }
+    }
+}
+
+/// Channel `c` of output row `row`: normalized into `out` with `direct`, else split `s`'s
+/// partial state (its max and sum written once, by channel 0).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn write<F: Float>(
+    m_out: &mut Tensor<f32>,
+    l_out: &mut Tensor<f32>,
+    acc_out: &mut Tensor<f32>,
+    out: &mut Tensor<F>,
+    row: usize,
+    c: usize,
+    s: usize,
+    splits: usize,
+    m: f32,
+    l: f32,
+    a: f32,
+    #[comptime] dim: usize,
+    #[comptime] direct: bool,
+) {
+    if direct {
+        // A row that sees no key returns zeros (finite, meaningless, as the interface allows).
+        let y = select(l > f32::new(0.0), a / l, f32::new(0.0));
+        out[row * dim + c] = F::cast_from(y);
+    } else {
+        let part = row * splits + s;
+        if c == 0 {
+            m_out[part] = m;
+            l_out[part] = l;
+        }
+        acc_out[part * dim + c] = a;
     }
 }
 
@@ -228,32 +409,94 @@ pub fn supported(client: &cubecl::client::Client, dim: usize, rows: usize) -> Op
     fits.then_some(lanes)
 }
 
-/// Keys per split for `skv` keys over `bkv` KV heads: at least [`MIN_SPLIT`], more where the
-/// splits would outnumber [`TARGET_PLANES`].
-fn split_len(skv: usize, bkv: usize) -> usize {
-    if let Some(fixed) = forced_split() {
-        return fixed;
-    }
-    let even = (skv * bkv).div_ceil(TARGET_PLANES);
-    even.max(MIN_SPLIT).next_multiple_of(CHUNK)
+/// How a launch is laid out: the plane size (from [`supported`], or 1: planes of one unit,
+/// which need no plane ops; each unit then holds every channel of its rows, which is meant
+/// for testing the kernel on runtimes without plane ops, such as wgpu on lavapipe), and
+/// optionally the planes per cube and the keys per split (`None`: the defaults, or the
+/// `BURN_KERNELS_DECODE_PLANES` / `BURN_KERNELS_DECODE_SPLIT` variables for measuring
+/// settings against each other on a device).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DecodeLayout {
+    pub lanes: usize,
+    /// A power of two ≤ 32, halved until the planes' merge fits shared memory.
+    pub planes: Option<usize>,
+    pub split: Option<usize>,
 }
 
-/// A split length forced by `BURN_KERNELS_DECODE_SPLIT` (a multiple of [`CHUNK`]), for
-/// measuring split lengths against each other on a device; unset, [`split_len`] decides.
-fn forced_split() -> Option<usize> {
-    use std::sync::OnceLock;
-    static SPLIT: OnceLock<Option<usize>> = OnceLock::new();
-    *SPLIT.get_or_init(|| {
-        std::env::var("BURN_KERNELS_DECODE_SPLIT")
+impl DecodeLayout {
+    /// The defaults for planes of `lanes` units.
+    pub fn new(lanes: usize) -> Self {
+        Self {
+            lanes,
+            planes: None,
+            split: None,
+        }
+    }
+
+    /// The launch's compile-time shape: the largest power-of-two chunk within [`CHUNK_REGS`]
+    /// (at most [`MAX_CHUNK`]; 4 with one lane), and the planes, halved until their merge
+    /// fits [`SHARED_FLOATS`].
+    fn plan(&self, dim: usize, rows: usize) -> Plan {
+        let lanes = self.lanes;
+        let per = dim / lanes;
+        let mut chunk = MAX_CHUNK;
+        while chunk > 1 && (2 * per + rows) * chunk > CHUNK_REGS {
+            chunk /= 2;
+        }
+        if lanes == 1 {
+            // Without plane ops (tests on such runtimes): chunks of several keys still.
+            chunk = 4;
+        }
+        let mut planes = self
+            .planes
+            .or_else(|| knob("BURN_KERNELS_DECODE_PLANES"))
+            .filter(|p| p.is_power_of_two() && *p <= 32)
+            .unwrap_or(PLANES);
+        while planes > 1 && planes * rows * (dim + 2) > SHARED_FLOATS {
+            planes /= 2;
+        }
+        Plan {
+            dim,
+            lanes,
+            rows,
+            chunk,
+            planes,
+        }
+    }
+
+    /// Keys per split for `skv` keys over `bkv` KV heads: whole passes of the cube (`planes ·
+    /// chunk` keys), more where the planes would outnumber [`TARGET_PLANES`].
+    fn split_len(&self, skv: usize, bkv: usize, plan: &Plan) -> usize {
+        if let Some(fixed) = self
+            .split
+            .or_else(|| knob("BURN_KERNELS_DECODE_SPLIT"))
+            .filter(|v| *v > 0)
+        {
+            return fixed;
+        }
+        let pass = plan.planes * plan.chunk;
+        let cubes = (TARGET_PLANES / plan.planes).max(1);
+        (skv * bkv).div_ceil(cubes).max(pass).next_multiple_of(pass)
+    }
+}
+
+/// A positive integer from the environment variable `name`, read once per name.
+fn knob(name: &'static str) -> Option<usize> {
+    use std::collections::HashMap;
+    use std::sync::{Mutex, OnceLock};
+    static KNOBS: OnceLock<Mutex<HashMap<&'static str, Option<usize>>>> = OnceLock::new();
+    let mut knobs = KNOBS.get_or_init(Default::default).lock().expect("knobs");
+    *knobs.entry(name).or_insert_with(|| {
+        std::env::var(name)
             .ok()
             .and_then(|v| v.parse::<usize>().ok())
-            .filter(|v| *v > 0 && v.is_multiple_of(CHUNK))
+            .filter(|v| *v > 0)
     })
 }
 
 /// Attention of `q` `[b, hq, sq, d]` over `k`, `v` `[b, hkv, skv, d]` (any strides, `q`'s
-/// dtype) with an optional `[b, skv]` i32 key mask (non-zero = hidden); `lanes` from
-/// [`supported`]. Returns `[b, hq, sq, d]` contiguous.
+/// dtype) with an optional `[b, skv]` key mask (any strides, any integer or bool storage,
+/// non-zero = hidden), laid out as `layout` says. Returns `[b, hq, sq, d]` contiguous.
 #[allow(clippy::too_many_arguments)]
 pub fn decode_attention(
     q: CubeTensor,
@@ -262,7 +505,7 @@ pub fn decode_attention(
     mask: Option<CubeTensor>,
     scale: f32,
     causal: bool,
-    lanes: usize,
+    layout: DecodeLayout,
 ) -> CubeTensor {
     let [b, hq, sq, d] = q.meta.shape().dims::<4>();
     let [_, hkv, skv, _] = k.meta.shape().dims::<4>();
@@ -271,31 +514,34 @@ pub fn decode_attention(
     let dtype = q.dtype;
     let group = hq / hkv;
     let rows = group * sq;
-    let out = empty_device_contiguous_dtype(
-        client.clone(),
-        device.clone(),
-        Shape::new([b, hq, sq, d]),
-        dtype,
-    );
+    let buf = |shape: Vec<usize>, dtype: DType| {
+        empty_device_contiguous_dtype(client.clone(), device.clone(), Shape::from(shape), dtype)
+    };
+    let out = buf(vec![b, hq, sq, d], dtype);
     if b * hq * sq == 0 {
         return out;
     }
     let bkv = b * hkv;
-    let split = split_len(skv.max(1), bkv);
+    let plan = layout.plan(d, rows);
+    let split = layout.split_len(skv.max(1), bkv, &plan);
     let splits = skv.div_ceil(split).max(1);
-    let f32_buf = |n: usize| {
-        empty_device_contiguous_dtype(client.clone(), device.clone(), Shape::new([n]), DType::F32)
+    let direct = splits == 1;
+    let parts = match direct {
+        true => 1,
+        false => bkv * rows * splits,
     };
-    let parts = bkv * rows * splits;
-    let (m, l, acc) = (f32_buf(parts), f32_buf(parts), f32_buf(parts * d));
+    let (m, l, acc) = (
+        buf(vec![parts], DType::F32),
+        buf(vec![parts], DType::F32),
+        buf(vec![parts * d], DType::F32),
+    );
     let masked = mask.is_some();
-    let mask = mask.map(into_contiguous).unwrap_or_else(|| {
-        empty_device_contiguous_dtype(client.clone(), device.clone(), Shape::new([1]), DType::I32)
-    });
+    let mask = mask.unwrap_or_else(|| buf(vec![1, 1], DType::I32));
+    let mask_dtype = dtype_to_storage_type(mask.dtype);
     split_kernel::launch(
         &client,
-        CubeCount::Static((splits as u32).div_ceil(PLANES), bkv as u32, 1),
-        CubeDim::new_2d(lanes as u32, PLANES),
+        CubeCount::Static(splits as u32, bkv as u32, 1),
+        CubeDim::new_2d(plan.lanes as u32, plan.planes as u32),
         q.into_tensor_arg(),
         k.into_tensor_arg(),
         v.into_tensor_arg(),
@@ -303,14 +549,16 @@ pub fn decode_attention(
         m.clone().into_tensor_arg(),
         l.clone().into_tensor_arg(),
         acc.clone().into_tensor_arg(),
+        out.clone().into_tensor_arg(),
         DecodeArgsLaunch::new(hkv, group, sq, skv, split, splits, scale),
-        d,
-        lanes,
-        rows,
+        plan,
         causal,
         masked,
-        dtype_to_storage_type(dtype),
+        direct,
+        [dtype_to_storage_type(dtype), mask_dtype],
     );
-    combine(m, l, acc, &out, b * hq * sq * d, splits, d);
+    if !direct {
+        combine(m, l, acc, &out, b * hq * sq * d, splits, d);
+    }
     out
 }

@@ -6,8 +6,9 @@
 //! - [`quantize`]: one unit per group (min/max, codes, its packed words);
 //! - [`dequantize`]: one unit per output element;
 //! - [`gather_rope`]: ShadowKV's key rebuild, one unit per rotated pair of output elements;
-//! - [`decode_attention`]: split-K attention over full-precision keys, one plane per split
-//!   (lanes over channels), combined by [`quant_attention`]'s combine kernel;
+//! - [`decode_attention`]: split-K attention over full-precision keys, one cube of planes per
+//!   split (lanes over channels, the planes merged in shared memory), combined by
+//!   [`quant_attention`]'s combine kernel where there are several splits;
 //! - [`quant_attention`]: attention read from packed KIVI keys and values (split keys, one
 //!   unit per query row and split, then one per output element to combine the splits).
 //!

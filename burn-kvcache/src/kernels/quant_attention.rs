@@ -83,7 +83,7 @@ impl QuantAttnArgs {
 
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
-fn partial_kernel<F: Float>(
+fn partial_kernel<F: Float, B: Int>(
     q: &Tensor<F>,
     kw: &Tensor<u32>,
     ks: &Tensor<F>,
@@ -93,7 +93,7 @@ fn partial_kernel<F: Float>(
     vm: &Tensor<F>,
     tk: &Tensor<F>,
     tv: &Tensor<F>,
-    mask: &Tensor<i32>,
+    mask: &Tensor<B>,
     m_out: &mut Tensor<f32>,
     l_out: &mut Tensor<f32>,
     acc_out: &mut Tensor<f32>,
@@ -101,7 +101,7 @@ fn partial_kernel<F: Float>(
     #[comptime] dim: usize,
     #[comptime] causal: bool,
     #[comptime] masked: bool,
-    #[define(F)] _dtype: ElemType,
+    #[define(F, B)] _dtypes: [ElemType; 2],
 ) {
     let idx = ABSOLUTE_POS;
     if idx >= args.rows * args.splits {
@@ -139,7 +139,7 @@ fn partial_kernel<F: Float>(
     for j in start..stop {
         let mut visible = true;
         if masked {
-            visible = mask[batch * skv + j] == 0;
+            visible = mask[batch * mask.stride(0) + j * mask.stride(1)] == B::from_int(0);
         }
         if visible {
             let mut dot = f32::new(0.0);
@@ -221,26 +221,14 @@ fn combine_kernel<F: Float>(
     let row = idx / dim;
     let c = idx % dim;
     let base = row * splits;
-    // Four splits per round, their reads issued together: a round trip to L2 per split made
-    // this launch as long as the attention itself at a few dozen splits.
+    // One pass, four splits a round with their reads issued together and the running state
+    // rescaled once per round: a round trip to L2 per split (or a pass for the maximum
+    // first) made this launch as long as the attention itself at a few dozen splits.
     let whole = splits / 4 * 4;
     let mut mx = f32::new(-1.0e30);
-    let mut s = 0usize;
-    while s < whole {
-        let a = m_in[base + s];
-        let b = m_in[base + s + 1];
-        let e = m_in[base + s + 2];
-        let f = m_in[base + s + 3];
-        mx = f32::max(mx, f32::max(f32::max(a, b), f32::max(e, f)));
-        s += 4;
-    }
-    while s < splits {
-        mx = f32::max(mx, m_in[base + s]);
-        s += 1;
-    }
     let mut l = f32::new(0.0);
     let mut acc = f32::new(0.0);
-    s = 0;
+    let mut s = 0usize;
     while s < whole {
         let p = base + s;
         let m0 = m_in[p];
@@ -255,19 +243,26 @@ fn combine_kernel<F: Float>(
         let a1 = acc_in[(p + 1) * dim + c];
         let a2 = acc_in[(p + 2) * dim + c];
         let a3 = acc_in[(p + 3) * dim + c];
-        let w0 = f32::exp(m0 - mx);
-        let w1 = f32::exp(m1 - mx);
-        let w2 = f32::exp(m2 - mx);
-        let w3 = f32::exp(m3 - mx);
-        l += w0 * l0 + w1 * l1 + w2 * l2 + w3 * l3;
-        acc += w0 * a0 + w1 * a1 + w2 * a2 + w3 * a3;
+        let top = f32::max(mx, f32::max(f32::max(m0, m1), f32::max(m2, m3)));
+        let alpha = f32::exp(mx - top);
+        let w0 = f32::exp(m0 - top);
+        let w1 = f32::exp(m1 - top);
+        let w2 = f32::exp(m2 - top);
+        let w3 = f32::exp(m3 - top);
+        l = l * alpha + w0 * l0 + w1 * l1 + w2 * l2 + w3 * l3;
+        acc = acc * alpha + w0 * a0 + w1 * a1 + w2 * a2 + w3 * a3;
+        mx = top;
         s += 4;
     }
     while s < splits {
         let part = base + s;
-        let w = f32::exp(m_in[part] - mx);
-        l += w * l_in[part];
-        acc += w * acc_in[part * dim + c];
+        let mp = m_in[part];
+        let top = f32::max(mx, mp);
+        let alpha = f32::exp(mx - top);
+        let w = f32::exp(mp - top);
+        l = l * alpha + w * l_in[part];
+        acc = acc * alpha + w * acc_in[part * dim + c];
+        mx = top;
         s += 1;
     }
     // A row that sees no key returns zeros (finite, meaningless, as the interface allows).
@@ -290,7 +285,7 @@ pub struct QuantAttnInputs {
     pub v: Option<(CubeTensor, CubeTensor, CubeTensor)>,
     /// `[b, hkv, tail, d]` each, `q`'s dtype (`tail ≥ 1`).
     pub tail: Option<(CubeTensor, CubeTensor)>,
-    /// `[b, qlen + tail]` i32, non-zero = hidden.
+    /// `[b, qlen + tail]`, any strides, bool or integer storage, non-zero = hidden.
     pub mask: Option<CubeTensor>,
 }
 
@@ -340,10 +335,15 @@ pub fn quant_attention(
         None => (stand_in(dtype), stand_in(dtype)),
     };
     let masked = inputs.mask.is_some();
-    let mask = inputs
-        .mask
-        .map(into_contiguous)
-        .unwrap_or_else(|| stand_in(burn::tensor::DType::I32));
+    let mask = inputs.mask.unwrap_or_else(|| {
+        empty_device_contiguous_dtype(
+            client.clone(),
+            device.clone(),
+            Shape::new([1, 1]),
+            burn::tensor::DType::I32,
+        )
+    });
+    let mask_dtype = dtype_to_storage_type(mask.dtype);
     let packed = |p: Option<(CubeTensor, CubeTensor, CubeTensor)>| {
         p.unwrap_or_else(|| {
             (
@@ -378,7 +378,7 @@ pub fn quant_attention(
         d,
         causal,
         masked,
-        dtype_to_storage_type(dtype),
+        [dtype_to_storage_type(dtype), mask_dtype],
     );
     combine(m, l, acc, &out, args.rows * d, args.splits, d);
     out

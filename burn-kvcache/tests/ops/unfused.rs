@@ -1,11 +1,11 @@
 //! The extension ops called on the unfused `CubeBackend` directly against the public ops
 //! through Burn's `Dispatch`, one helper per op.
 
-use burn::tensor::{Bool, DType, Device, Int, IntDType, Tensor, TensorCreationOptions, TensorData};
+use burn::tensor::{Bool, DType, Device, Int, Tensor, TensorCreationOptions, TensorData};
 use burn_cubecl::CubeBackend;
 use burn_kernels_core::AttnOptions;
 use burn_kernels_core::route::require_kernels;
-use burn_kernels_testing::unfused::{float, int, read_float, read_int};
+use burn_kernels_testing::unfused::{boolean, float, int, read_float, read_int};
 use burn_kernels_testing::{Dist, compare::to_f32, random_values};
 use burn_kvcache::{
     KeyMask, KvKernels, KvTail, Packed, PackedPrimitive, QuantAttnPlan, QuantAttnView, QuantLayout,
@@ -170,7 +170,6 @@ fn quant_attention_matches(device: &Device) {
         scale: opts.scale,
         causal: true,
     };
-    let mask = padding.int().cast(IntDType::I32);
     let direct = CubeBackend::kv_quant_attention(
         float(&q, device),
         prim(&kp, device),
@@ -180,7 +179,7 @@ fn quant_attention_matches(device: &Device) {
             v: float(&tv, device),
         },
         KeyMask::Present {
-            mask: int(&mask, device),
+            mask: boolean(&padding, device),
         },
         plan,
     );
