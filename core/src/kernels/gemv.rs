@@ -33,6 +33,7 @@ pub(super) fn gemv_kernel<F: Float, N: Size>(
     #[comptime] splits: usize,
     #[comptime] rpc: usize,
     #[comptime] unroll: usize,
+    #[comptime] stage: usize,
     #[define(F)] _dtype: ElemType,
 ) {
     let c = UNIT_POS_X as usize;
@@ -40,12 +41,23 @@ pub(super) fn gemv_kernel<F: Float, N: Size>(
     let colv = CUBE_POS_X as usize * cv + c;
     let row0 = CUBE_POS_Y as usize * rpc;
     let mut acc = zeros::<N>(rpc);
-    // No norm: `x` stands in for the norm's inputs, which are not read.
-    let inv = Array::<f32>::new(1usize);
+    let mut xs = staged_rows(rpc, stage);
+    // No norm: `x` stands in for the norm's inputs, which are not read (nor is `sum`, which
+    // `out`'s scalar view would be: `x` itself is never written).
+    let inv = stage_input::<F>(
+        x,
+        &mut xs,
+        rows,
+        k_dim,
+        row0,
+        rpc,
+        comptime!(cv * splits),
+        stage,
+    );
     if colv < n_vecs {
         product::<F, N>(
-            x, x, x, &inv, w, &mut acc, 0usize, colv, w_row, rows, k_dim, row0, s, splits, rpc,
-            unroll, false,
+            x, x, x, &inv, &xs, w, &mut acc, 0usize, colv, w_row, rows, k_dim, row0, s, splits,
+            rpc, unroll, false, stage,
         );
     }
     let mut part = Shared::<[Vector<f32, N>]>::new_slice(splits * cv * rpc);
@@ -91,6 +103,7 @@ pub(super) fn gemv3_kernel<F: Float, N: Size>(
     #[comptime] rpc: usize,
     #[comptime] unroll: usize,
     #[comptime] norm: bool,
+    #[comptime] stage: usize,
     #[define(F)] _dtype: ElemType,
 ) {
     let c = UNIT_POS_X as usize;
@@ -98,10 +111,13 @@ pub(super) fn gemv3_kernel<F: Float, N: Size>(
     let colv = CUBE_POS_X as usize * cv + c;
     let row0 = CUBE_POS_Y as usize * rpc;
     let mut acc = zeros::<N>(rpc);
+    let mut xs = staged_rows(rpc, stage);
     let inv = norm_prologue::<F>(
         x,
         y,
+        gamma,
         sum,
+        &mut xs,
         rows,
         k_dim,
         row0,
@@ -109,23 +125,24 @@ pub(super) fn gemv3_kernel<F: Float, N: Size>(
         rpc,
         comptime!(cv * splits),
         norm,
+        stage,
     );
     if colv < na {
         product::<F, N>(
-            x, y, gamma, &inv, wa, &mut acc, 0usize, colv, w_rows.a, rows, k_dim, row0, s, splits,
-            rpc, unroll, norm,
+            x, y, gamma, &inv, &xs, wa, &mut acc, 0usize, colv, w_rows.a, rows, k_dim, row0, s,
+            splits, rpc, unroll, norm, stage,
         );
     } else if colv < na + nb {
         let cb = colv - na;
         product::<F, N>(
-            x, y, gamma, &inv, wb, &mut acc, 0usize, cb, w_rows.b, rows, k_dim, row0, s, splits,
-            rpc, unroll, norm,
+            x, y, gamma, &inv, &xs, wb, &mut acc, 0usize, cb, w_rows.b, rows, k_dim, row0, s,
+            splits, rpc, unroll, norm, stage,
         );
     } else if colv < na + nb + nc {
         let cc = colv - na - nb;
         product::<F, N>(
-            x, y, gamma, &inv, wc, &mut acc, 0usize, cc, w_rows.c, rows, k_dim, row0, s, splits,
-            rpc, unroll, norm,
+            x, y, gamma, &inv, &xs, wc, &mut acc, 0usize, cc, w_rows.c, rows, k_dim, row0, s,
+            splits, rpc, unroll, norm, stage,
         );
     }
     let mut part = Shared::<[Vector<f32, N>]>::new_slice(splits * cv * rpc);
@@ -172,6 +189,7 @@ pub(super) fn gemv_swiglu_kernel<F: Float, N: Size>(
     #[comptime] rpc: usize,
     #[comptime] unroll: usize,
     #[comptime] norm: bool,
+    #[comptime] stage: usize,
     #[define(F)] _dtype: ElemType,
 ) {
     let c = UNIT_POS_X as usize;
@@ -179,10 +197,13 @@ pub(super) fn gemv_swiglu_kernel<F: Float, N: Size>(
     let colv = CUBE_POS_X as usize * cv + c;
     let row0 = CUBE_POS_Y as usize * rpc;
     let mut acc = zeros::<N>(comptime!(2 * rpc));
+    let mut xs = staged_rows(rpc, stage);
     let inv = norm_prologue::<F>(
         x,
         y,
+        gamma,
         sum,
+        &mut xs,
         rows,
         k_dim,
         row0,
@@ -190,19 +211,20 @@ pub(super) fn gemv_swiglu_kernel<F: Float, N: Size>(
         rpc,
         comptime!(cv * splits),
         norm,
+        stage,
     );
     if colv < n_vecs {
         let full = k_dim / (splits * unroll);
         for chunk in 0..full {
             swiglu_chunk::<F, N>(
-                x, y, gamma, &inv, wg, wu, &mut acc, chunk, colv, g_row, u_row, rows, k_dim, row0,
-                s, splits, rpc, unroll, false, norm,
+                x, y, gamma, &inv, &xs, wg, wu, &mut acc, chunk, colv, g_row, u_row, rows, k_dim,
+                row0, s, splits, rpc, unroll, false, norm, stage,
             );
         }
         if full * splits * unroll < k_dim {
             swiglu_chunk::<F, N>(
-                x, y, gamma, &inv, wg, wu, &mut acc, full, colv, g_row, u_row, rows, k_dim, row0,
-                s, splits, rpc, unroll, true, norm,
+                x, y, gamma, &inv, &xs, wg, wu, &mut acc, full, colv, g_row, u_row, rows, k_dim,
+                row0, s, splits, rpc, unroll, true, norm, stage,
             );
         }
     }
@@ -225,13 +247,18 @@ pub(super) fn gemv_swiglu_kernel<F: Float, N: Size>(
 }
 
 /// The inverse RMS of the cube's `rpc` rows where the launch fuses the norm (see
-/// [`norm_rows`], which also writes `x + y` to `sum`); unread (and unset) without `norm`.
+/// [`norm_rows`], which also writes `x + y` to `sum`; unread and unset without `norm`), and
+/// with `stage` (the inner dimension, 0 for none) the cube's input rows in `xs`
+/// (`[rpc, stage]` f32): each element computed once per cube, exactly as [`input_value`]
+/// gives it, instead of once per column unit and product.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub(super) fn norm_prologue<F: Float>(
     x: &Tensor<F>,
     y: &Tensor<F>,
+    gamma: &Tensor<F>,
     sum: &mut Tensor<F>,
+    xs: &mut Shared<[f32]>,
     rows: usize,
     k_dim: usize,
     row0: usize,
@@ -239,12 +266,67 @@ pub(super) fn norm_prologue<F: Float>(
     #[comptime] rpc: usize,
     #[comptime] units: usize,
     #[comptime] norm: bool,
+    #[comptime] stage: usize,
 ) -> Array<f32> {
     let mut inv = Array::<f32>::new(rpc);
     if norm {
         norm_rows::<F>(x, y, sum, &mut inv, rows, k_dim, row0, eps, rpc, units);
     }
+    if comptime!(stage > 0) {
+        let tid = UNIT_POS as usize;
+        #[unroll]
+        for r in 0..rpc {
+            let row = row0 + r;
+            if row < rows {
+                let mut i = tid;
+                while i < k_dim {
+                    xs[r * stage + i] =
+                        input_value::<F>(x, y, gamma, &inv, row * k_dim + i, i, r, norm);
+                    i += units;
+                }
+            }
+        }
+        sync_cube();
+    }
     inv
+}
+
+/// [`norm_prologue`] of a launch without a norm: with `stage`, the cube's rows of `x` in `xs`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn stage_input<F: Float>(
+    x: &Tensor<F>,
+    xs: &mut Shared<[f32]>,
+    rows: usize,
+    k_dim: usize,
+    row0: usize,
+    #[comptime] rpc: usize,
+    #[comptime] units: usize,
+    #[comptime] stage: usize,
+) -> Array<f32> {
+    let inv = Array::<f32>::new(1usize);
+    if comptime!(stage > 0) {
+        let tid = UNIT_POS as usize;
+        #[unroll]
+        for r in 0..rpc {
+            let row = row0 + r;
+            if row < rows {
+                let mut i = tid;
+                while i < k_dim {
+                    xs[r * stage + i] = f32::cast_from(x[row * k_dim + i]);
+                    i += units;
+                }
+            }
+        }
+        sync_cube();
+    }
+    inv
+}
+
+/// The shared input rows of a launch: `[rpc, stage]` f32, or one unused slot without staging.
+#[cube]
+pub(super) fn staged_rows(#[comptime] rpc: usize, #[comptime] stage: usize) -> Shared<[f32]> {
+    Shared::<[f32]>::new_slice(comptime!(if stage > 0 { rpc * stage } else { 1 }))
 }
 
 /// The norm prologue of a fused launch: for each of the cube's rows, `sum = x + y` (rounded
@@ -349,6 +431,7 @@ pub(super) fn product<F: Float, N: Size>(
     y: &Tensor<F>,
     gamma: &Tensor<F>,
     inv: &Array<f32>,
+    xs: &Shared<[f32]>,
     w: &Tensor<Vector<F, N>>,
     acc: &mut Array<Vector<f32, N>>,
     #[comptime] first: usize,
@@ -362,6 +445,7 @@ pub(super) fn product<F: Float, N: Size>(
     #[comptime] rpc: usize,
     #[comptime] unroll: usize,
     #[comptime] norm: bool,
+    #[comptime] stage: usize,
 ) {
     let full = k_dim / (splits * unroll);
     for chunk in 0..full {
@@ -370,8 +454,8 @@ pub(super) fn product<F: Float, N: Size>(
             w, &mut wr, chunk, s, k_dim, w_row, colv, splits, unroll, false,
         );
         fma_chunk::<F, N>(
-            x, y, gamma, inv, &wr, acc, first, chunk, s, k_dim, rows, row0, splits, rpc, unroll,
-            false, norm,
+            x, y, gamma, inv, xs, &wr, acc, first, chunk, s, k_dim, rows, row0, splits, rpc,
+            unroll, false, norm, stage,
         );
     }
     if full * splits * unroll < k_dim {
@@ -380,8 +464,8 @@ pub(super) fn product<F: Float, N: Size>(
             w, &mut wr, full, s, k_dim, w_row, colv, splits, unroll, true,
         );
         fma_chunk::<F, N>(
-            x, y, gamma, inv, &wr, acc, first, full, s, k_dim, rows, row0, splits, rpc, unroll,
-            true, norm,
+            x, y, gamma, inv, xs, &wr, acc, first, full, s, k_dim, rows, row0, splits, rpc, unroll,
+            true, norm, stage,
         );
     }
 }
@@ -394,6 +478,7 @@ fn swiglu_chunk<F: Float, N: Size>(
     y: &Tensor<F>,
     gamma: &Tensor<F>,
     inv: &Array<f32>,
+    xs: &Shared<[f32]>,
     wg: &Tensor<Vector<F, N>>,
     wu: &Tensor<Vector<F, N>>,
     acc: &mut Array<Vector<f32, N>>,
@@ -410,6 +495,7 @@ fn swiglu_chunk<F: Float, N: Size>(
     #[comptime] unroll: usize,
     #[comptime] checked: bool,
     #[comptime] norm: bool,
+    #[comptime] stage: usize,
 ) {
     let mut gr = Array::<Vector<F, N>>::new(unroll);
     let mut ur = Array::<Vector<F, N>>::new(unroll);
@@ -420,12 +506,12 @@ fn swiglu_chunk<F: Float, N: Size>(
         wu, &mut ur, chunk, s, k_dim, u_row, colv, splits, unroll, checked,
     );
     fma_chunk::<F, N>(
-        x, y, gamma, inv, &gr, acc, 0usize, chunk, s, k_dim, rows, row0, splits, rpc, unroll,
-        checked, norm,
+        x, y, gamma, inv, xs, &gr, acc, 0usize, chunk, s, k_dim, rows, row0, splits, rpc, unroll,
+        checked, norm, stage,
     );
     fma_chunk::<F, N>(
-        x, y, gamma, inv, &ur, acc, rpc, chunk, s, k_dim, rows, row0, splits, rpc, unroll, checked,
-        norm,
+        x, y, gamma, inv, xs, &ur, acc, rpc, chunk, s, k_dim, rows, row0, splits, rpc, unroll,
+        checked, norm, stage,
     );
 }
 
@@ -469,6 +555,7 @@ fn fma_chunk<F: Float, N: Size>(
     y: &Tensor<F>,
     gamma: &Tensor<F>,
     inv: &Array<f32>,
+    xs: &Shared<[f32]>,
     wr: &Array<Vector<F, N>>,
     acc: &mut Array<Vector<f32, N>>,
     #[comptime] first: usize,
@@ -482,6 +569,7 @@ fn fma_chunk<F: Float, N: Size>(
     #[comptime] unroll: usize,
     #[comptime] checked: bool,
     #[comptime] norm: bool,
+    #[comptime] stage: usize,
 ) {
     #[unroll]
     for u in 0..unroll {
@@ -492,7 +580,11 @@ fn fma_chunk<F: Float, N: Size>(
             for r in 0..rpc {
                 let row = row0 + r;
                 if rpc == 1 || row < rows {
-                    let xv = input_value::<F>(x, y, gamma, inv, row * k_dim + k, k, r, norm);
+                    let xv = if comptime!(stage > 0) {
+                        xs[r * stage + k]
+                    } else {
+                        input_value::<F>(x, y, gamma, inv, row * k_dim + k, k, r, norm)
+                    };
                     acc[first + r] += wf * Vector::<f32, N>::new(xv);
                 }
             }

@@ -34,6 +34,9 @@ const UNROLL: usize = 4;
 const LONG_K: usize = 2048;
 /// Rows of `x` one cube multiplies with each read of `W`.
 pub const MAX_ROWS_PER_CUBE: usize = 4;
+/// Most bytes of shared memory a cube spends on its rows of the input (f32), computed once
+/// per cube (with the norm applied) instead of by every column unit at every multiply-add.
+const STAGE_BYTES: usize = 32 << 10;
 
 /// The launch's shape parameters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -48,6 +51,8 @@ pub(super) struct Plan {
     pub(super) rows_per_cube: usize,
     /// Rows of `W` a unit reads before it multiplies.
     pub(super) unroll: usize,
+    /// The inner dimension where the cube stages its input rows in shared memory, else 0.
+    pub(super) stage: usize,
 }
 
 impl Plan {
@@ -80,10 +85,19 @@ impl Plan {
         .min(most);
         // Every unit parks its partial sums in shared memory for the reduction (and, with a
         // norm in front, its sum of squares per row).
+        // Without staged input rows the kernels still declare one f32 of shared memory for
+        // them.
         let per_row = UNITS * (slots * vec + usize::from(norm)) * 4;
-        while rows_per_cube > 1 && per_row * rows_per_cube > max_shared {
+        while rows_per_cube > 1 && per_row * rows_per_cube + 4 > max_shared {
             rows_per_cube /= 2;
         }
+        // The staged input rows take their own shared memory beside the partial sums.
+        let staged = rows_per_cube * k * 4;
+        let stage = (tuning("BURN_KERNELS_GEMV_STAGE") != Some(0)
+            && staged <= STAGE_BYTES
+            && per_row * rows_per_cube + staged <= max_shared)
+            .then_some(k)
+            .unwrap_or(0);
         Self {
             vec,
             cv,
@@ -94,6 +108,7 @@ impl Plan {
             } else {
                 UNROLL
             }),
+            stage,
         }
     }
 }
@@ -109,17 +124,21 @@ pub(super) fn vector_width(ns: &[usize], elem_bytes: usize) -> usize {
 }
 
 /// A plan parameter forced by the environment variable `name` (1, 2, 4 or 8; `_RPC`: the
-/// most rows of `x` per cube, 1, 2 or 4), for measuring plans against each other on a device
-/// (`bench --suite llama`, `decode_profile`); unset, the plan decides.
+/// most rows of `x` per cube, 1, 2 or 4; `_STAGE`: 0 keeps the input rows out of shared
+/// memory), for measuring plans against each other on a device (`bench --suite llama`,
+/// `decode_profile`); unset, the plan decides.
 fn tuning(name: &str) -> Option<usize> {
     use std::sync::OnceLock;
     static CV: OnceLock<Option<usize>> = OnceLock::new();
     static UNROLL: OnceLock<Option<usize>> = OnceLock::new();
     static RPC: OnceLock<Option<usize>> = OnceLock::new();
+    static STAGE: OnceLock<Option<usize>> = OnceLock::new();
     let (cell, allowed): (_, &[usize]) = if name.ends_with("_CV") {
         (&CV, &[2, 4, 8])
     } else if name.ends_with("_RPC") {
         (&RPC, &[1, 2, 4])
+    } else if name.ends_with("_STAGE") {
+        (&STAGE, &[0, 1])
     } else {
         (&UNROLL, &[2, 4, 8])
     };
@@ -208,6 +227,7 @@ pub fn gemv(x: CubeTensor, w: CubeTensor) -> CubeTensor {
         plan.splits,
         plan.rows_per_cube,
         plan.unroll,
+        plan.stage,
         dtype_to_storage_type(dtype),
     );
     out
@@ -317,6 +337,7 @@ fn gemv3_with(
         plan.rows_per_cube,
         plan.unroll,
         has_norm,
+        plan.stage,
         dtype_to_storage_type(dtype),
     );
     (oa, ob, oc, sum)
@@ -389,6 +410,7 @@ fn gemv_swiglu_with(
         plan.rows_per_cube,
         plan.unroll,
         has_norm,
+        plan.stage,
         dtype_to_storage_type(dtype),
     );
     (out, sum)
@@ -429,7 +451,7 @@ mod tests {
             2
         );
         assert_eq!(
-            Plan::new(3, 97, &[576], 2, 2, false, 32 << 10).rows_per_cube,
+            Plan::new(3, 97, &[576], 2, 2, false, (32 << 10) + 4).rows_per_cube,
             2
         );
         assert_eq!(
@@ -437,8 +459,12 @@ mod tests {
             1
         );
         assert_eq!(
-            Plan::new(3, 97, &[576], 2, 1, false, 16 << 10).rows_per_cube,
+            Plan::new(3, 97, &[576], 2, 1, false, (16 << 10) + 4).rows_per_cube,
             2
+        );
+        assert_eq!(
+            Plan::new(3, 97, &[576], 2, 1, false, 16 << 10).rows_per_cube,
+            1
         );
         // A norm in front adds a sum of squares per unit and row.
         assert_eq!(
@@ -453,6 +479,22 @@ mod tests {
             Plan::new(3, 97, &[576], 2, 1, true, 34 << 10).rows_per_cube,
             2
         );
+        // The input rows are staged where they fit beside the partial sums.
+        assert_eq!(Plan::new(3, 576, &[576], 2, 2, true, 227 << 10).stage, 576);
+        assert_eq!(
+            Plan::new(3, 1536, &[576], 2, 1, false, 227 << 10).stage,
+            1536
+        );
+        assert_eq!(Plan::new(3, 4096, &[4096], 2, 1, false, 227 << 10).stage, 0);
+        assert_eq!(
+            Plan::new(1, 4096, &[4096], 2, 1, false, 227 << 10).stage,
+            4096
+        );
+        assert_eq!(
+            Plan::new(3, 131, &[200], 4, 2, false, (16 << 10) + 4).stage,
+            0
+        );
+        assert_eq!(Plan::new(3, 131, &[200], 4, 2, false, 32 << 10).stage, 131);
         for rows in 1..=16 {
             let p = Plan::new(rows, 97, &[200], 2, 1, false, 48 << 10);
             assert_eq!(p.cv * p.splits, UNITS);

@@ -12,7 +12,9 @@ use burn::backend::cubecl::dtype_to_storage_type;
 use burn_cubecl::{kernel::into_contiguous, tensor::CubeTensor};
 use cubecl::prelude::*;
 
-use super::gemv::{WeightRows, WeightRowsLaunch, norm_prologue, product, reduce_splits, zeros};
+use super::gemv::{
+    WeightRows, WeightRowsLaunch, norm_prologue, product, reduce_splits, staged_rows, zeros,
+};
 use super::linear::{NormIn, Plan, launch_dims, max_shared, output, vector_width, weight_rows};
 
 /// Sizes of one launch (column counts in vectors).
@@ -53,6 +55,7 @@ fn qkv_rope_store_kernel<F: Float, I: Int, N: Size>(
     #[comptime] rpc: usize,
     #[comptime] unroll: usize,
     #[comptime] hv: usize,
+    #[comptime] stage: usize,
     #[define(F, I)] _dtypes: [ElemType; 2],
 ) {
     let c = UNIT_POS_X as usize;
@@ -87,10 +90,13 @@ fn qkv_rope_store_kernel<F: Float, I: Int, N: Size>(
         }
     }
     let mut acc = zeros::<N>(rpc);
+    let mut xs = staged_rows(rpc, stage);
     let inv = norm_prologue::<F>(
         x,
         y,
+        gamma,
         sum,
+        &mut xs,
         dims.rows,
         dims.k_dim,
         row0,
@@ -98,11 +104,12 @@ fn qkv_rope_store_kernel<F: Float, I: Int, N: Size>(
         rpc,
         comptime!(cv * splits),
         true,
+        stage,
     );
     if colv < nq {
         product::<F, N>(
-            x, y, gamma, &inv, wq, &mut acc, 0usize, colv, w_rows.a, dims.rows, dims.k_dim, row0,
-            s, splits, rpc, unroll, true,
+            x, y, gamma, &inv, &xs, wq, &mut acc, 0usize, colv, w_rows.a, dims.rows, dims.k_dim,
+            row0, s, splits, rpc, unroll, true, stage,
         );
     } else if colv < nq + nk {
         product::<F, N>(
@@ -110,6 +117,7 @@ fn qkv_rope_store_kernel<F: Float, I: Int, N: Size>(
             y,
             gamma,
             &inv,
+            &xs,
             wk,
             &mut acc,
             0usize,
@@ -123,6 +131,7 @@ fn qkv_rope_store_kernel<F: Float, I: Int, N: Size>(
             rpc,
             unroll,
             true,
+            stage,
         );
     } else if colv < n_vecs {
         product::<F, N>(
@@ -130,6 +139,7 @@ fn qkv_rope_store_kernel<F: Float, I: Int, N: Size>(
             y,
             gamma,
             &inv,
+            &xs,
             wv,
             &mut acc,
             0usize,
@@ -143,6 +153,7 @@ fn qkv_rope_store_kernel<F: Float, I: Int, N: Size>(
             rpc,
             unroll,
             true,
+            stage,
         );
     }
     let mut part = Shared::<[Vector<f32, N>]>::new_slice(comptime!(splits * cv * rpc));
@@ -340,6 +351,7 @@ pub fn norm_gemv3_rope_store(
         plan.rows_per_cube,
         plan.unroll,
         d / plan.vec,
+        plan.stage,
         dtypes,
     );
     (sum, q, kc, vc)
