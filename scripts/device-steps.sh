@@ -17,6 +17,8 @@
 #            layouts: planes per cube (BURN_KERNELS_DECODE_PLANES 2, 4, 8, 16) with the
 #            default split and with one split per KV head (BURN_KERNELS_DECODE_SPLIT=4096:
 #            the cube writes the output, no combine launch)
+#   stg1 stg8  decode_profile's captured step, batch 1 / 8, with the GEMVs' input rows staged
+#            in shared memory and without (BURN_KERNELS_GEMV_STAGE=0)
 #   tkv      kvcache_tests of the decode attention and the quantized read (CUDA)
 #   tllama   llama_tests captured-decode tests (CUDA)
 #   tcore    core's CUDA tests of the decode-layer kernels (GEMVs, GEMV-T, Q/K/V + RoPE + store)
@@ -70,6 +72,13 @@ att() {
   done
   unset BURN_KERNELS_DECODE_SPLIT
 }
+stg() {
+  for stage in 1 0; do
+    echo "-- BURN_KERNELS_GEMV_STAGE=$stage"
+    BURN_KERNELS_GEMV_STAGE=$stage run bin decode_profile --backend cuda --dtype f16 \
+      --attention decode --fused-ops --context 512 --steps 32 --graph --batch "$1"
+  done
+}
 for s in "$@"; do
   case "$s" in
     env) step env bash -c "nvidia-smi; bash $D/run.sh env; ncu --version | tail -1" ;;
@@ -82,6 +91,7 @@ for s in "$@"; do
     dp1 | dp8 | dp32) step "$s" dp "${s#dp}" ;;
     rpc8) step rpc8 rpc 8 ;;
     att1 | att8) step "$s" att "${s#att}" ;;
+    stg1 | stg8) step "$s" stg "${s#stg}" ;;
     tkv) step tkv run test kvcache_tests decode_attention quant_attention unfused ;;
     tllama) step tllama run test llama_tests captured --include-ignored ;;
     tcore) step tcore run test core qkv_rope_store norm_projections fused_projections static_cache fused_layer_ops ;;
