@@ -85,9 +85,21 @@ fn timed<T>(device: &Device, f: impl FnOnce() -> T) -> (T, f64) {
     (out, t.elapsed().as_secs_f64() * 1e3)
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+fn median(v: Vec<f64>) -> f64 {
+    summary(v).0
+}
+
+/// The true median (the mean of the middle two for an even count), the minimum and the 90th
+/// percentile (nearest rank) of `v` (not empty).
+fn summary(mut v: Vec<f64>) -> (f64, f64, f64) {
     v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
+    let n = v.len();
+    let med = match n % 2 {
+        1 => v[n / 2],
+        _ => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    };
+    let p90 = v[((n * 9).div_ceil(10)).clamp(1, n) - 1];
+    (med, v[0], p90)
 }
 
 fn run(args: &Args, device: &Device, attention: Option<AttentionKind>) {
@@ -245,10 +257,10 @@ fn captured_steps(args: &Args, device: &Device, model: &Llama, attention: &dyn A
             times.push(ms);
         }
     }
+    let (med, min, p90) = summary(times);
     println!(
-        "captured decode step (median of {}): {:.3} ms; {}",
+        "captured decode step (median of {}): {med:.3} ms (min {min:.3}, p90 {p90:.3}); {}",
         args.steps,
-        median(times),
         decoder.info()
     );
 }
