@@ -2,6 +2,9 @@
 # Named measurement steps for a GPU machine, over a bundle of `cargo xtask device-build`
 # (its run.sh): one device call runs several steps and leaves each step's log under $O.
 #   D=.device/sNN O=$OUT/name bash scripts/device-steps.sh STEP...
+# The bundle these steps use:
+#   CARGO_TARGET_DIR=/work/target-cuda cargo xtask device-build \
+#     --only burn-kernels-bench,decode_profile,core,llama_tests,cce_tests,kvcache_tests --dir .device/sNN
 # Steps:
 #   env      nvidia-smi, the bundle's environment, whether ncu reads counters
 #   decode   llama suite, SmolLM2 decode at batch 1, 8, 32: the replayed step against

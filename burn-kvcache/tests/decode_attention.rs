@@ -90,7 +90,7 @@ fn decode_attention_strided(device: &Device) {
 /// NaN-poisoned memory, hidden keys and values are NaN, and the mask is a transposed view.
 #[cfg(feature = "cube")]
 fn kernel_layouts(device: &Device) {
-    use crate::quant_attention::{CASES, HostCase, f64s, host_attention, padding};
+    use crate::quant_attention::{CASES, HostCase, f64s, host_attention, inputs, padding};
     use burn::backend::ops::BoolTensorOps;
     use burn_cubecl::CubeBackend;
     use burn_kernels_testing::poison_memory;
@@ -100,16 +100,7 @@ fn kernel_layouts(device: &Device) {
     for dtype in float_dtypes(device) {
         for (ci, c) in CASES.iter().enumerate().filter(|(_, c)| c.n == 0) {
             let (skv, d, rows) = (c.t, c.d, (c.hq / c.hkv) * c.sq);
-            let seed = 5000 + 10 * ci as u64;
-            let q = random_tensor::<4>([c.b, c.hq, c.sq, d], Dist::STANDARD, seed, dtype, device);
-            let k = random_tensor::<4>([c.b, c.hkv, skv, d], Dist::PEAKY, seed + 1, dtype, device);
-            let v = random_tensor::<4>(
-                [c.b, c.hkv, skv, d],
-                Dist::STANDARD,
-                seed + 2,
-                dtype,
-                device,
-            );
+            let [q, k, v] = inputs(c, 5000 + 10 * ci as u64, dtype, device);
             let host = HostCase {
                 q: f64s(&q),
                 k: f64s(&k),

@@ -297,6 +297,16 @@ pub(crate) fn padding(c: &Case, device: &Device) -> Option<Tensor<2, Bool>> {
     })
 }
 
+/// A case's seeded query, keys and values (`[b, hq, sq, d]`, `[b, hkv, n + t, d]` twice).
+pub(crate) fn inputs(c: &Case, seed: u64, dtype: DType, device: &Device) -> [Tensor<4>; 3] {
+    let kv = [c.b, c.hkv, c.n + c.t, c.d];
+    [
+        random_tensor::<4>([c.b, c.hq, c.sq, c.d], Dist::STANDARD, seed, dtype, device),
+        random_tensor::<4>(kv, Dist::PEAKY, seed + 1, dtype, device),
+        random_tensor::<4>(kv, Dist::STANDARD, seed + 2, dtype, device),
+    ]
+}
+
 pub(crate) fn f64s<const D: usize>(t: &Tensor<D>) -> Vec<f64> {
     to_f32(t.to_data()).into_iter().map(f64::from).collect()
 }
@@ -315,17 +325,8 @@ fn matches_host(device: &Device) {
         .collect();
     for dtype in dtypes {
         for (ci, c) in CASES.iter().enumerate() {
-            let seed = 1000 + 10 * ci as u64;
             let (skv, d) = (c.n + c.t, c.d);
-            let q = random_tensor::<4>([c.b, c.hq, c.sq, d], Dist::STANDARD, seed, dtype, device);
-            let k = random_tensor::<4>([c.b, c.hkv, skv, d], Dist::PEAKY, seed + 1, dtype, device);
-            let v = random_tensor::<4>(
-                [c.b, c.hkv, skv, d],
-                Dist::STANDARD,
-                seed + 2,
-                dtype,
-                device,
-            );
+            let [q, k, v] = inputs(c, 1000 + 10 * ci as u64, dtype, device);
             let part = |x: &Tensor<4>, from: usize, to: usize| {
                 x.clone().slice([0..c.b, 0..c.hkv, from..to, 0..d])
             };

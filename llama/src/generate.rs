@@ -4,7 +4,7 @@
 use std::time::Instant;
 
 use burn::tensor::{Int, Tensor, TensorData, activation};
-use burn_kernels_core::{AttentionImpl, FullKvCache, KvCache, Sampler};
+use burn_kernels_core::{AttentionImpl, FullKvCache, KvCache, Sampler, TensorOps};
 
 use crate::model::Llama;
 
@@ -78,17 +78,21 @@ impl Generation {
     }
 }
 
-/// The last position's logits of every row, on the host.
+/// The last position's logits of every row, on the host, through `attention`'s layer ops
+/// where it has them (with [`burn_kernels_core::FusedOps`] a few rows take the GEMV kernels,
+/// the tied head the GEMV-T).
 ///
 /// # Errors
 /// [`GenerateError::Device`] when the device failed to compute them.
 pub(crate) fn last_logits(
     model: &Llama,
     hidden: Tensor<3>,
+    attention: &dyn AttentionImpl,
 ) -> Result<Vec<Vec<f32>>, GenerateError> {
     let [b, s, h] = hidden.dims();
     let last = hidden.slice([0..b, s - 1..s, 0..h]);
-    let logits = model.logits(last);
+    let ops = attention.layer_ops().unwrap_or(&TensorOps);
+    let logits = model.logits_with(last, ops);
     let vocab = logits.dims()[2];
     host_rows(logits.reshape([b, vocab]))
 }
@@ -177,7 +181,7 @@ pub fn generate(
 
     let t0 = Instant::now();
     let hidden = model.try_forward(tokens, &pad, cache, attention)?;
-    let mut logits = last_logits(model, hidden)?;
+    let mut logits = last_logits(model, hidden, attention)?;
     let prefill_secs = t0.elapsed().as_secs_f64();
 
     let mut rows = Rows::new(b, opts);
@@ -187,7 +191,7 @@ pub fn generate(
         let next = next.into_iter().map(i64::from).collect();
         let step = Tensor::<2, Int>::from_data(TensorData::new(next, [b, 1]), &device);
         let hidden = model.try_forward(step, &pad, cache, attention)?;
-        logits = last_logits(model, hidden)?;
+        logits = last_logits(model, hidden, attention)?;
         steps += 1;
     }
     Ok(Generation {

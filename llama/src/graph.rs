@@ -217,7 +217,7 @@ impl<'a> CapturedDecoder<'a> {
         let capacity = longest + max_new_tokens.max(1);
         let mut cache = StaticKvCache::new(model.config.num_layers, capacity);
         let hidden = model.try_forward(tokens, &pad, &mut cache, attention)?;
-        let logits = last_logits(model, hidden)?;
+        let logits = last_logits(model, hidden, attention)?;
         let cache = Rc::new(RefCell::new(cache));
         let inputs = StepInputs::default();
 

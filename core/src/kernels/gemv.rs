@@ -42,16 +42,20 @@ pub(super) fn gemv_kernel<F: Float, N: Size>(
     let row0 = CUBE_POS_Y as usize * rpc;
     let mut acc = zeros::<N>(rpc);
     let mut xs = staged_rows(rpc, stage);
-    // No norm: `x` stands in for the norm's inputs, which are not read (nor is `sum`, which
-    // `out`'s scalar view would be: `x` itself is never written).
-    let inv = stage_input::<F>(
+    // No norm: `x` stands in for the norm's inputs, which are not read.
+    let inv = Array::<f32>::new(1usize);
+    stage_rows::<F>(
         x,
+        x,
+        x,
+        &inv,
         &mut xs,
         rows,
         k_dim,
         row0,
         rpc,
         comptime!(cv * splits),
+        false,
         stage,
     );
     if colv < n_vecs {
@@ -272,6 +276,30 @@ pub(super) fn norm_prologue<F: Float>(
     if norm {
         norm_rows::<F>(x, y, sum, &mut inv, rows, k_dim, row0, eps, rpc, units);
     }
+    stage_rows::<F>(
+        x, y, gamma, &inv, xs, rows, k_dim, row0, rpc, units, norm, stage,
+    );
+    inv
+}
+
+/// With `stage`, the cube's input rows into `xs` (`[rpc, stage]` f32), each element as
+/// [`input_value`] gives it; nothing without.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn stage_rows<F: Float>(
+    x: &Tensor<F>,
+    y: &Tensor<F>,
+    gamma: &Tensor<F>,
+    inv: &Array<f32>,
+    xs: &mut Shared<[f32]>,
+    rows: usize,
+    k_dim: usize,
+    row0: usize,
+    #[comptime] rpc: usize,
+    #[comptime] units: usize,
+    #[comptime] norm: bool,
+    #[comptime] stage: usize,
+) {
     if comptime!(stage > 0) {
         let tid = UNIT_POS as usize;
         #[unroll]
@@ -281,46 +309,13 @@ pub(super) fn norm_prologue<F: Float>(
                 let mut i = tid;
                 while i < k_dim {
                     xs[r * stage + i] =
-                        input_value::<F>(x, y, gamma, &inv, row * k_dim + i, i, r, norm);
+                        input_value::<F>(x, y, gamma, inv, row * k_dim + i, i, r, norm);
                     i += units;
                 }
             }
         }
         sync_cube();
     }
-    inv
-}
-
-/// [`norm_prologue`] of a launch without a norm: with `stage`, the cube's rows of `x` in `xs`.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn stage_input<F: Float>(
-    x: &Tensor<F>,
-    xs: &mut Shared<[f32]>,
-    rows: usize,
-    k_dim: usize,
-    row0: usize,
-    #[comptime] rpc: usize,
-    #[comptime] units: usize,
-    #[comptime] stage: usize,
-) -> Array<f32> {
-    let inv = Array::<f32>::new(1usize);
-    if comptime!(stage > 0) {
-        let tid = UNIT_POS as usize;
-        #[unroll]
-        for r in 0..rpc {
-            let row = row0 + r;
-            if row < rows {
-                let mut i = tid;
-                while i < k_dim {
-                    xs[r * stage + i] = f32::cast_from(x[row * k_dim + i]);
-                    i += units;
-                }
-            }
-        }
-        sync_cube();
-    }
-    inv
 }
 
 /// The shared input rows of a launch: `[rpc, stage]` f32, or one unused slot without staging.
