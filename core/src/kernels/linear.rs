@@ -93,11 +93,12 @@ impl Plan {
         }
         // The staged input rows take their own shared memory beside the partial sums.
         let staged = rows_per_cube * k * 4;
-        let stage = (tuning("BURN_KERNELS_GEMV_STAGE") != Some(0)
-            && staged <= STAGE_BYTES
-            && per_row * rows_per_cube + staged <= max_shared)
-            .then_some(k)
-            .unwrap_or(0);
+        let fits = staged <= STAGE_BYTES && per_row * rows_per_cube + staged <= max_shared;
+        let stage = if fits && tuning("BURN_KERNELS_GEMV_STAGE") != Some(0) {
+            k
+        } else {
+            0
+        };
         Self {
             vec,
             cv,
