@@ -562,3 +562,57 @@ pub fn decode_attention(
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layout(lanes: usize, planes: usize) -> DecodeLayout {
+        DecodeLayout {
+            lanes,
+            planes: Some(planes),
+            split: None,
+        }
+    }
+
+    #[test]
+    fn plans_fit_their_register_and_shared_budgets() {
+        // SmolLM2 decode (3 query rows per KV head, 64 channels over 32 lanes): 16-key chunks.
+        let p = layout(32, 4).plan(64, 3);
+        assert_eq!((p.chunk, p.planes), (16, 4));
+        // A 5-token verification block (15 rows): 4-key chunks.
+        assert_eq!(layout(32, 4).plan(64, 15).chunk, 4);
+        // Llama-3-8B decode (4 rows, 128 channels): 8-key chunks.
+        assert_eq!(layout(32, 4).plan(128, 4).chunk, 8);
+        // Planes halve until their merge fits shared memory: 32 rows of 128 channels → 1.
+        assert_eq!(layout(32, 32).plan(128, 32).planes, 1);
+        assert_eq!(layout(32, 32).plan(64, 3).planes, 16);
+        // One lane: 4-key chunks whatever the registers.
+        assert_eq!(layout(1, 2).plan(64, 15).chunk, 4);
+        for rows in 1..=32 {
+            for dim in [32, 64, 128] {
+                let p = layout(32, 4).plan(dim, rows);
+                assert!(p.chunk.is_power_of_two());
+                assert!(p.planes * rows * (dim + 2) <= SHARED_FLOATS || p.planes == 1);
+            }
+        }
+    }
+
+    #[test]
+    fn splits_are_whole_passes_unless_forced() {
+        let l = layout(32, 4);
+        let p = l.plan(64, 3);
+        // SmolLM2 at batch 1 (3 KV heads), 576 keys: one pass of 64 keys per split.
+        assert_eq!(l.split_len(576, 3, &p), 64);
+        // Llama-3-8B at batch 1 (8 KV heads), 128K keys: 256 cubes' worth.
+        let p8 = l.plan(128, 4);
+        let s = l.split_len(131_072, 8, &p8);
+        assert_eq!(s % (p8.planes * p8.chunk), 0);
+        assert_eq!((131_072usize * 8).div_ceil(s), 256);
+        let forced = DecodeLayout {
+            split: Some(5),
+            ..l
+        };
+        assert_eq!(forced.split_len(576, 3, &p), 5);
+    }
+}
