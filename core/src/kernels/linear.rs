@@ -34,8 +34,9 @@ const UNROLL: usize = 4;
 const LONG_K: usize = 2048;
 /// Rows of `x` one cube multiplies with each read of `W`.
 pub const MAX_ROWS_PER_CUBE: usize = 4;
-/// Most bytes of shared memory a cube spends on its rows of the input (f32), computed once
-/// per cube (with the norm applied) instead of by every column unit at every multiply-add.
+/// Most bytes of shared memory a cube spends on its rows of the input (f32) where it stages
+/// them (computed once per cube, with the norm applied, instead of by every column unit at
+/// every multiply-add; see [`stage_len`]).
 const STAGE_BYTES: usize = 32 << 10;
 
 /// The launch's shape parameters.
@@ -91,14 +92,14 @@ impl Plan {
         while rows_per_cube > 1 && per_row * rows_per_cube + 4 > max_shared {
             rows_per_cube /= 2;
         }
-        // The staged input rows take their own shared memory beside the partial sums.
-        let staged = rows_per_cube * k * 4;
-        let fits = staged <= STAGE_BYTES && per_row * rows_per_cube + staged <= max_shared;
-        let stage = if fits && tuning("BURN_KERNELS_GEMV_STAGE") != Some(0) {
-            k
-        } else {
-            0
-        };
+        let staging = tuning("BURN_KERNELS_GEMV_STAGE") == Some(1);
+        let stage = stage_len(
+            k,
+            rows_per_cube * per_row,
+            rows_per_cube,
+            max_shared,
+            staging,
+        );
         Self {
             vec,
             cv,
@@ -114,6 +115,19 @@ impl Plan {
     }
 }
 
+/// The inner dimension `k` where a cube of `rpc` rows stages its input rows in shared memory
+/// (`rpc · k` f32 within [`STAGE_BYTES`], beside `partials` bytes of partial sums), else 0.
+/// Off unless `enabled` (`BURN_KERNELS_GEMV_STAGE=1`): on an H200 (2026-12-05, SmolLM2 shape,
+/// f16, the replayed decode step) staging made batch 1 slower (0.958 against 0.891 ms) and
+/// batch 8 no faster (2.562 against 2.513 ms).
+fn stage_len(k: usize, partials: usize, rpc: usize, max_shared: usize, enabled: bool) -> usize {
+    let staged = rpc * k * 4;
+    match enabled && staged <= STAGE_BYTES && partials + staged <= max_shared {
+        true => k,
+        false => 0,
+    }
+}
+
 /// Columns per vector read for products with `ns` columns of `elem_bytes` each: 16 bytes
 /// where every `n` allows, else the widest that divides them all.
 pub(super) fn vector_width(ns: &[usize], elem_bytes: usize) -> usize {
@@ -125,7 +139,7 @@ pub(super) fn vector_width(ns: &[usize], elem_bytes: usize) -> usize {
 }
 
 /// A plan parameter forced by the environment variable `name` (1, 2, 4 or 8; `_RPC`: the
-/// most rows of `x` per cube, 1, 2 or 4; `_STAGE`: 0 keeps the input rows out of shared
+/// most rows of `x` per cube, 1, 2 or 4; `_STAGE`: 1 stages the input rows in shared
 /// memory), for measuring plans against each other on a device (`bench --suite llama`,
 /// `decode_profile`); unset, the plan decides.
 fn tuning(name: &str) -> Option<usize> {
@@ -480,22 +494,14 @@ mod tests {
             Plan::new(3, 97, &[576], 2, 1, true, 34 << 10).rows_per_cube,
             2
         );
-        // The input rows are staged where they fit beside the partial sums.
-        assert_eq!(Plan::new(3, 576, &[576], 2, 2, true, 227 << 10).stage, 576);
-        assert_eq!(
-            Plan::new(3, 1536, &[576], 2, 1, false, 227 << 10).stage,
-            1536
-        );
-        assert_eq!(Plan::new(3, 4096, &[4096], 2, 1, false, 227 << 10).stage, 0);
-        assert_eq!(
-            Plan::new(1, 4096, &[4096], 2, 1, false, 227 << 10).stage,
-            4096
-        );
-        assert_eq!(
-            Plan::new(3, 131, &[200], 4, 2, false, (16 << 10) + 4).stage,
-            0
-        );
-        assert_eq!(Plan::new(3, 131, &[200], 4, 2, false, 32 << 10).stage, 131);
+        // Staged input rows (when enabled) where they fit beside the partial sums.
+        assert_eq!(stage_len(576, 4 * 17408, 4, 227 << 10, true), 576);
+        assert_eq!(stage_len(576, 4 * 17408, 4, 227 << 10, false), 0);
+        assert_eq!(stage_len(1536, 4 * 8192, 4, 227 << 10, true), 1536);
+        assert_eq!(stage_len(4096, 4 * 8192, 4, 227 << 10, true), 0);
+        assert_eq!(stage_len(4096, 8192, 1, 227 << 10, true), 4096);
+        assert_eq!(stage_len(131, 2 * 8192, 2, (16 << 10) + 4, true), 0);
+        assert_eq!(stage_len(131, 2 * 8192, 2, 32 << 10, true), 131);
         for rows in 1..=16 {
             let p = Plan::new(rows, 97, &[200], 2, 1, false, 48 << 10);
             assert_eq!(p.cv * p.splits, UNITS);
