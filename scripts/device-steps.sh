@@ -21,8 +21,9 @@
 #            default split and with one split per KV head (BURN_KERNELS_DECODE_SPLIT=4096:
 #            the cube writes the output, no combine launch)
 #   stg1 stg8  decode_profile's captured step, batch 1 / 8, with the GEMVs' input rows staged
-#            in shared memory and without (BURN_KERNELS_GEMV_STAGE=0)
-#   tkv      kvcache_tests of the decode attention and the quantized read (CUDA)
+#            in shared memory (BURN_KERNELS_GEMV_STAGE=1) and not (the default)
+#   tkv      kvcache_tests of the decode attention and the quantized read (CUDA; ~6 min:
+#            give it TL=8)
 #   tllama   llama_tests captured-decode tests (CUDA)
 #   tcore    core's CUDA tests of the decode-layer kernels (GEMVs, GEMV-T, Q/K/V + RoPE + store)
 #   tdet     llama_tests train::cuda::cce_step_is_deterministic
@@ -50,18 +51,14 @@ prof() {
     run bin decode_profile --backend cuda --dtype f16 --attention decode --fused-ops \
     --layers 2 --context 512 --check-context 8 --steps 2 --graph --batch "$1"
 }
-dp() {
-  for store in 1 0; do
-    echo "-- BURN_KERNELS_QKV_STORE=$store"
-    BURN_KERNELS_QKV_STORE=$store run bin decode_profile --backend cuda --dtype f16 \
-      --attention decode --fused-ops --context 512 --steps 32 --graph --batch "$1"
-  done
-}
-rpc() {
-  for cap in 1 2 4; do
-    echo "-- BURN_KERNELS_GEMV_RPC=$cap"
-    BURN_KERNELS_GEMV_RPC=$cap run bin decode_profile --backend cuda --dtype f16 \
-      --attention decode --fused-ops --context 512 --steps 32 --graph --batch "$1"
+# decode_profile's captured step (30 layers, f16, context 512) at batch $3, once for each
+# value in $2 of the environment variable $1.
+sweep() {
+  local var=$1 batch=$3 v
+  for v in $2; do
+    echo "-- $var=$v"
+    (export "$var=$v"; run bin decode_profile --backend cuda --dtype f16 \
+      --attention decode --fused-ops --context 512 --steps 32 --graph --batch "$batch")
   done
 }
 att() {
@@ -75,13 +72,6 @@ att() {
   done
   unset BURN_KERNELS_DECODE_SPLIT
 }
-stg() {
-  for stage in 1 0; do
-    echo "-- BURN_KERNELS_GEMV_STAGE=$stage"
-    BURN_KERNELS_GEMV_STAGE=$stage run bin decode_profile --backend cuda --dtype f16 \
-      --attention decode --fused-ops --context 512 --steps 32 --graph --batch "$1"
-  done
-}
 for s in "$@"; do
   case "$s" in
     env) step env bash -c "nvidia-smi; bash $D/run.sh env; ncu --version | tail -1" ;;
@@ -91,10 +81,10 @@ for s in "$@"; do
       --peers-dir "$peers" --out "$O/decode" ;;
     ncu1) step ncu1 prof 1 ;;
     ncu8) step ncu8 prof 8 ;;
-    dp1 | dp8 | dp32) step "$s" dp "${s#dp}" ;;
-    rpc8) step rpc8 rpc 8 ;;
+    dp1 | dp8 | dp32) step "$s" sweep BURN_KERNELS_QKV_STORE "1 0" "${s#dp}" ;;
+    rpc8) step rpc8 sweep BURN_KERNELS_GEMV_RPC "1 2 4" 8 ;;
     att1 | att8) step "$s" att "${s#att}" ;;
-    stg1 | stg8) step "$s" stg "${s#stg}" ;;
+    stg1 | stg8) step "$s" sweep BURN_KERNELS_GEMV_STAGE "0 1" "${s#stg}" ;;
     tkv) step tkv run test kvcache_tests decode_attention quant_attention unfused ;;
     tllama) step tllama run test llama_tests captured --include-ignored ;;
     tcore) step tcore run test core qkv_rope_store norm_projections fused_projections static_cache fused_layer_ops ;;
