@@ -32,8 +32,13 @@ const UNITS: usize = 256;
 /// (from [`LONG_K`]), whose few cubes must keep more bytes in flight each.
 const UNROLL: usize = 4;
 const LONG_K: usize = 2048;
-/// Rows of `x` one cube multiplies with each read of `W`.
+/// Most rows of `x` one cube multiplies with each read of `W` (`BURN_KERNELS_GEMV_RPC=2|4`).
 pub const MAX_ROWS_PER_CUBE: usize = 4;
+/// Rows of `x` per cube unless `BURN_KERNELS_GEMV_RPC` says otherwise: one. On an H200
+/// (2026-12-05, SmolLM2 shape, f16, the replayed decode step, median of 32) batch 8 took
+/// 1.641 ms at one row a cube, 1.890 at two and 2.568 at four; batch 32 3.324 at one and
+/// 3.383 at four. The other cubes' reads of the same `W` come from L2.
+const DEFAULT_ROWS_PER_CUBE: usize = 1;
 /// Most bytes of shared memory a cube spends on its rows of the input (f32) where it stages
 /// them (computed once per cube, with the norm applied, instead of by every column unit at
 /// every multiply-add; see [`stage_len`]).
@@ -69,6 +74,22 @@ impl Plan {
         norm: bool,
         max_shared: usize,
     ) -> Self {
+        let most = tuning("BURN_KERNELS_GEMV_RPC").unwrap_or(DEFAULT_ROWS_PER_CUBE);
+        Self::capped(rows, k, ns, elem_bytes, slots, norm, max_shared, most)
+    }
+
+    /// [`Plan::new`] with at most `most` rows of `x` per cube.
+    #[allow(clippy::too_many_arguments)]
+    fn capped(
+        rows: usize,
+        k: usize,
+        ns: &[usize],
+        elem_bytes: usize,
+        slots: usize,
+        norm: bool,
+        max_shared: usize,
+        most: usize,
+    ) -> Self {
         let vec = vector_width(ns, elem_bytes);
         let n_vecs = ns.iter().sum::<usize>() / vec;
         // Two column vectors per cube keep a plane's reads at 32-byte sectors while small
@@ -77,7 +98,6 @@ impl Plan {
         // an H200 (2026-11-28, Llama-3-8B decode step, all projections forced): 2 vectors
         // 7.57 ms, 4 vectors 6.46, 8 vectors 6.68.
         let cv = tuning("BURN_KERNELS_GEMV_CV").unwrap_or(if n_vecs >= 512 { 4 } else { 2 });
-        let most = tuning("BURN_KERNELS_GEMV_RPC").unwrap_or(MAX_ROWS_PER_CUBE);
         let mut rows_per_cube = match rows {
             0..=1 => 1,
             2 => 2,
@@ -435,65 +455,63 @@ fn gemv_swiglu_with(
 mod tests {
     use super::*;
 
+    /// Plans with up to [`MAX_ROWS_PER_CUBE`] rows a cube (the shared-memory budget's cases).
+    fn plan(
+        rows: usize,
+        k: usize,
+        ns: &[usize],
+        elem_bytes: usize,
+        slots: usize,
+        norm: bool,
+        max_shared: usize,
+    ) -> Plan {
+        Plan::capped(
+            rows,
+            k,
+            ns,
+            elem_bytes,
+            slots,
+            norm,
+            max_shared,
+            MAX_ROWS_PER_CUBE,
+        )
+    }
+
     #[test]
     fn plans_read_16_bytes_where_the_columns_allow() {
-        let p = Plan::new(1, 576, &[576], 2, 1, false, 48 << 10);
+        let p = plan(1, 576, &[576], 2, 1, false, 48 << 10);
         assert_eq!(
             (p.vec, p.cv, p.splits, p.rows_per_cube, p.unroll),
             (8, 2, 128, 1, 4)
         );
-        assert_eq!(Plan::new(1, 4096, &[576], 2, 1, false, 48 << 10).unroll, 8);
-        assert_eq!(Plan::new(1, 97, &[576], 4, 1, false, 48 << 10).vec, 4);
-        assert_eq!(Plan::new(3, 97, &[45], 2, 1, false, 48 << 10).vec, 1);
-        assert_eq!(Plan::new(3, 97, &[6], 2, 1, false, 48 << 10).vec, 2);
+        assert_eq!(plan(1, 4096, &[576], 2, 1, false, 48 << 10).unroll, 8);
+        assert_eq!(plan(1, 97, &[576], 4, 1, false, 48 << 10).vec, 4);
+        assert_eq!(plan(3, 97, &[45], 2, 1, false, 48 << 10).vec, 1);
+        assert_eq!(plan(3, 97, &[6], 2, 1, false, 48 << 10).vec, 2);
+        assert_eq!(plan(3, 97, &[576, 192, 36], 2, 1, false, 48 << 10).vec, 4);
         assert_eq!(
-            Plan::new(3, 97, &[576, 192, 36], 2, 1, false, 48 << 10).vec,
-            4
-        );
-        assert_eq!(
-            Plan::new(3, 97, &[6], 2, 1, false, 48 << 10).rows_per_cube,
+            plan(3, 97, &[6], 2, 1, false, 48 << 10).rows_per_cube,
             MAX_ROWS_PER_CUBE
         );
-        assert_eq!(Plan::new(2, 97, &[49_152], 2, 1, false, 48 << 10).cv, 4);
-        assert_eq!(Plan::new(1, 4096, &[4096], 2, 1, false, 48 << 10).cv, 4);
-        assert_eq!(
-            Plan::new(1, 576, &[576, 192, 192], 2, 1, false, 48 << 10).cv,
-            2
-        );
+        assert_eq!(plan(2, 97, &[49_152], 2, 1, false, 48 << 10).cv, 4);
+        assert_eq!(plan(1, 4096, &[4096], 2, 1, false, 48 << 10).cv, 4);
+        assert_eq!(plan(1, 576, &[576, 192, 192], 2, 1, false, 48 << 10).cv, 2);
         // Partial sums that would not fit shared memory take fewer rows per cube.
+        assert_eq!(plan(3, 97, &[576], 2, 2, false, 48 << 10).rows_per_cube, 2);
         assert_eq!(
-            Plan::new(3, 97, &[576], 2, 2, false, 48 << 10).rows_per_cube,
+            plan(3, 97, &[576], 2, 2, false, (32 << 10) + 4).rows_per_cube,
             2
         );
+        assert_eq!(plan(3, 97, &[576], 2, 2, false, 16 << 10).rows_per_cube, 1);
         assert_eq!(
-            Plan::new(3, 97, &[576], 2, 2, false, (32 << 10) + 4).rows_per_cube,
+            plan(3, 97, &[576], 2, 1, false, (16 << 10) + 4).rows_per_cube,
             2
         );
-        assert_eq!(
-            Plan::new(3, 97, &[576], 2, 2, false, 16 << 10).rows_per_cube,
-            1
-        );
-        assert_eq!(
-            Plan::new(3, 97, &[576], 2, 1, false, (16 << 10) + 4).rows_per_cube,
-            2
-        );
-        assert_eq!(
-            Plan::new(3, 97, &[576], 2, 1, false, 16 << 10).rows_per_cube,
-            1
-        );
+        assert_eq!(plan(3, 97, &[576], 2, 1, false, 16 << 10).rows_per_cube, 1);
         // A norm in front adds a sum of squares per unit and row.
-        assert_eq!(
-            Plan::new(3, 97, &[576], 2, 2, true, 32 << 10).rows_per_cube,
-            1
-        );
-        assert_eq!(
-            Plan::new(3, 97, &[576], 2, 1, false, 34 << 10).rows_per_cube,
-            4
-        );
-        assert_eq!(
-            Plan::new(3, 97, &[576], 2, 1, true, 34 << 10).rows_per_cube,
-            2
-        );
+        assert_eq!(plan(3, 97, &[576], 2, 2, true, 32 << 10).rows_per_cube, 1);
+        assert_eq!(plan(3, 97, &[576], 2, 1, false, 34 << 10).rows_per_cube, 4);
+        assert_eq!(plan(3, 97, &[576], 2, 1, true, 34 << 10).rows_per_cube, 2);
         // Staged input rows (when enabled) where they fit beside the partial sums.
         assert_eq!(stage_len(576, 4 * 17408, 4, 227 << 10, true), 576);
         assert_eq!(stage_len(576, 4 * 17408, 4, 227 << 10, false), 0);
@@ -502,8 +520,15 @@ mod tests {
         assert_eq!(stage_len(4096, 8192, 1, 227 << 10, true), 4096);
         assert_eq!(stage_len(131, 2 * 8192, 2, (16 << 10) + 4, true), 0);
         assert_eq!(stage_len(131, 2 * 8192, 2, 32 << 10, true), 131);
+        // One row a cube by default.
+        if std::env::var_os("BURN_KERNELS_GEMV_RPC").is_none() {
+            assert_eq!(
+                Plan::new(8, 576, &[576], 2, 1, false, 48 << 10).rows_per_cube,
+                1
+            );
+        }
         for rows in 1..=16 {
-            let p = Plan::new(rows, 97, &[200], 2, 1, false, 48 << 10);
+            let p = plan(rows, 97, &[200], 2, 1, false, 48 << 10);
             assert_eq!(p.cv * p.splits, UNITS);
             assert!(p.splits.is_multiple_of(8), "the reducers divide the splits");
         }
