@@ -6,7 +6,8 @@
 //! in flight (~3.3 TB/s × ~600 ns ≈ 2 MB). So a unit reads a vector of `vec` adjacent columns
 //! (16 bytes) from 4 rows (8 for long inner dimensions) before it uses any of them, a cube owns only `cv` such column
 //! vectors (so a 576-column product still spreads over 36 cubes) and splits the inner dimension
-//! over `splits` units, and up to [`MAX_ROWS_PER_CUBE`] rows of `x` share each read of `W`.
+//! over `splits` units; each cube takes one row of `x` (`DEFAULT_ROWS_PER_CUBE`), or up to
+//! [`MAX_ROWS_PER_CUBE`] sharing each read of `W` where `BURN_KERNELS_GEMV_RPC` asks.
 //! The partial sums meet in shared memory (two passes, no plane operations, so any plane size
 //! works). Burn's matmul launch costs more host time than the whole product at these sizes.
 //!
