@@ -401,8 +401,9 @@ fn matches_host(device: &Device) {
             // full-precision keys and values.
             if c.n == 0 {
                 // Where the kernel runs, hidden keys and values are NaN (a static cache's
-                // unwritten rows), and the mask is a view inside a wider one (strides and an
-                // offset): neither may reach the output.
+                // unwritten rows), which may not reach the output, and the mask is a slice of a
+                // wider one (Burn may materialize it; `decode_attention::kernel_layouts` passes
+                // a true strided view).
                 let kernel = kv_has_quant_attention(device);
                 let (k, v, opts) = match &opts.key_padding {
                     Some(m) if kernel => (hide(k, m), hide(v, m), widened(&opts, m)),

@@ -480,13 +480,17 @@ impl DecodeLayout {
     }
 }
 
-/// A positive integer from the environment variable `name`, read once per name.
+/// A positive integer from `BURN_KERNELS_DECODE_PLANES` or (any other `name`)
+/// `BURN_KERNELS_DECODE_SPLIT`, read once per process (no lock on the launch path).
 fn knob(name: &'static str) -> Option<usize> {
-    use std::collections::HashMap;
-    use std::sync::{Mutex, OnceLock};
-    static KNOBS: OnceLock<Mutex<HashMap<&'static str, Option<usize>>>> = OnceLock::new();
-    let mut knobs = KNOBS.get_or_init(Default::default).lock().expect("knobs");
-    *knobs.entry(name).or_insert_with(|| {
+    use std::sync::OnceLock;
+    static PLANES: OnceLock<Option<usize>> = OnceLock::new();
+    static SPLIT: OnceLock<Option<usize>> = OnceLock::new();
+    let cell = match name {
+        "BURN_KERNELS_DECODE_PLANES" => &PLANES,
+        _ => &SPLIT,
+    };
+    *cell.get_or_init(|| {
         std::env::var(name)
             .ok()
             .and_then(|v| v.parse::<usize>().ok())
