@@ -11,7 +11,17 @@
 #            PyTorch's CUDA graph and torch.compile (same run)
 #   rpc8     decode_profile at batch 8 with the GEMVs' rows per cube capped at 1, 2 and 4
 #            (BURN_KERNELS_GEMV_RPC)
-#   ncu1 ncu8  per-kernel device times of SmolLM2-shape decode steps, eager then captured
+#   decodeall  llama suite, every decode problem: SmolLM2 at batch 1, 8, 32, 128, batch 1 in
+#            bf16 and f32 (Burn only), Llama-3.2-1B and Llama-3-8B shapes at batch 1; the
+#            replayed step against PyTorch's CUDA graph and torch.compile (same run)
+#   mr32 mr128  decode_profile's captured step at batch 32 / 128 with the projections on the
+#            GEMV kernels up to 16 rows (the default) and up to the batch
+#            (BURN_KERNELS_GEMV_MAX_ROWS)
+#   cli      `llama generate --backend cuda` on the real SmolLM2 weights (needs the bundle's
+#            `llama` binary and --model parts): a cold process with empty CubeCL caches, two
+#            warm ones, then --dtype f32 and f16; time to first token and tok/s from its
+#            closing line
+#   ncu1 ncu8 ncu32  per-kernel device times of SmolLM2-shape decode steps, eager then captured
 #            (2 layers, f16, context 512, decode attention + fused ops), batch 1 / 8, ncu
 #   dp1 dp8 dp32  decode_profile's eager and captured step (30 layers, f16, context 512),
 #            with the one-launch Q/K/V + RoPE + cache store and without it
@@ -61,6 +71,21 @@ sweep() {
       --attention decode --fused-ops --context 512 --steps 32 --graph --batch "$batch")
   done
 }
+# `llama generate` on the real weights: cold (empty caches), warm twice, then other dtypes.
+cli() {
+  local cache=/tmp/cli-cache prompt="Write a short story about a robot who learns to paint."
+  rm -rf "$cache"
+  for what in cold warm warm f32 f16; do
+    local extra=()
+    case $what in f32 | f16) extra=(--dtype "$what") ;; esac
+    echo "-- $what ${extra[*]}"
+    local t0
+    t0=$(date +%s%N)
+    XDG_CACHE_HOME=$cache run bin llama generate --backend cuda --chat --prompt "$prompt" \
+      --max-new-tokens 128 "${extra[@]}"
+    echo "wall $(( ($(date +%s%N) - t0) / 1000000 )) ms"
+  done
+}
 att() {
   for planes in 2 4 8 16; do
     for split in default 4096; do
@@ -79,6 +104,12 @@ for s in "$@"; do
       --exclude "batch 128" --exclude bf16 --exclude f32 \
       --skip-impl 'burn$' --skip-impl burn-kernels --skip-impl 'pytorch$' \
       --peers-dir "$peers" --out "$O/decode" ;;
+    decodeall) step decodeall run bench --suite llama --filter decode \
+      --skip-impl 'burn$' --skip-impl burn-kernels --skip-impl 'pytorch$' \
+      --peers-dir "$peers" --out "$O/decodeall" ;;
+    mr32 | mr128) step "$s" sweep BURN_KERNELS_GEMV_MAX_ROWS "16 ${s#mr}" "${s#mr}" ;;
+    cli) step cli cli ;;
+    ncu32) step ncu32 prof 32 ;;
     ncu1) step ncu1 prof 1 ;;
     ncu8) step ncu8 prof 8 ;;
     dp1 | dp8 | dp32) step "$s" sweep BURN_KERNELS_QKV_STORE "1 0" "${s#dp}" ;;

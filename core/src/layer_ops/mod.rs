@@ -22,13 +22,28 @@ use crate::route::{Grad, route};
 mod cache_store;
 use cache_store::{default_add_norm_qkv_rope_store, one_launch_store, qkv_store_mismatch};
 
-/// Rows (`batch · seq`) up to which [`FusedOps::linear`] runs its GEMV kernel; more
-/// rows go to Burn's matmul.
+/// Rows (`batch · seq`) up to which [`FusedOps::linear`] runs its GEMV kernel by default;
+/// more rows go to Burn's matmul. `BURN_KERNELS_GEMV_MAX_ROWS` (1 to 256) moves the bound,
+/// for measuring the two against each other on a device.
 pub const GEMV_MAX_ROWS: usize = 16;
 
 /// Rows (`batch · seq`) up to which [`FusedOps::linear_t`] runs its kernel (the tied LM head
-/// of a decode step); more rows go to Burn's matmul.
+/// of a decode step) by default, or up to `BURN_KERNELS_GEMV_MAX_ROWS` where that is more;
+/// more rows go to Burn's matmul.
 pub const LM_HEAD_MAX_ROWS: usize = 32;
+
+/// The most rows the projections' GEMV kernels take: [`GEMV_MAX_ROWS`] unless
+/// `BURN_KERNELS_GEMV_MAX_ROWS` holds a number from 1 to 256.
+fn gemv_max_rows() -> usize {
+    static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *ROWS.get_or_init(|| {
+        std::env::var("BURN_KERNELS_GEMV_MAX_ROWS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|v| (1..=256).contains(v))
+            .unwrap_or(GEMV_MAX_ROWS)
+    })
+}
 
 /// The layer ops a model runs around its attention.
 ///
@@ -176,7 +191,8 @@ impl LayerOps for TensorOps {
 
 /// The layer ops as one CubeCL kernel each where the tensors live on a CubeCL device and no
 /// gradient is needed ([`crate::LayerKernels`], through Burn's `Dispatch`); elsewhere, and for
-/// projections of more than [`GEMV_MAX_ROWS`] rows, the [`TensorOps`].
+/// projections of more than [`GEMV_MAX_ROWS`] rows (see `BURN_KERNELS_GEMV_MAX_ROWS`), the
+/// [`TensorOps`].
 #[derive(Debug, Clone, Copy, Default)]
 pub struct FusedOps;
 
@@ -184,7 +200,7 @@ impl LayerOps for FusedOps {
     fn linear(&self, x: Tensor<3>, w: Tensor<2>) -> Tensor<3> {
         let [b, s, k] = x.dims();
         let n = w.dims()[1];
-        let unsupported = if b * s > GEMV_MAX_ROWS {
+        let unsupported = if b * s > gemv_max_rows() {
             // Not logged as a fallback: Burn's matmul is the right kernel for many rows.
             return TensorOps.linear(x, w);
         } else if x.dtype() != w.dtype() {
@@ -203,7 +219,7 @@ impl LayerOps for FusedOps {
     fn linear_t(&self, x: Tensor<3>, e: Tensor<2>) -> Tensor<3> {
         let [b, s, k] = x.dims();
         let n = e.dims()[0];
-        let unsupported = if b * s > LM_HEAD_MAX_ROWS {
+        let unsupported = if b * s > LM_HEAD_MAX_ROWS.max(gemv_max_rows()) {
             return TensorOps.linear_t(x, e);
         } else if x.dtype() != e.dtype() || e.dims()[1] != k {
             Some(format!(
@@ -232,7 +248,7 @@ impl LayerOps for FusedOps {
     ) -> (Tensor<3>, Tensor<3>, Tensor<3>) {
         let [b, s, k] = x.dims();
         let ns = [&wa, &wb, &wc].map(|w| w.dims()[1]);
-        let unsupported = if b * s > GEMV_MAX_ROWS {
+        let unsupported = if b * s > gemv_max_rows() {
             return TensorOps.linear3(x, wa, wb, wc);
         } else if [&wa, &wb, &wc].iter().any(|w| w.dtype() != x.dtype()) {
             Some(format!("x is {:?}, the weights differ", x.dtype()))
@@ -255,7 +271,7 @@ impl LayerOps for FusedOps {
     fn swiglu(&self, x: Tensor<3>, gate: Tensor<2>, up: Tensor<2>) -> Tensor<3> {
         let [b, s, k] = x.dims();
         let n = gate.dims()[1];
-        let unsupported = if b * s > GEMV_MAX_ROWS {
+        let unsupported = if b * s > gemv_max_rows() {
             return TensorOps.swiglu(x, gate, up);
         } else {
             swiglu_mismatch(&x, &gate, &up)
@@ -279,7 +295,7 @@ impl LayerOps for FusedOps {
         w: [Tensor<2>; 3],
     ) -> (Tensor<3>, [Tensor<3>; 3]) {
         let [b, s, k] = x.dims();
-        let unsupported = if b * s > GEMV_MAX_ROWS {
+        let unsupported = if b * s > gemv_max_rows() {
             return default_add_norm_linear3(self, norm, x, y, w);
         } else {
             mismatch(&x, &y).or_else(|| {
@@ -321,7 +337,7 @@ impl LayerOps for FusedOps {
     ) -> (Tensor<3>, Tensor<3>) {
         let [b, s, k] = x.dims();
         let n = gate.dims()[1];
-        let unsupported = if b * s > GEMV_MAX_ROWS {
+        let unsupported = if b * s > gemv_max_rows() {
             return default_add_norm_swiglu(self, norm, x, y, gate, up);
         } else {
             swiglu_mismatch(&x, &gate, &up).or_else(|| mismatch(&x, &y))
@@ -360,7 +376,7 @@ impl LayerOps for FusedOps {
         slot: IndexedSlot,
     ) -> (Tensor<3>, Tensor<4>, IndexedSlot) {
         let [b, s, k] = x.dims();
-        if b * s > GEMV_MAX_ROWS || !one_launch_store() {
+        if b * s > gemv_max_rows() || !one_launch_store() {
             return default_add_norm_qkv_rope_store(self, norm, x, y, w, rope, positions, slot);
         }
         let unsupported = qkv_store_mismatch(&x, &y, &w, &positions, &slot);

@@ -13,6 +13,17 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use super::super::{BackendArg, DTypeArg};
 
+impl Common {
+    /// `--dtype`, or the backend's default: bf16 on CUDA, f32 elsewhere.
+    pub(super) fn dtype(&self) -> burn::tensor::DType {
+        match (self.dtype, self.backend) {
+            (Some(d), _) => d.into(),
+            (None, BackendArg::Cuda) => burn::tensor::DType::BF16,
+            (None, _) => burn::tensor::DType::F32,
+        }
+    }
+}
+
 /// How the layer's small ops run (`--ops`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub(super) enum OpsArg {
@@ -31,9 +42,10 @@ pub(super) struct Common {
     /// Where to run: cpu (Burn's Flex backend), vulkan, wgpu or cuda.
     #[arg(long, value_enum, default_value = "cpu")]
     pub(super) backend: BackendArg,
-    /// Weight and activation dtype (f16/bf16 on GPUs).
-    #[arg(long, value_enum, default_value = "f32")]
-    pub(super) dtype: DTypeArg,
+    /// Weight and activation dtype. Default: bf16 on CUDA (the fastest there, and
+    /// SmolLM2's own dtype), f32 elsewhere.
+    #[arg(long, value_enum)]
+    pub(super) dtype: Option<DTypeArg>,
     /// Attention implementation (the Sage variants are burn-sage's SageAttention2; on the CPU
     /// they run their tensor-op reference, with the kernels' rounding). Default: the fastest
     /// exact one, `decode` on a GPU backend, `reference` on the CPU.

@@ -3,7 +3,7 @@
 use std::io::Write;
 use std::sync::Arc;
 
-use burn::tensor::{DType, Device};
+use burn::tensor::Device;
 use burn_kernels_core::{AttentionImpl, FusedLayers, SamplingConfig};
 use burn_llama::attention::{AttentionChoice, AttentionName};
 use burn_llama::eval::{CacheKind, full_kv_bytes, perplexity_with_cache};
@@ -47,7 +47,7 @@ impl Cmd {
 
 fn run(cli: &Cli, device: &Device, started: std::time::Instant) -> Result<(), String> {
     let common = cli.cmd.common();
-    let dtype = DType::from(common.dtype);
+    let dtype = common.dtype();
     let path = common.model.clone().unwrap_or_else(default_model_path);
     eprintln!("loading {} ...", path.display());
     let t = std::time::Instant::now();
@@ -162,7 +162,7 @@ fn run_generate(
         spec,
         kv,
     } = args;
-    let dtype = DType::from(common.dtype);
+    let dtype = common.dtype();
     let sampling = SamplingConfig {
         temperature: *temperature,
         top_k: *top_k,
