@@ -112,7 +112,7 @@ fn problem_in(
             ("dtype", json!(name)),
         ]),
         flops: None,
-        bytes: None,
+        bytes: (phase == "decode").then(|| decode_bytes(&cfg, batch, len, dtype.size())),
         tokens: Some(tokens as f64),
         setup: Box::new(move |device| {
             let model = Llama::random(&cfg, device, dtype);
@@ -146,6 +146,19 @@ fn problem_in(
             candidates
         }),
     }
+}
+
+/// The fewest bytes a decode step of `batch` rows after `len` cached tokens reads from device
+/// memory: every weight once (the LM head's `vocab × hidden` included, tied or not; the
+/// embedding's gathered rows left out) and the cache's keys and values, in `elem`-byte
+/// elements. The GB/s column divided by the GPU's HBM bandwidth is the fraction reached.
+fn decode_bytes(cfg: &LlamaConfig, batch: usize, len: usize, elem: usize) -> f64 {
+    let (h, hd) = (cfg.hidden_size, cfg.head_dim);
+    let attn = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * hd + cfg.num_heads * hd * h;
+    let layer = attn + 3 * h * cfg.intermediate_size + 2 * h;
+    let weights = cfg.num_layers * layer + h + cfg.vocab_size * h;
+    let cache = cfg.num_layers * batch * (len + 1) * 2 * cfg.num_kv_heads * hd;
+    ((weights + cache) * elem) as f64
 }
 
 /// The decode step after a `len`-token prompt: tensor ops with Burn's attention, the decode
@@ -213,4 +226,20 @@ fn torch_peer(
     ];
     args.extend(mode);
     run_python_peer(&peers.join("llama_torch.py"), &args)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// SmolLM2-135M has 134.5 M parameters with its tied embedding counted once; its cache
+    /// at 512 tokens holds 30 layers × 2 × 3 heads × 64 × 513 elements per row.
+    #[test]
+    fn decode_bytes_count_weights_and_cache() {
+        let cfg = LlamaConfig::preset("smollm2-135m").unwrap();
+        let weights = decode_bytes(&cfg, 0, 0, 2);
+        assert!((268.0e6..270.0e6).contains(&weights), "{weights}");
+        let cache = decode_bytes(&cfg, 8, 512, 2) - weights;
+        assert_eq!(cache, (8 * 30 * 2 * 3 * 64 * 513 * 2) as f64);
+    }
 }
