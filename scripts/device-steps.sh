@@ -38,6 +38,9 @@
 #   tcore    core's CUDA tests of the decode-layer kernels (GEMVs, GEMV-T, Q/K/V + RoPE + store)
 #   tdet     llama_tests train::cuda::cce_step_is_deterministic
 #   bcceb    cce suite, SmolLM2 shape, 256 MiB blocks against Burn's plain loss
+#   skv64 skv128  shadowkv suite at 64K / 128K context (Llama-3-8B shape): ShadowKV against
+#            the full cache, each with Burn's attention op and the decode attention kernel, and
+#            ShadowKV's step profile (transfer share)
 #   tdp      llama_tests data_parallel (two GPUs follow one; needs a 2-GPU machine)
 #   bdp bdp4  e2e-dp suite: the fine-tuning step on 1 GPU and on 2 (4) GPUs, same run
 # TL (minutes, default 8) bounds each step.
@@ -122,6 +125,7 @@ for s in "$@"; do
     tdet) step tdet run test llama_tests cce_step_is_deterministic --include-ignored --nocapture ;;
     bcceb) step bcceb run bench --suite cce --filter smollm2 --cce-chunk-bytes 256 \
       --peers-dir "$peers" --out "$O/bcceb" ;;
+    skv64 | skv128) step "$s" run bench --suite shadowkv --filter "ctx=${s#skv}K" --out "$O/$s" ;;
     tdp) step tdp run test llama_tests data_parallel --include-ignored --nocapture ;;
     bdp) step bdp run bench --suite e2e-dp --devices 0,1 --out "$O/bdp" ;;
     bdp4) step bdp4 run bench --suite e2e-dp --devices 0,1,2,3 --out "$O/bdp4" ;;
