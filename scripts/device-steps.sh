@@ -36,6 +36,9 @@
 #            give it TL=8)
 #   tllama   llama_tests captured-decode tests (CUDA)
 #   tcore    core's CUDA tests of the decode-layer kernels (GEMVs, GEMV-T, Q/K/V + RoPE + store)
+#   vfused   llama_tests' captured speculation test with the fused layer ops kept in the
+#            verification step (BURN_KERNELS_VERIFY_FUSED=1), then with one group of kernels at a
+#            time taken out (BURN_KERNELS_REFERENCE): which kernel makes that step wrong
 #   tdet     llama_tests train::cuda::cce_step_is_deterministic
 #   bcceb    cce suite, SmolLM2 shape, 256 MiB blocks against Burn's plain loss
 #   skv64 skv128  shadowkv suite at 64K / 128K context (Llama-3-8B shape): ShadowKV against
@@ -89,6 +92,15 @@ cli() {
     echo "wall $(( ($(date +%s%N) - t0) / 1000000 )) ms"
   done
 }
+vfused() {
+  local out
+  for ops in none gemv_t gemv norm_gemv3,gemv3 norm_gemv_swiglu,gemv_swiglu rope2,rope \
+    add_rms_norm,rms_norm store_kv,norm_gemv3_rope_store; do
+    out=$(BURN_KERNELS_VERIFY_FUSED=1 BURN_KERNELS_REFERENCE=$ops run test llama_tests \
+      captured_speculation_replays_as_graphs --include-ignored 2>&1)
+    echo "-- reference for: $ops -> rc=$? $(echo "$out" | grep -E 'test result|panicked' | head -2 | tr '\n' ' ')"
+  done
+}
 att() {
   for planes in 2 4 8 16; do
     for split in default 4096; do
@@ -122,6 +134,7 @@ for s in "$@"; do
     tkv) step tkv run test kvcache_tests decode_attention quant_attention unfused ;;
     tllama) step tllama run test llama_tests captured --include-ignored ;;
     tcore) step tcore run test core qkv_rope_store norm_projections fused_projections static_cache fused_layer_ops ;;
+    vfused) step vfused vfused ;;
     tdet) step tdet run test llama_tests cce_step_is_deterministic --include-ignored --nocapture ;;
     bcceb) step bcceb run bench --suite cce --filter smollm2 --cce-chunk-bytes 256 \
       --peers-dir "$peers" --out "$O/bcceb" ;;

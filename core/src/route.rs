@@ -112,12 +112,17 @@ pub fn is_wgpu(device: &Device) -> bool {
 
 /// Decides whether `op` runs its kernel on `device`: `true` for the kernel, `false` for the
 /// reference. `unsupported` is why the kernel cannot take this call (shape, dtype, option),
-/// if it cannot; it is logged once per op and reason.
+/// if it cannot; it is logged once per op and reason. Ops that `BURN_KERNELS_REFERENCE` lists
+/// (comma-separated names) always take the reference.
 ///
 /// # Panics
 /// Inside [`require_kernels`], when the answer is the reference on a CubeCL device.
 pub fn route(op: &'static str, device: &Device, grad: Grad, unsupported: Option<String>) -> bool {
     let on_cube = cube_device(device).is_some();
+    if on_cube && forced_reference(op) {
+        log_once(op, "BURN_KERNELS_REFERENCE lists it");
+        return false;
+    }
     let reason = if !on_cube {
         None
     } else if grad == Grad::ForwardOnly && device.is_autodiff() {
@@ -144,6 +149,22 @@ pub fn route(op: &'static str, device: &Device, grad: Grad, unsupported: Option<
             false
         }
     }
+}
+
+/// Whether `BURN_KERNELS_REFERENCE` (ops' names, comma-separated, e.g. `gemv_t,rope2`) lists
+/// `op`: those ops take the tensor-op reference on every device, even inside
+/// [`require_kernels`]. For locating a kernel that misbehaves on a device by taking kernels out
+/// one at a time.
+fn forced_reference(op: &str) -> bool {
+    static LISTED: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+    LISTED
+        .get_or_init(|| {
+            std::env::var("BURN_KERNELS_REFERENCE")
+                .map(|v| v.split(',').map(|s| s.trim().to_string()).collect())
+                .unwrap_or_default()
+        })
+        .iter()
+        .any(|o| o == op)
 }
 
 fn log_once(op: &'static str, reason: &str) {

@@ -67,6 +67,9 @@ pub struct CapturedSpec {
 /// not the row commit's ordering; eager forwards with the same ops are exact, and the draft's
 /// captured step with them agreed. Until the cause is found, the verification step runs the
 /// tensor ops (0 of 60, and `llama_tests spec::graphs` passes on CUDA).
+/// `BURN_KERNELS_VERIFY_FUSED=1` keeps the fused ops in that step, and
+/// `BURN_KERNELS_REFERENCE=op,...` takes single kernels out (see `burn_kernels_core::route`),
+/// for locating the cause on a device.
 #[derive(Debug)]
 struct WithoutLayerOps<'a>(&'a dyn AttentionImpl);
 
@@ -337,7 +340,9 @@ pub fn speculative_generate_captured(
     let t0 = Instant::now();
     // See `WithoutLayerOps`.
     let plain = WithoutLayerOps(attention);
-    let verify_attention: &dyn AttentionImpl = match attention.layer_ops().is_some() {
+    // `BURN_KERNELS_VERIFY_FUSED=1` keeps the fused ops there, to look for the defect.
+    let keep_fused = std::env::var("BURN_KERNELS_VERIFY_FUSED").is_ok_and(|v| v == "1");
+    let verify_attention: &dyn AttentionImpl = match attention.layer_ops().is_some() && !keep_fused {
         true => {
             log::info!(
                 "the captured verification step runs the model's tensor ops around {} (a \
