@@ -342,7 +342,8 @@ pub fn speculative_generate_captured(
     let plain = WithoutLayerOps(attention);
     // `BURN_KERNELS_VERIFY_FUSED=1` keeps the fused ops there, to look for the defect.
     let keep_fused = std::env::var("BURN_KERNELS_VERIFY_FUSED").is_ok_and(|v| v == "1");
-    let verify_attention: &dyn AttentionImpl = match attention.layer_ops().is_some() && !keep_fused {
+    let verify_attention: &dyn AttentionImpl = match attention.layer_ops().is_some() && !keep_fused
+    {
         true => {
             log::info!(
                 "the captured verification step runs the model's tensor ops around {} (a \
