@@ -9,15 +9,18 @@
 //! later copy of LLVM costs less than the first), each with libdevice (CUDA 13's math library,
 //! which CubeCL's LLVM path links when a kernel calls exp, log, ...) and the peer wheels. Each
 //! group fits one device call and unpacks on its own; with `--model` the SmolLM2 file is cut into
-//! parts of at most [`PART_BYTES`]. (One archive of every binary took 25 minutes to pack on two
+//! parts of at most [`MODEL_PART_BYTES`]. (One archive of every binary took 25 minutes to pack on two
 //! cores and came to ~140 MiB; groups pack in parallel in ~6 minutes.)
 
 use crate::{cargo, check, fail, model_path, pip_download, root};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-/// Largest part: a device call carries 64 MiB with the working tree (a few MiB).
-const PART_BYTES: u64 = 56 << 20;
+/// Largest part: a device call carries 64 MiB with the working tree (11 MiB on 2026-12-05,
+/// mostly benchmark logs), so a 56 MiB model part could not travel.
+const PART_BYTES: u64 = 52 << 20;
+/// The model file's parts: small enough to travel beside the working tree as it grows.
+const MODEL_PART_BYTES: u64 = 40 << 20;
 
 /// The PyTorch peers of the benchmarks that are not on the device (pure-Python wheels).
 const PEER_WHEELS: &[&str] = &[
@@ -267,10 +270,11 @@ fn pack(stage: &Path, archive: &Path) {
     check(xz, "xz");
 }
 
-/// Cuts `file` into `<dir>/<prefix>.NN` parts of at most [`PART_BYTES`]; returns them in order.
+/// Cuts `file` into `<dir>/<prefix>.NN` parts of at most [`MODEL_PART_BYTES`]; returns them
+/// in order.
 fn split(file: &Path, dir: &Path, prefix: &str) -> Vec<PathBuf> {
     let data = std::fs::read(file).unwrap_or_else(|e| fail(&format!("{}: {e}", file.display())));
-    data.chunks(PART_BYTES as usize)
+    data.chunks(MODEL_PART_BYTES as usize)
         .enumerate()
         .map(|(i, chunk)| {
             let p = dir.join(format!("{prefix}.{i:02}"));
