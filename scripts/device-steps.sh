@@ -36,9 +36,8 @@
 #            give it TL=8)
 #   tllama   llama_tests captured-decode tests (CUDA)
 #   tcore    core's CUDA tests of the decode-layer kernels (GEMVs, GEMV-T, Q/K/V + RoPE + store)
-#   vfused   llama_tests' captured speculation test with the fused layer ops kept in the
-#            verification step (BURN_KERNELS_VERIFY_FUSED=1), then with one group of kernels at a
-#            time taken out (BURN_KERNELS_REFERENCE): which kernel makes that step wrong
+#   vfused   llama_tests' captured speculation test (the fused layer ops in the verification
+#            step), then with one group of kernels at a time taken out (BURN_KERNELS_REFERENCE)
 #   tdet     llama_tests train::cuda::cce_step_is_deterministic
 #   bcceb    cce suite, SmolLM2 shape, 256 MiB blocks against Burn's plain loss
 #   skv64 skv128  shadowkv suite at 64K / 128K context (Llama-3-8B shape): ShadowKV against
@@ -96,7 +95,7 @@ vfused() {
   local out
   for ops in none gemv_t gemv norm_gemv3,gemv3 norm_gemv_swiglu,gemv_swiglu rope2,rope \
     add_rms_norm,rms_norm store_kv,norm_gemv3_rope_store; do
-    out=$(BURN_KERNELS_VERIFY_FUSED=1 BURN_KERNELS_REFERENCE=$ops run test llama_tests \
+    out=$(BURN_KERNELS_REFERENCE=$ops run test llama_tests \
       captured_speculation_replays_as_graphs --include-ignored 2>&1)
     echo "-- reference for: $ops -> rc=$? $(echo "$out" | grep -E 'test result|panicked' | head -2 | tr '\n' ' ')"
   done
