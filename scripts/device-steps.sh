@@ -14,6 +14,8 @@
 #   decodeall  llama suite, every decode problem: SmolLM2 at batch 1, 8, 32, 128, batch 1 in
 #            bf16 and f32 (Burn only), Llama-3.2-1B and Llama-3-8B shapes at batch 1; the
 #            replayed step against PyTorch's CUDA graph and torch.compile (same run)
+#   dtypes   decode_profile's captured step in f16, bf16 and f32 at batch 1, 8 and 32 (the
+#            issue's "bf16 decode >= f32 everywhere")
 #   mr32 mr128  decode_profile's captured step at batch 32 / 128 with the projections on the
 #            GEMV kernels up to 16 rows (the default) and up to the batch
 #            (BURN_KERNELS_GEMV_MAX_ROWS)
@@ -91,6 +93,16 @@ cli() {
     echo "wall $(( ($(date +%s%N) - t0) / 1000000 )) ms"
   done
 }
+dtypes() {
+  local b d
+  for b in 1 8 32; do
+    for d in f16 bf16 f32; do
+      echo "-- batch $b $d"
+      run bin decode_profile --backend cuda --dtype "$d" --attention decode --fused-ops \
+        --context 512 --steps 32 --graph --batch "$b" | grep captured
+    done
+  done
+}
 vfused() {
   local out
   for ops in none gemv_t gemv norm_gemv3,gemv3 norm_gemv_swiglu,gemv_swiglu rope2,rope \
@@ -123,6 +135,7 @@ for s in "$@"; do
       --peers-dir "$peers" --out "$O/decodeall" ;;
     mr32 | mr128) step "$s" sweep BURN_KERNELS_GEMV_MAX_ROWS "16 ${s#mr}" "${s#mr}" ;;
     cli) step cli cli ;;
+    dtypes) step dtypes dtypes ;;
     ncu32) step ncu32 prof 32 ;;
     ncu1) step ncu1 prof 1 ;;
     ncu8) step ncu8 prof 8 ;;
