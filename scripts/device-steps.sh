@@ -18,7 +18,7 @@
 #            issue's "bf16 decode >= f32 everywhere")
 #   mr32 mr128  decode_profile's captured step at batch 32 / 128 with the projections on the
 #            GEMV kernels up to 16 rows (the default) and up to the batch
-#            (BURN_KERNELS_GEMV_MAX_ROWS)
+#            (BURN_KERNELS_GEMV_MAX_ROWS), one and four rows of x per GEMV cube
 #   cli      `llama generate --backend cuda` on the real SmolLM2 weights (needs the bundle's
 #            `llama` binary and --model parts): a cold process with empty CubeCL caches, two
 #            warm ones, then --dtype f32 and f16; time to first token and tok/s from its
@@ -133,7 +133,9 @@ for s in "$@"; do
     decodeall) step decodeall run bench --suite llama --filter decode \
       --skip-impl 'burn$' --skip-impl burn-kernels --skip-impl 'pytorch$' \
       --peers-dir "$peers" --out "$O/decodeall" ;;
-    mr32 | mr128) step "$s" sweep BURN_KERNELS_GEMV_MAX_ROWS "16 ${s#mr}" "${s#mr}" ;;
+    mr32 | mr128) step "$s" bash -c "$(declare -f run sweep); D=$D TL=$TL; \
+      sweep BURN_KERNELS_GEMV_MAX_ROWS '16 ${s#mr}' ${s#mr}; export BURN_KERNELS_GEMV_RPC=4; \
+      sweep BURN_KERNELS_GEMV_MAX_ROWS '${s#mr}' ${s#mr}" ;;
     cli) step cli cli ;;
     dtypes) step dtypes dtypes ;;
     ncu32) step ncu32 prof 32 ;;
