@@ -45,6 +45,8 @@
 #   skv64 skv128  shadowkv suite at 64K / 128K context (Llama-3-8B shape): ShadowKV against
 #            the full cache, each with Burn's attention op and the decode attention kernel, and
 #            ShadowKV's step profile (transfer share)
+#   bcces    cce suite, SmolLM2 and Gemma-2 shapes, every pass in 16, 32, 64, 128 and 256 MiB
+#            blocks: time against peak memory, to choose the automatic blocks
 #   tdp      llama_tests data_parallel (two GPUs follow one; needs a 2-GPU machine)
 #   bdp bdp4  e2e-dp suite: the fine-tuning step on 1 GPU and on 2 (4) GPUs, same run
 # TL (minutes, default 8) bounds each step.
@@ -153,6 +155,8 @@ for s in "$@"; do
     bcceb) step bcceb run bench --suite cce --filter smollm2 --cce-chunk-bytes 256 \
       --peers-dir "$peers" --out "$O/bcceb" ;;
     skv64 | skv128) step "$s" run bench --suite shadowkv --filter "ctx=${s#skv}K" --out "$O/$s" ;;
+    bcces) step bcces run bench --suite cce --cce-chunk-bytes 16,32,64,128,256 \
+      --peers-dir "$peers" --out "$O/bcces" ;;
     tdp) step tdp run test llama_tests data_parallel --include-ignored --nocapture ;;
     bdp) step bdp run bench --suite e2e-dp --devices 0,1 --out "$O/bdp" ;;
     bdp4) step bdp4 run bench --suite e2e-dp --devices 0,1,2,3 --out "$O/bdp4" ;;
