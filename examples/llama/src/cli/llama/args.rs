@@ -13,17 +13,6 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use super::super::{BackendArg, DTypeArg};
 
-impl Common {
-    /// `--dtype`, or the backend's default: bf16 on CUDA, f32 elsewhere.
-    pub(super) fn dtype(&self) -> burn::tensor::DType {
-        match (self.dtype, self.backend) {
-            (Some(d), _) => d.into(),
-            (None, BackendArg::Cuda) => burn::tensor::DType::BF16,
-            (None, _) => burn::tensor::DType::F32,
-        }
-    }
-}
-
 /// How the layer's small ops run (`--ops`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub(super) enum OpsArg {
@@ -42,8 +31,8 @@ pub(super) struct Common {
     /// Where to run: cpu (Burn's Flex backend), vulkan, wgpu or cuda.
     #[arg(long, value_enum, default_value = "cpu")]
     pub(super) backend: BackendArg,
-    /// Weight and activation dtype. Default: bf16 on CUDA (the fastest there, and
-    /// SmolLM2's own dtype), f32 elsewhere.
+    /// Weight and activation dtype. Default: bf16 on CUDA (SmolLM2's own dtype, half of
+    /// f32's bytes), f32 elsewhere.
     #[arg(long, value_enum)]
     pub(super) dtype: Option<DTypeArg>,
     /// Attention implementation (the Sage variants are burn-sage's SageAttention2; on the CPU
@@ -63,6 +52,17 @@ pub(super) struct Common {
     /// exact attention reaches this.
     #[arg(long, default_value_t = DEFAULT_INT4_THRESHOLD)]
     pub(super) int4_threshold: f64,
+}
+
+impl Common {
+    /// `--dtype`, or the backend's default: bf16 on CUDA, f32 elsewhere.
+    pub(super) fn dtype(&self) -> burn::tensor::DType {
+        match (self.dtype, self.backend) {
+            (Some(d), _) => d.into(),
+            (None, BackendArg::Cuda) => burn::tensor::DType::BF16,
+            (None, _) => burn::tensor::DType::F32,
+        }
+    }
 }
 
 /// KV-cache compression (burn-kvcache).
