@@ -1,5 +1,6 @@
 //! Llama prefill and decode throughput with random weights of real shapes, against a PyTorch
-//! (Hugging Face transformers) model of the same shape on the same GPU in the same run.
+//! (Hugging Face transformers) model of the same shape on the same GPU in the same run; and
+//! SmolLM2-135M's decode step on its real weights (Burn only, beside the random-weight peers).
 //!
 //! prefill: one forward over the prompt plus the last position's logits; tokens = prompt length.
 //! decode: one new token per sequence after a cached context; the cache is truncated back to
@@ -41,6 +42,9 @@ pub fn suite(opts: SuiteOptions) -> Suite {
         for phase in ["prefill", "decode"] {
             problems.push(problem(shape, i as f64, phase, len, 1, peers()));
         }
+        if i == 0 {
+            problems.push(real_weights_problem(len));
+        }
     }
     // The same batch-1 step in bf16 and f32 (Burn only: the peer runs f16), so that the
     // dtypes compare in one run.
@@ -54,7 +58,7 @@ pub fn suite(opts: SuiteOptions) -> Suite {
         name: "llama",
         description: "Llama forward, random weights, f16: prefill of the prompt (batch 1) and \
                       decode steps after it (batch 1; 8, 32 and 128 on SmolLM2-135M; batch 1 \
-                      also in bf16 and f32, Burn only); Burn (tensor ops + Burn's attention; the decode kernels, \
+                      also in bf16 and f32, and on SmolLM2's real weights, Burn only); Burn (tensor ops + Burn's attention; the decode kernels, \
                       eager and CUDA-graph replayed) vs PyTorch/transformers (eager, CUDA graph, \
                       torch.compile reduce-overhead)",
         baseline: "pytorch",
@@ -144,6 +148,46 @@ fn problem_in(
                 }));
             }
             candidates
+        }),
+    }
+}
+
+/// SmolLM2-135M's batch-1 decode step on its real weights (the GGUF that `cargo xtask
+/// fetch-model` caches, or `$BURN_KERNELS_MODEL`), dequantized to f16; Burn only. The problem
+/// before it times the PyTorch peers on random weights of the same shape in the same run: a
+/// step's work does not depend on the weights' values, and the peer cannot read the GGUF.
+fn real_weights_problem(len: usize) -> Problem {
+    let cfg = LlamaConfig::preset("smollm2-135m").expect("known preset");
+    Problem {
+        label: format!("smollm2-135m decode (context {len}, real weights)"),
+        params: params([
+            ("shape", json!("smollm2-135m")),
+            ("shape_index", json!(0.0)),
+            ("phase", json!("decode")),
+            ("context", json!(len)),
+            ("batch", json!(1)),
+            ("dtype", json!("f16")),
+            ("weights", json!("real")),
+        ]),
+        flops: None,
+        bytes: Some(decode_bytes(&cfg, 1, len, 2)),
+        tokens: Some(1.0),
+        setup: Box::new(move |device| {
+            let skipped = |why: String| vec![Candidate::skipped("burn-graph", why)];
+            let Some(ckpt) = super::specdec::checkpoint() else {
+                return skipped(
+                    "no SmolLM2 checkpoint (`cargo xtask fetch-model` or $BURN_KERNELS_MODEL)"
+                        .into(),
+                );
+            };
+            let model = match Llama::from_checkpoint(ckpt, device, DType::F16) {
+                Ok(m) => m,
+                Err(e) => return skipped(e.to_string()),
+            };
+            let vocab = model.config.vocab_size as i64;
+            let ids: Vec<i64> = (0..len as i64).map(|i| (i * 7919) % vocab).collect();
+            let prompt = Tensor::<2, Int>::from_data(TensorData::new(ids, [1, len]), device);
+            decode_candidates(model, prompt, len)
         }),
     }
 }
