@@ -40,6 +40,8 @@
 #   tcore    core's CUDA tests of the decode-layer kernels (GEMVs, GEMV-T, Q/K/V + RoPE + store)
 #   vfused   llama_tests' captured speculation test (the fused layer ops in the verification
 #            step), then with one group of kernels at a time taken out (BURN_KERNELS_REFERENCE)
+#   bspec    specdec suite on the graph path, real weights (needs the --model parts): SD and
+#            SpecInfer K = 2 replayed, now with the fused layer ops in the verification step
 #   tdet     llama_tests train::cuda::cce_step_is_deterministic
 #   bcceb    cce suite, SmolLM2 shape, 256 MiB blocks against Burn's plain loss
 #   skv64 skv128  shadowkv suite at 64K / 128K context (Llama-3-8B shape): ShadowKV against
@@ -151,6 +153,8 @@ for s in "$@"; do
     tllama) step tllama run test llama_tests captured --include-ignored ;;
     tcore) step tcore run test core qkv_rope_store norm_projections fused_projections static_cache fused_layer_ops ;;
     vfused) step vfused vfused ;;
+    bspec) step bspec run bench --suite specdec --decode-kernels --warmup-ms 0 --measure-ms 0 \
+      --spec-drafts 1,2 --out "$O/bspec" ;;
     tdet) step tdet run test llama_tests cce_step_is_deterministic --include-ignored --nocapture ;;
     bcceb) step bcceb run bench --suite cce --filter smollm2 --cce-chunk-bytes 256 \
       --peers-dir "$peers" --out "$O/bcceb" ;;
