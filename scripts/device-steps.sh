@@ -38,8 +38,9 @@
 #            give it TL=8)
 #   tllama   llama_tests captured-decode tests (CUDA)
 #   tcore    core's CUDA tests of the decode-layer kernels (GEMVs, GEMV-T, Q/K/V + RoPE + store)
-#   vfused   llama_tests' captured speculation test (the fused layer ops in the verification
-#            step), then with one group of kernels at a time taken out (BURN_KERNELS_REFERENCE)
+#   vfused   llama_tests' captured speculation test with the fused layer ops kept in the
+#            verification step (BURN_KERNELS_VERIFY_FUSED=1), then with one group of kernels at a
+#            time taken out (BURN_KERNELS_REFERENCE): which kernel makes that step wrong
 #   bspec    specdec suite on the graph path, real weights (needs the --model parts): SD and
 #            SpecInfer K = 2 replayed, now with the fused layer ops in the verification step
 #   tdet     llama_tests train::cuda::cce_step_is_deterministic
@@ -111,7 +112,7 @@ vfused() {
   local out
   for ops in none gemv_t gemv norm_gemv3,gemv3 norm_gemv_swiglu,gemv_swiglu rope2,rope \
     add_rms_norm,rms_norm store_kv,norm_gemv3_rope_store; do
-    out=$(BURN_KERNELS_REFERENCE=$ops run test llama_tests \
+    out=$(BURN_KERNELS_VERIFY_FUSED=1 BURN_KERNELS_REFERENCE=$ops run test llama_tests \
       captured_speculation_replays_as_graphs --include-ignored 2>&1)
     echo "-- reference for: $ops -> rc=$? $(echo "$out" | grep -E 'test result|panicked' | head -2 | tr '\n' ' ')"
   done

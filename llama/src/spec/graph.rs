@@ -58,6 +58,44 @@ pub struct CapturedSpec {
     pub target_cache_bytes: usize,
 }
 
+/// `attention` without its layer ops: the model's tensor ops run around it.
+///
+/// Known defect (H200, 2026-11-29): the verification step captured on CUDA with
+/// [`burn_kernels_core::FusedOps`] (with any attention) emitted wrong tokens on some tiny
+/// random models (greedy K = 2 and 3: one wrong token over and over, 8 of 60 generations over
+/// ten seeds; sampled K = 1: a token apart). Flaky and order-dependent; not the GEMV kernels,
+/// not the row commit's ordering; eager forwards with the same ops are exact, and the draft's
+/// captured step with them agreed. Until the cause is found, the verification step runs the
+/// tensor ops (0 of 60, and `llama_tests spec::graphs` passes on CUDA).
+///
+/// Session 45 (2026-12-05): with the fused ops kept there, `captured_speculation_replays_as_graphs`
+/// passed 10 of 10 runs on an H200 and the 17 `spec::` tests passed on lavapipe, each run alone;
+/// in the full wgpu suite (79 tests sharing the process) it failed on lavapipe (seed 2, the
+/// reference attention with the fused ops, SpecInfer K = 3: tokens `[0, 20, 20, …]` against
+/// `[5, 5, …]`). So the defect is order-dependent and reproduces without a GPU.
+/// `BURN_KERNELS_VERIFY_FUSED=1` keeps the fused ops in that step, and
+/// `BURN_KERNELS_REFERENCE=op,...` takes single kernels out (see `burn_kernels_core::route`),
+/// for locating the cause on a device.
+#[derive(Debug)]
+struct WithoutLayerOps<'a>(&'a dyn AttentionImpl);
+
+impl AttentionImpl for WithoutLayerOps<'_> {
+    fn name(&self) -> String {
+        self.0.name()
+    }
+
+    fn attend(
+        &self,
+        layer: usize,
+        q: Tensor<4>,
+        k: Tensor<4>,
+        v: Tensor<4>,
+        opts: &AttnOptions,
+    ) -> Tensor<4> {
+        self.0.attend(layer, q, k, v, opts)
+    }
+}
+
 /// The target's `[K, L + 1]` verification step and its commit, over one [`StaticKvCache`].
 struct Verifier<'a> {
     cache: Rc<RefCell<StaticKvCache>>,
@@ -306,7 +344,23 @@ pub fn speculative_generate_captured(
         .into());
     }
     let t0 = Instant::now();
-    let mut verifier = Verifier::new(target, attention, &prompt[..p - 1], k, width, main)?;
+    // See `WithoutLayerOps`.
+    let plain = WithoutLayerOps(attention);
+    // `BURN_KERNELS_VERIFY_FUSED=1` keeps the fused ops there, to look for the defect.
+    let keep_fused = std::env::var("BURN_KERNELS_VERIFY_FUSED").is_ok_and(|v| v == "1");
+    let verify_attention: &dyn AttentionImpl = match attention.layer_ops().is_some() && !keep_fused
+    {
+        true => {
+            log::info!(
+                "the captured verification step runs the model's tensor ops around {} (a \
+                 known defect of the fused layer ops in that step)",
+                attention.name()
+            );
+            &plain
+        }
+        false => attention,
+    };
+    let mut verifier = Verifier::new(target, verify_attention, &prompt[..p - 1], k, width, main)?;
     let rows = vec![prompt.to_vec(); k];
     let (mut draft, first) = CapturedDecoder::prefill(draft_model, attention, &rows, main - p)?;
     let mut draft_commit = Committer::new(&draft_model.embed.device(), draft.cache().clone());

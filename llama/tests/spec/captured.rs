@@ -169,11 +169,10 @@ pub(super) fn captured_speculation_refuses_with_typed_errors() {
 /// a host upload there would fail a wgpu capture), with it and the fused layer ops, and with
 /// the decode kernel and the fused layer ops; twice in one process (the second generation
 /// captures anew), on tiny random models: greedy SpecInfer with K = 2 and 3 (row commits) and
-/// sampled single-draft SD. With the kernels of 2026-11-29 the fused layer ops made the
-/// verification step emit wrong tokens on CUDA for these seeds (greedy K = 2, 3: 8 of 60
-/// generations over ten seeds; seed 6's sampled SD a token apart), so that step ran the tensor
-/// ops until session 45. With today's kernels this test passed with them there 10 times of 10,
-/// also with each kernel group taken out (H200, 2026-12-05; cause of the old failure unknown).
+/// sampled single-draft SD. Before the verification step ran the tensor ops (`spec::graph`'s
+/// `WithoutLayerOps`), the fused layer ops made it emit wrong tokens on CUDA for these seeds
+/// (greedy K = 2, 3: 8 of 60 generations over ten seeds; seed 6's sampled SD a token apart);
+/// this test passed there since (H200, 2026-11-29).
 pub(super) fn captured_speculation_replays_as_graphs(device: &Device) {
     use burn_kernels_core::{AttentionImpl, FusedLayers};
     use burn_llama::spec::SpecOptions;
