@@ -69,8 +69,8 @@ pub struct CapturedSpec {
 /// tensor ops (0 of 60, and `llama_tests spec::graphs` passes on CUDA).
 ///
 /// Session 45 (2026-12-05): with the fused ops kept there, `captured_speculation_replays_as_graphs`
-/// passed 10 of 10 runs on an H200 and the 17 `spec::` tests passed on lavapipe, each run alone;
-/// in the full wgpu suite (79 tests sharing the process) it failed on lavapipe (seed 2, the
+/// passed 10 of 10 runs alone on an H200, and with the other 16 `spec::` tests on lavapipe; in
+/// the full wgpu suite (79 tests sharing the process) it failed on lavapipe (seed 2, the
 /// reference attention with the fused ops, SpecInfer K = 3: tokens `[0, 20, 20, …]` against
 /// `[5, 5, …]`). So the defect is order-dependent and reproduces without a GPU.
 /// `BURN_KERNELS_VERIFY_FUSED=1` keeps the fused ops in that step, and
