@@ -98,6 +98,11 @@ cli() {
     echo "wall $(( ($(date +%s%N) - t0) / 1000000 )) ms"
   done
 }
+# The projections on the GEMVs up to 16 rows and up to $1 (one, then four rows of x a cube).
+mr() {
+  sweep BURN_KERNELS_GEMV_MAX_ROWS "16 $1" "$1"
+  BURN_KERNELS_GEMV_RPC=4 sweep BURN_KERNELS_GEMV_MAX_ROWS "$1" "$1"
+}
 dtypes() {
   local b d
   for b in 1 8 32; do
@@ -138,9 +143,7 @@ for s in "$@"; do
     decodeall) step decodeall run bench --suite llama --filter decode \
       --skip-impl 'burn$' --skip-impl burn-kernels --skip-impl 'pytorch$' \
       --peers-dir "$peers" --out "$O/decodeall" ;;
-    mr32 | mr128) step "$s" bash -c "$(declare -f run sweep); D=$D TL=$TL; \
-      sweep BURN_KERNELS_GEMV_MAX_ROWS '16 ${s#mr}' ${s#mr}; export BURN_KERNELS_GEMV_RPC=4; \
-      sweep BURN_KERNELS_GEMV_MAX_ROWS '${s#mr}' ${s#mr}" ;;
+    mr32 | mr128) step "$s" mr "${s#mr}" ;;
     cli) step cli cli ;;
     dtypes) step dtypes dtypes ;;
     ncu32) step ncu32 prof 32 ;;

@@ -15,7 +15,7 @@ use std::path::PathBuf;
 
 use std::sync::Arc;
 
-use burn::tensor::{DType, Int, Tensor, TensorData};
+use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use burn_kernels_core::{AttentionImpl, BurnAttention, FullKvCache, FusedLayers, KvCache};
 use burn_kvcache::DecodeAttention;
 use burn_llama::graph::CapturedDecoder;
@@ -43,7 +43,7 @@ pub fn suite(opts: SuiteOptions) -> Suite {
             problems.push(problem(shape, i as f64, phase, len, 1, peers()));
         }
         if i == 0 {
-            problems.push(real_weights_problem(len));
+            problems.push(real_weights_problem(len, peers()));
         }
     }
     // The same batch-1 step in bf16 and f32 (Burn only: the peer runs f16), so that the
@@ -120,10 +120,7 @@ fn problem_in(
         tokens: Some(tokens as f64),
         setup: Box::new(move |device| {
             let model = Llama::random(&cfg, device, dtype);
-            let ids: Vec<i64> = (0..(batch * len) as i64)
-                .map(|i| (i * 7919) % cfg.vocab_size as i64)
-                .collect();
-            let prompt = Tensor::<2, Int>::from_data(TensorData::new(ids, [batch, len]), device);
+            let prompt = synthetic_prompt(batch, len, cfg.vocab_size, device);
             let layers = cfg.num_layers;
             let mut candidates = match phase {
                 "prefill" => vec![Candidate::timed_here("burn", move || {
@@ -156,40 +153,34 @@ fn problem_in(
 /// fetch-model` caches, or `$BURN_KERNELS_MODEL`), dequantized to f16; Burn only. The problem
 /// before it times the PyTorch peers on random weights of the same shape in the same run: a
 /// step's work does not depend on the weights' values, and the peer cannot read the GGUF.
-fn real_weights_problem(len: usize) -> Problem {
-    let cfg = LlamaConfig::preset("smollm2-135m").expect("known preset");
-    Problem {
-        label: format!("smollm2-135m decode (context {len}, real weights)"),
-        params: params([
-            ("shape", json!("smollm2-135m")),
-            ("shape_index", json!(0.0)),
-            ("phase", json!("decode")),
-            ("context", json!(len)),
-            ("batch", json!(1)),
-            ("dtype", json!("f16")),
-            ("weights", json!("real")),
-        ]),
-        flops: None,
-        bytes: Some(decode_bytes(&cfg, 1, len, 2)),
-        tokens: Some(1.0),
-        setup: Box::new(move |device| {
-            let skipped = |why: String| vec![Candidate::skipped("burn-graph", why)];
-            let Some(ckpt) = super::specdec::checkpoint() else {
-                return skipped(
-                    "no SmolLM2 checkpoint (`cargo xtask fetch-model` or $BURN_KERNELS_MODEL)"
-                        .into(),
-                );
-            };
-            let model = match Llama::from_checkpoint(ckpt, device, DType::F16) {
-                Ok(m) => m,
-                Err(e) => return skipped(e.to_string()),
-            };
-            let vocab = model.config.vocab_size as i64;
-            let ids: Vec<i64> = (0..len as i64).map(|i| (i * 7919) % vocab).collect();
-            let prompt = Tensor::<2, Int>::from_data(TensorData::new(ids, [1, len]), device);
-            decode_candidates(model, prompt, len)
-        }),
-    }
+fn real_weights_problem(len: usize, peers: PathBuf) -> Problem {
+    let mut problem = problem_in(DType::F16, "smollm2-135m", 0.0, "decode", len, 1, peers);
+    problem.label = format!("smollm2-135m decode (context {len}, real weights)");
+    problem.params.insert("weights".into(), json!("real"));
+    problem.setup = Box::new(move |device| {
+        let skipped = |why: String| vec![Candidate::skipped("burn-graph", why)];
+        let Some(ckpt) = super::specdec::checkpoint() else {
+            return skipped(
+                "no SmolLM2 checkpoint (`cargo xtask fetch-model` or $BURN_KERNELS_MODEL)".into(),
+            );
+        };
+        match Llama::from_checkpoint(ckpt, device, DType::F16) {
+            Ok(model) => {
+                let prompt = synthetic_prompt(1, len, model.config.vocab_size, device);
+                decode_candidates(model, prompt, len)
+            }
+            Err(e) => skipped(e.to_string()),
+        }
+    });
+    problem
+}
+
+/// `batch` rows of `len` token ids spread over the vocabulary (the same for every run).
+fn synthetic_prompt(batch: usize, len: usize, vocab: usize, device: &Device) -> Tensor<2, Int> {
+    let ids: Vec<i64> = (0..(batch * len) as i64)
+        .map(|i| (i * 7919) % vocab as i64)
+        .collect();
+    Tensor::<2, Int>::from_data(TensorData::new(ids, [batch, len]), device)
 }
 
 /// The fewest bytes a decode step of `batch` rows after `len` cached tokens reads from device

@@ -456,30 +456,12 @@ fn gemv_swiglu_with(
 mod tests {
     use super::*;
 
-    /// Plans with up to [`MAX_ROWS_PER_CUBE`] rows a cube (the shared-memory budget's cases).
-    fn plan(
-        rows: usize,
-        k: usize,
-        ns: &[usize],
-        elem_bytes: usize,
-        slots: usize,
-        norm: bool,
-        max_shared: usize,
-    ) -> Plan {
-        Plan::capped(
-            rows,
-            k,
-            ns,
-            elem_bytes,
-            slots,
-            norm,
-            max_shared,
-            MAX_ROWS_PER_CUBE,
-        )
-    }
-
     #[test]
     fn plans_read_16_bytes_where_the_columns_allow() {
+        // Plans with up to MAX_ROWS_PER_CUBE rows a cube (the shared-memory budget's cases).
+        let plan = |rows, k, ns: &[usize], elem, slots, norm, shared| {
+            Plan::capped(rows, k, ns, elem, slots, norm, shared, MAX_ROWS_PER_CUBE)
+        };
         let p = plan(1, 576, &[576], 2, 1, false, 48 << 10);
         assert_eq!(
             (p.vec, p.cv, p.splits, p.rows_per_cube, p.unroll),
