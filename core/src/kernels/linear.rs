@@ -65,23 +65,10 @@ pub(super) struct Plan {
 impl Plan {
     /// A plan for products with `ns` columns each (one launch), `rows` rows of `x`, an
     /// inner dimension of `k`, `slots` f32 accumulator vectors per row of `x` (two for the
-    /// SwiGLU launch), within `max_shared` bytes of shared memory per cube.
-    pub(super) fn new(
-        rows: usize,
-        k: usize,
-        ns: &[usize],
-        elem_bytes: usize,
-        slots: usize,
-        norm: bool,
-        max_shared: usize,
-    ) -> Self {
-        let most = tuning("BURN_KERNELS_GEMV_RPC").unwrap_or(DEFAULT_ROWS_PER_CUBE);
-        Self::capped(rows, k, ns, elem_bytes, slots, norm, max_shared, most)
-    }
-
-    /// [`Plan::new`] with at most `most` rows of `x` per cube.
+    /// SwiGLU launch), within `max_shared` bytes of shared memory per cube and at most `most`
+    /// rows of `x` per cube ([`rows_cap`] for the launches).
     #[allow(clippy::too_many_arguments)]
-    fn capped(
+    pub(super) fn new(
         rows: usize,
         k: usize,
         ns: &[usize],
@@ -134,6 +121,11 @@ impl Plan {
             stage,
         }
     }
+}
+
+/// The most rows of `x` per cube: `BURN_KERNELS_GEMV_RPC`, else [`DEFAULT_ROWS_PER_CUBE`].
+pub(super) fn rows_cap() -> usize {
+    tuning("BURN_KERNELS_GEMV_RPC").unwrap_or(DEFAULT_ROWS_PER_CUBE)
 }
 
 /// The inner dimension `k` where a cube of `rpc` rows stages its input rows in shared memory
@@ -242,7 +234,16 @@ pub fn gemv(x: CubeTensor, w: CubeTensor) -> CubeTensor {
     if rows == 0 || n == 0 {
         return out;
     }
-    let plan = Plan::new(rows, k, &[n], x.dtype.size(), 1, false, max_shared(&x));
+    let plan = Plan::new(
+        rows,
+        k,
+        &[n],
+        x.dtype.size(),
+        1,
+        false,
+        max_shared(&x),
+        rows_cap(),
+    );
     let (w, w_row) = weight_rows(w, plan.vec);
     let n_vecs = n / plan.vec;
     let (count, dim) = launch_dims(&plan, rows, n_vecs);
@@ -341,7 +342,16 @@ fn gemv3_with(
     if rows == 0 || ns.iter().sum::<usize>() == 0 {
         return (oa, ob, oc, sum);
     }
-    let plan = Plan::new(rows, k, &ns, x.dtype.size(), 1, has_norm, max_shared(&x));
+    let plan = Plan::new(
+        rows,
+        k,
+        &ns,
+        x.dtype.size(),
+        1,
+        has_norm,
+        max_shared(&x),
+        rows_cap(),
+    );
     let [(wa, ra), (wb, rb), (wc, rc)] = [wa, wb, wc].map(|w| weight_rows(w, plan.vec));
     let [na, nb, nc] = ns.map(|n| n / plan.vec);
     let (count, dim) = launch_dims(&plan, rows, na + nb + nc);
@@ -418,7 +428,16 @@ fn gemv_swiglu_with(
     if rows == 0 || n == 0 {
         return (out, sum);
     }
-    let plan = Plan::new(rows, k, &[n], x.dtype.size(), 2, has_norm, max_shared(&x));
+    let plan = Plan::new(
+        rows,
+        k,
+        &[n],
+        x.dtype.size(),
+        2,
+        has_norm,
+        max_shared(&x),
+        rows_cap(),
+    );
     let [(wg, g_row), (wu, u_row)] = [wg, wu].map(|w| weight_rows(w, plan.vec));
     let n_vecs = n / plan.vec;
     let (count, dim) = launch_dims(&plan, rows, n_vecs);
@@ -460,7 +479,7 @@ mod tests {
     fn plans_read_16_bytes_where_the_columns_allow() {
         // Plans with up to MAX_ROWS_PER_CUBE rows a cube (the shared-memory budget's cases).
         let plan = |rows, k, ns: &[usize], elem, slots, norm, shared| {
-            Plan::capped(rows, k, ns, elem, slots, norm, shared, MAX_ROWS_PER_CUBE)
+            Plan::new(rows, k, ns, elem, slots, norm, shared, MAX_ROWS_PER_CUBE)
         };
         let p = plan(1, 576, &[576], 2, 1, false, 48 << 10);
         assert_eq!(
@@ -506,7 +525,7 @@ mod tests {
         // One row a cube by default.
         if std::env::var_os("BURN_KERNELS_GEMV_RPC").is_none() {
             assert_eq!(
-                Plan::new(8, 576, &[576], 2, 1, false, 48 << 10).rows_per_cube,
+                Plan::new(8, 576, &[576], 2, 1, false, 48 << 10, rows_cap()).rows_per_cube,
                 1
             );
         }
