@@ -250,3 +250,132 @@ pub fn shadowkv_for(
         },
     )
 }
+
+/// A cache [`greedy_answers`] answers through, seeded from one exact prefill.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum SeededCache {
+    /// The prefill's own full cache.
+    Full,
+    /// ShadowKV compressing the prefill's keys and values ([`ShadowKvCache::compress_prompt`]).
+    ShadowKv(ShadowKvConfig),
+}
+
+/// Why [`greedy_answers`] stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum AnswerError {
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error(transparent)]
+    Forward(#[from] crate::model::ForwardError),
+    #[error(transparent)]
+    Cache(#[from] KvCacheError),
+    /// ShadowKV keeps prompts shorter than its `min_prompt` (or its budget) uncompressed.
+    #[error(
+        "ShadowKV left the {0}-token prompt uncompressed (shorter than its budget or min_prompt)"
+    )]
+    NotCompressed(usize),
+}
+
+/// What [`greedy_answers`] produced for each cache, in the order given.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Answers {
+    /// Greedy tokens after the prompt (the first one from the shared prefill).
+    pub tokens: Vec<Vec<u32>>,
+    /// Seconds of the shared prefill.
+    pub prefill_secs: f64,
+    /// Seconds each cache took to be seeded and to decode.
+    pub decode_secs: Vec<f64>,
+    /// Bytes each cache held at the end: (device, host).
+    pub bytes: Vec<(usize, usize)>,
+}
+
+fn greedy_last(model: &Llama, hidden: Tensor<3>) -> u32 {
+    let [b, s, h] = hidden.dims();
+    let last = hidden.slice([b - 1..b, s - 1..s, 0..h]);
+    model
+        .logits(last)
+        .argmax(2)
+        .into_data()
+        .convert::<i64>()
+        .try_to_vec::<i64>()
+        .expect("int data")[0] as u32
+}
+
+/// Answers `prompt` greedily through each of `caches`: the prompt is prefilled once through a
+/// full cache, in pieces of `piece` tokens (so attention holds `heads · piece · S` scores, not
+/// `heads · S²`), and its keys and values seed every cache; the first answer token comes from
+/// that prefill (a ShadowKV prefill is exact), the next ones from each cache, until `max_new`
+/// tokens or a token of `stop`.
+///
+/// # Errors
+/// [`AnswerError::EmptyPrompt`]; the model's and the caches' errors;
+/// [`AnswerError::NotCompressed`] when a ShadowKV configuration would not compress the prompt
+/// (it would then be the full cache under another name).
+pub fn greedy_answers(
+    model: &Llama,
+    prompt: &[u32],
+    caches: &[SeededCache],
+    piece: usize,
+    max_new: usize,
+    stop: &[u32],
+    attention: &dyn AttentionImpl,
+) -> Result<Answers, AnswerError> {
+    if prompt.is_empty() {
+        return Err(AnswerError::EmptyPrompt);
+    }
+    let device = model.embed.val().device();
+    let ids = |t: &[u32]| {
+        let v: Vec<i64> = t.iter().map(|&x| i64::from(x)).collect();
+        let n = v.len();
+        Tensor::<2, Int>::from_data(TensorData::new(v, [1, n]), &device)
+    };
+    let t = std::time::Instant::now();
+    let mut prefilled = FullKvCache::new(model.config.num_layers);
+    let mut hidden = None;
+    for part in prompt.chunks(piece.max(1)) {
+        hidden = Some(model.try_forward(ids(part), &[], &mut prefilled, attention)?);
+    }
+    let first = greedy_last(model, hidden.expect("a non-empty prompt"));
+    let prefill_secs = t.elapsed().as_secs_f64();
+    let mut out = Answers {
+        tokens: Vec::new(),
+        prefill_secs,
+        decode_secs: Vec::new(),
+        bytes: Vec::new(),
+    };
+    for spec in caches {
+        let t = std::time::Instant::now();
+        let decode = |cache: &mut dyn KvCache| -> Result<Vec<u32>, AnswerError> {
+            let mut tokens = vec![first];
+            while tokens.len() < max_new && !stop.contains(tokens.last().expect("non-empty")) {
+                let last = ids(&tokens[tokens.len() - 1..]);
+                let hidden = model.try_forward(last, &[], cache, attention)?;
+                tokens.push(greedy_last(model, hidden));
+            }
+            Ok(tokens)
+        };
+        let (tokens, bytes) = match spec {
+            SeededCache::Full => {
+                let mut full = prefilled.clone();
+                let tokens = decode(&mut full)?;
+                (tokens, (full.bytes_held(), 0))
+            }
+            SeededCache::ShadowKv(config) => {
+                let mut shadow = shadowkv_for(&model.config, *config)?;
+                for layer in 0..model.config.num_layers {
+                    let (k, v) = prefilled.layer(layer).expect("every layer was prefilled");
+                    if !shadow.compress_prompt(layer, k, v, None)? {
+                        return Err(AnswerError::NotCompressed(prompt.len()));
+                    }
+                }
+                let tokens = decode(&mut shadow)?;
+                let b = shadow.bytes_split();
+                (tokens, (b.device, b.host))
+            }
+        };
+        out.decode_secs.push(t.elapsed().as_secs_f64());
+        out.bytes.push(bytes);
+        out.tokens.push(tokens);
+    }
+    Ok(out)
+}

@@ -21,6 +21,7 @@ pub mod model;
 pub mod names;
 pub mod passkey;
 pub mod precision;
+pub mod ruler;
 pub mod spec;
 pub mod tokenizer;
 pub mod train;

@@ -1,47 +1,57 @@
-//! Needle in a haystack (pass-key retrieval) with SmolLM2-135M on the CPU: full cache vs
-//! ShadowKV at a few sparse budgets. Prints a markdown table to stdout.
+//! Long-context retrieval with SmolLM2-135M on the CPU: the full cache against ShadowKV at a
+//! few sparse budgets. Prints a markdown table to stdout.
 //!
 //! ```sh
-//! cargo run --release -p burn-llama-examples --example needle -- --tokens 7000 --depths 0.1,0.5,0.9
+//! # the pass-key task at five depths
+//! cargo run --release -p burn-llama-examples --example needle -- --tokens 7000
+//! # RULER-style tasks (burn_llama::ruler) in the Shakespeare corpus, 4 seeds each
+//! cargo run --release -p burn-llama-examples --example needle -- --tokens 4096 \
+//!     --tasks single,multi-key,multi-value,multi-query,variable-tracking --trials 4
 //! ```
 //!
-//! The prompt is the classic pass-key task (Mohtashami & Jaggi, 2023): repeated filler
-//! sentences with "The pass key is NNNNN. Remember it. NNNNN is the pass key." inserted at a
-//! relative depth, ending with "What is the pass key? The pass key is". Each prompt is
-//! prefilled once, in pieces of `--piece` tokens through a full cache (the CPU reference
-//! attention would otherwise hold `heads·S²` scores at once); its keys and values then seed
-//! every cache compared: the full cache itself, and ShadowKV through
-//! [`burn_kvcache::ShadowKvCache::compress_prompt`] (a ShadowKV prefill is exact, so the
-//! first answer token is the same for every cache; the rest are decoded greedily through each
-//! cache). A trial counts as retrieved when the decoded answer contains the key's digits.
+//! Without `--tasks` the prompt is the classic pass-key task (Mohtashami & Jaggi, 2023):
+//! repeated filler sentences with "The pass key is NNNNN. Remember it. NNNNN is the pass key."
+//! at a relative depth, ending with "What is the pass key? The pass key is"; a trial counts when
+//! the answer holds the key's digits. With `--tasks`, each trial is a [`ruler_sample`] of the
+//! task (seed = trial number) in the corpus of `cargo xtask fetch-corpus` (`--haystack`; the
+//! filler sentences where it is missing), scored by [`string_match_all`].
 //!
-//! Budgets are fractions of the prompt length, rounded down to whole chunks; outlier chunks
-//! scale with the budget as the paper's defaults do (48 chunks per 2048 tokens) unless
-//! `--outliers` is given.
+//! Each prompt is prefilled once ([`greedy_answers`]) and its keys and values seed every cache
+//! compared, so the first answer token is the same for all; the rest are decoded greedily
+//! through each cache. Budgets are fractions of the prompt length, rounded down to whole chunks;
+//! outlier chunks scale with the budget as the paper's defaults do (48 chunks per 2048 tokens)
+//! unless `--outliers` is given.
 
-use std::time::Instant;
+use std::path::PathBuf;
 
-use burn::tensor::{Device, Int, Tensor, TensorData};
-use burn_kernels_core::{FullKvCache, KvCache, ReferenceAttention};
+use burn::tensor::Device;
+use burn_kernels_core::ReferenceAttention;
 use burn_kvcache::ShadowKvConfig;
-use burn_llama::eval::shadowkv_for;
-use burn_llama::model::Llama;
-use burn_llama::passkey::{fillers_for, holds_key, passkey_text};
+use burn_llama::eval::{SeededCache, greedy_answers};
+use burn_llama::passkey::{fillers_for, passkey_text};
+use burn_llama::ruler::{Haystack, RulerTask, ruler_sample, string_match_all};
 use burn_llama_examples::smollm::load_smollm;
 use clap::Parser;
 
 #[derive(Debug, Parser)]
-#[command(about = "Pass-key retrieval: full cache vs ShadowKV (CPU, Flex)")]
+#[command(about = "Long-context retrieval: full cache vs ShadowKV (CPU, Flex)")]
 struct Args {
     /// Approximate prompt length in tokens.
     #[arg(long, default_value_t = 7000)]
     tokens: usize,
-    /// Relative depths of the needle.
+    /// RULER-style tasks to run instead of the pass key.
+    #[arg(long, value_enum, value_delimiter = ',')]
+    tasks: Vec<RulerTask>,
+    /// Relative depths of the pass key (without `--tasks`).
     #[arg(long, value_delimiter = ',', default_value = "0.1,0.3,0.5,0.7,0.9")]
     depths: Vec<f64>,
-    /// Pass keys tried per depth.
+    /// Trials per depth (pass key) or per task (seeds 0, 1, ...).
     #[arg(long, default_value_t = 1)]
     trials: usize,
+    /// Text the RULER-style needles are hidden in (a .txt file or a folder of them).
+    /// Default: the Shakespeare corpus of `cargo xtask fetch-corpus`.
+    #[arg(long)]
+    haystack: Option<PathBuf>,
     /// Sparse budgets as fractions of the prompt.
     #[arg(long, value_delimiter = ',', default_value = "0.0625,0.25")]
     budgets: Vec<f64>,
@@ -54,34 +64,22 @@ struct Args {
     /// Prefill piece length.
     #[arg(long, default_value_t = 512)]
     piece: usize,
-    /// Answer tokens decoded.
-    #[arg(long, default_value_t = 8)]
-    max_new: usize,
+    /// Answer tokens decoded (default: 8 for the pass key, 48 for the RULER-style tasks).
+    #[arg(long)]
+    max_new: Option<usize>,
 }
 
-fn argmax_last(model: &Llama, hidden: Tensor<3>) -> u32 {
-    let [_, s, h] = hidden.dims();
-    let last = hidden.slice([0..1, s - 1..s, 0..h]);
-    model
-        .logits(last)
-        .argmax(2)
-        .into_data()
-        .convert::<i64>()
-        .try_to_vec::<i64>()
-        .expect("int")[0] as u32
+/// One prompt to answer: its row label, text and what the answer must hold.
+struct Trial {
+    group: String,
+    label: String,
+    text: String,
+    answers: Vec<String>,
 }
 
-/// Greedy tokens after `first` (already sampled from the prefill).
-fn decode(model: &Llama, cache: &mut dyn KvCache, first: u32, n: usize) -> Vec<u32> {
-    let device = model.embed.val().device();
-    let mut out = vec![first];
-    while out.len() < n {
-        let last = *out.last().expect("non-empty") as i64;
-        let input = Tensor::<2, Int>::from_data(TensorData::new(vec![last], [1, 1]), &device);
-        let hidden = model.forward(input, &[], cache, &ReferenceAttention);
-        out.push(argmax_last(model, hidden));
-    }
-    out
+fn corpus_dir() -> PathBuf {
+    let home = std::env::var("HOME").unwrap_or_else(|_| ".".into());
+    PathBuf::from(home).join(".cache/burn-kernels/corpus/shakespeare")
 }
 
 fn main() {
@@ -89,115 +87,171 @@ fn main() {
     let device = Device::flex();
     let (ckpt, model) = load_smollm(&device);
     let tok = &ckpt.tokenizer;
-    let cfg = model.config.clone();
-    let fillers = fillers_for(tok, args.tokens).expect("encode");
 
+    let trials = trials(&args, tok);
+    let max_new = args
+        .max_new
+        .unwrap_or(if args.tasks.is_empty() { 8 } else { 48 });
     let mut labels = vec!["full".to_string()];
-    let mut hits = vec![0usize; 1 + args.budgets.len()];
     let mut rows = Vec::new();
-    let mut key_state = 0x9e37_79b9u32;
-    for &depth in &args.depths {
-        for _ in 0..args.trials {
-            // A 5-digit key from a fixed LCG: reproducible runs.
-            key_state = key_state
-                .wrapping_mul(1_664_525)
-                .wrapping_add(1_013_904_223);
-            let key = 10_000 + (key_state >> 8) % 90_000;
-            let ids = tok
-                .encode(&passkey_text(fillers, depth, key))
-                .expect("encode");
-            let n = ids.len();
-            let t = Instant::now();
-            let mut rec = FullKvCache::new(cfg.num_layers);
-            let mut hidden = None;
-            for from in (0..n).step_by(args.piece) {
-                let to = (from + args.piece).min(n);
-                let piece: Vec<i64> = ids[from..to].iter().map(|&x| x as i64).collect();
-                let input =
-                    Tensor::<2, Int>::from_data(TensorData::new(piece, [1, to - from]), &device);
-                hidden = Some(model.forward(input, &[], &mut rec, &ReferenceAttention));
+    for trial in &trials {
+        let ids = tok.encode(&trial.text).expect("encode");
+        let n = ids.len();
+        let mut caches = vec![SeededCache::Full];
+        for &frac in &args.budgets {
+            let chunk = 8;
+            let budget = (((n as f64 * frac) as usize) / chunk).max(4) * chunk;
+            let outliers = args.outliers.unwrap_or((budget * 24).div_ceil(1024));
+            if labels.len() <= caches.len() {
+                labels.push(format!(
+                    "shadowkv {:.1}% (budget {budget}, {outliers} outlier chunks, rank {})",
+                    frac * 100.0,
+                    args.rank
+                ));
             }
-            let first = argmax_last(&model, hidden.expect("n ≥ 1"));
-            let prefill_s = t.elapsed().as_secs_f64();
+            caches.push(SeededCache::ShadowKv(ShadowKvConfig {
+                rank: args.rank,
+                chunk,
+                budget,
+                local_chunks: 4,
+                outlier_chunks: outliers,
+                min_prompt: 0,
+            }));
+        }
+        let got = greedy_answers(
+            &model,
+            &ids,
+            &caches,
+            args.piece,
+            max_new,
+            tok.eos_token_ids(),
+            &ReferenceAttention,
+        )
+        .unwrap_or_else(|e| panic!("{}: {e}", trial.label));
+        let mut row = Row {
+            group: trial.group.clone(),
+            label: trial.label.clone(),
+            tokens: n,
+            cells: Vec::new(),
+            scores: Vec::new(),
+            agree: Vec::new(),
+        };
+        for answer in &got.tokens {
+            let text = tok.decode(answer).expect("decode");
+            let score = string_match_all(&text, &trial.answers);
+            row.scores.push(score);
+            row.agree.push(*answer == got.tokens[0]);
+            let mark = match score {
+                1.0 => "✓".to_string(),
+                0.0 => "✗".to_string(),
+                s => format!("{:.0}%", s * 100.0),
+            };
+            row.cells.push(format!(
+                "{mark} `{}`",
+                text.trim().replace(['\n', '|'], " ")
+            ));
+        }
+        eprintln!(
+            "{}: {n} tokens, prefill {:.1}s, per cache {:.1?} s, bytes (device, host) {:?}",
+            trial.label, got.prefill_secs, got.decode_secs, got.bytes
+        );
+        rows.push(row);
+    }
+    print_tables(&labels, &rows);
+}
 
-            let mut answers = Vec::new();
-            let t = Instant::now();
-            let mut full = rec.clone();
-            answers.push(decode(&model, &mut full, first, args.max_new));
-            let full_s = t.elapsed().as_secs_f64();
-            let mut shadow_s = Vec::new();
-            for (bi, &frac) in args.budgets.iter().enumerate() {
-                let chunk = 8;
-                let budget = (((n as f64 * frac) as usize) / chunk).max(4) * chunk;
-                let outliers = args.outliers.unwrap_or((budget * 24).div_ceil(1024));
-                let sc = ShadowKvConfig {
-                    rank: args.rank,
-                    chunk,
-                    budget,
-                    local_chunks: 4,
-                    outlier_chunks: outliers,
-                    min_prompt: 0,
-                };
-                if labels.len() <= bi + 1 {
-                    labels.push(format!(
-                        "shadowkv {:.1}% (budget {budget}, {outliers} outlier chunks, rank {})",
-                        frac * 100.0,
-                        args.rank
-                    ));
-                }
-                let t = Instant::now();
-                let mut sk = shadowkv_for(&cfg, sc).expect("valid config");
-                for layer in 0..cfg.num_layers {
-                    let (k, v) = rec.layer(layer).expect("prefilled");
-                    let sparse = sk.compress_prompt(layer, k, v, None).expect("valid prompt");
-                    assert!(sparse, "a prompt of {n} tokens is compressed");
-                }
-                answers.push(decode(&model, &mut sk, first, args.max_new));
-                let b = sk.bytes_split();
-                shadow_s.push(format!(
-                    "{:.1}s, device {:.1} MB + host {:.1} MB",
-                    t.elapsed().as_secs_f64(),
-                    b.device as f64 / 1e6,
-                    b.host as f64 / 1e6
-                ));
+/// The prompts: pass keys at each depth, or each task's seeded samples.
+fn trials(args: &Args, tok: &burn_llama::tokenizer::Tokenizer) -> Vec<Trial> {
+    let mut out = Vec::new();
+    if args.tasks.is_empty() {
+        let fillers = fillers_for(tok, args.tokens).expect("encode");
+        let mut key_state = 0x9e37_79b9u32;
+        for &depth in &args.depths {
+            for _ in 0..args.trials {
+                // A 5-digit key from a fixed LCG: reproducible runs.
+                key_state = key_state
+                    .wrapping_mul(1_664_525)
+                    .wrapping_add(1_013_904_223);
+                let key = 10_000 + (key_state >> 8) % 90_000;
+                out.push(Trial {
+                    group: "pass key".into(),
+                    label: format!("pass key, depth {depth}, key {key}"),
+                    text: passkey_text(fillers, depth, key),
+                    answers: vec![key.to_string()],
+                });
             }
-            let mut cells = Vec::new();
-            for (i, a) in answers.iter().enumerate() {
-                let text = tok.decode(a).expect("decode");
-                let ok = holds_key(&text, key);
-                hits[i] += usize::from(ok);
-                cells.push(format!(
-                    "{} `{}`",
-                    if ok { "✓" } else { "✗" },
-                    text.trim().replace('\n', " ")
-                ));
-            }
-            eprintln!(
-                "depth {depth} key {key}: {n} tokens, prefill {prefill_s:.1}s, full decode \
-                 {full_s:.1}s, shadowkv {shadow_s:?}"
-            );
-            rows.push((depth, key, n, cells));
+        }
+        return out;
+    }
+    let dir = args.haystack.clone().unwrap_or_else(corpus_dir);
+    let haystack = Haystack::load(&dir).unwrap_or_else(|e| {
+        eprintln!("{e}; the needles are hidden in filler sentences instead");
+        Haystack::filler()
+    });
+    let mut count = |s: &str| tok.encode(s).map(|ids| ids.len());
+    for &task in &args.tasks {
+        for seed in 0..args.trials as u64 {
+            let s = ruler_sample(task, &haystack, args.tokens, seed, &mut count)
+                .unwrap_or_else(|e| panic!("{}: {e}", task.name()));
+            out.push(Trial {
+                group: task.name(),
+                label: format!("{}, seed {seed}", task.name()),
+                text: s.text,
+                answers: s.answers,
+            });
         }
     }
+    out
+}
 
+/// One answered trial: its answers' cells, scores and agreement with the full cache, per cache.
+struct Row {
+    group: String,
+    label: String,
+    tokens: usize,
+    cells: Vec<String>,
+    scores: Vec<f64>,
+    agree: Vec<bool>,
+}
+
+/// The answers, then each task's mean score and answers equal to the full cache's.
+fn print_tables(labels: &[String], rows: &[Row]) {
+    println!("| trial | tokens | {} |", labels.join(" | "));
+    println!("|---|---:|{}", "---|".repeat(labels.len()));
+    for r in rows {
+        println!("| {} | {} | {} |", r.label, r.tokens, r.cells.join(" | "));
+    }
+    println!();
     println!(
-        "| depth | key | tokens | {} |",
+        "| task | trials | {} |",
         labels
             .iter()
-            .map(|l| l.as_str())
+            .map(|l| format!("{l}: score (equal answers)"))
             .collect::<Vec<_>>()
             .join(" | ")
     );
-    println!("|---|---|---|{}", "---|".repeat(labels.len()));
-    for (depth, key, n, cells) in &rows {
-        println!("| {depth} | {key} | {n} | {} |", cells.join(" | "));
+    println!("|---|---:|{}", "---:|".repeat(labels.len()));
+    let mut groups: Vec<&str> = Vec::new();
+    for r in rows {
+        if !groups.contains(&r.group.as_str()) {
+            groups.push(&r.group);
+        }
     }
-    let total = rows.len().max(1);
-    println!(
-        "| **accuracy** | | | {} |",
-        hits.iter()
-            .map(|h| format!("{h}/{total} ({:.0}%)", 100.0 * *h as f64 / total as f64))
-            .collect::<Vec<_>>()
-            .join(" | ")
-    );
+    let all = rows.iter().collect::<Vec<_>>();
+    let summary = |name: &str, rows: &[&Row]| {
+        let cells = (0..labels.len()).map(|c| {
+            let score = rows.iter().map(|r| r.scores[c]).sum::<f64>() / rows.len() as f64;
+            let equal = rows.iter().filter(|r| r.agree[c]).count();
+            format!("{:.1} ({equal}/{})", 100.0 * score, rows.len())
+        });
+        let cells = cells.collect::<Vec<_>>().join(" | ");
+        println!("| {name} | {} | {cells} |", rows.len());
+    };
+    for g in &groups {
+        let rows: Vec<&Row> = rows.iter().filter(|r| r.group == *g).collect();
+        summary(g, &rows);
+    }
+    if groups.len() > 1 {
+        summary("**all**", &all);
+    }
 }
