@@ -8,6 +8,13 @@
 //! Backends without graphs (Burn's CPU backend) replay by running the step again: the same
 //! tokens, at eager speed ([`CaptureInfo::graph`] says which ran). CubeCL's wgpu runtime
 //! captures and replays too.
+//!
+//! **Known defect** (2026-12-05): a replayed step with several burn-kernels ops in it gives
+//! wrong logits at times (one token repeated after a right first one), rarely when the
+//! generating thread has the device to itself and often while another thread of the process
+//! uses the same device (4 of 6 runs of `captured_decode_beside_other_work` on lavapipe; not
+//! yet measured on CUDA). The `llama` CLI generates on one thread. A program that shares a
+//! device between threads should decode eagerly (`DecodeMode::Eager`) until this is fixed.
 
 use std::cell::RefCell;
 use std::rc::Rc;

@@ -121,6 +121,52 @@ mod graphs {
         super::captured::captured_speculation_replays_as_graphs(&device);
     }
 
+    // Known defect (2026-12-05): a captured step replays wrong tokens at times, far more often
+    // while another thread uses the device (`captured::captured_decode_beside_other_work` has
+    // the figures). These reproduce it in seconds; they are ignored until it is fixed, and
+    // `--include-ignored` runs them.
+    #[cfg(feature = "wgpu")]
+    #[test]
+    #[ignore = "known defect: captured steps beside another thread's device work"]
+    fn captured_speculation_beside_other_work_wgpu() {
+        burn_kernels_testing::runtimes::quick_software_shaders();
+        let device = burn::tensor::Device::wgpu(burn::tensor::DeviceKind::DefaultDevice);
+        super::captured::captured_speculation_beside_other_work(&device);
+    }
+
+    #[cfg(feature = "wgpu")]
+    #[test]
+    #[ignore = "known defect: captured steps beside another thread's device work"]
+    fn captured_decode_beside_other_work_wgpu() {
+        burn_kernels_testing::runtimes::quick_software_shaders();
+        let device = burn::tensor::Device::wgpu(burn::tensor::DeviceKind::DefaultDevice);
+        super::captured::captured_decode_beside_other_work(&device);
+    }
+
+    #[cfg(feature = "wgpu")]
+    #[test]
+    fn plain_burn_graph_beside_other_work_wgpu() {
+        burn_kernels_testing::runtimes::quick_software_shaders();
+        let device = burn::tensor::Device::wgpu(burn::tensor::DeviceKind::DefaultDevice);
+        super::captured::plain_burn_graph_beside_other_work(&device);
+    }
+
+    #[cfg(feature = "cuda")]
+    #[test]
+    #[ignore = "known defect on wgpu; not yet run on CUDA"]
+    fn captured_decode_beside_other_work_cuda() {
+        burn_kernels_testing::runtimes::exact_f32_matmul();
+        super::captured::captured_decode_beside_other_work(&burn::tensor::Device::cuda(0));
+    }
+
+    #[cfg(feature = "cuda")]
+    #[test]
+    #[ignore = "known defect on wgpu; not yet run on CUDA"]
+    fn captured_speculation_beside_other_work_cuda() {
+        burn_kernels_testing::runtimes::exact_f32_matmul();
+        super::captured::captured_speculation_beside_other_work(&burn::tensor::Device::cuda(0));
+    }
+
     #[cfg(feature = "cuda")]
     #[test]
     fn captured_speculation_replays_as_graphs_cuda() {

@@ -82,3 +82,66 @@ pub fn decode_attention_for(device: &Device) -> Box<dyn burn_kernels_core::Atten
         )))
     }
 }
+
+/// Runs `f` while another thread keeps `device` busy with small launches and host reads of
+/// their results (deterministic values: no draws from the device's random generator), as the
+/// test suite's threads do side by side. Panics with `f`'s panic, or when a neighbour read is
+/// wrong. `NEIGHBOUR=launch` (launches only), `read` (reads of one tensor only), `flush`
+/// (launches and flushes) or `none` (asleep) change what the neighbour does, for diagnosis.
+pub fn beside_other_work<T>(device: &Device, f: impl FnOnce() -> T) -> T {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let stop = Arc::new(AtomicBool::new(false));
+    let neighbour = {
+        let (stop, device) = (stop.clone(), device.clone());
+        std::thread::spawn(move || {
+            let mut rounds = 0usize;
+            let a = Tensor::<1, Int>::arange(0..96 * 80, &device)
+                .float()
+                .reshape([96, 80])
+                .div_scalar(8000.0);
+            let want = a
+                .clone()
+                .matmul(a.clone().transpose())
+                .sum()
+                .into_scalar::<f32>();
+            let mode = std::env::var("NEIGHBOUR").unwrap_or_default();
+            while !stop.load(Ordering::Relaxed) {
+                match mode.as_str() {
+                    "launch" => {
+                        let _ = a.clone().matmul(a.clone().transpose()).sum();
+                    }
+                    "none" => std::thread::sleep(std::time::Duration::from_millis(1)),
+                    "read" => {
+                        let _ = a.to_data();
+                    }
+                    "flush" => {
+                        let _ = a.clone().matmul(a.clone().transpose()).sum();
+                        let _ = device.flush();
+                    }
+                    _ => {
+                        let got = a
+                            .clone()
+                            .matmul(a.clone().transpose())
+                            .sum()
+                            .into_scalar::<f32>();
+                        assert!(
+                            (got - want).abs() <= 1e-3 * want.abs(),
+                            "neighbour read {got}, not {want}"
+                        );
+                    }
+                }
+                rounds += 1;
+            }
+            rounds
+        })
+    };
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+    stop.store(true, Ordering::Relaxed);
+    let rounds = neighbour.join().expect("the neighbour's reads are right");
+    eprintln!("the neighbour thread ran {rounds} rounds");
+    match result {
+        Ok(out) => out,
+        Err(e) => std::panic::resume_unwind(e),
+    }
+}
