@@ -38,9 +38,8 @@
 #            give it TL=8)
 #   tllama   llama_tests captured-decode tests (CUDA)
 #   tcore    core's CUDA tests of the decode-layer kernels (GEMVs, GEMV-T, Q/K/V + RoPE + store)
-#   vfused   llama_tests' captured speculation test with the fused layer ops kept in the
-#            verification step (BURN_KERNELS_VERIFY_FUSED=1), then with one group of kernels at a
-#            time taken out (BURN_KERNELS_REFERENCE): which kernel makes that step wrong
+#   tgraphs  llama_tests' captured-graph tests (graphs::, the ones beside another thread's device
+#            work included) three times: the stale-first-output fix on CUDA
 #   bspec    specdec suite on the graph path, real weights (needs the --model parts): SD and
 #            SpecInfer K = 2 replayed, now with the fused layer ops in the verification step
 #   tdet     llama_tests train::cuda::cce_step_is_deterministic
@@ -113,13 +112,11 @@ dtypes() {
     done
   done
 }
-vfused() {
+tgraphs() {
   local out
-  for ops in none gemv_t gemv norm_gemv3,gemv3 norm_gemv_swiglu,gemv_swiglu rope2,rope \
-    add_rms_norm,rms_norm store_kv,norm_gemv3_rope_store; do
-    out=$(BURN_KERNELS_VERIFY_FUSED=1 BURN_KERNELS_REFERENCE=$ops run test llama_tests \
-      captured_speculation_replays_as_graphs --include-ignored 2>&1)
-    echo "-- reference for: $ops -> rc=$? $(echo "$out" | grep -E 'test result|panicked' | head -2 | tr '\n' ' ')"
+  for i in 1 2 3; do
+    out=$(run test llama_tests graphs:: --include-ignored 2>&1)
+    echo "-- run $i: rc=$? $(echo "$out" | grep -E 'test result|panicked|left:|right:' | head -4 | tr '\n' ' ')"
   done
 }
 att() {
@@ -156,7 +153,7 @@ for s in "$@"; do
     tkv) step tkv run test kvcache_tests decode_attention quant_attention unfused ;;
     tllama) step tllama run test llama_tests captured --include-ignored ;;
     tcore) step tcore run test core qkv_rope_store norm_projections fused_projections static_cache fused_layer_ops ;;
-    vfused) step vfused vfused ;;
+    tgraphs) step tgraphs tgraphs ;;
     bspec) step bspec run bench --suite specdec --decode-kernels --warmup-ms 0 --measure-ms 0 \
       --spec-drafts 1,2 --out "$O/bspec" ;;
     tdet) step tdet run test llama_tests cce_step_is_deterministic --include-ignored --nocapture ;;

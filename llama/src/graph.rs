@@ -8,13 +8,6 @@
 //! Backends without graphs (Burn's CPU backend) replay by running the step again: the same
 //! tokens, at eager speed ([`CaptureInfo::graph`] says which ran). CubeCL's wgpu runtime
 //! captures and replays too.
-//!
-//! **Known defect** (2026-12-05): a replayed step with several burn-kernels ops in it gives
-//! wrong logits at times (one token repeated after a right first one), rarely when the
-//! generating thread has the device to itself and often while another thread of the process
-//! uses the same device (4 of 6 runs of `captured_decode_beside_other_work` on lavapipe; not
-//! yet measured on CUDA). The `llama` CLI generates on one thread. A program that shares a
-//! device between threads should decode eagerly (`DecodeMode::Eager`) until this is fixed.
 
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -171,14 +164,22 @@ impl<'a, O: Clone> Replayed<'a, O> {
                         .collect::<Vec<_>>()
                         .join(" ")
                 });
-                // A capture that a CubeCL runtime began and then refused (wgpu records
-                // dispatches only, so a host write inside fails it) leaves an output that was
-                // recorded, not computed: the fallback re-runs the step for it. Elsewhere (the
+                // On a CubeCL runtime the capture run's output is recorded, not computed: a
+                // hardware graph (CUDA's stream capture, wgpu's software graph) records the
+                // launches without running them, and a capture refused midway (wgpu records
+                // dispatches only, so a host write inside fails it) leaves a recorded output
+                // too. So the first output comes from a replay (or a re-run). Elsewhere (the
                 // CPU) capture is refused before the run, whose output is computed.
-                let recorded = !g.is_hardware() && cube_device(&self.device).is_some();
+                //
+                // Until 2026-12-05 a hardware graph's first output was read from the capture
+                // run's buffers, which hold the last warm-up's values only when the allocator
+                // gives the capture run the warm-up's buffers: at times it did not, mostly
+                // while another thread used the device, and the first step's logits were stale
+                // (`captured_decode_beside_other_work` in the llama tests).
+                let recorded = cube_device(&self.device).is_some();
                 let g = self.graph.insert(g);
                 match recorded {
-                    // Safety: re-running the closure, as every later call does.
+                    // Safety: as every later call's replay (see below).
                     true => unsafe { g.replay() }.clone(),
                     false => g.output().clone(),
                 }

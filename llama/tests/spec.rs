@@ -121,13 +121,10 @@ mod graphs {
         super::captured::captured_speculation_replays_as_graphs(&device);
     }
 
-    // Known defect (2026-12-05): a captured step replays wrong tokens at times, far more often
-    // while another thread uses the device (`captured::captured_decode_beside_other_work` has
-    // the figures). These reproduce it in seconds; they are ignored until it is fixed, and
-    // `--include-ignored` runs them.
+    // Captured steps beside another thread's device work: the regression tests of the stale
+    // first output (`captured::captured_decode_beside_other_work` has the story).
     #[cfg(feature = "wgpu")]
     #[test]
-    #[ignore = "known defect: captured steps beside another thread's device work"]
     fn captured_speculation_beside_other_work_wgpu() {
         burn_kernels_testing::runtimes::quick_software_shaders();
         let device = burn::tensor::Device::wgpu(burn::tensor::DeviceKind::DefaultDevice);
@@ -136,7 +133,6 @@ mod graphs {
 
     #[cfg(feature = "wgpu")]
     #[test]
-    #[ignore = "known defect: captured steps beside another thread's device work"]
     fn captured_decode_beside_other_work_wgpu() {
         burn_kernels_testing::runtimes::quick_software_shaders();
         let device = burn::tensor::Device::wgpu(burn::tensor::DeviceKind::DefaultDevice);
@@ -153,7 +149,6 @@ mod graphs {
 
     #[cfg(feature = "cuda")]
     #[test]
-    #[ignore = "known defect on wgpu; not yet run on CUDA"]
     fn captured_decode_beside_other_work_cuda() {
         burn_kernels_testing::runtimes::exact_f32_matmul();
         super::captured::captured_decode_beside_other_work(&burn::tensor::Device::cuda(0));
@@ -161,7 +156,6 @@ mod graphs {
 
     #[cfg(feature = "cuda")]
     #[test]
-    #[ignore = "known defect on wgpu; not yet run on CUDA"]
     fn captured_speculation_beside_other_work_cuda() {
         burn_kernels_testing::runtimes::exact_f32_matmul();
         super::captured::captured_speculation_beside_other_work(&burn::tensor::Device::cuda(0));

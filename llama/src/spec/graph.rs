@@ -58,41 +58,6 @@ pub struct CapturedSpec {
     pub target_cache_bytes: usize,
 }
 
-/// `attention` without its layer ops: the model's tensor ops run around it.
-///
-/// Known defect (H200, 2026-11-29): the verification step captured on CUDA with
-/// [`burn_kernels_core::FusedOps`] (with any attention) emitted wrong tokens on some tiny
-/// random models (greedy K = 2 and 3: one wrong token over and over, 8 of 60 generations over
-/// ten seeds; sampled K = 1: a token apart), with other captured tests running in the same
-/// process; with the tensor ops there, 0 of 60. Alone it passed 10 of 10 (2026-12-05).
-///
-/// Session 46 (2026-12-05) found the cause is not the fused ops: any captured step (the plain
-/// decode step too, and this path with the reference attention and no layer ops) replays
-/// wrong at times on lavapipe, far more often while another thread uses the device, and only
-/// with several burn-kernels ops in the step (see `llama/tests/spec/captured.rs`,
-/// `captured_decode_beside_other_work`, which reproduces it in seconds). Fewer kernel
-/// launches in the step make it rarer, which is all this wrapper does; it stays until the
-/// cause is fixed. `BURN_KERNELS_VERIFY_FUSED=1` keeps the fused ops in that step.
-#[derive(Debug)]
-struct WithoutLayerOps<'a>(&'a dyn AttentionImpl);
-
-impl AttentionImpl for WithoutLayerOps<'_> {
-    fn name(&self) -> String {
-        self.0.name()
-    }
-
-    fn attend(
-        &self,
-        layer: usize,
-        q: Tensor<4>,
-        k: Tensor<4>,
-        v: Tensor<4>,
-        opts: &AttnOptions,
-    ) -> Tensor<4> {
-        self.0.attend(layer, q, k, v, opts)
-    }
-}
-
 /// The target's `[K, L + 1]` verification step and its commit, over one [`StaticKvCache`].
 struct Verifier<'a> {
     cache: Rc<RefCell<StaticKvCache>>,
@@ -341,23 +306,7 @@ pub fn speculative_generate_captured(
         .into());
     }
     let t0 = Instant::now();
-    // See `WithoutLayerOps`.
-    let plain = WithoutLayerOps(attention);
-    // `BURN_KERNELS_VERIFY_FUSED=1` keeps the fused ops there, to look for the defect.
-    let keep_fused = std::env::var("BURN_KERNELS_VERIFY_FUSED").is_ok_and(|v| v == "1");
-    let verify_attention: &dyn AttentionImpl = match attention.layer_ops().is_some() && !keep_fused
-    {
-        true => {
-            log::info!(
-                "the captured verification step runs the model's tensor ops around {} (a \
-                 known defect of the fused layer ops in that step)",
-                attention.name()
-            );
-            &plain
-        }
-        false => attention,
-    };
-    let mut verifier = Verifier::new(target, verify_attention, &prompt[..p - 1], k, width, main)?;
+    let mut verifier = Verifier::new(target, attention, &prompt[..p - 1], k, width, main)?;
     let rows = vec![prompt.to_vec(); k];
     let (mut draft, first) = CapturedDecoder::prefill(draft_model, attention, &rows, main - p)?;
     let mut draft_commit = Committer::new(&draft_model.embed.device(), draft.cache().clone());

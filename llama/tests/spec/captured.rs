@@ -169,10 +169,9 @@ pub(super) fn captured_speculation_refuses_with_typed_errors() {
 /// a host upload there would fail a wgpu capture), with it and the fused layer ops, and with
 /// the decode kernel and the fused layer ops; twice in one process (the second generation
 /// captures anew), on tiny random models: greedy SpecInfer with K = 2 and 3 (row commits) and
-/// sampled single-draft SD. Before the verification step ran the tensor ops (`spec::graph`'s
-/// `WithoutLayerOps`), the fused layer ops made it emit wrong tokens on CUDA for these seeds
-/// (greedy K = 2, 3: 8 of 60 generations over ten seeds; seed 6's sampled SD a token apart);
-/// this test passed there since (H200, 2026-11-29).
+/// sampled single-draft SD. It failed at times on CUDA and lavapipe (a stale first output
+/// after each capture, see [`captured_decode_beside_other_work`]), which a tensor-op
+/// verification step made rarer until the cause was fixed (2026-12-05).
 pub(super) fn captured_speculation_replays_as_graphs(device: &Device) {
     use burn_kernels_core::{AttentionImpl, FusedLayers};
     use burn_llama::spec::SpecOptions;
@@ -243,17 +242,17 @@ pub(super) fn captured_speculation_beside_other_work(device: &Device) {
 /// The plain captured decode ([`burn_llama::graph::generate_captured`], greedy) on a tiny
 /// random model emits the eager loop's tokens while another thread keeps the device busy.
 ///
-/// Known defect, found with this test on lavapipe (2026-12-05): it fails in 4 of 6 runs (one
-/// replayed token over and over after a right first token, e.g. `[5, 10, 10, …]` against
-/// `[5, 5, …]`), in 2-3 of 6 with a neighbour that only launches or only reads an existing
-/// tensor, and in 1 of 16 with the neighbour asleep. With every burn-kernels op forced onto
-/// its tensor-op reference (`BURN_KERNELS_REFERENCE`) it passed 6 of 6, as did each group of
-/// kernels alone (GEMVs; norms, RoPE and cache stores; decode attention), while pairs of
-/// groups failed 1-6 of 6; Burn's own ops captured beside the same neighbour replay right
-/// ([`plain_burn_graph_beside_other_work`]). Syncing the device after each in-place input
-/// refresh did not help (3 of 6). The captured speculative path fails the same way with
-/// the reference attention and without the fused layer ops (so `spec::graph`'s
-/// `WithoutLayerOps` narrows the exposure, it does not remove the cause).
+/// The regression test of a defect it found (lavapipe, 2026-12-05): the first output after a
+/// capture was read from the capture run's buffers, which a graph records without computing;
+/// they held the last warm-up's logits only when the allocator handed the capture run the
+/// warm-up's buffers. With a neighbour thread it failed in 4-5 of 6 runs (a wrong first
+/// replayed token, then the tiny model's fixed point: `[5, 10, 10, …]` against `[5, 5, …]`),
+/// 2-3 of 6 with a neighbour that only launches or only reads, 1 of 16 with it asleep; more
+/// burn-kernels ops in the step (which change the allocation pattern) made it likelier, and
+/// Burn's own ops did not show it ([`plain_burn_graph_beside_other_work`]). The CUDA failures
+/// of the captured verification step (H200, 2026-11-29: 8 of 60 generations with other
+/// captured tests running) had the same look. The first output now comes from a replay
+/// (`burn_llama::graph`): 0 of 6 here, 6 of 6 runs of the three `beside_other_work` tests.
 pub(super) fn captured_decode_beside_other_work(device: &Device) {
     use burn_kernels_core::{AttentionImpl, FullKvCache, FusedLayers, Greedy};
     use burn_llama::generate::{GenerateOptions, generate};
@@ -308,8 +307,8 @@ pub(super) fn captured_decode_beside_other_work(device: &Device) {
 }
 
 /// Burn's own ops captured and replayed (no burn-kernels op), with a step input refreshed in
-/// place, while another thread keeps the device busy: whether a replay still computes what
-/// the closure computes.
+/// place, while another thread keeps the device busy: a replay computes what the closure
+/// computes (the contrast to [`captured_decode_beside_other_work`]).
 pub(super) fn plain_burn_graph_beside_other_work(device: &Device) {
     use burn::tensor::{Int, Tensor, TensorData, capture};
     let w = Tensor::<1, Int>::arange(0..64 * 48, device)
@@ -317,8 +316,20 @@ pub(super) fn plain_burn_graph_beside_other_work(device: &Device) {
         .reshape([64, 48])
         .div_scalar(3000.0)
         .sin();
+    let sq = Tensor::<1, Int>::arange(0..48 * 48, device)
+        .float()
+        .reshape([48, 48])
+        .div_scalar(4000.0)
+        .cos()
+        .div_scalar(8.0);
     let eager = |x: Tensor<2>| {
-        burn::tensor::activation::softmax(x.matmul(w.clone()).tanh(), 1)
+        let mut h = x.matmul(w.clone()).tanh();
+        // Matmuls are launches of their own: a step of more than 40 launches (with 150 layers
+        // it passed 4 of 4 runs too, 2026-12-05).
+        for _ in 1..40 {
+            h = h.matmul(sq.clone()).tanh();
+        }
+        burn::tensor::activation::softmax(h, 1)
             .sum_dim(0)
             .mul_scalar(10.0)
     };
