@@ -544,3 +544,78 @@ fn cache_failures_are_typed_errors() {
         }
     );
 }
+
+/// `eval::greedy_answers` (the `needle` example's loop): through the full cache it gives
+/// plain greedy generation's tokens, whatever the prefill pieces (67 tokens in pieces of 16,
+/// a tail of 3, or whole); through ShadowKV it shares the first token and decodes to the
+/// limit; a stop token ends an answer; bad input and an uncompressed prompt are typed errors.
+#[test]
+fn greedy_answers_follow_greedy_generation() {
+    use burn_kvcache::ShadowKvConfig;
+    use burn_llama::eval::{AnswerError, SeededCache, greedy_answers};
+    let device = Device::flex();
+    device.seed(11);
+    let cfg = tiny_config(41, 2, 128);
+    let model = Llama::random(&cfg, &device, DType::F32);
+    let prompt: Vec<u32> = (0..67u32).map(|i| (i * 7 + 3) % 41).collect();
+    let n = 9;
+    let mut cache = FullKvCache::new(cfg.num_layers);
+    let opts = GenerateOptions {
+        max_new_tokens: n,
+        stop_tokens: vec![],
+    };
+    let want = generate(
+        &model,
+        std::slice::from_ref(&prompt),
+        &mut cache,
+        &ReferenceAttention,
+        &mut Greedy,
+        &opts,
+        &mut |_, _| {},
+    )
+    .unwrap()
+    .tokens[0]
+        .clone();
+    let shadow = ShadowKvConfig {
+        rank: 8,
+        chunk: 8,
+        budget: 32,
+        local_chunks: 2,
+        outlier_chunks: 1,
+        min_prompt: 0,
+    };
+    let caches = [SeededCache::Full, SeededCache::ShadowKv(shadow)];
+    for piece in [16, 1000] {
+        let got =
+            greedy_answers(&model, &prompt, &caches, piece, n, &[], &ReferenceAttention).unwrap();
+        assert_eq!(got.tokens[0], want, "pieces of {piece}");
+        assert_eq!(got.tokens[1].len(), n);
+        assert_eq!(got.tokens[1][0], want[0]);
+        assert!(got.bytes[0].1 == 0 && got.bytes[1].1 > 0, "{:?}", got.bytes);
+    }
+    let stop = [want[2]];
+    let first_stop = want.iter().position(|t| *t == want[2]).unwrap();
+    let got = greedy_answers(
+        &model,
+        &prompt,
+        &caches[..1],
+        16,
+        n,
+        &stop,
+        &ReferenceAttention,
+    )
+    .unwrap();
+    assert_eq!(got.tokens[0], want[..=first_stop]);
+    assert!(matches!(
+        greedy_answers(&model, &[], &caches, 16, n, &[], &ReferenceAttention),
+        Err(AnswerError::EmptyPrompt)
+    ));
+    let keep = SeededCache::ShadowKv(ShadowKvConfig {
+        min_prompt: 1000,
+        ..shadow
+    });
+    assert!(matches!(
+        greedy_answers(&model, &prompt, &[keep], 16, n, &[], &ReferenceAttention),
+        Err(AnswerError::NotCompressed(67))
+    ));
+}
