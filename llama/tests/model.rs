@@ -270,27 +270,8 @@ fn captured_decode_matches_eager(device: &Device) {
     };
     let mut eager_tokens = Vec::new();
     for prompts in &batches {
-        let mut cache = FullKvCache::new(model.config.num_layers);
-        let eager = generate(
-            &model,
-            prompts,
-            &mut cache,
-            attention.as_ref(),
-            &mut Greedy,
-            &opts,
-            &mut |_, _| {},
-        )
-        .expect("valid prompts")
-        .tokens;
-        let (g, info) = generate_captured(
-            &model,
-            prompts,
-            attention.as_ref(),
-            &mut Greedy,
-            &opts,
-            &mut |_, _| {},
-        )
-        .expect("valid prompts");
+        let (eager, g, info) =
+            crate::common::eager_and_captured(&model, prompts, attention.as_ref(), &opts);
         println!("{device:?}: {info}; {:?}", g.tokens);
         assert_eq!(
             g.tokens,

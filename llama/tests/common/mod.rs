@@ -145,3 +145,41 @@ pub fn beside_other_work<T>(device: &Device, f: impl FnOnce() -> T) -> T {
         Err(e) => std::panic::resume_unwind(e),
     }
 }
+
+/// Greedy generation of `prompts` eagerly (through a fresh full cache) and by the captured
+/// decoder ([`burn_llama::graph::generate_captured`]): the eager tokens, then the captured
+/// generation and how its step ran.
+pub fn eager_and_captured(
+    model: &Llama,
+    prompts: &[Vec<u32>],
+    attention: &dyn burn_kernels_core::AttentionImpl,
+    opts: &burn_llama::generate::GenerateOptions,
+) -> (
+    Vec<Vec<u32>>,
+    burn_llama::generate::Generation,
+    burn_llama::graph::CaptureInfo,
+) {
+    use burn_kernels_core::Greedy;
+    let mut cache = FullKvCache::new(model.config.num_layers);
+    let eager = burn_llama::generate::generate(
+        model,
+        prompts,
+        &mut cache,
+        attention,
+        &mut Greedy,
+        opts,
+        &mut |_, _| {},
+    )
+    .expect("valid prompts")
+    .tokens;
+    let (captured, info) = burn_llama::graph::generate_captured(
+        model,
+        prompts,
+        attention,
+        &mut Greedy,
+        opts,
+        &mut |_, _| {},
+    )
+    .expect("valid prompts");
+    (eager, captured, info)
+}

@@ -254,9 +254,8 @@ pub(super) fn captured_speculation_beside_other_work(device: &Device) {
 /// captured tests running) had the same look. The first output now comes from a replay
 /// (`burn_llama::graph`): 0 of 6 here, 6 of 6 runs of the three `beside_other_work` tests.
 pub(super) fn captured_decode_beside_other_work(device: &Device) {
-    use burn_kernels_core::{AttentionImpl, FullKvCache, FusedLayers, Greedy};
-    use burn_llama::generate::{GenerateOptions, generate};
-    use burn_llama::graph::generate_captured;
+    use burn_kernels_core::{AttentionImpl, FusedLayers};
+    use burn_llama::generate::GenerateOptions;
     let cfg = tiny_config(29, 2, 64);
     let attentions: [Box<dyn AttentionImpl>; 3] = [
         Box::new(ReferenceAttention),
@@ -273,34 +272,14 @@ pub(super) fn captured_decode_beside_other_work(device: &Device) {
     crate::common::beside_other_work(device, || {
         for attention in &attentions {
             for rows in [1, 3] {
-                let prompts = &prompts[..rows];
-                let mut cache = FullKvCache::new(cfg.num_layers);
-                let eager = generate(
+                let (eager, got, info) = crate::common::eager_and_captured(
                     &model,
-                    prompts,
-                    &mut cache,
+                    &prompts[..rows],
                     attention.as_ref(),
-                    &mut Greedy,
                     &opts,
-                    &mut |_, _| {},
-                )
-                .unwrap();
-                let (got, info) = generate_captured(
-                    &model,
-                    prompts,
-                    attention.as_ref(),
-                    &mut Greedy,
-                    &opts,
-                    &mut |_, _| {},
-                )
-                .unwrap();
-                assert!(info.graph, "{info}");
-                assert_eq!(
-                    got.tokens,
-                    eager.tokens,
-                    "{} batch {rows}",
-                    attention.name()
                 );
+                assert!(info.graph, "{info}");
+                assert_eq!(got.tokens, eager, "{} batch {rows}", attention.name());
             }
         }
     });
