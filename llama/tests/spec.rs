@@ -149,6 +149,13 @@ mod graphs {
 
     #[cfg(feature = "cuda")]
     #[test]
+    fn plain_burn_graph_beside_other_work_cuda() {
+        burn_kernels_testing::runtimes::exact_f32_matmul();
+        super::captured::plain_burn_graph_beside_other_work(&burn::tensor::Device::cuda(0));
+    }
+
+    #[cfg(feature = "cuda")]
+    #[test]
     fn captured_decode_beside_other_work_cuda() {
         burn_kernels_testing::runtimes::exact_f32_matmul();
         super::captured::captured_decode_beside_other_work(&burn::tensor::Device::cuda(0));
