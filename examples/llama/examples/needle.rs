@@ -58,7 +58,10 @@ struct Args {
     /// ShadowKV rank (SmolLM2: kv_heads · head_dim = 192).
     #[arg(long, default_value_t = 160)]
     rank: usize,
-    /// Outlier chunks (default: 24 per 1024 budget tokens).
+    /// ShadowKV chunk length (tokens per landmark).
+    #[arg(long, default_value_t = 8)]
+    chunk: usize,
+    /// Outlier chunks (default: 192 tokens' worth per 1024 budget tokens, 24 chunks of 8).
     #[arg(long)]
     outliers: Option<usize>,
     /// Prefill piece length.
@@ -99,12 +102,18 @@ fn main() {
         let n = ids.len();
         let mut caches = vec![SeededCache::Full];
         for &frac in &args.budgets {
-            let chunk = 8;
-            let budget = (((n as f64 * frac) as usize) / chunk).max(4) * chunk;
-            let outliers = args.outliers.unwrap_or((budget * 24).div_ceil(1024));
+            let chunk = args.chunk.max(1);
+            // The local window and the outliers hold the same tokens whatever the chunk: 32
+            // local tokens, and 192 outlier tokens per 1024 of budget (the paper's 48 chunks
+            // of 8 per 2048).
+            let local_chunks = 32usize.div_ceil(chunk);
+            let budget = (((n as f64 * frac) as usize) / chunk).max(local_chunks) * chunk;
+            let outliers = args
+                .outliers
+                .unwrap_or((budget * 192).div_ceil(1024 * chunk));
             if labels.len() <= caches.len() {
                 labels.push(format!(
-                    "shadowkv {:.1}% (budget {budget}, {outliers} outlier chunks, rank {})",
+                    "shadowkv {:.1}% (budget {budget}, chunk {chunk}, {outliers} outlier chunks, rank {})",
                     frac * 100.0,
                     args.rank
                 ));
@@ -113,7 +122,7 @@ fn main() {
                 rank: args.rank,
                 chunk,
                 budget,
-                local_chunks: 4,
+                local_chunks,
                 outlier_chunks: outliers,
                 min_prompt: 0,
             }));
