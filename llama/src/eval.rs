@@ -9,7 +9,7 @@
 //! difference between caches.
 
 use burn::tensor::{Int, Tensor, TensorData, activation};
-use burn_kernels_core::{AttentionImpl, FullKvCache, KvCache};
+use burn_kernels_core::{AttentionImpl, FullKvCache, KvCache, Sampler};
 use burn_kvcache::{
     KvCacheError, MiniCacheConfig, MiniCacheKv, QuantConfig, QuantKv, RopeParams, ShadowKvCache,
     ShadowKvConfig,
@@ -269,6 +269,8 @@ pub enum AnswerError {
     Forward(#[from] crate::model::ForwardError),
     #[error(transparent)]
     Cache(#[from] KvCacheError),
+    #[error(transparent)]
+    Generate(#[from] crate::generate::GenerateError),
     /// ShadowKV keeps prompts shorter than its `min_prompt` (or its budget) uncompressed.
     #[error(
         "ShadowKV left the {0}-token prompt uncompressed (shorter than its budget or min_prompt)"
@@ -289,16 +291,14 @@ pub struct Answers {
     pub bytes: Vec<(usize, usize)>,
 }
 
-fn greedy_last(model: &Llama, hidden: Tensor<3>) -> u32 {
-    let [b, s, h] = hidden.dims();
-    let last = hidden.slice([b - 1..b, s - 1..s, 0..h]);
-    model
-        .logits(last)
-        .argmax(2)
-        .into_data()
-        .convert::<i64>()
-        .try_to_vec::<i64>()
-        .expect("int data")[0] as u32
+/// The greedy token after the last position of `hidden` (one row), as `generate` picks it.
+fn greedy_last(
+    model: &Llama,
+    hidden: Tensor<3>,
+    attention: &dyn AttentionImpl,
+) -> Result<u32, AnswerError> {
+    let logits = crate::generate::last_logits(model, hidden, attention)?;
+    Ok(burn_kernels_core::Greedy.sample(&logits[0]))
 }
 
 /// Answers `prompt` greedily through each of `caches`: the prompt is prefilled once through a
@@ -335,7 +335,7 @@ pub fn greedy_answers(
     for part in prompt.chunks(piece.max(1)) {
         hidden = Some(model.try_forward(ids(part), &[], &mut prefilled, attention)?);
     }
-    let first = greedy_last(model, hidden.expect("a non-empty prompt"));
+    let first = greedy_last(model, hidden.expect("a non-empty prompt"), attention)?;
     let prefill_secs = t.elapsed().as_secs_f64();
     let mut out = Answers {
         tokens: Vec::new(),
@@ -350,7 +350,7 @@ pub fn greedy_answers(
             while tokens.len() < max_new && !stop.contains(tokens.last().expect("non-empty")) {
                 let last = ids(&tokens[tokens.len() - 1..]);
                 let hidden = model.try_forward(last, &[], cache, attention)?;
-                tokens.push(greedy_last(model, hidden));
+                tokens.push(greedy_last(model, hidden, attention)?);
             }
             Ok(tokens)
         };

@@ -121,6 +121,20 @@ impl Plan {
             stage,
         }
     }
+
+    /// [`Plan::new`] for a launch reading `x`: its element size, its device's shared memory
+    /// and [`rows_cap`].
+    pub(super) fn for_input(
+        x: &CubeTensor,
+        rows: usize,
+        k: usize,
+        ns: &[usize],
+        slots: usize,
+        norm: bool,
+    ) -> Self {
+        let elem = x.dtype.size();
+        Self::new(rows, k, ns, elem, slots, norm, max_shared(x), rows_cap())
+    }
 }
 
 /// The most rows of `x` per cube: `BURN_KERNELS_GEMV_RPC`, else [`DEFAULT_ROWS_PER_CUBE`].
@@ -234,16 +248,7 @@ pub fn gemv(x: CubeTensor, w: CubeTensor) -> CubeTensor {
     if rows == 0 || n == 0 {
         return out;
     }
-    let plan = Plan::new(
-        rows,
-        k,
-        &[n],
-        x.dtype.size(),
-        1,
-        false,
-        max_shared(&x),
-        rows_cap(),
-    );
+    let plan = Plan::for_input(&x, rows, k, &[n], 1, false);
     let (w, w_row) = weight_rows(w, plan.vec);
     let n_vecs = n / plan.vec;
     let (count, dim) = launch_dims(&plan, rows, n_vecs);
@@ -342,16 +347,7 @@ fn gemv3_with(
     if rows == 0 || ns.iter().sum::<usize>() == 0 {
         return (oa, ob, oc, sum);
     }
-    let plan = Plan::new(
-        rows,
-        k,
-        &ns,
-        x.dtype.size(),
-        1,
-        has_norm,
-        max_shared(&x),
-        rows_cap(),
-    );
+    let plan = Plan::for_input(&x, rows, k, &ns, 1, has_norm);
     let [(wa, ra), (wb, rb), (wc, rc)] = [wa, wb, wc].map(|w| weight_rows(w, plan.vec));
     let [na, nb, nc] = ns.map(|n| n / plan.vec);
     let (count, dim) = launch_dims(&plan, rows, na + nb + nc);
@@ -428,16 +424,7 @@ fn gemv_swiglu_with(
     if rows == 0 || n == 0 {
         return (out, sum);
     }
-    let plan = Plan::new(
-        rows,
-        k,
-        &[n],
-        x.dtype.size(),
-        2,
-        has_norm,
-        max_shared(&x),
-        rows_cap(),
-    );
+    let plan = Plan::for_input(&x, rows, k, &[n], 2, has_norm);
     let [(wg, g_row), (wu, u_row)] = [wg, wu].map(|w| weight_rows(w, plan.vec));
     let n_vecs = n / plan.vec;
     let (count, dim) = launch_dims(&plan, rows, n_vecs);

@@ -15,9 +15,7 @@ use cubecl::prelude::*;
 use super::gemv::{
     WeightRows, WeightRowsLaunch, norm_prologue, product, reduce_splits, staged_rows, zeros,
 };
-use super::linear::{
-    NormIn, Plan, launch_dims, max_shared, output, rows_cap, vector_width, weight_rows,
-};
+use super::linear::{NormIn, Plan, launch_dims, output, vector_width, weight_rows};
 
 /// Sizes of one launch (column counts in vectors).
 #[derive(CubeLaunch, CubeType, Clone, Copy, Debug)]
@@ -318,16 +316,7 @@ pub fn norm_gemv3_rope_store(
     if rows == 0 {
         return (sum, q, kc, vc);
     }
-    let plan = Plan::new(
-        rows,
-        k,
-        &ns,
-        x.dtype.size(),
-        1,
-        true,
-        max_shared(&x),
-        rows_cap(),
-    );
+    let plan = Plan::for_input(&x, rows, k, &ns, 1, true);
     let [(wq, rq), (wk, rk), (wv, rv)] = w.map(|w| weight_rows(w, plan.vec));
     let [nq, nk, _] = ns.map(|n| n / plan.vec);
     let (count, dim) = launch_dims(&plan, rows, nq + 2 * nk);

@@ -86,8 +86,7 @@ pub fn decode_attention_for(device: &Device) -> Box<dyn burn_kernels_core::Atten
 /// Runs `f` while another thread keeps `device` busy with small launches and host reads of
 /// their results (deterministic values: no draws from the device's random generator), as the
 /// test suite's threads do side by side. Panics with `f`'s panic, or when a neighbour read is
-/// wrong. `NEIGHBOUR=launch` (launches only), `read` (reads of one tensor only), `flush`
-/// (launches and flushes) or `none` (asleep) change what the neighbour does, for diagnosis.
+/// wrong.
 pub fn beside_other_work<T>(device: &Device, f: impl FnOnce() -> T) -> T {
     use std::sync::Arc;
     use std::sync::atomic::{AtomicBool, Ordering};
@@ -105,32 +104,16 @@ pub fn beside_other_work<T>(device: &Device, f: impl FnOnce() -> T) -> T {
                 .matmul(a.clone().transpose())
                 .sum()
                 .into_scalar::<f32>();
-            let mode = std::env::var("NEIGHBOUR").unwrap_or_default();
             while !stop.load(Ordering::Relaxed) {
-                match mode.as_str() {
-                    "launch" => {
-                        let _ = a.clone().matmul(a.clone().transpose()).sum();
-                    }
-                    "none" => std::thread::sleep(std::time::Duration::from_millis(1)),
-                    "read" => {
-                        let _ = a.to_data();
-                    }
-                    "flush" => {
-                        let _ = a.clone().matmul(a.clone().transpose()).sum();
-                        let _ = device.flush();
-                    }
-                    _ => {
-                        let got = a
-                            .clone()
-                            .matmul(a.clone().transpose())
-                            .sum()
-                            .into_scalar::<f32>();
-                        assert!(
-                            (got - want).abs() <= 1e-3 * want.abs(),
-                            "neighbour read {got}, not {want}"
-                        );
-                    }
-                }
+                let got = a
+                    .clone()
+                    .matmul(a.clone().transpose())
+                    .sum()
+                    .into_scalar::<f32>();
+                assert!(
+                    (got - want).abs() <= 1e-3 * want.abs(),
+                    "neighbour read {got}, not {want}"
+                );
                 rounds += 1;
             }
             rounds

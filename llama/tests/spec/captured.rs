@@ -247,7 +247,8 @@ pub(super) fn captured_speculation_beside_other_work(device: &Device) {
 /// they held the last warm-up's logits only when the allocator handed the capture run the
 /// warm-up's buffers. With a neighbour thread it failed in 4-5 of 6 runs (a wrong first
 /// replayed token, then the tiny model's fixed point: `[5, 10, 10, …]` against `[5, 5, …]`),
-/// 2-3 of 6 with a neighbour that only launches or only reads, 1 of 16 with it asleep; more
+/// 2-3 of 6 with a neighbour that only launched or only read (a diagnostic variant since
+/// removed), 1 of 16 with it asleep; more
 /// burn-kernels ops in the step (which change the allocation pattern) made it likelier, and
 /// Burn's own ops did not show it ([`plain_burn_graph_beside_other_work`]). The CUDA failures
 /// of the captured verification step (H200, 2026-11-29: 8 of 60 generations with other
