@@ -105,7 +105,9 @@ pub(crate) use merging::check_t_gamma;
 pub use merging::{Merged, merge, restore};
 pub use quantization::{Packed, QuantLayout, dequantize, quantize};
 pub(crate) use quantization::{bytes_of, bytes_of_int, quantize_rows};
-pub use shadowkv::{DecodeTimings, RopeParams, ShadowBytes, ShadowKvCache, ShadowKvConfig};
+pub use shadowkv::{
+    ChunkScoring, DecodeTimings, RopeParams, ShadowBytes, ShadowKvCache, ShadowKvConfig,
+};
 
 use burn::backend::Dispatch;
 use burn::tensor::{DType, Device, Int, Tensor};

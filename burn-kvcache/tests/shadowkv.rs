@@ -29,6 +29,7 @@ on_all!(
     budget_covers_context_matches_full,
     batch_matches_single,
     retrieves_planted_chunk,
+    bounds_find_a_lone_key,
     low_rank_error_vs_rank,
     values_round_trip,
     short_prompt_is_full,

@@ -564,6 +564,7 @@ fn greedy_answers_follow_greedy_generation() {
         local_chunks: 2,
         outlier_chunks: 1,
         min_prompt: 0,
+        scoring: Default::default(),
     };
     let caches = [SeededCache::Full, SeededCache::ShadowKv(shadow)];
     for piece in [16, 1000] {

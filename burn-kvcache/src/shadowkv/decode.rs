@@ -37,7 +37,7 @@ impl ShadowKvCache {
         append_kv(&mut sp.generated, k, v);
 
         let t0 = Instant::now();
-        let selection = select_chunks(sp, &q, opts.scale, select, self.kv_heads);
+        let selection = select_chunks(sp, &q, opts.scale, select, self.kv_heads, self.cfg.scoring);
         timings.scoring += t0.elapsed();
 
         // Reconstruct the selected keys, launched before the transfer: the device rebuilds
@@ -139,14 +139,29 @@ struct Selection {
 }
 
 /// Scoring: softmax of the queries over the landmarks, summed over queries, max over the GQA
-/// group; then the top `select` landmarks' chunks per (sequence, KV head).
-fn select_chunks(sp: &Sparse, q: &Tensor<4>, scale: f32, select: usize, h: usize) -> Selection {
+/// group; then the top `select` landmarks' chunks per (sequence, KV head). With
+/// [`ChunkScoring::Bounds`] a query `q` scores `[max | min]` landmarks as
+/// `[max(q, 0) | min(q, 0)]`: the largest score a key of the chunk could give it.
+fn select_chunks(
+    sp: &Sparse,
+    q: &Tensor<4>,
+    scale: f32,
+    select: usize,
+    h: usize,
+    scoring: ChunkScoring,
+) -> Selection {
     let [b, hq, sq, d] = q.dims();
     let g = hq / h;
     let cmax = sp.landmarks.dims()[2];
+    let q = q.clone().cast(DType::F32);
+    let (q, d) = match scoring {
+        ChunkScoring::Mean => (q, d),
+        ChunkScoring::Bounds => (
+            Tensor::cat(vec![q.clone().clamp_min(0.0), q.clamp_max(0.0)], 3),
+            2 * d,
+        ),
+    };
     let scores = q
-        .clone()
-        .cast(DType::F32)
         .reshape([b, h, g * sq, d])
         .matmul(sp.landmarks.clone().cast(DType::F32).swap_dims(2, 3))
         * scale;

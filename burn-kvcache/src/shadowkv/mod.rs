@@ -16,14 +16,18 @@
 //!   model dtype. This is the official `U[:, :r]`, `diag(s)·Vᵀ` up to where `diag(s)` sits.
 //! - **Values** of the chunked positions go to host memory as raw bytes, chunk-major
 //!   ([`HostValues`]): round trips are bit-exact.
-//! - **Landmarks** are the per-chunk means of the post-RoPE keys, per KV head.
+//! - **Landmarks** are the per-chunk means of the post-RoPE keys, per KV head
+//!   ([`ChunkScoring::Mean`], the paper's), or each chunk's channel-wise maxima and minima
+//!   ([`ChunkScoring::Bounds`], Quest's upper bound of a query's scores in the chunk).
 //! - **Outliers.** Per KV head, the `outlier_chunks` chunks whose least similar token (cosine
 //!   similarity to the chunk mean) is lowest keep exact keys and values on the device and get
 //!   no landmark.
 //!
 //! # Decode (every call after the prefill)
 //!
-//! The queries score the landmarks, `softmax(q·lᵀ·scale)` over chunks, summed over the call's
+//! The queries score the landmarks, `softmax(q·lᵀ·scale)` over chunks (with
+//! [`ChunkScoring::Bounds`], `l` is `[max | min]` and `q` is `[max(q, 0) | min(q, 0)]`, so
+//! `q·lᵀ` is the largest score any key of the chunk could give `q`), summed over the call's
 //! queries and maxed over the GQA group (as the official code); each `(sequence, KV head)`
 //! takes its top `budget / chunk` chunks. Their values come host→device, reusing the chunks
 //! the previous step of the layer already uploaded; their keys are rebuilt by the fused
@@ -75,6 +79,21 @@ pub struct ShadowKvConfig {
     pub outlier_chunks: usize,
     /// Prompts shorter than this use the full cache (see [`ShadowKvConfig::min_tokens`]).
     pub min_prompt: usize,
+    /// How a decode step scores the chunks it selects from.
+    pub scoring: ChunkScoring,
+}
+
+/// How a decode step scores a chunk against its queries (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
+pub enum ChunkScoring {
+    /// The query against the chunk's mean key (ShadowKV's landmarks): `d` values a chunk.
+    #[default]
+    Mean,
+    /// The largest score any key of the chunk could give the query, from the chunk's
+    /// channel-wise maxima and minima (Quest, Tang et al., 2024): `2·d` values a chunk, twice
+    /// the landmarks' memory and scoring work.
+    Bounds,
 }
 
 impl Default for ShadowKvConfig {
@@ -86,6 +105,7 @@ impl Default for ShadowKvConfig {
             local_chunks: 4,
             outlier_chunks: 48,
             min_prompt: 4096,
+            scoring: ChunkScoring::Mean,
         }
     }
 }

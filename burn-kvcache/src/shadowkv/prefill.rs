@@ -179,8 +179,13 @@ impl ShadowKvCache {
             );
 
             // Landmarks and the least self-similar chunks, from the post-RoPE keys.
-            let (mean, out_ids, land_ids) =
-                split_chunks(ki.clone().slice([0..h, 0..ctx, 0..d]), cs, o);
+            let (mean, out_ids, land_ids) = split_chunks(
+                ki.clone().slice([0..h, 0..ctx, 0..d]),
+                cs,
+                o,
+                self.cfg.scoring,
+            );
+            let ld = mean.dims()[2];
             let flat = |ids: &[Vec<usize>]| -> Vec<i64> {
                 ids.iter()
                     .enumerate()
@@ -190,9 +195,9 @@ impl ShadowKvCache {
             let n_land = chunks - o;
             let li = flat(&land_ids);
             let lm = mean
-                .reshape([h * chunks, d])
+                .reshape([h * chunks, ld])
                 .select(0, idx_tensor::<1>(li, [h * n_land], &device))
-                .reshape([h, n_land, d])
+                .reshape([h, n_land, ld])
                 .cast(dtype);
             lms.push(lm);
             if o > 0 {
@@ -272,18 +277,21 @@ fn key_factors(
 
 /// Splits a sequence's chunked keys `kc` `[h, chunks·cs, d]` (post-RoPE) into its `o` least
 /// self-similar chunks per head (the outliers, kept exact) and the rest (landmarks): returns
-/// the chunk means `[h, chunks, d]` (f32) and per head the sorted outlier and landmark chunk ids.
+/// every chunk's landmark (f32; its mean `[h, chunks, d]`, or with [`ChunkScoring::Bounds`]
+/// its channel-wise maxima and minima `[h, chunks, 2·d]`) and per head the sorted outlier and
+/// landmark chunk ids.
 fn split_chunks(
     kc: Tensor<3>,
     cs: usize,
     o: usize,
+    scoring: ChunkScoring,
 ) -> (Tensor<3>, Vec<Vec<usize>>, Vec<Vec<usize>>) {
     let [h, ctx, d] = kc.dims();
     let chunks = ctx / cs;
     let kc32 = kc.cast(DType::F32).reshape([h, chunks, cs, d]);
     let mean = kc32.clone().mean_dim(2);
     let dot = (kc32.clone() * mean.clone()).sum_dim(3);
-    let nk = kc32.powi_scalar(2).sum_dim(3).sqrt();
+    let nk = kc32.clone().powi_scalar(2).sum_dim(3).sqrt();
     let nm = mean.clone().powi_scalar(2).sum_dim(3).sqrt();
     let sim = dot / (nk * nm).clamp_min(1e-8);
     let worst = sim
@@ -305,7 +313,15 @@ fn split_chunks(
         out_ids.push(out);
         land_ids.push(rest);
     }
-    (mean.reshape([h, chunks, d]), out_ids, land_ids)
+    let landmark = match scoring {
+        ChunkScoring::Mean => mean.reshape([h, chunks, d]),
+        ChunkScoring::Bounds => {
+            let hi = kc32.clone().max_dim(2).reshape([h, chunks, d]);
+            let lo = kc32.min_dim(2).reshape([h, chunks, d]);
+            Tensor::cat(vec![hi, lo], 2)
+        }
+    };
+    (landmark, out_ids, land_ids)
 }
 
 /// The sequences' `[rows_i, rank]` factors zero-padded to `rows` rows and stacked:

@@ -104,6 +104,7 @@ pub(super) fn cfg(rank: usize, budget: usize) -> ShadowKvConfig {
         local_chunks: 2,
         outlier_chunks: 3,
         min_prompt: 0,
+        scoring: Default::default(),
     }
 }
 

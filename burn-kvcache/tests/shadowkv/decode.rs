@@ -8,7 +8,7 @@ use burn_kernels_testing::{
     random_values,
 };
 use burn_kvcache::shadowkv::{low_rank, rope_tables, unrope};
-use burn_kvcache::{KvCacheError, RopeParams, ShadowKvCache, ShadowKvConfig};
+use burn_kvcache::{ChunkScoring, KvCacheError, RopeParams, ShadowKvCache, ShadowKvConfig};
 
 use crate::on_kernels;
 
@@ -103,42 +103,31 @@ pub(super) fn batch_matches_single(device: &Device) {
     }
 }
 
-/// A chunk whose keys point along the query is found among many at a budget of a few
-/// chunks, at a rank well below full: the output is its value.
-pub(super) fn retrieves_planted_chunk(device: &Device) {
-    let (h, d, prompt) = (2, 32, 401);
-    let c = ShadowKvConfig {
-        rank: 16,
-        chunk: 8,
-        budget: 32,
-        local_chunks: 2,
-        outlier_chunks: 2,
-        min_prompt: 0,
-    };
+/// Small normal values (std 0.1) of seed `seed`.
+fn small(n: usize, seed: u64) -> Vec<f32> {
+    random_values(
+        n,
+        Dist::Normal {
+            mean: 0.0,
+            std: 0.1,
+        },
+        seed,
+    )
+}
+
+/// One layer of `c` prefilled with pre-RoPE keys `k` and values `v` (`[h, prompt, d]`), then one
+/// decode step whose query (every query head) is the prompt's key at `at` as rotated: the
+/// step's output `[1, 2h, 1, d]` (f32, flat).
+fn decode_after_prompt(
+    device: &Device,
+    c: ShadowKvConfig,
+    (h, d, prompt): (usize, usize, usize),
+    k: Vec<f32>,
+    v: Vec<f32>,
+    at: usize,
+) -> Vec<f32> {
     let mut sk = ShadowKvCache::new(1, h, d, c, RopeParams::default()).unwrap();
-    let small = |n: usize, seed| {
-        random_values(
-            n,
-            Dist::Normal {
-                mean: 0.0,
-                std: 0.1,
-            },
-            seed,
-        )
-    };
-    let dir = random_values(d, Dist::STANDARD, 3);
-    let planted = 17; // chunk id: positions 136..144
-    let mut k = small(h * prompt * d, 1);
-    let mut v = small(h * prompt * d, 2);
-    for hh in 0..h {
-        for p in planted * 8..planted * 8 + 8 {
-            for j in 0..d {
-                k[(hh * prompt + p) * d + j] = 4.0 * dir[j];
-                v[(hh * prompt + p) * d + j] = 1.0;
-            }
-        }
-    }
-    // The model's keys arrive rotated; the query is the first planted key as rotated.
+    // The model's keys arrive rotated.
     let (cos, sin) = rope_tables(d, prompt + 1, RopeParams::default(), device);
     let kt = tensor::<3>(k, [h, prompt, d], DType::F32, device);
     let kt = rotate(kt, &cos, &sin, prompt);
@@ -156,7 +145,7 @@ pub(super) fn retrieves_planted_chunk(device: &Device) {
     );
     let q = kt
         .clone()
-        .slice([0..1, planted * 8..planted * 8 + 1, 0..d])
+        .slice([0..1, at..at + 1, 0..d])
         .reshape([1, 1, 1, d])
         .repeat_dim(1, 2 * h);
     on_kernels(device, || {
@@ -173,15 +162,103 @@ pub(super) fn retrieves_planted_chunk(device: &Device) {
     assert!(sk.is_sparse(0));
     let knew = tensor::<4>(small(h * d, 5), [1, h, 1, d], DType::F32, device);
     let vnew = tensor::<4>(small(h * d, 6), [1, h, 1, d], DType::F32, device);
-    let y = to_f32(
+    to_f32(
         on_kernels(device, || {
             sk.attend(0, q, knew, vnew, &ReferenceAttention, &opts)
                 .expect("the cache attends")
         })
         .into_data(),
+    )
+}
+
+fn mean_of(y: &[f32]) -> f32 {
+    y.iter().sum::<f32>() / y.len() as f32
+}
+
+/// A chunk whose keys point along the query is found among many at a budget of a few
+/// chunks, at a rank well below full: the output is its value.
+pub(super) fn retrieves_planted_chunk(device: &Device) {
+    let (h, d, prompt) = (2, 32, 401);
+    let c = ShadowKvConfig {
+        rank: 16,
+        chunk: 8,
+        budget: 32,
+        local_chunks: 2,
+        outlier_chunks: 2,
+        min_prompt: 0,
+        scoring: Default::default(),
+    };
+    let dir = random_values(d, Dist::STANDARD, 3);
+    let planted = 17; // chunk id: positions 136..144
+    let mut k = small(h * prompt * d, 1);
+    let mut v = small(h * prompt * d, 2);
+    for hh in 0..h {
+        for p in planted * 8..planted * 8 + 8 {
+            for j in 0..d {
+                k[(hh * prompt + p) * d + j] = 4.0 * dir[j];
+                v[(hh * prompt + p) * d + j] = 1.0;
+            }
+        }
+    }
+    for scoring in [ChunkScoring::Mean, ChunkScoring::Bounds] {
+        let c = ShadowKvConfig { scoring, ..c };
+        let y = decode_after_prompt(device, c, (h, d, prompt), k.clone(), v.clone(), planted * 8);
+        let mean = mean_of(&y);
+        assert!(
+            mean > 0.9,
+            "{scoring:?}: planted chunk retrieved: mean output {mean}"
+        );
+    }
+}
+
+/// One key along the query in a chunk whose other keys point away from it: the chunk's mean
+/// scores low, so [`ChunkScoring::Mean`] misses it at a budget of a few chunks, while the
+/// bounds ([`ChunkScoring::Bounds`]) find it and the output is that key's value. No outliers,
+/// which would keep such a chunk exact.
+pub(super) fn bounds_find_a_lone_key(device: &Device) {
+    let (h, d, prompt) = (2, 32, 401);
+    let c = ShadowKvConfig {
+        rank: 2 * d,
+        chunk: 8,
+        budget: 32,
+        local_chunks: 2,
+        outlier_chunks: 0,
+        min_prompt: 0,
+        scoring: ChunkScoring::Mean,
+    };
+    let dir = random_values(d, Dist::STANDARD, 3);
+    let (chunk, lone) = (23, 23 * 8 + 5);
+    let mut k = small(h * prompt * d, 1);
+    let mut v = small(h * prompt * d, 2);
+    for hh in 0..h {
+        for p in chunk * 8..chunk * 8 + 8 {
+            let (kw, vw) = if p == lone { (4.0, 1.0) } else { (-1.0, 0.0) };
+            for j in 0..d {
+                k[(hh * prompt + p) * d + j] = kw * dir[j];
+                v[(hh * prompt + p) * d + j] = vw;
+            }
+        }
+    }
+    let run = |scoring| {
+        let c = ShadowKvConfig { scoring, ..c };
+        mean_of(&decode_after_prompt(
+            device,
+            c,
+            (h, d, prompt),
+            k.clone(),
+            v.clone(),
+            lone,
+        ))
+    };
+    let (mean, bounds) = (run(ChunkScoring::Mean), run(ChunkScoring::Bounds));
+    assert!(
+        bounds > 0.9,
+        "bounds: the lone key's value, mean output {bounds}"
     );
-    let mean = y.iter().sum::<f32>() / y.len() as f32;
-    assert!(mean > 0.9, "planted chunk retrieved: mean output {mean}");
+    assert!(
+        mean.abs() < 0.3,
+        "mean landmarks: the chunk is not selected, mean output {mean}"
+    );
 }
 
 /// A prompt below the threshold keeps the full cache, exactly.

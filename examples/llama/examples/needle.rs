@@ -26,12 +26,12 @@ use std::path::PathBuf;
 
 use burn::tensor::Device;
 use burn_kernels_core::ReferenceAttention;
-use burn_kvcache::ShadowKvConfig;
+use burn_kvcache::{ChunkScoring, ShadowKvConfig};
 use burn_llama::eval::{SeededCache, greedy_answers};
 use burn_llama::passkey::{fillers_for, passkey_text};
 use burn_llama::ruler::{Haystack, RulerTask, ruler_sample, string_match_all};
 use burn_llama_examples::smollm::load_smollm;
-use clap::Parser;
+use clap::{Parser, ValueEnum};
 
 #[derive(Debug, Parser)]
 #[command(about = "Long-context retrieval: full cache vs ShadowKV (CPU, Flex)")]
@@ -64,6 +64,9 @@ struct Args {
     /// Outlier chunks (default: 192 tokens' worth per 1024 budget tokens, 24 chunks of 8).
     #[arg(long)]
     outliers: Option<usize>,
+    /// How ShadowKV scores chunks; several give a column each (same prefill).
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "mean")]
+    scoring: Vec<ChunkScoring>,
     /// Prefill piece length.
     #[arg(long, default_value_t = 512)]
     piece: usize,
@@ -101,7 +104,11 @@ fn main() {
         let ids = tok.encode(&trial.text).expect("encode");
         let n = ids.len();
         let mut caches = vec![SeededCache::Full];
-        for &frac in &args.budgets {
+        for (&frac, &scoring) in args
+            .budgets
+            .iter()
+            .flat_map(|f| args.scoring.iter().map(move |s| (f, s)))
+        {
             let chunk = args.chunk.max(1);
             // The local window and the outliers hold the same tokens whatever the chunk: 32
             // local tokens, and 192 outlier tokens per 1024 of budget (the paper's 48 chunks
@@ -113,9 +120,10 @@ fn main() {
                 .unwrap_or((budget * 192).div_ceil(1024 * chunk));
             if labels.len() <= caches.len() {
                 labels.push(format!(
-                    "shadowkv {:.1}% (budget {budget}, chunk {chunk}, {outliers} outlier chunks, rank {})",
+                    "shadowkv {:.1}% (budget {budget}, chunk {chunk}, {outliers} outlier chunks, rank {}, scoring {})",
                     frac * 100.0,
-                    args.rank
+                    args.rank,
+                    scoring.to_possible_value().expect("named").get_name()
                 ));
             }
             caches.push(SeededCache::ShadowKv(ShadowKvConfig {
@@ -125,6 +133,7 @@ fn main() {
                 local_chunks,
                 outlier_chunks: outliers,
                 min_prompt: 0,
+                scoring,
             }));
         }
         let got = greedy_answers(

@@ -124,6 +124,7 @@ pub(super) fn compressed_cache(model: &Llama, kind: CacheKind) -> LinearSpecCach
         local_chunks: 1,
         outlier_chunks: 1,
         min_prompt: 4,
+        scoring: Default::default(),
     };
     spec.quant.residual = 4;
     LinearSpecCache::new(spec.build_for(cfg).expect("valid cache config"))

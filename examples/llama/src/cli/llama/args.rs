@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use burn_kvcache::{MiniCacheConfig, QuantConfig, ShadowKvConfig};
+use burn_kvcache::{ChunkScoring, MiniCacheConfig, QuantConfig, ShadowKvConfig};
 use burn_llama::attention::AttentionName;
 use burn_llama::eval::{CacheKind, CacheSpec};
 use burn_llama::graph::DecodeMode;
@@ -111,6 +111,9 @@ pub(super) struct KvArgs {
     /// ShadowKV: outlier chunks per KV head kept exactly.
     #[arg(long, default_value_t = ShadowKvConfig::default().outlier_chunks)]
     pub(super) kv_outlier_chunks: usize,
+    /// ShadowKV: how a decode step scores the chunks it selects.
+    #[arg(long, value_enum, default_value_t = ChunkScoring::default())]
+    pub(super) kv_scoring: ChunkScoring,
     /// ShadowKV: prompts shorter than this keep the full cache.
     #[arg(long, default_value_t = ShadowKvConfig::default().min_prompt)]
     pub(super) kv_min_prompt: usize,
@@ -141,6 +144,7 @@ impl KvArgs {
                 local_chunks: self.kv_local_chunks,
                 outlier_chunks: self.kv_outlier_chunks,
                 min_prompt: self.kv_min_prompt,
+                scoring: self.kv_scoring,
             },
         })
     }
