@@ -92,7 +92,8 @@ pub enum ChunkScoring {
     Mean,
     /// The largest score any key of the chunk could give the query, from the chunk's
     /// channel-wise maxima and minima (Quest, Tang et al., 2024): `2·d` values a chunk, twice
-    /// the landmarks' memory and scoring work.
+    /// the landmarks' memory and scoring work. On SmolLM2-135M's RULER-style tasks at a 6%
+    /// budget it scored lower than `Mean` (4.2 against 15.3, chunks of 8; the crate README).
     Bounds,
 }
 
