@@ -30,6 +30,8 @@ on_all!(
     batch_matches_single,
     retrieves_planted_chunk,
     bounds_find_a_lone_key,
+    two_stage_covering_budget_matches_full,
+    two_stage_finds_a_lone_key,
     low_rank_error_vs_rank,
     values_round_trip,
     short_prompt_is_full,

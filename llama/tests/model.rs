@@ -565,6 +565,7 @@ fn greedy_answers_follow_greedy_generation() {
         outlier_chunks: 1,
         min_prompt: 0,
         scoring: Default::default(),
+        candidates: 1,
     };
     let caches = [SeededCache::Full, SeededCache::ShadowKv(shadow)];
     for piece in [16, 1000] {

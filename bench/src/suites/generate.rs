@@ -267,6 +267,7 @@ fn shadowkv(cfg: &LlamaConfig, prompt_len: usize) -> ShadowKvCache {
         local_chunks: 4,
         outlier_chunks: (budget * 24).div_ceil(1024),
         min_prompt: 0,
+        ..ShadowKvConfig::default()
     };
     shadowkv_for(cfg, sc).expect("a valid ShadowKV configuration")
 }

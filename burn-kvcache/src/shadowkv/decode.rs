@@ -7,6 +7,7 @@ use burn::tensor::{Bool, DType, Tensor, TensorData, activation};
 use burn_kernels_core::{AttentionImpl, AttnOptions, append_kv};
 
 use super::host::upload_rows;
+use super::refine::{fetch_tokens, pick_tokens};
 use crate::gather_reconstruct_rope;
 use rayon::prelude::*;
 
@@ -37,7 +38,15 @@ impl ShadowKvCache {
         append_kv(&mut sp.generated, k, v);
 
         let t0 = Instant::now();
-        let selection = select_chunks(sp, &q, opts.scale, select, self.kv_heads, self.cfg.scoring);
+        let candidates = self.cfg.candidates.max(1);
+        let selection = select_chunks(
+            sp,
+            &q,
+            opts.scale,
+            select * candidates,
+            self.kv_heads,
+            self.cfg.scoring,
+        );
         timings.scoring += t0.elapsed();
 
         // Reconstruct the selected keys, launched before the transfer: the device rebuilds
@@ -55,10 +64,21 @@ impl ShadowKvCache {
         sync(profile, &device);
         timings.reconstruct += t2.elapsed();
 
-        let t1 = Instant::now();
         let d = q.dims()[3];
-        let values = fetch_values(sp, &selection, dtype, [cs, d], profile, timings);
-        timings.transfer += t1.elapsed();
+        let (sel_k, values, selection) = if candidates > 1 {
+            let t0 = Instant::now();
+            let picked = pick_tokens(&q, &sel_k, &selection, select, opts.scale, cs);
+            timings.scoring += t0.elapsed();
+            let t1 = Instant::now();
+            let values = fetch_tokens(sp, &selection, &picked, dtype, [cs, d], profile, timings);
+            timings.transfer += t1.elapsed();
+            (picked.keys, values, picked.selection)
+        } else {
+            let t1 = Instant::now();
+            let values = fetch_values(sp, &selection, dtype, [cs, d], profile, timings);
+            timings.transfer += t1.elapsed();
+            (sel_k, values, selection)
+        };
 
         let t3 = Instant::now();
         let out = sparse_attention(layer, sp, q, sel_k, values, &selection, cs, attention, opts);
@@ -132,10 +152,10 @@ impl ShadowKvCache {
 
 /// The chunks a decode step attends to: per sequence and KV head, the `kk` selected chunk
 /// ids (sorted; padding slots repeat a valid one) and how many of them are valid.
-struct Selection {
-    sel: Vec<Vec<Vec<usize>>>,
-    valid: Vec<usize>,
-    kk: usize,
+pub(super) struct Selection {
+    pub(super) sel: Vec<Vec<Vec<usize>>>,
+    pub(super) valid: Vec<usize>,
+    pub(super) kk: usize,
 }
 
 /// Scoring: softmax of the queries over the landmarks, summed over queries, max over the GQA

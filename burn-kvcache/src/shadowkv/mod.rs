@@ -53,6 +53,7 @@ mod decode;
 mod host;
 mod lowrank;
 mod prefill;
+mod refine;
 
 pub use host::{HostValues, tune_host_allocator};
 pub use lowrank::{LowRank, RopeParams, low_rank, rope_tables, unrope};
@@ -81,6 +82,11 @@ pub struct ShadowKvConfig {
     pub min_prompt: usize,
     /// How a decode step scores the chunks it selects from.
     pub scoring: ChunkScoring,
+    /// Two-stage selection when > 1: the landmarks pick `candidates` times the budget in
+    /// chunks, their keys are rebuilt, and the step keeps the `budget` tokens whose rebuilt keys
+    /// score highest (values fetched for those tokens only). 1 (the default): the paper's
+    /// selection of whole chunks.
+    pub candidates: usize,
 }
 
 /// How a decode step scores a chunk against its queries (see the module docs).
@@ -107,6 +113,7 @@ impl Default for ShadowKvConfig {
             outlier_chunks: 48,
             min_prompt: 4096,
             scoring: ChunkScoring::Mean,
+            candidates: 1,
         }
     }
 }

@@ -105,6 +105,7 @@ pub(super) fn cfg(rank: usize, budget: usize) -> ShadowKvConfig {
         outlier_chunks: 3,
         min_prompt: 0,
         scoring: Default::default(),
+        candidates: 1,
     }
 }
 

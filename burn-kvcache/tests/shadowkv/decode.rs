@@ -66,13 +66,26 @@ pub(super) fn budget_covers_context_matches_full(device: &Device) {
 }
 
 /// Each sequence of a batch selects on its own: batch 2 of different lengths (left padded)
-/// gives each sequence what it gets alone, at a small budget and low rank.
+/// gives each sequence what it gets alone, at a small budget and low rank; with chunk
+/// selection and with two-stage selection (the shorter sequence has fewer candidates than the
+/// batch's slots: padded and masked).
 pub(super) fn batch_matches_single(device: &Device) {
+    for candidates in [1, 3] {
+        batch_matches_single_with(
+            device,
+            ShadowKvConfig {
+                candidates,
+                ..cfg(24, 16)
+            },
+        );
+    }
+}
+
+fn batch_matches_single_with(device: &Device, c: ShadowKvConfig) {
     let (hq, h, d) = (4, 2, 32);
     let steps = [1, 2, 1];
     let lens = [67, 53];
     let prompt = 67;
-    let c = cfg(24, 16);
     let mut batch = ShadowKvCache::new(LAYERS, h, d, c, RopeParams::default()).unwrap();
     let pads: Vec<usize> = lens.iter().map(|l| prompt - l).collect();
     // Each sequence's inputs are the batch's rows: drive the batch with per-row seeds by
@@ -94,7 +107,10 @@ pub(super) fn batch_matches_single(device: &Device) {
             .flat_map(|call| call[0].iter().copied())
             .collect();
         assert_matmul_close(
-            &format!("batch row {r} (pad {})", pads[r]),
+            &format!(
+                "batch row {r} (pad {}, {} candidates)",
+                pads[r], c.candidates
+            ),
             &got,
             &want,
             2 * h * d,
@@ -187,6 +203,7 @@ pub(super) fn retrieves_planted_chunk(device: &Device) {
         outlier_chunks: 2,
         min_prompt: 0,
         scoring: Default::default(),
+        candidates: 1,
     };
     let dir = random_values(d, Dist::STANDARD, 3);
     let planted = 17; // chunk id: positions 136..144
@@ -211,6 +228,29 @@ pub(super) fn retrieves_planted_chunk(device: &Device) {
     }
 }
 
+/// Keys and values `[h, prompt, d]` (small noise) where chunk `chunk` (of 8) holds one key
+/// (`lone`) along a random direction with value 1, and seven keys pointing away from it with
+/// value 0.
+fn lone_key_prompt(
+    (h, d, prompt): (usize, usize, usize),
+    chunk: usize,
+    lone: usize,
+) -> (Vec<f32>, Vec<f32>) {
+    let dir = random_values(d, Dist::STANDARD, 3);
+    let mut k = small(h * prompt * d, 1);
+    let mut v = small(h * prompt * d, 2);
+    for hh in 0..h {
+        for p in chunk * 8..chunk * 8 + 8 {
+            let (kw, vw) = if p == lone { (4.0, 1.0) } else { (-1.0, 0.0) };
+            for j in 0..d {
+                k[(hh * prompt + p) * d + j] = kw * dir[j];
+                v[(hh * prompt + p) * d + j] = vw;
+            }
+        }
+    }
+    (k, v)
+}
+
 /// One key along the query in a chunk whose other keys point away from it: the chunk's mean
 /// scores low, so [`ChunkScoring::Mean`] misses it at a budget of a few chunks, while the
 /// bounds ([`ChunkScoring::Bounds`]) find it and the output is that key's value. No outliers,
@@ -225,20 +265,10 @@ pub(super) fn bounds_find_a_lone_key(device: &Device) {
         outlier_chunks: 0,
         min_prompt: 0,
         scoring: ChunkScoring::Mean,
+        candidates: 1,
     };
-    let dir = random_values(d, Dist::STANDARD, 3);
     let (chunk, lone) = (23, 23 * 8 + 5);
-    let mut k = small(h * prompt * d, 1);
-    let mut v = small(h * prompt * d, 2);
-    for hh in 0..h {
-        for p in chunk * 8..chunk * 8 + 8 {
-            let (kw, vw) = if p == lone { (4.0, 1.0) } else { (-1.0, 0.0) };
-            for j in 0..d {
-                k[(hh * prompt + p) * d + j] = kw * dir[j];
-                v[(hh * prompt + p) * d + j] = vw;
-            }
-        }
-    }
+    let (k, v) = lone_key_prompt((h, d, prompt), chunk, lone);
     let run = |scoring| {
         let c = ShadowKvConfig { scoring, ..c };
         mean_of(&decode_after_prompt(
@@ -259,6 +289,51 @@ pub(super) fn bounds_find_a_lone_key(device: &Device) {
         mean.abs() < 0.3,
         "mean landmarks: the chunk is not selected, mean output {mean}"
     );
+}
+
+/// Two-stage selection with a budget that covers the context keeps every token: decoding
+/// equals the full cache (GQA, a prime prompt length, batch 2 of different lengths).
+pub(super) fn two_stage_covering_budget_matches_full(device: &Device) {
+    let steps = [1, 2, 1];
+    let (b, hq, h, d, pads) = (2, 6, 3, 34, vec![0, 9]);
+    let c = ShadowKvConfig {
+        candidates: 3,
+        ..cfg(h * d, 64)
+    };
+    let mut sk = ShadowKvCache::new(LAYERS, h, d, c, RopeParams::default()).unwrap();
+    let mut full = FullKvCache::new(LAYERS);
+    let (y, e) = drive_both(device, &mut sk, &mut full, |c| {
+        drive(c, (b, hq, h, d), 61, &pads, &steps, None, 70, device)
+    });
+    assert!((0..LAYERS).all(|l| sk.is_sparse(l)));
+    assert_matmul_close(
+        "two-stage, budget ≥ context",
+        &y.decode,
+        &e.decode,
+        2 * h * d,
+        device,
+    );
+    assert!(sk.timings().chunks_fetched > 0);
+}
+
+/// Two-stage selection finds the lone key of [`bounds_find_a_lone_key`] with the mean
+/// landmarks: its chunk is among the candidates, and the token's own rebuilt key wins.
+pub(super) fn two_stage_finds_a_lone_key(device: &Device) {
+    let (h, d, prompt) = (2, 32, 401);
+    let (chunk, lone) = (23, 23 * 8 + 5);
+    let (k, v) = lone_key_prompt((h, d, prompt), chunk, lone);
+    let c = ShadowKvConfig {
+        rank: 2 * d,
+        chunk: 8,
+        budget: 32,
+        local_chunks: 2,
+        outlier_chunks: 0,
+        min_prompt: 0,
+        scoring: ChunkScoring::Mean,
+        candidates: 16,
+    };
+    let y = mean_of(&decode_after_prompt(device, c, (h, d, prompt), k, v, lone));
+    assert!(y > 0.9, "two-stage: the lone key's value, mean output {y}");
 }
 
 /// A prompt below the threshold keeps the full cache, exactly.

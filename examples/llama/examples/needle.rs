@@ -67,6 +67,9 @@ struct Args {
     /// How ShadowKV scores chunks; several give a column each (same prefill).
     #[arg(long, value_enum, value_delimiter = ',', default_value = "mean")]
     scoring: Vec<ChunkScoring>,
+    /// ShadowKV two-stage selection: candidate chunks per selected chunk (1: off).
+    #[arg(long, default_value_t = 1)]
+    candidates: usize,
     /// Prefill piece length.
     #[arg(long, default_value_t = 512)]
     piece: usize,
@@ -120,10 +123,11 @@ fn main() {
                 .unwrap_or((budget * 192).div_ceil(1024 * chunk));
             if labels.len() <= caches.len() {
                 labels.push(format!(
-                    "shadowkv {:.1}% (budget {budget}, chunk {chunk}, {outliers} outlier chunks, rank {}, scoring {})",
+                    "shadowkv {:.1}% (budget {budget}, chunk {chunk}, {outliers} outlier chunks, rank {}, scoring {}, candidates {})",
                     frac * 100.0,
                     args.rank,
-                    scoring.to_possible_value().expect("named").get_name()
+                    scoring.to_possible_value().expect("named").get_name(),
+                    args.candidates
                 ));
             }
             caches.push(SeededCache::ShadowKv(ShadowKvConfig {
@@ -134,6 +138,7 @@ fn main() {
                 outlier_chunks: outliers,
                 min_prompt: 0,
                 scoring,
+                candidates: args.candidates,
             }));
         }
         let got = greedy_answers(

@@ -125,6 +125,7 @@ pub(super) fn compressed_cache(model: &Llama, kind: CacheKind) -> LinearSpecCach
         outlier_chunks: 1,
         min_prompt: 4,
         scoring: Default::default(),
+        candidates: 1,
     };
     spec.quant.residual = 4;
     LinearSpecCache::new(spec.build_for(cfg).expect("valid cache config"))

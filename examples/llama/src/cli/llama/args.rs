@@ -114,6 +114,9 @@ pub(super) struct KvArgs {
     /// ShadowKV: how a decode step scores the chunks it selects.
     #[arg(long, value_enum, default_value_t = ChunkScoring::default())]
     pub(super) kv_scoring: ChunkScoring,
+    /// ShadowKV: candidate chunks per selected chunk for two-stage selection (1: off).
+    #[arg(long, default_value_t = ShadowKvConfig::default().candidates)]
+    pub(super) kv_candidates: usize,
     /// ShadowKV: prompts shorter than this keep the full cache.
     #[arg(long, default_value_t = ShadowKvConfig::default().min_prompt)]
     pub(super) kv_min_prompt: usize,
@@ -145,6 +148,7 @@ impl KvArgs {
                 outlier_chunks: self.kv_outlier_chunks,
                 min_prompt: self.kv_min_prompt,
                 scoring: self.kv_scoring,
+                candidates: self.kv_candidates,
             },
         })
     }

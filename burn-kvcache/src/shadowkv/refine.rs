@@ -1,0 +1,144 @@
+//! Two-stage selection ([`ShadowKvConfig::candidates`] > 1): the landmarks pick candidate
+//! chunks, their keys are rebuilt on the device, and each `(sequence, KV head)` keeps the
+//! budget's worth of tokens whose rebuilt keys the step's queries score highest (the same
+//! aggregate as the landmarks': softmax over the candidates, summed over the call's queries,
+//! maxed over the GQA group). Only those tokens' values are fetched, so the transfer stays the
+//! budget's.
+//!
+//! On SmolLM2-135M's RULER-style tasks a chunk's mean key blurs the one token a copying step
+//! needs; selecting tokens approaches the token-level oracle (the crate README).
+
+use std::time::Instant;
+
+use burn::tensor::{Bool, DType, Int, Tensor, TensorData, activation};
+use rayon::prelude::*;
+
+use super::decode::Selection;
+use super::host::upload_rows;
+use super::{DecodeTimings, Sparse, idx_tensor, sync};
+
+/// The tokens a two-stage step keeps: their keys `[b, h, kk·cs, d]` (sorted by candidate slot,
+/// padding after the valid ones), which candidate slot each is (`picks[b·h][..]`), and the
+/// [`Selection`] the attention masks by (`kk` slots of `cs` tokens, `valid` of them real).
+pub(super) struct Picked {
+    pub(super) keys: Tensor<4>,
+    picks: Vec<Vec<usize>>,
+    pub(super) selection: Selection,
+}
+
+/// Scores every candidate token (`cand_k` `[b, h, cand.kk·cs, d]`, rebuilt) against the
+/// queries `q` `[b, hq, sq, d]` and keeps the top `select·cs` per `(sequence, KV head)`
+/// (`select` capped by the candidates).
+pub(super) fn pick_tokens(
+    q: &Tensor<4>,
+    cand_k: &Tensor<4>,
+    cand: &Selection,
+    select: usize,
+    scale: f32,
+    cs: usize,
+) -> Picked {
+    let [b, hq, sq, d] = q.dims();
+    let h = cand_k.dims()[1];
+    let g = hq / h;
+    let t = cand.kk * cs;
+    let device = q.device();
+    let scores = q
+        .clone()
+        .cast(DType::F32)
+        .reshape([b, h, g * sq, d])
+        .matmul(cand_k.clone().cast(DType::F32).swap_dims(2, 3))
+        * scale;
+    let scores = if cand.valid.iter().any(|&n| n < cand.kk) {
+        let pad: Vec<bool> = (0..b)
+            .flat_map(|i| (0..t).map(move |j| j / cs >= cand.valid[i]))
+            .collect();
+        let pad = Tensor::<1, Bool>::from_data(TensorData::new(pad, [b * t]), &device)
+            .reshape([b, 1, 1, t]);
+        scores.mask_fill(pad.expand([b, h, g * sq, t]), -1.0e30)
+    } else {
+        scores
+    };
+    let scores = activation::softmax(scores, 3)
+        .reshape([b, h, g, sq, t])
+        .sum_dim(3)
+        .max_dim(2)
+        .into_data()
+        .convert::<f32>()
+        .try_to_vec::<f32>()
+        .expect("f32");
+    let kk = select.min(cand.kk);
+    let valid: Vec<usize> = cand.valid.iter().map(|&n| n.min(kk)).collect();
+    let n_tok = kk * cs;
+    let picks: Vec<Vec<usize>> = (0..b * h)
+        .into_par_iter()
+        .map(|ih| {
+            let i = ih / h;
+            let (have, keep) = (cand.valid[i] * cs, valid[i] * cs);
+            let row = &scores[ih * t..ih * t + have];
+            let mut ids: Vec<usize> = (0..have).collect();
+            if keep < have {
+                ids.select_nth_unstable_by(keep, |&x, &y| row[y].total_cmp(&row[x]));
+                ids.truncate(keep);
+            }
+            ids.sort_unstable();
+            // Padding tokens (masked by the attention) repeat a valid one.
+            ids.resize(n_tok, ids[0]);
+            ids
+        })
+        .collect();
+    let idx: Vec<i64> = picks.iter().flatten().map(|&p| p as i64).collect();
+    let idx: Tensor<4, Int> = idx_tensor::<3>(idx, [b, h, n_tok], &device)
+        .unsqueeze_dim::<4>(3)
+        .repeat_dim(3, d);
+    Picked {
+        keys: cand_k.clone().gather(2, idx),
+        picks,
+        selection: Selection {
+            sel: Vec::new(),
+            valid,
+            kk,
+        },
+    }
+}
+
+/// Transfer: the picked tokens' values `[b·h·kk, cs·d]` on the device (`kk·cs` tokens per
+/// `(sequence, KV head)`, in the order of their keys). Nothing is reused from the previous
+/// step: tokens, unlike chunks, rarely repeat whole.
+pub(super) fn fetch_tokens(
+    sp: &mut Sparse,
+    cand: &Selection,
+    picked: &Picked,
+    dtype: DType,
+    [cs, d]: [usize; 2],
+    profile: bool,
+    timings: &mut DecodeTimings,
+) -> Tensor<2> {
+    let device = sp.a.device();
+    let t1 = Instant::now();
+    let h = cand.sel[0].len();
+    let row_bytes = d * dtype.size();
+    let rows: Vec<&[u8]> = picked
+        .picks
+        .iter()
+        .enumerate()
+        .flat_map(|(ih, picks)| {
+            let (i, hh) = (ih / h, ih % h);
+            let values = &sp.values[i];
+            let chunks = &cand.sel[i][hh];
+            picks.iter().map(move |&p| {
+                let off = (p % cs) * row_bytes;
+                &values.chunk_slice(hh, chunks[p / cs])[off..off + row_bytes]
+            })
+        })
+        .collect();
+    let kk = picked.selection.kk;
+    timings.chunks_fetched += rows.len() / cs;
+    let t_up = Instant::now();
+    timings.transfer_host += t_up - t1;
+    let values = upload_rows(&rows, d, dtype, &device).reshape([rows.len() / cs, cs * d]);
+    debug_assert_eq!(values.dims()[0], picked.picks.len() * kk);
+    sync(profile, &device);
+    timings.transfer_upload += t_up.elapsed();
+    sp.prev = None;
+    values
+}
