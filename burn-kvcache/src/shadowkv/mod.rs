@@ -35,6 +35,12 @@
 //! `local | outliers | selected | generated`, the generated tokens (every token after the
 //! prompt, this call's included) held exactly on the device.
 //!
+//! With [`ShadowKvConfig::candidates`] `m > 1` the selection has two stages: the landmarks pick
+//! `m · budget / chunk` candidate chunks, their keys are rebuilt, and the same aggregate over
+//! the rebuilt keys keeps the `budget` best tokens per `(sequence, KV head)`; only their values
+//! are fetched (no reuse across steps). The transfer and the attention stay the budget's; the
+//! key rebuild and the scoring are `m` times the budget's.
+//!
 //! # Batches, padding, fallbacks
 //!
 //! Every sequence of a batch is compressed on its own (its own SVD, landmarks, outliers,
