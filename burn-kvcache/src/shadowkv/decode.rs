@@ -158,6 +158,37 @@ pub(super) struct Selection {
     pub(super) kk: usize,
 }
 
+/// How much the queries `q` `[b, hq, sq, dd]` (f32) want each of `keys` `[b, h, t, dd]`:
+/// `softmax(q·kᵀ·scale)` over the `t` keys (those `hidden` `[b, 1, 1, t]` masked out), summed
+/// over the `sq` queries and maxed over each KV head's `hq / h` query heads (as ShadowKV's
+/// official code). Returns `[b, h, t]` on the host.
+pub(super) fn group_scores(
+    q: Tensor<4>,
+    keys: Tensor<4>,
+    hidden: Option<Tensor<4, Bool>>,
+    h: usize,
+    scale: f32,
+) -> Vec<f32> {
+    let [b, hq, sq, dd] = q.dims();
+    let (g, t) = (hq / h, keys.dims()[2]);
+    let scores = q
+        .reshape([b, h, g * sq, dd])
+        .matmul(keys.cast(DType::F32).swap_dims(2, 3))
+        * scale;
+    let scores = match hidden {
+        Some(m) => scores.mask_fill(m.expand([b, h, g * sq, t]), -1.0e30),
+        None => scores,
+    };
+    activation::softmax(scores, 3)
+        .reshape([b, h, g, sq, t])
+        .sum_dim(3)
+        .max_dim(2)
+        .into_data()
+        .convert::<f32>()
+        .try_to_vec::<f32>()
+        .expect("f32")
+}
+
 /// Scoring: softmax of the queries over the landmarks, summed over queries, max over the GQA
 /// group; then the top `select` landmarks' chunks per (sequence, KV head). With
 /// [`ChunkScoring::Bounds`] a query `q` scores `[max | min]` landmarks as
@@ -170,33 +201,14 @@ fn select_chunks(
     h: usize,
     scoring: ChunkScoring,
 ) -> Selection {
-    let [b, hq, sq, d] = q.dims();
-    let g = hq / h;
+    let b = q.dims()[0];
     let cmax = sp.landmarks.dims()[2];
     let q = q.clone().cast(DType::F32);
-    let (q, d) = match scoring {
-        ChunkScoring::Mean => (q, d),
-        ChunkScoring::Bounds => (
-            Tensor::cat(vec![q.clone().clamp_min(0.0), q.clamp_max(0.0)], 3),
-            2 * d,
-        ),
+    let q = match scoring {
+        ChunkScoring::Mean => q,
+        ChunkScoring::Bounds => Tensor::cat(vec![q.clone().clamp_min(0.0), q.clamp_max(0.0)], 3),
     };
-    let scores = q
-        .reshape([b, h, g * sq, d])
-        .matmul(sp.landmarks.clone().cast(DType::F32).swap_dims(2, 3))
-        * scale;
-    let scores = match &sp.land_pad {
-        Some(m) => scores.mask_fill(m.clone().expand([b, h, g * sq, cmax]), -1.0e30),
-        None => scores,
-    };
-    let scores = activation::softmax(scores, 3)
-        .reshape([b, h, g, sq, cmax])
-        .sum_dim(3)
-        .max_dim(2)
-        .into_data()
-        .convert::<f32>()
-        .try_to_vec::<f32>()
-        .expect("f32");
+    let scores = group_scores(q, sp.landmarks.clone(), sp.land_pad.clone(), h, scale);
     let kk = select.min(sp.n_land.iter().max().copied().unwrap_or(0));
     let valid: Vec<usize> = sp.n_land.iter().map(|&n| kk.min(n)).collect();
     // Top-k per (sequence, KV head), on every core: at batch 8 and 128K a layer has 64

@@ -10,10 +10,10 @@
 
 use std::time::Instant;
 
-use burn::tensor::{Bool, DType, Int, Tensor, TensorData, activation};
+use burn::tensor::{Bool, DType, Int, Tensor, TensorData};
 use rayon::prelude::*;
 
-use super::decode::Selection;
+use super::decode::{Selection, group_scores};
 use super::host::upload_rows;
 use super::{DecodeTimings, Sparse, idx_tensor, sync};
 
@@ -37,35 +37,18 @@ pub(super) fn pick_tokens(
     scale: f32,
     cs: usize,
 ) -> Picked {
-    let [b, hq, sq, d] = q.dims();
+    let [b, _, _, d] = q.dims();
     let h = cand_k.dims()[1];
-    let g = hq / h;
     let t = cand.kk * cs;
     let device = q.device();
-    let scores = q
-        .clone()
-        .cast(DType::F32)
-        .reshape([b, h, g * sq, d])
-        .matmul(cand_k.clone().cast(DType::F32).swap_dims(2, 3))
-        * scale;
-    let scores = if cand.valid.iter().any(|&n| n < cand.kk) {
+    let hidden = cand.valid.iter().any(|&n| n < cand.kk).then(|| {
         let pad: Vec<bool> = (0..b)
             .flat_map(|i| (0..t).map(move |j| j / cs >= cand.valid[i]))
             .collect();
-        let pad = Tensor::<1, Bool>::from_data(TensorData::new(pad, [b * t]), &device)
-            .reshape([b, 1, 1, t]);
-        scores.mask_fill(pad.expand([b, h, g * sq, t]), -1.0e30)
-    } else {
-        scores
-    };
-    let scores = activation::softmax(scores, 3)
-        .reshape([b, h, g, sq, t])
-        .sum_dim(3)
-        .max_dim(2)
-        .into_data()
-        .convert::<f32>()
-        .try_to_vec::<f32>()
-        .expect("f32");
+        Tensor::<1, Bool>::from_data(TensorData::new(pad, [b * t]), &device).reshape([b, 1, 1, t])
+    });
+    let q = q.clone().cast(DType::F32);
+    let scores = group_scores(q, cand_k.clone(), hidden, h, scale);
     let kk = select.min(cand.kk);
     let valid: Vec<usize> = cand.valid.iter().map(|&n| n.min(kk)).collect();
     let n_tok = kk * cs;

@@ -228,6 +228,21 @@ pub(super) fn retrieves_planted_chunk(device: &Device) {
     }
 }
 
+/// Full rank (two KV heads of `d`), chunks of 8, a budget of 4 chunks (2 of them the local
+/// window), no outliers, mean landmarks, `candidates` as given.
+fn lone_key_config(d: usize, candidates: usize) -> ShadowKvConfig {
+    ShadowKvConfig {
+        rank: 2 * d,
+        chunk: 8,
+        budget: 32,
+        local_chunks: 2,
+        outlier_chunks: 0,
+        min_prompt: 0,
+        scoring: ChunkScoring::Mean,
+        candidates,
+    }
+}
+
 /// Keys and values `[h, prompt, d]` (small noise) where chunk `chunk` (of 8) holds one key
 /// (`lone`) along a random direction with value 1, and seven keys pointing away from it with
 /// value 0.
@@ -257,16 +272,7 @@ fn lone_key_prompt(
 /// which would keep such a chunk exact.
 pub(super) fn bounds_find_a_lone_key(device: &Device) {
     let (h, d, prompt) = (2, 32, 401);
-    let c = ShadowKvConfig {
-        rank: 2 * d,
-        chunk: 8,
-        budget: 32,
-        local_chunks: 2,
-        outlier_chunks: 0,
-        min_prompt: 0,
-        scoring: ChunkScoring::Mean,
-        candidates: 1,
-    };
+    let c = lone_key_config(d, 1);
     let (chunk, lone) = (23, 23 * 8 + 5);
     let (k, v) = lone_key_prompt((h, d, prompt), chunk, lone);
     let run = |scoring| {
@@ -322,16 +328,7 @@ pub(super) fn two_stage_finds_a_lone_key(device: &Device) {
     let (h, d, prompt) = (2, 32, 401);
     let (chunk, lone) = (23, 23 * 8 + 5);
     let (k, v) = lone_key_prompt((h, d, prompt), chunk, lone);
-    let c = ShadowKvConfig {
-        rank: 2 * d,
-        chunk: 8,
-        budget: 32,
-        local_chunks: 2,
-        outlier_chunks: 0,
-        min_prompt: 0,
-        scoring: ChunkScoring::Mean,
-        candidates: 16,
-    };
+    let c = lone_key_config(d, 16);
     let y = mean_of(&decode_after_prompt(device, c, (h, d, prompt), k, v, lone));
     assert!(y > 0.9, "two-stage: the lone key's value, mean output {y}");
 }
