@@ -47,6 +47,9 @@
 #   skv64 skv128  shadowkv suite at 64K / 128K context (Llama-3-8B shape): ShadowKV against
 #            the full cache, each with Burn's attention op and the decode attention kernel, and
 #            ShadowKV's step profile (transfer share)
+#   skv2s    shadowkv suite at 64K with two-stage selection (chunks of 4, 4x candidates:
+#            BURN_KERNELS_SHADOWKV_CHUNK / _CANDIDATES), the setting that scored 45.0 against the
+#            full cache's 48.3 on the RULER-style table; compare with skv64 in the same call
 #   bcces    cce suite, SmolLM2 and Gemma-2 shapes, every pass in 16, 32, 64, 128 and 256 MiB
 #            blocks: time against peak memory, to choose the automatic blocks
 #   tdp      llama_tests data_parallel (two GPUs follow one; needs a 2-GPU machine)
@@ -160,6 +163,8 @@ for s in "$@"; do
     bcceb) step bcceb run bench --suite cce --filter smollm2 --cce-chunk-bytes 256 \
       --peers-dir "$peers" --out "$O/bcceb" ;;
     skv64 | skv128) step "$s" run bench --suite shadowkv --filter "ctx=${s#skv}K" --out "$O/$s" ;;
+    skv2s) BURN_KERNELS_SHADOWKV_CHUNK=4 BURN_KERNELS_SHADOWKV_CANDIDATES=4 \
+      step skv2s run bench --suite shadowkv --filter "ctx=64K" --out "$O/skv2s" ;;
     bcces) step bcces run bench --suite cce --cce-chunk-bytes 16,32,64,128,256 \
       --peers-dir "$peers" --out "$O/bcces" ;;
     tdp) step tdp run test llama_tests data_parallel --include-ignored --nocapture ;;

@@ -97,7 +97,28 @@ impl Steps {
     }
 }
 
+/// The suite's ShadowKV settings. `BURN_KERNELS_SHADOWKV_CHUNK` and
+/// `BURN_KERNELS_SHADOWKV_CANDIDATES` (two-stage selection) override the full run's chunk length
+/// and candidates; the local window and the outliers keep their tokens.
 fn shadow_config(quick: bool) -> ShadowKvConfig {
+    let env = |name: &str| {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+    };
+    let base = ShadowKvConfig::default();
+    if !quick && let Some(chunk) = env("BURN_KERNELS_SHADOWKV_CHUNK").filter(|&c| c > 0) {
+        return ShadowKvConfig {
+            chunk,
+            local_chunks: (base.local_chunks * base.chunk).div_ceil(chunk),
+            outlier_chunks: (base.outlier_chunks * base.chunk).div_ceil(chunk),
+            candidates: env("BURN_KERNELS_SHADOWKV_CANDIDATES").unwrap_or(1),
+            ..base
+        };
+    }
+    if !quick && let Some(candidates) = env("BURN_KERNELS_SHADOWKV_CANDIDATES") {
+        return ShadowKvConfig { candidates, ..base };
+    }
     if quick {
         // Short prompts still compressed, and fewer chunks selected than held.
         ShadowKvConfig {
