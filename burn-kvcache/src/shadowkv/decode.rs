@@ -189,6 +189,17 @@ pub(super) fn group_scores(
         .expect("f32")
 }
 
+/// The positions of the `keep` largest of `row` (all of them when `keep ≥ row.len()`), in no
+/// particular order.
+pub(super) fn top_k(row: &[f32], keep: usize) -> Vec<usize> {
+    let mut ids: Vec<usize> = (0..row.len()).collect();
+    if keep < row.len() {
+        ids.select_nth_unstable_by(keep, |&x, &y| row[y].total_cmp(&row[x]));
+        ids.truncate(keep);
+    }
+    ids
+}
+
 /// Scoring: softmax of the queries over the landmarks, summed over queries, max over the GQA
 /// group; then the top `select` landmarks' chunks per (sequence, KV head). With
 /// [`ChunkScoring::Bounds`] a query `q` scores `[max | min]` landmarks as
@@ -219,12 +230,7 @@ fn select_chunks(
         .map(|ih| {
             let (i, hh) = (ih / h, ih % h);
             let (n, nv) = (n_land[i], valid[i]);
-            let row = &scores[ih * cmax..ih * cmax + n];
-            let mut ids: Vec<usize> = (0..n).collect();
-            if nv < n {
-                ids.select_nth_unstable_by(nv, |&x, &y| row[y].total_cmp(&row[x]));
-                ids.truncate(nv);
-            }
+            let ids = top_k(&scores[ih * cmax..ih * cmax + n], nv);
             let mut chunks: Vec<usize> = ids.iter().map(|&l| land_chunk[i][hh][l]).collect();
             chunks.sort_unstable();
             // Padding slots (masked below) repeat a valid chunk.

@@ -13,7 +13,7 @@ use std::time::Instant;
 use burn::tensor::{Bool, DType, Int, Tensor, TensorData};
 use rayon::prelude::*;
 
-use super::decode::{Selection, group_scores};
+use super::decode::{Selection, group_scores, top_k};
 use super::host::upload_rows;
 use super::{DecodeTimings, Sparse, idx_tensor, sync};
 
@@ -57,12 +57,7 @@ pub(super) fn pick_tokens(
         .map(|ih| {
             let i = ih / h;
             let (have, keep) = (cand.valid[i] * cs, valid[i] * cs);
-            let row = &scores[ih * t..ih * t + have];
-            let mut ids: Vec<usize> = (0..have).collect();
-            if keep < have {
-                ids.select_nth_unstable_by(keep, |&x, &y| row[y].total_cmp(&row[x]));
-                ids.truncate(keep);
-            }
+            let mut ids = top_k(&scores[ih * t..ih * t + have], keep);
             ids.sort_unstable();
             // Padding tokens (masked by the attention) repeat a valid one.
             ids.resize(n_tok, ids[0]);

@@ -107,28 +107,24 @@ fn shadow_config(quick: bool) -> ShadowKvConfig {
             .and_then(|v| v.parse::<usize>().ok())
     };
     let base = ShadowKvConfig::default();
-    if !quick && let Some(chunk) = env("BURN_KERNELS_SHADOWKV_CHUNK").filter(|&c| c > 0) {
-        return ShadowKvConfig {
-            chunk,
-            local_chunks: (base.local_chunks * base.chunk).div_ceil(chunk),
-            outlier_chunks: (base.outlier_chunks * base.chunk).div_ceil(chunk),
-            candidates: env("BURN_KERNELS_SHADOWKV_CANDIDATES").unwrap_or(1),
-            ..base
-        };
-    }
-    if !quick && let Some(candidates) = env("BURN_KERNELS_SHADOWKV_CANDIDATES") {
-        return ShadowKvConfig { candidates, ..base };
-    }
     if quick {
         // Short prompts still compressed, and fewer chunks selected than held.
-        ShadowKvConfig {
+        return ShadowKvConfig {
             budget: 128,
             outlier_chunks: 8,
             min_prompt: 0,
-            ..ShadowKvConfig::default()
-        }
-    } else {
-        ShadowKvConfig::default()
+            ..base
+        };
+    }
+    let chunk = env("BURN_KERNELS_SHADOWKV_CHUNK")
+        .filter(|&c| c > 0)
+        .unwrap_or(base.chunk);
+    ShadowKvConfig {
+        chunk,
+        local_chunks: (base.local_chunks * base.chunk).div_ceil(chunk),
+        outlier_chunks: (base.outlier_chunks * base.chunk).div_ceil(chunk),
+        candidates: env("BURN_KERNELS_SHADOWKV_CANDIDATES").unwrap_or(base.candidates),
+        ..base
     }
 }
 
