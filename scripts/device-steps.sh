@@ -43,7 +43,12 @@
 #   bspec    specdec suite on the graph path, real weights (needs the --model parts): SD and
 #            SpecInfer K = 2 replayed, now with the fused layer ops in the verification step
 #   tdet     llama_tests train::cuda::cce_step_is_deterministic
-#   bcceb    cce suite, SmolLM2 shape, 256 MiB blocks against Burn's plain loss
+#   bcceb    cce suite, SmolLM2 shape, 256 MiB blocks against Burn's plain loss (with the
+#            fused passes, `cce (fused passes)`, in the same run)
+#   tfused   cce_tests' fused-pass checks on CUDA (ops against the reference, the loss under
+#            autodiff; each asserts the fused kernels launched)
+#   bccef    cce suite, SmolLM2 shape: the default, the fused passes and Burn's plain loss only,
+#            with the PyTorch peers (a short run)
 #   skv64 skv128  shadowkv suite at 64K / 128K context (Llama-3-8B shape): ShadowKV against
 #            the full cache, each with Burn's attention op and the decode attention kernel, and
 #            ShadowKV's step profile (transfer share)
@@ -162,6 +167,10 @@ for s in "$@"; do
     tdet) step tdet run test llama_tests cce_step_is_deterministic --include-ignored --nocapture ;;
     bcceb) step bcceb run bench --suite cce --filter smollm2 --cce-chunk-bytes 256 \
       --peers-dir "$peers" --out "$O/bcceb" ;;
+    tfused) step tfused run test cce_tests fused --include-ignored --nocapture ;;
+    bccef) step bccef run bench --suite cce --filter smollm2 --cce-chunk-bytes 256 \
+      --skip-impl 'sorting' --skip-impl 'filter' --skip-impl 'autotuned' --skip-impl 'bf16 dE' \
+      --skip-impl 'one f32' --peers-dir "$peers" --out "$O/bccef" ;;
     skv64 | skv128) step "$s" run bench --suite shadowkv --filter "ctx=${s#skv}K" --out "$O/$s" ;;
     skv2s) BURN_KERNELS_SHADOWKV_CHUNK=4 BURN_KERNELS_SHADOWKV_CANDIDATES=4 \
       step skv2s run bench --suite shadowkv --filter "ctx=64K" --out "$O/skv2s" ;;

@@ -58,12 +58,13 @@ use crate::blocks::row_ranges;
 pub use crate::blocks::{BackwardBlocks, DeAccumulation};
 use crate::diagnostics::{LAST_PLAN, PhaseClock, PlanStats};
 use crate::gemm::{cast, dims2, matmul_to};
+use crate::kernels::fused;
 use crate::kernels::{
     accumulate::add_rows, grad::grad_chunk, indexed_dot::indexed_dot, lse_chunk::lse_chunk,
     scatter::add_rows_at, score,
 };
 use crate::live;
-use crate::{GemmStrategy, LceParams};
+use crate::{GemmStrategy, LceParams, PassKernels};
 
 type Cb = CubeBackend;
 
@@ -100,6 +101,13 @@ pub fn forward(
     targets: CubeTensor,
     params: &LceParams,
 ) -> (CubeTensor, CubeTensor) {
+    if fused_passes(params, bias.is_some(), "forward")
+        && let Some(lse) = fused::forward(e.clone(), c.clone(), params.softcap)
+    {
+        live::sample(&lse, "forward state");
+        let target_logit = indexed_dot(e, c, None, targets, params.softcap);
+        return (lse, target_logit);
+    }
     let [n, d] = dims2(&e);
     let [vocab, _] = dims2(&c);
     let device = e.device.clone();
@@ -123,6 +131,25 @@ pub fn forward(
     let target_logit = indexed_dot(e, c, bias, targets, params.softcap);
     live::sample(&target_logit, "target logits");
     (lse, target_logit)
+}
+
+/// Whether a pass may try the fused kernels: asked for, and no bias (nor, in the backward, a
+/// gradient filter), which they do not implement; a log line where asked for but not taken.
+fn fused_passes(params: &LceParams, bias: bool, pass: &str) -> bool {
+    if params.passes != PassKernels::Fused {
+        return false;
+    }
+    let why = if bias {
+        Some("a bias")
+    } else if pass == "backward" && params.filter_eps.is_some() {
+        Some("a gradient filter")
+    } else {
+        None
+    };
+    if let Some(why) = why {
+        log::info!("fused CCE {pass} declined ({why}): chunked passes");
+    }
+    why.is_none()
 }
 
 /// The vocabulary chunks the backward processes.
@@ -514,6 +541,19 @@ pub fn backward(
     dout: CubeTensor,
     params: &LceParams,
 ) -> (CubeTensor, CubeTensor, Option<CubeTensor>) {
+    if fused_passes(params, bias.is_some(), "backward")
+        && let Some((de, dc)) = fused::backward(
+            e.clone(),
+            c.clone(),
+            targets.clone(),
+            lse.clone(),
+            dout.clone(),
+            params.softcap,
+        )
+    {
+        live::sample(&dc, "gradients");
+        return (de, dc, None);
+    }
     let [n, d] = dims2(&e);
     let [vocab, _] = dims2(&c);
     let device = e.device.clone();

@@ -63,7 +63,8 @@ pub mod reference;
 pub use error::CceError;
 pub use loss::{CceOutput, LinearCrossEntropyLoss, linear_cross_entropy};
 pub use options::{
-    CceOptions, FilterEps, GemmKernel, GemmStrategy, LceParams, Reduction, TRAINING_BLOCK_BYTES,
+    CceOptions, FilterEps, GemmKernel, GemmStrategy, LceParams, PassKernels, Reduction,
+    TRAINING_BLOCK_BYTES,
 };
 
 use burn::backend::{

@@ -66,6 +66,24 @@ fn dtype_epsilon(dtype: DType) -> f32 {
     }
 }
 
+/// How the passes over the vocabulary run on a CubeCL device.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum PassKernels {
+    /// Each chunk of the vocabulary is a GEMM into an f32 logits block plus an epilogue
+    /// kernel; dE accumulates in f32 (see [`CceOptions::accum_fp32`]). Works for every shape,
+    /// dtype and option.
+    #[default]
+    Chunked,
+    /// One kernel per pass, the logits tile computed and consumed on the matrix units and never
+    /// written (the paper's design): a forward owned by blocks of tokens, a dE kernel owned by
+    /// blocks of tokens and a dC kernel owned by blocks of vocabulary entries, each holding its
+    /// f32 accumulators in registers. The backward holds nothing beyond dE and dC. Runs for
+    /// f16/bf16 inputs on a runtime with 16×8×16 manual MMA (CUDA), hidden sizes that are a
+    /// multiple of 64 up to 576, no bias and no gradient filter; elsewhere the chunked passes
+    /// run, with a log line (`burn_cce::kernels::fused::unsupported` says why).
+    Fused,
+}
+
 /// Options of [`crate::linear_cross_entropy`].
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct CceOptions {
@@ -118,6 +136,8 @@ pub struct CceOptions {
     /// effect on f16/bf16 inputs, nor where the runtime has no tensor-core kernel (Vulkan on
     /// lavapipe: the exact kernel runs).
     pub tf32: bool,
+    /// Chunked passes (default) or one fused kernel per pass.
+    pub passes: PassKernels,
 }
 
 /// Kernel selection for the GEMMs that recompute and consume logit chunks.
@@ -173,6 +193,7 @@ impl Default for CceOptions {
             de_block_rows: None,
             gemm: GemmStrategy::Fixed,
             tf32: true,
+            passes: PassKernels::Chunked,
         }
     }
 }
@@ -221,6 +242,8 @@ pub struct LceParams {
     pub gemm: GemmStrategy,
     /// See [`CceOptions::tf32`].
     pub tf32: bool,
+    /// See [`CceOptions::passes`].
+    pub passes: PassKernels,
 }
 
 impl CceOptions {
@@ -236,6 +259,7 @@ impl CceOptions {
             de_block_rows: self.de_block_rows,
             gemm: self.gemm,
             tf32: self.tf32,
+            passes: self.passes,
         }
     }
 }

@@ -2,19 +2,22 @@
 //! ground truth (the plain path on the CPU), the same plain path in the input dtype on the
 //! backend under test ("ref"), and CCE; CCE must be no further from the ground truth than ref
 //! is, for the loss, dE, dC and db. Plus direct checks of the backend ops against the tensor-op
-//! reference (forward, exact backward, filtered backward and its plan) and typed errors.
+//! reference (forward, exact backward, filtered backward and its plan), the fused passes (CUDA)
+//! and typed errors.
 //!
 //! The checks live in the submodules below; the tests are declared here (`testgen!` and the CPU
 //! `#[test]`s), so that their names stay `cce::…`.
 
 mod case;
 mod errors;
+mod fused;
 mod loss;
 mod op_checks;
 mod ops;
 
 use case::*;
 use errors::*;
+use fused::*;
 use loss::*;
 use op_checks::*;
 
@@ -126,6 +129,7 @@ testgen! {
         live_peak_brackets_the_working_set,
         typed_errors,
         unfused_backend_matches_dispatch,
+        fused_ops_match_reference,
     ],
-    autodiff: [loss_and_gradients, all_ignored],
+    autodiff: [loss_and_gradients, all_ignored, fused_loss_and_gradients],
 }

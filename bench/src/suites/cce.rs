@@ -11,8 +11,8 @@
 use burn::backend::Dispatch;
 use burn::tensor::{DType, Device, Distribution, Int, Tensor, TensorData};
 use burn_cce::{
-    CceKernels, CceOptions, FilterEps, GemmKernel, GemmStrategy, LceParams, diagnostics,
-    linear_cross_entropy, reference,
+    CceKernels, CceOptions, FilterEps, GemmKernel, GemmStrategy, LceParams, PassKernels,
+    diagnostics, linear_cross_entropy, reference,
 };
 use rand::{Rng, SeedableRng, rngs::StdRng, seq::SliceRandom};
 use serde_json::json;
@@ -84,6 +84,15 @@ fn variants(
             "cce (autotuned GEMM)",
             CceOptions {
                 gemm: GemmStrategy::Autotune,
+                ..d
+            },
+        ),
+        // One kernel per pass, no logits written (hidden sizes up to 576; `Setup::variants`
+        // leaves it out elsewhere, where it would run the chunked passes).
+        (
+            "cce (fused passes)",
+            CceOptions {
+                passes: PassKernels::Fused,
                 ..d
             },
         ),
@@ -261,7 +270,11 @@ impl Setup {
     }
 
     fn variants(&self, sweep: bool) -> Vec<(&'static str, CceOptions)> {
+        let fused = self.d.is_multiple_of(64) && self.d <= burn_cce::kernels::fused::MAX_DIM;
         variants(sweep, &self.pass_blocks, &self.chunk_blocks)
+            .into_iter()
+            .filter(|(_, o)| fused || o.passes != PassKernels::Fused)
+            .collect()
     }
 
     /// The loss of every variant whose options change it: the GEMM kernel and the logits
@@ -271,6 +284,7 @@ impl Setup {
             matches!(o.gemm, GemmStrategy::Kernel(_))
                 || o.pass_chunk_bytes.is_some()
                 || o.chunk_bytes.is_some()
+                || o.passes == PassKernels::Fused
                 || *o == CceOptions::default()
         });
         kernels

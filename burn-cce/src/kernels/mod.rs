@@ -6,10 +6,14 @@
 //! forms `(softmax − onehot)·dout` for a chunk, [`accumulate`] adds f32 blocks of dE rows in
 //! place, [`scatter`] adds a gathered chunk's dC rows at their vocabulary ids, and [`indexed_dot`] computes the target logits without any logits at all.
 //!
+//! [`fused`] holds the one-kernel-per-pass alternative ([`crate::PassKernels::Fused`]), which
+//! never writes a logit.
+//!
 //! Outputs are allocated with `empty_device_contiguous_dtype`: the kernels index them linearly,
 //! and CubeCL's CUDA runtime may pitch (row-pad) a plain 2-D allocation.
 
 pub mod accumulate;
+pub mod fused;
 pub mod grad;
 pub mod indexed_dot;
 pub mod lse;

@@ -2,7 +2,8 @@
 
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use burn_cce::{
-    CceOptions, FilterEps, GemmKernel, GemmStrategy, Reduction, linear_cross_entropy, reference,
+    CceOptions, FilterEps, GemmKernel, GemmStrategy, PassKernels, Reduction, linear_cross_entropy,
+    reference,
 };
 use burn_kernels_testing::{Dist, compare::to_f32, is_wgpu, poison_memory, random_values};
 
@@ -30,6 +31,7 @@ pub(super) struct Case {
     /// Most cases use the fixed GEMM: autotuning compiles ~30 candidate kernels per new shape
     /// (minutes per test on CUDA); one case runs the autotuned default.
     pub(super) gemm: GemmStrategy,
+    pub(super) passes: PassKernels,
     pub(super) seed: u64,
 }
 
@@ -49,6 +51,7 @@ impl Case {
             accum: true,
             chunk: Some(96),
             gemm: GemmStrategy::Fixed,
+            passes: PassKernels::Chunked,
             seed,
         }
     }
@@ -72,6 +75,7 @@ impl Case {
             de_block_rows: None,
             gemm: self.gemm,
             tf32: true,
+            passes: self.passes,
         }
     }
 }

@@ -33,7 +33,7 @@
 mod dkdv;
 mod dq;
 mod forward;
-mod stages;
+pub mod stages;
 
 use burn::backend::cubecl::dtype_to_storage_type;
 use burn::backend::ops::{BoolTensorOps, FloatTensorOps};

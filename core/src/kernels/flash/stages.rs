@@ -88,7 +88,7 @@ pub fn a_fragments<P: Float, N2: Size>(
 /// One `mma.m16n8k16` step: `cf += A · B` with A `a[4kk .. 4kk + 4]` and B the two registers
 /// `b[first]`, `b[first + 1]`.
 #[cube]
-fn mma_step<P: Float, N2: Size>(
+pub fn mma_step<P: Float, N2: Size>(
     def: &MmaDefinition<P, P, f32>,
     a: &Array<Vector<P, N2>>,
     kk: usize,

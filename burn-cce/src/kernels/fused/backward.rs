@@ -1,0 +1,140 @@
+//! The fused backward: one launch per gradient. A cube owns `TILE` rows of one operand — tokens
+//! for dE, vocabulary entries for dC — and walks every row of the other in tiles of `TILE`:
+//! `S = X·Yᵀ` on the matrix units, the logit gradient `G` of the tile into shared memory, and
+//! `acc += G·Y` into f32 accumulators that stay in registers for the whole walk. The owned rows'
+//! gradient is written once, in the operands' dtype; nothing else is written.
+//!
+//! Planes (8 a cube): for `S` and `G`, plane `p` takes rows `16(p mod 4) ..` and tile columns
+//! `32(p / 4) ..`; for `G·Y`, rows `32(p mod 2) ..` and channels `(p / 2)·dim/4 ..`, so every
+//! plane holds `dim / 4` f32 accumulators a lane (144 at `dim = 576`).
+
+use cubecl::prelude::*;
+
+use super::stages::{accumulate, gradients, scores, store_rows, token_grad, write_rows};
+use super::{FusedArgs, GW, PAD, TILE};
+
+#[cube(launch_unchecked)]
+// `vocab_owned` is known when the kernel is compiled, `tid < TILE` only when it runs: kept apart.
+#[allow(clippy::too_many_arguments, clippy::collapsible_if)]
+pub(super) fn cce_grad_kernel<P: Float, I: Int, N2: Size, N8: Size>(
+    x: &Tensor<Vector<P, N8>>,
+    y: &Tensor<Vector<P, N8>>,
+    lse: &Tensor<f32>,
+    dout: &Tensor<f32>,
+    targets: &Tensor<I>,
+    out: &mut Tensor<Vector<P, N2>>,
+    args: FusedArgs,
+    #[comptime] dim: usize,
+    #[comptime] vocab_owned: bool,
+    #[comptime] has_softcap: bool,
+    #[define(P, I)] _dtypes: [ElemType; 2],
+) {
+    // Owned rows: vocabulary entries (dC) or tokens (dE); walked rows: the other.
+    let mut owned = args.tokens;
+    let mut walked = args.vocab;
+    if vocab_owned {
+        owned = args.vocab;
+        walked = args.tokens;
+    }
+    let cube = (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize;
+    if cube * TILE >= owned {
+        terminate!();
+    }
+    let o0 = cube * TILE;
+    let lane = UNIT_POS_X as usize;
+    let plane = UNIT_POS_Y as usize;
+    let tid = plane * 32 + lane;
+    let (sr0, sc0) = (16 * (plane % 4), 32 * (plane / 4));
+    let (ar0, aq0) = (32 * (plane % 2), (plane / 2) * comptime!(dim / 4));
+
+    let mut x_sm =
+        Shared::<[Vector<P, N2>]>::new_aligned_slice(comptime!(TILE * (dim / 2 + PAD)), 16usize);
+    let mut y_sm =
+        Shared::<[Vector<P, N2>]>::new_aligned_slice(comptime!(TILE * (dim / 2 + PAD)), 16usize);
+    let mut g_sm = Shared::<[Vector<P, N2>]>::new_aligned_slice(comptime!(TILE * GW), 16usize);
+    let mut col_lse = Shared::<[f32]>::new_slice(TILE);
+    let mut col_dout = Shared::<[f32]>::new_slice(TILE);
+    let mut col_target = Shared::<[u32]>::new_slice(TILE);
+    store_rows::<P, N2, N8>(x, o0, owned, &mut x_sm, tid, dim);
+
+    // The lane's two rows' token data where the rows are tokens.
+    let mut row_lse = Array::<f32>::new(2usize);
+    let mut row_dout = Array::<f32>::new(2usize);
+    let mut row_target = Array::<u32>::new(2usize);
+    #[unroll]
+    for v in 0..2usize {
+        let mut token = args.tokens;
+        if !vocab_owned {
+            token = o0 + sr0 + lane / 4 + 8 * v;
+        }
+        token_grad::<I>(
+            lse,
+            dout,
+            targets,
+            token,
+            &args,
+            &mut row_lse,
+            &mut row_dout,
+            &mut row_target,
+            v,
+        );
+    }
+    let mut acc = Array::<Vector<f32, N2>>::new(comptime!(dim / 8));
+    #[unroll]
+    for i in 0..comptime!(dim / 8) {
+        acc[i] = Vector::<f32, N2>::new(f32::new(0.0));
+    }
+    let mut s = Array::<Vector<f32, N2>>::new(8usize);
+    let mut col_l = Array::<f32>::new(1usize);
+    let mut col_d = Array::<f32>::new(1usize);
+    let mut col_t = Array::<u32>::new(1usize);
+
+    let mut w0 = 0usize;
+    while w0 < walked {
+        // The previous tile's products are done before its shared tiles are replaced.
+        sync_cube();
+        store_rows::<P, N2, N8>(y, w0, walked, &mut y_sm, tid, dim);
+        if vocab_owned {
+            if tid < TILE {
+                token_grad::<I>(
+                    lse,
+                    dout,
+                    targets,
+                    w0 + tid,
+                    &args,
+                    &mut col_l,
+                    &mut col_d,
+                    &mut col_t,
+                    0usize,
+                );
+                col_lse[tid] = col_l[0];
+                col_dout[tid] = col_d[0];
+                col_target[tid] = col_t[0];
+            }
+        }
+        sync_cube();
+        scores::<P, N2>(&x_sm, &y_sm, sr0, sc0, &mut s, lane, dim);
+        gradients::<P, N2>(
+            &s,
+            &mut g_sm,
+            &row_lse,
+            &row_dout,
+            &row_target,
+            &col_lse,
+            &col_dout,
+            &col_target,
+            &args,
+            o0,
+            w0,
+            sr0,
+            sc0,
+            lane,
+            vocab_owned,
+            has_softcap,
+        );
+        sync_cube();
+        accumulate::<P, N2>(&g_sm, &y_sm, ar0, aq0, &mut acc, lane, dim);
+        w0 += TILE;
+    }
+    write_rows::<P, N2>(&acc, out, o0 + ar0, owned, aq0, lane, dim);
+}

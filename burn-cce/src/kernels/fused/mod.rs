@@ -1,0 +1,260 @@
+//! Fused linear cross-entropy passes ([`crate::PassKernels::Fused`]): the logits are computed
+//! tile by tile on the matrix units (`mma.m16n8k16`, f16/bf16 operands, f32 accumulators) and
+//! consumed in registers and shared memory; no launch writes a logit.
+//!
+//! - [`forward`]: each token's log-sum-exp (one launch over token blocks × vocabulary
+//!   segments, one small launch merging the segments);
+//! - [`backward`]: dE from a walk owned by blocks of tokens, dC from a walk owned by blocks of
+//!   vocabulary entries (FlashAttention-2's split of dQ and dK/dV): each gradient is summed in
+//!   f32 registers over the whole walk and written once in the operands' dtype, so the backward
+//!   holds dE and dC and `O(N)` vectors, nothing else. Both walks recompute the logits: four
+//!   `N·V·D` products in all, against three with atomics into f32 buffers (`2×` dE + dC).
+//!
+//! A cube is 8 planes over `TILE` owned rows; the two operands' tiles (`TILE × D`, 16-bit) and
+//! the gradient tile sit in shared memory: 159 KB at `D = 576`. The f32 accumulators are
+//! `D / 4` registers a lane, which bounds `D` at 576; larger hidden sizes take the chunked
+//! passes.
+
+mod backward;
+mod forward;
+pub mod stages;
+
+use burn::backend::cubecl::dtype_to_storage_type;
+use burn::tensor::{DType, Shape};
+use burn_cubecl::{
+    kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype, tensor::CubeTensor,
+};
+use burn_kernels_core::route::count_launch;
+use cubecl::ir::{ElemType, FloatKind, features::MmaConfig};
+use cubecl::prelude::*;
+
+use super::{elementwise_grid, row_grid};
+
+/// Rows a cube owns, and rows of the tiles it walks.
+pub const TILE: usize = 64;
+/// Planes (warps) a cube.
+const PLANES: usize = 8;
+/// Units a cube.
+pub(crate) const THREADS: usize = PLANES * 32;
+/// Padding of a shared-memory row, in 32-bit words: the 8 rows one fragment load touches start
+/// 4 banks apart.
+pub(crate) const PAD: usize = 4;
+/// Words a row of the gradient tile (`TILE` 16-bit values, padded).
+pub(crate) const GW: usize = TILE / 2 + PAD;
+/// The largest hidden size: `D / 4` f32 accumulators a lane.
+pub const MAX_DIM: usize = 576;
+/// Cubes the forward aims at (token blocks × vocabulary segments): a few waves on 132 SMs.
+const FORWARD_CUBES: usize = 528;
+
+/// The scalars the fused kernels take.
+#[derive(CubeLaunch, CubeType, Clone, Copy, Debug)]
+pub struct FusedArgs {
+    /// Tokens (rows of `E`).
+    pub tokens: usize,
+    /// Vocabulary entries (rows of `C`).
+    pub vocab: usize,
+    /// The soft-capping constant (read only with a cap).
+    pub softcap: f32,
+}
+
+/// Bytes of shared memory a cube of the backward uses at hidden size `d` (the forward uses
+/// less).
+pub fn shared_bytes(d: usize) -> usize {
+    4 * (2 * TILE * (d / 2 + PAD) + TILE * GW + 3 * TILE)
+}
+
+/// Why the fused kernels do not take `n` tokens of hidden size `d` in `dtype` against a
+/// vocabulary of `vocab` entries on `client`'s runtime; `None` where they do. (A bias and the
+/// gradient filter are the caller's to check.)
+pub fn unsupported(
+    client: &Client,
+    dtype: DType,
+    n: usize,
+    vocab: usize,
+    d: usize,
+) -> Option<String> {
+    let elem = match dtype {
+        DType::F16 => ElemType::Float(FloatKind::F16),
+        DType::BF16 => ElemType::Float(FloatKind::BF16),
+        other => return Some(format!("{other:?} operands (f16/bf16 only)")),
+    };
+    let mma = MmaConfig {
+        a_type: elem,
+        b_type: elem,
+        cd_type: ElemType::Float(FloatKind::F32),
+        m: 16,
+        n: 8,
+        k: 16,
+    };
+    if !client.properties().features.matmul.mma.contains(&mma) {
+        return Some(format!("no {dtype:?} 16×8×16 manual MMA on this runtime"));
+    }
+    if d == 0 || !d.is_multiple_of(64) || d > MAX_DIM {
+        return Some(format!(
+            "hidden size {d} (a multiple of 64 up to {MAX_DIM})"
+        ));
+    }
+    if n == 0 || vocab == 0 {
+        return Some("no tokens or no vocabulary".to_string());
+    }
+    let (need, have) = (
+        shared_bytes(d),
+        client.properties().hardware.max_shared_memory_size,
+    );
+    if need > have {
+        return Some(format!(
+            "{need} bytes of shared memory a cube (the device has {have})"
+        ));
+    }
+    None
+}
+
+/// `t` contiguous with a 16-byte aligned start (the kernels read 8 values at a time), or
+/// `None`.
+fn aligned(t: CubeTensor) -> Option<CubeTensor> {
+    let t = into_contiguous(t);
+    let start = t.handle.offset_start.unwrap_or(0);
+    start.is_multiple_of(16).then_some(t)
+}
+
+fn args(n: usize, vocab: usize, softcap: Option<f32>) -> FusedArgsLaunch {
+    FusedArgsLaunch::new(n, vocab, softcap.unwrap_or(1.0))
+}
+
+fn empty(like: &CubeTensor, shape: Shape, dtype: DType) -> CubeTensor {
+    empty_device_contiguous_dtype(like.client.clone(), like.device.clone(), shape, dtype)
+}
+
+/// Each token's log-sum-exp of the (soft-capped) logits `E·Cᵀ`, f32; `None` (nothing launched)
+/// where [`unsupported`] says why not or an operand's start is not 16-byte aligned.
+///
+/// # Shapes
+/// - `e`: `[n, D]`, `c`: `[V, D]`, one 16-bit dtype
+/// - returns `[n]` f32
+pub fn forward(e: CubeTensor, c: CubeTensor, softcap: Option<f32>) -> Option<CubeTensor> {
+    let [n, d] = e.meta.shape().dims::<2>();
+    let vocab = c.meta.shape().dims::<2>()[0];
+    if let Some(why) = unsupported(&e.client, e.dtype, n, vocab, d)
+        .or_else(|| (c.dtype != e.dtype).then(|| "operands of different dtypes".to_string()))
+    {
+        log::info!("fused CCE forward declined ({why}): chunked passes");
+        return None;
+    }
+    let (e, c) = (aligned(e)?, aligned(c)?);
+    let client = e.client.clone();
+    let storage = dtype_to_storage_type(e.dtype);
+    let tiles = n.div_ceil(TILE);
+    let vocab_tiles = vocab.div_ceil(TILE);
+    let segments = FORWARD_CUBES.div_ceil(tiles).clamp(1, vocab_tiles);
+    let segment = vocab_tiles.div_ceil(segments) * TILE;
+    let segments = vocab.div_ceil(segment);
+    let part_max = empty(&e, Shape::new([segments, n]), DType::F32);
+    let part_sum = empty(&e, Shape::new([segments, n]), DType::F32);
+    let lse = empty(&e, Shape::new([n]), DType::F32);
+    count_launch("cce_fused_forward");
+    // SAFETY: rows are read only below their counts (zeros past them), shared tiles within
+    // their declared sizes, and the partials written only for tokens below `n` and segments
+    // below `segments`.
+    unsafe {
+        forward::cce_lse_kernel::launch_unchecked(
+            &client,
+            row_grid(&client, tiles * segments),
+            CubeDim::new_2d(32, PLANES as u32),
+            2,
+            8,
+            e.into_tensor_arg(),
+            c.into_tensor_arg(),
+            part_max.clone().into_tensor_arg(),
+            part_sum.clone().into_tensor_arg(),
+            args(n, vocab, softcap),
+            segment,
+            d,
+            softcap.is_some(),
+            storage,
+        );
+    }
+    let (count, dim) = elementwise_grid(&client, n);
+    forward::cce_lse_merge_kernel::launch(
+        &client,
+        count,
+        dim,
+        part_max.into_tensor_arg(),
+        part_sum.into_tensor_arg(),
+        lse.clone().into_tensor_arg(),
+        n,
+        segments,
+    );
+    Some(lse)
+}
+
+/// `(dE, dC)` of `Σᵢ dout[i]·lossᵢ` (no bias), written in the operands' dtype from f32
+/// accumulators; `None` (nothing launched) where [`unsupported`] says why not or an operand's
+/// start is not 16-byte aligned.
+///
+/// # Shapes
+/// - `e`: `[n, D]`, `c`: `[V, D]`, one 16-bit dtype; `targets`: `[n]` (i32 or i64, in
+///   `[0, V)`); `lse`, `dout`: `[n]` f32
+/// - returns `dE [n, D]` and `dC [V, D]`
+pub fn backward(
+    e: CubeTensor,
+    c: CubeTensor,
+    targets: CubeTensor,
+    lse: CubeTensor,
+    dout: CubeTensor,
+    softcap: Option<f32>,
+) -> Option<(CubeTensor, CubeTensor)> {
+    let [n, d] = e.meta.shape().dims::<2>();
+    let vocab = c.meta.shape().dims::<2>()[0];
+    let why = unsupported(&e.client, e.dtype, n, vocab, d)
+        .or_else(|| (c.dtype != e.dtype).then(|| "operands of different dtypes".to_string()))
+        .or_else(|| {
+            (!matches!(targets.dtype, DType::I32 | DType::I64))
+                .then(|| format!("{:?} targets (i32/i64)", targets.dtype))
+        });
+    if let Some(why) = why {
+        log::info!("fused CCE backward declined ({why}): chunked passes");
+        return None;
+    }
+    let (e, c) = (aligned(e)?, aligned(c)?);
+    let client = e.client.clone();
+    let dtype = e.dtype;
+    let (targets, lse, dout) = (
+        into_contiguous(targets),
+        into_contiguous(lse),
+        into_contiguous(dout),
+    );
+    let de = empty(&e, Shape::new([n, d]), dtype);
+    let dc = empty(&e, Shape::new([vocab, d]), dtype);
+    let dtypes = [
+        dtype_to_storage_type(dtype),
+        dtype_to_storage_type(targets.dtype),
+    ];
+    count_launch("cce_fused_backward");
+    // (owned, walked, output, rows owned, owned rows are vocabulary entries)
+    let walks = [(&e, &c, &de, n, false), (&c, &e, &dc, vocab, true)];
+    for (x, y, out, owned, vocab_owned) in walks {
+        // SAFETY: rows are read only below their counts (zeros past them), shared tiles within
+        // their declared sizes, and the output written only for owned rows below `owned`.
+        unsafe {
+            backward::cce_grad_kernel::launch_unchecked(
+                &client,
+                row_grid(&client, owned.div_ceil(TILE)),
+                CubeDim::new_2d(32, PLANES as u32),
+                2,
+                8,
+                x.clone().into_tensor_arg(),
+                y.clone().into_tensor_arg(),
+                lse.clone().into_tensor_arg(),
+                dout.clone().into_tensor_arg(),
+                targets.clone().into_tensor_arg(),
+                out.clone().into_tensor_arg(),
+                args(n, vocab, softcap),
+                d,
+                vocab_owned,
+                softcap.is_some(),
+                dtypes,
+            );
+        }
+    }
+    Some((de, dc))
+}

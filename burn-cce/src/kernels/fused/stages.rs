@@ -1,0 +1,313 @@
+//! What the fused kernels do on a tile, as `#[cube]` functions (inlined into each kernel):
+//! storing a block of operand rows to shared memory, the plane's block of logits
+//! `S = X·Yᵀ` on the matrix units, the logit gradient of that block into shared memory, the
+//! product `G·Y` added into the plane's f32 accumulators, and writing them out.
+//!
+//! Shared tiles are row-major, `dim / 2 + PAD` 32-bit words a row (pairs of 16-bit values),
+//! so the 8 rows one `ldmatrix` matrix reads start 4 banks apart. Fragment layouts are PTX's
+//! for `mma.m16n8k16` (16-bit operands, f32 accumulators): lane `l` (`g = l / 4`, `t = l mod 4`)
+//! holds rows `g` and `g + 8` and, in each block of 8 columns, columns `2t` and `2t + 1`; an
+//! accumulator block of 16 × 8 is two `Vector<f32, 2>` (row `g`, row `g + 8`).
+
+use burn_kernels_core::kernels::flash::stages::mma_step;
+use cubecl::cmma::{MatrixIdent, MmaDefinition};
+use cubecl::prelude::*;
+
+use super::{FusedArgs, GW, PAD, THREADS, TILE};
+
+/// Stores rows `first .. first + TILE` of `src` (`[len, dim]`, contiguous, read 8 values at a
+/// time; rows at or past `len` as zeros) to `sm`.
+#[cube]
+pub fn store_rows<P: Float, N2: Size, N8: Size>(
+    src: &Tensor<Vector<P, N8>>,
+    first: usize,
+    len: usize,
+    sm: &mut Shared<[Vector<P, N2>]>,
+    tid: usize,
+    #[comptime] dim: usize,
+) {
+    let vecs = comptime!(dim / 8);
+    // A padded row is `vecs + 1` vectors of 8 (PAD = 4 words).
+    let rv = comptime!(dim / 8 + PAD / 4);
+    let wide = sm
+        .slice_mut(0usize, comptime!(TILE * (dim / 2 + PAD)))
+        .with_vector_size_mut::<N8>();
+    #[unroll]
+    for i in 0..comptime!(TILE * dim / 8 / THREADS) {
+        let b = tid + i * THREADS;
+        let r = b / vecs;
+        let c = b % vecs;
+        let mut x = Vector::<P, N8>::new(P::from_int(0));
+        if first + r < len {
+            x = src[(first + r) * vecs + c];
+        }
+        wide[r * rv + c] = x;
+    }
+}
+
+/// `s = X·Yᵀ`: rows `r0 .. r0 + 16` of `x_sm` against rows `c0 .. c0 + 32` of `y_sm`, `dim`
+/// deep; block `n` (rows `c0 + 8n ..` of `y_sm`) at `s[2n]` (row `g`) and `s[2n + 1]`.
+///
+/// A fragments come by `ldmatrix.x4` (lane `l` points at row `r0 + l mod 16`, channels
+/// `8(l / 16) ..` of a 16-deep step), B fragments as in core's flash kernels (lane `l` at
+/// row `8n + l mod 8`, channels `32h + 8(l / 8) ..`: two 16-deep steps an instruction).
+#[cube]
+pub fn scores<P: Float, N2: Size>(
+    x_sm: &Shared<[Vector<P, N2>]>,
+    y_sm: &Shared<[Vector<P, N2>]>,
+    r0: usize,
+    c0: usize,
+    s: &mut Array<Vector<f32, N2>>,
+    lane: usize,
+    #[comptime] dim: usize,
+) {
+    let def = MmaDefinition::<P, P, f32>::new(16usize, 8usize, 16usize);
+    let rw = comptime!(dim / 2 + PAD);
+    #[unroll]
+    for i in 0..8usize {
+        s[i] = Vector::<f32, N2>::new(f32::new(0.0));
+    }
+    let a_at = (r0 + lane % 16) * rw + (lane / 16) * 4;
+    let b_at = (c0 + lane % 8) * rw + (lane / 8) * 4;
+    let mut cf = Array::<Vector<f32, N2>>::new(2usize);
+    for h in 0..comptime!(dim / 32) {
+        let lo = a_at + h * 16;
+        let a0 =
+            def.load_matrix::<Vector<P, N2>, N2>(&x_sm[lo..lo + 4], MatrixIdent::A, 4usize, false);
+        let hi = lo + 8;
+        let a1 =
+            def.load_matrix::<Vector<P, N2>, N2>(&x_sm[hi..hi + 4], MatrixIdent::A, 4usize, false);
+        #[unroll]
+        for n in 0..4usize {
+            let at = b_at + n * 8 * rw + h * 16;
+            let b = def.load_matrix::<Vector<P, N2>, N2>(
+                &y_sm[at..at + 4],
+                MatrixIdent::B,
+                4usize,
+                false,
+            );
+            cf[0] = s[2 * n];
+            cf[1] = s[2 * n + 1];
+            mma_step::<P, N2>(&def, &a0, 0usize, &b, 0usize, &mut cf);
+            mma_step::<P, N2>(&def, &a1, 0usize, &b, 2usize, &mut cf);
+            s[2 * n] = cf[0];
+            s[2 * n + 1] = cf[1];
+        }
+    }
+}
+
+/// The soft-capped logit `c·tanh(x / c)`, its slope in `slope`; `x` (`slope` untouched)
+/// without a cap.
+#[cube]
+pub fn capped(x: f32, cap: f32, slope: &mut f32, #[comptime] has_softcap: bool) -> f32 {
+    let mut y = x;
+    if has_softcap {
+        let t = f32::tanh(x / cap);
+        y = cap * t;
+        *slope = f32::new(1.0) - t * t;
+    }
+    y
+}
+
+/// The lane's tokens' log-sum-exp, loss gradient and target at index `v` of `row_lse`,
+/// `row_dout`, `row_target` (a padding row at or past `args.tokens`: zero gradient, target
+/// `u32::MAX`, which matches no entry).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn token_grad<I: Int>(
+    lse: &Tensor<f32>,
+    dout: &Tensor<f32>,
+    targets: &Tensor<I>,
+    token: usize,
+    args: &FusedArgs,
+    row_lse: &mut Array<f32>,
+    row_dout: &mut Array<f32>,
+    row_target: &mut Array<u32>,
+    #[comptime] v: usize,
+) {
+    let mut l = f32::new(0.0);
+    let mut d = f32::new(0.0);
+    let mut target = u32::new(u32::MAX as i64);
+    if token < args.tokens {
+        l = lse[token];
+        d = dout[token];
+        target = u32::cast_from(targets[token]);
+    }
+    row_lse[v] = l;
+    row_dout[v] = d;
+    row_target[v] = target;
+}
+
+/// The logit gradient `(softmax − onehot) · dout · cap'` of the plane's block `s` (rows
+/// `r0 + g + 8v`, columns `c0 + 8n + 2t + e` of the tile, as [`scores`] leaves it), stored to
+/// `g_sm` (`GW` words a row) in the operands' dtype.
+///
+/// With `vocab_owned` the rows are vocabulary entries `o0 + row` and the columns tokens
+/// `w0 + col`, whose log-sum-exp, loss gradient and target are in `col_lse`, `col_dout` and
+/// `col_target`; otherwise the rows are tokens (the lane's two in `row_*`, from
+/// [`token_grad`]) and the columns entries. Columns past the walked operand's end get 0.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn gradients<P: Float, N2: Size>(
+    s: &Array<Vector<f32, N2>>,
+    g_sm: &mut Shared<[Vector<P, N2>]>,
+    row_lse: &Array<f32>,
+    row_dout: &Array<f32>,
+    row_target: &Array<u32>,
+    col_lse: &Shared<[f32]>,
+    col_dout: &Shared<[f32]>,
+    col_target: &Shared<[u32]>,
+    args: &FusedArgs,
+    o0: usize,
+    w0: usize,
+    r0: usize,
+    c0: usize,
+    lane: usize,
+    #[comptime] vocab_owned: bool,
+    #[comptime] has_softcap: bool,
+) {
+    let g = lane / 4;
+    let t = lane % 4;
+    #[unroll]
+    for n in 0..4usize {
+        #[unroll]
+        for v in 0..2usize {
+            let sv = s[2 * n + v];
+            let row = r0 + g + 8 * v;
+            let mut out = Vector::<P, N2>::empty();
+            #[unroll]
+            for e in 0..2usize {
+                let col = c0 + 8 * n + 2 * t + e;
+                let mut slope = f32::new(1.0);
+                let x = capped(sv.extract(e), args.softcap, &mut slope, has_softcap);
+                let mut lse = row_lse[v];
+                let mut dout = row_dout[v];
+                let mut hit = row_target[v] == u32::cast_from(w0 + col);
+                let mut valid = w0 + col < args.vocab;
+                if vocab_owned {
+                    lse = col_lse[col];
+                    dout = col_dout[col];
+                    hit = col_target[col] == u32::cast_from(o0 + row);
+                    valid = w0 + col < args.tokens;
+                }
+                let mut gr = f32::exp(x - lse);
+                if hit {
+                    gr -= f32::new(1.0);
+                }
+                let gr = select(valid, gr * dout * slope, f32::new(0.0));
+                out.insert(e, P::cast_from(gr));
+            }
+            g_sm[row * GW + (c0 + 8 * n) / 2 + t] = out;
+        }
+    }
+}
+
+/// `acc += G·Y`: rows `r0 .. r0 + 32` of `g_sm` (`TILE` deep) times `y_sm`'s `TILE` rows,
+/// channels `q0 .. q0 + dim / 4`; row block `m` (16 rows), channel block `n` (8 channels) at
+/// `acc[(m · dim / 32 + n) · 2 ..]` (row `g`, row `g + 8`).
+///
+/// A fragments by `ldmatrix.x4` from `g_sm`; B fragments by `ldmatrix.x4.trans` from `y_sm`
+/// (lane `l` at row `16kk + 8((l / 8) mod 2) + l mod 8`, channels `q0 + 16dp + 8(l / 16) ..`:
+/// channel blocks `2dp` and `2dp + 1` of step `kk`).
+#[cube]
+pub fn accumulate<P: Float, N2: Size>(
+    g_sm: &Shared<[Vector<P, N2>]>,
+    y_sm: &Shared<[Vector<P, N2>]>,
+    r0: usize,
+    q0: usize,
+    acc: &mut Array<Vector<f32, N2>>,
+    lane: usize,
+    #[comptime] dim: usize,
+) {
+    let def = MmaDefinition::<P, P, f32>::new(16usize, 8usize, 16usize);
+    let rw = comptime!(dim / 2 + PAD);
+    let blocks = comptime!(dim / 32);
+    let mut c0 = Array::<Vector<f32, N2>>::new(2usize);
+    let mut c1 = Array::<Vector<f32, N2>>::new(2usize);
+    for kk in 0..comptime!(TILE / 16) {
+        let a_at = (r0 + lane % 16) * GW + kk * 8 + (lane / 16) * 4;
+        let a0 = def.load_matrix::<Vector<P, N2>, N2>(
+            &g_sm[a_at..a_at + 4],
+            MatrixIdent::A,
+            4usize,
+            false,
+        );
+        let a_hi = a_at + 16 * GW;
+        let a1 = def.load_matrix::<Vector<P, N2>, N2>(
+            &g_sm[a_hi..a_hi + 4],
+            MatrixIdent::A,
+            4usize,
+            false,
+        );
+        // Row block m's fragments at a[4m ..].
+        let mut a = Array::<Vector<P, N2>>::new(8usize);
+        #[unroll]
+        for j in 0..4usize {
+            a[j] = a0[j];
+            a[4 + j] = a1[j];
+        }
+        let b_row = kk * 16 + ((lane / 8) % 2) * 8 + lane % 8;
+        let b_at = b_row * rw + q0 / 2 + (lane / 16) * 4;
+        #[unroll]
+        for dp in 0..comptime!(dim / 64) {
+            let at = b_at + dp * 8;
+            let b = def.load_matrix::<Vector<P, N2>, N2>(
+                &y_sm[at..at + 4],
+                MatrixIdent::B,
+                4usize,
+                true,
+            );
+            #[unroll]
+            for m in 0..2usize {
+                let i = (m * blocks + 2 * dp) * 2;
+                c0[0] = acc[i];
+                c0[1] = acc[i + 1];
+                c1[0] = acc[i + 2];
+                c1[1] = acc[i + 3];
+                mma_step::<P, N2>(&def, &a, m, &b, 0usize, &mut c0);
+                mma_step::<P, N2>(&def, &a, m, &b, 2usize, &mut c1);
+                acc[i] = c0[0];
+                acc[i + 1] = c0[1];
+                acc[i + 2] = c1[0];
+                acc[i + 3] = c1[1];
+            }
+        }
+    }
+}
+
+/// Writes the lane's accumulators ([`accumulate`]'s layout) as rows `first + 16m + g + 8v`,
+/// channels `q0 + 8n + 2t ..` of `dst` (`[len, dim]`, contiguous, pairs), rows below `len`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn write_rows<P: Float, N2: Size>(
+    acc: &Array<Vector<f32, N2>>,
+    dst: &mut Tensor<Vector<P, N2>>,
+    first: usize,
+    len: usize,
+    q0: usize,
+    lane: usize,
+    #[comptime] dim: usize,
+) {
+    let g = lane / 4;
+    let t = lane % 4;
+    let blocks = comptime!(dim / 32);
+    #[unroll]
+    for m in 0..2usize {
+        #[unroll]
+        for v in 0..2usize {
+            let row = first + 16 * m + g + 8 * v;
+            if row < len {
+                #[unroll]
+                for n in 0..comptime!(dim / 32) {
+                    let x = acc[(m * blocks + n) * 2 + v];
+                    let mut y = Vector::<P, N2>::empty();
+                    #[unroll]
+                    for e in 0..2usize {
+                        y.insert(e, P::cast_from(x.extract(e)));
+                    }
+                    dst[(row * dim + q0 + 8 * n) / 2 + t] = y;
+                }
+            }
+        }
+    }
+}

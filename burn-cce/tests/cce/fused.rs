@@ -1,0 +1,149 @@
+//! The fused passes (`PassKernels::Fused`) against the tensor-op reference: the ops on awkward
+//! sizes (one token, prime and tail counts, every hidden size class up to 576, a soft cap), and
+//! the whole loss under autodiff (shift, ignored tokens, sum reduction). They run on CUDA, the
+//! runtime with the manual MMA they need; each check also asserts the fused kernels launched,
+//! so a silent fall-back to the chunked passes fails.
+
+use burn::tensor::{DType, Device, Tensor, TensorData};
+use burn_cce::{FilterEps, PassKernels, Reduction, reference};
+use burn_kernels_core::route::launches;
+use burn_kernels_testing::{Dist, compare::to_f32, is_cuda, poison_memory, random_values};
+
+use super::case::*;
+use super::loss::run;
+use super::ops::*;
+
+/// The 16-bit dtypes the fused kernels take.
+const DTYPES: [DType; 2] = [DType::BF16, DType::F16];
+
+fn fused(case: Case) -> Case {
+    Case {
+        passes: PassKernels::Fused,
+        filter: FilterEps::Off,
+        ..case
+    }
+}
+
+/// `[1, n]` tokens, hidden size, vocabulary, seed; one with a soft cap.
+fn op_cases() -> Vec<Case> {
+    vec![
+        fused(Case::new([1, 1], 64, 61, 41)),
+        fused(Case {
+            softcap: Some(4.0),
+            ..Case::new([1, 67], 128, 1000, 42)
+        }),
+        fused(Case::new([2, 65], 576, 4099, 43)),
+        fused(Case::new([1, 257], 192, 193, 44)),
+    ]
+}
+
+/// Whether the fused kernels can be checked on `device`; a line saying so where not.
+fn fused_runs(device: &Device, test: &str) -> bool {
+    let runs = is_cuda(device);
+    if !runs {
+        eprintln!("{test}: the fused passes need CUDA's manual MMA; nothing to check here");
+    }
+    runs
+}
+
+pub(super) fn fused_ops_match_reference(device: &Device) {
+    if !fused_runs(device, "fused_ops_match_reference") {
+        return;
+    }
+    let before = (
+        launches("cce_fused_forward"),
+        launches("cce_fused_backward"),
+    );
+    let mut checked = 0u64;
+    for dtype in DTYPES {
+        for case in op_cases() {
+            let name = format!("fused {case:?} {dtype:?}");
+            let (dev, cpu) = op_inputs(&case, dtype, device);
+            let (n, p) = (case.tokens(), params(&case, None));
+            poison_memory(device, n * case.v * 2, DType::F32);
+            let (lse, tl) = forward_op(&dev, p);
+            let (lse_ref, tl_ref) = reference::linear_ce_forward(
+                cpu.e.clone(),
+                cpu.c.clone(),
+                None,
+                cpu.targets.clone(),
+                case.softcap,
+            );
+            let (lse, tl) = (host(lse), host(tl));
+            burn_kernels_testing::assert_matmul_close(
+                &format!("lse {name}"),
+                &lse,
+                &to_f32(lse_ref.clone().into_data()),
+                case.d * case.v,
+                device,
+            );
+            burn_kernels_testing::assert_matmul_close(
+                &format!("target logit {name}"),
+                &tl,
+                &to_f32(tl_ref.into_data()),
+                case.d,
+                device,
+            );
+
+            let dout = random_values(n, Dist::Uniform { lo: 0.5, hi: 1.5 }, case.seed + 9);
+            let lse_dev = Tensor::<1>::from_data(lse_ref.to_data(), (device, DType::F32));
+            let dout_dev =
+                Tensor::<1>::from_data(TensorData::new(dout.clone(), [n]), (device, DType::F32));
+            poison_memory(device, (n + case.v) * case.d * 4, DType::F32);
+            let (de, dc, db) = backward_op(&dev, &lse_dev, &dout_dev, p);
+            assert!(db.is_none(), "{name}: no bias, no db");
+            let (de, dc) = (host(de), host(dc));
+            let keep = vec![true; case.v];
+            MaskedCheck {
+                case: &case,
+                cpu: &cpu,
+                lse: lse_ref,
+                dout: &dout,
+                keep: &keep,
+                dtype,
+            }
+            .assert_matches(&name, (&de, &dc, None), device);
+            checked += 1;
+        }
+    }
+    // Every check above ran the fused kernels, none fell back to the chunked passes.
+    let after = (
+        launches("cce_fused_forward"),
+        launches("cce_fused_backward"),
+    );
+    assert_eq!(
+        (after.0 - before.0, after.1 - before.1),
+        (checked, checked),
+        "fused launches (forward, backward)"
+    );
+}
+
+pub(super) fn fused_loss_and_gradients(device: &Device) {
+    if !fused_runs(device, "fused_loss_and_gradients") {
+        return;
+    }
+    let before = launches("cce_fused_backward");
+    let cases = [
+        fused(Case {
+            shift: true,
+            ignore: 0.2,
+            reduction: Reduction::Sum,
+            ..Case::new([3, 41], 128, 1031, 45)
+        }),
+        fused(Case {
+            softcap: Some(4.0),
+            ignore: 0.1,
+            ..Case::new([2, 70], 64, 509, 46)
+        }),
+    ];
+    for dtype in DTYPES {
+        for case in &cases {
+            run(device, case, dtype);
+        }
+    }
+    assert_eq!(
+        launches("cce_fused_backward") - before,
+        (DTYPES.len() * cases.len()) as u64,
+        "fused backward launches"
+    );
+}
