@@ -124,7 +124,8 @@ tgraphs() {
   local out
   for i in 1 2 3; do
     out=$(run test llama_tests graphs:: --include-ignored 2>&1)
-    echo "-- run $i: rc=$? $(echo "$out" | grep -E 'test result|panicked|left:|right:' | head -4 | tr '\n' ' ')"
+    echo "-- run $i: rc=$? $(echo "$out" | grep -E '^test result|FAILED$' | tr '\n' ' ')"
+    echo "$out" >"$O/tgraphs-$i.log"
   done
 }
 att() {

@@ -4,6 +4,8 @@
 //! runtime with the manual MMA they need; each check also asserts the fused kernels launched,
 //! so a silent fall-back to the chunked passes fails.
 
+use std::sync::{Mutex, MutexGuard};
+
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use burn_cce::{FilterEps, PassKernels, Reduction, reference};
 use burn_kernels_core::route::launches;
@@ -37,19 +39,24 @@ fn op_cases() -> Vec<Case> {
     ]
 }
 
-/// Whether the fused kernels can be checked on `device`; a line saying so where not.
-fn fused_runs(device: &Device, test: &str) -> bool {
-    let runs = is_cuda(device);
-    if !runs {
+/// The fused checks count the fused launches (a process-wide counter): one check at a time,
+/// so that each counts only its own.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+/// Whether the fused kernels can be checked on `device`, and then the lock that keeps the other
+/// fused check out; a line saying so where they cannot.
+fn fused_runs(device: &Device, test: &str) -> Option<MutexGuard<'static, ()>> {
+    if !is_cuda(device) {
         eprintln!("{test}: the fused passes need CUDA's manual MMA; nothing to check here");
+        return None;
     }
-    runs
+    Some(ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner()))
 }
 
 pub(super) fn fused_ops_match_reference(device: &Device) {
-    if !fused_runs(device, "fused_ops_match_reference") {
+    let Some(_one) = fused_runs(device, "fused_ops_match_reference") else {
         return;
-    }
+    };
     let before = (
         launches("cce_fused_forward"),
         launches("cce_fused_backward"),
@@ -119,9 +126,9 @@ pub(super) fn fused_ops_match_reference(device: &Device) {
 }
 
 pub(super) fn fused_loss_and_gradients(device: &Device) {
-    if !fused_runs(device, "fused_loss_and_gradients") {
+    let Some(_one) = fused_runs(device, "fused_loss_and_gradients") else {
         return;
-    }
+    };
     let before = launches("cce_fused_backward");
     let cases = [
         fused(Case {
