@@ -4,14 +4,16 @@
 //! `acc += G·Y` into f32 accumulators that stay in registers for the whole walk. The owned rows'
 //! gradient is written once, in the operands' dtype; nothing else is written.
 //!
-//! Planes (8 a cube): for `S` and `G`, plane `p` takes rows `16(p mod 4) ..` and tile columns
-//! `32(p / 4) ..`; for `G·Y`, rows `32(p mod 2) ..` and channels `(p / 2)·dim/4 ..`, so every
+//! Planes (8 a cube): for `S`, two planes a 32 × 32 block, each over half the depth, and each
+//! keeps 16 of its rows for `G` (`stages::scores`); for `G·Y`, rows `32(p mod 2) ..` and channels `(p / 2)·dim/4 ..`, so every
 //! plane holds `dim / 4` f32 accumulators a lane (144 at `dim = 576`).
 
 use cubecl::prelude::*;
 
-use super::stages::{accumulate, gradients, scores, store_rows, token_grad, write_rows};
-use super::{FusedArgs, GW, PAD, TILE};
+use super::stages::{
+    accumulate, gradients, score_block, scores, store_rows, token_grad, write_rows,
+};
+use super::{FusedArgs, GW, PAD, TILE, XCHG};
 
 #[cube(launch_unchecked)]
 // `vocab_owned` is known when the kernel is compiled, `tid < TILE` only when it runs: kept apart.
@@ -44,7 +46,7 @@ pub(super) fn cce_grad_kernel<P: Float, I: Int, N2: Size, N8: Size>(
     let lane = UNIT_POS_X as usize;
     let plane = UNIT_POS_Y as usize;
     let tid = plane * 32 + lane;
-    let (sr0, sc0) = (16 * (plane % 4), 32 * (plane / 4));
+    let (sr0, sc0) = score_block(plane);
     let (ar0, aq0) = (32 * (plane % 2), (plane / 2) * comptime!(dim / 4));
 
     let mut x_sm =
@@ -52,6 +54,7 @@ pub(super) fn cce_grad_kernel<P: Float, I: Int, N2: Size, N8: Size>(
     let mut y_sm =
         Shared::<[Vector<P, N2>]>::new_aligned_slice(comptime!(TILE * (dim / 2 + PAD)), 16usize);
     let mut g_sm = Shared::<[Vector<P, N2>]>::new_aligned_slice(comptime!(TILE * GW), 16usize);
+    let mut xchg_sm = Shared::<[Vector<f32, N2>]>::new_aligned_slice(XCHG, 16usize);
     let mut col_lse = Shared::<[f32]>::new_slice(TILE);
     let mut col_dout = Shared::<[f32]>::new_slice(TILE);
     let mut col_target = Shared::<[u32]>::new_slice(TILE);
@@ -113,7 +116,7 @@ pub(super) fn cce_grad_kernel<P: Float, I: Int, N2: Size, N8: Size>(
             }
         }
         sync_cube();
-        scores::<P, N2>(&x_sm, &y_sm, sr0, sc0, &mut s, lane, dim);
+        scores::<P, N2>(&x_sm, &y_sm, &mut xchg_sm, &mut s, plane, lane, dim);
         gradients::<P, N2>(
             &s,
             &mut g_sm,

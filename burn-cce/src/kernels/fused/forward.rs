@@ -1,13 +1,13 @@
 //! The fused forward: each token's log-sum-exp of `E·Cᵀ` (soft-capped) without writing a logit.
 //! A cube owns `TILE` tokens and one segment of the vocabulary, walks the segment in tiles of
-//! `TILE` entries (`S = E·Cᵀ` on the matrix units, plane `p` on rows `16(p mod 4) ..` and
-//! columns `32(p / 4) ..`) and folds each tile into running per-row maxima and sums on the
+//! `TILE` entries (`S = E·Cᵀ` on the matrix units, each plane keeping a 16 × 32 block, see
+//! `stages::scores`) and folds each tile into running per-row maxima and sums on the
 //! registers; the segments' partial `(max, sum)` are merged by [`cce_lse_merge_kernel`].
 
 use cubecl::prelude::*;
 
-use super::stages::{capped, scores, store_rows};
-use super::{FusedArgs, PAD, TILE};
+use super::stages::{capped, score_block, scores, store_rows};
+use super::{FusedArgs, PAD, TILE, XCHG};
 
 /// A finite "minus infinity" for masked logits: its exponential is 0 and no infinity reaches
 /// the arithmetic.
@@ -43,12 +43,13 @@ pub(super) fn cce_lse_kernel<P: Float, N2: Size, N8: Size>(
     let plane = UNIT_POS_Y as usize;
     let tid = plane * 32 + lane;
     let t = lane % 4;
-    let (sr0, sc0) = (16 * (plane % 4), 32 * (plane / 4));
+    let (sr0, sc0) = score_block(plane);
 
     let mut x_sm =
         Shared::<[Vector<P, N2>]>::new_aligned_slice(comptime!(TILE * (dim / 2 + PAD)), 16usize);
     let mut y_sm =
         Shared::<[Vector<P, N2>]>::new_aligned_slice(comptime!(TILE * (dim / 2 + PAD)), 16usize);
+    let mut xchg_sm = Shared::<[Vector<f32, N2>]>::new_aligned_slice(XCHG, 16usize);
     store_rows::<P, N2, N8>(e, o0, args.tokens, &mut x_sm, tid, dim);
 
     let mut m = Array::<f32>::new(2usize);
@@ -64,7 +65,7 @@ pub(super) fn cce_lse_kernel<P: Float, N2: Size, N8: Size>(
         sync_cube();
         store_rows::<P, N2, N8>(c, w0, v_end, &mut y_sm, tid, dim);
         sync_cube();
-        scores::<P, N2>(&x_sm, &y_sm, sr0, sc0, &mut s, lane, dim);
+        scores::<P, N2>(&x_sm, &y_sm, &mut xchg_sm, &mut s, plane, lane, dim);
         #[unroll]
         for v in 0..2usize {
             // The tile's logits of the lane's row `v`, masked past the segment, and their max.
@@ -104,7 +105,7 @@ pub(super) fn cce_lse_kernel<P: Float, N2: Size, N8: Size>(
         merge_lanes(&mut mx, &mut sum, 1u32);
         merge_lanes(&mut mx, &mut sum, 2u32);
         if t == 0 {
-            let at = (plane / 4) * TILE + sr0 + lane / 4 + 8 * v;
+            let at = (plane % 2) * TILE + sr0 + lane / 4 + 8 * v;
             red_max[at] = mx;
             red_sum[at] = sum;
         }

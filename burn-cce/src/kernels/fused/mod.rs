@@ -10,8 +10,9 @@
 //!   holds dE and dC and `O(N)` vectors, nothing else. Both walks recompute the logits: four
 //!   `N·V·D` products in all, against three with atomics into f32 buffers (`2×` dE + dC).
 //!
-//! A cube is 8 planes over `TILE` owned rows; the two operands' tiles (`TILE × D`, 16-bit) and
-//! the gradient tile sit in shared memory: 159 KB at `D = 576`. The f32 accumulators are
+//! A cube is 8 planes over `TILE` owned rows; the two operands' tiles (`TILE × D`, 16-bit), the
+//! gradient tile and 16 KB through which planes trade partial logits sit in shared memory:
+//! 176 KB at `D = 576`. The f32 accumulators are
 //! `D / 4` registers a lane, which bounds `D` at 576; larger hidden sizes take the chunked
 //! passes.
 
@@ -41,6 +42,9 @@ pub(crate) const THREADS: usize = PLANES * 32;
 pub(crate) const PAD: usize = 4;
 /// Words a row of the gradient tile (`TILE` 16-bit values, padded).
 pub(crate) const GW: usize = TILE / 2 + PAD;
+/// `Vector<f32, 2>`s of the buffer through which the planes of a logits block trade partial
+/// sums: 8 a lane of each plane.
+pub(crate) const XCHG: usize = PLANES * 8 * 32;
 /// The largest hidden size: `D / 4` f32 accumulators a lane.
 pub const MAX_DIM: usize = 576;
 /// Cubes the forward aims at (token blocks × vocabulary segments): a few waves on 132 SMs.
@@ -60,7 +64,7 @@ pub struct FusedArgs {
 /// Bytes of shared memory a cube of the backward uses at hidden size `d` (the forward uses
 /// less).
 pub fn shared_bytes(d: usize) -> usize {
-    4 * (2 * TILE * (d / 2 + PAD) + TILE * GW + 3 * TILE)
+    4 * (2 * TILE * (d / 2 + PAD) + TILE * GW + 3 * TILE) + 8 * XCHG
 }
 
 /// Why the fused kernels do not take `n` tokens of hidden size `d` in `dtype` against a

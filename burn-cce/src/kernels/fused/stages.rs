@@ -45,38 +45,68 @@ pub fn store_rows<P: Float, N2: Size, N8: Size>(
     }
 }
 
-/// `s = X·Yᵀ`: rows `r0 .. r0 + 16` of `x_sm` against rows `c0 .. c0 + 32` of `y_sm`, `dim`
-/// deep; block `n` (rows `c0 + 8n ..` of `y_sm`) at `s[2n]` (row `g`) and `s[2n + 1]`.
+/// The rows and columns of the tile whose logits plane `plane` keeps after [`scores`]: rows
+/// `r0 .. r0 + 16`, columns `c0 .. c0 + 32`.
+#[cube]
+pub fn score_block(plane: usize) -> (usize, usize) {
+    (32 * ((plane % 4) / 2) + 16 * (plane / 4), 32 * (plane % 2))
+}
+
+/// The plane's share of `S = X·Yᵀ` on a tile (`TILE × TILE`, `dim` deep). Planes `p` and
+/// `p ^ 4` compute the 32 × 32 block `((p mod 4) / 2, p mod 2)` over the two halves of the
+/// depth (`p / 4`): per 32 channels 4 A and 4 B `ldmatrix.x4` feed 16 products (a 16 × 32 block
+/// over the whole depth needs 6 for 8). Each plane then hands the partner, through `xchg_sm`,
+/// the 16 rows it does not keep, and leaves the full sums of the block [`score_block`] names in
+/// `s`: column block `n` at `s[2n]` (row `g`) and `s[2n + 1]`. Syncs the cube once.
 ///
-/// A fragments come by `ldmatrix.x4` (lane `l` points at row `r0 + l mod 16`, channels
-/// `8(l / 16) ..` of a 16-deep step), B fragments as in core's flash kernels (lane `l` at
-/// row `8n + l mod 8`, channels `32h + 8(l / 8) ..`: two 16-deep steps an instruction).
+/// A fragments by `ldmatrix.x4` (lane `l` at row `l mod 16` of the row block, channels
+/// `8(l / 16) ..` of a 16-deep step); B fragments as in core's flash kernels (lane `l` at row
+/// `8n + l mod 8`, channels `8(l / 8) ..` of 32: two 16-deep steps an instruction).
 #[cube]
 pub fn scores<P: Float, N2: Size>(
     x_sm: &Shared<[Vector<P, N2>]>,
     y_sm: &Shared<[Vector<P, N2>]>,
-    r0: usize,
-    c0: usize,
+    xchg_sm: &mut Shared<[Vector<f32, N2>]>,
     s: &mut Array<Vector<f32, N2>>,
+    plane: usize,
     lane: usize,
     #[comptime] dim: usize,
 ) {
     let def = MmaDefinition::<P, P, f32>::new(16usize, 8usize, 16usize);
     let rw = comptime!(dim / 2 + PAD);
+    let half = plane / 4;
+    let rows = 32 * ((plane % 4) / 2);
+    let cols = 32 * (plane % 2);
+    // Row block m's sums at full[8m ..].
+    let mut full = Array::<Vector<f32, N2>>::new(16usize);
     #[unroll]
-    for i in 0..8usize {
-        s[i] = Vector::<f32, N2>::new(f32::new(0.0));
+    for i in 0..16usize {
+        full[i] = Vector::<f32, N2>::new(f32::new(0.0));
     }
-    let a_at = (r0 + lane % 16) * rw + (lane / 16) * 4;
-    let b_at = (c0 + lane % 8) * rw + (lane / 8) * 4;
+    let k0 = half * comptime!(dim / 4);
+    let a_at = (rows + lane % 16) * rw + k0 + (lane / 16) * 4;
+    let b_at = (cols + lane % 8) * rw + k0 + (lane / 8) * 4;
+    let mut a = Array::<Vector<P, N2>>::new(16usize);
     let mut cf = Array::<Vector<f32, N2>>::new(2usize);
-    for h in 0..comptime!(dim / 32) {
-        let lo = a_at + h * 16;
-        let a0 =
-            def.load_matrix::<Vector<P, N2>, N2>(&x_sm[lo..lo + 4], MatrixIdent::A, 4usize, false);
-        let hi = lo + 8;
-        let a1 =
-            def.load_matrix::<Vector<P, N2>, N2>(&x_sm[hi..hi + 4], MatrixIdent::A, 4usize, false);
+    for h in 0..comptime!(dim / 64) {
+        // Fragments of row block m, step j at a[(2m + j)·4 ..].
+        #[unroll]
+        for m in 0..2usize {
+            #[unroll]
+            for j in 0..2usize {
+                let at = a_at + m * 16 * rw + h * 16 + j * 8;
+                let f = def.load_matrix::<Vector<P, N2>, N2>(
+                    &x_sm[at..at + 4],
+                    MatrixIdent::A,
+                    4usize,
+                    false,
+                );
+                #[unroll]
+                for r in 0..4usize {
+                    a[(2 * m + j) * 4 + r] = f[r];
+                }
+            }
+        }
         #[unroll]
         for n in 0..4usize {
             let at = b_at + n * 8 * rw + h * 16;
@@ -86,13 +116,36 @@ pub fn scores<P: Float, N2: Size>(
                 4usize,
                 false,
             );
-            cf[0] = s[2 * n];
-            cf[1] = s[2 * n + 1];
-            mma_step::<P, N2>(&def, &a0, 0usize, &b, 0usize, &mut cf);
-            mma_step::<P, N2>(&def, &a1, 0usize, &b, 2usize, &mut cf);
-            s[2 * n] = cf[0];
-            s[2 * n + 1] = cf[1];
+            #[unroll]
+            for m in 0..2usize {
+                let i = 8 * m + 2 * n;
+                cf[0] = full[i];
+                cf[1] = full[i + 1];
+                mma_step::<P, N2>(&def, &a, 2 * m, &b, 0usize, &mut cf);
+                mma_step::<P, N2>(&def, &a, 2 * m + 1, &b, 2usize, &mut cf);
+                full[i] = cf[0];
+                full[i + 1] = cf[1];
+            }
         }
+    }
+    // The half that plane keeps is row block `half`; the other goes to the partner.
+    #[unroll]
+    for i in 0..8usize {
+        let mut give = full[8 + i];
+        if half == 1 {
+            give = full[i];
+        }
+        xchg_sm[(plane * 8 + i) * 32 + lane] = give;
+    }
+    sync_cube();
+    let partner = plane ^ 4;
+    #[unroll]
+    for i in 0..8usize {
+        let mut keep = full[i];
+        if half == 1 {
+            keep = full[8 + i];
+        }
+        s[i] = keep + xchg_sm[(partner * 8 + i) * 32 + lane];
     }
 }
 
@@ -139,7 +192,8 @@ pub fn token_grad<I: Int>(
 }
 
 /// The logit gradient `(softmax − onehot) · dout · cap'` of the plane's block `s` (rows
-/// `r0 + g + 8v`, columns `c0 + 8n + 2t + e` of the tile, as [`scores`] leaves it), stored to
+/// `r0 + g + 8v`, columns `c0 + 8n + 2t + e` of the tile, as [`scores`] leaves it and
+/// [`score_block`] names them), stored to
 /// `g_sm` (`GW` words a row) in the operands' dtype.
 ///
 /// With `vocab_owned` the rows are vocabulary entries `o0 + row` and the columns tokens
