@@ -49,6 +49,8 @@
 #            autodiff; each asserts the fused kernels launched)
 #   bccef    cce suite, SmolLM2 shape: the default, the fused passes and Burn's plain loss only,
 #            with the PyTorch peers (a short run)
+#   bccefb   bccef without the PyTorch peers (Burn's rows only: under a minute)
+#   tgraphs1 tgraphs once, its whole output kept
 #   skv64 skv128  shadowkv suite at 64K / 128K context (Llama-3-8B shape): ShadowKV against
 #            the full cache, each with Burn's attention op and the decode attention kernel, and
 #            ShadowKV's step profile (transfer share)
@@ -169,6 +171,10 @@ for s in "$@"; do
     bcceb) step bcceb run bench --suite cce --filter smollm2 --cce-chunk-bytes 256 \
       --peers-dir "$peers" --out "$O/bcceb" ;;
     tfused) step tfused run test cce_tests fused --include-ignored --nocapture ;;
+    bccefb) step bccefb run bench --suite cce --filter smollm2 --cce-chunk-bytes 256 \
+      --skip-impl 'sorting' --skip-impl 'filter' --skip-impl 'autotuned' --skip-impl 'bf16 dE' \
+      --skip-impl 'one f32' --skip-impl torch --out "$O/bccefb" ;;
+    tgraphs1) step tgraphs1 run test llama_tests graphs:: --include-ignored ;;
     bccef) step bccef run bench --suite cce --filter smollm2 --cce-chunk-bytes 256 \
       --skip-impl 'sorting' --skip-impl 'filter' --skip-impl 'autotuned' --skip-impl 'bf16 dE' \
       --skip-impl 'one f32' --peers-dir "$peers" --out "$O/bccef" ;;
