@@ -39,7 +39,9 @@
 #   tllama   llama_tests captured-decode tests (CUDA)
 #   tcore    core's CUDA tests of the decode-layer kernels (GEMVs, GEMV-T, Q/K/V + RoPE + store)
 #   tgraphs  llama_tests' captured-graph tests (graphs::, the ones beside another thread's device
-#            work included) three times: the stale-first-output fix on CUDA
+#            work included) three times: the stale-first-output fix on CUDA. One test at a time:
+#            CubeCL captures in CUDA's global mode, so a test's capture fails while another
+#            test's thread synchronizes (`burn_llama::graph`, "Threads")
 #   bspec    specdec suite on the graph path, real weights (needs the --model parts): SD and
 #            SpecInfer K = 2 replayed, now with the fused layer ops in the verification step
 #   tdet     llama_tests train::cuda::cce_step_is_deterministic
@@ -125,7 +127,7 @@ dtypes() {
 tgraphs() {
   local out
   for i in 1 2 3; do
-    out=$(run test llama_tests graphs:: --include-ignored 2>&1)
+    out=$(run test llama_tests graphs:: --include-ignored --test-threads=1 2>&1)
     echo "-- run $i: rc=$? $(echo "$out" | grep -E '^test result|FAILED$' | tr '\n' ' ')"
     echo "$out" >"$O/tgraphs-$i.log"
   done
@@ -162,7 +164,7 @@ for s in "$@"; do
     att1 | att8) step "$s" att "${s#att}" ;;
     stg1 | stg8) step "$s" sweep BURN_KERNELS_GEMV_STAGE "0 1" "${s#stg}" ;;
     tkv) step tkv run test kvcache_tests decode_attention quant_attention unfused ;;
-    tllama) step tllama run test llama_tests captured --include-ignored ;;
+    tllama) step tllama run test llama_tests captured --include-ignored --test-threads=1 ;;
     tcore) step tcore run test core qkv_rope_store norm_projections fused_projections static_cache fused_layer_ops ;;
     tgraphs) step tgraphs tgraphs ;;
     bspec) step bspec run bench --suite specdec --decode-kernels --warmup-ms 0 --measure-ms 0 \
@@ -174,7 +176,7 @@ for s in "$@"; do
     bccefb) step bccefb run bench --suite cce --filter smollm2 --cce-chunk-bytes 256 \
       --skip-impl 'sorting' --skip-impl 'filter' --skip-impl 'autotuned' --skip-impl 'bf16 dE' \
       --skip-impl 'one f32' --skip-impl torch --out "$O/bccefb" ;;
-    tgraphs1) step tgraphs1 run test llama_tests graphs:: --include-ignored ;;
+    tgraphs1) step tgraphs1 run test llama_tests graphs:: --include-ignored --test-threads=1 ;;
     bccef) step bccef run bench --suite cce --filter smollm2 --cce-chunk-bytes 256 \
       --skip-impl 'sorting' --skip-impl 'filter' --skip-impl 'autotuned' --skip-impl 'bf16 dE' \
       --skip-impl 'one f32' --peers-dir "$peers" --out "$O/bccef" ;;

@@ -8,6 +8,17 @@
 //! Backends without graphs (Burn's CPU backend) replay by running the step again: the same
 //! tokens, at eager speed ([`CaptureInfo::graph`] says which ran). CubeCL's wgpu runtime
 //! captures and replays too.
+//!
+//! # Threads (CUDA)
+//!
+//! CubeCL 0.12.0-pre.1 captures in CUDA's global capture mode: while a capture is open, another
+//! thread's synchronizing call on the GPU (a read back, an event wait) fails with CUDA error 900
+//! (`CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`) and invalidates the capture. The generation then
+//! re-runs its step eagerly, with the same tokens, and says why ([`CaptureInfo::reason`]:
+//! `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED`); the other thread gets an error from its read, not
+//! a wrong value (H100, 2026-12-05). Capture where no other thread works on the GPU during the
+//! few hundred milliseconds of the warm-up and capture; the replays themselves can run beside
+//! other work.
 
 use std::cell::RefCell;
 use std::rc::Rc;

@@ -90,11 +90,14 @@ pub fn decode_attention_for(device: &Device) -> Box<dyn burn_kernels_core::Atten
 pub fn beside_other_work<T>(device: &Device, f: impl FnOnce() -> T) -> T {
     use std::sync::Arc;
     use std::sync::atomic::{AtomicBool, Ordering};
+    // On CUDA a read fails while another thread's capture is open (global capture mode, see
+    // `burn_llama::graph`): an error, which the neighbour counts; a wrong value fails anywhere.
+    let errors_allowed = burn_kernels_testing::is_cuda(device);
     let stop = Arc::new(AtomicBool::new(false));
     let neighbour = {
         let (stop, device) = (stop.clone(), device.clone());
         std::thread::spawn(move || {
-            let mut rounds = 0usize;
+            let (mut rounds, mut errors) = (0usize, 0usize);
             let a = Tensor::<1, Int>::arange(0..96 * 80, &device)
                 .float()
                 .reshape([96, 80])
@@ -109,24 +112,41 @@ pub fn beside_other_work<T>(device: &Device, f: impl FnOnce() -> T) -> T {
                     .clone()
                     .matmul(a.clone().transpose())
                     .sum()
-                    .into_scalar::<f32>();
-                assert!(
-                    (got - want).abs() <= 1e-3 * want.abs(),
-                    "neighbour read {got}, not {want}"
-                );
+                    .try_into_scalar::<f32>();
+                match got {
+                    Ok(got) => assert!(
+                        (got - want).abs() <= 1e-3 * want.abs(),
+                        "neighbour read {got}, not {want}"
+                    ),
+                    Err(e) if errors_allowed => {
+                        errors += 1;
+                        if errors == 1 {
+                            eprintln!("the neighbour's read failed (a capture was open): {e:?}");
+                        }
+                    }
+                    Err(e) => panic!("the neighbour's read failed: {e:?}"),
+                }
                 rounds += 1;
             }
-            rounds
+            (rounds, errors)
         })
     };
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
     stop.store(true, Ordering::Relaxed);
-    let rounds = neighbour.join().expect("the neighbour's reads are right");
-    eprintln!("the neighbour thread ran {rounds} rounds");
+    let (rounds, errors) = neighbour.join().expect("the neighbour's reads are right");
+    eprintln!("the neighbour thread ran {rounds} rounds, {errors} of its reads failed");
     match result {
         Ok(out) => out,
         Err(e) => std::panic::resume_unwind(e),
     }
+}
+
+/// Whether a decode step that did not replay as a graph was refused for the reason CUDA's
+/// global capture mode gives when another thread synchronizes during the capture (see
+/// `burn_llama::graph`): allowed on CUDA beside other work, never elsewhere.
+pub fn capture_refused_beside_work(device: &Device, reason: Option<&str>) -> bool {
+    burn_kernels_testing::is_cuda(device)
+        && reason.is_some_and(|r| r.contains("STREAM_CAPTURE") || r.contains("status 900"))
 }
 
 /// Greedy generation of `prompts` eagerly (through a fresh full cache) and by the captured

@@ -173,7 +173,19 @@ pub(super) fn captured_speculation_refuses_with_typed_errors() {
 /// after each capture, see [`captured_decode_beside_other_work`]), which a tensor-op
 /// verification step made rarer until the cause was fixed (2026-12-05).
 pub(super) fn captured_speculation_replays_as_graphs(device: &Device) {
+    captured_speculation_check(device, false);
+}
+
+/// [`captured_speculation_replays_as_graphs`]; `beside` (another thread works on the device)
+/// also accepts, on CUDA, a step re-run eagerly because the capture was refused
+/// ([`crate::common::capture_refused_beside_work`]): the tokens must match either way.
+fn captured_speculation_check(device: &Device, beside: bool) {
     use burn_kernels_core::{AttentionImpl, FusedLayers};
+    use burn_llama::graph::CaptureInfo;
+    let replayed = |c: &CaptureInfo| {
+        c.graph
+            || (beside && crate::common::capture_refused_beside_work(device, c.reason.as_deref()))
+    };
     use burn_llama::spec::SpecOptions;
     let cfg = tiny_config(29, 2, 64);
     let attentions: [Box<dyn AttentionImpl>; 3] = [
@@ -222,7 +234,7 @@ pub(super) fn captured_speculation_replays_as_graphs(device: &Device) {
                 )
                 .unwrap_or_else(|e| panic!("{what}: {e}"));
                 assert!(
-                    got.draft.graph && got.target.graph,
+                    replayed(&got.draft) && replayed(&got.target),
                     "{what}: {:?}",
                     (got.draft, got.target)
                 );
@@ -236,7 +248,7 @@ pub(super) fn captured_speculation_replays_as_graphs(device: &Device) {
 /// [`captured_speculation_replays_as_graphs`] while another thread keeps the same device busy,
 /// as the test suite's threads do ([`crate::common::beside_other_work`]).
 pub(super) fn captured_speculation_beside_other_work(device: &Device) {
-    crate::common::beside_other_work(device, || captured_speculation_replays_as_graphs(device));
+    crate::common::beside_other_work(device, || captured_speculation_check(device, true));
 }
 
 /// The plain captured decode ([`burn_llama::graph::generate_captured`], greedy) on a tiny
@@ -279,7 +291,11 @@ pub(super) fn captured_decode_beside_other_work(device: &Device) {
                     attention.as_ref(),
                     &opts,
                 );
-                assert!(info.graph, "{info}");
+                // On CUDA the neighbour's reads can make the capture refused (see
+                // `burn_llama::graph`): the step then re-runs eagerly, with the same tokens.
+                let refused =
+                    crate::common::capture_refused_beside_work(device, info.reason.as_deref());
+                assert!(info.graph || refused, "{info}");
                 assert_eq!(got.tokens, eager, "{} batch {rows}", attention.name());
             }
         }
@@ -322,7 +338,15 @@ pub(super) fn plain_burn_graph_beside_other_work(device: &Device) {
     crate::common::beside_other_work(device, || {
         let held = std::cell::RefCell::new(input(0));
         let mut g = capture(device, || eager(held.borrow().clone()));
-        assert!(g.is_hardware(), "{:?}", g.capture_error());
+        // On CUDA the neighbour's reads can make the capture refused (see `burn_llama::graph`):
+        // an error, then nothing to replay.
+        let error = g.capture_error().map(|e| format!("{e:?}"));
+        if !g.is_hardware() && crate::common::capture_refused_beside_work(device, error.as_deref())
+        {
+            eprintln!("capture refused beside the neighbour's reads: {error:?}");
+            return;
+        }
+        assert!(g.is_hardware(), "{error:?}");
         for i in 1..40 {
             let fresh = input(i);
             let cur = held.replace(Tensor::<2>::empty([1, 1], device));
