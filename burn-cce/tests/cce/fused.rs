@@ -9,7 +9,7 @@ use std::sync::{Mutex, MutexGuard};
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use burn_cce::{FilterEps, PassKernels, Reduction, reference};
 use burn_kernels_core::route::launches;
-use burn_kernels_testing::{Dist, compare::to_f32, is_cuda, poison_memory, random_values};
+use burn_kernels_testing::{Dist, is_cuda, poison_memory, random_values};
 
 use super::case::*;
 use super::loss::run;
@@ -77,20 +77,7 @@ pub(super) fn fused_ops_match_reference(device: &Device) {
                 case.softcap,
             );
             let (lse, tl) = (host(lse), host(tl));
-            burn_kernels_testing::assert_matmul_close(
-                &format!("lse {name}"),
-                &lse,
-                &to_f32(lse_ref.clone().into_data()),
-                case.d * case.v,
-                device,
-            );
-            burn_kernels_testing::assert_matmul_close(
-                &format!("target logit {name}"),
-                &tl,
-                &to_f32(tl_ref.into_data()),
-                case.d,
-                device,
-            );
+            assert_forward_close(&name, (&lse, &tl), (lse_ref.clone(), tl_ref), &case, device);
 
             let dout = random_values(n, Dist::Uniform { lo: 0.5, hi: 1.5 }, case.seed + 9);
             let lse_dev = Tensor::<1>::from_data(lse_ref.to_data(), (device, DType::F32));

@@ -32,20 +32,7 @@ pub(super) fn forward_matches_reference(device: &Device) {
                 reference::linear_ce_forward(cpu.e, cpu.c, cpu.bias, cpu.targets, case.softcap);
             let name = format!("{case:?} {dtype:?}");
             let (lse, tl) = (host(lse), host(tl));
-            burn_kernels_testing::assert_matmul_close(
-                &format!("lse {name}"),
-                &lse,
-                &to_f32(lse_ref.into_data()),
-                case.d * case.v,
-                device,
-            );
-            burn_kernels_testing::assert_matmul_close(
-                &format!("target logit {name}"),
-                &tl,
-                &to_f32(tl_ref.into_data()),
-                case.d,
-                device,
-            );
+            assert_forward_close(&name, (&lse, &tl), (lse_ref, tl_ref), &case, device);
         }
     }
     // The outputs were read back: the chunked forward ran on CubeBackend (through Dispatch

@@ -97,6 +97,31 @@ pub(super) fn host<const D: usize>(t: Tensor<D>) -> Vec<f32> {
     to_f32(t.into_data())
 }
 
+/// The forward's `(lse, target_logit)` read back against the reference's: each a product
+/// `D · V` (the log-sum-exp) or `D` (the target logit) deep.
+pub(super) fn assert_forward_close(
+    name: &str,
+    (lse, tl): (&[f32], &[f32]),
+    (lse_ref, tl_ref): (Tensor<1>, Tensor<1>),
+    case: &Case,
+    device: &Device,
+) {
+    burn_kernels_testing::assert_matmul_close(
+        &format!("lse {name}"),
+        lse,
+        &to_f32(lse_ref.into_data()),
+        case.d * case.v,
+        device,
+    );
+    burn_kernels_testing::assert_matmul_close(
+        &format!("target logit {name}"),
+        tl,
+        &to_f32(tl_ref.into_data()),
+        case.d,
+        device,
+    );
+}
+
 /// Output of an f32-accumulated product whose inputs and output are stored in `dtype`:
 /// element-wise for f32 (TF32 bound on CUDA), relative L2 within the dtype's rounding otherwise.
 /// `extra` further roundings (a dE accumulated in the dtype) widen the relative-L2 bound like a

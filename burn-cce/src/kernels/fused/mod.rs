@@ -25,8 +25,8 @@ use burn::tensor::{DType, Shape};
 use burn_cubecl::{
     kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype, tensor::CubeTensor,
 };
+use burn_kernels_core::kernels::flash::manual_mma_unsupported;
 use burn_kernels_core::route::count_launch;
-use cubecl::ir::{ElemType, FloatKind, features::MmaConfig};
 use cubecl::prelude::*;
 
 use super::{elementwise_grid, row_grid};
@@ -77,21 +77,8 @@ pub fn unsupported(
     vocab: usize,
     d: usize,
 ) -> Option<String> {
-    let elem = match dtype {
-        DType::F16 => ElemType::Float(FloatKind::F16),
-        DType::BF16 => ElemType::Float(FloatKind::BF16),
-        other => return Some(format!("{other:?} operands (f16/bf16 only)")),
-    };
-    let mma = MmaConfig {
-        a_type: elem,
-        b_type: elem,
-        cd_type: ElemType::Float(FloatKind::F32),
-        m: 16,
-        n: 8,
-        k: 16,
-    };
-    if !client.properties().features.matmul.mma.contains(&mma) {
-        return Some(format!("no {dtype:?} 16×8×16 manual MMA on this runtime"));
+    if let Some(why) = manual_mma_unsupported(client, dtype) {
+        return Some(why);
     }
     if d == 0 || !d.is_multiple_of(64) || d > MAX_DIM {
         return Some(format!(

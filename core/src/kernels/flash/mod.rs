@@ -171,13 +171,9 @@ fn key_padding(
     Ok((into_contiguous(pad), true))
 }
 
-/// Why the kernels do not take a problem.
-pub fn unsupported(
-    client: &Client,
-    dtype: DType,
-    [q, k, v]: [&Shape; 3],
-    causal: bool,
-) -> Option<String> {
+/// Why `client`'s runtime cannot run `mma.m16n8k16` on `dtype` operands with f32 accumulators
+/// (the products of these kernels, and of burn-cce's fused passes); `None` where it can.
+pub fn manual_mma_unsupported(client: &Client, dtype: DType) -> Option<String> {
     let elem = match dtype {
         DType::F16 => ElemType::Float(FloatKind::F16),
         DType::BF16 => ElemType::Float(FloatKind::BF16),
@@ -191,8 +187,19 @@ pub fn unsupported(
         n: 8,
         k: 16,
     };
-    if !client.properties().features.matmul.mma.contains(&mma) {
-        return Some(format!("no {dtype:?} 16×8×16 manual MMA on this runtime"));
+    (!client.properties().features.matmul.mma.contains(&mma))
+        .then(|| format!("no {dtype:?} 16×8×16 manual MMA on this runtime"))
+}
+
+/// Why the kernels do not take a problem.
+pub fn unsupported(
+    client: &Client,
+    dtype: DType,
+    [q, k, v]: [&Shape; 3],
+    causal: bool,
+) -> Option<String> {
+    if let Some(why) = manual_mma_unsupported(client, dtype) {
+        return Some(why);
     }
     if q[3] != HEAD_DIM || k[3] != HEAD_DIM || v[3] != HEAD_DIM {
         return Some(format!(
