@@ -164,7 +164,7 @@ impl Loop<'_, '_> {
         }
         let s = hidden.dims()[1];
         let last: Vec<usize> = active.iter().map(|&b| b * s + s - 1).collect();
-        let logits = logits_at(model, hidden, &last);
+        let logits = logits_at(model, hidden, &last)?;
         let jobs: Vec<(usize, usize, usize)> = active
             .iter()
             .enumerate()
@@ -179,7 +179,7 @@ impl Loop<'_, '_> {
             let hidden = forward_rows(model, cache, &rows, self.attention)?;
             self.stats.draft_calls += 1;
             let live: Vec<usize> = (0..batch * fan).filter(|&r| !self.done[r / fan]).collect();
-            let logits = logits_at(model, hidden, &live);
+            let logits = logits_at(model, hidden, &live)?;
             let jobs: Vec<(usize, usize, usize)> = live
                 .iter()
                 .enumerate()
@@ -246,7 +246,7 @@ impl Loop<'_, '_> {
                 }
             }
         }
-        let logits = logits_at(target, hidden, &positions);
+        let logits = logits_at(target, hidden, &positions)?;
         Ok(Scored {
             logits,
             node_of,

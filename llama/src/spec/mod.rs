@@ -165,6 +165,10 @@ pub enum SpecError {
     /// The verification scheme rejected its inputs.
     #[error(transparent)]
     Verify(#[from] SpecDecError),
+    /// Reading logits back from the device failed (on CUDA, for one, while another thread
+    /// captures a graph: see [`crate::graph`]'s "Threads").
+    #[error("reading the logits back from the device failed: {0}")]
+    Read(String),
 }
 
 /// Options of [`speculative_generate`].

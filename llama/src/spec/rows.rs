@@ -8,7 +8,7 @@ use rand::{Rng, rngs::StdRng};
 
 use crate::model::Llama;
 
-use super::SpecCache;
+use super::{SpecCache, SpecError};
 
 /// Runs ragged rows of tokens through `model` after what `cache` holds, each row at its own
 /// positions: row r's tokens continue attention row r of the cache. Shorter rows are left-padded
@@ -61,9 +61,16 @@ pub fn forward_rows(
 ///
 /// # Shapes
 /// - `hidden`: `[rows, s, hidden]`; returns `[positions.len()][vocab]` flattened
-pub(super) fn logits_at(model: &Llama, hidden: Tensor<3>, positions: &[usize]) -> Vec<f32> {
+///
+/// # Errors
+/// [`SpecError::Read`] where the device cannot hand the logits back.
+pub(super) fn logits_at(
+    model: &Llama,
+    hidden: Tensor<3>,
+    positions: &[usize],
+) -> Result<Vec<f32>, SpecError> {
     if positions.is_empty() {
-        return Vec::new();
+        return Ok(Vec::new());
     }
     let [b, s, h] = hidden.dims();
     let device = hidden.device();
@@ -72,9 +79,10 @@ pub(super) fn logits_at(model: &Llama, hidden: Tensor<3>, positions: &[usize]) -
     let x = hidden.reshape([b * s, h]).select(0, index);
     model
         .logits(x.unsqueeze::<3>())
-        .into_data()
+        .try_into_data()
+        .map_err(|e| SpecError::Read(format!("{e:?}")))?
         .try_to_vec::<f32>()
-        .expect("f32 logits")
+        .map_err(|e| SpecError::Read(format!("{e:?}")))
 }
 
 /// Next-token distributions for one sampling setting (the sampler's own distribution, so
