@@ -53,6 +53,8 @@
 #            with the PyTorch peers (a short run)
 #   bccefb   bccef without the PyTorch peers (Burn's rows only: under a minute)
 #   tgraphs1 tgraphs once, its whole output kept
+#   ncucce   ncu on the fused CCE kernels (SmolLM2 shape, loss + gradient, one call): speed of
+#            light, compute and memory workload, occupancy, per kernel (forward, dE, dC walks)
 #   skv64 skv128  shadowkv suite at 64K / 128K context (Llama-3-8B shape): ShadowKV against
 #            the full cache, each with Burn's attention op and the decode attention kernel, and
 #            ShadowKV's step profile (transfer share)
@@ -176,6 +178,13 @@ for s in "$@"; do
     bccefb) step bccefb run bench --suite cce --filter smollm2 --cce-chunk-bytes 256 \
       --skip-impl 'sorting' --skip-impl 'filter' --skip-impl 'autotuned' --skip-impl 'bf16 dE' \
       --skip-impl 'one f32' --skip-impl torch --out "$O/bccefb" ;;
+    ncucce) RUN_WRAP="ncu --clock-control none --kernel-name regex:cce_ --launch-count 8 \
+      --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+      --section Occupancy --section LaunchStats --section WarpStateStats" \
+      step ncucce run bench --suite cce --filter smollm2 --filter both --warmup-ms 0 \
+      --measure-ms 0 --skip-impl 'cce$' --skip-impl blocks --skip-impl plain \
+      --skip-impl sorting --skip-impl filter --skip-impl autotuned --skip-impl 'bf16 dE' \
+      --skip-impl 'one f32' --skip-impl torch --out "$O/ncucce" ;;
     tgraphs1) step tgraphs1 run test llama_tests graphs:: --include-ignored --test-threads=1 ;;
     bccef) step bccef run bench --suite cce --filter smollm2 --cce-chunk-bytes 256 \
       --skip-impl 'sorting' --skip-impl 'filter' --skip-impl 'autotuned' --skip-impl 'bf16 dE' \
