@@ -68,16 +68,19 @@ fn dtype_epsilon(dtype: DType) -> f32 {
 
 /// How the passes over the vocabulary run on a CubeCL device.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum PassKernels {
-    /// Each chunk of the vocabulary is a GEMM into an f32 logits block plus an epilogue
-    /// kernel; dE accumulates in f32 (see [`CceOptions::accum_fp32`]). Works for every shape,
-    /// dtype and option.
+    /// A GEMM into an f32 logits block and an epilogue kernel per chunk of the vocabulary.
+    ///
+    /// dE accumulates in f32 (see [`CceOptions::accum_fp32`]). Works for every shape, dtype
+    /// and option.
     #[default]
     Chunked,
-    /// One kernel per pass, the logits tile computed and consumed on the matrix units and never
-    /// written (the paper's design): a forward owned by blocks of tokens, a dE kernel owned by
-    /// blocks of tokens and a dC kernel owned by blocks of vocabulary entries, each holding its
-    /// f32 accumulators in registers. The backward holds nothing beyond dE and dC. Runs for
+    /// One kernel per pass; no logit is written (CUDA, f16/bf16, hidden sizes up to 576).
+    ///
+    /// The logits tile is computed and consumed on the matrix units (the paper's design): a
+    /// forward owned by blocks of tokens, a dE kernel owned by blocks of tokens and a dC kernel
+    /// owned by blocks of vocabulary entries, each holding its f32 accumulators in registers. The backward holds nothing beyond dE and dC. Runs for
     /// f16/bf16 inputs on a runtime with 16×8×16 manual MMA (CUDA), hidden sizes that are a
     /// multiple of 64 up to 576, no bias and no gradient filter; elsewhere the chunked passes
     /// run, with a log line (`burn_cce::kernels::fused::unsupported` says why).
