@@ -100,12 +100,18 @@ pub fn unsupported(
     None
 }
 
-/// `t` contiguous with a 16-byte aligned start (the kernels read 8 values at a time), or
-/// `None`.
-fn aligned(t: CubeTensor) -> Option<CubeTensor> {
-    let t = into_contiguous(t);
-    let start = t.handle.offset_start.unwrap_or(0);
-    start.is_multiple_of(16).then_some(t)
+/// `e` and `c` contiguous with 16-byte aligned starts (the kernels read 8 values at a time),
+/// or `None` with a log line for `pass`.
+fn aligned(e: CubeTensor, c: CubeTensor, pass: &str) -> Option<(CubeTensor, CubeTensor)> {
+    let (e, c) = (into_contiguous(e), into_contiguous(c));
+    let start = |t: &CubeTensor| t.handle.offset_start.unwrap_or(0);
+    if start(&e).is_multiple_of(16) && start(&c).is_multiple_of(16) {
+        return Some((e, c));
+    }
+    log::info!(
+        "fused CCE {pass} declined (an operand's start is not 16-byte aligned): chunked passes"
+    );
+    None
 }
 
 fn args(n: usize, vocab: usize, softcap: Option<f32>) -> FusedArgsLaunch {
@@ -131,7 +137,7 @@ pub fn forward(e: CubeTensor, c: CubeTensor, softcap: Option<f32>) -> Option<Cub
         log::info!("fused CCE forward declined ({why}): chunked passes");
         return None;
     }
-    let (e, c) = (aligned(e)?, aligned(c)?);
+    let (e, c) = aligned(e, c, "forward")?;
     let client = e.client.clone();
     let storage = dtype_to_storage_type(e.dtype);
     let tiles = n.div_ceil(TILE);
@@ -206,7 +212,7 @@ pub fn backward(
         log::info!("fused CCE backward declined ({why}): chunked passes");
         return None;
     }
-    let (e, c) = (aligned(e)?, aligned(c)?);
+    let (e, c) = aligned(e, c, "backward")?;
     let client = e.client.clone();
     let dtype = e.dtype;
     let (targets, lse, dout) = (
