@@ -64,7 +64,7 @@ use crate::kernels::{
     scatter::add_rows_at, score,
 };
 use crate::live;
-use crate::{GemmStrategy, LceParams, PassKernels};
+use crate::{GemmStrategy, LceParams};
 
 type Cb = CubeBackend;
 
@@ -101,7 +101,7 @@ pub fn forward(
     targets: CubeTensor,
     params: &LceParams,
 ) -> (CubeTensor, CubeTensor) {
-    if fused_passes(params, bias.is_some(), "forward")
+    if fused::wanted(params, bias.is_some(), "forward")
         && let Some(lse) = fused::forward(e.clone(), c.clone(), params.softcap)
     {
         live::sample(&lse, "forward state");
@@ -131,25 +131,6 @@ pub fn forward(
     let target_logit = indexed_dot(e, c, bias, targets, params.softcap);
     live::sample(&target_logit, "target logits");
     (lse, target_logit)
-}
-
-/// Whether a pass may try the fused kernels: asked for, and no bias (nor, in the backward, a
-/// gradient filter), which they do not implement; a log line where asked for but not taken.
-fn fused_passes(params: &LceParams, bias: bool, pass: &str) -> bool {
-    if params.passes != PassKernels::Fused {
-        return false;
-    }
-    let why = if bias {
-        Some("a bias")
-    } else if pass == "backward" && params.filter_eps.is_some() {
-        Some("a gradient filter")
-    } else {
-        None
-    };
-    if let Some(why) = why {
-        log::info!("fused CCE {pass} declined ({why}): chunked passes");
-    }
-    why.is_none()
 }
 
 /// The vocabulary chunks the backward processes.
@@ -541,7 +522,7 @@ pub fn backward(
     dout: CubeTensor,
     params: &LceParams,
 ) -> (CubeTensor, CubeTensor, Option<CubeTensor>) {
-    if fused_passes(params, bias.is_some(), "backward")
+    if fused::wanted(params, bias.is_some(), "backward")
         && let Some((de, dc)) = fused::backward(
             e.clone(),
             c.clone(),

@@ -30,6 +30,7 @@ use burn_kernels_core::route::count_launch;
 use cubecl::prelude::*;
 
 use super::{elementwise_grid, row_grid};
+use crate::{LceParams, PassKernels};
 
 /// Rows a cube owns, and rows of the tiles it walks.
 pub const TILE: usize = 64;
@@ -59,6 +60,25 @@ pub struct FusedArgs {
     pub vocab: usize,
     /// The soft-capping constant (read only with a cap).
     pub softcap: f32,
+}
+
+/// Whether a pass may try the fused kernels: asked for, and no bias (nor, in the backward, a
+/// gradient filter), which they do not implement; a log line where asked for but not taken.
+pub(crate) fn wanted(params: &LceParams, bias: bool, pass: &str) -> bool {
+    if params.passes != PassKernels::Fused {
+        return false;
+    }
+    let why = if bias {
+        Some("a bias")
+    } else if pass == "backward" && params.filter_eps.is_some() {
+        Some("a gradient filter")
+    } else {
+        None
+    };
+    if let Some(why) = why {
+        log::info!("fused CCE {pass} declined ({why}): chunked passes");
+    }
+    why.is_none()
 }
 
 /// Bytes of shared memory a cube of the backward uses at hidden size `d` (the forward uses
