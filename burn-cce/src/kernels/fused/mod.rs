@@ -120,18 +120,31 @@ pub fn unsupported(
     None
 }
 
-/// `e` and `c` contiguous with 16-byte aligned starts (the kernels read 8 values at a time),
-/// or `None` with a log line for `pass`.
-fn aligned(e: CubeTensor, c: CubeTensor, pass: &str) -> Option<(CubeTensor, CubeTensor)> {
+/// `e` and `c` as the kernels read them (contiguous, 16-byte aligned starts: they read 8
+/// values at a time), or `None` with a log line for `pass` where [`unsupported`], a dtype
+/// mismatch, `more` or the alignment says no. Also `n`, `V` and `D`.
+fn operands(
+    e: CubeTensor,
+    c: CubeTensor,
+    pass: &str,
+    more: Option<String>,
+) -> Option<(CubeTensor, CubeTensor, [usize; 3])> {
+    let [n, d] = e.meta.shape().dims::<2>();
+    let vocab = c.meta.shape().dims::<2>()[0];
     let (e, c) = (into_contiguous(e), into_contiguous(c));
     let start = |t: &CubeTensor| t.handle.offset_start.unwrap_or(0);
-    if start(&e).is_multiple_of(16) && start(&c).is_multiple_of(16) {
-        return Some((e, c));
+    let why = unsupported(&e.client, e.dtype, n, vocab, d)
+        .or_else(|| (c.dtype != e.dtype).then(|| "operands of different dtypes".to_string()))
+        .or(more)
+        .or_else(|| {
+            (!start(&e).is_multiple_of(16) || !start(&c).is_multiple_of(16))
+                .then(|| "an operand's start is not 16-byte aligned".to_string())
+        });
+    if let Some(why) = why {
+        log::info!("fused CCE {pass} declined ({why}): chunked passes");
+        return None;
     }
-    log::info!(
-        "fused CCE {pass} declined (an operand's start is not 16-byte aligned): chunked passes"
-    );
-    None
+    Some((e, c, [n, vocab, d]))
 }
 
 fn args(n: usize, vocab: usize, softcap: Option<f32>) -> FusedArgsLaunch {
@@ -149,15 +162,7 @@ fn empty(like: &CubeTensor, shape: Shape, dtype: DType) -> CubeTensor {
 /// - `e`: `[n, D]`, `c`: `[V, D]`, one 16-bit dtype
 /// - returns `[n]` f32
 pub fn forward(e: CubeTensor, c: CubeTensor, softcap: Option<f32>) -> Option<CubeTensor> {
-    let [n, d] = e.meta.shape().dims::<2>();
-    let vocab = c.meta.shape().dims::<2>()[0];
-    if let Some(why) = unsupported(&e.client, e.dtype, n, vocab, d)
-        .or_else(|| (c.dtype != e.dtype).then(|| "operands of different dtypes".to_string()))
-    {
-        log::info!("fused CCE forward declined ({why}): chunked passes");
-        return None;
-    }
-    let (e, c) = aligned(e, c, "forward")?;
+    let (e, c, [n, vocab, d]) = operands(e, c, "forward", None)?;
     let client = e.client.clone();
     let storage = dtype_to_storage_type(e.dtype);
     let tiles = n.div_ceil(TILE);
@@ -220,19 +225,9 @@ pub fn backward(
     dout: CubeTensor,
     softcap: Option<f32>,
 ) -> Option<(CubeTensor, CubeTensor)> {
-    let [n, d] = e.meta.shape().dims::<2>();
-    let vocab = c.meta.shape().dims::<2>()[0];
-    let why = unsupported(&e.client, e.dtype, n, vocab, d)
-        .or_else(|| (c.dtype != e.dtype).then(|| "operands of different dtypes".to_string()))
-        .or_else(|| {
-            (!matches!(targets.dtype, DType::I32 | DType::I64))
-                .then(|| format!("{:?} targets (i32/i64)", targets.dtype))
-        });
-    if let Some(why) = why {
-        log::info!("fused CCE backward declined ({why}): chunked passes");
-        return None;
-    }
-    let (e, c) = aligned(e, c, "backward")?;
+    let targets_why = (!matches!(targets.dtype, DType::I32 | DType::I64))
+        .then(|| format!("{:?} targets (i32/i64)", targets.dtype));
+    let (e, c, [n, vocab, d]) = operands(e, c, "backward", targets_why)?;
     let client = e.client.clone();
     let dtype = e.dtype;
     let (targets, lse, dout) = (
