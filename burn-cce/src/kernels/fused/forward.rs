@@ -3,10 +3,15 @@
 //! `TILE` entries (`S = E·Cᵀ` on the matrix units, each plane keeping a 16 × 32 block, see
 //! `stages::scores`) and folds each tile into running per-row maxima and sums on the
 //! registers; the segments' partial `(max, sum)` are merged by [`cce_lse_merge_kernel`].
+//!
+//! The tokens' fragments stay in registers for the whole walk (`stages::held_fragments`), so
+//! shared memory holds only vocabulary tiles: two, the next one copied asynchronously while the
+//! cube computes on the current one (`copies`).
 
 use cubecl::prelude::*;
 
-use super::stages::{capped, score_block, scores, store_rows};
+use super::copies::{commit_copies, copy_rows_async, wait_all_but_newest};
+use super::stages::{capped, held_fragments, score_block, scores_held, store_rows};
 use super::{FusedArgs, PAD, TILE, XCHG};
 
 /// A finite "minus infinity" for masked logits: its exponential is 0 and no infinity reaches
@@ -45,12 +50,21 @@ pub(super) fn cce_lse_kernel<P: Float, N2: Size, N8: Size>(
     let t = lane % 4;
     let (sr0, sc0) = score_block(plane);
 
-    let mut x_sm =
-        Shared::<[Vector<P, N2>]>::new_aligned_slice(comptime!(TILE * (dim / 2 + PAD)), 16usize);
-    let mut y_sm =
-        Shared::<[Vector<P, N2>]>::new_aligned_slice(comptime!(TILE * (dim / 2 + PAD)), 16usize);
+    // Two vocabulary tiles: one being read while the next lands.
+    let words = comptime!(TILE * (dim / 2 + PAD));
+    let mut y_sm = Shared::<[Vector<P, N2>]>::new_aligned_slice(comptime!(2 * words), 16usize);
     let mut xchg_sm = Shared::<[Vector<f32, N2>]>::new_aligned_slice(XCHG, 16usize);
-    store_rows::<P, N2, N8>(e, o0, args.tokens, &mut x_sm, tid, dim);
+    // The token block passes through the first tile into registers, where it stays.
+    store_rows::<P, N2, N8>(e, o0, args.tokens, &mut y_sm, tid, dim);
+    sync_cube();
+    let a = held_fragments::<P, N2>(&y_sm, plane, lane, dim);
+    sync_cube();
+    copy_rows_async::<P, N2, N8>(c, v_begin, v_end, &mut y_sm, 0usize, tid, dim);
+    commit_copies();
+    if v_begin + TILE < v_end {
+        copy_rows_async::<P, N2, N8>(c, v_begin + TILE, v_end, &mut y_sm, words, tid, dim);
+    }
+    commit_copies();
 
     let mut m = Array::<f32>::new(2usize);
     let mut l = Array::<f32>::new(2usize);
@@ -61,11 +75,18 @@ pub(super) fn cce_lse_kernel<P: Float, N2: Size, N8: Size>(
     }
     let mut s = Array::<Vector<f32, N2>>::new(8usize);
     let mut w0 = v_begin;
+    let mut at = 0usize;
     while w0 < v_end {
+        // This tile's copies (every unit's) have landed; the next tile's may still be flying.
+        wait_all_but_newest();
         sync_cube();
-        store_rows::<P, N2, N8>(c, w0, v_end, &mut y_sm, tid, dim);
-        sync_cube();
-        scores::<P, N2>(&x_sm, &y_sm, &mut xchg_sm, &mut s, plane, lane, dim);
+        scores_held::<P, N2>(&a, &y_sm, at, &mut xchg_sm, &mut s, plane, lane, dim);
+        // No plane reads this tile any more (`scores_held` synced after its last read): the
+        // tile after next lands here while the cube goes on.
+        if w0 + 2 * TILE < v_end {
+            copy_rows_async::<P, N2, N8>(c, w0 + 2 * TILE, v_end, &mut y_sm, at, tid, dim);
+        }
+        commit_copies();
         #[unroll]
         for v in 0..2usize {
             // The tile's logits of the lane's row `v`, masked past the segment, and their max.
@@ -93,6 +114,7 @@ pub(super) fn cce_lse_kernel<P: Float, N2: Size, N8: Size>(
             l[v] = sum;
         }
         w0 += TILE;
+        at = words - at;
     }
 
     // Merge the 4 lanes of a row, then the two planes that share its rows.

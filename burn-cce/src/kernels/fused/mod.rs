@@ -17,6 +17,7 @@
 //! passes.
 
 mod backward;
+mod copies;
 mod forward;
 pub mod stages;
 

@@ -128,7 +128,113 @@ pub fn scores<P: Float, N2: Size>(
             }
         }
     }
+    trade::<N2>(&full, xchg_sm, s, plane, lane);
+}
+
+/// The plane's A fragments of [`scores`] over its whole depth half, for [`scores_held`]: step
+/// `h` (32 channels), row block `m`, 16-deep step `j` at `a[16h + 4(2m + j) ..]`; `dim / 4`
+/// registers a lane (144 at `dim = 576`). Loaded once, they let a walk read only the walked
+/// tiles from shared memory.
+#[cube]
+pub fn held_fragments<P: Float, N2: Size>(
+    x_sm: &Shared<[Vector<P, N2>]>,
+    plane: usize,
+    lane: usize,
+    #[comptime] dim: usize,
+) -> Array<Vector<P, N2>> {
+    let def = MmaDefinition::<P, P, f32>::new(16usize, 8usize, 16usize);
+    let rw = comptime!(dim / 2 + PAD);
+    let rows = 32 * ((plane % 4) / 2);
+    let k0 = (plane / 4) * comptime!(dim / 4);
+    let a_at = (rows + lane % 16) * rw + k0 + (lane / 16) * 4;
+    let mut a = Array::<Vector<P, N2>>::new(comptime!(dim / 4));
+    #[unroll]
+    for h in 0..comptime!(dim / 64) {
+        #[unroll]
+        for m in 0..2usize {
+            #[unroll]
+            for j in 0..2usize {
+                let at = a_at + m * 16 * rw + h * 16 + j * 8;
+                let f = def.load_matrix::<Vector<P, N2>, N2>(
+                    &x_sm[at..at + 4],
+                    MatrixIdent::A,
+                    4usize,
+                    false,
+                );
+                #[unroll]
+                for r in 0..4usize {
+                    a[h * 16 + (2 * m + j) * 4 + r] = f[r];
+                }
+            }
+        }
+    }
+    a
+}
+
+/// [`scores`] with the A fragments held in registers ([`held_fragments`]) and the walked tile
+/// at word `yo` of `y_sm`. Syncs the cube once, after the last read of the walked tile.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn scores_held<P: Float, N2: Size>(
+    a: &Array<Vector<P, N2>>,
+    y_sm: &Shared<[Vector<P, N2>]>,
+    yo: usize,
+    xchg_sm: &mut Shared<[Vector<f32, N2>]>,
+    s: &mut Array<Vector<f32, N2>>,
+    plane: usize,
+    lane: usize,
+    #[comptime] dim: usize,
+) {
+    let def = MmaDefinition::<P, P, f32>::new(16usize, 8usize, 16usize);
+    let rw = comptime!(dim / 2 + PAD);
+    let cols = 32 * (plane % 2);
+    let k0 = (plane / 4) * comptime!(dim / 4);
+    let mut full = Array::<Vector<f32, N2>>::new(16usize);
+    #[unroll]
+    for i in 0..16usize {
+        full[i] = Vector::<f32, N2>::new(f32::new(0.0));
+    }
+    let b_at = yo + (cols + lane % 8) * rw + k0 + (lane / 8) * 4;
+    let mut cf = Array::<Vector<f32, N2>>::new(2usize);
+    #[unroll]
+    for h in 0..comptime!(dim / 64) {
+        #[unroll]
+        for n in 0..4usize {
+            let at = b_at + n * 8 * rw + h * 16;
+            let b = def.load_matrix::<Vector<P, N2>, N2>(
+                &y_sm[at..at + 4],
+                MatrixIdent::B,
+                4usize,
+                false,
+            );
+            #[unroll]
+            for m in 0..2usize {
+                let i = 8 * m + 2 * n;
+                cf[0] = full[i];
+                cf[1] = full[i + 1];
+                mma_step::<P, N2>(&def, a, h * 4 + 2 * m, &b, 0usize, &mut cf);
+                mma_step::<P, N2>(&def, a, h * 4 + 2 * m + 1, &b, 2usize, &mut cf);
+                full[i] = cf[0];
+                full[i + 1] = cf[1];
+            }
+        }
+    }
+    trade::<N2>(&full, xchg_sm, s, plane, lane);
+}
+
+/// Hands the partner plane (`plane ^ 4`, the other depth half of the same block) the 16 rows
+/// of `full` this plane does not keep, through `xchg_sm`, and leaves the full sums of the rows
+/// it keeps in `s`. Syncs the cube once.
+#[cube]
+fn trade<N2: Size>(
+    full: &Array<Vector<f32, N2>>,
+    xchg_sm: &mut Shared<[Vector<f32, N2>]>,
+    s: &mut Array<Vector<f32, N2>>,
+    plane: usize,
+    lane: usize,
+) {
     // The half that plane keeps is row block `half`; the other goes to the partner.
+    let half = plane / 4;
     #[unroll]
     for i in 0..8usize {
         let mut give = full[8 + i];
