@@ -7,11 +7,12 @@
 use cubecl::prelude::barrier::copy_async;
 use cubecl::prelude::*;
 
-use super::{PAD, THREADS, TILE};
+use super::stages::chunk_at;
+use super::{THREADS, TILE};
 
 /// Starts copying rows `first .. first + TILE` of `src` (`[len, dim]`, contiguous, 8 values =
-/// 16 bytes a copy) to the tile at word `at` of `sm`, laid out as `stages::store_rows` lays it
-/// out. Rows at or past `len` repeat row `len − 1` (real values, which the caller masks), so
+/// 16 bytes a copy) to the tile at word `at` of `sm`, swizzled as `stages::store_rows` stores
+/// it. Rows at or past `len` repeat row `len − 1` (real values, which the caller masks), so
 /// no copy reads past the tensor. Nothing is waited for: see [`commit_copies`] and
 /// [`wait_all_but_newest`].
 #[cube]
@@ -26,10 +27,8 @@ pub fn copy_rows_async<P: Float, N2: Size, N8: Size>(
     #[comptime] dim: usize,
 ) {
     let vecs = comptime!(dim / 8);
-    // A padded row is `vecs + 1` vectors of 8 (PAD = 4 words).
-    let rv = comptime!(dim / 8 + PAD / 4);
     let wide = sm
-        .slice_mut(at, at + comptime!(TILE * (dim / 2 + PAD)))
+        .slice_mut(at, at + comptime!(TILE * dim / 2))
         .with_vector_size_mut::<N8>();
     #[unroll]
     for i in 0..comptime!(TILE * dim / 8 / THREADS) {
@@ -38,7 +37,7 @@ pub fn copy_rows_async<P: Float, N2: Size, N8: Size>(
         let c = b % vecs;
         let row = select(first + r < len, first + r, len - 1);
         let s = row * vecs + c;
-        let d = r * rv + c;
+        let d = chunk_at(r, c, dim) / 4;
         copy_async(&src[s..s + 1], &mut wide[d..d + 1], comptime!(8u32));
     }
 }
@@ -48,6 +47,13 @@ pub fn copy_rows_async<P: Float, N2: Size, N8: Size>(
 #[cube]
 pub fn commit_copies() {
     gpu_asm!("cp.async.commit_group;");
+}
+
+/// Waits until every group of this unit's copies has landed. Other units' copies are visible
+/// after a following `sync_cube`.
+#[cube]
+pub fn wait_all() {
+    gpu_asm!("cp.async.wait_group 0;");
 }
 
 /// Waits until every group of this unit's copies but the newest has landed. Other units'

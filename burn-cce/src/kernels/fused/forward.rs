@@ -12,7 +12,7 @@ use cubecl::prelude::*;
 
 use super::copies::{commit_copies, copy_rows_async, wait_all_but_newest};
 use super::stages::{capped, held_fragments, score_block, scores_held, store_rows};
-use super::{FusedArgs, PAD, TILE, XCHG};
+use super::{FusedArgs, TILE, XCHG};
 
 /// A finite "minus infinity" for masked logits: its exponential is 0 and no infinity reaches
 /// the arithmetic.
@@ -51,7 +51,7 @@ pub(super) fn cce_lse_kernel<P: Float, N2: Size, N8: Size>(
     let (sr0, sc0) = score_block(plane);
 
     // Two vocabulary tiles: one being read while the next lands.
-    let words = comptime!(TILE * (dim / 2 + PAD));
+    let words = comptime!(TILE * dim / 2);
     let mut y_sm = Shared::<[Vector<P, N2>]>::new_aligned_slice(comptime!(2 * words), 16usize);
     let mut xchg_sm = Shared::<[Vector<f32, N2>]>::new_aligned_slice(XCHG, 16usize);
     // The token block passes through the first tile into registers, where it stays.

@@ -10,11 +10,13 @@
 //!   holds dE and dC and `O(N)` vectors, nothing else. Both walks recompute the logits: four
 //!   `N·V·D` products in all, against three with atomics into f32 buffers (`2×` dE + dC).
 //!
-//! A cube is 8 planes over `TILE` owned rows; the two operands' tiles (`TILE × D`, 16-bit), the
-//! gradient tile and 16 KB through which planes trade partial logits sit in shared memory:
-//! 176 KB at `D = 576`. The f32 accumulators are
-//! `D / 4` registers a lane, which bounds `D` at 576; larger hidden sizes take the chunked
-//! passes.
+//! A cube is 8 planes over `TILE` owned rows. The backward keeps in shared memory the owned
+//! tile, two walked tiles (the next one copied asynchronously while the cube computes on the
+//! current one) and the gradient tile, through which the planes also trade partial logits:
+//! 226 KB at `D = 576`, all an H100 gives a cube. The forward holds the owned tile's fragments
+//! in registers instead and keeps two walked tiles and a 16 KB trading buffer. The backward's f32
+//! accumulators are `D / 4` registers a lane, which bounds `D` at 576; larger hidden sizes take
+//! the chunked passes.
 
 mod backward;
 mod copies;
@@ -39,13 +41,13 @@ pub const TILE: usize = 64;
 const PLANES: usize = 8;
 /// Units a cube.
 pub(crate) const THREADS: usize = PLANES * 32;
-/// Padding of a shared-memory row, in 32-bit words: the 8 rows one fragment load touches start
-/// 4 banks apart.
+/// Padding of a row of the gradient tile, in 32-bit words: the 8 rows one fragment load touches
+/// start 4 banks apart. (Operand tiles are swizzled instead: `stages::chunk_at`.)
 pub(crate) const PAD: usize = 4;
 /// Words a row of the gradient tile (`TILE` 16-bit values, padded).
 pub(crate) const GW: usize = TILE / 2 + PAD;
-/// `Vector<f32, 2>`s of the buffer through which the planes of a logits block trade partial
-/// sums: 8 a lane of each plane.
+/// `Vector<f32, 2>`s of the forward's buffer through which the planes of a logits block trade
+/// partial sums: 8 a lane of each plane. (The backward trades through its gradient tile.)
 pub(crate) const XCHG: usize = PLANES * 8 * 32;
 /// The largest hidden size: `D / 4` f32 accumulators a lane.
 pub const MAX_DIM: usize = 576;
@@ -85,7 +87,8 @@ pub(crate) fn wanted(params: &LceParams, bias: bool, pass: &str) -> bool {
 /// Bytes of shared memory a cube of the backward uses at hidden size `d` (the forward uses
 /// less).
 pub fn shared_bytes(d: usize) -> usize {
-    4 * (2 * TILE * (d / 2 + PAD) + TILE * GW + 3 * TILE) + 8 * XCHG
+    // Three swizzled 16-bit operand tiles, the gradient tile, three f32/u32 vectors.
+    2 * 3 * TILE * d + 4 * (TILE * GW + 3 * TILE)
 }
 
 /// Why the fused kernels do not take `n` tokens of hidden size `d` in `dtype` against a

@@ -3,8 +3,10 @@
 //! `S = X·Yᵀ` on the matrix units, the logit gradient of that block into shared memory, the
 //! product `G·Y` added into the plane's f32 accumulators, and writing them out.
 //!
-//! Shared tiles are row-major, `dim / 2 + PAD` 32-bit words a row (pairs of 16-bit values),
-//! so the 8 rows one `ldmatrix` matrix reads start 4 banks apart. Fragment layouts are PTX's
+//! Operand tiles in shared memory are row-major, `dim / 2` 32-bit words a row (pairs of 16-bit
+//! values), swizzled ([`chunk_at`]): 16-byte chunk `c` of row `r` sits at chunk `c xor (r mod 8)`,
+//! so the 8 consecutive rows one `ldmatrix` matrix reads fall in 8 different bank groups with no
+//! padding (which the backward's three tiles have no room for). The gradient tile is padded. Fragment layouts are PTX's
 //! for `mma.m16n8k16` (16-bit operands, f32 accumulators): lane `l` (`g = l / 4`, `t = l mod 4`)
 //! holds rows `g` and `g + 8` and, in each block of 8 columns, columns `2t` and `2t + 1`; an
 //! accumulator block of 16 × 8 is two `Vector<f32, 2>` (row `g`, row `g + 8`).
@@ -13,10 +15,10 @@ use burn_kernels_core::kernels::flash::stages::mma_step;
 use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::*;
 
-use super::{FusedArgs, GW, PAD, THREADS, TILE};
+use super::{FusedArgs, GW, THREADS, TILE};
 
 /// Stores rows `first .. first + TILE` of `src` (`[len, dim]`, contiguous, read 8 values at a
-/// time; rows at or past `len` as zeros) to `sm`.
+/// time; rows at or past `len` as zeros) to the tile at the start of `sm`, swizzled.
 #[cube]
 pub fn store_rows<P: Float, N2: Size, N8: Size>(
     src: &Tensor<Vector<P, N8>>,
@@ -27,10 +29,8 @@ pub fn store_rows<P: Float, N2: Size, N8: Size>(
     #[comptime] dim: usize,
 ) {
     let vecs = comptime!(dim / 8);
-    // A padded row is `vecs + 1` vectors of 8 (PAD = 4 words).
-    let rv = comptime!(dim / 8 + PAD / 4);
     let wide = sm
-        .slice_mut(0usize, comptime!(TILE * (dim / 2 + PAD)))
+        .slice_mut(0usize, comptime!(TILE * dim / 2))
         .with_vector_size_mut::<N8>();
     #[unroll]
     for i in 0..comptime!(TILE * dim / 8 / THREADS) {
@@ -41,8 +41,15 @@ pub fn store_rows<P: Float, N2: Size, N8: Size>(
         if first + r < len {
             x = src[(first + r) * vecs + c];
         }
-        wide[r * rv + c] = x;
+        wide[chunk_at(r, c, dim) / 4] = x;
     }
+}
+
+/// The word at which 16-byte chunk `chunk` (8 values) of row `row` of a swizzled operand tile
+/// starts: chunk `chunk xor (row mod 8)` of the row (`dim / 8` chunks, a multiple of 8).
+#[cube]
+pub fn chunk_at(row: usize, chunk: usize, #[comptime] dim: usize) -> usize {
+    row * comptime!(dim / 2) + (chunk ^ (row % 8)) * 4
 }
 
 /// The rows and columns of the tile whose logits plane `plane` keeps after [`scores`]: rows
@@ -52,29 +59,30 @@ pub fn score_block(plane: usize) -> (usize, usize) {
     (32 * ((plane % 4) / 2) + 16 * (plane / 4), 32 * (plane % 2))
 }
 
-/// The plane's share of `S = X·Yᵀ` on a tile (`TILE × TILE`, `dim` deep). Planes `p` and
-/// `p ^ 4` compute the 32 × 32 block `((p mod 4) / 2, p mod 2)` over the two halves of the
-/// depth (`p / 4`): per 32 channels 4 A and 4 B `ldmatrix.x4` feed 16 products (a 16 × 32 block
-/// over the whole depth needs 6 for 8). Each plane then hands the partner, through `xchg_sm`,
-/// the 16 rows it does not keep, and leaves the full sums of the block [`score_block`] names in
-/// `s`: column block `n` at `s[2n]` (row `g`) and `s[2n + 1]`. Syncs the cube once.
+/// The plane's share of `S = X·Yᵀ` on a tile (`TILE × TILE`, `dim` deep; the walked tile at word
+/// `yo` of `y_sm`). Planes `p` and `p ^ 4` compute the 32 × 32 block `((p mod 4) / 2, p mod 2)`
+/// over the two halves of the depth (`p / 4`): per 32 channels 4 A and 4 B `ldmatrix.x4` feed 16
+/// products (a 16 × 32 block over the whole depth needs 6 for 8). Each plane then hands the
+/// partner the 16 rows it does not keep, through `g_sm` ([`trade_narrow`]), and leaves the full
+/// sums of the block [`score_block`] names in `s`: column block `n` at `s[2n]` (row `g`) and
+/// `s[2n + 1]`. Syncs the cube four times, the last after the trade's last read of `g_sm`.
 ///
-/// A fragments by `ldmatrix.x4` (lane `l` at row `l mod 16` of the row block, channels
-/// `8(l / 16) ..` of a 16-deep step); B fragments as in core's flash kernels (lane `l` at row
-/// `8n + l mod 8`, channels `8(l / 8) ..` of 32: two 16-deep steps an instruction).
+/// A fragments by `ldmatrix.x4` (lane `l` at row `l mod 16` of the row block, chunk `l / 16` of
+/// a 16-deep step); B fragments as in core's flash kernels (lane `l` at row `8n + l mod 8`,
+/// chunk `l / 8` of 32 channels: two 16-deep steps an instruction).
 #[cube]
+#[allow(clippy::too_many_arguments)]
 pub fn scores<P: Float, N2: Size>(
     x_sm: &Shared<[Vector<P, N2>]>,
     y_sm: &Shared<[Vector<P, N2>]>,
-    xchg_sm: &mut Shared<[Vector<f32, N2>]>,
+    yo: usize,
+    g_sm: &mut Shared<[Vector<P, N2>]>,
     s: &mut Array<Vector<f32, N2>>,
     plane: usize,
     lane: usize,
     #[comptime] dim: usize,
 ) {
     let def = MmaDefinition::<P, P, f32>::new(16usize, 8usize, 16usize);
-    let rw = comptime!(dim / 2 + PAD);
-    let half = plane / 4;
     let rows = 32 * ((plane % 4) / 2);
     let cols = 32 * (plane % 2);
     // Row block m's sums at full[8m ..].
@@ -83,9 +91,8 @@ pub fn scores<P: Float, N2: Size>(
     for i in 0..16usize {
         full[i] = Vector::<f32, N2>::new(f32::new(0.0));
     }
-    let k0 = half * comptime!(dim / 4);
-    let a_at = (rows + lane % 16) * rw + k0 + (lane / 16) * 4;
-    let b_at = (cols + lane % 8) * rw + k0 + (lane / 8) * 4;
+    // The depth half's first chunk.
+    let k0 = (plane / 4) * comptime!(dim / 16);
     let mut a = Array::<Vector<P, N2>>::new(16usize);
     let mut cf = Array::<Vector<f32, N2>>::new(2usize);
     for h in 0..comptime!(dim / 64) {
@@ -94,7 +101,7 @@ pub fn scores<P: Float, N2: Size>(
         for m in 0..2usize {
             #[unroll]
             for j in 0..2usize {
-                let at = a_at + m * 16 * rw + h * 16 + j * 8;
+                let at = chunk_at(rows + m * 16 + lane % 16, k0 + 4 * h + 2 * j + lane / 16, dim);
                 let f = def.load_matrix::<Vector<P, N2>, N2>(
                     &x_sm[at..at + 4],
                     MatrixIdent::A,
@@ -109,7 +116,7 @@ pub fn scores<P: Float, N2: Size>(
         }
         #[unroll]
         for n in 0..4usize {
-            let at = b_at + n * 8 * rw + h * 16;
+            let at = yo + chunk_at(cols + n * 8 + lane % 8, k0 + 4 * h + lane / 8, dim);
             let b = def.load_matrix::<Vector<P, N2>, N2>(
                 &y_sm[at..at + 4],
                 MatrixIdent::B,
@@ -128,7 +135,7 @@ pub fn scores<P: Float, N2: Size>(
             }
         }
     }
-    trade::<N2>(&full, xchg_sm, s, plane, lane);
+    trade_narrow::<P, N2>(&full, g_sm, s, plane, lane);
 }
 
 /// The plane's A fragments of [`scores`] over its whole depth half, for [`scores_held`]: step
@@ -143,10 +150,8 @@ pub fn held_fragments<P: Float, N2: Size>(
     #[comptime] dim: usize,
 ) -> Array<Vector<P, N2>> {
     let def = MmaDefinition::<P, P, f32>::new(16usize, 8usize, 16usize);
-    let rw = comptime!(dim / 2 + PAD);
     let rows = 32 * ((plane % 4) / 2);
-    let k0 = (plane / 4) * comptime!(dim / 4);
-    let a_at = (rows + lane % 16) * rw + k0 + (lane / 16) * 4;
+    let k0 = (plane / 4) * comptime!(dim / 16);
     let mut a = Array::<Vector<P, N2>>::new(comptime!(dim / 4));
     #[unroll]
     for h in 0..comptime!(dim / 64) {
@@ -154,7 +159,7 @@ pub fn held_fragments<P: Float, N2: Size>(
         for m in 0..2usize {
             #[unroll]
             for j in 0..2usize {
-                let at = a_at + m * 16 * rw + h * 16 + j * 8;
+                let at = chunk_at(rows + m * 16 + lane % 16, k0 + 4 * h + 2 * j + lane / 16, dim);
                 let f = def.load_matrix::<Vector<P, N2>, N2>(
                     &x_sm[at..at + 4],
                     MatrixIdent::A,
@@ -186,21 +191,19 @@ pub fn scores_held<P: Float, N2: Size>(
     #[comptime] dim: usize,
 ) {
     let def = MmaDefinition::<P, P, f32>::new(16usize, 8usize, 16usize);
-    let rw = comptime!(dim / 2 + PAD);
     let cols = 32 * (plane % 2);
-    let k0 = (plane / 4) * comptime!(dim / 4);
+    let k0 = (plane / 4) * comptime!(dim / 16);
     let mut full = Array::<Vector<f32, N2>>::new(16usize);
     #[unroll]
     for i in 0..16usize {
         full[i] = Vector::<f32, N2>::new(f32::new(0.0));
     }
-    let b_at = yo + (cols + lane % 8) * rw + k0 + (lane / 8) * 4;
     let mut cf = Array::<Vector<f32, N2>>::new(2usize);
     #[unroll]
     for h in 0..comptime!(dim / 64) {
         #[unroll]
         for n in 0..4usize {
-            let at = b_at + n * 8 * rw + h * 16;
+            let at = yo + chunk_at(cols + n * 8 + lane % 8, k0 + 4 * h + lane / 8, dim);
             let b = def.load_matrix::<Vector<P, N2>, N2>(
                 &y_sm[at..at + 4],
                 MatrixIdent::B,
@@ -252,6 +255,57 @@ fn trade<N2: Size>(
             keep = full[8 + i];
         }
         s[i] = keep + xchg_sm[(partner * 8 + i) * 32 + lane];
+    }
+}
+
+/// [`trade`] through the gradient tile `g_sm` (the backward has no room for a buffer of its own),
+/// in two rounds — first the planes of depth half 0 give, then those of half 1 — of 8 KB, the f32
+/// sums stored as their bits. Syncs the cube four times; the last sync follows the last read, so
+/// the caller may write `g_sm` after it.
+#[cube]
+fn trade_narrow<P: Float, N2: Size>(
+    full: &Array<Vector<f32, N2>>,
+    g_sm: &mut Shared<[Vector<P, N2>]>,
+    s: &mut Array<Vector<f32, N2>>,
+    plane: usize,
+    lane: usize,
+) {
+    let half = plane / 4;
+    // The pair's 8 sums a lane (16 words) start at word slot(i)·32 + lane: pair p mod 4.
+    let pair = (plane % 4) * 16;
+    #[unroll]
+    for round in 0..2usize {
+        if half == round {
+            #[unroll]
+            for i in 0..8usize {
+                let mut give = full[8 + i];
+                if half == 1 {
+                    give = full[i];
+                }
+                #[unroll]
+                for e in 0..2usize {
+                    g_sm[(pair + 2 * i + e) * 32 + lane] =
+                        Vector::<P, N2>::reinterpret(give.extract(e));
+                }
+            }
+        }
+        sync_cube();
+        if half != round {
+            #[unroll]
+            for i in 0..8usize {
+                let mut keep = full[i];
+                if half == 1 {
+                    keep = full[8 + i];
+                }
+                let mut got = Vector::<f32, N2>::empty();
+                #[unroll]
+                for e in 0..2usize {
+                    got.insert(e, f32::reinterpret(g_sm[(pair + 2 * i + e) * 32 + lane]));
+                }
+                s[i] = keep + got;
+            }
+        }
+        sync_cube();
     }
 }
 
@@ -370,9 +424,11 @@ pub fn gradients<P: Float, N2: Size>(
 /// (lane `l` at row `16kk + 8((l / 8) mod 2) + l mod 8`, channels `q0 + 16dp + 8(l / 16) ..`:
 /// channel blocks `2dp` and `2dp + 1` of step `kk`).
 #[cube]
+#[allow(clippy::too_many_arguments)]
 pub fn accumulate<P: Float, N2: Size>(
     g_sm: &Shared<[Vector<P, N2>]>,
     y_sm: &Shared<[Vector<P, N2>]>,
+    yo: usize,
     r0: usize,
     q0: usize,
     acc: &mut Array<Vector<f32, N2>>,
@@ -380,7 +436,6 @@ pub fn accumulate<P: Float, N2: Size>(
     #[comptime] dim: usize,
 ) {
     let def = MmaDefinition::<P, P, f32>::new(16usize, 8usize, 16usize);
-    let rw = comptime!(dim / 2 + PAD);
     let blocks = comptime!(dim / 32);
     let mut c0 = Array::<Vector<f32, N2>>::new(2usize);
     let mut c1 = Array::<Vector<f32, N2>>::new(2usize);
@@ -407,10 +462,9 @@ pub fn accumulate<P: Float, N2: Size>(
             a[4 + j] = a1[j];
         }
         let b_row = kk * 16 + ((lane / 8) % 2) * 8 + lane % 8;
-        let b_at = b_row * rw + q0 / 2 + (lane / 16) * 4;
         #[unroll]
         for dp in 0..comptime!(dim / 64) {
-            let at = b_at + dp * 8;
+            let at = yo + chunk_at(b_row, q0 / 8 + 2 * dp + lane / 16, dim);
             let b = def.load_matrix::<Vector<P, N2>, N2>(
                 &y_sm[at..at + 4],
                 MatrixIdent::B,
