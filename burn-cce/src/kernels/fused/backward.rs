@@ -3,8 +3,8 @@
 //! `S = X·Yᵀ` on the matrix units, the logit gradient `G` of the tile into shared memory, and
 //! `acc += G·Y` into f32 accumulators that stay in registers for the whole walk. The owned rows'
 //! gradient is written once, in the operands' dtype; nothing else is written. The next walked
-//! tile is copied asynchronously (`cp.async`) into a second buffer while the cube computes on
-//! the current one.
+//! tile is copied by bulk copies into a second buffer while the cube computes on the current
+//! one.
 //!
 //! Planes (8 a cube): for `S`, two planes a 32 × 32 block, each over half the depth, and each
 //! keeps 16 of its rows for `G` (`stages::scores`); for `G·Y`, rows `32(p mod 2) ..` and channels `(p / 2)·dim/4 ..`, so every
@@ -12,11 +12,11 @@
 
 use cubecl::prelude::*;
 
-use super::copies::{commit_copies, copy_rows_async, wait_all};
+use super::copies::{copy_rows, tile_barrier};
 use super::stages::{
     accumulate, gradients, score_block, scores, store_rows, token_grad, write_rows,
 };
-use super::{FusedArgs, GW, TILE};
+use super::{FusedArgs, PAD, TILE};
 
 #[cube(launch_unchecked)]
 // `vocab_owned` is known when the kernel is compiled, `tid < TILE` only when it runs: kept apart.
@@ -52,17 +52,20 @@ pub(super) fn cce_grad_kernel<P: Float, I: Int, N2: Size, N8: Size>(
     let (sr0, sc0) = score_block(plane);
     let (ar0, aq0) = (32 * (plane % 2), (plane / 2) * comptime!(dim / 4));
 
-    // The owned tile, two walked tiles (one read while the next lands), the gradient tile
-    // (through which the planes also trade partial logits) and the walked tokens' data.
-    let words = comptime!(TILE * dim / 2);
-    let mut x_sm = Shared::<[Vector<P, N2>]>::new_aligned_slice(words, 16usize);
+    // The owned tile (swizzled), two walked tiles (padded: one read while bulk copies fill the
+    // other), the gradient tile (through which the planes also trade partial logits) and the
+    // walked tokens' data: 232 208 bytes at `dim = 576`.
+    let words = comptime!(TILE * (dim / 2 + PAD));
+    let mut x_sm = Shared::<[Vector<P, N2>]>::new_aligned_slice(comptime!(TILE * dim / 2), 16usize);
     let mut y_sm = Shared::<[Vector<P, N2>]>::new_aligned_slice(comptime!(2 * words), 16usize);
-    let mut g_sm = Shared::<[Vector<P, N2>]>::new_aligned_slice(comptime!(TILE * GW), 16usize);
+    let mut g_sm =
+        Shared::<[Vector<P, N2>]>::new_aligned_slice(comptime!(TILE * TILE / 2), 16usize);
     let mut col_lse = Shared::<[f32]>::new_slice(TILE);
     let mut col_dout = Shared::<[f32]>::new_slice(TILE);
     let mut col_target = Shared::<[u32]>::new_slice(TILE);
-    copy_rows_async::<P, N2, N8>(y, 0usize, walked, &mut y_sm, 0usize, tid, dim);
-    commit_copies();
+    let bar0 = tile_barrier();
+    let bar1 = tile_barrier();
+    copy_rows::<P, N2, N8>(y, 0usize, walked, &mut y_sm, 0usize, &bar0, tid, dim);
     store_rows::<P, N2, N8>(x, o0, owned, &mut x_sm, tid, dim);
 
     // The lane's two rows' token data where the rows are tokens.
@@ -98,16 +101,26 @@ pub(super) fn cce_grad_kernel<P: Float, I: Int, N2: Size, N8: Size>(
     let mut col_t = Array::<u32>::new(1usize);
 
     let mut w0 = 0usize;
-    let mut at = 0usize;
+    // Tile k of the walk is in buffer k mod 2, the fill (k / 2) of its barrier.
+    let mut k = 0u32;
     while w0 < walked {
-        // This tile has landed (every unit's copies), and every plane is done with the last
-        // one: the next tile goes where it was, while the cube computes on this one.
-        wait_all();
+        let at = select(k % 2 == 0, 0usize, words);
+        if k % 2 == 0 {
+            bar0.wait_parity((k / 2) % 2);
+        } else {
+            bar1.wait_parity((k / 2) % 2);
+        }
+        // Every plane is done with the last tile (and the owned tile is stored): the next tile
+        // goes where the last one was, while the cube computes on this one.
         sync_cube();
         if w0 + TILE < walked {
-            copy_rows_async::<P, N2, N8>(y, w0 + TILE, walked, &mut y_sm, words - at, tid, dim);
+            let next = words - at;
+            if k % 2 == 0 {
+                copy_rows::<P, N2, N8>(y, w0 + TILE, walked, &mut y_sm, next, &bar1, tid, dim);
+            } else {
+                copy_rows::<P, N2, N8>(y, w0 + TILE, walked, &mut y_sm, next, &bar0, tid, dim);
+            }
         }
-        commit_copies();
         // The walked tokens' data, read by `gradients` after the syncs of `scores`.
         if vocab_owned {
             if tid < TILE {
@@ -149,7 +162,7 @@ pub(super) fn cce_grad_kernel<P: Float, I: Int, N2: Size, N8: Size>(
         sync_cube();
         accumulate::<P, N2>(&g_sm, &y_sm, at, ar0, aq0, &mut acc, lane, dim);
         w0 += TILE;
-        at = words - at;
+        k += 1;
     }
     write_rows::<P, N2>(&acc, out, o0 + ar0, owned, aq0, lane, dim);
 }

@@ -1,64 +1,61 @@
-//! Asynchronous tile loads for the fused kernels (`cp.async`, sm80 and later): a cube issues the
-//! copies of a later tile into a free shared buffer and goes on computing; the copies land while
-//! it does. Copies are grouped per tile (`cp.async.commit_group`) and waited for by count
-//! (`cp.async.wait_group`), the way double-buffered GEMM main loops wait for the older of two
-//! tiles in flight.
+//! Asynchronous tile loads for the fused kernels: Hopper's bulk copies (`cp.async.bulk`, one
+//! contiguous row each) complete on a shared-memory barrier (`mbarrier`) as the bytes land, while
+//! the cube computes on the other tile. A tile has its own barrier; its `k`-th fill completes the
+//! barrier's phase `k`, which the cube waits for by parity.
+//!
+//! Walked tiles are padded (`dim / 2 + PAD` words a row: a bulk copy writes a contiguous row, so
+//! they cannot be swizzled like the tiles units store, `stages::chunk_at`).
 
-use cubecl::prelude::barrier::copy_async;
+use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
-use super::stages::chunk_at;
-use super::{THREADS, TILE};
+use super::{PAD, TILE};
 
-/// Starts copying rows `first .. first + TILE` of `src` (`[len, dim]`, contiguous, 8 values =
-/// 16 bytes a copy) to the tile at word `at` of `sm`, swizzled as `stages::store_rows` stores
-/// it. Rows at or past `len` repeat row `len − 1` (real values, which the caller masks), so
-/// no copy reads past the tensor. Nothing is waited for: see [`commit_copies`] and
-/// [`wait_all_but_newest`].
+/// Starts copying rows `first .. first + TILE` of `src` (`[len, dim]`, contiguous, 16-byte
+/// aligned rows) to the padded tile at word `at` of `sm`: unit `r < TILE` copies row `r`, and
+/// unit 0 arrives on `bar` expecting all the bytes, so the barrier's phase completes once they
+/// have landed. Rows at or past `len` repeat row `len − 1` (real values, which the caller
+/// masks), so no copy reads past the tensor.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-pub fn copy_rows_async<P: Float, N2: Size, N8: Size>(
+pub fn copy_rows<P: Float, N2: Size, N8: Size>(
     src: &Tensor<Vector<P, N8>>,
     first: usize,
     len: usize,
     sm: &mut Shared<[Vector<P, N2>]>,
     at: usize,
+    bar: &Barrier,
     tid: usize,
     #[comptime] dim: usize,
 ) {
     let vecs = comptime!(dim / 8);
-    let wide = sm
-        .slice_mut(at, at + comptime!(TILE * dim / 2))
-        .with_vector_size_mut::<N8>();
-    #[unroll]
-    for i in 0..comptime!(TILE * dim / 8 / THREADS) {
-        let b = tid + i * THREADS;
-        let r = b / vecs;
-        let c = b % vecs;
-        let row = select(first + r < len, first + r, len - 1);
-        let s = row * vecs + c;
-        let d = chunk_at(r, c, dim) / 4;
-        copy_async(&src[s..s + 1], &mut wide[d..d + 1], comptime!(8u32));
+    let rv = comptime!(dim / 8 + PAD / 4);
+    if tid < TILE {
+        let row = select(first + tid < len, first + tid, len - 1);
+        let wide = sm
+            .slice_mut(at, at + comptime!(TILE * (dim / 2 + PAD)))
+            .with_vector_size_mut::<N8>();
+        bar.memcpy_async_tx(
+            &src[row * vecs..row * vecs + vecs],
+            &mut wide[tid * rv..tid * rv + vecs],
+        );
+    }
+    if tid == 0 {
+        bar.arrive_and_expect_tx(1u32, comptime!((TILE * dim * 2) as u32));
     }
 }
 
-/// Closes the group of this unit's copies started since the last call (an empty group where
-/// none were, so every unit counts the same groups).
+/// The word at which 16-byte chunk `chunk` of row `row` of a padded walked tile starts.
 #[cube]
-pub fn commit_copies() {
-    gpu_asm!("cp.async.commit_group;");
+pub fn padded_at(row: usize, chunk: usize, #[comptime] dim: usize) -> usize {
+    row * comptime!(dim / 2 + PAD) + chunk * 4
 }
 
-/// Waits until every group of this unit's copies has landed. Other units' copies are visible
-/// after a following `sync_cube`.
+/// A barrier for one tile's bulk copies: one arrival (unit 0's) a phase, made visible to the
+/// copy engine before any copy uses it. Syncs the cube.
 #[cube]
-pub fn wait_all() {
-    gpu_asm!("cp.async.wait_group 0;");
-}
-
-/// Waits until every group of this unit's copies but the newest has landed. Other units'
-/// copies are visible after a following `sync_cube`.
-#[cube]
-pub fn wait_all_but_newest() {
-    gpu_asm!("cp.async.wait_group 1;");
+pub fn tile_barrier() -> Shared<Barrier> {
+    let bar = Barrier::shared(1u32, UNIT_POS == 0);
+    sync_async_proxy_shared();
+    bar
 }

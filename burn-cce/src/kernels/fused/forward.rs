@@ -5,14 +5,14 @@
 //! registers; the segments' partial `(max, sum)` are merged by [`cce_lse_merge_kernel`].
 //!
 //! The tokens' fragments stay in registers for the whole walk (`stages::held_fragments`), so
-//! shared memory holds only vocabulary tiles: two, the next one copied asynchronously while the
+//! shared memory holds only vocabulary tiles: two, the next one copied by bulk copies while the
 //! cube computes on the current one (`copies`).
 
 use cubecl::prelude::*;
 
-use super::copies::{commit_copies, copy_rows_async, wait_all_but_newest};
+use super::copies::{copy_rows, tile_barrier};
 use super::stages::{capped, held_fragments, score_block, scores_held, store_rows};
-use super::{FusedArgs, TILE, XCHG};
+use super::{FusedArgs, PAD, TILE, XCHG};
 
 /// A finite "minus infinity" for masked logits: its exponential is 0 and no infinity reaches
 /// the arithmetic.
@@ -51,20 +51,22 @@ pub(super) fn cce_lse_kernel<P: Float, N2: Size, N8: Size>(
     let (sr0, sc0) = score_block(plane);
 
     // Two vocabulary tiles: one being read while the next lands.
-    let words = comptime!(TILE * dim / 2);
+    let words = comptime!(TILE * (dim / 2 + PAD));
     let mut y_sm = Shared::<[Vector<P, N2>]>::new_aligned_slice(comptime!(2 * words), 16usize);
     let mut xchg_sm = Shared::<[Vector<f32, N2>]>::new_aligned_slice(XCHG, 16usize);
+    let bar0 = tile_barrier();
+    let bar1 = tile_barrier();
     // The token block passes through the first tile into registers, where it stays.
     store_rows::<P, N2, N8>(e, o0, args.tokens, &mut y_sm, tid, dim);
     sync_cube();
     let a = held_fragments::<P, N2>(&y_sm, plane, lane, dim);
     sync_cube();
-    copy_rows_async::<P, N2, N8>(c, v_begin, v_end, &mut y_sm, 0usize, tid, dim);
-    commit_copies();
+    // Ordered before the copies that overwrite what the units stored and read.
+    sync_async_proxy_shared();
+    copy_rows::<P, N2, N8>(c, v_begin, v_end, &mut y_sm, 0usize, &bar0, tid, dim);
     if v_begin + TILE < v_end {
-        copy_rows_async::<P, N2, N8>(c, v_begin + TILE, v_end, &mut y_sm, words, tid, dim);
+        copy_rows::<P, N2, N8>(c, v_begin + TILE, v_end, &mut y_sm, words, &bar1, tid, dim);
     }
-    commit_copies();
 
     let mut m = Array::<f32>::new(2usize);
     let mut l = Array::<f32>::new(2usize);
@@ -75,18 +77,27 @@ pub(super) fn cce_lse_kernel<P: Float, N2: Size, N8: Size>(
     }
     let mut s = Array::<Vector<f32, N2>>::new(8usize);
     let mut w0 = v_begin;
-    let mut at = 0usize;
+    // Tile k of the walk is in buffer k mod 2, the fill (k / 2) of its barrier.
+    let mut k = 0u32;
     while w0 < v_end {
-        // This tile's copies (every unit's) have landed; the next tile's may still be flying.
-        wait_all_but_newest();
+        let at = select(k % 2 == 0, 0usize, words);
+        if k % 2 == 0 {
+            bar0.wait_parity((k / 2) % 2);
+        } else {
+            bar1.wait_parity((k / 2) % 2);
+        }
+        // Every plane has read its partner's sums of the last tile before they are replaced.
         sync_cube();
         scores_held::<P, N2>(&a, &y_sm, at, &mut xchg_sm, &mut s, plane, lane, dim);
         // No plane reads this tile any more (`scores_held` synced after its last read): the
         // tile after next lands here while the cube goes on.
         if w0 + 2 * TILE < v_end {
-            copy_rows_async::<P, N2, N8>(c, w0 + 2 * TILE, v_end, &mut y_sm, at, tid, dim);
+            if k % 2 == 0 {
+                copy_rows::<P, N2, N8>(c, w0 + 2 * TILE, v_end, &mut y_sm, at, &bar0, tid, dim);
+            } else {
+                copy_rows::<P, N2, N8>(c, w0 + 2 * TILE, v_end, &mut y_sm, at, &bar1, tid, dim);
+            }
         }
-        commit_copies();
         #[unroll]
         for v in 0..2usize {
             // The tile's logits of the lane's row `v`, masked past the segment, and their max.
@@ -114,7 +125,7 @@ pub(super) fn cce_lse_kernel<P: Float, N2: Size, N8: Size>(
             l[v] = sum;
         }
         w0 += TILE;
-        at = words - at;
+        k += 1;
     }
 
     // Merge the 4 lanes of a row, then the two planes that share its rows.

@@ -11,9 +11,9 @@
 //!   `N·V·D` products in all, against three with atomics into f32 buffers (`2×` dE + dC).
 //!
 //! A cube is 8 planes over `TILE` owned rows. The backward keeps in shared memory the owned
-//! tile, two walked tiles (the next one copied asynchronously while the cube computes on the
-//! current one) and the gradient tile, through which the planes also trade partial logits:
-//! 226 KB at `D = 576`, all an H100 gives a cube. The forward holds the owned tile's fragments
+//! tile, two walked tiles (the next one filled by Hopper's bulk copies while the cube computes on
+//! the current one: sm90 and later) and the gradient tile, through which the planes also trade
+//! partial logits: 227 KB at `D = 576`, all an H100 gives a cube. The forward holds the owned tile's fragments
 //! in registers instead and keeps two walked tiles and a 16 KB trading buffer. The backward's f32
 //! accumulators are `D / 4` registers a lane, which bounds `D` at 576; larger hidden sizes take
 //! the chunked passes.
@@ -30,6 +30,7 @@ use burn_cubecl::{
 };
 use burn_kernels_core::kernels::flash::manual_mma_unsupported;
 use burn_kernels_core::route::count_launch;
+use cubecl::features::Tma;
 use cubecl::prelude::*;
 
 use super::{elementwise_grid, row_grid};
@@ -41,11 +42,9 @@ pub const TILE: usize = 64;
 const PLANES: usize = 8;
 /// Units a cube.
 pub(crate) const THREADS: usize = PLANES * 32;
-/// Padding of a row of the gradient tile, in 32-bit words: the 8 rows one fragment load touches
-/// start 4 banks apart. (Operand tiles are swizzled instead: `stages::chunk_at`.)
+/// Padding of a row of a walked tile, in 32-bit words: the 8 rows one fragment load touches
+/// start 4 banks apart. (Tiles the units store are swizzled instead: `stages::chunk_at`.)
 pub(crate) const PAD: usize = 4;
-/// Words a row of the gradient tile (`TILE` 16-bit values, padded).
-pub(crate) const GW: usize = TILE / 2 + PAD;
 /// `Vector<f32, 2>`s of the forward's buffer through which the planes of a logits block trade
 /// partial sums: 8 a lane of each plane. (The backward trades through its gradient tile.)
 pub(crate) const XCHG: usize = PLANES * 8 * 32;
@@ -87,8 +86,9 @@ pub(crate) fn wanted(params: &LceParams, bias: bool, pass: &str) -> bool {
 /// Bytes of shared memory a cube of the backward uses at hidden size `d` (the forward uses
 /// less).
 pub fn shared_bytes(d: usize) -> usize {
-    // Three swizzled 16-bit operand tiles, the gradient tile, three f32/u32 vectors.
-    2 * 3 * TILE * d + 4 * (TILE * GW + 3 * TILE)
+    // The owned tile (swizzled), two padded walked tiles, the gradient tile (swizzled), three
+    // f32/u32 vectors and two 8-byte barriers: 232 208 bytes at d = 576, of an H100's 232 448.
+    2 * TILE * d + 2 * TILE * (2 * d + 4 * PAD) + 2 * TILE * TILE + 12 * TILE + 16
 }
 
 /// Why the fused kernels do not take `n` tokens of hidden size `d` in `dtype` against a
@@ -103,6 +103,9 @@ pub fn unsupported(
 ) -> Option<String> {
     if let Some(why) = manual_mma_unsupported(client, dtype) {
         return Some(why);
+    }
+    if !client.properties().features.tma.contains(Tma::Base) {
+        return Some("no bulk copies (TMA, sm90 and later)".to_string());
     }
     if d == 0 || !d.is_multiple_of(64) || d > MAX_DIM {
         return Some(format!(

@@ -3,10 +3,11 @@
 //! `S = X·Yᵀ` on the matrix units, the logit gradient of that block into shared memory, the
 //! product `G·Y` added into the plane's f32 accumulators, and writing them out.
 //!
-//! Operand tiles in shared memory are row-major, `dim / 2` 32-bit words a row (pairs of 16-bit
-//! values), swizzled ([`chunk_at`]): 16-byte chunk `c` of row `r` sits at chunk `c xor (r mod 8)`,
-//! so the 8 consecutive rows one `ldmatrix` matrix reads fall in 8 different bank groups with no
-//! padding (which the backward's three tiles have no room for). The gradient tile is padded. Fragment layouts are PTX's
+//! Tiles the units store (the owned operand's, the gradient tile) are row-major and swizzled
+//! ([`chunk_at`]): 16-byte chunk `c` of row `r` sits at chunk `c xor (r mod 8)`, so the 8
+//! consecutive rows one `ldmatrix` matrix reads fall in 8 different bank groups with no padding
+//! (the backward has no room for it). Walked tiles, which bulk copies fill a row at a time, are
+//! padded instead (`copies::padded_at`). Fragment layouts are PTX's
 //! for `mma.m16n8k16` (16-bit operands, f32 accumulators): lane `l` (`g = l / 4`, `t = l mod 4`)
 //! holds rows `g` and `g + 8` and, in each block of 8 columns, columns `2t` and `2t + 1`; an
 //! accumulator block of 16 × 8 is two `Vector<f32, 2>` (row `g`, row `g + 8`).
@@ -15,7 +16,8 @@ use burn_kernels_core::kernels::flash::stages::mma_step;
 use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::*;
 
-use super::{FusedArgs, GW, THREADS, TILE};
+use super::copies::padded_at;
+use super::{FusedArgs, THREADS, TILE};
 
 /// Stores rows `first .. first + TILE` of `src` (`[len, dim]`, contiguous, read 8 values at a
 /// time; rows at or past `len` as zeros) to the tile at the start of `sm`, swizzled.
@@ -101,7 +103,11 @@ pub fn scores<P: Float, N2: Size>(
         for m in 0..2usize {
             #[unroll]
             for j in 0..2usize {
-                let at = chunk_at(rows + m * 16 + lane % 16, k0 + 4 * h + 2 * j + lane / 16, dim);
+                let at = chunk_at(
+                    rows + m * 16 + lane % 16,
+                    k0 + 4 * h + 2 * j + lane / 16,
+                    dim,
+                );
                 let f = def.load_matrix::<Vector<P, N2>, N2>(
                     &x_sm[at..at + 4],
                     MatrixIdent::A,
@@ -116,7 +122,7 @@ pub fn scores<P: Float, N2: Size>(
         }
         #[unroll]
         for n in 0..4usize {
-            let at = yo + chunk_at(cols + n * 8 + lane % 8, k0 + 4 * h + lane / 8, dim);
+            let at = yo + padded_at(cols + n * 8 + lane % 8, k0 + 4 * h + lane / 8, dim);
             let b = def.load_matrix::<Vector<P, N2>, N2>(
                 &y_sm[at..at + 4],
                 MatrixIdent::B,
@@ -159,7 +165,11 @@ pub fn held_fragments<P: Float, N2: Size>(
         for m in 0..2usize {
             #[unroll]
             for j in 0..2usize {
-                let at = chunk_at(rows + m * 16 + lane % 16, k0 + 4 * h + 2 * j + lane / 16, dim);
+                let at = chunk_at(
+                    rows + m * 16 + lane % 16,
+                    k0 + 4 * h + 2 * j + lane / 16,
+                    dim,
+                );
                 let f = def.load_matrix::<Vector<P, N2>, N2>(
                     &x_sm[at..at + 4],
                     MatrixIdent::A,
@@ -203,7 +213,7 @@ pub fn scores_held<P: Float, N2: Size>(
     for h in 0..comptime!(dim / 64) {
         #[unroll]
         for n in 0..4usize {
-            let at = yo + chunk_at(cols + n * 8 + lane % 8, k0 + 4 * h + lane / 8, dim);
+            let at = yo + padded_at(cols + n * 8 + lane % 8, k0 + 4 * h + lane / 8, dim);
             let b = def.load_matrix::<Vector<P, N2>, N2>(
                 &y_sm[at..at + 4],
                 MatrixIdent::B,
@@ -354,7 +364,7 @@ pub fn token_grad<I: Int>(
 /// The logit gradient `(softmax − onehot) · dout · cap'` of the plane's block `s` (rows
 /// `r0 + g + 8v`, columns `c0 + 8n + 2t + e` of the tile, as [`scores`] leaves it and
 /// [`score_block`] names them), stored to
-/// `g_sm` (`GW` words a row) in the operands' dtype.
+/// `g_sm` (swizzled, `TILE / 2` words a row) in the operands' dtype.
 ///
 /// With `vocab_owned` the rows are vocabulary entries `o0 + row` and the columns tokens
 /// `w0 + col`, whose log-sum-exp, loss gradient and target are in `col_lse`, `col_dout` and
@@ -411,7 +421,7 @@ pub fn gradients<P: Float, N2: Size>(
                 let gr = select(valid, gr * dout * slope, f32::new(0.0));
                 out.insert(e, P::cast_from(gr));
             }
-            g_sm[row * GW + (c0 + 8 * n) / 2 + t] = out;
+            g_sm[chunk_at(row, (c0 + 8 * n) / 8, TILE) + t] = out;
         }
     }
 }
@@ -440,14 +450,14 @@ pub fn accumulate<P: Float, N2: Size>(
     let mut c0 = Array::<Vector<f32, N2>>::new(2usize);
     let mut c1 = Array::<Vector<f32, N2>>::new(2usize);
     for kk in 0..comptime!(TILE / 16) {
-        let a_at = (r0 + lane % 16) * GW + kk * 8 + (lane / 16) * 4;
+        let a_at = chunk_at(r0 + lane % 16, 2 * kk + lane / 16, TILE);
         let a0 = def.load_matrix::<Vector<P, N2>, N2>(
             &g_sm[a_at..a_at + 4],
             MatrixIdent::A,
             4usize,
             false,
         );
-        let a_hi = a_at + 16 * GW;
+        let a_hi = chunk_at(r0 + 16 + lane % 16, 2 * kk + lane / 16, TILE);
         let a1 = def.load_matrix::<Vector<P, N2>, N2>(
             &g_sm[a_hi..a_hi + 4],
             MatrixIdent::A,
@@ -464,7 +474,7 @@ pub fn accumulate<P: Float, N2: Size>(
         let b_row = kk * 16 + ((lane / 8) % 2) * 8 + lane % 8;
         #[unroll]
         for dp in 0..comptime!(dim / 64) {
-            let at = yo + chunk_at(b_row, q0 / 8 + 2 * dp + lane / 16, dim);
+            let at = yo + padded_at(b_row, q0 / 8 + 2 * dp + lane / 16, dim);
             let b = def.load_matrix::<Vector<P, N2>, N2>(
                 &y_sm[at..at + 4],
                 MatrixIdent::B,
