@@ -60,35 +60,29 @@ pub(super) fn cce_grad_kernel<P: Float, I: Int, N2: Size, N8: Size>(
     let mut y_sm = Shared::<[Vector<P, N2>]>::new_aligned_slice(comptime!(2 * words), 16usize);
     let mut g_sm =
         Shared::<[Vector<P, N2>]>::new_aligned_slice(comptime!(TILE * TILE / 2), 16usize);
-    let mut col_lse = Shared::<[f32]>::new_slice(TILE);
-    let mut col_dout = Shared::<[f32]>::new_slice(TILE);
-    let mut col_target = Shared::<[u32]>::new_slice(TILE);
+    let mut tok_lse = Shared::<[f32]>::new_slice(TILE);
+    let mut tok_dout = Shared::<[f32]>::new_slice(TILE);
+    let mut tok_target = Shared::<[u32]>::new_slice(TILE);
     let bar0 = tile_barrier();
     let bar1 = tile_barrier();
     copy_rows::<P, N2, N8>(y, 0usize, walked, &mut y_sm, 0usize, &bar0, tid, dim);
     store_rows::<P, N2, N8>(x, o0, owned, &mut x_sm, tid, dim);
 
-    // The lane's two rows' token data where the rows are tokens.
-    let mut row_lse = Array::<f32>::new(2usize);
-    let mut row_dout = Array::<f32>::new(2usize);
-    let mut row_target = Array::<u32>::new(2usize);
-    #[unroll]
-    for v in 0..2usize {
-        let mut token = args.tokens;
-        if !vocab_owned {
-            token = o0 + sr0 + lane / 4 + 8 * v;
+    // Where the rows are tokens, their data, once (written before the first tile's sync).
+    if !vocab_owned {
+        if tid < TILE {
+            token_grad::<I>(
+                lse,
+                dout,
+                targets,
+                o0 + tid,
+                &args,
+                &mut tok_lse,
+                &mut tok_dout,
+                &mut tok_target,
+                tid,
+            );
         }
-        token_grad::<I>(
-            lse,
-            dout,
-            targets,
-            token,
-            &args,
-            &mut row_lse,
-            &mut row_dout,
-            &mut row_target,
-            v,
-        );
     }
     let mut acc = Array::<Vector<f32, N2>>::new(comptime!(dim / 8));
     #[unroll]
@@ -96,9 +90,6 @@ pub(super) fn cce_grad_kernel<P: Float, I: Int, N2: Size, N8: Size>(
         acc[i] = Vector::<f32, N2>::new(f32::new(0.0));
     }
     let mut s = Array::<Vector<f32, N2>>::new(8usize);
-    let mut col_l = Array::<f32>::new(1usize);
-    let mut col_d = Array::<f32>::new(1usize);
-    let mut col_t = Array::<u32>::new(1usize);
 
     let mut w0 = 0usize;
     // Tile k of the walk is in buffer k mod 2, the fill (k / 2) of its barrier.
@@ -130,26 +121,20 @@ pub(super) fn cce_grad_kernel<P: Float, I: Int, N2: Size, N8: Size>(
                     targets,
                     w0 + tid,
                     &args,
-                    &mut col_l,
-                    &mut col_d,
-                    &mut col_t,
-                    0usize,
+                    &mut tok_lse,
+                    &mut tok_dout,
+                    &mut tok_target,
+                    tid,
                 );
-                col_lse[tid] = col_l[0];
-                col_dout[tid] = col_d[0];
-                col_target[tid] = col_t[0];
             }
         }
         scores::<P, N2>(&x_sm, &y_sm, at, &mut g_sm, &mut s, plane, lane, dim);
         gradients::<P, N2>(
             &s,
             &mut g_sm,
-            &row_lse,
-            &row_dout,
-            &row_target,
-            &col_lse,
-            &col_dout,
-            &col_target,
+            &tok_lse,
+            &tok_dout,
+            &tok_target,
             &args,
             o0,
             w0,

@@ -63,15 +63,15 @@ pub fn score_block(plane: usize) -> (usize, usize) {
 
 /// The plane's share of `S = X·Yᵀ` on a tile (`TILE × TILE`, `dim` deep; the walked tile at word
 /// `yo` of `y_sm`). Planes `p` and `p ^ 4` compute the 32 × 32 block `((p mod 4) / 2, p mod 2)`
-/// over the two halves of the depth (`p / 4`): per 32 channels 4 A and 4 B `ldmatrix.x4` feed 16
-/// products (a 16 × 32 block over the whole depth needs 6 for 8). Each plane then hands the
+/// over the two halves of the depth (`p / 4`): per 16 channels 2 A `ldmatrix.x4` and 4 B
+/// `ldmatrix.x2` feed 8 products (a 16 × 32 block over the whole depth needs 6 for 8). Each plane then hands the
 /// partner the 16 rows it does not keep, through `g_sm` ([`trade_narrow`]), and leaves the full
 /// sums of the block [`score_block`] names in `s`: column block `n` at `s[2n]` (row `g`) and
 /// `s[2n + 1]`. Syncs the cube four times, the last after the trade's last read of `g_sm`.
 ///
 /// A fragments by `ldmatrix.x4` (lane `l` at row `l mod 16` of the row block, chunk `l / 16` of
-/// a 16-deep step); B fragments as in core's flash kernels (lane `l` at row `8n + l mod 8`,
-/// chunk `l / 8` of 32 channels: two 16-deep steps an instruction).
+/// a 16-deep step); B fragments by `ldmatrix.x2` (lane `l < 16` at row `8n + l mod 8`, chunk
+/// `l / 8` of the step).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn scores<P: Float, N2: Size>(
@@ -95,38 +95,34 @@ pub fn scores<P: Float, N2: Size>(
     }
     // The depth half's first chunk.
     let k0 = (plane / 4) * comptime!(dim / 16);
-    let mut a = Array::<Vector<P, N2>>::new(16usize);
+    // Fragments of row block m at a[4m ..], one 16-deep step at a time (fewer live registers
+    // beside the accumulators than a whole 32-channel step's).
+    let mut a = Array::<Vector<P, N2>>::new(8usize);
     let mut cf = Array::<Vector<f32, N2>>::new(2usize);
-    for h in 0..comptime!(dim / 64) {
-        // Fragments of row block m, step j at a[(2m + j)·4 ..].
+    for step in 0..comptime!(dim / 32) {
         #[unroll]
         for m in 0..2usize {
+            let at = chunk_at(rows + m * 16 + lane % 16, k0 + 2 * step + lane / 16, dim);
+            let f = def.load_matrix::<Vector<P, N2>, N2>(
+                &x_sm[at..at + 4],
+                MatrixIdent::A,
+                4usize,
+                false,
+            );
             #[unroll]
-            for j in 0..2usize {
-                let at = chunk_at(
-                    rows + m * 16 + lane % 16,
-                    k0 + 4 * h + 2 * j + lane / 16,
-                    dim,
-                );
-                let f = def.load_matrix::<Vector<P, N2>, N2>(
-                    &x_sm[at..at + 4],
-                    MatrixIdent::A,
-                    4usize,
-                    false,
-                );
-                #[unroll]
-                for r in 0..4usize {
-                    a[(2 * m + j) * 4 + r] = f[r];
-                }
+            for r in 0..4usize {
+                a[m * 4 + r] = f[r];
             }
         }
         #[unroll]
         for n in 0..4usize {
-            let at = yo + padded_at(cols + n * 8 + lane % 8, k0 + 4 * h + lane / 8, dim);
+            // Lanes 0..16 name the two 8 × 8 matrices of the step (lanes past 16 as well, for
+            // an address the instruction ignores).
+            let at = yo + padded_at(cols + n * 8 + lane % 8, k0 + 2 * step + (lane / 8) % 2, dim);
             let b = def.load_matrix::<Vector<P, N2>, N2>(
                 &y_sm[at..at + 4],
                 MatrixIdent::B,
-                4usize,
+                2usize,
                 false,
             );
             #[unroll]
@@ -134,8 +130,7 @@ pub fn scores<P: Float, N2: Size>(
                 let i = 8 * m + 2 * n;
                 cf[0] = full[i];
                 cf[1] = full[i + 1];
-                mma_step::<P, N2>(&def, &a, 2 * m, &b, 0usize, &mut cf);
-                mma_step::<P, N2>(&def, &a, 2 * m + 1, &b, 2usize, &mut cf);
+                mma_step::<P, N2>(&def, &a, m, &b, 0usize, &mut cf);
                 full[i] = cf[0];
                 full[i + 1] = cf[1];
             }
@@ -332,8 +327,8 @@ pub fn capped(x: f32, cap: f32, slope: &mut f32, #[comptime] has_softcap: bool) 
     y
 }
 
-/// The lane's tokens' log-sum-exp, loss gradient and target at index `v` of `row_lse`,
-/// `row_dout`, `row_target` (a padding row at or past `args.tokens`: zero gradient, target
+/// Token `token`'s log-sum-exp, loss gradient and target, stored at index `at` of `tok_lse`,
+/// `tok_dout`, `tok_target` (a padding token at or past `args.tokens`: zero gradient, target
 /// `u32::MAX`, which matches no entry).
 #[cube]
 #[allow(clippy::too_many_arguments)]
@@ -343,10 +338,10 @@ pub fn token_grad<I: Int>(
     targets: &Tensor<I>,
     token: usize,
     args: &FusedArgs,
-    row_lse: &mut Array<f32>,
-    row_dout: &mut Array<f32>,
-    row_target: &mut Array<u32>,
-    #[comptime] v: usize,
+    tok_lse: &mut Shared<[f32]>,
+    tok_dout: &mut Shared<[f32]>,
+    tok_target: &mut Shared<[u32]>,
+    at: usize,
 ) {
     let mut l = f32::new(0.0);
     let mut d = f32::new(0.0);
@@ -356,9 +351,9 @@ pub fn token_grad<I: Int>(
         d = dout[token];
         target = u32::cast_from(targets[token]);
     }
-    row_lse[v] = l;
-    row_dout[v] = d;
-    row_target[v] = target;
+    tok_lse[at] = l;
+    tok_dout[at] = d;
+    tok_target[at] = target;
 }
 
 /// The logit gradient `(softmax − onehot) · dout · cap'` of the plane's block `s` (rows
@@ -366,21 +361,18 @@ pub fn token_grad<I: Int>(
 /// [`score_block`] names them), stored to
 /// `g_sm` (swizzled, `TILE / 2` words a row) in the operands' dtype.
 ///
-/// With `vocab_owned` the rows are vocabulary entries `o0 + row` and the columns tokens
-/// `w0 + col`, whose log-sum-exp, loss gradient and target are in `col_lse`, `col_dout` and
-/// `col_target`; otherwise the rows are tokens (the lane's two in `row_*`, from
-/// [`token_grad`]) and the columns entries. Columns past the walked operand's end get 0.
+/// The tile's tokens' log-sum-exp, loss gradient and target are in `tok_lse`, `tok_dout` and
+/// `tok_target` ([`token_grad`]), by column with `vocab_owned` (the rows are vocabulary entries
+/// `o0 + row`, the columns tokens `w0 + col`) and by row otherwise (rows tokens, columns
+/// entries). Columns past the walked operand's end get 0.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn gradients<P: Float, N2: Size>(
     s: &Array<Vector<f32, N2>>,
     g_sm: &mut Shared<[Vector<P, N2>]>,
-    row_lse: &Array<f32>,
-    row_dout: &Array<f32>,
-    row_target: &Array<u32>,
-    col_lse: &Shared<[f32]>,
-    col_dout: &Shared<[f32]>,
-    col_target: &Shared<[u32]>,
+    tok_lse: &Shared<[f32]>,
+    tok_dout: &Shared<[f32]>,
+    tok_target: &Shared<[u32]>,
     args: &FusedArgs,
     o0: usize,
     w0: usize,
@@ -404,14 +396,14 @@ pub fn gradients<P: Float, N2: Size>(
                 let col = c0 + 8 * n + 2 * t + e;
                 let mut slope = f32::new(1.0);
                 let x = capped(sv.extract(e), args.softcap, &mut slope, has_softcap);
-                let mut lse = row_lse[v];
-                let mut dout = row_dout[v];
-                let mut hit = row_target[v] == u32::cast_from(w0 + col);
+                let mut lse = tok_lse[row];
+                let mut dout = tok_dout[row];
+                let mut hit = tok_target[row] == u32::cast_from(w0 + col);
                 let mut valid = w0 + col < args.vocab;
                 if vocab_owned {
-                    lse = col_lse[col];
-                    dout = col_dout[col];
-                    hit = col_target[col] == u32::cast_from(o0 + row);
+                    lse = tok_lse[col];
+                    dout = tok_dout[col];
+                    hit = tok_target[col] == u32::cast_from(o0 + row);
                     valid = w0 + col < args.tokens;
                 }
                 let mut gr = f32::exp(x - lse);
