@@ -530,6 +530,7 @@ pub fn backward(
             lse.clone(),
             dout.clone(),
             params.softcap,
+            params.filter_eps,
         )
     {
         live::sample(&dc, "gradients");

@@ -130,6 +130,7 @@ testgen! {
         typed_errors,
         unfused_backend_matches_dispatch,
         fused_ops_match_reference,
+        fused_filter_per_tile,
     ],
     autodiff: [loss_and_gradients, all_ignored, fused_loss_and_gradients],
 }

@@ -96,6 +96,16 @@ fn variants(
                 ..d
             },
         ),
+        // The same with the paper's gradient filter, which the fused backward applies per
+        // 64 × 64 tile (Apple's kernels filter by block as well).
+        (
+            "cce (fused passes, grad filter)",
+            CceOptions {
+                passes: PassKernels::Fused,
+                filter_eps: FilterEps::Paper,
+                ..d
+            },
+        ),
         (
             "cce (bf16 dE accumulation)",
             CceOptions {

@@ -65,39 +65,7 @@ pub(super) fn fused_ops_match_reference(device: &Device) {
     let mut checked = 0u64;
     for dtype in DTYPES {
         for case in op_cases() {
-            let name = format!("fused {case:?} {dtype:?}");
-            let (dev, cpu) = op_inputs(&case, dtype, device);
-            let (n, p) = (case.tokens(), params(&case, None));
-            poison_memory(device, n * case.v * 2, DType::F32);
-            let (lse, tl) = forward_op(&dev, p);
-            let (lse_ref, tl_ref) = reference::linear_ce_forward(
-                cpu.e.clone(),
-                cpu.c.clone(),
-                None,
-                cpu.targets.clone(),
-                case.softcap,
-            );
-            let (lse, tl) = (host(lse), host(tl));
-            assert_forward_close(&name, (&lse, &tl), (lse_ref.clone(), tl_ref), &case, device);
-
-            let dout = random_values(n, Dist::Uniform { lo: 0.5, hi: 1.5 }, case.seed + 9);
-            let lse_dev = Tensor::<1>::from_data(lse_ref.to_data(), (device, DType::F32));
-            let dout_dev =
-                Tensor::<1>::from_data(TensorData::new(dout.clone(), [n]), (device, DType::F32));
-            poison_memory(device, (n + case.v) * case.d * 4, DType::F32);
-            let (de, dc, db) = backward_op(&dev, &lse_dev, &dout_dev, p);
-            assert!(db.is_none(), "{name}: no bias, no db");
-            let (de, dc) = (host(de), host(dc));
-            let keep = vec![true; case.v];
-            MaskedCheck {
-                case: &case,
-                cpu: &cpu,
-                lse: lse_ref,
-                dout: &dout,
-                keep: &keep,
-                dtype,
-            }
-            .assert_matches(&name, (&de, &dc, None), device);
+            check_ops(&case, dtype, None, device);
             checked += 1;
         }
     }
@@ -110,6 +78,79 @@ pub(super) fn fused_ops_match_reference(device: &Device) {
         (after.0 - before.0, after.1 - before.1),
         (checked, checked),
         "fused launches (forward, backward)"
+    );
+}
+
+/// The fused forward and backward ops on `case` in `dtype` (with the gradient filter at
+/// `filter_eps`, which must leave nothing out) against the reference, outputs over poisoned
+/// memory.
+fn check_ops(case: &Case, dtype: DType, filter_eps: Option<f32>, device: &Device) {
+    let name = format!("fused {case:?} {dtype:?} filter {filter_eps:?}");
+    let (dev, cpu) = op_inputs(case, dtype, device);
+    let (n, p) = (case.tokens(), params(case, None));
+    poison_memory(device, n * case.v * 2, DType::F32);
+    let (lse, tl) = forward_op(&dev, p);
+    let (lse_ref, tl_ref) = reference::linear_ce_forward(
+        cpu.e.clone(),
+        cpu.c.clone(),
+        None,
+        cpu.targets.clone(),
+        case.softcap,
+    );
+    let (lse, tl) = (host(lse), host(tl));
+    assert_forward_close(&name, (&lse, &tl), (lse_ref.clone(), tl_ref), case, device);
+
+    let dout = random_values(n, Dist::Uniform { lo: 0.5, hi: 1.5 }, case.seed + 9);
+    let lse_dev = Tensor::<1>::from_data(lse_ref.to_data(), (device, DType::F32));
+    let dout_dev = Tensor::<1>::from_data(TensorData::new(dout.clone(), [n]), (device, DType::F32));
+    poison_memory(device, (n + case.v) * case.d * 4, DType::F32);
+    let (de, dc, db) = backward_op(&dev, &lse_dev, &dout_dev, params(case, filter_eps));
+    assert!(db.is_none(), "{name}: no bias, no db");
+    let (de, dc) = (host(de), host(dc));
+    let keep = vec![true; case.v];
+    MaskedCheck {
+        case,
+        cpu: &cpu,
+        lse: lse_ref,
+        dout: &dout,
+        keep: &keep,
+        dtype,
+    }
+    .assert_matches(&name, (&de, &dc, None), device);
+}
+
+/// The fused backward's gradient filter, which leaves out whole tiles: a threshold below every
+/// entry leaves nothing out (the exact gradients), one above every `|softmax − onehot|` (at
+/// most 1) leaves out every tile, and both gradients must then be written as zeros over
+/// poisoned memory.
+pub(super) fn fused_filter_per_tile(device: &Device) {
+    let Some(_one) = fused_runs(device, "fused_filter_per_tile") else {
+        return;
+    };
+    let before = launches("cce_fused_backward");
+    let case = fused(Case::new([1, 130], 128, 1000, 47));
+    for dtype in DTYPES {
+        check_ops(&case, dtype, Some(1e-30), device);
+
+        let (dev, _) = op_inputs(&case, dtype, device);
+        let n = case.tokens();
+        let (lse, _) = forward_op(&dev, params(&case, None));
+        let dout = random_values(n, Dist::Uniform { lo: 0.5, hi: 1.5 }, case.seed + 9);
+        let dout = Tensor::<1>::from_data(TensorData::new(dout, [n]), (device, DType::F32));
+        poison_memory(device, (n + case.v) * case.d * 4, DType::F32);
+        let (de, dc, _) = backward_op(&dev, &lse, &dout, params(&case, Some(2.0)));
+        for (what, g) in [("dE", host(de)), ("dC", host(dc))] {
+            let bad = g.iter().filter(|&&x| x != 0.0).count();
+            assert_eq!(
+                bad, 0,
+                "{dtype:?} {what}: every tile filtered, {bad} entries not 0"
+            );
+        }
+    }
+    assert_eq!(
+        launches("cce_fused_backward") - before,
+        2 * DTYPES.len() as u64,
+        "fused backward launches"
     );
 }
 

@@ -16,7 +16,7 @@ use super::copies::{copy_rows, tile_barrier};
 use super::stages::{
     accumulate, gradients, score_block, scores, store_rows, token_grad, write_rows,
 };
-use super::{FusedArgs, PAD, TILE};
+use super::{FusedArgs, PAD, THREADS, TILE};
 
 #[cube(launch_unchecked)]
 // `vocab_owned` is known when the kernel is compiled, `tid < TILE` only when it runs: kept apart.
@@ -32,6 +32,7 @@ pub(super) fn cce_grad_kernel<P: Float, I: Int, N2: Size, N8: Size>(
     #[comptime] dim: usize,
     #[comptime] vocab_owned: bool,
     #[comptime] has_softcap: bool,
+    #[comptime] filtered: bool,
     #[define(P, I)] _dtypes: [ElemType; 2],
 ) {
     // Owned rows: vocabulary entries (dC) or tokens (dE); walked rows: the other.
@@ -63,6 +64,8 @@ pub(super) fn cce_grad_kernel<P: Float, I: Int, N2: Size, N8: Size>(
     let mut tok_lse = Shared::<[f32]>::new_slice(TILE);
     let mut tok_dout = Shared::<[f32]>::new_slice(TILE);
     let mut tok_target = Shared::<[u32]>::new_slice(TILE);
+    // Each plane's "some entry of the tile passes the filter".
+    let mut wanted = Shared::<[u32]>::new_slice(comptime!(THREADS / 32));
     let bar0 = tile_barrier();
     let bar1 = tile_barrier();
     copy_rows::<P, N2, N8>(y, 0usize, walked, &mut y_sm, 0usize, &bar0, tid, dim);
@@ -129,7 +132,7 @@ pub(super) fn cce_grad_kernel<P: Float, I: Int, N2: Size, N8: Size>(
             }
         }
         scores::<P, N2>(&x_sm, &y_sm, at, &mut g_sm, &mut s, plane, lane, dim);
-        gradients::<P, N2>(
+        let big = gradients::<P, N2>(
             &s,
             &mut g_sm,
             &tok_lse,
@@ -143,9 +146,29 @@ pub(super) fn cce_grad_kernel<P: Float, I: Int, N2: Size, N8: Size>(
             lane,
             vocab_owned,
             has_softcap,
+            filtered,
         );
+        if filtered {
+            let any = plane_any(big);
+            if lane == 0 {
+                wanted[plane] = u32::cast_from(any);
+            }
+        }
         sync_cube();
-        accumulate::<P, N2>(&g_sm, &y_sm, at, ar0, aq0, &mut acc, lane, dim);
+        // The paper's gradient filter, per tile: a tile whose every entry is below the
+        // threshold adds nothing (the same decision in every plane: a uniform branch).
+        let mut keep = true;
+        if filtered {
+            let mut some = 0u32;
+            #[unroll]
+            for p in 0..comptime!(THREADS / 32) {
+                some |= wanted[p];
+            }
+            keep = some != 0;
+        }
+        if keep {
+            accumulate::<P, N2>(&g_sm, &y_sm, at, ar0, aq0, &mut acc, lane, dim);
+        }
         w0 += TILE;
         k += 1;
     }

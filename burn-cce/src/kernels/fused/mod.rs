@@ -62,21 +62,18 @@ pub struct FusedArgs {
     pub vocab: usize,
     /// The soft-capping constant (read only with a cap).
     pub softcap: f32,
+    /// The gradient filter's threshold (read only with a filter): a tile whose every
+    /// `|softmax − onehot|` is below it adds nothing to the gradients.
+    pub filter_eps: f32,
 }
 
-/// Whether a pass may try the fused kernels: asked for, and no bias (nor, in the backward, a
-/// gradient filter), which they do not implement; a log line where asked for but not taken.
+/// Whether a pass may try the fused kernels: asked for, and no bias, which they do not
+/// implement; a log line where asked for but not taken.
 pub(crate) fn wanted(params: &LceParams, bias: bool, pass: &str) -> bool {
     if params.passes != PassKernels::Fused {
         return false;
     }
-    let why = if bias {
-        Some("a bias")
-    } else if pass == "backward" && params.filter_eps.is_some() {
-        Some("a gradient filter")
-    } else {
-        None
-    };
+    let why = bias.then_some("a bias");
     if let Some(why) = why {
         log::info!("fused CCE {pass} declined ({why}): chunked passes");
     }
@@ -87,8 +84,9 @@ pub(crate) fn wanted(params: &LceParams, bias: bool, pass: &str) -> bool {
 /// less).
 pub fn shared_bytes(d: usize) -> usize {
     // The owned tile (swizzled), two padded walked tiles, the gradient tile (swizzled), three
-    // f32/u32 vectors and two 8-byte barriers: 232 208 bytes at d = 576, of an H100's 232 448.
-    2 * TILE * d + 2 * TILE * (2 * d + 4 * PAD) + 2 * TILE * TILE + 12 * TILE + 16
+    // f32/u32 vectors, two 8-byte barriers and the planes' filter flags: 232 240 bytes at
+    // d = 576, of an H100's 232 448.
+    2 * TILE * d + 2 * TILE * (2 * d + 4 * PAD) + 2 * TILE * TILE + 12 * TILE + 16 + 4 * PLANES
 }
 
 /// Why the fused kernels do not take `n` tokens of hidden size `d` in `dtype` against a
@@ -154,8 +152,8 @@ fn operands(
     Some((e, c, [n, vocab, d]))
 }
 
-fn args(n: usize, vocab: usize, softcap: Option<f32>) -> FusedArgsLaunch {
-    FusedArgsLaunch::new(n, vocab, softcap.unwrap_or(1.0))
+fn args(n: usize, vocab: usize, softcap: Option<f32>, filter_eps: Option<f32>) -> FusedArgsLaunch {
+    FusedArgsLaunch::new(n, vocab, softcap.unwrap_or(1.0), filter_eps.unwrap_or(0.0))
 }
 
 fn empty(like: &CubeTensor, shape: Shape, dtype: DType) -> CubeTensor {
@@ -195,7 +193,7 @@ pub fn forward(e: CubeTensor, c: CubeTensor, softcap: Option<f32>) -> Option<Cub
             c.into_tensor_arg(),
             part_max.clone().into_tensor_arg(),
             part_sum.clone().into_tensor_arg(),
-            args(n, vocab, softcap),
+            args(n, vocab, softcap, None),
             segment,
             d,
             softcap.is_some(),
@@ -220,6 +218,10 @@ pub fn forward(e: CubeTensor, c: CubeTensor, softcap: Option<f32>) -> Option<Cub
 /// accumulators; `None` (nothing launched) where [`unsupported`] says why not or an operand's
 /// start is not 16-byte aligned.
 ///
+/// With `filter_eps` (the paper's gradient filter, per tile as in Apple's kernels): a tile of
+/// `TILE` tokens × `TILE` entries whose every `|softmax − onehot|` is below it is left out of
+/// both gradients (its logits are still computed, its products `G·Y` are not).
+///
 /// # Shapes
 /// - `e`: `[n, D]`, `c`: `[V, D]`, one 16-bit dtype; `targets`: `[n]` (i32 or i64, in
 ///   `[0, V)`); `lse`, `dout`: `[n]` f32
@@ -231,6 +233,7 @@ pub fn backward(
     lse: CubeTensor,
     dout: CubeTensor,
     softcap: Option<f32>,
+    filter_eps: Option<f32>,
 ) -> Option<(CubeTensor, CubeTensor)> {
     let targets_why = (!matches!(targets.dtype, DType::I32 | DType::I64))
         .then(|| format!("{:?} targets (i32/i64)", targets.dtype));
@@ -267,10 +270,11 @@ pub fn backward(
                 dout.clone().into_tensor_arg(),
                 targets.clone().into_tensor_arg(),
                 out.clone().into_tensor_arg(),
-                args(n, vocab, softcap),
+                args(n, vocab, softcap, filter_eps),
                 d,
                 vocab_owned,
                 softcap.is_some(),
+                filter_eps.is_some(),
                 dtypes,
             );
         }

@@ -365,6 +365,9 @@ pub fn token_grad<I: Int>(
 /// `tok_target` ([`token_grad`]), by column with `vocab_owned` (the rows are vocabulary entries
 /// `o0 + row`, the columns tokens `w0 + col`) and by row otherwise (rows tokens, columns
 /// entries). Columns past the walked operand's end get 0.
+///
+/// Returns whether any of the lane's entries has `|softmax − onehot|` at least
+/// `args.filter_eps` (always `true` without `filtered`).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn gradients<P: Float, N2: Size>(
@@ -381,9 +384,11 @@ pub fn gradients<P: Float, N2: Size>(
     lane: usize,
     #[comptime] vocab_owned: bool,
     #[comptime] has_softcap: bool,
-) {
+    #[comptime] filtered: bool,
+) -> bool {
     let g = lane / 4;
     let t = lane % 4;
+    let mut big = comptime!(!filtered).runtime();
     #[unroll]
     for n in 0..4usize {
         #[unroll]
@@ -410,12 +415,16 @@ pub fn gradients<P: Float, N2: Size>(
                 if hit {
                     gr -= f32::new(1.0);
                 }
+                if filtered {
+                    big = big || (valid && f32::abs(gr) >= args.filter_eps);
+                }
                 let gr = select(valid, gr * dout * slope, f32::new(0.0));
                 out.insert(e, P::cast_from(gr));
             }
             g_sm[chunk_at(row, (c0 + 8 * n) / 8, TILE) + t] = out;
         }
     }
+    big
 }
 
 /// `acc += G·Y`: rows `r0 .. r0 + 32` of `g_sm` (`TILE` deep) times `y_sm`'s `TILE` rows,
