@@ -7,8 +7,10 @@
 //! one.
 //!
 //! Planes (8 a cube): for `S`, two planes a 32 × 32 block, each over half the depth, and each
-//! keeps 16 of its rows for `G` (`stages::scores`); for `G·Y`, rows `32(p mod 2) ..` and channels `(p / 2)·dim/4 ..`, so every
-//! plane holds `dim / 4` f32 accumulators a lane (144 at `dim = 576`).
+//! keeps 16 of its rows for `G` (`stages::scores`); for `G·Y`, rows `32(p mod 2) ..` and
+//! channels `(p / 2)·dim/4 ..`, so every plane holds `dim / 4` f32 accumulators a lane (144 at
+//! `dim = 576`). With the gradient filter a tile whose every `|softmax − onehot|` is below the
+//! threshold skips `G·Y`.
 
 use cubecl::prelude::*;
 
@@ -55,7 +57,7 @@ pub(super) fn cce_grad_kernel<P: Float, I: Int, N2: Size, N8: Size>(
 
     // The owned tile (swizzled), two walked tiles (padded: one read while bulk copies fill the
     // other), the gradient tile (through which the planes also trade partial logits) and the
-    // walked tokens' data: 232 208 bytes at `dim = 576`.
+    // walked tokens' data: 232 240 bytes at `dim = 576` (`super::shared_bytes`).
     let words = comptime!(TILE * (dim / 2 + PAD));
     let mut x_sm = Shared::<[Vector<P, N2>]>::new_aligned_slice(comptime!(TILE * dim / 2), 16usize);
     let mut y_sm = Shared::<[Vector<P, N2>]>::new_aligned_slice(comptime!(2 * words), 16usize);

@@ -61,6 +61,68 @@ pub fn score_block(plane: usize) -> (usize, usize) {
     (32 * ((plane % 4) / 2) + 16 * (plane / 4), 32 * (plane % 2))
 }
 
+/// The A fragments (`ldmatrix.x4`) of the 16 × 16 block of the swizzled tile `x_sm` at rows
+/// `row0 ..`, chunks `chunk ..` (lane `l` names row `row0 + l mod 16`, chunk `chunk + l / 16`).
+#[cube]
+fn a_block<P: Float, N2: Size>(
+    x_sm: &Shared<[Vector<P, N2>]>,
+    row0: usize,
+    chunk: usize,
+    lane: usize,
+    #[comptime] dim: usize,
+) -> Array<Vector<P, N2>> {
+    let def = MmaDefinition::<P, P, f32>::new(16usize, 8usize, 16usize);
+    let at = chunk_at(row0 + lane % 16, chunk + lane / 16, dim);
+    def.load_matrix::<Vector<P, N2>, N2>(&x_sm[at..at + 4], MatrixIdent::A, 4usize, false)
+}
+
+/// 16 f32 pairs of zeros: a plane's 32 × 32 block of sums, before the first product.
+#[cube]
+fn zero_block<N2: Size>() -> Array<Vector<f32, N2>> {
+    let mut full = Array::<Vector<f32, N2>>::new(16usize);
+    #[unroll]
+    for i in 0..16usize {
+        full[i] = Vector::<f32, N2>::new(f32::new(0.0));
+    }
+    full
+}
+
+/// `full += A·Bᵀ` on column block `n` of a plane's 32 × 32 block (both row blocks), over
+/// `steps` 16-deep steps whose B fragments one `ldmatrix` (`.x2` a step) loads from word `at` of
+/// `y_sm`; row block `m`'s fragments of step `j` are at `a[4(a0 + m·steps + j) ..]`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn column_products<P: Float, N2: Size>(
+    a: &Array<Vector<P, N2>>,
+    a0: usize,
+    y_sm: &Shared<[Vector<P, N2>]>,
+    at: usize,
+    full: &mut Array<Vector<f32, N2>>,
+    n: usize,
+    #[comptime] steps: usize,
+) {
+    let def = MmaDefinition::<P, P, f32>::new(16usize, 8usize, 16usize);
+    let b = def.load_matrix::<Vector<P, N2>, N2>(
+        &y_sm[at..at + 4],
+        MatrixIdent::B,
+        comptime!(2 * steps),
+        false,
+    );
+    let mut cf = Array::<Vector<f32, N2>>::new(2usize);
+    #[unroll]
+    for m in 0..2usize {
+        let i = 8 * m + 2 * n;
+        cf[0] = full[i];
+        cf[1] = full[i + 1];
+        #[unroll]
+        for j in 0..steps {
+            mma_step::<P, N2>(&def, a, a0 + m * steps + j, &b, 2 * j, &mut cf);
+        }
+        full[i] = cf[0];
+        full[i + 1] = cf[1];
+    }
+}
+
 /// The plane's share of `S = X·Yᵀ` on a tile (`TILE × TILE`, `dim` deep; the walked tile at word
 /// `yo` of `y_sm`). Planes `p` and `p ^ 4` compute the 32 × 32 block `((p mod 4) / 2, p mod 2)`
 /// over the two halves of the depth (`p / 4`): per 16 channels 2 A `ldmatrix.x4` and 4 B
@@ -84,31 +146,19 @@ pub fn scores<P: Float, N2: Size>(
     lane: usize,
     #[comptime] dim: usize,
 ) {
-    let def = MmaDefinition::<P, P, f32>::new(16usize, 8usize, 16usize);
     let rows = 32 * ((plane % 4) / 2);
     let cols = 32 * (plane % 2);
     // Row block m's sums at full[8m ..].
-    let mut full = Array::<Vector<f32, N2>>::new(16usize);
-    #[unroll]
-    for i in 0..16usize {
-        full[i] = Vector::<f32, N2>::new(f32::new(0.0));
-    }
+    let mut full = zero_block::<N2>();
     // The depth half's first chunk.
     let k0 = (plane / 4) * comptime!(dim / 16);
     // Fragments of row block m at a[4m ..], one 16-deep step at a time (fewer live registers
     // beside the accumulators than a whole 32-channel step's).
     let mut a = Array::<Vector<P, N2>>::new(8usize);
-    let mut cf = Array::<Vector<f32, N2>>::new(2usize);
     for step in 0..comptime!(dim / 32) {
         #[unroll]
         for m in 0..2usize {
-            let at = chunk_at(rows + m * 16 + lane % 16, k0 + 2 * step + lane / 16, dim);
-            let f = def.load_matrix::<Vector<P, N2>, N2>(
-                &x_sm[at..at + 4],
-                MatrixIdent::A,
-                4usize,
-                false,
-            );
+            let f = a_block::<P, N2>(x_sm, rows + m * 16, k0 + 2 * step, lane, dim);
             #[unroll]
             for r in 0..4usize {
                 a[m * 4 + r] = f[r];
@@ -119,21 +169,7 @@ pub fn scores<P: Float, N2: Size>(
             // Lanes 0..16 name the two 8 × 8 matrices of the step (lanes past 16 as well, for
             // an address the instruction ignores).
             let at = yo + padded_at(cols + n * 8 + lane % 8, k0 + 2 * step + (lane / 8) % 2, dim);
-            let b = def.load_matrix::<Vector<P, N2>, N2>(
-                &y_sm[at..at + 4],
-                MatrixIdent::B,
-                2usize,
-                false,
-            );
-            #[unroll]
-            for m in 0..2usize {
-                let i = 8 * m + 2 * n;
-                cf[0] = full[i];
-                cf[1] = full[i + 1];
-                mma_step::<P, N2>(&def, &a, m, &b, 0usize, &mut cf);
-                full[i] = cf[0];
-                full[i + 1] = cf[1];
-            }
+            column_products::<P, N2>(&a, 0usize, y_sm, at, &mut full, n, 1usize);
         }
     }
     trade_narrow::<P, N2>(&full, g_sm, s, plane, lane);
@@ -150,7 +186,6 @@ pub fn held_fragments<P: Float, N2: Size>(
     lane: usize,
     #[comptime] dim: usize,
 ) -> Array<Vector<P, N2>> {
-    let def = MmaDefinition::<P, P, f32>::new(16usize, 8usize, 16usize);
     let rows = 32 * ((plane % 4) / 2);
     let k0 = (plane / 4) * comptime!(dim / 16);
     let mut a = Array::<Vector<P, N2>>::new(comptime!(dim / 4));
@@ -160,17 +195,7 @@ pub fn held_fragments<P: Float, N2: Size>(
         for m in 0..2usize {
             #[unroll]
             for j in 0..2usize {
-                let at = chunk_at(
-                    rows + m * 16 + lane % 16,
-                    k0 + 4 * h + 2 * j + lane / 16,
-                    dim,
-                );
-                let f = def.load_matrix::<Vector<P, N2>, N2>(
-                    &x_sm[at..at + 4],
-                    MatrixIdent::A,
-                    4usize,
-                    false,
-                );
+                let f = a_block::<P, N2>(x_sm, rows + m * 16, k0 + 4 * h + 2 * j, lane, dim);
                 #[unroll]
                 for r in 0..4usize {
                     a[h * 16 + (2 * m + j) * 4 + r] = f[r];
@@ -195,36 +220,15 @@ pub fn scores_held<P: Float, N2: Size>(
     lane: usize,
     #[comptime] dim: usize,
 ) {
-    let def = MmaDefinition::<P, P, f32>::new(16usize, 8usize, 16usize);
     let cols = 32 * (plane % 2);
     let k0 = (plane / 4) * comptime!(dim / 16);
-    let mut full = Array::<Vector<f32, N2>>::new(16usize);
-    #[unroll]
-    for i in 0..16usize {
-        full[i] = Vector::<f32, N2>::new(f32::new(0.0));
-    }
-    let mut cf = Array::<Vector<f32, N2>>::new(2usize);
+    let mut full = zero_block::<N2>();
     #[unroll]
     for h in 0..comptime!(dim / 64) {
         #[unroll]
         for n in 0..4usize {
             let at = yo + padded_at(cols + n * 8 + lane % 8, k0 + 4 * h + lane / 8, dim);
-            let b = def.load_matrix::<Vector<P, N2>, N2>(
-                &y_sm[at..at + 4],
-                MatrixIdent::B,
-                4usize,
-                false,
-            );
-            #[unroll]
-            for m in 0..2usize {
-                let i = 8 * m + 2 * n;
-                cf[0] = full[i];
-                cf[1] = full[i + 1];
-                mma_step::<P, N2>(&def, a, h * 4 + 2 * m, &b, 0usize, &mut cf);
-                mma_step::<P, N2>(&def, a, h * 4 + 2 * m + 1, &b, 2usize, &mut cf);
-                full[i] = cf[0];
-                full[i + 1] = cf[1];
-            }
+            column_products::<P, N2>(a, h * 4, y_sm, at, &mut full, n, 2usize);
         }
     }
     trade::<N2>(&full, xchg_sm, s, plane, lane);
