@@ -22,7 +22,12 @@ use super::{FusedArgs, PAD, THREADS, TILE};
 
 #[cube(launch_unchecked)]
 // `vocab_owned` is known when the kernel is compiled, `tid < TILE` only when it runs: kept apart.
-#[allow(clippy::too_many_arguments, clippy::collapsible_if)]
+// Kernel code has no `is_multiple_of`.
+#[allow(
+    clippy::too_many_arguments,
+    clippy::collapsible_if,
+    clippy::manual_is_multiple_of
+)]
 pub(super) fn cce_grad_kernel<P: Float, I: Int, N2: Size, N8: Size>(
     x: &Tensor<Vector<P, N8>>,
     y: &Tensor<Vector<P, N8>>,

@@ -19,7 +19,12 @@ use super::{FusedArgs, PAD, TILE, XCHG};
 const NEG: f64 = -1.0e30;
 
 #[cube(launch_unchecked)]
-#[allow(clippy::too_many_arguments, clippy::manual_div_ceil)]
+// Kernel code has no `div_ceil` nor `is_multiple_of`.
+#[allow(
+    clippy::too_many_arguments,
+    clippy::manual_div_ceil,
+    clippy::manual_is_multiple_of
+)]
 pub(super) fn cce_lse_kernel<P: Float, N2: Size, N8: Size>(
     e: &Tensor<Vector<P, N8>>,
     c: &Tensor<Vector<P, N8>>,
