@@ -13,10 +13,10 @@
 //! A cube is 8 planes over `TILE` owned rows. The backward keeps in shared memory the owned
 //! tile, two walked tiles (the next one filled by Hopper's bulk copies while the cube computes on
 //! the current one: sm90 and later) and the gradient tile, through which the planes also trade
-//! partial logits: 227 KB at `D = 576`, all an H100 gives a cube. The forward holds the owned tile's fragments
-//! in registers instead and keeps two walked tiles and a 16 KB trading buffer. The backward's f32
-//! accumulators are `D / 4` registers a lane, which bounds `D` at 576; larger hidden sizes take
-//! the chunked passes.
+//! partial logits: 227 KB at `D = 576`, all an H100 gives a cube. The forward holds the owned
+//! tile's fragments in registers instead and keeps two walked tiles and a 16 KB trading buffer.
+//! The backward's f32 accumulators are `D / 4` registers a lane, which bounds `D` at 576; larger
+//! hidden sizes take the chunked passes.
 
 mod backward;
 mod copies;
