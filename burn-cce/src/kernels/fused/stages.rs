@@ -126,9 +126,10 @@ fn column_products<P: Float, N2: Size>(
 /// The plane's share of `S = X·Yᵀ` on a tile (`TILE × TILE`, `dim` deep; the walked tile at word
 /// `yo` of `y_sm`). Planes `p` and `p ^ 4` compute the 32 × 32 block `((p mod 4) / 2, p mod 2)`
 /// over the two halves of the depth (`p / 4`): per 16 channels 2 A `ldmatrix.x4` and 4 B
-/// `ldmatrix.x2` feed 8 products (a 16 × 32 block over the whole depth needs 6 for 8). Each plane then hands the
-/// partner the 16 rows it does not keep, through `g_sm` ([`trade_narrow`]), and leaves the full
-/// sums of the block [`score_block`] names in `s`: column block `n` at `s[2n]` (row `g`) and
+/// `ldmatrix.x2` feed 8 products (a 16 × 32 block over the whole depth needs 6 for 8). Each
+/// plane then hands the partner the 16 rows it does not keep, through `g_sm`
+/// ([`trade_narrow`]), and leaves the full sums of the block [`score_block`] names in `s`:
+/// column block `n` at `s[2n]` (row `g`) and
 /// `s[2n + 1]`. Syncs the cube four times, the last after the trade's last read of `g_sm`.
 ///
 /// A fragments by `ldmatrix.x4` (lane `l` at row `l mod 16` of the row block, chunk `l / 16` of
