@@ -49,8 +49,8 @@
 #            fused passes, `cce (fused passes)`, in the same run)
 #   tfused   cce_tests' fused-pass checks on CUDA (ops against the reference, the loss under
 #            autodiff; each asserts the fused kernels launched)
-#   bccef    cce suite, SmolLM2 shape: the default, the fused passes and Burn's plain loss only,
-#            with the PyTorch peers (a short run)
+#   bccef    cce suite, SmolLM2 shape: the default, the fused passes (with and without the
+#            per-tile gradient filter) and Burn's plain loss only, with the PyTorch peers
 #   bccefb   bccef without the PyTorch peers (Burn's rows only: under a minute)
 #   tgraphs1 tgraphs once, its whole output kept
 #   ncucce   ncu on the fused CCE kernels (SmolLM2 shape, loss + gradient, one call): speed of
@@ -176,7 +176,7 @@ for s in "$@"; do
       --peers-dir "$peers" --out "$O/bcceb" ;;
     tfused) step tfused run test cce_tests fused --include-ignored --nocapture ;;
     bccefb) step bccefb run bench --suite cce --filter smollm2 --cce-chunk-bytes 256 \
-      --skip-impl 'sorting' --skip-impl 'filter' --skip-impl 'autotuned' --skip-impl 'bf16 dE' \
+      --skip-impl 'sorting' --skip-impl "paper's" --skip-impl 'autotuned' --skip-impl 'bf16 dE' \
       --skip-impl 'one f32' --skip-impl torch --out "$O/bccefb" ;;
     ncucce) RUN_WRAP="ncu --clock-control none --kernel-name regex:cce_ --launch-count 8 \
       --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
@@ -187,7 +187,7 @@ for s in "$@"; do
       --skip-impl 'one f32' --skip-impl torch --out "$O/ncucce" ;;
     tgraphs1) step tgraphs1 run test llama_tests graphs:: --include-ignored --test-threads=1 ;;
     bccef) step bccef run bench --suite cce --filter smollm2 --cce-chunk-bytes 256 \
-      --skip-impl 'sorting' --skip-impl 'filter' --skip-impl 'autotuned' --skip-impl 'bf16 dE' \
+      --skip-impl 'sorting' --skip-impl "paper's" --skip-impl 'autotuned' --skip-impl 'bf16 dE' \
       --skip-impl 'one f32' --peers-dir "$peers" --out "$O/bccef" ;;
     skv64 | skv128) step "$s" run bench --suite shadowkv --filter "ctx=${s#skv}K" --out "$O/$s" ;;
     skv2s) BURN_KERNELS_SHADOWKV_CHUNK=4 BURN_KERNELS_SHADOWKV_CANDIDATES=4 \

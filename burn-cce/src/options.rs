@@ -80,10 +80,11 @@ pub enum PassKernels {
     ///
     /// The logits tile is computed and consumed on the matrix units (the paper's design): a
     /// forward owned by blocks of tokens, a dE kernel owned by blocks of tokens and a dC kernel
-    /// owned by blocks of vocabulary entries, each holding its f32 accumulators in registers. The backward holds nothing beyond dE and dC. Runs for
-    /// f16/bf16 inputs on a runtime with 16×8×16 manual MMA and bulk copies (CUDA, sm90 and
-    /// later), hidden sizes that are a multiple of 64 up to 576 and no bias; elsewhere the
-    /// chunked passes run, with a log line (`burn_cce::kernels::fused::unsupported` says why).
+    /// owned by blocks of vocabulary entries, each holding its f32 accumulators in registers.
+    /// The backward holds nothing beyond dE and dC. Runs for f16/bf16 inputs on a runtime with
+    /// 16×8×16 manual MMA and bulk copies (CUDA, sm90 and later), hidden sizes that are a
+    /// multiple of 64 up to 576 and no bias; elsewhere the chunked passes run, with a log line
+    /// (`burn_cce::kernels::fused::unsupported` says why).
     /// The gradient filter ([`CceOptions::filter_eps`]) applies per tile of 64 tokens × 64
     /// entries, as in Apple's kernels: a tile whose every `|softmax − onehot|` is below the
     /// threshold is left out of both gradients.

@@ -136,9 +136,9 @@ struct Cli {
     #[arg(long, value_name = "MIB")]
     cce_block_mib: Option<usize>,
     /// How CCE's passes run on a GPU: chunked (GEMM + epilogue per working block) or fused
-    /// (one kernel per pass, nothing beyond dE + dC held; CUDA, bf16/f16, hidden sizes up to
-    /// 576, else the chunked passes with a log line). On an H100 the fused loss + gradient at
-    /// SmolLM2's shape took 10.9 ms at 66 MB, the 256 MiB blocks 7.5 ms at 519 MB.
+    /// (one kernel per pass, nothing beyond dE + dC held; CUDA sm90+, bf16/f16, hidden sizes up
+    /// to 576, else the chunked passes with a log line). On an H100 the fused loss + gradient at
+    /// SmolLM2's shape took 10.5 ms at 66 MB, the 256 MiB blocks 7.5 ms at 519 MB.
     #[arg(long, value_enum, default_value = "chunked")]
     cce_passes: burn_cce::PassKernels,
     /// Recompute activations in the backward instead of keeping them, for larger batches.
