@@ -8,6 +8,7 @@
 use std::sync::{Mutex, MutexGuard};
 
 use burn::tensor::{DType, Device, Tensor, TensorData};
+use burn_cce::kernels::fused::TILE;
 use burn_cce::{FilterEps, PassKernels, Reduction, reference};
 use burn_kernels_core::route::launches;
 use burn_kernels_testing::{Dist, is_cuda, poison_memory, random_values};
@@ -82,9 +83,10 @@ pub(super) fn fused_ops_match_reference(device: &Device) {
 }
 
 /// The fused forward and backward ops on `case` in `dtype` (with the gradient filter at
-/// `filter_eps`, which must leave nothing out) against the reference, outputs over poisoned
-/// memory.
-fn check_ops(case: &Case, dtype: DType, filter_eps: Option<f32>, device: &Device) {
+/// `filter_eps`) against the reference whose logit gradients outside `keep` (per vocabulary
+/// entry; `None`: all kept) are zeroed, outputs over poisoned memory.
+fn check_ops(case: &Case, dtype: DType, filter: Option<(f32, &[bool])>, device: &Device) {
+    let filter_eps = filter.map(|(eps, _)| eps);
     let name = format!("fused {case:?} {dtype:?} filter {filter_eps:?}");
     let (dev, cpu) = op_inputs(case, dtype, device);
     let (n, p) = (case.tokens(), params(case, None));
@@ -107,30 +109,61 @@ fn check_ops(case: &Case, dtype: DType, filter_eps: Option<f32>, device: &Device
     let (de, dc, db) = backward_op(&dev, &lse_dev, &dout_dev, params(case, filter_eps));
     assert!(db.is_none(), "{name}: no bias, no db");
     let (de, dc) = (host(de), host(dc));
-    let keep = vec![true; case.v];
+    let all = vec![true; case.v];
+    let keep = filter.map_or(all.as_slice(), |(_, keep)| keep);
     MaskedCheck {
         case,
         cpu: &cpu,
         lse: lse_ref,
         dout: &dout,
-        keep: &keep,
+        keep,
         dtype,
     }
     .assert_matches(&name, (&de, &dc, None), device);
 }
 
-/// The fused backward's gradient filter, which leaves out whole tiles: a threshold below every
-/// entry leaves nothing out (the exact gradients), one above every `|softmax − onehot|` (at
-/// most 1) leaves out every tile, and both gradients must then be written as zeros over
-/// poisoned memory.
+/// The fused backward's gradient filter, which leaves out whole tiles of 64 tokens × 64
+/// entries. With 61 tokens (one token tile, padded) a tile is left out exactly where every entry
+/// of its 64 has a host score (largest `|softmax − onehot|` over the tokens) below the threshold:
+/// a threshold between the tiles' levels must leave out some tiles and keep others, both walks
+/// alike. Beside it: a threshold below every entry leaves nothing out, and one above every
+/// `|softmax − onehot|` (at most 1) leaves out every tile, so both gradients must be written as
+/// zeros over poisoned memory.
 pub(super) fn fused_filter_per_tile(device: &Device) {
     let Some(_one) = fused_runs(device, "fused_filter_per_tile") else {
         return;
     };
     let before = launches("cce_fused_backward");
+    let one_tile = fused(Case::new([1, 61], 128, 2053, 48));
+    for dtype in DTYPES {
+        let (_, cpu) = op_inputs(&one_tile, dtype, device);
+        let (scores, _) = host_scores(&cpu, None);
+        let tiles: Vec<f32> = scores
+            .chunks(TILE)
+            .map(|t| t.iter().copied().fold(0.0, f32::max))
+            .collect();
+        // The widest gap between the tiles' largest scores (here 0.24 to 0.83: a ratio of 3.5,
+        // far from what rounding moves).
+        let mut sorted = tiles.clone();
+        sorted.sort_by(f32::total_cmp);
+        let (lo, hi) = sorted
+            .windows(2)
+            .map(|w| (w[0], w[1]))
+            .max_by(|a, b| (a.1 / a.0).total_cmp(&(b.1 / b.0)))
+            .expect("several tiles");
+        let eps = (lo * hi).sqrt();
+        let keep = kept_entries(&scores, Some(eps), false, TILE);
+        let kept = tiles.iter().filter(|&&m| m >= eps).count();
+        assert!(
+            hi / lo > 1.5 && 0 < kept && kept < tiles.len(),
+            "{dtype:?}: eps {eps} (gap {lo}..{hi}) must split the {} tiles, keeps {kept}",
+            tiles.len()
+        );
+        check_ops(&one_tile, dtype, Some((eps, &keep)), device);
+    }
     let case = fused(Case::new([1, 130], 128, 1000, 47));
     for dtype in DTYPES {
-        check_ops(&case, dtype, Some(1e-30), device);
+        check_ops(&case, dtype, Some((1e-30, &vec![true; case.v])), device);
 
         let (dev, _) = op_inputs(&case, dtype, device);
         let n = case.tokens();
@@ -149,7 +182,7 @@ pub(super) fn fused_filter_per_tile(device: &Device) {
     }
     assert_eq!(
         launches("cce_fused_backward") - before,
-        2 * DTYPES.len() as u64,
+        3 * DTYPES.len() as u64,
         "fused backward launches"
     );
 }

@@ -421,7 +421,14 @@ pub fn gradients<P: Float, N2: Size>(
                     gr -= f32::new(1.0);
                 }
                 if filtered {
-                    big = big || (valid && f32::abs(gr) >= args.filter_eps);
+                    // Padding rows (zeros past the owned operand's end) decide nothing, so the
+                    // dE and dC walks leave out the same tiles.
+                    let mut rows = args.tokens;
+                    if vocab_owned {
+                        rows = args.vocab;
+                    }
+                    let real = valid && o0 + row < rows;
+                    big = big || (real && f32::abs(gr) >= args.filter_eps);
                 }
                 let gr = select(valid, gr * dout * slope, f32::new(0.0));
                 out.insert(e, P::cast_from(gr));
