@@ -64,6 +64,8 @@
 #   bcces    cce suite, SmolLM2 and Gemma-2 shapes, every pass in 16, 32, 64, 128 and 256 MiB
 #            blocks: time against peak memory, to choose the automatic blocks
 #   tdp      llama_tests data_parallel (two GPUs follow one; needs a 2-GPU machine)
+#   bftf     e2e suite, bf16 fine-tuning step at batch 8 × 2048: CCE with the chunked and the
+#            fused passes, the plain loss, PyTorch's step (random weights)
 #   bdp bdp4  e2e-dp suite: the fine-tuning step on 1 GPU and on 2 (4) GPUs, same run
 # TL (minutes, default 8) bounds each step.
 set -uo pipefail
@@ -195,6 +197,11 @@ for s in "$@"; do
     bcces) step bcces run bench --suite cce --cce-chunk-bytes 16,32,64,128,256 \
       --peers-dir "$peers" --out "$O/bcces" ;;
     tdp) step tdp run test llama_tests data_parallel --include-ignored --nocapture ;;
+    bftf) step bftf run bench --suite e2e --filter "train step" --seq 2048 --batches 8 \
+      --skip-impl 'cce$' --skip-impl 'cce + recompute attn$' --skip-impl 'plain loss$' \
+      --skip-impl 'fused attn' --skip-impl 'one f32' --skip-impl 'MiB blocks' \
+      --skip-impl automatic --skip-impl cubek --skip-impl liger --skip-impl apple \
+      --peers-dir "$peers" --out "$O/bftf" ;;
     bdp) step bdp run bench --suite e2e-dp --devices 0,1 --out "$O/bdp" ;;
     bdp4) step bdp4 run bench --suite e2e-dp --devices 0,1,2,3 --out "$O/bdp4" ;;
     *) echo "unknown step $s" ;;

@@ -16,7 +16,7 @@ use burn::backend::{
 };
 use burn::tensor::{DType, FloatDType, Shape};
 
-use crate::{CceKernels, LceParams};
+use crate::{CceKernels, LceParams, PassKernels};
 
 impl<B: CceKernels, C: CheckpointStrategy> CceKernels for Autodiff<B, C> {
     fn logsumexp_rows(logits: FloatTensor<Self>, softcap: Option<f32>) -> FloatTensor<Self> {
@@ -131,16 +131,60 @@ impl<B: CceKernels, C: CheckpointStrategy> CceKernels for Autodiff<B, C> {
         )
     }
 
+    fn linear_ce_loss_train(
+        e: FloatTensor<Self>,
+        c: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        params: LceParams,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (loss, lse, de_unit) =
+            B::linear_ce_loss_train(e.into_primitive(), c.into_primitive(), targets, params);
+        (
+            Self::from_inner(loss),
+            Self::from_inner(lse),
+            Self::from_inner(de_unit),
+        )
+    }
+
+    fn linear_ce_backward_train(
+        e: FloatTensor<Self>,
+        c: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        lse: FloatTensor<Self>,
+        dout: FloatTensor<Self>,
+        de_unit: FloatTensor<Self>,
+        params: LceParams,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (de, dc) = B::linear_ce_backward_train(
+            e.into_primitive(),
+            c.into_primitive(),
+            targets,
+            lse.into_primitive(),
+            dout.into_primitive(),
+            de_unit.into_primitive(),
+            params,
+        );
+        (Self::from_inner(de), Self::from_inner(dc))
+    }
+
     fn linear_ce_loss(
         e: FloatTensor<Self>,
         c: FloatTensor<Self>,
         targets: IntTensor<Self>,
         params: LceParams,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let train = e.is_tracked() && grad_in_forward(&e, &params);
         let (e, e_node) = e.into_parts();
         let (c, c_node) = c.into_parts();
-        let (loss, lse) = B::linear_ce_loss(e.clone(), c.clone(), targets.clone(), params);
-        let state = (e, c, None, targets, lse.clone(), params);
+        let (loss, lse, de_unit) = if train {
+            let (loss, lse, de_unit) =
+                B::linear_ce_loss_train(e.clone(), c.clone(), targets.clone(), params);
+            (loss, lse, Some(de_unit))
+        } else {
+            let (loss, lse) = B::linear_ce_loss(e.clone(), c.clone(), targets.clone(), params);
+            (loss, lse, None)
+        };
+        let state = (e, c, None, targets, lse.clone(), params, de_unit);
         let loss = track_loss::<B, C, 2>([e_node, c_node], state, loss);
         (loss, Self::from_inner(lse))
     }
@@ -157,7 +201,7 @@ impl<B: CceKernels, C: CheckpointStrategy> CceKernels for Autodiff<B, C> {
         let (bias, bias_node) = bias.into_parts();
         let (loss, lse) =
             B::linear_ce_loss_bias(e.clone(), c.clone(), bias.clone(), targets.clone(), params);
-        let state = (e, c, Some(bias), targets, lse.clone(), params);
+        let state = (e, c, Some(bias), targets, lse.clone(), params, None);
         let loss = track_loss::<B, C, 3>([e_node, c_node, bias_node], state, loss);
         (loss, Self::from_inner(lse))
     }
@@ -193,6 +237,7 @@ type LceState<B> = (
     IntTensor<B>,
     FloatTensor<B>,
     LceParams,
+    Option<FloatTensor<B>>,
 );
 
 impl<B: CceKernels, const N: usize> Backward<B, N> for LinearCeBackward<N> {
@@ -205,13 +250,18 @@ impl<B: CceKernels, const N: usize> Backward<B, N> for LinearCeBackward<N> {
         _checkpointer: &mut Checkpointer,
     ) {
         let dout = grads.consume::<B>(&ops.node);
-        let (e, c, bias, targets, lse, params) = ops.state;
-        let (de, dc, db) = match bias {
-            None => {
+        let (e, c, bias, targets, lse, params, de_unit) = ops.state;
+        let (de, dc, db) = match (bias, de_unit) {
+            (None, Some(de_unit)) => {
+                let (de, dc) =
+                    B::linear_ce_backward_train(e, c, targets, lse, dout, de_unit, params);
+                (de, dc, None)
+            }
+            (None, None) => {
                 let (de, dc) = B::linear_ce_backward(e, c, targets, lse, dout, params);
                 (de, dc, None)
             }
-            Some(bias) => {
+            (Some(bias), _) => {
                 let (de, dc, db) =
                     B::linear_ce_backward_bias(e, c, bias, targets, lse, dout, params);
                 (de, dc, Some(db))
@@ -223,6 +273,15 @@ impl<B: CceKernels, const N: usize> Backward<B, N> for LinearCeBackward<N> {
             }
         }
     }
+}
+
+/// Whether the loss of `e` takes the training forward ([`CceKernels::linear_ce_loss_train`]):
+/// the fused passes asked for, and inputs they may take
+/// ([`crate::kernels::fused::inputs_unsupported`]); the device's checks are the kernels' own
+/// (where they decline, the chunked passes run).
+fn grad_in_forward<T: TensorMetadata>(e: &T, params: &LceParams) -> bool {
+    params.passes == PassKernels::Fused
+        && crate::kernels::fused::inputs_unsupported(e.dtype(), e.shape()[1]).is_none()
 }
 
 /// Gradient of the row-wise log-sum-exp of `[rows, cols]` logits: `softmax(cap(x))·grad·cap'`,

@@ -6,7 +6,10 @@ use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn_cubecl::CubeBackend;
 use burn_kernels_core::route::count_launch;
 
-use crate::{CceKernels, LceParams, chunked, kernels};
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
+
+use crate::kernels::fused;
+use crate::{CceKernels, LceParams, chunked, kernels, live};
 
 impl CceKernels for CubeBackend {
     fn logsumexp_rows(logits: FloatTensor<Self>, softcap: Option<f32>) -> FloatTensor<Self> {
@@ -81,6 +84,61 @@ impl CceKernels for CubeBackend {
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         count_launch("linear_ce_forward");
         loss(chunked::forward(e, c, Some(bias), targets, &params))
+    }
+
+    fn linear_ce_loss_train(
+        e: FloatTensor<Self>,
+        c: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        params: LceParams,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        count_launch("linear_ce_forward");
+        if fused::wanted(&params, false, "training forward")
+            && let Some((lse, target, de_unit)) =
+                fused::forward_grad(e.clone(), c.clone(), targets.clone(), params.softcap)
+        {
+            live::sample(&de_unit, "forward state");
+            let (loss, lse) = loss((lse, target));
+            return (loss, lse, de_unit);
+        }
+        // Declined: the backward declines the same inputs and never reads this buffer.
+        let unwritten = empty_device_contiguous_dtype(
+            e.client.clone(),
+            e.device.clone(),
+            e.meta.shape().clone(),
+            e.dtype,
+        );
+        let (loss, lse) = loss(chunked::forward(e, c, None, targets, &params));
+        (loss, lse, unwritten)
+    }
+
+    fn linear_ce_backward_train(
+        e: FloatTensor<Self>,
+        c: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        lse: FloatTensor<Self>,
+        dout: FloatTensor<Self>,
+        de_unit: FloatTensor<Self>,
+        params: LceParams,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        count_launch("linear_ce_backward");
+        if fused::wanted(&params, false, "training backward")
+            && let Some((de, dc)) = fused::backward_dc(
+                e.clone(),
+                c.clone(),
+                targets.clone(),
+                lse.clone(),
+                dout.clone(),
+                de_unit,
+                params.softcap,
+                params.filter_eps,
+            )
+        {
+            live::sample(&dc, "gradients");
+            return (de, dc);
+        }
+        let (de, dc, _) = chunked::backward(e, c, None, targets, lse, dout, &params);
+        (de, dc)
     }
 }
 

@@ -187,6 +187,41 @@ pub trait CceKernels: Backend {
         targets: IntTensor<Self>,
         params: LceParams,
     ) -> (FloatTensor<Self>, FloatTensor<Self>);
+
+    /// [`CceKernels::linear_ce_loss`] for training with [`PassKernels::Fused`]: also returns
+    /// `dE₁ = ∂ lossᵢ / ∂Eᵢ` (dE for a unit loss gradient, `[n, D]` in `e`'s dtype), summed in
+    /// the same walk over the vocabulary as the log-sum-exp (an online softmax), so that
+    /// [`CceKernels::linear_ce_backward_train`] only scales it and computes dC. Where the fused
+    /// kernels decline the inputs, `dE₁` is an unwritten buffer that the backward ignores (it
+    /// declines them too and runs the chunked backward). Not differentiated itself: the
+    /// autodiff loss calls it where `e` is tracked.
+    #[fusion(meta = |e, _c, _targets, _params| (token_spec(e), token_spec(e), e.clone()))]
+    #[cfg_attr(not(feature = "cube"), allow(unused_variables))]
+    fn linear_ce_loss_train(
+        e: FloatTensor<Self>,
+        c: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        params: LceParams,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
+
+    /// [`CceKernels::linear_ce_backward`] after [`CceKernels::linear_ce_loss_train`]:
+    /// `dE = dout ⊙ dE₁` (in place where `de_unit` is not shared) and dC from one walk over the
+    /// tokens.
+    ///
+    /// # Shapes
+    /// As [`CceKernels::linear_ce_backward`], and `de_unit`: `[n, D]` in `e`'s dtype.
+    #[fusion(meta = |e, c, _targets, _lse, _dout, _de_unit, _params| (e.clone(), c.clone()))]
+    #[allow(clippy::too_many_arguments)]
+    #[cfg_attr(not(feature = "cube"), allow(unused_variables))]
+    fn linear_ce_backward_train(
+        e: FloatTensor<Self>,
+        c: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        lse: FloatTensor<Self>,
+        dout: FloatTensor<Self>,
+        de_unit: FloatTensor<Self>,
+        params: LceParams,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
 }
 
 /// The output shape of [`CceKernels::logsumexp_rows`]: `[rows]`.

@@ -78,16 +78,21 @@ pub enum PassKernels {
     Chunked,
     /// One kernel per pass; no logit is written (CUDA, f16/bf16, hidden sizes up to 576).
     ///
-    /// The logits tile is computed and consumed on the matrix units (the paper's design): a
-    /// forward owned by blocks of tokens, a dE kernel owned by blocks of tokens and a dC kernel
-    /// owned by blocks of vocabulary entries, each holding its f32 accumulators in registers.
-    /// The backward holds nothing beyond dE and dC. Runs for f16/bf16 inputs on a runtime with
-    /// 16×8×16 manual MMA and bulk copies (CUDA, sm90 and later), hidden sizes that are a
-    /// multiple of 64 up to 576 and no bias; elsewhere the chunked passes run, with a log line
+    /// The logits tile is computed and consumed on the matrix units (the paper's design). Where
+    /// the embeddings are tracked by autodiff (training), the forward is one walk over the
+    /// vocabulary owned by blocks of tokens that also sums dE for a unit loss gradient (an
+    /// online softmax, as FlashAttention's forward), and the backward scales it by the loss
+    /// gradient and walks once more, owned by blocks of vocabulary entries, for dC: two kernels
+    /// in all, each holding its f32 accumulators in registers, nothing beyond dE and dC held.
+    /// Otherwise the forward computes the log-sum-exp alone, and the backward op walks twice
+    /// (dE, then dC). Runs for f16/bf16 inputs on a runtime with 16×8×16 manual MMA and bulk
+    /// copies (CUDA, sm90 and later), hidden sizes that are a multiple of 64 up to 576 and no
+    /// bias; elsewhere the chunked passes run, with a log line
     /// (`burn_cce::kernels::fused::unsupported` says why).
     /// The gradient filter ([`CceOptions::filter_eps`]) applies per tile of 64 tokens × 64
     /// entries, as in Apple's kernels: a tile whose every `|softmax − onehot|` is below the
-    /// threshold is left out of both gradients.
+    /// threshold is left out of dC, and of dE where the backward op computes it (in training dE
+    /// is summed before any tile's softmax is known, so it is exact).
     Fused,
 }
 

@@ -131,6 +131,7 @@ testgen! {
         unfused_backend_matches_dispatch,
         fused_ops_match_reference,
         fused_filter_per_tile,
+        fused_training_ops_match_reference,
     ],
     autodiff: [loss_and_gradients, all_ignored, fused_loss_and_gradients],
 }

@@ -80,7 +80,7 @@ type Variant = (
     Precision,
     GemmKernel,
 );
-const VARIANTS: [Variant; 15] = [
+const VARIANTS: [Variant; 16] = [
     (
         "cce",
         LossKind::cce_for_training,
@@ -145,6 +145,13 @@ const VARIANTS: [Variant; 15] = [
         GemmKernel::DEFAULT,
     ),
     (
+        "cce (fused passes) + recompute attn, bf16",
+        cce_fused_passes,
+        TrainAttention::Recompute,
+        Precision::Bf16,
+        GemmKernel::DEFAULT,
+    ),
+    (
         "cce + recompute attn, bf16, one f32 dE",
         cce_whole_de,
         TrainAttention::Recompute,
@@ -195,6 +202,15 @@ fn plain() -> LossKind {
 /// CCE with one f32 dE accumulator (`N·D·4` bytes, 38 MB at 8 × 2048 tokens of SmolLM2)
 /// instead of a second pass over row blocks, which recomputes every logit once more: within a
 /// training step's memory, is the pass worth its bytes?
+/// CCE for training with the fused passes (`PassKernels::Fused`: the training forward with dE
+/// in the vocabulary walk, the dC walk in the backward).
+fn cce_fused_passes() -> LossKind {
+    LossKind::Cce(CceOptions {
+        passes: burn_cce::PassKernels::Fused,
+        ..CceOptions::for_training()
+    })
+}
+
 fn cce_whole_de() -> LossKind {
     LossKind::Cce(CceOptions {
         de_block_rows: Some(usize::MAX),

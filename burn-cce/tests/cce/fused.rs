@@ -7,14 +7,15 @@
 
 use std::sync::{Mutex, MutexGuard};
 
+use burn::backend::Dispatch;
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use burn_cce::kernels::fused::TILE;
-use burn_cce::{FilterEps, PassKernels, Reduction, reference};
+use burn_cce::{CceKernels, FilterEps, PassKernels, Reduction, reference};
 use burn_kernels_core::route::launches;
 use burn_kernels_testing::{Dist, is_cuda, poison_memory, random_values};
 
 use super::case::*;
-use super::loss::run;
+use super::loss::{de_roundings, run};
 use super::ops::*;
 
 /// The 16-bit dtypes the fused kernels take.
@@ -59,27 +60,51 @@ pub(super) fn fused_ops_match_reference(device: &Device) {
     let Some(_one) = fused_runs(device, "fused_ops_match_reference") else {
         return;
     };
-    let before = (
-        launches("cce_fused_forward"),
-        launches("cce_fused_backward"),
+    every_op_case(
+        ["cce_fused_forward", "cce_fused_backward"],
+        |case, dtype, _| check_ops(case, dtype, None, device),
     );
+}
+
+/// Runs `check` on every op case in every 16-bit dtype (with the number of checks before it),
+/// then asserts that each check launched each of the `kernels` once: none fell back to the
+/// chunked passes.
+fn every_op_case(kernels: [&'static str; 2], mut check: impl FnMut(&Case, DType, u64)) {
+    let before = kernels.map(launches);
     let mut checked = 0u64;
     for dtype in DTYPES {
         for case in op_cases() {
-            check_ops(&case, dtype, None, device);
+            check(&case, dtype, checked);
             checked += 1;
         }
     }
-    // Every check above ran the fused kernels, none fell back to the chunked passes.
-    let after = (
-        launches("cce_fused_forward"),
-        launches("cce_fused_backward"),
-    );
+    let after = kernels.map(launches);
     assert_eq!(
-        (after.0 - before.0, after.1 - before.1),
-        (checked, checked),
-        "fused launches (forward, backward)"
+        [after[0] - before[0], after[1] - before[1]],
+        [checked; 2],
+        "launches of {kernels:?}"
     );
+}
+
+/// The reference forward `(lse, target_logit)` of `cpu`'s inputs (no bias), on the CPU.
+fn reference_forward(cpu: &OpInputs, case: &Case) -> (Tensor<1>, Tensor<1>) {
+    reference::linear_ce_forward(
+        cpu.e.clone(),
+        cpu.c.clone(),
+        None,
+        cpu.targets.clone(),
+        case.softcap,
+    )
+}
+
+/// A loss gradient for each of `case`'s tokens, seeded by the case: away from 0 and 1, so that
+/// a gradient left unscaled or scaled twice fails.
+fn loss_gradient(case: &Case) -> Vec<f32> {
+    random_values(
+        case.tokens(),
+        Dist::Uniform { lo: 0.5, hi: 1.5 },
+        case.seed + 9,
+    )
 }
 
 /// The fused forward and backward ops on `case` in `dtype` (with the gradient filter at
@@ -92,17 +117,11 @@ fn check_ops(case: &Case, dtype: DType, filter: Option<(f32, &[bool])>, device: 
     let (n, p) = (case.tokens(), params(case, None));
     poison_memory(device, n * case.v * 2, DType::F32);
     let (lse, tl) = forward_op(&dev, p);
-    let (lse_ref, tl_ref) = reference::linear_ce_forward(
-        cpu.e.clone(),
-        cpu.c.clone(),
-        None,
-        cpu.targets.clone(),
-        case.softcap,
-    );
+    let (lse_ref, tl_ref) = reference_forward(&cpu, case);
     let (lse, tl) = (host(lse), host(tl));
     assert_forward_close(&name, (&lse, &tl), (lse_ref.clone(), tl_ref), case, device);
 
-    let dout = random_values(n, Dist::Uniform { lo: 0.5, hi: 1.5 }, case.seed + 9);
+    let dout = loss_gradient(case);
     let lse_dev = Tensor::<1>::from_data(lse_ref.to_data(), (device, DType::F32));
     let dout_dev = Tensor::<1>::from_data(TensorData::new(dout.clone(), [n]), (device, DType::F32));
     poison_memory(device, (n + case.v) * case.d * 4, DType::F32);
@@ -122,11 +141,106 @@ fn check_ops(case: &Case, dtype: DType, filter: Option<(f32, &[bool])>, device: 
     .assert_matches(&name, (&de, &dc, None), device);
 }
 
+/// The training path: `linear_ce_loss_train` (loss, lse and dE₁ from one walk over the
+/// vocabulary, an online softmax) and `linear_ce_backward_train` (dE = dout ⊙ dE₁, dC from one
+/// walk over the tokens) against the reference on the op cases, outputs over poisoned memory.
+/// The first check keeps another handle on dE₁, so the backward must scale it into a new
+/// tensor and leave the shared one as it was.
+pub(super) fn fused_training_ops_match_reference(device: &Device) {
+    let Some(_one) = fused_runs(device, "fused_training_ops_match_reference") else {
+        return;
+    };
+    let kernels = ["cce_fused_forward_grad", "cce_fused_backward_dc"];
+    every_op_case(kernels, |case, dtype, checked| {
+        check_training_ops(case, dtype, checked == 0, None, device)
+    });
+}
+
+/// [`fused_training_ops_match_reference`]'s check of one case; with `filter`, the backward
+/// filters at its threshold, so dC must match the reference without the logit gradients
+/// outside `keep` (per vocabulary entry) while dE stays exact (summed in the forward).
+fn check_training_ops(
+    case: &Case,
+    dtype: DType,
+    shared: bool,
+    filter: Option<(f32, &[bool])>,
+    device: &Device,
+) {
+    let filter_eps = filter.map(|(eps, _)| eps);
+    let name =
+        format!("fused training {case:?} {dtype:?} shared dE₁ {shared} filter {filter_eps:?}");
+    let (dev, cpu) = op_inputs(case, dtype, device);
+    let (n, p) = (case.tokens(), params(case, None));
+    poison_memory(device, (n + case.v) * case.d * 4, DType::F32);
+    let (loss, lse, de_unit) = Dispatch::linear_ce_loss_train(
+        dev.e.clone().into_dispatch(),
+        dev.c.clone().into_dispatch(),
+        dev.targets.clone().into_dispatch(),
+        p,
+    );
+    let (loss, lse, de_unit) = (float::<1>(loss), float::<1>(lse), float::<2>(de_unit));
+    let (lse_ref, tl_ref) = reference_forward(&cpu, case);
+    let (loss_h, lse_h) = (host(loss), host(lse.clone()));
+    // The target logit the loss implies (lse − loss).
+    let tl: Vec<f32> = lse_h.iter().zip(&loss_h).map(|(l, x)| l - x).collect();
+    assert_forward_close(
+        &name,
+        (&lse_h, &tl),
+        (lse_ref.clone(), tl_ref),
+        case,
+        device,
+    );
+
+    let dout = loss_gradient(case);
+    let dout_dev = Tensor::<1>::from_data(TensorData::new(dout.clone(), [n]), (device, DType::F32));
+    let unit_before = shared.then(|| host(de_unit.clone()));
+    let kept = shared.then(|| de_unit.clone());
+    poison_memory(device, (n + case.v) * case.d * 4, DType::F32);
+    let (de, dc) = Dispatch::linear_ce_backward_train(
+        dev.e.clone().into_dispatch(),
+        dev.c.clone().into_dispatch(),
+        dev.targets.clone().into_dispatch(),
+        lse.into_dispatch(),
+        dout_dev.into_dispatch(),
+        de_unit.into_dispatch(),
+        params(case, filter_eps),
+    );
+    let (de, dc) = (host(float::<2>(de)), host(float::<2>(dc)));
+    if let (Some(kept), Some(unit_before)) = (kept, unit_before) {
+        assert_eq!(
+            host(kept),
+            unit_before,
+            "{name}: the shared dE₁ was written"
+        );
+    }
+    let all = vec![true; case.v];
+    let keep = filter.map_or(all.as_slice(), |(_, keep)| keep);
+    let mask = |keep: &[bool]| {
+        let values = keep.iter().map(|&k| k as u8 as f32).collect();
+        Tensor::<1>::from_data(TensorData::new(values, [case.v]), &Device::flex())
+    };
+    let (de_ref, _, _) =
+        masked_reference_backward(&cpu, lse_ref.clone(), &dout, &mask(&all), case.softcap);
+    let (_, dc_ref, _) = masked_reference_backward(&cpu, lse_ref, &dout, &mask(keep), case.softcap);
+    // dE₁ is stored in the dtype, then scaled: one rounding more than the case's.
+    let de_extra = de_roundings(case, dtype) + 1;
+    assert_product_close(
+        &format!("dE {name}"),
+        &de,
+        &de_ref,
+        case.v,
+        (dtype, de_extra),
+        device,
+    );
+    assert_product_close(&format!("dC {name}"), &dc, &dc_ref, n, (dtype, 0), device);
+}
+
 /// The fused backward's gradient filter, which leaves out whole tiles of 64 tokens × 64
 /// entries. With 61 tokens (one token tile, padded) a tile is left out exactly where every entry
 /// of its 64 has a host score (largest `|softmax − onehot|` over the tokens) below the threshold:
 /// a threshold between the tiles' levels must leave out some tiles and keep others, both walks
-/// alike. Beside it: a threshold below every entry leaves nothing out, and one above every
+/// alike (the training path leaves them out of dC only: its dE is summed in the forward).
+/// Beside it: a threshold below every entry leaves nothing out, and one above every
 /// `|softmax − onehot|` (at most 1) leaves out every tile, so both gradients must be written as
 /// zeros over poisoned memory.
 pub(super) fn fused_filter_per_tile(device: &Device) {
@@ -134,6 +248,7 @@ pub(super) fn fused_filter_per_tile(device: &Device) {
         return;
     };
     let before = launches("cce_fused_backward");
+    let training_before = launches("cce_fused_backward_dc");
     let one_tile = fused(Case::new([1, 61], 128, 2053, 48));
     for dtype in DTYPES {
         let (_, cpu) = op_inputs(&one_tile, dtype, device);
@@ -160,6 +275,7 @@ pub(super) fn fused_filter_per_tile(device: &Device) {
             tiles.len()
         );
         check_ops(&one_tile, dtype, Some((eps, &keep)), device);
+        check_training_ops(&one_tile, dtype, false, Some((eps, &keep)), device);
     }
     let case = fused(Case::new([1, 130], 128, 1000, 47));
     for dtype in DTYPES {
@@ -168,7 +284,7 @@ pub(super) fn fused_filter_per_tile(device: &Device) {
         let (dev, _) = op_inputs(&case, dtype, device);
         let n = case.tokens();
         let (lse, _) = forward_op(&dev, params(&case, None));
-        let dout = random_values(n, Dist::Uniform { lo: 0.5, hi: 1.5 }, case.seed + 9);
+        let dout = loss_gradient(&case);
         let dout = Tensor::<1>::from_data(TensorData::new(dout, [n]), (device, DType::F32));
         poison_memory(device, (n + case.v) * case.d * 4, DType::F32);
         let (de, dc, _) = backward_op(&dev, &lse, &dout, params(&case, Some(2.0)));
@@ -185,10 +301,15 @@ pub(super) fn fused_filter_per_tile(device: &Device) {
         3 * DTYPES.len() as u64,
         "fused backward launches"
     );
+    assert_eq!(
+        launches("cce_fused_backward_dc") - training_before,
+        DTYPES.len() as u64,
+        "fused training backward launches"
+    );
 }
 
-/// The loss under autodiff with the fused passes asked for. On CUDA they run (one backward
-/// launch a loss); elsewhere (f32 on wgpu, whose runtime has no manual MMA) they decline and the
+/// The loss under autodiff with the fused passes asked for. On CUDA they run (the training
+/// path: one training forward and one training backward launch a loss); elsewhere (f32 on wgpu, whose runtime has no manual MMA) they decline and the
 /// chunked passes must give the same checked result with no fused launch.
 pub(super) fn fused_loss_and_gradients(device: &Device) {
     let cuda = is_cuda(device);
@@ -198,7 +319,10 @@ pub(super) fn fused_loss_and_gradients(device: &Device) {
     } else {
         vec![DType::F32]
     };
-    let before = launches("cce_fused_backward");
+    let before = (
+        launches("cce_fused_forward_grad"),
+        launches("cce_fused_backward_dc"),
+    );
     let cases = [
         fused(Case {
             shift: true,
@@ -217,10 +341,16 @@ pub(super) fn fused_loss_and_gradients(device: &Device) {
             run(device, case, dtype);
         }
     }
-    let fused = if cuda { dtypes.len() * cases.len() } else { 0 };
+    // Each loss took the training path (the embeddings are tracked): one training forward
+    // and one training backward.
+    let fused = if cuda { dtypes.len() * cases.len() } else { 0 } as u64;
+    let after = (
+        launches("cce_fused_forward_grad"),
+        launches("cce_fused_backward_dc"),
+    );
     assert_eq!(
-        launches("cce_fused_backward") - before,
-        fused as u64,
-        "fused backward launches (none where the fused passes decline)"
+        (after.0 - before.0, after.1 - before.1),
+        (fused, fused),
+        "fused training launches (none where the fused passes decline)"
     );
 }

@@ -14,7 +14,7 @@
 
 use cubecl::prelude::*;
 
-use super::copies::{copy_rows, tile_barrier};
+use super::copies::{copy_rows, copy_to_buffer, tile_barrier, wait_tile};
 use super::stages::{
     accumulate, gradients, score_block, scores, store_rows, token_grad, write_rows,
 };
@@ -106,21 +106,16 @@ pub(super) fn cce_grad_kernel<P: Float, I: Int, N2: Size, N8: Size>(
     let mut k = 0u32;
     while w0 < walked {
         let at = select(k % 2 == 0, 0usize, words);
-        if k % 2 == 0 {
-            bar0.wait_parity((k / 2) % 2);
-        } else {
-            bar1.wait_parity((k / 2) % 2);
-        }
+        wait_tile(&bar0, &bar1, k);
         // Every plane is done with the last tile (and the owned tile is stored): the next tile
         // goes where the last one was, while the cube computes on this one.
         sync_cube();
         if w0 + TILE < walked {
             let next = words - at;
-            if k % 2 == 0 {
-                copy_rows::<P, N2, N8>(y, w0 + TILE, walked, &mut y_sm, next, &bar1, tid, dim);
-            } else {
-                copy_rows::<P, N2, N8>(y, w0 + TILE, walked, &mut y_sm, next, &bar0, tid, dim);
-            }
+            let (first, other) = (w0 + TILE, (k + 1) % 2);
+            copy_to_buffer::<P, N2, N8>(
+                y, first, walked, &mut y_sm, next, other, &bar0, &bar1, tid, dim,
+            );
         }
         // The walked tokens' data, read by `gradients` after the syncs of `scores`.
         if vocab_owned {

@@ -45,6 +45,42 @@ pub fn copy_rows<P: Float, N2: Size, N8: Size>(
     }
 }
 
+/// [`copy_rows()`] into buffer `buffer` (0 or 1) of a walk's two, on that buffer's barrier
+/// (`bar0` or `bar1`); the buffer starts at word `at` of `sm`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn copy_to_buffer<P: Float, N2: Size, N8: Size>(
+    src: &Tensor<Vector<P, N8>>,
+    first: usize,
+    len: usize,
+    sm: &mut Shared<[Vector<P, N2>]>,
+    at: usize,
+    buffer: u32,
+    bar0: &Barrier,
+    bar1: &Barrier,
+    tid: usize,
+    #[comptime] dim: usize,
+) {
+    if buffer == 0 {
+        copy_rows::<P, N2, N8>(src, first, len, sm, at, bar0, tid, dim);
+    } else {
+        copy_rows::<P, N2, N8>(src, first, len, sm, at, bar1, tid, dim);
+    }
+}
+
+/// Waits until tile `k` of a walk has landed: tile `k` is in buffer `k mod 2`, whose barrier
+/// completes its phase `(k / 2) mod 2` then.
+#[cube]
+// Kernel code has no `is_multiple_of`.
+#[allow(clippy::manual_is_multiple_of)]
+pub fn wait_tile(bar0: &Barrier, bar1: &Barrier, k: u32) {
+    if k % 2 == 0 {
+        bar0.wait_parity((k / 2) % 2);
+    } else {
+        bar1.wait_parity((k / 2) % 2);
+    }
+}
+
 /// The word at which 16-byte chunk `chunk` of row `row` of a padded walked tile starts.
 #[cube]
 pub fn padded_at(row: usize, chunk: usize, #[comptime] dim: usize) -> usize {

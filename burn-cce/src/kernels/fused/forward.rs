@@ -10,7 +10,7 @@
 
 use cubecl::prelude::*;
 
-use super::copies::{copy_rows, tile_barrier};
+use super::copies::{copy_rows, copy_to_buffer, tile_barrier, wait_tile};
 use super::stages::{capped, held_fragments, score_block, scores_held, store_rows};
 use super::{FusedArgs, PAD, TILE, XCHG};
 
@@ -86,22 +86,17 @@ pub(super) fn cce_lse_kernel<P: Float, N2: Size, N8: Size>(
     let mut k = 0u32;
     while w0 < v_end {
         let at = select(k % 2 == 0, 0usize, words);
-        if k % 2 == 0 {
-            bar0.wait_parity((k / 2) % 2);
-        } else {
-            bar1.wait_parity((k / 2) % 2);
-        }
+        wait_tile(&bar0, &bar1, k);
         // Every plane has read its partner's sums of the last tile before they are replaced.
         sync_cube();
         scores_held::<P, N2>(&a, &y_sm, at, &mut xchg_sm, &mut s, plane, lane, dim);
         // No plane reads this tile any more (`scores_held` synced after its last read): the
         // tile after next lands here while the cube goes on.
         if w0 + 2 * TILE < v_end {
-            if k % 2 == 0 {
-                copy_rows::<P, N2, N8>(c, w0 + 2 * TILE, v_end, &mut y_sm, at, &bar0, tid, dim);
-            } else {
-                copy_rows::<P, N2, N8>(c, w0 + 2 * TILE, v_end, &mut y_sm, at, &bar1, tid, dim);
-            }
+            let (first, same) = (w0 + 2 * TILE, k % 2);
+            copy_to_buffer::<P, N2, N8>(
+                c, first, v_end, &mut y_sm, at, same, &bar0, &bar1, tid, dim,
+            );
         }
         #[unroll]
         for v in 0..2usize {

@@ -8,7 +8,11 @@
 //!   vocabulary entries (FlashAttention-2's split of dQ and dK/dV): each gradient is summed in
 //!   f32 registers over the whole walk and written once in the operands' dtype, so the backward
 //!   holds dE and dC and `O(N)` vectors, nothing else. Both walks recompute the logits: four
-//!   `N·V·D` products in all, against three with atomics into f32 buffers (`2×` dE + dC).
+//!   `N·V·D` products in all, against three with atomics into f32 buffers (`2×` dE + dC);
+//! - for training, [`forward_grad()`] (one walk owned by blocks of tokens: the log-sum-exp, the
+//!   target logit and dE for a unit loss gradient, the softmax taken online) and
+//!   [`backward_dc`] (dE scaled by the loss gradient in place, the dC walk): the dE walk and
+//!   the log-sum-exp share their logits, three `N·V·D` products in all.
 //!
 //! A cube is 8 planes over `TILE` owned rows. The backward keeps in shared memory the owned
 //! tile, two walked tiles (the next one filled by Hopper's bulk copies while the cube computes on
@@ -21,10 +25,12 @@
 mod backward;
 mod copies;
 mod forward;
+mod forward_grad;
 pub mod stages;
 
 use burn::backend::cubecl::dtype_to_storage_type;
-use burn::tensor::{DType, Shape};
+use burn::backend::ops::FloatTensorOps;
+use burn::tensor::{DType, FloatDType, Shape};
 use burn_cubecl::{
     kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype, tensor::CubeTensor,
 };
@@ -89,6 +95,21 @@ pub fn shared_bytes(d: usize) -> usize {
     2 * TILE * d + 2 * TILE * (2 * d + 4 * PAD) + 2 * TILE * TILE + 12 * TILE + 16 + 4 * PLANES
 }
 
+/// Why the fused kernels never take inputs of `dtype` with hidden size `d`, whatever the
+/// device; `None` where they may ([`unsupported`] adds the device's checks). The autodiff loss
+/// asks it before choosing the training path.
+pub fn inputs_unsupported(dtype: DType, d: usize) -> Option<String> {
+    if !matches!(dtype, DType::BF16 | DType::F16) {
+        return Some(format!("{dtype:?} inputs (f16 or bf16)"));
+    }
+    if d == 0 || !d.is_multiple_of(64) || d > MAX_DIM {
+        return Some(format!(
+            "hidden size {d} (a multiple of 64 up to {MAX_DIM})"
+        ));
+    }
+    None
+}
+
 /// Why the fused kernels do not take `n` tokens of hidden size `d` in `dtype` against a
 /// vocabulary of `vocab` entries on `client`'s runtime; `None` where they do. (A bias and the
 /// gradient filter are the caller's to check.)
@@ -105,10 +126,8 @@ pub fn unsupported(
     if !client.properties().features.tma.contains(Tma::Base) {
         return Some("no bulk copies (TMA, sm90 and later)".to_string());
     }
-    if d == 0 || !d.is_multiple_of(64) || d > MAX_DIM {
-        return Some(format!(
-            "hidden size {d} (a multiple of 64 up to {MAX_DIM})"
-        ));
+    if let Some(why) = inputs_unsupported(dtype, d) {
+        return Some(why);
     }
     if n == 0 || vocab == 0 {
         return Some("no tokens or no vocabulary".to_string());
@@ -214,6 +233,54 @@ pub fn forward(e: CubeTensor, c: CubeTensor, softcap: Option<f32>) -> Option<Cub
     Some(lse)
 }
 
+/// The targets' dtype, if the backward kernels cannot read it (they take i32 and i64).
+fn targets_unsupported(targets: &CubeTensor) -> Option<String> {
+    (!matches!(targets.dtype, DType::I32 | DType::I64))
+        .then(|| format!("{:?} targets (i32/i64)", targets.dtype))
+}
+
+/// One gradient walk ([`backward::cce_grad_kernel`]): cubes own `TILE` rows of `x` (`owned`
+/// rows; vocabulary entries with `vocab_owned`) and walk every row of `y`, writing `out`.
+#[allow(clippy::too_many_arguments)]
+fn grad_walk(
+    [x, y, out]: [&CubeTensor; 3],
+    [targets, lse, dout]: [&CubeTensor; 3],
+    owned: usize,
+    vocab_owned: bool,
+    [n, vocab, d]: [usize; 3],
+    softcap: Option<f32>,
+    filter_eps: Option<f32>,
+) {
+    let client = x.client.clone();
+    let dtypes = [
+        dtype_to_storage_type(x.dtype),
+        dtype_to_storage_type(targets.dtype),
+    ];
+    // SAFETY: rows are read only below their counts (zeros past them), shared tiles within
+    // their declared sizes, and the output written only for owned rows below `owned`.
+    unsafe {
+        backward::cce_grad_kernel::launch_unchecked(
+            &client,
+            row_grid(&client, owned.div_ceil(TILE)),
+            CubeDim::new_2d(32, PLANES as u32),
+            2,
+            8,
+            x.clone().into_tensor_arg(),
+            y.clone().into_tensor_arg(),
+            lse.clone().into_tensor_arg(),
+            dout.clone().into_tensor_arg(),
+            targets.clone().into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            args(n, vocab, softcap, filter_eps),
+            d,
+            vocab_owned,
+            softcap.is_some(),
+            filter_eps.is_some(),
+            dtypes,
+        );
+    }
+}
+
 /// `(dE, dC)` of `Σᵢ dout[i]·lossᵢ` (no bias), written in the operands' dtype from f32
 /// accumulators; `None` (nothing launched) where [`unsupported`] says why not or an operand's
 /// start is not 16-byte aligned.
@@ -235,49 +302,144 @@ pub fn backward(
     softcap: Option<f32>,
     filter_eps: Option<f32>,
 ) -> Option<(CubeTensor, CubeTensor)> {
-    let targets_why = (!matches!(targets.dtype, DType::I32 | DType::I64))
-        .then(|| format!("{:?} targets (i32/i64)", targets.dtype));
-    let (e, c, [n, vocab, d]) = operands(e, c, "backward", targets_why)?;
-    let client = e.client.clone();
-    let dtype = e.dtype;
-    let (targets, lse, dout) = (
-        into_contiguous(targets),
-        into_contiguous(lse),
-        into_contiguous(dout),
+    let why = targets_unsupported(&targets);
+    let (e, c, dims) = operands(e, c, "backward", why)?;
+    let [n, vocab, d] = dims;
+    let [targets, lse, dout] = [targets, lse, dout].map(into_contiguous);
+    let de = empty(&e, Shape::new([n, d]), e.dtype);
+    let dc = empty(&e, Shape::new([vocab, d]), e.dtype);
+    count_launch("cce_fused_backward");
+    let token_data = [&targets, &lse, &dout];
+    grad_walk(
+        [&e, &c, &de],
+        token_data,
+        n,
+        false,
+        dims,
+        softcap,
+        filter_eps,
     );
-    let de = empty(&e, Shape::new([n, d]), dtype);
-    let dc = empty(&e, Shape::new([vocab, d]), dtype);
+    grad_walk(
+        [&c, &e, &dc],
+        token_data,
+        vocab,
+        true,
+        dims,
+        softcap,
+        filter_eps,
+    );
+    Some((de, dc))
+}
+
+/// The training forward: each token's log-sum-exp, its (soft-capped) target logit, both f32,
+/// and `∂ lossᵢ / ∂Eᵢ` (dE for a unit loss gradient, in the operands' dtype), from one walk
+/// owned by blocks of tokens (module `forward_grad`); [`backward_dc`] finishes
+/// the gradients. `None` (nothing launched) where [`unsupported`] says why not, the targets
+/// are not i32/i64 or an operand's start is not 16-byte aligned: the same inputs make
+/// [`backward_dc`] decline too.
+///
+/// # Shapes
+/// - `e`: `[n, D]`, `c`: `[V, D]`, one 16-bit dtype; `targets`: `[n]` in `[0, V)`
+/// - returns `lse [n]`, `target_logit [n]`, `dE₁ [n, D]`
+pub fn forward_grad(
+    e: CubeTensor,
+    c: CubeTensor,
+    targets: CubeTensor,
+    softcap: Option<f32>,
+) -> Option<(CubeTensor, CubeTensor, CubeTensor)> {
+    let why = targets_unsupported(&targets);
+    let (e, c, [n, vocab, d]) = operands(e, c, "training forward", why)?;
+    let client = e.client.clone();
+    let targets = into_contiguous(targets);
+    let lse = empty(&e, Shape::new([n]), DType::F32);
+    let target_logit = empty(&e, Shape::new([n]), DType::F32);
+    let de = empty(&e, Shape::new([n, d]), e.dtype);
     let dtypes = [
-        dtype_to_storage_type(dtype),
+        dtype_to_storage_type(e.dtype),
         dtype_to_storage_type(targets.dtype),
     ];
-    count_launch("cce_fused_backward");
-    // (owned, walked, output, rows owned, owned rows are vocabulary entries)
-    let walks = [(&e, &c, &de, n, false), (&c, &e, &dc, vocab, true)];
-    for (x, y, out, owned, vocab_owned) in walks {
-        // SAFETY: rows are read only below their counts (zeros past them), shared tiles within
-        // their declared sizes, and the output written only for owned rows below `owned`.
-        unsafe {
-            backward::cce_grad_kernel::launch_unchecked(
-                &client,
-                row_grid(&client, owned.div_ceil(TILE)),
-                CubeDim::new_2d(32, PLANES as u32),
-                2,
-                8,
-                x.clone().into_tensor_arg(),
-                y.clone().into_tensor_arg(),
-                lse.clone().into_tensor_arg(),
-                dout.clone().into_tensor_arg(),
-                targets.clone().into_tensor_arg(),
-                out.clone().into_tensor_arg(),
-                args(n, vocab, softcap, filter_eps),
-                d,
-                vocab_owned,
-                softcap.is_some(),
-                filter_eps.is_some(),
-                dtypes,
-            );
-        }
+    count_launch("cce_fused_forward_grad");
+    // SAFETY: rows are read only below their counts (zeros past them), shared tiles within
+    // their declared sizes, outputs written only for tokens below `n`, and the classifier's
+    // rows only at targets in `[0, V)`.
+    unsafe {
+        forward_grad::cce_lse_grad_kernel::launch_unchecked(
+            &client,
+            row_grid(&client, n.div_ceil(TILE)),
+            CubeDim::new_2d(32, PLANES as u32),
+            2,
+            8,
+            e.into_tensor_arg(),
+            c.clone().into_tensor_arg(),
+            c.into_tensor_arg(),
+            targets.into_tensor_arg(),
+            lse.clone().into_tensor_arg(),
+            target_logit.clone().into_tensor_arg(),
+            de.clone().into_tensor_arg(),
+            args(n, vocab, softcap, None),
+            d,
+            softcap.is_some(),
+            dtypes,
+        );
     }
+    Some((lse, target_logit, de))
+}
+
+/// `(dE, dC)` of `Σᵢ dout[i]·lossᵢ` (no bias) from [`forward_grad()`]'s `de_unit`: dE is
+/// `de_unit` scaled by `dout` row by row (in place where no other handle shares it), dC one
+/// walk owned by blocks of vocabulary entries, as in [`backward()`] (the gradient filter applies
+/// to dC only: dE was summed before any tile's softmax was known). `None` (nothing launched)
+/// where [`forward_grad()`] declines the same inputs.
+///
+/// # Shapes
+/// As [`backward()`], and `de_unit`: `[n, D]` in the operands' dtype.
+#[allow(clippy::too_many_arguments)]
+pub fn backward_dc(
+    e: CubeTensor,
+    c: CubeTensor,
+    targets: CubeTensor,
+    lse: CubeTensor,
+    dout: CubeTensor,
+    de_unit: CubeTensor,
+    softcap: Option<f32>,
+    filter_eps: Option<f32>,
+) -> Option<(CubeTensor, CubeTensor)> {
+    let why = targets_unsupported(&targets);
+    let (e, c, dims) = operands(e, c, "training backward", why)?;
+    let [n, vocab, d] = dims;
+    let client = e.client.clone();
+    let [targets, lse, dout] = [targets, lse, dout].map(into_contiguous);
+    let dc = empty(&e, Shape::new([vocab, d]), e.dtype);
+    count_launch("cce_fused_backward_dc");
+    grad_walk(
+        [&c, &e, &dc],
+        [&targets, &lse, &dout],
+        vocab,
+        true,
+        dims,
+        softcap,
+        filter_eps,
+    );
+    if !(de_unit.can_mut() && de_unit.is_contiguous()) {
+        // Another handle shares dE₁ (or it is a view): scale into a new tensor.
+        log::debug!("fused CCE: dE₁ is shared, scaled into a new tensor");
+        type Cb = burn_cubecl::CubeBackend;
+        let dtype = de_unit.dtype;
+        let de = Cb::float_cast(de_unit, FloatDType::F32);
+        let de = Cb::float_mul(de, Cb::float_reshape(dout, Shape::new([n, 1])));
+        return Some((Cb::float_cast(de, FloatDType::from(dtype)), dc));
+    }
+    let de = de_unit;
+    let (count, dim) = elementwise_grid(&client, n * d);
+    forward_grad::scale_rows_kernel::launch(
+        &client,
+        count,
+        dim,
+        de.clone().into_tensor_arg(),
+        dout.into_tensor_arg(),
+        n * d,
+        d,
+        dtype_to_storage_type(de.dtype),
+    );
     Some((de, dc))
 }

@@ -4,7 +4,7 @@
 //! product `G·Y` added into the plane's f32 accumulators, and writing them out.
 //!
 //! Tiles the units store (the owned operand's, the gradient tile) are row-major and swizzled
-//! ([`chunk_at`]): 16-byte chunk `c` of row `r` sits at chunk `c xor (r mod 8)`, so the 8
+//! ([`chunk_at()`]): 16-byte chunk `c` of row `r` sits at chunk `c xor (r mod 8)`, so the 8
 //! consecutive rows one `ldmatrix` matrix reads fall in 8 different bank groups with no padding
 //! (the backward has no room for it). Walked tiles, which bulk copies fill a row at a time, are
 //! padded instead (`copies::padded_at`). Fragment layouts are PTX's
@@ -54,7 +54,7 @@ pub fn chunk_at(row: usize, chunk: usize, #[comptime] dim: usize) -> usize {
     row * comptime!(dim / 2) + (chunk ^ (row % 8)) * 4
 }
 
-/// The rows and columns of the tile whose logits plane `plane` keeps after [`scores`]: rows
+/// The rows and columns of the tile whose logits plane `plane` keeps after [`scores()`]: rows
 /// `r0 .. r0 + 16`, columns `c0 .. c0 + 32`.
 #[cube]
 pub fn score_block(plane: usize) -> (usize, usize) {
@@ -128,7 +128,7 @@ fn column_products<P: Float, N2: Size>(
 /// over the two halves of the depth (`p / 4`): per 16 channels 2 A `ldmatrix.x4` and 4 B
 /// `ldmatrix.x2` feed 8 products (a 16 × 32 block over the whole depth needs 6 for 8). Each
 /// plane then hands the partner the 16 rows it does not keep, through `g_sm`
-/// ([`trade_narrow`]), and leaves the full sums of the block [`score_block`] names in `s`:
+/// (`trade_narrow`), and leaves the full sums of the block [`score_block()`] names in `s`:
 /// column block `n` at `s[2n]` (row `g`) and
 /// `s[2n + 1]`. Syncs the cube four times, the last after the trade's last read of `g_sm`.
 ///
@@ -176,7 +176,7 @@ pub fn scores<P: Float, N2: Size>(
     trade_narrow::<P, N2>(&full, g_sm, s, plane, lane);
 }
 
-/// The plane's A fragments of [`scores`] over its whole depth half, for [`scores_held`]: step
+/// The plane's A fragments of [`scores()`] over its whole depth half, for [`scores_held()`]: step
 /// `h` (32 channels), row block `m`, 16-deep step `j` at `a[16h + 4(2m + j) ..]`; `dim / 4`
 /// registers a lane (144 at `dim = 576`). Loaded once, they let a walk read only the walked
 /// tiles from shared memory.
@@ -207,7 +207,7 @@ pub fn held_fragments<P: Float, N2: Size>(
     a
 }
 
-/// [`scores`] with the A fragments held in registers ([`held_fragments`]) and the walked tile
+/// [`scores()`] with the A fragments held in registers ([`held_fragments()`]) and the walked tile
 /// at word `yo` of `y_sm`. Syncs the cube once, after the last read of the walked tile.
 #[cube]
 #[allow(clippy::too_many_arguments)]
@@ -362,12 +362,12 @@ pub fn token_grad<I: Int>(
 }
 
 /// The logit gradient `(softmax − onehot) · dout · cap'` of the plane's block `s` (rows
-/// `r0 + g + 8v`, columns `c0 + 8n + 2t + e` of the tile, as [`scores`] leaves it and
-/// [`score_block`] names them), stored to
+/// `r0 + g + 8v`, columns `c0 + 8n + 2t + e` of the tile, as [`scores()`] leaves it and
+/// [`score_block()`] names them), stored to
 /// `g_sm` (swizzled, `TILE / 2` words a row) in the operands' dtype.
 ///
 /// The tile's tokens' log-sum-exp, loss gradient and target are in `tok_lse`, `tok_dout` and
-/// `tok_target` ([`token_grad`]), by column with `vocab_owned` (the rows are vocabulary entries
+/// `tok_target` ([`token_grad()`]), by column with `vocab_owned` (the rows are vocabulary entries
 /// `o0 + row`, the columns tokens `w0 + col`) and by row otherwise (rows tokens, columns
 /// entries). Columns past the walked operand's end get 0.
 ///
@@ -512,7 +512,7 @@ pub fn accumulate<P: Float, N2: Size>(
     }
 }
 
-/// Writes the lane's accumulators ([`accumulate`]'s layout) as rows `first + 16m + g + 8v`,
+/// Writes the lane's accumulators ([`accumulate()`]'s layout) as rows `first + 16m + g + 8v`,
 /// channels `q0 + 8n + 2t ..` of `dst` (`[len, dim]`, contiguous, pairs), rows below `len`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
