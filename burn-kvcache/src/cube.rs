@@ -206,6 +206,19 @@ pub trait KvKernels: Backend {
         sin: FloatTensor<Self>,
         chunk: usize,
     ) -> FloatTensor<Self>;
+
+    /// ShadowKV's selection: per row, the positions of the `k` largest of its first `n`
+    /// scores, ascending (ties to the lowest positions), then the first of them repeated.
+    ///
+    /// # Shapes
+    /// - `scores`: `[rows, cols]` f32; `sizes`: `[rows, 2]` int, `(n, k)` per row
+    /// - returns `[rows, kk]` in `sizes`' int dtype
+    #[fusion(dtype = sizes, shape = crate::shapes::top_k_shape(scores, kk))]
+    fn shadowkv_top_k(
+        scores: FloatTensor<Self>,
+        sizes: IntTensor<Self>,
+        kk: usize,
+    ) -> IntTensor<Self>;
 }
 
 #[cfg(feature = "cube")]
@@ -375,6 +388,15 @@ mod cube_backend {
         ) -> FloatTensor<Self> {
             count_launch("shadowkv_gather_reconstruct_rope");
             kernels::gather_rope::gather_reconstruct_rope(a, wt, chunks, cos, sin, chunk)
+        }
+
+        fn shadowkv_top_k(
+            scores: FloatTensor<Self>,
+            sizes: IntTensor<Self>,
+            kk: usize,
+        ) -> IntTensor<Self> {
+            count_launch("shadowkv_top_k");
+            kernels::top_k::top_k(scores, sizes, kk)
         }
     }
 }

@@ -60,6 +60,9 @@ pub enum KvCacheError {
     /// The tables must be f32 and the two factors one dtype.
     #[error("dtype mismatch: cos/sin must be f32 and both factors one float dtype")]
     DTypeMismatch,
+    /// An op input that must be f32 (named) is not.
+    #[error("{0} must be f32")]
+    NotF32(&'static str),
     /// A layer index past the model's layers.
     #[error("layer {layer} is out of range for a cache of {num_layers} layers")]
     LayerOutOfRange { layer: usize, num_layers: usize },

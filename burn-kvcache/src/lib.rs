@@ -17,7 +17,8 @@
 //!   retained tokens are quantized, the magnitudes stay in the model dtype.
 //!
 //! The ops they are built on are public and validated: [`merge`], [`restore`], [`quantize`],
-//! [`dequantize`], [`quant_attention`], [`gather_reconstruct_rope`] (and [`DecodeAttention`]).
+//! [`dequantize`], [`quant_attention`], [`gather_reconstruct_rope`], [`top_k_rows`] (and
+//! [`DecodeAttention`]).
 //! Each runs as a CubeCL kernel where the tensors live on a CubeCL device of a runtime this
 //! build enables, through the backend extension [`KvKernels`] (Burn's `Dispatch`, fused or
 //! not; [`kernels`]), and as plain tensor ops everywhere else ([`reference`](mod@reference)),
@@ -181,4 +182,42 @@ pub fn gather_reconstruct_rope(
             chunk,
         ),
     ))
+}
+
+/// ShadowKV's selection: for each row `r` with `(n, k) = sizes[r]`, the positions of the `k`
+/// largest of the row's first `n` scores in ascending order (ties go to the lowest
+/// positions), then the first of them repeated up to `kk` slots (`k` is capped by `n` and
+/// `kk`; a row with `k = 0` gets zeros). What the decode step reads back instead of every
+/// score.
+///
+/// # Shapes
+/// - `scores`: `[rows, cols]` f32, no NaN; `sizes`: `[rows, 2]` int, non-negative
+/// - returns `[rows, kk]` in `sizes`' int dtype
+///
+/// # Errors
+/// [`KvCacheError::ShapeMismatch`] when `sizes` is not `[rows, 2]` or `kk > cols`;
+/// [`KvCacheError::NotF32`] when `scores` is not f32.
+pub fn top_k_rows(
+    scores: Tensor<2>,
+    sizes: Tensor<2, Int>,
+    kk: usize,
+) -> Result<Tensor<2, Int>, KvCacheError> {
+    let [rows, cols] = scores.dims();
+    if sizes.dims() != [rows, 2] || kk > cols {
+        return Err(KvCacheError::ShapeMismatch {
+            left: scores.dims().to_vec(),
+            right: vec![sizes.dims()[0], sizes.dims()[1], kk],
+        });
+    }
+    if scores.dtype() != DType::F32 {
+        return Err(KvCacheError::NotF32("top-k scores"));
+    }
+    if !kernel("shadowkv_top_k", &scores.device(), None) {
+        return Ok(reference::top_k_rows(scores, sizes, kk));
+    }
+    Ok(Tensor::from_dispatch(Dispatch::shadowkv_top_k(
+        scores.into_dispatch(),
+        sizes.into_dispatch(),
+        kk,
+    )))
 }

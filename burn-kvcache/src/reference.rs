@@ -280,3 +280,42 @@ pub fn quant_attention(q: Tensor<4>, view: &QuantAttnView, opts: &AttnOptions) -
     };
     ReferenceAttention.attend(0, q, k, v, opts)
 }
+
+/// ShadowKV's selection as tensor ops (see [`crate::top_k_rows`]): each row sorted descending
+/// with the positions past its `n` hidden, the first `k` of those positions sorted ascending,
+/// the remaining of the `kk` slots the first of them (zeros where `k = 0`).
+///
+/// # Shapes
+/// - `scores`: `[rows, cols]` f32; `sizes`: `[rows, 2]` int, `(n, k)` per row; `kk ≤ cols`
+/// - returns `[rows, kk]` in `sizes`' int dtype
+pub fn top_k_rows(scores: Tensor<2>, sizes: Tensor<2, Int>, kk: usize) -> Tensor<2, Int> {
+    let [rows, cols] = scores.dims();
+    let device = scores.device();
+    let int = IntDType::from(sizes.dtype());
+    let sizes = sizes.cast(IntDType::I64);
+    let n = sizes.clone().slice([0..rows, 0..1]).clamp(0, cols as i64);
+    let k = sizes
+        .slice([0..rows, 1..2])
+        .min_pair(n.clone())
+        .clamp(0, kk as i64);
+    let positions = |len: usize| {
+        Tensor::<1, Int>::arange(0..len as i64, &device)
+            .cast(IntDType::I64)
+            .reshape([1, len])
+            .expand([rows, len])
+    };
+    let hidden = positions(cols).greater_equal(n.expand([rows, cols]));
+    let (_, order) = scores
+        .mask_fill(hidden, f32::NEG_INFINITY)
+        .sort_descending_with_indices(1);
+    let dropped = positions(kk).greater_equal(k.expand([rows, kk]));
+    let sorted = order
+        .cast(IntDType::I64)
+        .slice([0..rows, 0..kk])
+        .mask_fill(dropped, cols as i64)
+        .sort(1);
+    let first = sorted.clone().slice([0..rows, 0..1]);
+    let first = first.clone().mask_fill(first.equal_elem(cols as i64), 0);
+    let pad = sorted.clone().equal_elem(cols as i64);
+    sorted.mask_where(pad, first.expand([rows, kk])).cast(int)
+}

@@ -34,6 +34,11 @@ pub fn gather_rope_shape(wt: &Shape, chunks: &Shape, chunk: &usize) -> Shape {
     Shape::new([b, h, chunks[2] * chunk, d])
 }
 
+/// The selection for `scores` `[rows, cols]` keeping `kk` slots per row: `[rows, kk]`.
+pub fn top_k_shape(scores: &Shape, kk: &usize) -> Shape {
+    Shape::new([scores[0], *kk])
+}
+
 impl QuantLayout {
     /// The packed form of `rows` rows: words `[rows, groups · words_per_group]` (u32) and the
     /// per-group scale and min `[rows, groups]`.

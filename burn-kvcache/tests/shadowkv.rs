@@ -1,6 +1,7 @@
 //! ShadowKV: the gather-reconstruct-rope kernel against the tensor-op reference and a scalar
-//! oracle; decoding through the cache against the full cache (budget ≥ context at full rank,
-//! batches of different lengths, truncation); retrieval of a planted chunk at a small budget;
+//! oracle; the selection (top-k) kernel and reference against a host oracle; decoding through
+//! the cache against the full cache (budget ≥ context at full rank, batches of different
+//! lengths, truncation); retrieval of a planted chunk at a small budget;
 //! low-rank error against rank; exact host round trips of values; typed config errors.
 //!
 //! The checks live in the submodules below; the tests are declared here (`on_all!` and the CPU
@@ -10,11 +11,13 @@ mod common;
 mod compression;
 mod decode;
 mod gather;
+mod top_k;
 
 use common::*;
 use compression::*;
 use decode::*;
 use gather::*;
+use top_k::*;
 
 use burn::tensor::{Device, Int, Tensor};
 use burn_kernels_core::{FullKvCache, KvCache};
@@ -26,6 +29,8 @@ use burn_kvcache::{
 
 on_all!(
     gather_rope_matches_reference,
+    top_k_matches_oracle,
+    top_k_with_ties,
     budget_covers_context_matches_full,
     batch_matches_single,
     retrieves_planted_chunk,

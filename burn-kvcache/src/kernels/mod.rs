@@ -6,6 +6,8 @@
 //! - [`quantize`]: one unit per group (min/max, codes, its packed words);
 //! - [`dequantize`]: one unit per output element;
 //! - [`gather_rope`]: ShadowKV's key rebuild, one unit per rotated pair of output elements;
+//! - [`top_k`]: ShadowKV's selection, one cube per row (a bitwise search for the `k`-th
+//!   largest key, then a scan of the units' counts for ordered output);
 //! - [`decode_attention`]: split-K attention over full-precision keys, one cube of planes per
 //!   split (lanes over channels, the planes merged in shared memory), combined by
 //!   [`quant_attention`]'s combine kernel where there are several splits;
@@ -22,6 +24,7 @@ pub mod merge;
 pub mod quant_attention;
 pub mod quantize;
 pub mod restore;
+pub mod top_k;
 
 /// Units per cube of the element-wise launches.
 pub(crate) const UNITS: u32 = 256;

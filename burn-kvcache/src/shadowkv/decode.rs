@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use burn::tensor::{Bool, DType, Tensor, TensorData, activation};
+use burn::tensor::{Bool, DType, Int, Tensor, TensorData, activation};
 use burn_kernels_core::{AttentionImpl, AttnOptions, append_kv};
 
 use super::host::upload_rows;
@@ -161,14 +161,14 @@ pub(super) struct Selection {
 /// How much the queries `q` `[b, hq, sq, dd]` (f32) want each of `keys` `[b, h, t, dd]`:
 /// `softmax(q·kᵀ·scale)` over the `t` keys (those `hidden` `[b, 1, 1, t]` masked out), summed
 /// over the `sq` queries and maxed over each KV head's `hq / h` query heads (as ShadowKV's
-/// official code). Returns `[b, h, t]` on the host.
+/// official code). Returns `[b·h, t]` f32 on the device.
 pub(super) fn group_scores(
     q: Tensor<4>,
     keys: Tensor<4>,
     hidden: Option<Tensor<4, Bool>>,
     h: usize,
     scale: f32,
-) -> Vec<f32> {
+) -> Tensor<2> {
     let [b, hq, sq, dd] = q.dims();
     let (g, t) = (hq / h, keys.dims()[2]);
     let scores = q
@@ -183,21 +183,34 @@ pub(super) fn group_scores(
         .reshape([b, h, g, sq, t])
         .sum_dim(3)
         .max_dim(2)
-        .into_data()
-        .convert::<f32>()
-        .try_to_vec::<f32>()
-        .expect("f32")
+        .reshape([b * h, t])
 }
 
-/// The positions of the `keep` largest of `row` (all of them when `keep ≥ row.len()`), in no
-/// particular order.
-pub(super) fn top_k(row: &[f32], keep: usize) -> Vec<usize> {
-    let mut ids: Vec<usize> = (0..row.len()).collect();
-    if keep < row.len() {
-        ids.select_nth_unstable_by(keep, |&x, &y| row[y].total_cmp(&row[x]));
-        ids.truncate(keep);
-    }
-    ids
+/// Per row of `scores` `[rows, t]` (f32) with `(n, k) = sizes[row]`: the positions of the `k`
+/// highest of its first `n` scores, ascending, then the first repeated up to `kk` (on the
+/// device, [`crate::top_k_rows`]). Returns them on the device (`[rows, kk]` i32) and on the
+/// host, one `Vec` per row.
+pub(super) fn top_k_rows(
+    scores: Tensor<2>,
+    sizes: &[[usize; 2]],
+    kk: usize,
+) -> (Tensor<2, Int>, Vec<Vec<usize>>) {
+    let rows = sizes.len();
+    let device = scores.device();
+    let flat: Vec<i32> = sizes.iter().flatten().map(|&x| x as i32).collect();
+    let sizes = i32_tensor::<2>(flat, [rows, 2], &device);
+    let ids = crate::top_k_rows(scores, sizes, kk).expect("f32 scores, [rows, 2] sizes, kk ≤ t");
+    let host: Vec<i64> = ids
+        .to_data()
+        .convert::<i64>()
+        .try_to_vec::<i64>()
+        .expect("i64");
+    let host = host
+        .chunks(kk.max(1))
+        .take(rows)
+        .map(|r| r.iter().map(|&x| x as usize).collect())
+        .collect();
+    (ids, host)
 }
 
 /// Scoring: softmax of the queries over the landmarks, summed over queries, max over the GQA
@@ -213,7 +226,6 @@ fn select_chunks(
     scoring: ChunkScoring,
 ) -> Selection {
     let b = q.dims()[0];
-    let cmax = sp.landmarks.dims()[2];
     let q = q.clone().cast(DType::F32);
     let q = match scoring {
         ChunkScoring::Mean => q,
@@ -222,16 +234,22 @@ fn select_chunks(
     let scores = group_scores(q, sp.landmarks.clone(), sp.land_pad.clone(), h, scale);
     let kk = select.min(sp.n_land.iter().max().copied().unwrap_or(0));
     let valid: Vec<usize> = sp.n_land.iter().map(|&n| kk.min(n)).collect();
-    // Top-k per (sequence, KV head), on every core: at batch 8 and 128K a layer has 64
-    // rows of 16K landmarks.
-    let (n_land, land_chunk) = (&sp.n_land, &sp.land_chunk);
-    let flat: Vec<Vec<usize>> = (0..b * h)
-        .into_par_iter()
-        .map(|ih| {
+    // Top-k per (sequence, KV head) on the device: a step reads back `kk` ids a row instead
+    // of every landmark's score (at batch 8 and 128K a layer has 64 rows of 16K landmarks).
+    let sizes: Vec<[usize; 2]> = (0..b * h)
+        .map(|ih| [sp.n_land[ih / h], valid[ih / h]])
+        .collect();
+    let (_, ids) = top_k_rows(scores, &sizes, kk);
+    let land_chunk = &sp.land_chunk;
+    let flat: Vec<Vec<usize>> = ids
+        .into_iter()
+        .enumerate()
+        .map(|(ih, ids)| {
             let (i, hh) = (ih / h, ih % h);
-            let (n, nv) = (n_land[i], valid[i]);
-            let ids = top_k(&scores[ih * cmax..ih * cmax + n], nv);
-            let mut chunks: Vec<usize> = ids.iter().map(|&l| land_chunk[i][hh][l]).collect();
+            let mut chunks: Vec<usize> = ids[..valid[i]]
+                .iter()
+                .map(|&l| land_chunk[i][hh][l])
+                .collect();
             chunks.sort_unstable();
             // Padding slots (masked below) repeat a valid chunk.
             chunks.resize(kk, chunks[0]);

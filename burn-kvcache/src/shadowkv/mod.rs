@@ -29,11 +29,12 @@
 //! [`ChunkScoring::Bounds`], `l` is `[max | min]` and `q` is `[max(q, 0) | min(q, 0)]`, so
 //! `q·lᵀ` is the largest score any key of the chunk could give `q`), summed over the call's
 //! queries and maxed over the GQA group (as the official code); each `(sequence, KV head)`
-//! takes its top `budget / chunk` chunks. Their values come host→device, reusing the chunks
-//! the previous step of the layer already uploaded; their keys are rebuilt by the fused
-//! [`crate::gather_reconstruct_rope`] kernel. Attention (the given [`AttentionImpl`]) runs over
-//! `local | outliers | selected | generated`, the generated tokens (every token after the
-//! prompt, this call's included) held exactly on the device.
+//! takes its top `budget / chunk` chunks, selected on the device ([`crate::top_k_rows`]: a
+//! step reads back the chosen ids, not every score). Their values come host→device, reusing
+//! the chunks the previous step of the layer already uploaded; their keys are rebuilt by the
+//! fused [`crate::gather_reconstruct_rope`] kernel. Attention (the given [`AttentionImpl`])
+//! runs over `local | outliers | selected | generated`, the generated tokens (every token
+//! after the prompt, this call's included) held exactly on the device.
 //!
 //! With [`ShadowKvConfig::candidates`] `m > 1` the selection has two stages: the landmarks pick
 //! `m · budget / chunk` candidate chunks, their keys are rebuilt, and the same aggregate over
@@ -188,7 +189,7 @@ impl ShadowKvConfig {
 pub struct DecodeTimings {
     /// Sparse layer-steps decoded.
     pub layer_steps: usize,
-    /// Landmark scores, their read-back and the host top-k.
+    /// Landmark scores, the top-k on the device and the read-back of the chosen ids.
     pub scoring: Duration,
     /// Host→device value upload and the reuse gather (the three parts below and the rest).
     pub transfer: Duration,

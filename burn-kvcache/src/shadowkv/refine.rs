@@ -10,12 +10,11 @@
 
 use std::time::Instant;
 
-use burn::tensor::{Bool, DType, Int, Tensor, TensorData};
-use rayon::prelude::*;
+use burn::tensor::{Bool, DType, Tensor, TensorData};
 
-use super::decode::{Selection, group_scores, top_k};
+use super::decode::{Selection, group_scores, top_k_rows};
 use super::host::upload_rows;
-use super::{DecodeTimings, Sparse, idx_tensor, sync};
+use super::{DecodeTimings, Sparse, sync};
 
 /// The tokens a two-stage step keeps: their keys `[b, h, kk·cs, d]` (sorted by candidate slot,
 /// padding after the valid ones), which candidate slot each is (`picks[b·h][..]`), and the
@@ -52,20 +51,14 @@ pub(super) fn pick_tokens(
     let kk = select.min(cand.kk);
     let valid: Vec<usize> = cand.valid.iter().map(|&n| n.min(kk)).collect();
     let n_tok = kk * cs;
-    let picks: Vec<Vec<usize>> = (0..b * h)
-        .into_par_iter()
-        .map(|ih| {
-            let i = ih / h;
-            let (have, keep) = (cand.valid[i] * cs, valid[i] * cs);
-            let mut ids = top_k(&scores[ih * t..ih * t + have], keep);
-            ids.sort_unstable();
-            // Padding tokens (masked by the attention) repeat a valid one.
-            ids.resize(n_tok, ids[0]);
-            ids
-        })
+    // Per (sequence, KV head): the candidates' tokens it has, and the ones it keeps; padding
+    // tokens (masked by the attention) repeat a valid one.
+    let sizes: Vec<[usize; 2]> = (0..b * h)
+        .map(|ih| [cand.valid[ih / h] * cs, valid[ih / h] * cs])
         .collect();
-    let idx: Vec<i64> = picks.iter().flatten().map(|&p| p as i64).collect();
-    let idx: Tensor<4, Int> = idx_tensor::<3>(idx, [b, h, n_tok], &device)
+    let (idx, picks) = top_k_rows(scores, &sizes, n_tok);
+    let idx = idx
+        .reshape([b, h, n_tok])
         .unsqueeze_dim::<4>(3)
         .repeat_dim(3, d);
     Picked {
