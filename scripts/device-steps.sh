@@ -58,6 +58,9 @@
 #   skv64 skv128  shadowkv suite at 64K / 128K context (Llama-3-8B shape): ShadowKV against
 #            the full cache, each with Burn's attention op and the decode attention kernel, and
 #            ShadowKV's step profile (transfer share)
+#   skv64p skv128p  skv64 / skv128 with BURN_KERNELS_SHADOWKV_PINNED=0: the values uploaded
+#            without pinned staging (the comparison run for ShadowKvConfig::pinned_uploads;
+#            run it beside skv64 / skv128 in the same call)
 #   skv2s    shadowkv suite at 64K with two-stage selection (chunks of 4, 4x candidates:
 #            BURN_KERNELS_SHADOWKV_CHUNK / _CANDIDATES), the setting that scored 45.0 against the
 #            full cache's 48.3 on the RULER-style table; compare with skv64 in the same call
@@ -192,6 +195,8 @@ for s in "$@"; do
       --skip-impl 'sorting' --skip-impl "paper's" --skip-impl 'autotuned' --skip-impl 'bf16 dE' \
       --skip-impl 'one f32' --peers-dir "$peers" --out "$O/bccef" ;;
     skv64 | skv128) step "$s" run bench --suite shadowkv --filter "ctx=${s#skv}K" --out "$O/$s" ;;
+    skv64p | skv128p) ctx=${s#skv}; BURN_KERNELS_SHADOWKV_PINNED=0 \
+      step "$s" run bench --suite shadowkv --filter "ctx=${ctx%p}K" --out "$O/$s" ;;
     skv2s) BURN_KERNELS_SHADOWKV_CHUNK=4 BURN_KERNELS_SHADOWKV_CANDIDATES=4 \
       step skv2s run bench --suite shadowkv --filter "ctx=64K" --out "$O/skv2s" ;;
     bcces) step bcces run bench --suite cce --cce-chunk-bytes 16,32,64,128,256 \

@@ -566,6 +566,7 @@ fn greedy_answers_follow_greedy_generation() {
         min_prompt: 0,
         scoring: Default::default(),
         candidates: 1,
+        pinned_uploads: true,
     };
     let caches = [SeededCache::Full, SeededCache::ShadowKv(shadow)];
     for piece in [16, 1000] {

@@ -27,7 +27,7 @@ impl ShadowKvCache {
         opts: &AttnOptions,
     ) -> Tensor<4> {
         let (cs, select) = (self.cfg.chunk, self.cfg.select_chunks());
-        let profile = self.profile;
+        let (profile, pinned) = (self.profile, self.cfg.pinned_uploads);
         let device = q.device();
         let (cos, sin) = self.tables.clone().expect("set at the prefill");
         let Layer::Sparse(sp) = &mut self.layers[layer] else {
@@ -70,12 +70,20 @@ impl ShadowKvCache {
             let picked = pick_tokens(&q, &sel_k, &selection, select, opts.scale, cs);
             timings.scoring += t0.elapsed();
             let t1 = Instant::now();
-            let values = fetch_tokens(sp, &selection, &picked, dtype, [cs, d], profile, timings);
+            let values = fetch_tokens(
+                sp,
+                &selection,
+                &picked,
+                dtype,
+                [cs, d],
+                [profile, pinned],
+                timings,
+            );
             timings.transfer += t1.elapsed();
             (picked.keys, values, picked.selection)
         } else {
             let t1 = Instant::now();
-            let values = fetch_values(sp, &selection, dtype, [cs, d], profile, timings);
+            let values = fetch_values(sp, &selection, dtype, [cs, d], [profile, pinned], timings);
             timings.transfer += t1.elapsed();
             (sel_k, values, selection)
         };
@@ -129,7 +137,7 @@ impl ShadowKvCache {
                 _ => rec,
             };
             let all: Vec<Vec<usize>> = (0..h).map(|_| (0..chunks).collect()).collect();
-            let vals = sp.values[i].gather(&all, &device);
+            let vals = sp.values[i].gather_in(&all, &device, self.cfg.pinned_uploads);
             let ll = sp.local_len[i];
             let lk = item(&sp.local.0, i, wmax - ll, wmax);
             let lv = item(&sp.local.1, i, wmax - ll, wmax);
@@ -268,7 +276,7 @@ fn fetch_values(
     selection: &Selection,
     dtype: DType,
     [cs, d]: [usize; 2],
-    profile: bool,
+    [profile, pinned]: [bool; 2],
     timings: &mut DecodeTimings,
 ) -> Tensor<2> {
     let Selection { sel, valid, kk } = selection;
@@ -316,7 +324,7 @@ fn fetch_values(
     timings.chunks_reused += b * h * kk - fetched;
     let t_up = Instant::now();
     timings.transfer_host += t_up - t1;
-    let fresh = (fetched > 0).then(|| upload_rows(&rows, cs * d, dtype, &device));
+    let fresh = (fetched > 0).then(|| upload_rows(&rows, cs * d, dtype, &device, pinned));
     sync(profile, &device);
     let t_asm = Instant::now();
     timings.transfer_upload += t_asm - t_up;

@@ -1,6 +1,6 @@
 //! Values offloaded to host memory, chunk-major.
 
-use burn::tensor::{DType, Device, Tensor, TensorCreationOptions, TensorData};
+use burn::tensor::{DType, Device, StreamId, Tensor, TensorCreationOptions, TensorData};
 use rayon::prelude::*;
 
 /// One sequence's values in host memory: the raw bytes of `[heads, chunks, chunk, d]` in the
@@ -72,13 +72,18 @@ impl HostValues {
     /// - `sel[h]`: the chunk ids of head `h`, every head the same count `k`
     /// - returns `[heads, k · chunk, d]` in the stored dtype
     pub fn gather(&self, sel: &[Vec<usize>], device: &Device) -> Tensor<3> {
+        self.gather_in(sel, device, true)
+    }
+
+    /// [`HostValues::gather`], through pinned host memory only when `pinned`.
+    pub(crate) fn gather_in(&self, sel: &[Vec<usize>], device: &Device, pinned: bool) -> Tensor<3> {
         let k = sel.first().map_or(0, Vec::len);
         let rows: Vec<&[u8]> = sel
             .iter()
             .enumerate()
             .flat_map(|(h, chunks)| chunks.iter().map(move |&c| self.chunk_slice(h, c)))
             .collect();
-        upload_rows(&rows, self.chunk * self.d, self.dtype, device).reshape([
+        upload_rows(&rows, self.chunk * self.d, self.dtype, device, pinned).reshape([
             sel.len(),
             k * self.chunk,
             self.d,
@@ -153,15 +158,17 @@ fn gather_piece(rows: &[&[u8]], row_bytes: usize) -> Vec<u8> {
 }
 
 /// Uploads `rows` of raw bytes as a `[rows, row_len]` tensor of `dtype` (`rows ≥ 1`),
-/// gathered in parallel into pieces of whole rows of at most [`UPLOAD_PIECE_BYTES`] joined on
-/// the device.
+/// gathered into pieces of whole rows of at most [`UPLOAD_PIECE_BYTES`] (each piece on its
+/// own core, and moved into pinned host memory there when `pinned`, see
+/// [`super::ShadowKvConfig::pinned_uploads`]) joined on the device.
 pub(crate) fn upload_rows(
     rows: &[&[u8]],
     row_len: usize,
     dtype: DType,
     device: &Device,
+    pinned: bool,
 ) -> Tensor<2> {
-    upload_rows_in(rows, row_len, dtype, device, UPLOAD_PIECE_BYTES)
+    upload_rows_in(rows, row_len, dtype, device, UPLOAD_PIECE_BYTES, pinned)
 }
 
 fn upload_rows_in(
@@ -170,19 +177,27 @@ fn upload_rows_in(
     dtype: DType,
     device: &Device,
     piece_bytes: usize,
+    pinned: bool,
 ) -> Tensor<2> {
     let row_bytes = row_len * dtype.size();
     let per_piece = (piece_bytes / row_bytes.max(1)).max(1);
-    let mut pieces: Vec<Tensor<2>> = rows
-        .chunks(per_piece)
+    // Staging reserves pinned memory from the calling stream's pool: the caller's, on
+    // whichever core gathers the piece.
+    let stream = StreamId::current();
+    let pieces: Vec<TensorData> = rows
+        .par_chunks(per_piece)
         .map(|p| {
-            upload(
-                gather_piece(p, row_bytes),
-                [p.len(), row_len],
-                dtype,
-                device,
-            )
+            let bytes = gather_piece(p, row_bytes);
+            let mut data = TensorData::from_bytes_vec(bytes, [p.len(), row_len], dtype);
+            if pinned {
+                stream.executes(|| device.staging(std::iter::once(&mut data)));
+            }
+            data
         })
+        .collect();
+    let mut pieces: Vec<Tensor<2>> = pieces
+        .into_iter()
+        .map(|data| Tensor::from_data(data, options(dtype, device)))
         .collect();
     if pieces.len() == 1 {
         pieces.pop().expect("one piece")
@@ -191,17 +206,8 @@ fn upload_rows_in(
     }
 }
 
-/// Uploads raw bytes of `dtype` as a tensor.
-pub(crate) fn upload<const D: usize>(
-    bytes: Vec<u8>,
-    shape: [usize; D],
-    dtype: DType,
-    device: &Device,
-) -> Tensor<D> {
-    Tensor::from_data(
-        TensorData::from_bytes_vec(bytes, shape, dtype),
-        TensorCreationOptions::new(device.clone()).with_dtype(dtype),
-    )
+fn options(dtype: DType, device: &Device) -> TensorCreationOptions {
+    TensorCreationOptions::new(device.clone()).with_dtype(dtype)
 }
 
 #[cfg(test)]
@@ -221,10 +227,12 @@ mod tests {
         let refs: Vec<&[u8]> = bytes.chunks(row_bytes).rev().collect();
         let values: Vec<f32> = values.chunks(row_len).rev().flatten().copied().collect();
         for piece_bytes in [1, row_bytes, 4 * row_bytes + 5, 70 * row_bytes, 1 << 20] {
-            let t = upload_rows_in(&refs, row_len, DType::F32, &device, piece_bytes);
-            assert_eq!(t.dims(), [rows, row_len]);
-            let got = t.into_data().try_to_vec::<f32>().unwrap();
-            assert_eq!(got, values, "piece of {piece_bytes} bytes");
+            for pinned in [false, true] {
+                let t = upload_rows_in(&refs, row_len, DType::F32, &device, piece_bytes, pinned);
+                assert_eq!(t.dims(), [rows, row_len]);
+                let got = t.into_data().try_to_vec::<f32>().unwrap();
+                assert_eq!(got, values, "piece of {piece_bytes} bytes, pinned {pinned}");
+            }
         }
     }
 }

@@ -62,7 +62,7 @@ mod lowrank;
 mod prefill;
 mod refine;
 
-pub use host::{HostValues, tune_host_allocator};
+pub use host::{HostValues, UPLOAD_PIECE_BYTES, tune_host_allocator};
 pub use lowrank::{LowRank, RopeParams, low_rank, rope_tables, unrope};
 
 use std::time::Duration;
@@ -94,6 +94,12 @@ pub struct ShadowKvConfig {
     /// score highest (values fetched for those tokens only). 1 (the default): the paper's
     /// selection of whole chunks.
     pub candidates: usize,
+    /// Move each step's gathered values into the runtime's pinned (page-locked) host memory
+    /// on the gathering cores before they are uploaded (`Device::staging`, pieces of
+    /// [`UPLOAD_PIECE_BYTES`]), so that the runtime's device thread does not copy every piece
+    /// into its own staging buffer before the DMA. `true` by default; runtimes without pinned
+    /// memory (WebGPU, the CPU) upload as before.
+    pub pinned_uploads: bool,
 }
 
 /// How a decode step scores a chunk against its queries (see the module docs).
@@ -121,6 +127,7 @@ impl Default for ShadowKvConfig {
             min_prompt: 4096,
             scoring: ChunkScoring::Mean,
             candidates: 1,
+            pinned_uploads: true,
         }
     }
 }

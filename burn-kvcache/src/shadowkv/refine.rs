@@ -81,7 +81,7 @@ pub(super) fn fetch_tokens(
     picked: &Picked,
     dtype: DType,
     [cs, d]: [usize; 2],
-    profile: bool,
+    [profile, pinned]: [bool; 2],
     timings: &mut DecodeTimings,
 ) -> Tensor<2> {
     let device = sp.a.device();
@@ -106,7 +106,7 @@ pub(super) fn fetch_tokens(
     timings.chunks_fetched += rows.len() / cs;
     let t_up = Instant::now();
     timings.transfer_host += t_up - t1;
-    let values = upload_rows(&rows, d, dtype, &device).reshape([rows.len() / cs, cs * d]);
+    let values = upload_rows(&rows, d, dtype, &device, pinned).reshape([rows.len() / cs, cs * d]);
     debug_assert_eq!(values.dims()[0], picked.picks.len() * kk);
     sync(profile, &device);
     timings.transfer_upload += t_up.elapsed();

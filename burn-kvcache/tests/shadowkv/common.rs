@@ -106,6 +106,7 @@ pub(super) fn cfg(rank: usize, budget: usize) -> ShadowKvConfig {
         min_prompt: 0,
         scoring: Default::default(),
         candidates: 1,
+        pinned_uploads: true,
     }
 }
 

@@ -204,6 +204,7 @@ pub(super) fn retrieves_planted_chunk(device: &Device) {
         min_prompt: 0,
         scoring: Default::default(),
         candidates: 1,
+        pinned_uploads: true,
     };
     let dir = random_values(d, Dist::STANDARD, 3);
     let planted = 17; // chunk id: positions 136..144
@@ -240,6 +241,7 @@ fn lone_key_config(d: usize, candidates: usize) -> ShadowKvConfig {
         min_prompt: 0,
         scoring: ChunkScoring::Mean,
         candidates,
+        pinned_uploads: true,
     }
 }
 

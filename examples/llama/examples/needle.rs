@@ -139,6 +139,7 @@ fn main() {
                 min_prompt: 0,
                 scoring,
                 candidates: args.candidates,
+                pinned_uploads: true,
             }));
         }
         let got = greedy_answers(

@@ -126,6 +126,7 @@ pub(super) fn compressed_cache(model: &Llama, kind: CacheKind) -> LinearSpecCach
         min_prompt: 4,
         scoring: Default::default(),
         candidates: 1,
+        pinned_uploads: true,
     };
     spec.quant.residual = 4;
     LinearSpecCache::new(spec.build_for(cfg).expect("valid cache config"))

@@ -100,6 +100,8 @@ impl Steps {
 /// The suite's ShadowKV settings. `BURN_KERNELS_SHADOWKV_CHUNK` and
 /// `BURN_KERNELS_SHADOWKV_CANDIDATES` (two-stage selection) override the full run's chunk length
 /// and candidates; the local window and the outliers keep their tokens.
+/// `BURN_KERNELS_SHADOWKV_PINNED=0` uploads the values without pinned staging (the comparison
+/// run of [`ShadowKvConfig::pinned_uploads`]).
 fn shadow_config(quick: bool) -> ShadowKvConfig {
     let env = |name: &str| {
         std::env::var(name)
@@ -124,6 +126,7 @@ fn shadow_config(quick: bool) -> ShadowKvConfig {
         local_chunks: (base.local_chunks * base.chunk).div_ceil(chunk),
         outlier_chunks: (base.outlier_chunks * base.chunk).div_ceil(chunk),
         candidates: env("BURN_KERNELS_SHADOWKV_CANDIDATES").unwrap_or(base.candidates),
+        pinned_uploads: env("BURN_KERNELS_SHADOWKV_PINNED").is_none_or(|p| p != 0),
         ..base
     }
 }
@@ -270,6 +273,8 @@ fn problem(
                 ("chunk", json!(sk.chunk)),
                 ("outlier_chunks", json!(sk.outlier_chunks)),
                 ("local_chunks", json!(sk.local_chunks)),
+                ("candidates", json!(sk.candidates)),
+                ("pinned_uploads", json!(sk.pinned_uploads)),
                 ("max_host_mem_gb", json!(opts.max_host_mem_bytes / GB)),
             ],
         ),

@@ -149,6 +149,7 @@ impl KvArgs {
                 min_prompt: self.kv_min_prompt,
                 scoring: self.kv_scoring,
                 candidates: self.kv_candidates,
+                pinned_uploads: true,
             },
         })
     }
