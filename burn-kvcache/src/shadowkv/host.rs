@@ -181,24 +181,28 @@ fn upload_rows_in(
 ) -> Tensor<2> {
     let row_bytes = row_len * dtype.size();
     let per_piece = (piece_bytes / row_bytes.max(1)).max(1);
-    // Staging reserves pinned memory from the calling stream's pool: the caller's, on
-    // whichever core gathers the piece.
-    let stream = StreamId::current();
-    let pieces: Vec<TensorData> = rows
-        .par_chunks(per_piece)
-        .map(|p| {
-            let bytes = gather_piece(p, row_bytes);
-            let mut data = TensorData::from_bytes_vec(bytes, [p.len(), row_len], dtype);
-            if pinned {
+    let piece = |p: &[&[u8]]| {
+        TensorData::from_bytes_vec(gather_piece(p, row_bytes), [p.len(), row_len], dtype)
+    };
+    let upload = |data: TensorData| Tensor::<2>::from_data(data, options(dtype, device));
+    let mut pieces: Vec<Tensor<2>> = if pinned {
+        // Every piece gathered and staged on its own core; staging reserves pinned memory
+        // from the calling stream's pool, so each task runs on the caller's stream.
+        let stream = StreamId::current();
+        let staged: Vec<TensorData> = rows
+            .par_chunks(per_piece)
+            .map(|p| {
+                let mut data = piece(p);
                 stream.executes(|| device.staging(std::iter::once(&mut data)));
-            }
-            data
-        })
-        .collect();
-    let mut pieces: Vec<Tensor<2>> = pieces
-        .into_iter()
-        .map(|data| Tensor::from_data(data, options(dtype, device)))
-        .collect();
+                data
+            })
+            .collect();
+        staged.into_iter().map(upload).collect()
+    } else {
+        // One piece after another (each gathered on every core), the runtime copying each
+        // into its own staging buffer while the next is gathered.
+        rows.chunks(per_piece).map(|p| upload(piece(p))).collect()
+    };
     if pieces.len() == 1 {
         pieces.pop().expect("one piece")
     } else {
