@@ -34,16 +34,21 @@ fn order_key(x: f32) -> u32 {
     select(negative, bits ^ 0xFFFF_FFFFu32, bits | 0x8000_0000u32)
 }
 
-/// The sum of every unit's `part`, seen by every unit (`sm` holds `UNITS` words, free again
-/// on return).
+/// The sum (or with `min`, the minimum) of every unit's `part`, seen by every unit (`sm`
+/// holds `UNITS` words, free again on return).
 #[cube]
-fn cube_sum(part: u32, sm: &mut Shared<[u32]>, tid: usize) -> u32 {
+fn cube_reduce(part: u32, sm: &mut Shared<[u32]>, tid: usize, #[comptime] min: bool) -> u32 {
     sm[tid] = part;
     sync_cube();
     let mut stride = comptime!(UNITS / 2).runtime();
     while stride > 0 {
         if tid < stride {
-            sm[tid] += sm[tid + stride];
+            let other = sm[tid + stride];
+            if min {
+                sm[tid] = u32::min(sm[tid], other);
+            } else {
+                sm[tid] += other;
+            }
         }
         sync_cube();
         stride /= 2;
@@ -73,7 +78,7 @@ fn kth_key(
             count += select(order_key(scores[base + i]) >= candidate, 1u32, 0u32);
             i += UNITS;
         }
-        if cube_sum(count, sm, tid) >= k {
+        if cube_reduce(count, sm, tid, false) >= k {
             prefix = candidate;
         }
     }
@@ -169,17 +174,7 @@ fn top_k_kernel<I: Int>(
             }
         }
         // The row's lowest selected position: the minimum over the units.
-        sm[tid] = u32::cast_from(lowest);
-        sync_cube();
-        let mut stride = comptime!(UNITS / 2).runtime();
-        while stride > 0 {
-            if tid < stride {
-                sm[tid] = u32::min(sm[tid], sm[tid + stride]);
-            }
-            sync_cube();
-            stride /= 2;
-        }
-        first = usize::cast_from(sm[0]);
+        first = usize::cast_from(cube_reduce(u32::cast_from(lowest), &mut sm, tid, true));
     }
     let mut slot = k + tid;
     while slot < kk {
