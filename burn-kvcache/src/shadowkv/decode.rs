@@ -198,7 +198,7 @@ pub(super) fn group_scores(
 /// highest of its first `n` scores, ascending, then the first repeated up to `kk` (on the
 /// device, [`crate::top_k_rows`]). Returns them on the device (`[rows, kk]` i32) and on the
 /// host, one `Vec` per row.
-pub(super) fn top_k_rows(
+pub(super) fn device_top_k(
     scores: Tensor<2>,
     sizes: &[[usize; 2]],
     kk: usize,
@@ -247,7 +247,7 @@ fn select_chunks(
     let sizes: Vec<[usize; 2]> = (0..b * h)
         .map(|ih| [sp.n_land[ih / h], valid[ih / h]])
         .collect();
-    let (_, ids) = top_k_rows(scores, &sizes, kk);
+    let (_, ids) = device_top_k(scores, &sizes, kk);
     let land_chunk = &sp.land_chunk;
     let flat: Vec<Vec<usize>> = ids
         .into_iter()

@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use burn::tensor::{Bool, DType, Tensor, TensorData};
 
-use super::decode::{Selection, group_scores, top_k_rows};
+use super::decode::{Selection, device_top_k, group_scores};
 use super::host::upload_rows;
 use super::{DecodeTimings, Sparse, sync};
 
@@ -56,7 +56,7 @@ pub(super) fn pick_tokens(
     let sizes: Vec<[usize; 2]> = (0..b * h)
         .map(|ih| [cand.valid[ih / h] * cs, valid[ih / h] * cs])
         .collect();
-    let (idx, picks) = top_k_rows(scores, &sizes, n_tok);
+    let (idx, picks) = device_top_k(scores, &sizes, n_tok);
     let idx = idx
         .reshape([b, h, n_tok])
         .unsqueeze_dim::<4>(3)

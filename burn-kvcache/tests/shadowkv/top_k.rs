@@ -7,7 +7,7 @@ use burn_kernels_core::route::is_wgpu;
 use burn_kernels_testing::{Dist, poison_memory, random_values};
 use burn_kvcache::{KvCacheError, top_k_rows};
 
-use crate::{assert_launched, launch_counts, on_kernels};
+use crate::{assert_launched, cpu, launch_counts, on_kernels, tensor};
 
 /// The selection as the host computes it: per row, the `min(k, n, kk)` highest of the first
 /// `n` scores (ties to the lowest position), ascending, then the first repeated to `kk`
@@ -55,10 +55,6 @@ fn int_tensor(sizes: &[[usize; 2]], dtype: DType, device: &Device) -> Tensor<2, 
     )
 }
 
-fn scores_tensor(scores: Vec<f32>, rows: usize, cols: usize, device: &Device) -> Tensor<2> {
-    Tensor::from_data(TensorData::new(scores, [rows, cols]), device)
-}
-
 fn select(
     device: &Device,
     scores: Vec<f32>,
@@ -67,7 +63,7 @@ fn select(
     int: DType,
 ) -> Vec<i64> {
     poison_memory(device, rows * kk * 2, DType::F32);
-    let scores = scores_tensor(scores, rows, cols, device);
+    let scores = tensor(scores, [rows, cols], DType::F32, device);
     let sizes = int_tensor(sizes, int, device);
     let got = on_kernels(device, || top_k_rows(scores, sizes, kk)).expect("valid");
     assert_eq!(got.dims(), [rows, kk]);
@@ -143,7 +139,7 @@ pub(super) fn top_k_with_ties(device: &Device) {
 #[test]
 fn top_k_errors() {
     let device = Device::flex();
-    let scores = || scores_tensor(random_values(12, Dist::STANDARD, 1), 3, 4, &device);
+    let scores = || cpu(random_values(12, Dist::STANDARD, 1), [3, 4]);
     let sizes = |rows: usize| int_tensor(&vec![[4, 2]; rows], DType::I64, &device);
     assert!(matches!(
         top_k_rows(scores(), sizes(2), 2).unwrap_err(),
