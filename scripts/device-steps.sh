@@ -36,6 +36,8 @@
 #            in shared memory (BURN_KERNELS_GEMV_STAGE=1) and not (the default)
 #   tkv      kvcache_tests of the decode attention and the quantized read (CUDA; ~6 min:
 #            give it TL=8)
+#   tskv     kvcache_tests' ShadowKV tests (CUDA and the CPU): the top-k selection kernel, the
+#            gathers, decoding against the full cache
 #   tllama   llama_tests captured-decode tests (CUDA)
 #   tcore    core's CUDA tests of the decode-layer kernels (GEMVs, GEMV-T, Q/K/V + RoPE + store)
 #   tgraphs  llama_tests' captured-graph tests (graphs::, the ones beside another thread's device
@@ -64,6 +66,8 @@
 #   skv2s    shadowkv suite at 64K with two-stage selection (chunks of 4, 4x candidates:
 #            BURN_KERNELS_SHADOWKV_CHUNK / _CANDIDATES), the setting that scored 45.0 against the
 #            full cache's 48.3 on the RULER-style table; compare with skv64 in the same call
+#   bcceg    cce suite, Gemma-2 shape, loss + gradient: the default, 256 MiB blocks, the paper's
+#            filter, Burn's plain loss and the PyTorch peers (the fused passes stop at D = 576)
 #   bcces    cce suite, SmolLM2 and Gemma-2 shapes, every pass in 16, 32, 64, 128 and 256 MiB
 #            blocks: time against peak memory, to choose the automatic blocks
 #   tdp      llama_tests data_parallel (two GPUs follow one; needs a 2-GPU machine)
@@ -171,6 +175,7 @@ for s in "$@"; do
     att1 | att8) step "$s" att "${s#att}" ;;
     stg1 | stg8) step "$s" sweep BURN_KERNELS_GEMV_STAGE "0 1" "${s#stg}" ;;
     tkv) step tkv run test kvcache_tests decode_attention quant_attention unfused ;;
+    tskv) step tskv run test kvcache_tests shadowkv ;;
     tllama) step tllama run test llama_tests captured --include-ignored --test-threads=1 ;;
     tcore) step tcore run test core qkv_rope_store norm_projections fused_projections static_cache fused_layer_ops ;;
     tgraphs) step tgraphs tgraphs ;;
@@ -199,6 +204,9 @@ for s in "$@"; do
       step "$s" run bench --suite shadowkv --filter "ctx=${ctx%p}K" --out "$O/$s" ;;
     skv2s) BURN_KERNELS_SHADOWKV_CHUNK=4 BURN_KERNELS_SHADOWKV_CANDIDATES=4 \
       step skv2s run bench --suite shadowkv --filter "ctx=64K" --out "$O/skv2s" ;;
+    bcceg) step bcceg run bench --suite cce --filter gemma --filter both --cce-chunk-bytes 256 \
+      --skip-impl 'sorting' --skip-impl 'autotuned' --skip-impl 'bf16 dE' --skip-impl 'one f32' \
+      --peers-dir "$peers" --out "$O/bcceg" ;;
     bcces) step bcces run bench --suite cce --cce-chunk-bytes 16,32,64,128,256 \
       --peers-dir "$peers" --out "$O/bcces" ;;
     tdp) step tdp run test llama_tests data_parallel --include-ignored --nocapture ;;

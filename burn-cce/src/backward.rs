@@ -276,11 +276,11 @@ impl<B: CceKernels, const N: usize> Backward<B, N> for LinearCeBackward<N> {
 }
 
 /// Whether the loss of `e` takes the training forward ([`CceKernels::linear_ce_loss_train`]):
-/// the fused passes asked for, and inputs they may take
+/// the fused passes asked for or automatic, and inputs they may take
 /// ([`crate::kernels::fused::inputs_unsupported`]); the device's checks are the kernels' own
 /// (where they decline, the chunked passes run).
 fn grad_in_forward<T: TensorMetadata>(e: &T, params: &LceParams) -> bool {
-    params.passes == PassKernels::Fused
+    matches!(params.passes, PassKernels::Fused | PassKernels::Auto)
         && crate::kernels::fused::inputs_unsupported(e.dtype(), e.shape()[1]).is_none()
 }
 

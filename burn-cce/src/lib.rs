@@ -188,7 +188,8 @@ pub trait CceKernels: Backend {
         params: LceParams,
     ) -> (FloatTensor<Self>, FloatTensor<Self>);
 
-    /// [`CceKernels::linear_ce_loss`] for training with [`PassKernels::Fused`]: also returns
+    /// [`CceKernels::linear_ce_loss`] for training with [`PassKernels::Fused`] (or
+    /// [`PassKernels::Auto`]): also returns
     /// `dE₁ = ∂ lossᵢ / ∂Eᵢ` (dE for a unit loss gradient, `[n, D]` in `e`'s dtype), summed in
     /// the same walk over the vocabulary as the log-sum-exp (an online softmax), so that
     /// [`CceKernels::linear_ce_backward_train`] only scales it and computes dC. Where the fused

@@ -36,7 +36,9 @@ fn variants(
     pass_blocks: &[usize],
     chunk_blocks: &[usize],
 ) -> Vec<(&'static str, CceOptions)> {
-    let d = CceOptions::default();
+    // The default runs the fused passes where they run ([`PassKernels::Auto`]); the options
+    // below it are the chunked passes', so their variants take the chunked passes.
+    let d = chunked();
     // One variant per block size (MiB), named after it; `set` puts the size in the options.
     let sized = |mibs: &[usize], what: &'static str, set: fn(CceOptions, usize) -> CceOptions| {
         mibs.iter()
@@ -65,7 +67,8 @@ fn variants(
         )
     });
     let named: Vec<(&'static str, CceOptions)> = vec![
-        ("cce", d),
+        ("cce", CceOptions::default()),
+        ("cce (chunked passes)", d),
         (
             "cce (no vocab sorting)",
             CceOptions {
@@ -129,6 +132,14 @@ fn variants(
         .chain(blocks)
         .chain(chunks)
         .collect()
+}
+
+/// The default options with the chunked passes.
+fn chunked() -> CceOptions {
+    CceOptions {
+        passes: PassKernels::Chunked,
+        ..CceOptions::default()
+    }
 }
 
 pub fn suite(opts: SuiteOptions) -> Suite {
@@ -294,8 +305,8 @@ impl Setup {
             matches!(o.gemm, GemmStrategy::Kernel(_))
                 || o.pass_chunk_bytes.is_some()
                 || o.chunk_bytes.is_some()
-                || o.passes == PassKernels::Fused
-                || *o == CceOptions::default()
+                || o.passes != PassKernels::Chunked
+                || *o == chunked()
         });
         kernels
             .map(|(name, opts)| {
@@ -322,7 +333,7 @@ impl Setup {
                 x.e.clone().into_dispatch(),
                 x.c.clone().into_dispatch(),
                 x.targets.clone().into_dispatch(),
-                CceOptions::default().params(dtype),
+                chunked().params(dtype),
             );
             Tensor::<1>::from_dispatch(lse)
         });

@@ -80,7 +80,7 @@ type Variant = (
     Precision,
     GemmKernel,
 );
-const VARIANTS: [Variant; 16] = [
+const VARIANTS: [Variant; 17] = [
     (
         "cce",
         LossKind::cce_for_training,
@@ -152,6 +152,13 @@ const VARIANTS: [Variant; 16] = [
         GemmKernel::DEFAULT,
     ),
     (
+        "cce (chunked passes) + recompute attn, bf16",
+        cce_chunked_passes,
+        TrainAttention::Recompute,
+        Precision::Bf16,
+        GemmKernel::DEFAULT,
+    ),
+    (
         "cce + recompute attn, bf16, one f32 dE",
         cce_whole_de,
         TrainAttention::Recompute,
@@ -211,10 +218,24 @@ fn cce_fused_passes() -> LossKind {
     })
 }
 
+/// CCE for training with the chunked passes in 256 MiB blocks (the default where the fused
+/// passes do not run: f32, hidden sizes above 576, devices before sm90).
+fn cce_chunked_passes() -> LossKind {
+    LossKind::Cce(chunked(CceOptions::for_training()))
+}
+
+/// `o` with the chunked passes: the block options below are theirs.
+fn chunked(o: CceOptions) -> CceOptions {
+    CceOptions {
+        passes: burn_cce::PassKernels::Chunked,
+        ..o
+    }
+}
+
 fn cce_whole_de() -> LossKind {
     LossKind::Cce(CceOptions {
         de_block_rows: Some(usize::MAX),
-        ..CceOptions::default()
+        ..chunked(CceOptions::default())
     })
 }
 
@@ -223,7 +244,7 @@ fn cce_whole_de() -> LossKind {
 fn cce_blocks(mib: usize) -> LossKind {
     LossKind::Cce(CceOptions {
         chunk_bytes: Some(mib << 20),
-        ..CceOptions::default()
+        ..chunked(CceOptions::default())
     })
 }
 
@@ -235,10 +256,11 @@ fn cce_blocks_128() -> LossKind {
     cce_blocks(128)
 }
 
-/// CCE with burn-cce's automatic block sizes (the default `cce` rows use
-/// [`CceOptions::for_training`]'s 256 MiB blocks): the loss's memory near dE + dC.
+/// CCE's chunked passes with burn-cce's automatic block sizes (the default `cce` rows use
+/// [`CceOptions::for_training`]: the fused passes where they run, else 256 MiB blocks): the
+/// loss's memory near dE + dC.
 fn cce_automatic_blocks() -> LossKind {
-    LossKind::Cce(CceOptions::default())
+    LossKind::Cce(chunked(CceOptions::default()))
 }
 
 fn problem(

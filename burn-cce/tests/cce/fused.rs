@@ -308,9 +308,10 @@ pub(super) fn fused_filter_per_tile(device: &Device) {
     );
 }
 
-/// The loss under autodiff with the fused passes asked for. On CUDA they run (the training
-/// path: one training forward and one training backward launch a loss); elsewhere (f32 on wgpu, whose runtime has no manual MMA) they decline and the
-/// chunked passes must give the same checked result with no fused launch.
+/// The loss under autodiff with the fused passes asked for, and with the default
+/// ([`PassKernels::Auto`]). On CUDA they run (the training path: one training forward and one
+/// training backward launch a loss); elsewhere (f32 on wgpu, whose runtime has no manual MMA)
+/// they decline and the chunked passes must give the same checked result with no fused launch.
 pub(super) fn fused_loss_and_gradients(device: &Device) {
     let cuda = is_cuda(device);
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
@@ -336,14 +337,28 @@ pub(super) fn fused_loss_and_gradients(device: &Device) {
             ..Case::new([2, 70], 64, 509, 46)
         }),
     ];
+    let passes = [PassKernels::Fused, PassKernels::Auto];
     for &dtype in &dtypes {
         for case in &cases {
-            run(device, case, dtype);
+            for passes in passes {
+                run(
+                    device,
+                    &Case {
+                        passes,
+                        ..case.clone()
+                    },
+                    dtype,
+                );
+            }
         }
     }
     // Each loss took the training path (the embeddings are tracked): one training forward
     // and one training backward.
-    let fused = if cuda { dtypes.len() * cases.len() } else { 0 } as u64;
+    let fused = if cuda {
+        dtypes.len() * cases.len() * passes.len()
+    } else {
+        0
+    } as u64;
     let after = (
         launches("cce_fused_forward_grad"),
         launches("cce_fused_backward_dc"),

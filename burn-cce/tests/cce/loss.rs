@@ -59,7 +59,8 @@ pub(super) fn run(device: &Device, case: &Case, dtype: DType) {
     let (got, lse) = cce(case, &x, dtype, device);
     let name = format!("{case:?} {dtype:?}");
     // The fused training path stores dE₁ in the dtype, then scales it: one more rounding.
-    let training = case.passes == PassKernels::Fused && dtype != DType::F32;
+    let training =
+        matches!(case.passes, PassKernels::Fused | PassKernels::Auto) && dtype != DType::F32;
     let de_extra = de_roundings(case, dtype) + training as usize;
     let prec = (
         dtype,

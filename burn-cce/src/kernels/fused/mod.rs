@@ -73,17 +73,34 @@ pub struct FusedArgs {
     pub filter_eps: f32,
 }
 
-/// Whether a pass may try the fused kernels: asked for, and no bias, which they do not
-/// implement; a log line where asked for but not taken.
+/// Whether a pass may try the fused kernels: asked for ([`PassKernels::Fused`] or
+/// [`PassKernels::Auto`]), and no bias, which they do not implement; a log line where asked
+/// for but not taken.
 pub(crate) fn wanted(params: &LceParams, bias: bool, pass: &str) -> bool {
-    if params.passes != PassKernels::Fused {
+    if !matches!(params.passes, PassKernels::Fused | PassKernels::Auto) {
         return false;
     }
-    let why = bias.then_some("a bias");
-    if let Some(why) = why {
-        log::info!("fused CCE {pass} declined ({why}): chunked passes");
+    if bias {
+        declined(pass, "a bias");
     }
-    why.is_none()
+    !bias
+}
+
+/// Logs that `pass` declined the fused kernels for `why`: at info level the first time a
+/// process meets this pass and reason, at debug level after that (a training loop would
+/// otherwise log the same line every step).
+fn declined(pass: &str, why: &str) {
+    static SEEN: std::sync::Mutex<std::collections::BTreeSet<String>> =
+        std::sync::Mutex::new(std::collections::BTreeSet::new());
+    let first = SEEN
+        .lock()
+        .map(|mut seen| seen.insert(format!("{pass}: {why}")))
+        .unwrap_or(true);
+    if first {
+        log::info!("fused CCE {pass} declined ({why}): chunked passes");
+    } else {
+        log::debug!("fused CCE {pass} declined ({why}): chunked passes");
+    }
 }
 
 /// Bytes of shared memory a cube of the backward uses at hidden size `d` (the forward uses
@@ -165,7 +182,7 @@ fn operands(
                 .then(|| "an operand's start is not 16-byte aligned".to_string())
         });
     if let Some(why) = why {
-        log::info!("fused CCE {pass} declined ({why}): chunked passes");
+        declined(pass, &why);
         return None;
     }
     Some((e, c, [n, vocab, d]))

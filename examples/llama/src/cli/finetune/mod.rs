@@ -135,12 +135,13 @@ struct Cli {
     /// price of speed where the vocabulary's gradients are small.
     #[arg(long, value_name = "MIB")]
     cce_block_mib: Option<usize>,
-    /// How CCE's passes run on a GPU: chunked (GEMM + epilogue per working block) or fused
-    /// (one kernel per pass, nothing beyond dE + dC held; CUDA sm90+, bf16/f16, hidden sizes up
-    /// to 576, else the chunked passes with a log line). On an H100 the fused loss + gradient at
-    /// SmolLM2's shape took 8.5 ms at 66 MB, the 256 MiB blocks 7.4 ms at 519 MB, Burn's plain
-    /// loss 9.6 ms; a bf16 step at batch 8 × 2048 took 121 ms either way.
-    #[arg(long, value_enum, default_value = "chunked")]
+    /// How CCE's passes run on a GPU: auto (fused where they run, else chunked), chunked
+    /// (GEMM + epilogue per working block) or fused (one kernel per pass, nothing beyond dE +
+    /// dC held; CUDA sm90+, bf16/f16, hidden sizes up to 576, else the chunked passes with a
+    /// log line). On an H100 the fused loss + gradient at SmolLM2's shape took 8.5 ms at 66 MB,
+    /// the 256 MiB blocks 7.4 ms at 519 MB, Burn's plain loss 9.6 ms; a bf16 step at batch
+    /// 8 × 2048 took 121 ms either way.
+    #[arg(long, value_enum, default_value = "auto")]
     cce_passes: burn_cce::PassKernels,
     /// Recompute activations in the backward instead of keeping them, for larger batches.
     #[arg(long, value_enum, default_value = "off")]
