@@ -59,10 +59,10 @@
 #            light, compute and memory workload, occupancy, per kernel (forward, dE, dC walks)
 #   skv64 skv128  shadowkv suite at 64K / 128K context (Llama-3-8B shape): ShadowKV against
 #            the full cache, each with Burn's attention op and the decode attention kernel, and
-#            ShadowKV's step profile (transfer share)
+#            ShadowKV's step profile (transfer share), then the same ShadowKV cache with the
+#            other upload path (pinned staging off: ShadowKvCache::set_pinned_uploads)
 #   skv64p skv128p  skv64 / skv128 with BURN_KERNELS_SHADOWKV_PINNED=0: the values uploaded
-#            without pinned staging (the comparison run for ShadowKvConfig::pinned_uploads;
-#            run it beside skv64 / skv128 in the same call)
+#            without pinned staging first (skv64 / skv128 already time both paths)
 #   skv2s    shadowkv suite at 64K with two-stage selection (chunks of 4, 4x candidates:
 #            BURN_KERNELS_SHADOWKV_CHUNK / _CANDIDATES), the setting that scored 45.0 against the
 #            full cache's 48.3 on the RULER-style table; compare with skv64 in the same call

@@ -377,6 +377,12 @@ impl ShadowKvCache {
         matches!(self.layers.get(layer), Some(Layer::Sparse(_)))
     }
 
+    /// Switches [`ShadowKvConfig::pinned_uploads`] for the decode steps from now on (the held
+    /// cache is the same either way): benchmarks compare both paths on one filled cache.
+    pub fn set_pinned_uploads(&mut self, on: bool) {
+        self.cfg.pinned_uploads = on;
+    }
+
     /// Synchronizes the device after each decode phase so [`DecodeTimings`] has durations.
     pub fn set_profiling(&mut self, on: bool) {
         self.profile = on;

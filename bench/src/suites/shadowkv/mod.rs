@@ -32,8 +32,11 @@
 //!   record's `profile_*` params), then eight timed steps. tokens/s = batch / median step.
 //!   Then the same cache decodes with burn-kvcache's decode attention kernel instead of
 //!   Burn's attention op (one warm-up, eight timed; the record's `decode_kernel_*` params):
-//!   the comparison with a full cache whose attention reads K/V at memory speed. The cache
-//!   grows by one token per step (≤ 25 in all).
+//!   the comparison with a full cache whose attention reads K/V at memory speed. ShadowKV's
+//!   cache then decodes once more with the other upload path
+//!   (`ShadowKvCache::set_pinned_uploads`: one warm-up, eight timed steps with the decode
+//!   kernel, three profiled; the record's `unpinned_*` or `pinned_*` params), so one filled
+//!   cache compares both. The cache grows by one token per step (≤ 40 in all).
 //!
 //! The full cache (`FullKvCache`) concatenates its keys and values for every step and Burn's
 //! attention needs the KV heads repeated (4× the keys and values of a layer, materialized):
@@ -90,10 +93,11 @@ impl Steps {
         }
     }
 
-    /// Every step a cache decodes: the timed ones twice (Burn's attention op, then the decode
-    /// attention kernel after one warm-up).
+    /// Every step a cache decodes, at most: the timed ones twice (Burn's attention op, then the
+    /// decode attention kernel after one warm-up), and for ShadowKV once more with the other
+    /// upload path (after one warm-up) and its profiled steps.
     fn total(&self) -> usize {
-        self.warmup + self.profiled + 2 * self.timed + 1
+        self.warmup + 2 * self.profiled + 3 * self.timed + 2
     }
 }
 

@@ -70,9 +70,45 @@ pub(super) fn run_shadow(
     step += steps.timed as u64;
     let (kp, kn) = with_decode_kernel(&m, &mut cache, b, step, steps, device);
     eprintln!("  {label} shadowkv: {kn}");
+    step += steps.timed as u64 + 1;
+    // The other upload path on the same filled cache (ShadowKvConfig::pinned_uploads), with the
+    // decode kernel and then profiled: what the pinned staging changes, in one run.
+    let pinned = cache.config().pinned_uploads;
+    cache.set_pinned_uploads(!pinned);
+    let (op, on) = with_decode_kernel(&m, &mut cache, b, step, steps, device);
+    step += steps.timed as u64 + 1;
+    cache.reset_timings();
+    cache.set_profiling(true);
+    let other_prof = timed_steps(
+        &m,
+        &mut cache,
+        b,
+        step,
+        steps.profiled,
+        device,
+        &BurnAttention,
+    );
+    let other = Profile::new(&cache, &other_prof, steps.profiled);
+    cache.set_profiling(false);
+    cache.set_pinned_uploads(pinned);
+    let other_name = if pinned { "unpinned" } else { "pinned" };
+    eprintln!(
+        "  {label} shadowkv, {other_name} uploads: {on}; {}",
+        other.line()
+    );
     let mut x = base_params(p, fill_s, cache.bytes_held(), reserved(probe), &times);
     x.params.extend(kp);
     x.params.extend(profile.params());
+    x.params.extend(
+        op.into_iter()
+            .map(|(k, v)| (format!("{other_name}_{k}"), v)),
+    );
+    x.params.extend(
+        other
+            .params()
+            .into_iter()
+            .map(|(k, v)| (format!("{other_name}_{k}"), v)),
+    );
     x.params.extend(params([
         ("cache_device_gb", json!(bytes.device as f64 / GB)),
         ("cache_host_gb", json!(bytes.host as f64 / GB)),
@@ -85,7 +121,8 @@ pub(super) fn run_shadow(
     let pf = &profile;
     x.note = Some(format!(
         "batch {b} ({}-bound); profiled step {:.0} ms: scoring {:.0}, transfer {:.0}, \
-         reconstruct {:.0}, attention {:.0}, rest {:.0}; {:.0}% chunks reused; {kn}",
+         reconstruct {:.0}, attention {:.0}, rest {:.0}; {:.0}% chunks reused; {kn}; \
+         {other_name} uploads: {on}, transfer {:.0} ms",
         p.bound,
         pf.step,
         pf.scoring,
@@ -93,7 +130,8 @@ pub(super) fn run_shadow(
         pf.reconstruct,
         pf.attention,
         pf.rest,
-        100.0 * reused(timed)
+        100.0 * reused(timed),
+        other.transfer
     ));
     *info.borrow_mut() = x;
     Ok(times.into())
