@@ -56,6 +56,15 @@ fn variants(
         chunk_bytes: Some(b),
         ..o
     });
+    // The same blocks with the paper's gradient filter (Apple's default): the time of the
+    // backward where most of the vocabulary's softmax is below 2⁻¹² (bf16).
+    let filtered = sized(chunk_blocks, "paper's filter, all blocks", |o, b| {
+        CceOptions {
+            chunk_bytes: Some(b),
+            filter_eps: FilterEps::Paper,
+            ..o
+        }
+    });
     let kernels = GemmKernel::ALL.into_iter().filter(|_| sweep).map(move |k| {
         (
             // Candidate names are `&'static str`: one short string per kernel per problem.
@@ -131,6 +140,7 @@ fn variants(
         .chain(kernels)
         .chain(blocks)
         .chain(chunks)
+        .chain(filtered)
         .collect()
 }
 
@@ -302,11 +312,13 @@ impl Setup {
     /// blocks.
     fn loss(&self, x: &Inputs) -> Vec<Candidate<'static>> {
         let kernels = self.variants(self.sweep).into_iter().filter(|(_, o)| {
-            matches!(o.gemm, GemmStrategy::Kernel(_))
+            let varies = matches!(o.gemm, GemmStrategy::Kernel(_))
                 || o.pass_chunk_bytes.is_some()
                 || o.chunk_bytes.is_some()
                 || o.passes != PassKernels::Chunked
-                || *o == chunked()
+                || *o == chunked();
+            // The filter does not change the loss.
+            varies && !(o.chunk_bytes.is_some() && o.filter_eps == FilterEps::Paper)
         });
         kernels
             .map(|(name, opts)| {
