@@ -66,8 +66,9 @@
 #   skv2s    shadowkv suite at 64K with two-stage selection (chunks of 4, 4x candidates:
 #            BURN_KERNELS_SHADOWKV_CHUNK / _CANDIDATES), the setting that scored 45.0 against the
 #            full cache's 48.3 on the RULER-style table; compare with skv64 in the same call
-#   bcceg    cce suite, Gemma-2 shape, loss + gradient: the default, 256 MiB blocks, the paper's
-#            filter, Burn's plain loss and the PyTorch peers (the fused passes stop at D = 576)
+#   bcceg    cce suite, Gemma-2 shape, loss + gradient: the default, 64 and 256 MiB blocks with
+#            and without the paper's filter, Burn's plain loss (70 GB budget: it needs ~50) and
+#            the PyTorch peers (the fused passes stop at D = 576)
 #   bcces    cce suite, SmolLM2 and Gemma-2 shapes, every pass in 16, 32, 64, 128 and 256 MiB
 #            blocks: time against peak memory, to choose the automatic blocks
 #   tdp      llama_tests data_parallel (two GPUs follow one; needs a 2-GPU machine)
@@ -204,7 +205,8 @@ for s in "$@"; do
       step "$s" run bench --suite shadowkv --filter "ctx=${ctx%p}K" --out "$O/$s" ;;
     skv2s) BURN_KERNELS_SHADOWKV_CHUNK=4 BURN_KERNELS_SHADOWKV_CANDIDATES=4 \
       step skv2s run bench --suite shadowkv --filter "ctx=64K" --out "$O/skv2s" ;;
-    bcceg) step bcceg run bench --suite cce --filter gemma --filter both --cce-chunk-bytes 256 \
+    bcceg) step bcceg run bench --suite cce --filter gemma --filter both --cce-chunk-bytes 64,256 \
+      --max-mem-gb 70 \
       --skip-impl 'sorting' --skip-impl 'autotuned' --skip-impl 'bf16 dE' --skip-impl 'one f32' \
       --peers-dir "$peers" --out "$O/bcceg" ;;
     bcces) step bcces run bench --suite cce --cce-chunk-bytes 16,32,64,128,256 \

@@ -26,7 +26,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use crate::route::{Grad, route};
 
 /// `a · b` of 2-D tensors: [`GemmKernels::gemm`] (a fixed kernel, f32 accumulation) where
-/// both are f16 or both bf16 on a CubeCL device of this build, with or without autodiff;
+/// both are f16 or both bf16 on a CubeCL device of this build, with or without autodiff, and
+/// `a` has at least [`FIXED_MIN_ROWS`] rows (fewer: Burn's autotuned matmul, inside the op);
 /// Burn's matmul otherwise (f32, other backends).
 ///
 /// # Shapes
@@ -130,6 +131,14 @@ pub fn gemm_shape(a: &Shape, b: &Shape) -> Shape {
     Shape::from(dims)
 }
 
+/// Rows of `a` below which [`GemmKernels::gemm`] on `CubeBackend` leaves the product to Burn's
+/// autotuned matmul: the fixed kernels' tensor-core tiles need 16 rows, and below that
+/// [`launch::fixed_gemm`] falls to its unit kernel, which read a decode step's weights at
+/// 22 GB/s (Llama-3-8B shape at batch 2: 5.4 ms a `[2, 4096] · [4096, 14336]` projection, 96%
+/// of a 1.77 s step on an H100, 2026-12-06, against 135 ms a step with Burn's matmul on
+/// 2026-11-27). Decode batches are such products.
+pub const FIXED_MIN_ROWS: usize = 16;
+
 #[cfg(feature = "cube")]
 mod cube_backend {
     use super::{GemmKernels, default_kernel, launch::fixed_gemm};
@@ -140,12 +149,15 @@ mod cube_backend {
 
     impl GemmKernels for CubeBackend {
         fn gemm(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
+            count_launch("gemm");
             let dtype = a.dtype;
+            let dims = a.meta.shape().to_vec();
+            let rows = dims[dims.len().saturating_sub(2)];
             if matches!(dtype, DType::F16 | DType::BF16)
                 && b.dtype == dtype
+                && rows >= super::FIXED_MIN_ROWS
                 && let Some(c) = fixed_gemm(a.clone(), b.clone(), dtype, default_kernel(), false)
             {
-                count_launch("gemm");
                 return c;
             }
             Self::float_matmul(a, b)
