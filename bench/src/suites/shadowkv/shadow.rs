@@ -46,22 +46,9 @@ pub(super) fn run_shadow(
         gb(Some(p.host))
     );
 
-    // The per-phase breakdown: profiling synchronizes after each phase, so it is kept out of
-    // the timed steps.
-    cache.reset_timings();
-    cache.set_profiling(true);
-    let prof = timed_steps(
-        &m,
-        &mut cache,
-        b,
-        step,
-        steps.profiled,
-        device,
-        &BurnAttention,
-    );
+    // The per-phase breakdown.
+    let profile = profiled(&m, &mut cache, b, step, steps.profiled, device);
     step += steps.profiled as u64;
-    let profile = Profile::new(&cache, &prof, steps.profiled);
-    cache.set_profiling(false);
     cache.reset_timings();
     eprintln!("  {label} shadowkv: {}", profile.line());
 
@@ -77,19 +64,7 @@ pub(super) fn run_shadow(
     cache.set_pinned_uploads(!pinned);
     let (op, on) = with_decode_kernel(&m, &mut cache, b, step, steps, device);
     step += steps.timed as u64 + 1;
-    cache.reset_timings();
-    cache.set_profiling(true);
-    let other_prof = timed_steps(
-        &m,
-        &mut cache,
-        b,
-        step,
-        steps.profiled,
-        device,
-        &BurnAttention,
-    );
-    let other = Profile::new(&cache, &other_prof, steps.profiled);
-    cache.set_profiling(false);
+    let other = profiled(&m, &mut cache, b, step, steps.profiled, device);
     cache.set_pinned_uploads(pinned);
     let other_name = if pinned { "unpinned" } else { "pinned" };
     eprintln!(
@@ -135,6 +110,24 @@ pub(super) fn run_shadow(
     ));
     *info.borrow_mut() = x;
     Ok(times.into())
+}
+
+/// `n` decode steps from `step` with Burn's attention and the cache's per-phase profiling on
+/// (it synchronizes after each phase, so these steps are kept apart from the timed ones).
+fn profiled(
+    m: &burn_llama::Llama,
+    cache: &mut ShadowKvCache,
+    b: usize,
+    step: u64,
+    n: usize,
+    device: &Device,
+) -> Profile {
+    cache.reset_timings();
+    cache.set_profiling(true);
+    let times = timed_steps(m, cache, b, step, n, device, &BurnAttention);
+    let profile = Profile::new(cache, &times, n);
+    cache.set_profiling(false);
+    profile
 }
 
 /// A ShadowKV cache holding `ctx` synthetic tokens per layer for a batch of `b` (see the
