@@ -38,7 +38,7 @@ fn variants(
 ) -> Vec<(&'static str, CceOptions)> {
     // The default runs the fused passes where they run ([`PassKernels::Auto`]); the options
     // below it are the chunked passes', so their variants take the chunked passes.
-    let d = chunked();
+    let d = chunked(CceOptions::default());
     // One variant per block size (MiB), named after it; `set` puts the size in the options.
     let sized = |mibs: &[usize], what: &'static str, set: fn(CceOptions, usize) -> CceOptions| {
         mibs.iter()
@@ -144,11 +144,12 @@ fn variants(
         .collect()
 }
 
-/// The default options with the chunked passes.
-fn chunked() -> CceOptions {
+/// `o` with the chunked passes (the block, filter and GEMM options the variants vary are
+/// theirs; the default [`PassKernels::Auto`] runs the fused passes where they run).
+pub(super) fn chunked(o: CceOptions) -> CceOptions {
     CceOptions {
         passes: PassKernels::Chunked,
-        ..CceOptions::default()
+        ..o
     }
 }
 
@@ -316,7 +317,7 @@ impl Setup {
                 || o.pass_chunk_bytes.is_some()
                 || o.chunk_bytes.is_some()
                 || o.passes != PassKernels::Chunked
-                || *o == chunked();
+                || *o == chunked(CceOptions::default());
             // The filter does not change the loss.
             varies && !(o.chunk_bytes.is_some() && o.filter_eps == FilterEps::Paper)
         });
@@ -345,7 +346,7 @@ impl Setup {
                 x.e.clone().into_dispatch(),
                 x.c.clone().into_dispatch(),
                 x.targets.clone().into_dispatch(),
-                chunked().params(dtype),
+                chunked(CceOptions::default()).params(dtype),
             );
             Tensor::<1>::from_dispatch(lse)
         });

@@ -22,6 +22,7 @@ use serde_json::json;
 
 use std::path::{Path, PathBuf};
 
+use super::cce::chunked;
 use super::{E2eCheckpointing, SuiteOptions, run_python_peer};
 use crate::harness::{Candidate, Problem, Suite, params};
 
@@ -222,14 +223,6 @@ fn cce_fused_passes() -> LossKind {
 /// passes do not run: f32, hidden sizes above 576, devices before sm90).
 fn cce_chunked_passes() -> LossKind {
     LossKind::Cce(chunked(CceOptions::for_training()))
-}
-
-/// `o` with the chunked passes: the block options below are theirs.
-fn chunked(o: CceOptions) -> CceOptions {
-    CceOptions {
-        passes: burn_cce::PassKernels::Chunked,
-        ..o
-    }
 }
 
 fn cce_whole_de() -> LossKind {
