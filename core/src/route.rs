@@ -30,6 +30,8 @@ pub enum Grad {
 
 thread_local! {
     static STRICT: Cell<bool> = const { Cell::new(false) };
+    /// This thread's launch counts (see [`launches_here`]).
+    static HERE: std::cell::RefCell<Vec<(&'static str, u64)>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Runs `f` with kernels required: a call inside it that would take the tensor-op reference
@@ -182,6 +184,26 @@ static LAUNCHES: Mutex<Vec<(&'static str, &'static AtomicU64)>> = Mutex::new(Vec
 /// kernel is enqueued; under fusion that is when the fused stream executes).
 pub fn count_launch(op: &'static str) {
     counter(op).fetch_add(1, Ordering::Relaxed);
+    HERE.with(|here| {
+        let mut here = here.borrow_mut();
+        match here.iter_mut().find(|(name, _)| *name == op) {
+            Some((_, n)) => *n += 1,
+            None => here.push((op, 1)),
+        }
+    });
+}
+
+/// Kernel launches of `op` counted so far on the calling thread: what a test that asserts an
+/// exact count reads, since tests on other threads launch the same kernels concurrently.
+/// (Under fusion a launch is counted on the thread that executes the fused stream: the
+/// caller's own, where it reads the output.)
+pub fn launches_here(op: &'static str) -> u64 {
+    HERE.with(|here| {
+        here.borrow()
+            .iter()
+            .find(|(name, _)| *name == op)
+            .map_or(0, |(_, n)| *n)
+    })
 }
 
 /// Kernel launches of `op` counted so far in this process (see [`count_launch`]).

@@ -237,16 +237,21 @@ pub fn gemm_runs_at_training_shapes(device: &Device) {
 /// fill), both layouts of each operand (a transposed `b` is K-major, the weight gradient's `aᵀ`
 /// MN-major), split K (a long K with one output tile; the SmolLM2 K/V projection's 19 tiles),
 /// no split (33 × 3 tiles). Every call must have run the kernel (counted once its launch was
-/// checked, so a refused launch that fell back to cubek's kernel fails here); one row must fall
-/// back to the unit kernel, still correct. A K of 67 runs whichever the layout allows (Burn's
-/// allocator may pad the rows to an address TMA can read). Outputs land in NaN-poisoned memory.
+/// checked, so a refused launch that fell back to cubek's kernel fails here), down to
+/// [`gemm::FIXED_MIN_ROWS`] rows; below it (15 rows, one row: decode batches) the product must
+/// go to Burn's matmul instead, still correct. A K of 67 runs whichever the layout allows
+/// (Burn's allocator may pad the rows to an address TMA can read). Outputs land in
+/// NaN-poisoned memory. Launches are counted on this test's thread: the other GEMM tests run
+/// beside it, and while it sets the default kernel theirs may take the Hopper kernel too.
 #[cfg(feature = "cuda")]
 pub fn hopper_gemm_matches_host(device: &Device) {
     use burn_kernels_core::gemm::{GemmKernel, default_kernel, launch::WGMMA_LAUNCHES};
+    use burn_kernels_core::route::launches_here as launches;
     let before_default = default_kernel();
     gemm::set_default_kernel(GemmKernel::Wgmma);
-    let cases: [([usize; 3], Option<bool>); 9] = [
+    let cases: [([usize; 3], Option<bool>); 10] = [
         ([16, 16, 16], Some(true)),
+        ([gemm::FIXED_MIN_ROWS - 1, 64, 72], Some(false)),
         ([131, 64, 72], Some(true)),
         ([200, 584, 328], Some(true)),
         ([64, 8192, 96], Some(true)),
