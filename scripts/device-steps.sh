@@ -71,8 +71,9 @@
 #            full cache's 48.3 on the RULER-style table; compare with skv64 in the same call
 #   skv2s8   skv2s with 8x candidates (46.7 against 48.3 at 4K: within the issue's 2 points), at
 #            SKV_CTX K context (default 64)
-#   pcceg    Gemma-2 CCE loss + gradient in all-blocks of 64 and 256 MiB (no filter) under
-#            CubeCL's profiler: per-kernel totals (prof_sum)
+#   pcceg    Gemma-2 CCE loss + gradient with the paper's filter, automatic blocks and all
+#            blocks of 256 MiB, under CubeCL's profiler: per-kernel totals (prof_sum)
+#   h2d      host-to-device copy bandwidth, pinned and pageable (scripts/h2d-bandwidth.py)
 #   bcceg    cce suite, Gemma-2 shape, loss + gradient: the default, 64 and 256 MiB blocks with
 #            and without the paper's filter, Burn's plain loss (70 GB budget: it needs ~50) and
 #            the PyTorch peers (the fused passes stop at D = 576)
@@ -176,22 +177,27 @@ prof_sum() {
       for (k in tot) printf "%10.3f ms %7d x %9.4f ms %s\n", tot[k], n[k], tot[k] / n[k], k }' "$1" |
     sort -k1,1 -t' ' -g -r | head -31
 }
-# Gemma-2 CCE loss + gradient (no filter, one variant a process) in all-blocks of 64 and of
-# 256 MiB under CubeCL's profiler: where the smaller blocks' extra time goes. Each size runs
-# once unprofiled first (autotune and compile out of the profile).
+# Gemma-2 CCE loss + gradient with the paper's filter, one variant a process, under CubeCL's
+# profiler: the automatic blocks (1.03x memory) and all blocks of 256 MiB (1.39x, 1.1x Apple's
+# speed), to see where the automatic blocks lose their time. Each runs once unprofiled first
+# (autotune and compilation out of the profile).
 pcceg() {
-  local mib skip=(--skip-impl 'cce$' --skip-impl 'chunked passes' --skip-impl sorting
-    --skip-impl 'grad filter' --skip-impl autotuned --skip-impl fused --skip-impl 'bf16 dE'
-    --skip-impl 'one f32' --skip-impl "paper's" --skip-impl plain --skip-impl torch)
-  for mib in 64 256; do
-    run bench --suite cce --filter gemma --filter both --cce-chunk-bytes "$mib" \
-      --warmup-ms 0 --measure-ms 0 "${skip[@]}" --out "$O/pcceg-warm" | grep 'all blocks'
+  local common=(--skip-impl 'cce$' --skip-impl 'chunked passes' --skip-impl sorting
+    --skip-impl autotuned --skip-impl fused --skip-impl 'bf16 dE' --skip-impl 'one f32'
+    --skip-impl '(all blocks' --skip-impl plain --skip-impl torch)
+  local v
+  for v in auto 256; do
+    local extra=(--skip-impl "paper's filter,")
+    [ "$v" = 256 ] && extra=(--cce-chunk-bytes 256 --skip-impl 'grad filter')
+    run bench --suite cce --filter gemma --filter both --warmup-ms 0 --measure-ms 0 \
+      "${common[@]}" "${extra[@]}" --out "$O/pcceg-warm" | grep 'gemma.*ms'
     rm -f /tmp/cubecl-prof.log
     CUBECL_DEBUG_LOG=/tmp/cubecl-prof.log CUBECL_DEBUG_OPTION=profile \
-      run bench --suite cce --filter gemma --filter both --cce-chunk-bytes "$mib" \
-      --warmup-ms 0 --measure-ms 0 "${skip[@]}" --out "$O/pcceg" | grep 'all blocks'
-    echo "-- profile, all blocks $mib MiB"
+      run bench --suite cce --filter gemma --filter both --warmup-ms 0 --measure-ms 0 \
+      "${common[@]}" "${extra[@]}" --out "$O/pcceg" | grep 'gemma.*ms'
+    echo "-- profile, paper's filter, blocks $v"
     prof_sum /tmp/cubecl-prof.log
+    cp /tmp/cubecl-prof.log "$O/pcceg-$v-profile.log"
   done
 }
 # The shadowkv suite's budgets for this card: SKV_BUDGETS if set, else 120 / 100 GB on a
@@ -255,6 +261,7 @@ for s in "$@"; do
     skv64p | skv128p) ctx=${s#skv}; BURN_KERNELS_SHADOWKV_PINNED=0 \
       step "$s" run bench --suite shadowkv --filter "ctx=${ctx%p}K" $(skv_budgets) --out "$O/$s" ;;
     pcceg) step pcceg pcceg ;;
+    h2d) step h2d python3 "$(dirname "$0")/h2d-bandwidth.py" ;;
     skv2s8) BURN_KERNELS_SHADOWKV_CHUNK=4 BURN_KERNELS_SHADOWKV_CANDIDATES=8 \
       step skv2s8 run bench --suite shadowkv --filter "ctx=${SKV_CTX:-64}K" $(skv_budgets) \
       --out "$O/skv2s8" ;;
