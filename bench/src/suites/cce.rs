@@ -65,6 +65,13 @@ fn variants(
             ..o
         }
     });
+    // The paper's filter with each forward/scoring block and the automatic gradient chunks
+    // (the automatic blocks' memory): which of the two block sizes costs the time.
+    let filtered_pass = sized(pass_blocks, "paper's filter, pass block", |o, b| CceOptions {
+        pass_chunk_bytes: Some(b),
+        filter_eps: FilterEps::Paper,
+        ..o
+    });
     let kernels = GemmKernel::ALL.into_iter().filter(|_| sweep).map(move |k| {
         (
             // Candidate names are `&'static str`: one short string per kernel per problem.
@@ -141,6 +148,7 @@ fn variants(
         .chain(blocks)
         .chain(chunks)
         .chain(filtered)
+        .chain(filtered_pass)
         .collect()
 }
 
@@ -319,7 +327,8 @@ impl Setup {
                 || o.passes != PassKernels::Chunked
                 || *o == chunked(CceOptions::default());
             // The filter does not change the loss.
-            varies && !(o.chunk_bytes.is_some() && o.filter_eps == FilterEps::Paper)
+            let sized = o.chunk_bytes.is_some() || o.pass_chunk_bytes.is_some();
+            varies && !(sized && o.filter_eps == FilterEps::Paper)
         });
         kernels
             .map(|(name, opts)| {
