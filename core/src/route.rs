@@ -17,7 +17,7 @@ use std::collections::HashSet;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use burn::tensor::Device;
+use burn::tensor::{Device, StreamId};
 
 /// Whether the op has a backward on the autodiff backend (CCE), or runs forward only.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,8 +30,6 @@ pub enum Grad {
 
 thread_local! {
     static STRICT: Cell<bool> = const { Cell::new(false) };
-    /// This thread's launch counts (see [`launches_here`]).
-    static HERE: std::cell::RefCell<Vec<(&'static str, u64)>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Runs `f` with kernels required: a call inside it that would take the tensor-op reference
@@ -184,26 +182,25 @@ static LAUNCHES: Mutex<Vec<(&'static str, &'static AtomicU64)>> = Mutex::new(Vec
 /// kernel is enqueued; under fusion that is when the fused stream executes).
 pub fn count_launch(op: &'static str) {
     counter(op).fetch_add(1, Ordering::Relaxed);
-    HERE.with(|here| {
-        let mut here = here.borrow_mut();
-        match here.iter_mut().find(|(name, _)| *name == op) {
-            Some((_, n)) => *n += 1,
-            None => here.push((op, 1)),
-        }
-    });
+    let key = (StreamId::current().value, op);
+    let mut all = STREAM_LAUNCHES.lock().unwrap_or_else(|e| e.into_inner());
+    match all.iter_mut().find(|(k, _)| *k == key) {
+        Some((_, n)) => *n += 1,
+        None => all.push((key, 1)),
+    }
 }
 
-/// Kernel launches of `op` counted so far on the calling thread: what a test that asserts an
-/// exact count reads, since tests on other threads launch the same kernels concurrently.
-/// (Under fusion a launch is counted on the thread that executes the fused stream: the
-/// caller's own, where it reads the output.)
-pub fn launches_here(op: &'static str) -> u64 {
-    HERE.with(|here| {
-        here.borrow()
-            .iter()
-            .find(|(name, _)| *name == op)
-            .map_or(0, |(_, n)| *n)
-    })
+/// Launch counts per (stream, op): see [`stream_launches`].
+static STREAM_LAUNCHES: Mutex<Vec<((u64, &'static str), u64)>> = Mutex::new(Vec::new());
+
+/// Kernel launches of `op` counted so far for the calling thread's stream: what a test that
+/// asserts an exact count reads, since tests on other threads launch the same kernels
+/// concurrently. Under fusion the launch happens on the device's thread, but for the stream of
+/// the thread that queued the op, so the count is the caller's.
+pub fn stream_launches(op: &'static str) -> u64 {
+    let key = (StreamId::current().value, op);
+    let all = STREAM_LAUNCHES.lock().unwrap_or_else(|e| e.into_inner());
+    all.iter().find(|(k, _)| *k == key).map_or(0, |(_, n)| *n)
 }
 
 /// Kernel launches of `op` counted so far in this process (see [`count_launch`]).

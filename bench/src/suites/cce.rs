@@ -99,6 +99,17 @@ fn variants(
                 ..d
             },
         ),
+        // The paper's filter with the Hopper kernel in dE's second pass too
+        // (`GemmStrategy::Fixed` takes `GemmKernel::ROW_BLOCKS` there, chosen on 2026-11-27,
+        // before the Hopper kernel existed).
+        (
+            "cce (paper's grad filter, wgmma row blocks)",
+            CceOptions {
+                filter_eps: FilterEps::Paper,
+                gemm: GemmStrategy::Kernel(GemmKernel::Wgmma),
+                ..d
+            },
+        ),
         (
             "cce (autotuned GEMM)",
             CceOptions {

@@ -241,12 +241,12 @@ pub fn gemm_runs_at_training_shapes(device: &Device) {
 /// [`gemm::FIXED_MIN_ROWS`] rows; below it (15 rows, one row: decode batches) the product must
 /// go to Burn's matmul instead, still correct. A K of 67 runs whichever the layout allows
 /// (Burn's allocator may pad the rows to an address TMA can read). Outputs land in
-/// NaN-poisoned memory. Launches are counted on this test's thread: the other GEMM tests run
+/// NaN-poisoned memory. Launches are counted on this test's stream: the other GEMM tests run
 /// beside it, and while it sets the default kernel theirs may take the Hopper kernel too.
 #[cfg(feature = "cuda")]
 pub fn hopper_gemm_matches_host(device: &Device) {
     use burn_kernels_core::gemm::{GemmKernel, default_kernel, launch::WGMMA_LAUNCHES};
-    use burn_kernels_core::route::launches_here as launches;
+    use burn_kernels_core::route::stream_launches as launches;
     let before_default = default_kernel();
     gemm::set_default_kernel(GemmKernel::Wgmma);
     let cases: [([usize; 3], Option<bool>); 10] = [
