@@ -1,7 +1,10 @@
 //! Values offloaded to host memory, chunk-major.
 
 use burn::tensor::{DType, Device, StreamId, Tensor, TensorCreationOptions, TensorData};
+use cubecl::bytes::{AccessError, AccessPolicy, AllocationController, AllocationProperty, Bytes};
 use rayon::prelude::*;
+use std::mem::MaybeUninit;
+use std::sync::OnceLock;
 
 /// One sequence's values in host memory: the raw bytes of `[heads, chunks, chunk, d]` in the
 /// model's dtype, so chunk `c` of head `h` is one contiguous run of `chunk · d` elements and a
@@ -135,14 +138,25 @@ const ROWS_PER_TASK: usize = 64;
 /// # Panics
 /// When a row is not `row_bytes` long.
 fn gather_piece(rows: &[&[u8]], row_bytes: usize) -> Vec<u8> {
+    let n = rows.len() * row_bytes;
+    let mut out: Vec<u8> = Vec::with_capacity(n);
+    fill_rows(&mut out.spare_capacity_mut()[..n], rows, row_bytes);
+    // SAFETY: `fill_rows` wrote all `n` bytes (it checks that the rows cover them).
+    unsafe { out.set_len(n) };
+    out
+}
+
+/// Writes `rows` (each `row_bytes` long) one after another into `dst`, on every core.
+///
+/// # Panics
+/// When a row is not `row_bytes` long, or the rows do not cover `dst` exactly.
+fn fill_rows(dst: &mut [MaybeUninit<u8>], rows: &[&[u8]], row_bytes: usize) {
     assert!(
         row_bytes > 0 && rows.iter().all(|r| r.len() == row_bytes),
         "rows of {row_bytes} bytes"
     );
-    let n = rows.len() * row_bytes;
-    let mut out: Vec<u8> = Vec::with_capacity(n);
-    out.spare_capacity_mut()[..n]
-        .par_chunks_mut(ROWS_PER_TASK * row_bytes)
+    assert_eq!(dst.len(), rows.len() * row_bytes, "rows cover the buffer");
+    dst.par_chunks_mut(ROWS_PER_TASK * row_bytes)
         .zip(rows.par_chunks(ROWS_PER_TASK))
         .for_each(|(dst, src)| {
             for (d, s) in dst.chunks_mut(row_bytes).zip(src) {
@@ -151,10 +165,72 @@ fn gather_piece(rows: &[&[u8]], row_bytes: usize) -> Vec<u8> {
                 }
             }
         });
-    // SAFETY: the zip above covers `n` bytes in `rows.len()` chunks of `row_bytes`, and every
-    // row is `row_bytes` long (asserted), so each of the first `n` bytes was written.
-    unsafe { out.set_len(n) };
-    out
+}
+
+/// Bytes not yet filled, handed to [`Device::staging`] to obtain pinned host memory of their
+/// size without copying anything into it: the staging copies a source with
+/// [`AllocationController::copy_into`], which here copies nothing while no byte has been
+/// asked for, and the caller then writes every byte of the pinned buffer it gets back. Where
+/// the device keeps these bytes (no pinned staging: wgpu, the CPU), the first access
+/// allocates them, zeroed, and the caller fills them the same way.
+struct Unfilled {
+    len: usize,
+    memory: OnceLock<Box<[MaybeUninit<u8>]>>,
+}
+
+impl Unfilled {
+    /// `len` unfilled bytes.
+    fn bytes(len: usize) -> Bytes {
+        let controller = Box::new(Unfilled {
+            len,
+            memory: OnceLock::new(),
+        });
+        // SAFETY: every access to the `len` bytes goes through `memory`/`memory_mut`, which
+        // allocate them initialized (zeroed); `copy_into` before that copies nothing, which
+        // its callers here (`Device::staging`) follow by writing the whole destination.
+        unsafe { Bytes::from_controller(controller, len) }
+    }
+
+    fn zeroed(len: usize) -> Box<[MaybeUninit<u8>]> {
+        vec![MaybeUninit::new(0u8); len].into_boxed_slice()
+    }
+}
+
+impl AllocationController for Unfilled {
+    fn alloc_align(&self) -> usize {
+        1
+    }
+
+    fn property(&self) -> AllocationProperty {
+        AllocationProperty::Native
+    }
+
+    unsafe fn memory_mut(
+        &mut self,
+        _policy: AccessPolicy,
+    ) -> Result<&mut [MaybeUninit<u8>], AccessError> {
+        let len = self.len;
+        self.memory.get_or_init(|| Self::zeroed(len));
+        Ok(self.memory.get_mut().expect("initialized above"))
+    }
+
+    fn memory(&self, _policy: AccessPolicy) -> Result<&[MaybeUninit<u8>], AccessError> {
+        Ok(self.memory.get_or_init(|| Self::zeroed(self.len)))
+    }
+
+    fn capacity(&self) -> usize {
+        self.len
+    }
+
+    unsafe fn copy_into(&self, buf: &mut [u8]) {
+        if let Some(memory) = self.memory.get() {
+            // SAFETY: `memory` was allocated initialized and `buf` is at most `len` long
+            // (`Bytes::copy_into` passes its own length).
+            let memory =
+                unsafe { &*(&memory[..buf.len()] as *const [MaybeUninit<u8>] as *const [u8]) };
+            buf.copy_from_slice(memory);
+        }
+    }
 }
 
 /// Uploads `rows` of raw bytes as a `[rows, row_len]` tensor of `dtype` (`rows ≥ 1`),
@@ -186,14 +262,24 @@ fn upload_rows_in(
     };
     let upload = |data: TensorData| Tensor::<2>::from_data(data, options(dtype, device));
     let mut pieces: Vec<Tensor<2>> = if pinned {
-        // Every piece gathered and staged on its own core; staging reserves pinned memory
-        // from the calling stream's pool, so each task runs on the caller's stream.
+        // Every piece staged and gathered on its own core: staging reserves pinned memory from
+        // the calling stream's pool (so each task runs on the caller's stream) without copying
+        // into it (`Unfilled`), and the rows are gathered straight into it: one host copy.
         let stream = StreamId::current();
         let staged: Vec<TensorData> = rows
             .par_chunks(per_piece)
             .map(|p| {
-                let mut data = piece(p);
+                let len = p.len() * row_bytes;
+                let mut data =
+                    TensorData::from_bytes(Unfilled::bytes(len), [p.len(), row_len], dtype);
                 stream.executes(|| device.staging(std::iter::once(&mut data)));
+                TensorData::with_bytes_mut(std::iter::once(&mut data), |mut bytes| {
+                    let dst: &mut [u8] = bytes[0];
+                    // SAFETY: the same memory seen as possibly uninitialized; `fill_rows` only
+                    // writes initialized bytes into it.
+                    let dst = unsafe { &mut *(dst as *mut [u8] as *mut [MaybeUninit<u8>]) };
+                    fill_rows(dst, p, row_bytes);
+                });
                 data
             })
             .collect();

@@ -221,11 +221,14 @@ impl GemmKernel {
     pub const DEFAULT: GemmKernel = GemmKernel::Wgmma;
 
     /// The kernel burn-cce's `GemmStrategy::Fixed` uses in the backward's second dE pass (row
-    /// blocks of `E`, `GemmStrategy::for_row_blocks`): the fastest there in a sweep on an NVIDIA
-    /// H200 (Burn 0.23, 2026-11-27, Gemma-2 shape, bf16): dE pass 28.8 ms against 40.7 ms with
-    /// [`GemmKernel::SpecializedTma`], which stays the fastest for the full-`N` passes
-    /// (scoring 53.2 against 80.1 ms, vocabulary 22.2 against 25.6 ms).
-    pub const ROW_BLOCKS: GemmKernel = GemmKernel::SimpleTma;
+    /// blocks of `E`, `GemmStrategy::for_row_blocks`): this crate's Hopper kernel, as in the
+    /// other passes. At the Gemma-2 shape (bf16, loss + gradient, the paper's filter, automatic
+    /// blocks) it took the step from 87.3 to 68.9 ms on an H100 (2026-12-06, same run): the
+    /// second pass's `[1184 × 2304] · [2304 × 2016]` products ran at ~90 TFLOP/s on
+    /// [`GemmKernel::SimpleTma`], chosen in a sweep on 2026-11-27 before the Hopper kernel
+    /// existed. Where it cannot run, the same fallbacks as [`GemmKernel::DEFAULT`]'s
+    /// ([`GemmKernel::SpecializedTma`], then [`GemmKernel::DoubleCyclic`]).
+    pub const ROW_BLOCKS: GemmKernel = GemmKernel::Wgmma;
 
     /// Every kernel, for sweeps.
     pub const ALL: [GemmKernel; 15] = [
