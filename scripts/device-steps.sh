@@ -78,8 +78,8 @@
 #            and without the paper's filter, Burn's plain loss (70 GB budget: it needs ~50) and
 #            the PyTorch peers (the fused passes stop at D = 576)
 #   bccegf   cce suite, Gemma-2 shape, loss + gradient, the paper's filter only: automatic
-#            blocks, the Hopper kernel in dE's second pass, 256 MiB forward/scoring blocks, all
-#            blocks 256 MiB; Burn's plain loss and Apple's CCE
+#            blocks, 256 MiB forward/scoring blocks, all blocks 256 MiB; Burn's plain loss and
+#            Apple's CCE
 #   bcces    cce suite, SmolLM2 and Gemma-2 shapes, every pass in 16, 32, 64, 128 and 256 MiB
 #            blocks: time against peak memory, to choose the automatic blocks
 #   tdp      llama_tests data_parallel (two GPUs follow one; needs a 2-GPU machine)

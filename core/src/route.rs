@@ -13,7 +13,7 @@
 //! would take the reference on a CubeCL device panics instead, naming the op and the reason.
 
 use std::cell::Cell;
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -184,14 +184,13 @@ pub fn count_launch(op: &'static str) {
     counter(op).fetch_add(1, Ordering::Relaxed);
     let key = (StreamId::current().value, op);
     let mut all = STREAM_LAUNCHES.lock().unwrap_or_else(|e| e.into_inner());
-    match all.iter_mut().find(|(k, _)| *k == key) {
-        Some((_, n)) => *n += 1,
-        None => all.push((key, 1)),
-    }
+    *all.get_or_insert_with(HashMap::new).entry(key).or_insert(0) += 1;
 }
 
-/// Launch counts per (stream, op): see [`stream_launches`].
-static STREAM_LAUNCHES: Mutex<Vec<((u64, &'static str), u64)>> = Mutex::new(Vec::new());
+/// Launch counts per (stream, op): see [`stream_launches`]. An entry per stream that launched
+/// the op, kept for the process (streams are per thread: a few per test or worker thread).
+#[allow(clippy::type_complexity)]
+static STREAM_LAUNCHES: Mutex<Option<HashMap<(u64, &'static str), u64>>> = Mutex::new(None);
 
 /// Kernel launches of `op` counted so far for the calling thread's stream: what a test that
 /// asserts an exact count reads, since tests on other threads launch the same kernels
@@ -200,7 +199,7 @@ static STREAM_LAUNCHES: Mutex<Vec<((u64, &'static str), u64)>> = Mutex::new(Vec:
 pub fn stream_launches(op: &'static str) -> u64 {
     let key = (StreamId::current().value, op);
     let all = STREAM_LAUNCHES.lock().unwrap_or_else(|e| e.into_inner());
-    all.iter().find(|(k, _)| *k == key).map_or(0, |(_, n)| *n)
+    all.as_ref().and_then(|m| m.get(&key)).copied().unwrap_or(0)
 }
 
 /// Kernel launches of `op` counted so far in this process (see [`count_launch`]).

@@ -67,10 +67,12 @@ fn variants(
     });
     // The paper's filter with each forward/scoring block and the automatic gradient chunks
     // (the automatic blocks' memory): which of the two block sizes costs the time.
-    let filtered_pass = sized(pass_blocks, "paper's filter, pass block", |o, b| CceOptions {
-        pass_chunk_bytes: Some(b),
-        filter_eps: FilterEps::Paper,
-        ..o
+    let filtered_pass = sized(pass_blocks, "paper's filter, pass block", |o, b| {
+        CceOptions {
+            pass_chunk_bytes: Some(b),
+            filter_eps: FilterEps::Paper,
+            ..o
+        }
     });
     let kernels = GemmKernel::ALL.into_iter().filter(|_| sweep).map(move |k| {
         (
@@ -96,17 +98,6 @@ fn variants(
             "cce (paper's grad filter)",
             CceOptions {
                 filter_eps: FilterEps::Paper,
-                ..d
-            },
-        ),
-        // The paper's filter with the Hopper kernel in dE's second pass too
-        // (`GemmStrategy::Fixed` takes `GemmKernel::ROW_BLOCKS` there, chosen on 2026-11-27,
-        // before the Hopper kernel existed).
-        (
-            "cce (paper's grad filter, wgmma row blocks)",
-            CceOptions {
-                filter_eps: FilterEps::Paper,
-                gemm: GemmStrategy::Kernel(GemmKernel::Wgmma),
                 ..d
             },
         ),
