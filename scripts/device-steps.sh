@@ -169,7 +169,8 @@ att() {
 # Sums a CubeCL profile log ($1: CUBECL_DEBUG_OPTION=profile) by kernel name (the hash
 # suffix dropped): total time, launches, mean; the 30 largest totals.
 prof_sum() {
-  awk -F'|' '/^\| *[0-9.]+(ns|µs|ms|s) *\|/ {
+  local out
+  out=$(awk -F'|' '/^\| *[0-9.]+(ns|µs|ms|s) *\|/ {
       t = $2; gsub(/ /, "", t); v = t + 0
       if (t ~ /ns$/) v /= 1e6; else if (t ~ /µs$/) v /= 1e3; else if (t ~ /ms$/) v += 0; else v *= 1e3
       name = ""; for (i = 3; i <= NF; i++) name = name "|" $i
@@ -177,8 +178,9 @@ prof_sum() {
       if (length(name) > 240) name = substr(name, 1, 160) "…" substr(name, length(name) - 79)
       tot[name] += v; n[name]++; all += v }
     END { printf "total %.3f ms in profiled kernels\n", all
-      for (k in tot) printf "%10.3f ms %7d x %9.4f ms %s\n", tot[k], n[k], tot[k] / n[k], k }' "$1" |
-    sort -k1,1 -t' ' -g -r | head -31
+      for (k in tot) printf "%10.3f ms %7d x %9.4f ms %s\n", tot[k], n[k], tot[k] / n[k], k }' "$1")
+  grep '^total' <<<"$out"
+  grep -v '^total' <<<"$out" | sort -g -r | head -30
 }
 # Gemma-2 CCE loss + gradient with the paper's filter, one variant a process, under CubeCL's
 # profiler: the automatic blocks (1.03x memory) and all blocks of 256 MiB (1.39x, 1.1x Apple's

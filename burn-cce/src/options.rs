@@ -184,19 +184,6 @@ pub enum GemmStrategy {
     Autotune,
 }
 
-impl GemmStrategy {
-    /// The strategy for the GEMMs of the backward's second dE pass, whose row blocks (about a
-    /// thousand rows at the Gemma-2 shape) are a seventh of the other passes' `N` rows:
-    /// [`GemmStrategy::Fixed`] takes [`GemmKernel::ROW_BLOCKS`] there; any other strategy is
-    /// kept.
-    pub fn for_row_blocks(self) -> Self {
-        match self {
-            GemmStrategy::Fixed => GemmStrategy::Kernel(GemmKernel::ROW_BLOCKS),
-            other => other,
-        }
-    }
-}
-
 impl Default for CceOptions {
     fn default() -> Self {
         Self {

@@ -151,8 +151,8 @@ mod cube_backend {
         fn gemm(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
             count_launch("gemm");
             let dtype = a.dtype;
-            let dims = a.meta.shape().to_vec();
-            let rows = dims[dims.len().saturating_sub(2)];
+            let shape = a.meta.shape();
+            let rows = shape[shape.len().saturating_sub(2)];
             if matches!(dtype, DType::F16 | DType::BF16)
                 && b.dtype == dtype
                 && rows >= super::FIXED_MIN_ROWS
@@ -219,16 +219,6 @@ impl GemmKernel {
     /// [`GemmKernel::DoubleCyclic`] on devices without the tensor memory accelerator (before
     /// Hopper, Vulkan).
     pub const DEFAULT: GemmKernel = GemmKernel::Wgmma;
-
-    /// The kernel burn-cce's `GemmStrategy::Fixed` uses in the backward's second dE pass (row
-    /// blocks of `E`, `GemmStrategy::for_row_blocks`): this crate's Hopper kernel, as in the
-    /// other passes. At the Gemma-2 shape (bf16, loss + gradient, the paper's filter, automatic
-    /// blocks) it took the step from 87.3 to 68.9 ms on an H100 (2026-12-06, same run): the
-    /// second pass's `[1184 × 2304] · [2304 × 2016]` products ran at ~90 TFLOP/s on
-    /// [`GemmKernel::SimpleTma`], chosen in a sweep on 2026-11-27 before the Hopper kernel
-    /// existed. Where it cannot run, the same fallbacks as [`GemmKernel::DEFAULT`]'s
-    /// ([`GemmKernel::SpecializedTma`], then [`GemmKernel::DoubleCyclic`]).
-    pub const ROW_BLOCKS: GemmKernel = GemmKernel::Wgmma;
 
     /// Every kernel, for sweeps.
     pub const ALL: [GemmKernel; 15] = [

@@ -246,7 +246,7 @@ pub fn gemm_runs_at_training_shapes(device: &Device) {
 #[cfg(feature = "cuda")]
 pub fn hopper_gemm_matches_host(device: &Device) {
     use burn_kernels_core::gemm::{GemmKernel, default_kernel, launch::WGMMA_LAUNCHES};
-    use burn_kernels_core::route::stream_launches as launches;
+    use burn_kernels_core::route::stream_launches;
     let before_default = default_kernel();
     gemm::set_default_kernel(GemmKernel::Wgmma);
     let cases: [([usize; 3], Option<bool>); 10] = [
@@ -266,9 +266,9 @@ pub fn hopper_gemm_matches_host(device: &Device) {
             for transposed in [false, true] {
                 let seed = 700 + 4 * i as u64 + 2 * transposed as u64;
                 let (a, b, want) = product_case([m, k, n], transposed, seed, dtype, device);
-                let before = launches(WGMMA_LAUNCHES);
+                let before = stream_launches(WGMMA_LAUNCHES);
                 let got = to_f32(gemm::matmul(a, b).into_data());
-                let ran = launches(WGMMA_LAUNCHES) - before;
+                let ran = stream_launches(WGMMA_LAUNCHES) - before;
                 let name = format!("wgmma {dtype:?} [{m}×{k}]·[{k}×{n}] transposed b {transposed}");
                 if let Some(runs) = runs {
                     assert_eq!(ran, runs as u64, "{name}: Hopper kernel launches");
@@ -287,9 +287,9 @@ pub fn hopper_gemm_matches_host(device: &Device) {
             to_f32(b.to_data()),
             to_f32(g.to_data()),
         );
-        let before = launches(WGMMA_LAUNCHES);
+        let before = stream_launches(WGMMA_LAUNCHES);
         let [da, db] = gradients(a, b, g);
-        let ran = launches(WGMMA_LAUNCHES) - before;
+        let ran = stream_launches(WGMMA_LAUNCHES) - before;
         assert_eq!(
             ran, 3,
             "wgmma {dtype:?}: forward, dA and dB on the Hopper kernel"
