@@ -51,6 +51,8 @@
 #   tdet     llama_tests train::cuda::cce_step_is_deterministic
 #   bcceb    cce suite, SmolLM2 shape, 256 MiB blocks against Burn's plain loss (with the
 #            fused passes, `cce (fused passes)`, in the same run)
+#   tcce     every cce_tests test on CUDA (the chunked passes against the reference, the
+#            reductions inside the Hopper GEMM with their launches counted, the fused passes)
 #   tfused   cce_tests' fused-pass checks on CUDA (ops against the reference, the loss under
 #            autodiff; each asserts the fused kernels launched)
 #   bccef    cce suite, SmolLM2 shape: the default, the fused passes (with and without the
@@ -247,6 +249,7 @@ for s in "$@"; do
     bcceb) step bcceb run bench --suite cce --filter smollm2 --cce-chunk-bytes 256 \
       --peers-dir "$peers" --out "$O/bcceb" ;;
     tfused) step tfused run test cce_tests fused --include-ignored --nocapture ;;
+    tcce) step tcce run test cce_tests --include-ignored ;;
     bccefb) step bccefb run bench --suite cce --filter smollm2 --cce-chunk-bytes 256 \
       --skip-impl 'sorting' --skip-impl "paper's" --skip-impl 'autotuned' --skip-impl 'bf16 dE' \
       --skip-impl 'one f32' --skip-impl torch --out "$O/bccefb" ;;

@@ -57,7 +57,8 @@ use std::ops::Range;
 use crate::blocks::row_ranges;
 pub use crate::blocks::{BackwardBlocks, DeAccumulation};
 use crate::diagnostics::{LAST_PLAN, PhaseClock, PlanStats};
-use crate::gemm::{cast, dims2, matmul_to};
+use crate::epilogue;
+use crate::gemm::{cast, dims2, matmul_to, rows_of, transpose};
 use crate::kernels::fused;
 use crate::kernels::{
     accumulate::add_rows, grad::grad_chunk, indexed_dot::indexed_dot, lse_chunk::lse_chunk,
@@ -67,16 +68,6 @@ use crate::live;
 use crate::{GemmStrategy, LceParams};
 
 type Cb = CubeBackend;
-
-/// Rows `range` of a matrix (a view).
-fn rows_of(t: CubeTensor, range: Range<usize>) -> CubeTensor {
-    let [_, cols] = dims2(&t);
-    Cb::float_slice(t, &[Slice::from(range), Slice::from(0..cols)])
-}
-
-fn transpose(t: CubeTensor) -> CubeTensor {
-    Cb::float_transpose(t)
-}
 
 fn zeros<const D: usize>(shape: [usize; D], dtype: DType, device: &CubeDevice) -> CubeTensor {
     Cb::float_zeros(Shape::new(shape), device, FloatDType::from(dtype))
@@ -115,7 +106,9 @@ pub fn forward(
     let m = zeros([n], DType::F32, &device);
     let s = zeros([n], DType::F32, &device);
     live::sample(&s, "forward state");
-    for range in chunks(vocab, chunk) {
+    let reduced = epilogue::applies(params.gemm, &e, &c)
+        && epilogue::fold_lse(&e, &c, &bias, params.softcap, [&m, &s]);
+    for range in chunks(vocab, chunk).filter(|_| !reduced) {
         let v0 = range.start;
         let logits = matmul_to(
             e.clone(),
@@ -157,6 +150,16 @@ fn scores(
 ) -> Vec<f32> {
     let [n, _] = dims2(e);
     let [vocab, _] = dims2(c);
+    let reduced = epilogue::applies(gemm, e, c)
+        .then(|| epilogue::scores(e, c, bias, softcap, lse, targets))
+        .flatten();
+    if let Some(all) = reduced {
+        live::sample(&all, "scores (all)");
+        return read_sync(Cb::float_into_data(all))
+            .expect("read the scores back")
+            .try_into_vec_as::<f32>()
+            .expect("scores are f32");
+    }
     let parts: Vec<CubeTensor> = chunks(vocab, chunk)
         .map(|range| {
             let v0 = range.start;

@@ -18,6 +18,23 @@ use crate::live;
 
 type Cb = CubeBackend;
 
+/// Rows `range` of a matrix (a view).
+pub(crate) fn rows_of(t: CubeTensor, range: std::ops::Range<usize>) -> CubeTensor {
+    let [_, cols] = dims2(&t);
+    Cb::float_slice(
+        t,
+        &[
+            burn::tensor::Slice::from(range),
+            burn::tensor::Slice::from(0..cols),
+        ],
+    )
+}
+
+/// The transposed view of a matrix.
+pub(crate) fn transpose(t: CubeTensor) -> CubeTensor {
+    Cb::float_transpose(t)
+}
+
 /// `t` in `dtype` (the same tensor when it already is).
 pub(crate) fn cast(t: CubeTensor, dtype: DType) -> CubeTensor {
     if t.dtype == dtype {

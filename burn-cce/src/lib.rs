@@ -50,6 +50,8 @@ mod backward;
 mod blocks;
 mod chunked;
 pub mod diagnostics;
+mod epilogue;
+pub use epilogue::{HOPPER_LSE_LAUNCHES, HOPPER_SCORE_LAUNCHES, REDUCTION_CHUNK};
 mod error;
 #[cfg(feature = "cube")]
 mod forward;

@@ -2,8 +2,8 @@
 //! ground truth (the plain path on the CPU), the same plain path in the input dtype on the
 //! backend under test ("ref"), and CCE; CCE must be no further from the ground truth than ref
 //! is, for the loss, dE, dC and db. Plus direct checks of the backend ops against the tensor-op
-//! reference (forward, exact backward, filtered backward and its plan), the fused passes (CUDA)
-//! and typed errors.
+//! reference (forward, exact backward, filtered backward and its plan), the fused passes (CUDA),
+//! the reductions inside the Hopper GEMM (CUDA) and typed errors.
 //!
 //! The checks live in the submodules below; the tests are declared here (`testgen!` and the CPU
 //! `#[test]`s), so that their names stay `cce::…`.
@@ -11,6 +11,7 @@
 mod case;
 mod errors;
 mod fused;
+mod hopper;
 mod loss;
 mod op_checks;
 mod ops;
@@ -18,6 +19,7 @@ mod ops;
 use case::*;
 use errors::*;
 use fused::*;
+use hopper::*;
 use loss::*;
 use op_checks::*;
 
@@ -132,6 +134,7 @@ testgen! {
         fused_ops_match_reference,
         fused_filter_per_tile,
         fused_training_ops_match_reference,
+        hopper_reductions_match_reference,
     ],
     autodiff: [loss_and_gradients, all_ignored, fused_loss_and_gradients],
 }

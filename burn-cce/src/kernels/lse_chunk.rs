@@ -94,3 +94,50 @@ pub fn lse_chunk(
         dtype,
     );
 }
+
+#[cube(launch)]
+fn merge_tiles_kernel(partials: &Tensor<f32>, m: &mut Tensor<f32>, s: &mut Tensor<f32>) {
+    let row = ABSOLUTE_POS;
+    let rows = m.len();
+    if row >= rows {
+        terminate!();
+    }
+    let tiles = partials.len() / (2 * rows);
+    let half = tiles * rows;
+    let mut lm = m[row];
+    let mut ls = s[row];
+    for t in 0..tiles {
+        let (m2, s2) = merge(
+            lm,
+            ls,
+            partials[t * rows + row],
+            partials[half + t * rows + row],
+        );
+        lm = m2;
+        ls = s2;
+    }
+    m[row] = lm;
+    s[row] = ls;
+}
+
+/// Folds per-tile `(max, Σexp)` pairs (core's `hopper_row_lse`, whose `Σ = 0` marks a tile
+/// with no column) into `m` and `s` in place.
+///
+/// # Shapes
+/// - `partials`: `[2, tiles, n]` f32 (the maxima, then the sums), `m`, `s`: `[n]` f32
+pub fn merge_tiles(partials: CubeTensor, m: &CubeTensor, s: &CubeTensor) {
+    let n = m.meta.shape()[0];
+    if n == 0 {
+        return;
+    }
+    let client = partials.client.clone();
+    let (count, dim) = super::elementwise_grid(&client, n);
+    merge_tiles_kernel::launch(
+        &client,
+        count,
+        dim,
+        into_contiguous(partials).into_tensor_arg(),
+        m.clone().into_tensor_arg(),
+        s.clone().into_tensor_arg(),
+    );
+}

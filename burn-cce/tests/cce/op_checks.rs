@@ -21,18 +21,9 @@ pub(super) fn forward_matches_reference(device: &Device) {
     let before = launches("linear_ce_forward");
     for dtype in float_dtypes(device) {
         for (k, case) in cases().into_iter().enumerate() {
-            if !runs(device, k, dtype) {
-                continue;
+            if runs(device, k, dtype) {
+                check_forward(&case, dtype, device);
             }
-            let (dev, cpu) = op_inputs(&case, dtype, device);
-            let p = params(&case, None);
-            poison_memory(device, case.tokens() * case.v * 2, DType::F32);
-            let (lse, tl) = forward_op(&dev, p);
-            let (lse_ref, tl_ref) =
-                reference::linear_ce_forward(cpu.e, cpu.c, cpu.bias, cpu.targets, case.softcap);
-            let name = format!("{case:?} {dtype:?}");
-            let (lse, tl) = (host(lse), host(tl));
-            assert_forward_close(&name, (&lse, &tl), (lse_ref, tl_ref), &case, device);
         }
     }
     // The outputs were read back: the chunked forward ran on CubeBackend (through Dispatch
@@ -43,6 +34,19 @@ pub(super) fn forward_matches_reference(device: &Device) {
     );
 }
 
+/// The forward op on `case` in `dtype` against the reference.
+pub(super) fn check_forward(case: &Case, dtype: DType, device: &Device) {
+    let (dev, cpu) = op_inputs(case, dtype, device);
+    let p = params(case, None);
+    poison_memory(device, case.tokens() * case.v * 2, DType::F32);
+    let (lse, tl) = forward_op(&dev, p);
+    let (lse_ref, tl_ref) =
+        reference::linear_ce_forward(cpu.e, cpu.c, cpu.bias, cpu.targets, case.softcap);
+    let name = format!("{case:?} {dtype:?}");
+    let (lse, tl) = (host(lse), host(tl));
+    assert_forward_close(&name, (&lse, &tl), (lse_ref, tl_ref), case, device);
+}
+
 pub(super) fn backward_matches_reference(device: &Device) {
     for dtype in float_dtypes(device) {
         for (k, case) in cases().into_iter().enumerate() {
@@ -50,49 +54,54 @@ pub(super) fn backward_matches_reference(device: &Device) {
                 continue;
             }
             let started = std::time::Instant::now();
-            let (dev, cpu) = op_inputs(&case, dtype, device);
-            let n = case.tokens();
-            let (scores, lse_ref) = host_scores(&cpu, case.softcap);
-            let dout = random_values(n, Dist::Uniform { lo: 0.5, hi: 1.5 }, case.seed + 9);
-            // Odd cases filter at an eps between score levels: the kernels must drop exactly
-            // the entries (sorted) or chunks (unsorted) the host scores say, and nothing else.
-            let eps = (k % 2 == 1).then(|| eps_in_gap(&scores));
-            let chunk = params(&case, eps).grad_chunk_len(n, case.v, case.d, dtype);
-            let keep = kept_entries(&scores, eps, case.sort, chunk);
-            let lse_dev = Tensor::<1>::from_data(lse_ref.to_data(), (device, DType::F32));
-            let dout_dev =
-                Tensor::<1>::from_data(TensorData::new(dout.clone(), [n]), (device, DType::F32));
-            poison_memory(device, n * case.v * 2, DType::F32);
-            let (de, dc, db) = backward_op(&dev, &lse_dev, &dout_dev, params(&case, eps));
-            // Read back first: under Burn's fusion the op runs when its outputs are read, and
-            // records its plan then.
-            let (de, dc, db) = (host(de), host(dc), db.map(host));
-            if eps.is_some() {
-                let stats = last_backward_plan().expect("a plan was recorded");
-                assert_eq!(
-                    stats.entries,
-                    keep.iter().filter(|&&k| k).count(),
-                    "{case:?} {dtype:?}: entries processed at eps {eps:?}"
-                );
-            }
-            // The reference with the dropped vocabulary columns' gradient removed: dC rows
-            // and db entries of dropped entries are 0, dE lacks their contribution.
-            let name = format!("{case:?} {dtype:?} eps={eps:?}");
-            let masked = MaskedCheck {
-                case: &case,
-                cpu: &cpu,
-                lse: lse_ref,
-                dout: &dout,
-                keep: &keep,
-                dtype,
-            };
-            masked.assert_matches(&name, (&de, &dc, db.as_ref()), device);
+            // Odd cases filter at an eps between score levels.
+            check_backward(&case, k % 2 == 1, dtype, device);
             eprintln!(
                 "backward_matches_reference: case {k} {dtype:?} ok [{:.1} s]",
                 started.elapsed().as_secs_f64()
             );
         }
     }
+}
+
+/// The backward op on `case` in `dtype` against the reference, exact or (`filtered`) at an eps
+/// between the host's score levels: the kernels must then drop exactly the entries (sorted) or
+/// chunks (unsorted) the host scores say, and nothing else.
+pub(super) fn check_backward(case: &Case, filtered: bool, dtype: DType, device: &Device) {
+    let (dev, cpu) = op_inputs(case, dtype, device);
+    let n = case.tokens();
+    let (scores, lse_ref) = host_scores(&cpu, case.softcap);
+    let dout = random_values(n, Dist::Uniform { lo: 0.5, hi: 1.5 }, case.seed + 9);
+    let eps = filtered.then(|| eps_in_gap(&scores));
+    let chunk = params(case, eps).grad_chunk_len(n, case.v, case.d, dtype);
+    let keep = kept_entries(&scores, eps, case.sort, chunk);
+    let lse_dev = Tensor::<1>::from_data(lse_ref.to_data(), (device, DType::F32));
+    let dout_dev = Tensor::<1>::from_data(TensorData::new(dout.clone(), [n]), (device, DType::F32));
+    poison_memory(device, n * case.v * 2, DType::F32);
+    let (de, dc, db) = backward_op(&dev, &lse_dev, &dout_dev, params(case, eps));
+    // Read back first: under Burn's fusion the op runs when its outputs are read, and records
+    // its plan then.
+    let (de, dc, db) = (host(de), host(dc), db.map(host));
+    if eps.is_some() {
+        let stats = last_backward_plan().expect("a plan was recorded");
+        assert_eq!(
+            stats.entries,
+            keep.iter().filter(|&&k| k).count(),
+            "{case:?} {dtype:?}: entries processed at eps {eps:?}"
+        );
+    }
+    // The reference with the dropped vocabulary columns' gradient removed: dC rows and db
+    // entries of dropped entries are 0, dE lacks their contribution.
+    let name = format!("{case:?} {dtype:?} eps={eps:?}");
+    let masked = MaskedCheck {
+        case,
+        cpu: &cpu,
+        lse: lse_ref,
+        dout: &dout,
+        keep: &keep,
+        dtype,
+    };
+    masked.assert_matches(&name, (&de, &dc, db.as_ref()), device);
 }
 
 /// dE accumulated in blocks of rows — a second pass over regrouped vocabulary chunks with f32

@@ -39,6 +39,9 @@ use cubecl::wgmma::{Accumulator, Major, MatrixDescriptor, Swizzle, WARPGROUP_M, 
 use cubecl::zspace::{Shape, Strides};
 use cubecl::{calculate_cube_count_elemwise, client::Client};
 
+mod epilogue;
+pub use epilogue::{Epilogue, LogitOptions, hopper_column_scores, hopper_row_lse};
+
 /// Rows of `C` per cube: one 64-row MMA for each of the two consumer warpgroups.
 pub const BM: usize = 2 * WARPGROUP_M;
 /// K per stage: one 128-byte swizzle panel of 16-bit elements.
@@ -70,6 +73,8 @@ pub struct HopperTile {
     /// operand, and the smaller one stays in L2 (the tied head's logits read `E`, 56 MB at
     /// SmolLM2's shape, once instead of once per 128 rows).
     pub m_fast: bool,
+    /// What becomes of the tile: stored, or reduced in registers ([`Epilogue`]).
+    pub epilogue: Epilogue,
 }
 
 impl HopperTile {
@@ -126,19 +131,27 @@ fn load_stage<E: Float>(
 
 /// `out[z] = A[:, Kz] · B[Kz, :]` for the cube's tile, where `Kz` is split `z`'s range of K
 /// tiles (`tiles_per_split` of the `k_tiles`); `out` is `[splits, m, n]` contiguous, in vectors
-/// of 2 where `tile.pairs`.
+/// of 2 where `tile.pairs`. With a reducing [`Epilogue`] (one split), `reduced` receives the
+/// reduction instead, from the logits `C + bias[v0 + col]` (soft-capped by `softcap`), `lse`
+/// and `targets` (per row); `out` is not written.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments, clippy::manual_div_ceil)]
-fn hopper_gemm_kernel<E: Float, O: Float, N2: Size>(
+fn hopper_gemm_kernel<E: Float, O: Float, N2: Size, I: Numeric>(
     a: &TensorMap<E, Tiled>,
     b: &TensorMap<E, Tiled>,
     out: &mut Tensor<Vector<O, N2>>,
+    bias: &Tensor<f32>,
+    lse: &Tensor<f32>,
+    targets: &Tensor<I>,
+    reduced: &mut Tensor<f32>,
     m: u32,
     n: u32,
     k_tiles: u32,
     tiles_per_split: u32,
+    v0: u32,
+    softcap: f32,
     #[comptime] tile: HopperTile,
-    #[define(E, O)] _dtypes: [ElemType; 2],
+    #[define(E, O, I)] _dtypes: [ElemType; 3],
 ) {
     let bn = comptime![tile.bn];
     let a_layout = comptime![tile.a_layout()];
@@ -147,6 +160,9 @@ fn hopper_gemm_kernel<E: Float, O: Float, N2: Size>(
     let b_stage = comptime![tile.bn * BK];
     let mut a_smem = Shared::<[E]>::new_aligned_slice(comptime![STAGES * BM * BK], 1024usize);
     let mut b_smem = Shared::<[E]>::new_aligned_slice(comptime![STAGES * tile.bn * BK], 1024usize);
+    // The column scores' per-plane maxima (8 planes of consumers).
+    let score_len = comptime![if tile.epilogue.is_score() { 8 * bn } else { 1 }];
+    let mut scores = Shared::<[f32]>::new_slice(score_len);
 
     let mut full = Sequence::<Shared<Barrier>>::new();
     let mut empty = Sequence::<Shared<Barrier>>::new();
@@ -231,13 +247,50 @@ fn hopper_gemm_kernel<E: Float, O: Float, N2: Size>(
         released.wait();
         let acc = acc.wait();
         let unit = UNIT_POS % WG;
+        let rows0 = row0 + c as u32 * 64;
+        let (has_bias, has_softcap) = comptime![(tile.epilogue.bias(), tile.epilogue.softcap())];
         let base = CUBE_POS_Z as usize * m as usize * n as usize;
-        if comptime![tile.pairs] {
+        if comptime![matches!(tile.epilogue, Epilogue::RowLse { .. })] {
+            epilogue::row_lse(
+                &acc,
+                unit,
+                rows0,
+                col0,
+                tile_n,
+                m,
+                n,
+                v0,
+                bias,
+                softcap,
+                reduced,
+                has_bias,
+                has_softcap,
+            );
+        } else if comptime![tile.epilogue.is_score()] {
+            epilogue::column_score::<I>(
+                &acc,
+                unit,
+                c as u32,
+                rows0,
+                col0,
+                m,
+                n,
+                v0,
+                bias,
+                lse,
+                targets,
+                softcap,
+                &mut scores,
+                bn,
+                has_bias,
+                has_softcap,
+            );
+        } else if comptime![tile.pairs] {
             // Two adjacent columns per store (`n` even, so a pair never straddles a row).
             #[unroll]
             for j in 0..comptime![WARPGROUP_M * tile.bn / (2 * WG as usize)] {
                 let (r, col) = acc.position_of_nth(unit, 2 * j as u32);
-                let row = row0 + c as u32 * 64 + r;
+                let row = rows0 + r;
                 let col = col0 + col;
                 if row < m && col < n {
                     let mut v = Vector::<O, N2>::empty();
@@ -250,7 +303,7 @@ fn hopper_gemm_kernel<E: Float, O: Float, N2: Size>(
             #[unroll]
             for nth in 0..acc.len() {
                 let (r, col) = acc.position_of_nth(unit, nth as u32);
-                let row = row0 + c as u32 * 64 + r;
+                let row = rows0 + r;
                 let col = col0 + col;
                 if row < m && col < n {
                     out[base + row as usize * n as usize + col as usize] =
@@ -258,6 +311,10 @@ fn hopper_gemm_kernel<E: Float, O: Float, N2: Size>(
                 }
             }
         }
+    }
+    if comptime![tile.epilogue.is_score()] {
+        sync_cube();
+        epilogue::write_column_scores(&scores, col0, tile_m, n, reduced, bn);
     }
 }
 
@@ -323,6 +380,7 @@ fn elem(dtype: DType) -> Option<ElemType> {
 
 /// What a launch needs to know of a problem the kernel takes: its sizes, the tile, and each
 /// operand's stride along its non-contiguous dimension.
+#[derive(Clone, Copy)]
 struct Plan {
     m: usize,
     n: usize,
@@ -387,6 +445,7 @@ fn plan(client: &Client, lhs: &CubeTensor, rhs: &CubeTensor) -> Result<Plan, Str
         b_major: if b_k { Major::K } else { Major::MN },
         pairs: n.is_multiple_of(2),
         m_fast: m * k < k * n,
+        epilogue: Epilogue::Store,
     };
     Ok(Plan {
         m,
@@ -439,36 +498,18 @@ pub fn hopper_gemm(
     out_dtype: DType,
 ) -> Result<(), String> {
     let client = lhs.client.clone();
-    let Plan {
-        m,
-        n,
-        k,
-        tile,
-        a_stride,
-        b_stride,
-    } = plan(&client, lhs, rhs)?;
-    let (a_mn, b_k, bn) = (tile.a_major == Major::MN, tile.b_major == Major::K, tile.bn);
-    // The boxes: a K-major tile is one box of all its rows; an MN-major one a box per 64-row
-    // panel, `BK` lines of K each.
-    let a_map = tensor_map(lhs, a_mn, a_stride, if a_mn { BK } else { BM });
-    let b_map = tensor_map(rhs, b_k, b_stride, if b_k { bn } else { BK });
-    let k_tiles = k.div_ceil(BK);
-    let tiles = m.div_ceil(BM) * n.div_ceil(bn);
+    let plan = plan(&client, lhs, rhs)?;
+    let (m, n, k) = (plan.m, plan.n, plan.k);
+    let tiles = m.div_ceil(BM) * n.div_ceil(plan.tile.bn);
     let sms = client
         .properties()
         .hardware
         .num_streaming_multiprocessors
         .unwrap_or(132) as usize;
+    let k_tiles = k.div_ceil(BK);
     let splits = splits_for(tiles, k_tiles, sms);
     let per_split = k_tiles.div_ceil(splits);
     let splits = k_tiles.div_ceil(per_split);
-    let in_storage = dtype_to_storage_type(lhs.dtype);
-    let (tiles_m, tiles_n) = (m.div_ceil(BM) as u32, n.div_ceil(bn) as u32);
-    let count = match tile.m_fast {
-        true => CubeCount::Static(tiles_m, tiles_n, splits as u32),
-        false => CubeCount::Static(tiles_n, tiles_m, splits as u32),
-    };
-    let dim = CubeDim::new_1d(3 * WG);
     let partials = (splits > 1).then(|| {
         empty_device_contiguous_dtype(
             client.clone(),
@@ -481,26 +522,8 @@ pub fn hopper_gemm(
         Some(p) => (p.clone(), DType::F32),
         None => (out.clone(), out_dtype),
     };
-    // SAFETY: TMA reads only inside the maps (zeros past their ends); the output is written only
-    // at rows below `m` and columns below `n` of each split's `[m, n]` block, which `target`
-    // holds.
-    unsafe {
-        hopper_gemm_kernel::launch_unchecked(
-            &client,
-            count,
-            dim,
-            if tile.pairs { 2 } else { 1 },
-            a_map,
-            b_map,
-            target.into_tensor_arg(),
-            m as u32,
-            n as u32,
-            k_tiles as u32,
-            per_split as u32,
-            tile,
-            [in_storage, dtype_to_storage_type(target_dtype)],
-        );
-    }
+    let reduction = Reduction::none(lhs);
+    launch(lhs, rhs, &plan, (target, target_dtype), splits, reduction);
     if let Some(partials) = partials {
         let len = m * n;
         let units = CubeDim::new_1d(256);
@@ -515,6 +538,118 @@ pub fn hopper_gemm(
         );
     }
     Ok(())
+}
+
+/// The arguments of a reducing [`Epilogue`] (placeholders for [`Epilogue::Store`]).
+struct Reduction {
+    epilogue: Epilogue,
+    /// `[V]` f32.
+    bias: CubeTensor,
+    /// `[m]` f32.
+    lse: CubeTensor,
+    /// `[m]`, an integer dtype.
+    targets: CubeTensor,
+    /// Written by the epilogue.
+    out: CubeTensor,
+    v0: usize,
+    softcap: f32,
+}
+
+impl Reduction {
+    /// No reduction: one-element placeholders for the kernel's unused arguments (the written
+    /// one apart from the read ones: a buffer is not bound twice where one binding writes).
+    fn none(like: &CubeTensor) -> Self {
+        let read = placeholder(like, DType::F32);
+        Reduction {
+            epilogue: Epilogue::Store,
+            bias: read.clone(),
+            lse: read,
+            targets: placeholder(like, DType::U32),
+            out: placeholder(like, DType::F32),
+            v0: 0,
+            softcap: 1.0,
+        }
+    }
+}
+
+/// A one-element tensor of `dtype` on `like`'s device, for an argument a kernel does not use.
+fn placeholder(like: &CubeTensor, dtype: DType) -> CubeTensor {
+    empty_device_contiguous_dtype(
+        like.client.clone(),
+        like.device.clone(),
+        burn::tensor::Shape::new([1]),
+        dtype,
+    )
+}
+
+/// Launches the kernel for `plan` in `splits` splits of K, storing into `target` (`[splits, m,
+/// n]` of its dtype) or reducing as `reduction` says.
+fn launch(
+    lhs: &CubeTensor,
+    rhs: &CubeTensor,
+    plan: &Plan,
+    (target, target_dtype): (CubeTensor, DType),
+    splits: usize,
+    reduction: Reduction,
+) {
+    let client = lhs.client.clone();
+    let Plan {
+        m,
+        n,
+        k,
+        a_stride,
+        b_stride,
+        ..
+    } = *plan;
+    let tile = HopperTile {
+        epilogue: reduction.epilogue,
+        // A reduction stores nothing (its `target` is a placeholder).
+        pairs: plan.tile.pairs && reduction.epilogue == Epilogue::Store,
+        ..plan.tile
+    };
+    let (a_mn, b_k, bn) = (tile.a_major == Major::MN, tile.b_major == Major::K, tile.bn);
+    // The boxes: a K-major tile is one box of all its rows; an MN-major one a box per 64-row
+    // panel, `BK` lines of K each.
+    let a_map = tensor_map(lhs, a_mn, a_stride, if a_mn { BK } else { BM });
+    let b_map = tensor_map(rhs, b_k, b_stride, if b_k { bn } else { BK });
+    let k_tiles = k.div_ceil(BK);
+    let per_split = k_tiles.div_ceil(splits);
+    let (tiles_m, tiles_n) = (m.div_ceil(BM) as u32, n.div_ceil(bn) as u32);
+    let count = match tile.m_fast {
+        true => CubeCount::Static(tiles_m, tiles_n, splits as u32),
+        false => CubeCount::Static(tiles_n, tiles_m, splits as u32),
+    };
+    let dtypes = [
+        dtype_to_storage_type(lhs.dtype),
+        dtype_to_storage_type(target_dtype),
+        dtype_to_storage_type(reduction.targets.dtype),
+    ];
+    // SAFETY: TMA reads only inside the maps (zeros past their ends); the output is written only
+    // at rows below `m` and columns below `n` of each split's `[m, n]` block, which `target`
+    // holds; a reduction writes only inside the shapes its entry point allocated.
+    unsafe {
+        hopper_gemm_kernel::launch_unchecked(
+            &client,
+            count,
+            CubeDim::new_1d(3 * WG),
+            if tile.pairs { 2 } else { 1 },
+            a_map,
+            b_map,
+            target.into_tensor_arg(),
+            reduction.bias.into_tensor_arg(),
+            reduction.lse.into_tensor_arg(),
+            reduction.targets.into_tensor_arg(),
+            reduction.out.into_tensor_arg(),
+            m as u32,
+            n as u32,
+            k_tiles as u32,
+            per_split as u32,
+            reduction.v0 as u32,
+            reduction.softcap,
+            tile,
+            dtypes,
+        );
+    }
 }
 
 #[cfg(test)]

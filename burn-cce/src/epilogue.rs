@@ -1,0 +1,173 @@
+//! The forward's and the scoring pass's chunk reductions inside core's Hopper GEMM: the
+//! log-sum-exp and the filter scores of a chunk reduced from the logit tile in registers
+//! (`burn_kernels_core::gemm::hopper::{hopper_row_lse, hopper_column_scores}`), so those passes
+//! write no logit. Where the chunk GEMMs take the Hopper kernel ([`GemmStrategy::Fixed`] with
+//! it as the default kernel, or [`GemmStrategy::Kernel`] naming it) and it takes the operands;
+//! elsewhere the passes store f32 logits and reduce them with [`crate::kernels`]' kernels.
+//!
+//! Measured before (Gemma-2 shape, bf16, loss + gradient with the paper's filter, H100,
+//! 2026-12-06): the two reductions' own kernels took 6.3 + 3.4 ms a call, beside the logits'
+//! f32 stores inside the GEMMs.
+
+use burn::backend::ops::FloatTensorOps;
+use burn::tensor::{DType, Shape};
+use burn_cubecl::{CubeBackend, tensor::CubeTensor};
+use burn_kernels_core::gemm::{
+    GemmKernel, default_kernel,
+    hopper::{LogitOptions, hopper_column_scores, hopper_row_lse, unsupported},
+};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU8, Ordering};
+
+use crate::GemmStrategy;
+use crate::gemm::{cast, dims2, rows_of, transpose};
+use crate::kernels::lse_chunk::merge_tiles;
+
+type Cb = CubeBackend;
+
+/// Columns of a chunk: the reductions hold `O(n · chunk / 64)` values, never the logits, so the
+/// chunks are long (8 MiB of partial sums at 8192 tokens).
+pub const REDUCTION_CHUNK: usize = 32 * 1024;
+
+/// Launch counters ([`burn_kernels_core::route::stream_launches`]) of the two reductions.
+pub const HOPPER_LSE_LAUNCHES: &str = "cce-hopper-lse";
+/// See [`HOPPER_LSE_LAUNCHES`].
+pub const HOPPER_SCORE_LAUNCHES: &str = "cce-hopper-scores";
+
+/// Whether the two reductions ran on this process's device (0: not tried, 1: ran, 2: failed),
+/// checked at each one's first launch.
+static LSE_STATE: AtomicU8 = AtomicU8::new(0);
+static SCORE_STATE: AtomicU8 = AtomicU8::new(0);
+
+/// Outputs of failed launches, kept so the pool never hands their memory out again (see
+/// `burn_kernels_core::gemm::launch`).
+static QUARANTINE: Mutex<Vec<CubeTensor>> = Mutex::new(Vec::new());
+
+fn rows_t(c: &CubeTensor, range: std::ops::Range<usize>) -> CubeTensor {
+    transpose(rows_of(c.clone(), range))
+}
+
+/// Whether chunk GEMMs by `gemm` take the Hopper kernel and it takes `e · c_chunkᵀ`.
+pub fn applies(gemm: GemmStrategy, e: &CubeTensor, c: &CubeTensor) -> bool {
+    let kernel = match gemm {
+        GemmStrategy::Fixed => default_kernel(),
+        GemmStrategy::Kernel(kernel) => kernel,
+        GemmStrategy::Autotune => return false,
+    };
+    let [vocab, _] = dims2(c);
+    let [n, _] = dims2(e);
+    kernel == GemmKernel::Wgmma
+        && n >= burn_kernels_core::gemm::FIXED_MIN_ROWS
+        && vocab > 0
+        && unsupported(&e.client, e, &rows_t(c, 0..vocab.min(REDUCTION_CHUNK))).is_none()
+}
+
+/// Runs `launch`; at a reduction's first launch in the process, checks that the device ran
+/// it, else records the failure (`None` from then on, with a log line).
+fn checked(
+    state: &AtomicU8,
+    name: &str,
+    launch: impl FnOnce() -> Result<CubeTensor, String>,
+) -> Option<CubeTensor> {
+    if state.load(Ordering::Relaxed) == 2 {
+        return None;
+    }
+    let out = match launch() {
+        Ok(out) => out,
+        Err(why) => {
+            log::info!("burn-cce: {name} on the Hopper GEMM unavailable ({why})");
+            return None;
+        }
+    };
+    if state.load(Ordering::Relaxed) == 1 {
+        return Some(out);
+    }
+    match out.client.check([&out.handle]) {
+        Ok(()) => {
+            state.store(1, Ordering::Relaxed);
+            Some(out)
+        }
+        Err(err) => {
+            log::warn!(
+                "burn-cce: {name} on the Hopper GEMM failed to launch ({err}); the chunks' logits \
+                 are stored and reduced apart from now on"
+            );
+            state.store(2, Ordering::Relaxed);
+            QUARANTINE
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(out);
+            None
+        }
+    }
+}
+
+/// The bias in f32, as the reductions read it.
+fn bias_f32(bias: &Option<CubeTensor>) -> Option<CubeTensor> {
+    bias.clone().map(|b| cast(b, DType::F32))
+}
+
+/// Folds every chunk's log-sum-exp into `m` and `s` (`[n]` f32, empty: `s = 0`); `false` where
+/// the reduction did not run (nothing was folded).
+pub fn fold_lse(
+    e: &CubeTensor,
+    c: &CubeTensor,
+    bias: &Option<CubeTensor>,
+    softcap: Option<f32>,
+    [m, s]: [&CubeTensor; 2],
+) -> bool {
+    let [vocab, _] = dims2(c);
+    let bias = bias_f32(bias);
+    for v0 in (0..vocab).step_by(REDUCTION_CHUNK) {
+        let c_t = rows_t(c, v0..(v0 + REDUCTION_CHUNK).min(vocab));
+        let options = LogitOptions {
+            bias: bias.as_ref(),
+            v0,
+            softcap,
+        };
+        let Some(partials) = checked(&LSE_STATE, "the log-sum-exp", || {
+            hopper_row_lse(e, &c_t, options)
+        }) else {
+            // Only the first chunk can fail (a later one runs the checked kernel).
+            debug_assert_eq!(v0, 0, "the reduction failed after its first chunk");
+            return false;
+        };
+        burn_kernels_core::route::count_launch(HOPPER_LSE_LAUNCHES);
+        merge_tiles(partials, m, s);
+    }
+    true
+}
+
+/// The filter score of every vocabulary entry (`[V]` f32), or `None` where the reduction did
+/// not run.
+pub fn scores(
+    e: &CubeTensor,
+    c: &CubeTensor,
+    bias: &Option<CubeTensor>,
+    softcap: Option<f32>,
+    lse: &CubeTensor,
+    targets: &CubeTensor,
+) -> Option<CubeTensor> {
+    let [vocab, _] = dims2(c);
+    let bias = bias_f32(bias);
+    let mut parts = Vec::new();
+    for v0 in (0..vocab).step_by(REDUCTION_CHUNK) {
+        let len = REDUCTION_CHUNK.min(vocab - v0);
+        let c_t = rows_t(c, v0..v0 + len);
+        let options = LogitOptions {
+            bias: bias.as_ref(),
+            v0,
+            softcap,
+        };
+        let partial = checked(&SCORE_STATE, "the filter scores", || {
+            hopper_column_scores(e, &c_t, options, lse, targets)
+        })?;
+        burn_kernels_core::route::count_launch(HOPPER_SCORE_LAUNCHES);
+        crate::live::sample(&partial, "scores");
+        parts.push(Cb::float_reshape(
+            Cb::float_max_dim(partial, 0),
+            Shape::new([len]),
+        ));
+    }
+    Some(Cb::float_cat(parts, 0))
+}
