@@ -106,9 +106,13 @@ pub fn forward(
     let m = zeros([n], DType::F32, &device);
     let s = zeros([n], DType::F32, &device);
     live::sample(&s, "forward state");
-    let reduced = epilogue::applies(params.gemm, &e, &c)
-        && epilogue::fold_lse(&e, &c, &bias, params.softcap, [&m, &s]);
-    for range in chunks(vocab, chunk).filter(|_| !reduced) {
+    // Entries folded inside the Hopper GEMM; the rest by stored logits.
+    let folded = match epilogue::applies(params.gemm, &e, &c) {
+        true => epilogue::fold_lse(&e, &c, &bias, params.softcap, [&m, &s]),
+        false => 0,
+    };
+    for range in chunks(vocab - folded, chunk) {
+        let range = folded + range.start..folded + range.end;
         let v0 = range.start;
         let logits = matmul_to(
             e.clone(),

@@ -16,8 +16,6 @@ use burn_kernels_core::gemm::{
     GemmKernel, default_kernel,
     hopper::{LogitOptions, hopper_column_scores, hopper_row_lse, unsupported},
 };
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicU8, Ordering};
 
 use crate::GemmStrategy;
 use crate::gemm::{cast, dims2, rows_of, transpose};
@@ -33,15 +31,6 @@ pub const REDUCTION_CHUNK: usize = 32 * 1024;
 pub const HOPPER_LSE_LAUNCHES: &str = "cce-hopper-lse";
 /// See [`HOPPER_LSE_LAUNCHES`].
 pub const HOPPER_SCORE_LAUNCHES: &str = "cce-hopper-scores";
-
-/// Whether the two reductions ran on this process's device (0: not tried, 1: ran, 2: failed),
-/// checked at each one's first launch.
-static LSE_STATE: AtomicU8 = AtomicU8::new(0);
-static SCORE_STATE: AtomicU8 = AtomicU8::new(0);
-
-/// Outputs of failed launches, kept so the pool never hands their memory out again (see
-/// `burn_kernels_core::gemm::launch`).
-static QUARANTINE: Mutex<Vec<CubeTensor>> = Mutex::new(Vec::new());
 
 fn rows_t(c: &CubeTensor, range: std::ops::Range<usize>) -> CubeTensor {
     transpose(rows_of(c.clone(), range))
@@ -62,44 +51,10 @@ pub fn applies(gemm: GemmStrategy, e: &CubeTensor, c: &CubeTensor) -> bool {
         && unsupported(&e.client, e, &rows_t(c, 0..vocab.min(REDUCTION_CHUNK))).is_none()
 }
 
-/// Runs `launch`; at a reduction's first launch in the process, checks that the device ran
-/// it, else records the failure (`None` from then on, with a log line).
-fn checked(
-    state: &AtomicU8,
-    name: &str,
-    launch: impl FnOnce() -> Result<CubeTensor, String>,
-) -> Option<CubeTensor> {
-    if state.load(Ordering::Relaxed) == 2 {
-        return None;
-    }
-    let out = match launch() {
-        Ok(out) => out,
-        Err(why) => {
-            log::info!("burn-cce: {name} on the Hopper GEMM unavailable ({why})");
-            return None;
-        }
-    };
-    if state.load(Ordering::Relaxed) == 1 {
-        return Some(out);
-    }
-    match out.client.check([&out.handle]) {
-        Ok(()) => {
-            state.store(1, Ordering::Relaxed);
-            Some(out)
-        }
-        Err(err) => {
-            log::warn!(
-                "burn-cce: {name} on the Hopper GEMM failed to launch ({err}); the chunks' logits \
-                 are stored and reduced apart from now on"
-            );
-            state.store(2, Ordering::Relaxed);
-            QUARANTINE
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push(out);
-            None
-        }
-    }
+/// The reduction's output, or `None` with a log line where core refused or failed it.
+fn ran(name: &str, out: Result<CubeTensor, String>) -> Option<CubeTensor> {
+    out.map_err(|why| log::info!("burn-cce: {name} on the Hopper GEMM unavailable ({why})"))
+        .ok()
 }
 
 /// The bias in f32, as the reductions read it.
@@ -107,15 +62,16 @@ fn bias_f32(bias: &Option<CubeTensor>) -> Option<CubeTensor> {
     bias.clone().map(|b| cast(b, DType::F32))
 }
 
-/// Folds every chunk's log-sum-exp into `m` and `s` (`[n]` f32, empty: `s = 0`); `false` where
-/// the reduction did not run (nothing was folded).
+/// Folds the log-sum-exp of the vocabulary's chunks into `m` and `s` (`[n]` f32, empty:
+/// `s = 0`), in order, until one cannot run here; returns how many entries were folded (the
+/// caller folds the rest).
 pub fn fold_lse(
     e: &CubeTensor,
     c: &CubeTensor,
     bias: &Option<CubeTensor>,
     softcap: Option<f32>,
     [m, s]: [&CubeTensor; 2],
-) -> bool {
+) -> usize {
     let [vocab, _] = dims2(c);
     let bias = bias_f32(bias);
     for v0 in (0..vocab).step_by(REDUCTION_CHUNK) {
@@ -125,17 +81,13 @@ pub fn fold_lse(
             v0,
             softcap,
         };
-        let Some(partials) = checked(&LSE_STATE, "the log-sum-exp", || {
-            hopper_row_lse(e, &c_t, options)
-        }) else {
-            // Only the first chunk can fail (a later one runs the checked kernel).
-            debug_assert_eq!(v0, 0, "the reduction failed after its first chunk");
-            return false;
+        let Some(partials) = ran("the log-sum-exp", hopper_row_lse(e, &c_t, options)) else {
+            return v0;
         };
         burn_kernels_core::route::count_launch(HOPPER_LSE_LAUNCHES);
         merge_tiles(partials, m, s);
     }
-    true
+    vocab
 }
 
 /// The filter score of every vocabulary entry (`[V]` f32), or `None` where the reduction did
@@ -159,9 +111,10 @@ pub fn scores(
             v0,
             softcap,
         };
-        let partial = checked(&SCORE_STATE, "the filter scores", || {
-            hopper_column_scores(e, &c_t, options, lse, targets)
-        })?;
+        let partial = ran(
+            "the filter scores",
+            hopper_column_scores(e, &c_t, options, lse, targets),
+        )?;
         burn_kernels_core::route::count_launch(HOPPER_SCORE_LAUNCHES);
         crate::live::sample(&partial, "scores");
         parts.push(Cb::float_reshape(

@@ -18,7 +18,56 @@ use burn_cubecl::{ops::numeric::empty_device_contiguous_dtype, tensor::CubeTenso
 use cubecl::prelude::*;
 use cubecl::wgmma::Accumulator;
 
-use super::{BM, Reduction, launch, placeholder, plan};
+use super::{BM, HopperTile, Reduction, launch, placeholder, plan};
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+/// Whether each reducing kernel (tile, epilogue, dtype) ran at its first launch in this process.
+static VERIFIED: Mutex<Option<HashMap<(HopperTile, DType), bool>>> = Mutex::new(None);
+
+/// Outputs of failed launches, kept for the process: CubeCL marks a failed launch's buffers as
+/// failed, and memory the pool handed out again from them would carry the failure (see
+/// [`crate::gemm::launch`]).
+static QUARANTINE: Mutex<Vec<CubeTensor>> = Mutex::new(Vec::new());
+
+/// Launches a reduction into `out` by `launch_it`, whose kernel is `key`: refused at once where
+/// that kernel failed before; at its first launch, checked on the device thread (no device
+/// synchronization), its failure returned and remembered.
+fn verified(
+    key: (HopperTile, DType),
+    out: CubeTensor,
+    launch_it: impl FnOnce(),
+) -> Result<CubeTensor, String> {
+    let known = {
+        let all = VERIFIED.lock().unwrap_or_else(|e| e.into_inner());
+        all.as_ref().and_then(|m| m.get(&key).copied())
+    };
+    if known == Some(false) {
+        return Err(format!("{:?} failed to launch before", key.0.epilogue));
+    }
+    launch_it();
+    if known == Some(true) {
+        return Ok(out);
+    }
+    let ran = out.client.check([&out.handle]);
+    VERIFIED
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get_or_insert_with(HashMap::new)
+        .insert(key, ran.is_ok());
+    match ran {
+        Ok(()) => Ok(out),
+        Err(err) => {
+            let why = format!("{:?} failed to launch ({err})", key.0.epilogue);
+            log::warn!("hopper gemm: {why}");
+            QUARANTINE
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(out);
+            Err(why)
+        }
+    }
+}
 
 /// The logits' options of a reducing epilogue: a bias (`[V]` f32, read at `v0 + col`) and a
 /// soft cap.
@@ -63,7 +112,9 @@ impl LogitOptions<'_> {
 /// - returns `[2, tiles, m]` f32: the maxima, then the sums, of each column tile
 ///
 /// # Errors
-/// Where the kernel cannot run the product ([`super::unsupported`]) or the bias is not f32.
+/// Where the kernel cannot run the product ([`super::unsupported`]) or the bias is not f32,
+/// and where this kernel (tile and dtype) failed to launch on the device (checked at its first
+/// launch in the process).
 pub fn hopper_row_lse(
     lhs: &CubeTensor,
     rhs: &CubeTensor,
@@ -84,8 +135,14 @@ pub fn hopper_row_lse(
     };
     let reduction = options.reduction(epilogue, lhs, &out);
     let target = (placeholder(lhs, DType::F32), DType::F32);
-    launch(lhs, rhs, &plan, target, 1, reduction);
-    Ok(out)
+    let key = (
+        HopperTile {
+            epilogue,
+            ..plan.tile
+        },
+        lhs.dtype,
+    );
+    verified(key, out, || launch(lhs, rhs, &plan, target, 1, reduction))
 }
 
 /// Per column of the logits `x = lhs · rhs (+ bias, soft-capped)`, the largest gradient-filter
@@ -125,8 +182,14 @@ pub fn hopper_column_scores(
     reduction.lse = lse.clone();
     reduction.targets = targets.clone();
     let target = (placeholder(lhs, DType::F32), DType::F32);
-    launch(lhs, rhs, &plan, target, 1, reduction);
-    Ok(out)
+    let key = (
+        HopperTile {
+            epilogue,
+            ..plan.tile
+        },
+        lhs.dtype,
+    );
+    verified(key, out, || launch(lhs, rhs, &plan, target, 1, reduction))
 }
 
 /// What the kernel does with its tile of `C`.
