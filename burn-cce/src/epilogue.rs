@@ -85,6 +85,7 @@ pub fn fold_lse(
             return v0;
         };
         burn_kernels_core::route::count_launch(HOPPER_LSE_LAUNCHES);
+        crate::live::sample(&partials, "forward: tile sums");
         merge_tiles(partials, m, s);
     }
     vocab
