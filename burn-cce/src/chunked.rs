@@ -1,6 +1,6 @@
 //! Linear cross-entropy on `CubeBackend`: the vocabulary is walked in chunks; each chunk's
-//! logits (f32) come from a cubek GEMM (on the matrix units, with f32 output from f16/bf16
-//! inputs) and are consumed at once by the CubeCL kernels in [`crate::kernels`]. At most one
+//! logits (f32) come from a GEMM (core's Hopper kernel or cubek's; on the matrix units, with f32
+//! output from f16/bf16 inputs) and are consumed at once by the CubeCL kernels in [`crate::kernels`]. At most one
 //! chunk of logits exists at a time, never `n × V`.
 //!
 //! Forward: per chunk, fold the logits into running `(max, Σexp)` per token; the target
@@ -38,9 +38,11 @@
 //! scoring pass run before dE and dC exist; their logits blocks (see
 //! [`crate::LceParams::chunk_len`]) are at most the gradients' size and do not raise the peak.
 //!
-//! This trades a fused GEMM-with-epilogue kernel (the paper's) for cubek's tuned GEMM plus a
-//! separate epilogue pass over a small chunk: the logits make one round trip through memory
-//! per chunk, and filtering skips work at entry/chunk granularity.
+//! Where the chunk GEMMs take core's Hopper kernel (f16/bf16 on sm90, aligned operands), the
+//! forward's log-sum-exp and the scoring pass's filter scores are reduced inside that GEMM
+//! ([`crate::epilogue`]): those two passes write no logit. The backward's passes store each
+//! chunk's f32 logits and form `G` from them in a separate kernel: the logits make one round
+//! trip through memory per chunk, and filtering skips work at entry/chunk granularity.
 //!
 //! [`forward`] and [`backward`] take unfused `CubeTensor`s and use `CubeBackend`'s primitive
 //! ops besides the kernels ([`crate::CceKernels`]'s `CubeBackend` implementation calls them).

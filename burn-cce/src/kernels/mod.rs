@@ -6,6 +6,10 @@
 //! forms `(softmax − onehot)·dout` for a chunk, [`accumulate`] adds f32 blocks of dE rows in
 //! place, [`scatter`] adds a gathered chunk's dC rows at their vocabulary ids, and [`indexed_dot`] computes the target logits without any logits at all.
 //!
+//! Where the chunk GEMMs run on core's Hopper kernel, the forward's and the scoring pass's
+//! reductions happen inside it instead (`crate::epilogue`); [`lse_chunk::merge_tiles`] folds its
+//! per-tile sums.
+//!
 //! [`fused`] holds the one-kernel-per-pass alternative ([`crate::PassKernels::Fused`]), which
 //! never writes a logit.
 //!
