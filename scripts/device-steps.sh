@@ -87,6 +87,9 @@
 #   tdp      llama_tests data_parallel (two GPUs follow one; needs a 2-GPU machine)
 #   bftf     e2e suite, bf16 fine-tuning step at batch 8 × 2048: CCE with the chunked and the
 #            fused passes, the plain loss, PyTorch's step (random weights)
+#   bftfs    the bf16 fine-tuning step at batch 8 × 1024, 2048 and 4096 tokens: CCE (the
+#            default, fused passes), the plain loss, PyTorch's step with its loss, Liger's and
+#            Apple's fused linear cross-entropy (random weights)
 #   bdp bdp4  e2e-dp suite: the fine-tuning step on 1 GPU and on 2 (4) GPUs, same run
 # TL (minutes, default 8) bounds each step.
 set -uo pipefail
@@ -292,6 +295,13 @@ for s in "$@"; do
       --skip-impl 'fused attn' --skip-impl 'one f32' --skip-impl 'MiB blocks' \
       --skip-impl automatic --skip-impl cubek --skip-impl liger --skip-impl apple \
       --peers-dir "$peers" --out "$O/bftf" ;;
+    bftfs) for seq in 1024 2048 4096; do
+        step "bftf$seq" run bench --suite e2e --filter "train step" --seq "$seq" --batches 8 \
+          --skip-impl 'cce$' --skip-impl 'cce + recompute attn$' --skip-impl 'plain loss$' \
+          --skip-impl 'fused attn' --skip-impl 'fused passes' --skip-impl 'one f32' \
+          --skip-impl 'MiB blocks' --skip-impl automatic --skip-impl cubek \
+          --peers-dir "$peers" --out "$O/bftf$seq"
+      done ;;
     bdp) step bdp run bench --suite e2e-dp --devices 0,1 --out "$O/bdp" ;;
     bdp4) step bdp4 run bench --suite e2e-dp --devices 0,1,2,3 --out "$O/bdp4" ;;
     *) echo "unknown step $s" ;;
