@@ -1,7 +1,7 @@
 //! Linear cross-entropy on `CubeBackend`: the vocabulary is walked in chunks; each chunk's
 //! logits (f32) come from a GEMM (core's Hopper kernel or cubek's; on the matrix units, with f32
-//! output from f16/bf16 inputs) and are consumed at once by the CubeCL kernels in [`crate::kernels`]. At most one
-//! chunk of logits exists at a time, never `n × V`.
+//! output from f16/bf16 inputs) and are consumed at once by the CubeCL kernels in
+//! [`crate::kernels`]. At most one chunk of logits exists at a time, never `n × V`.
 //!
 //! Forward: per chunk, fold the logits into running `(max, Σexp)` per token; the target
 //! logits come from an indexed dot product.

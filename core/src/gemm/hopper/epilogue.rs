@@ -406,39 +406,28 @@ pub(super) fn column_score<I: Numeric>(
     for j in 0..comptime![bn / 8] {
         #[unroll]
         for h in 0..2usize {
-            let a = score_of::<I>(
-                acc,
-                4 * j + h,
-                unit,
-                rows0,
-                col0,
-                m,
-                n,
-                v0,
-                bias,
-                lse,
-                targets,
-                softcap,
-                has_bias,
-                has_softcap,
-            );
-            let b = score_of::<I>(
-                acc,
-                4 * j + 2 + h,
-                unit,
-                rows0,
-                col0,
-                m,
-                n,
-                v0,
-                bias,
-                lse,
-                targets,
-                softcap,
-                has_bias,
-                has_softcap,
-            );
-            let mut best = max(a, b);
+            // Scores are ≥ 0: 0 is the empty maximum.
+            let mut best = f32::new(0.0);
+            #[unroll]
+            for r in 0..2usize {
+                let score = score_of::<I>(
+                    acc,
+                    4 * j + 2 * r + h,
+                    unit,
+                    rows0,
+                    col0,
+                    m,
+                    n,
+                    v0,
+                    bias,
+                    lse,
+                    targets,
+                    softcap,
+                    has_bias,
+                    has_softcap,
+                );
+                best = max(best, score);
+            }
             best = max(best, plane_shuffle_xor(best, 4u32));
             best = max(best, plane_shuffle_xor(best, 8u32));
             best = max(best, plane_shuffle_xor(best, 16u32));
