@@ -5,9 +5,11 @@
 //! it as the default kernel, or [`GemmStrategy::Kernel`] naming it) and it takes the operands;
 //! elsewhere the passes store f32 logits and reduce them with [`crate::kernels`]' kernels.
 //!
-//! Measured before (Gemma-2 shape, bf16, loss + gradient with the paper's filter, H100,
-//! 2026-12-06): the two reductions' own kernels took 6.3 + 3.4 ms a call, beside the logits'
-//! f32 stores inside the GEMMs.
+//! Measured (Gemma-2 shape, bf16, loss + gradient with the paper's filter at the automatic
+//! blocks, H100, 2026-12-06): before, the two reductions' own kernels took 6.3 + 3.4 ms a call
+//! beside the logits' f32 stores inside the GEMMs, and the call 68.9 ms; with the reductions
+//! inside the GEMM (and `G`'s padded rows) it took 56.2 ms, Apple's CCE 59.7 in the same run
+//! (`bench/results/2026-12-06/nvidia-h100-s54.md`).
 
 use burn::backend::ops::FloatTensorOps;
 use burn::tensor::{DType, Shape};
