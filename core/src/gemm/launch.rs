@@ -241,6 +241,14 @@ fn verdict(key: &LaunchKey) -> Option<bool> {
 /// carry it too (every following kernel then reads as failed).
 static QUARANTINE: Mutex<Vec<CubeTensor>> = Mutex::new(Vec::new());
 
+/// Keeps the output of a launch that failed for the process's lifetime (see [`QUARANTINE`]).
+pub(crate) fn quarantine(out: CubeTensor) {
+    QUARANTINE
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push(out);
+}
+
 fn record(key: LaunchKey, ran: bool) {
     let mut verdicts = VERDICTS.lock().unwrap_or_else(|e| e.into_inner());
     verdicts.get_or_insert_with(HashMap::new).insert(key, ran);
@@ -361,10 +369,7 @@ pub fn fixed_gemm(
                 );
                 log::debug!("gemm: {err}");
                 failed.push(key);
-                QUARANTINE
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .push(out);
+                quarantine(out);
             }
         }
     }

@@ -25,11 +25,6 @@ use std::sync::Mutex;
 /// Whether each reducing kernel (tile, epilogue, dtype) ran at its first launch in this process.
 static VERIFIED: Mutex<Option<HashMap<(HopperTile, DType), bool>>> = Mutex::new(None);
 
-/// Outputs of failed launches, kept for the process: CubeCL marks a failed launch's buffers as
-/// failed, and memory the pool handed out again from them would carry the failure (see
-/// [`crate::gemm::launch`]).
-static QUARANTINE: Mutex<Vec<CubeTensor>> = Mutex::new(Vec::new());
-
 /// Launches a reduction into `out` by `launch_it`, whose kernel is `key`: refused at once where
 /// that kernel failed before; at its first launch, checked on the device thread (no device
 /// synchronization), its failure returned and remembered.
@@ -60,10 +55,8 @@ fn verified(
         Err(err) => {
             let why = format!("{:?} failed to launch ({err})", key.0.epilogue);
             log::warn!("hopper gemm: {why}");
-            QUARANTINE
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push(out);
+            // Kept for the process, as `fixed_gemm` keeps its failed outputs.
+            crate::gemm::launch::quarantine(out);
             Err(why)
         }
     }
