@@ -62,6 +62,24 @@ fn verified(
     }
 }
 
+/// Launches the reduction of `plan`'s product into `out` (one split of K), through [`verified`].
+fn reduce(
+    lhs: &CubeTensor,
+    rhs: &CubeTensor,
+    plan: &super::Plan,
+    reduction: Reduction,
+    out: CubeTensor,
+) -> Result<CubeTensor, String> {
+    let target = (placeholder(lhs, DType::F32), DType::F32);
+    let tile = HopperTile {
+        epilogue: reduction.epilogue,
+        ..plan.tile
+    };
+    verified((tile, lhs.dtype), out, || {
+        launch(lhs, rhs, plan, target, 1, reduction)
+    })
+}
+
 /// The logits' options of a reducing epilogue: a bias (`[V]` f32, read at `v0 + col`) and a
 /// soft cap.
 #[derive(Clone, Copy, Debug)]
@@ -127,15 +145,7 @@ pub fn hopper_row_lse(
         softcap: options.softcap.is_some(),
     };
     let reduction = options.reduction(epilogue, lhs, &out);
-    let target = (placeholder(lhs, DType::F32), DType::F32);
-    let key = (
-        HopperTile {
-            epilogue,
-            ..plan.tile
-        },
-        lhs.dtype,
-    );
-    verified(key, out, || launch(lhs, rhs, &plan, target, 1, reduction))
+    reduce(lhs, rhs, &plan, reduction, out)
 }
 
 /// Per column of the logits `x = lhs · rhs (+ bias, soft-capped)`, the largest gradient-filter
@@ -174,15 +184,7 @@ pub fn hopper_column_scores(
     let mut reduction = options.reduction(epilogue, lhs, &out);
     reduction.lse = lse.clone();
     reduction.targets = targets.clone();
-    let target = (placeholder(lhs, DType::F32), DType::F32);
-    let key = (
-        HopperTile {
-            epilogue,
-            ..plan.tile
-        },
-        lhs.dtype,
-    );
-    verified(key, out, || launch(lhs, rhs, &plan, target, 1, reduction))
+    reduce(lhs, rhs, &plan, reduction, out)
 }
 
 /// What the kernel does with its tile of `C`.
