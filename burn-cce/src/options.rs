@@ -80,6 +80,9 @@ pub enum PassKernels {
     #[default]
     Auto,
     /// A GEMM into an f32 logits block and an epilogue kernel per chunk of the vocabulary.
+    /// Where the GEMMs run on core's Hopper kernel (f16/bf16, sm90), the forward's and the
+    /// scoring pass's reductions happen inside it instead, over chunks of
+    /// [`crate::REDUCTION_CHUNK`] entries, and no logit of those passes is stored.
     ///
     /// dE accumulates in f32 (see [`CceOptions::accum_fp32`]). Works for every shape, dtype
     /// and option.
@@ -138,7 +141,8 @@ pub struct CceOptions {
     pub chunk_bytes: Option<usize>,
     /// Bytes of the forward's and the scoring pass's logits block where `chunk_bytes` is
     /// automatic. `None` (default): the size of dE + dC, within 32–128 MiB (see
-    /// [`LceParams::chunk_len`]).
+    /// [`LceParams::chunk_len`]). Unused where those passes reduce inside the Hopper GEMM (see
+    /// [`PassKernels::Chunked`]).
     pub pass_chunk_bytes: Option<usize>,
     /// Rows of dE per f32 block in the backward, at least 1. `None` (default): automatic from
     /// the logits block. With `accum_fp32` and 16-bit inputs, `Some(r)` with `r ≥ N` keeps one
