@@ -60,7 +60,7 @@ use crate::blocks::row_ranges;
 pub use crate::blocks::{BackwardBlocks, DeAccumulation};
 use crate::diagnostics::{LAST_PLAN, PhaseClock, PlanStats};
 use crate::epilogue;
-use crate::gemm::{cast, dims2, matmul_to, rows_of, transpose};
+use crate::gemm::{cast, classifier_t, dims2, matmul_to, rows_of, transpose};
 use crate::kernels::fused;
 use crate::kernels::{
     accumulate::add_rows, grad::grad_chunk, indexed_dot::indexed_dot, lse_chunk::lse_chunk,
@@ -118,7 +118,7 @@ pub fn forward(
         let v0 = range.start;
         let logits = matmul_to(
             e.clone(),
-            transpose(rows_of(c.clone(), range)),
+            classifier_t(&c, range),
             DType::F32,
             params.gemm,
             params.tf32,
@@ -172,7 +172,7 @@ fn scores(
             let len = range.len();
             let logits = matmul_to(
                 e.clone(),
-                transpose(rows_of(c.clone(), range)),
+                classifier_t(c, range),
                 DType::F32,
                 gemm,
                 tf32,

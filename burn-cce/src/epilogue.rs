@@ -15,12 +15,12 @@ use burn::backend::ops::FloatTensorOps;
 use burn::tensor::{DType, Shape};
 use burn_cubecl::{CubeBackend, tensor::CubeTensor};
 use burn_kernels_core::gemm::{
-    GemmKernel, default_kernel,
+    GemmKernel,
     hopper::{LogitOptions, hopper_column_scores, hopper_row_lse, unsupported},
 };
 
 use crate::GemmStrategy;
-use crate::gemm::{cast, dims2, rows_of, transpose};
+use crate::gemm::{cast, classifier_t, dims2};
 use crate::kernels::lse_chunk::merge_tiles;
 
 type Cb = CubeBackend;
@@ -34,23 +34,19 @@ pub const HOPPER_LSE_LAUNCHES: &str = "cce-hopper-lse";
 /// See [`HOPPER_LSE_LAUNCHES`].
 pub const HOPPER_SCORE_LAUNCHES: &str = "cce-hopper-scores";
 
-fn rows_t(c: &CubeTensor, range: std::ops::Range<usize>) -> CubeTensor {
-    transpose(rows_of(c.clone(), range))
-}
-
 /// Whether chunk GEMMs by `gemm` take the Hopper kernel and it takes `e · c_chunkᵀ`.
 pub fn applies(gemm: GemmStrategy, e: &CubeTensor, c: &CubeTensor) -> bool {
-    let kernel = match gemm {
-        GemmStrategy::Fixed => default_kernel(),
-        GemmStrategy::Kernel(kernel) => kernel,
-        GemmStrategy::Autotune => return false,
-    };
     let [vocab, _] = dims2(c);
     let [n, _] = dims2(e);
-    kernel == GemmKernel::Wgmma
+    gemm.kernel() == Some(GemmKernel::Wgmma)
         && n >= burn_kernels_core::gemm::FIXED_MIN_ROWS
         && vocab > 0
-        && unsupported(&e.client, e, &rows_t(c, 0..vocab.min(REDUCTION_CHUNK))).is_none()
+        && unsupported(
+            &e.client,
+            e,
+            &classifier_t(c, 0..vocab.min(REDUCTION_CHUNK)),
+        )
+        .is_none()
 }
 
 /// The reduction's output, or `None` with a log line where core refused or failed it.
@@ -77,7 +73,7 @@ pub fn fold_lse(
     let [vocab, _] = dims2(c);
     let bias = bias_f32(bias);
     for v0 in (0..vocab).step_by(REDUCTION_CHUNK) {
-        let c_t = rows_t(c, v0..(v0 + REDUCTION_CHUNK).min(vocab));
+        let c_t = classifier_t(c, v0..(v0 + REDUCTION_CHUNK).min(vocab));
         let options = LogitOptions {
             bias: bias.as_ref(),
             v0,
@@ -108,7 +104,7 @@ pub fn scores(
     let mut parts = Vec::new();
     for v0 in (0..vocab).step_by(REDUCTION_CHUNK) {
         let len = REDUCTION_CHUNK.min(vocab - v0);
-        let c_t = rows_t(c, v0..v0 + len);
+        let c_t = classifier_t(c, v0..v0 + len);
         let options = LogitOptions {
             bias: bias.as_ref(),
             v0,

@@ -35,6 +35,12 @@ pub(crate) fn transpose(t: CubeTensor) -> CubeTensor {
     Cb::float_transpose(t)
 }
 
+/// Classifier rows `range` of `c`, transposed (`[D, len]`, a view): the right operand of a
+/// chunk's logits `E · C_chunkᵀ`.
+pub(crate) fn classifier_t(c: &CubeTensor, range: std::ops::Range<usize>) -> CubeTensor {
+    transpose(rows_of(c.clone(), range))
+}
+
 /// `t` in `dtype` (the same tensor when it already is).
 pub(crate) fn cast(t: CubeTensor, dtype: DType) -> CubeTensor {
     if t.dtype == dtype {
@@ -56,11 +62,7 @@ pub(crate) fn matmul_to(
     step: &'static str,
 ) -> CubeTensor {
     static WARNED: AtomicBool = AtomicBool::new(false);
-    let kernel = match strategy {
-        GemmStrategy::Fixed => Some(burn_kernels_core::gemm::default_kernel()),
-        GemmStrategy::Kernel(kernel) => Some(kernel),
-        GemmStrategy::Autotune => None,
-    };
+    let kernel = strategy.kernel();
     // Each exit reads the live memory with the inputs still held (see `crate::live`).
     if let Some(kernel) = kernel
         && let Some(out) = fixed_gemm(lhs.clone(), rhs.clone(), dtype, kernel, tf32)

@@ -188,6 +188,17 @@ pub enum GemmStrategy {
     Autotune,
 }
 
+impl GemmStrategy {
+    /// The fixed kernel this strategy runs the chunk GEMMs by (`None`: Burn's autotuned matmul).
+    pub fn kernel(self) -> Option<GemmKernel> {
+        match self {
+            GemmStrategy::Fixed => Some(burn_kernels_core::gemm::default_kernel()),
+            GemmStrategy::Kernel(kernel) => Some(kernel),
+            GemmStrategy::Autotune => None,
+        }
+    }
+}
+
 impl Default for CceOptions {
     fn default() -> Self {
         Self {
