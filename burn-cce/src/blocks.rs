@@ -24,13 +24,15 @@ pub enum DeAccumulation {
 /// dtype size `s` (bytes).
 ///
 /// The vocabulary pass walks the plan in chunks of `chunk` entries over all `n` rows, holding
-/// one chunk's f32 logits (`4·n·chunk` bytes), its `G` in the input dtype (`s·n·chunk`) and
-/// its gathered classifier rows (`s·chunk·D`): `S = (4 + s)·n·chunk + s·chunk·D`. dE's f32
-/// blocks are sized to stay within `S`: products of `rows` rows no larger than the logits, and
-/// with [`DeAccumulation::RowBlocks`] a second pass over chunks of `pass2_chunk` entries (the
-/// kept chunks regrouped, about `D` entries, for GEMMs that are neither narrow nor deep) with
-/// `rows` such that accumulator, logits or product, `G` and classifier rows fit `S`.
-/// [`BackwardBlocks::working_bytes`] is the resulting peak beside dE and dC.
+/// one chunk's `G` in the input dtype (`s·n·chunk`), its gathered classifier rows (`s·chunk·D`)
+/// and, unless the Hopper GEMM writes `G` itself ([`BackwardBlocks::in_gemm`]), its f32 logits
+/// (`4·n·chunk`): `S = (4 + s)·n·chunk + s·chunk·D`, or `s·n·chunk + s·chunk·D` in the GEMM.
+/// dE's f32 blocks are sized to stay within `S`: products of `rows` rows no larger than the
+/// logits (in the GEMM: `G`), and with [`DeAccumulation::RowBlocks`] a second pass over chunks
+/// of `pass2_chunk` entries (the kept chunks regrouped, about `D` entries, for GEMMs that are
+/// neither narrow nor deep) with `rows` such that accumulator, `G`, classifier rows and (stored
+/// logits) the logits or product fit `S`. [`BackwardBlocks::working_bytes`] is the resulting
+/// peak beside dE and dC.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BackwardBlocks {
     /// Vocabulary entries per chunk of the plan (see [`crate::LceParams::grad_chunk_len`]).
@@ -43,6 +45,12 @@ pub struct BackwardBlocks {
     pub rows: usize,
     /// Entries per chunk of the second pass ([`DeAccumulation::RowBlocks`]).
     pub pass2_chunk: usize,
+    /// Whether `G` is written by core's Hopper GEMM from the logits in registers
+    /// (`burn_kernels_core::gemm::hopper::hopper_grad`) and the second pass's dE products are
+    /// added into its f32 accumulator blocks by that GEMM (`hopper_gemm_add`): no chunk's f32
+    /// logits and no f32 product of that pass are stored, so the chunks are wider at the same
+    /// memory.
+    pub in_gemm: bool,
 }
 
 /// Splits `n` rows into equal blocks of at most `max` rows, a multiple of 32 where that stays
@@ -71,18 +79,30 @@ impl BackwardBlocks {
     /// - SmolLM2 (V = 49152, D = 576): chunks of 256 entries (the 2²¹-logit floor); second pass
     ///   over 4 blocks of 2048 rows and chunks of 512 entries; working set 12 877 824 bytes,
     ///   19.5% of dE + dC (66 060 288 bytes): peak 78 938 112 bytes, 1.195×.
-    pub fn new(params: &LceParams, n: usize, vocab: usize, d: usize, dtype: DType) -> Self {
+    /// - Gemma-2 with `G` in the Hopper GEMM ([`BackwardBlocks::in_gemm`]): chunks of 1728
+    ///   entries; second pass over 4 blocks of 2048 rows and chunks of 1728 entries; working
+    ///   set 44 236 800 bytes (after `G`: `G`, classifier rows, dC rows), 3.63%: peak 1.036×.
+    pub fn new(
+        params: &LceParams,
+        n: usize,
+        vocab: usize,
+        d: usize,
+        dtype: DType,
+        in_gemm: bool,
+    ) -> Self {
         let s = dtype.size();
-        let chunk = params.grad_chunk_len(n, vocab, d, dtype);
+        let chunk = params.grad_chunk_len(n, vocab, d, dtype, in_gemm);
         let rows_n = n.max(1);
-        let logits = 4 * rows_n * chunk;
-        // Products no larger than the logits block, which is freed by then.
-        let product_rows = balanced_rows(rows_n, logits / (4 * d.max(1)));
+        // The chunk's largest block: its f32 logits, or in the GEMM its `G`.
+        let block = if in_gemm { s } else { 4 } * rows_n * chunk;
+        // Products no larger than that block, which is freed by then.
+        let product_rows = balanced_rows(rows_n, block / (4 * d.max(1)));
         let blocks = |de, rows, pass2_chunk| Self {
             chunk,
             de,
             rows,
             pass2_chunk,
+            in_gemm,
         };
         if !params.accum_fp32 || s >= 4 {
             let rows = params
@@ -91,9 +111,11 @@ impl BackwardBlocks {
             return blocks(DeAccumulation::Direct, rows, chunk);
         }
         let whole = blocks(DeAccumulation::Whole, product_rows, chunk);
-        let pass1 = Self::pass1_bytes(rows_n, chunk, d, s);
+        let pass1 = Self::pass1_bytes(rows_n, chunk, d, s, in_gemm);
         let fit = |c2: usize| {
-            let per_row = 4 * d + s * c2 + 4 * c2.max(d);
+            // Accumulator and `G` rows, and the stored logits or product.
+            let stored = if in_gemm { 0 } else { 4 * c2.max(d) };
+            let per_row = 4 * d + s * c2 + stored;
             pass1.saturating_sub(s * c2 * d) / per_row
         };
         // Second-pass chunks of about D entries: the logits GEMM [rows, c2] and the product
@@ -108,7 +130,7 @@ impl BackwardBlocks {
                     .unwrap_or(1);
                 blocks(DeAccumulation::RowBlocks, r.max(1), chunk * k)
             }
-            None if 4 * rows_n * d <= logits => whole,
+            None if 4 * rows_n * d <= block => whole,
             None => {
                 let min_rows = rows_n.min(32);
                 let k = (1..=widest)
@@ -125,10 +147,44 @@ impl BackwardBlocks {
         }
     }
 
-    /// The vocabulary pass's working set while a chunk's `G` is formed: f32 logits, `G` and
-    /// the gathered classifier rows.
-    fn pass1_bytes(n: usize, chunk: usize, d: usize, s: usize) -> usize {
-        (4 + s) * n * chunk + s * chunk * d
+    /// These blocks with dE's second-pass row blocks chosen for a device of `sms`
+    /// multiprocessors, where `G` is written in the Hopper GEMM ([`DeAccumulation::RowBlocks`]
+    /// and [`BackwardBlocks::in_gemm`]; otherwise unchanged): of up to 4 more blocks than the
+    /// memory allows, the count whose two GEMMs per chunk (`G`: `[rows, pass2_chunk]` over K =
+    /// `d`; the product: `[rows, d]` over K = `pass2_chunk`) take the fewest waves of the
+    /// kernel's 128-row tiles, weighted by a wave's work. Rows only shrink: the working set
+    /// stays within [`BackwardBlocks::working_bytes`] of the memory-bound blocks.
+    ///
+    /// At the Gemma-2 shape on an H100 (132 SMs): 5 blocks of 1664 rows (13 row tiles, 117
+    /// tiles per GEMM, one wave each) instead of 4 of 2048 (144 tiles: two waves, the second of
+    /// 12 tiles), 0.62× the waves' work.
+    pub fn filled(self, n: usize, d: usize, sms: usize) -> Self {
+        use burn_kernels_core::gemm::hopper::{BM, tile_width};
+        if self.de != DeAccumulation::RowBlocks || !self.in_gemm || sms == 0 || n == 0 {
+            return self;
+        }
+        let c2 = self.pass2_chunk;
+        let waves = |tiles: usize| tiles.div_ceil(sms);
+        let cost = |rows: usize| {
+            let row_tiles = rows.div_ceil(BM);
+            let (bn_g, bn_p) = (tile_width(c2), tile_width(d));
+            let g = waves(row_tiles * c2.div_ceil(bn_g)) * bn_g * d;
+            let product = waves(row_tiles * d.div_ceil(bn_p)) * bn_p * c2;
+            n.div_ceil(rows) * (g + product)
+        };
+        let least = n.div_ceil(self.rows);
+        let rows = (least..=least + 4)
+            .map(|blocks| n.div_ceil(blocks).next_multiple_of(BM).min(self.rows))
+            .min_by_key(|&rows| (cost(rows), usize::MAX - rows))
+            .unwrap_or(self.rows);
+        Self { rows, ..self }
+    }
+
+    /// The vocabulary pass's working set while a chunk's `G` is formed: `G`, the gathered
+    /// classifier rows, and the f32 logits unless `in_gemm`.
+    fn pass1_bytes(n: usize, chunk: usize, d: usize, s: usize, in_gemm: bool) -> usize {
+        let logits = if in_gemm { 0 } else { 4 };
+        (logits + s) * n * chunk + s * chunk * d
     }
 
     /// Bytes the backward holds at its peak besides its inputs, dE and dC, and the `O(n + V)`
@@ -140,7 +196,7 @@ impl BackwardBlocks {
         let (c, rows) = (self.chunk, self.rows);
         let g = s * n * c;
         let classifier = s * c * d;
-        let at_grad = Self::pass1_bytes(n, c, d, s);
+        let at_grad = Self::pass1_bytes(n, c, d, s, self.in_gemm);
         // After G is formed (the logits are freed): dE products (or the second pass), the dC
         // rows, and with a bias G's f32 copy for db.
         let product = match self.de {
@@ -158,7 +214,12 @@ impl BackwardBlocks {
             DeAccumulation::Whole => 4 * n * d + pass1,
             DeAccumulation::RowBlocks => {
                 let c2 = self.pass2_chunk;
-                let pass2 = 4 * rows * d + s * c2 * d + s * rows * c2 + 4 * rows * c2.max(d);
+                let stored = if self.in_gemm {
+                    0
+                } else {
+                    4 * rows * c2.max(d)
+                };
+                let pass2 = 4 * rows * d + s * c2 * d + s * rows * c2 + stored;
                 pass1.max(pass2)
             }
         }

@@ -54,6 +54,7 @@
 use burn::backend::ops::{FloatTensorOps, IntTensorOps};
 use burn::tensor::{DType, FloatDType, Shape, Slice, TensorData, read_sync};
 use burn_cubecl::{CubeBackend, CubeDevice, tensor::CubeTensor};
+use std::cell::Cell;
 use std::ops::Range;
 
 use crate::blocks::row_ranges;
@@ -310,6 +311,10 @@ struct Backward<'a> {
     lse: &'a CubeTensor,
     dout: &'a CubeTensor,
     params: &'a LceParams,
+    /// Where the Hopper GEMM writes `G` ([`BackwardBlocks::in_gemm`]): its inputs.
+    in_gemm: Option<epilogue::GradArgs<'a>>,
+    /// Whether the Hopper GEMM's adding store still runs (it failed at its first launch).
+    adds: Cell<bool>,
 }
 
 impl Backward<'_> {
@@ -325,6 +330,12 @@ impl Backward<'_> {
         gemm: GemmStrategy,
         [logits_step, g_step]: [&'static str; 2],
     ) -> CubeTensor {
+        if let Some(args) = &self.in_gemm
+            && let Some(g) = epilogue::grad(&e_rows, c_chunk, args, (ids.as_ref(), v0), row0)
+        {
+            live::sample(&g, g_step);
+            return g;
+        }
         let p = self.params;
         let logits = matmul_to(
             e_rows,
@@ -390,6 +401,7 @@ impl Backward<'_> {
                 .sum(),
             chunks: plan.len(),
             de_row_blocks: if two_pass { n.div_ceil(blocks.rows) } else { 0 },
+            blocks: Some(*blocks),
         };
         log::debug!("burn-cce backward: {stats:?} of {vocab} entries, {blocks:?}");
         LAST_PLAN.replace(Some(stats));
@@ -480,46 +492,88 @@ impl Backward<'_> {
     /// paper's filter its `[1184 × 2304] · [2304 × 2016]` products ran at ~90 TFLOP/s, and
     /// loss + gradient took 87.3 ms against 68.9 with the Hopper kernel; H100, same run.)
     fn de_pass(&self, plan: &[Plan], blocks: &BackwardBlocks, de: &CubeTensor) {
-        let gemm = self.params.gemm;
         let [n, _] = dims2(self.e);
         let parts: Vec<Part> = regroup(plan, blocks.pass2_chunk)
             .iter()
             .map(|p| Part::new(p, self.targets))
             .collect();
         for rows in row_ranges(n, blocks.rows) {
-            let e_rows = rows_of(self.e.clone(), rows.clone());
-            let mut block_acc: Option<CubeTensor> = None;
-            for part in &parts {
-                let (c_chunk, ids, v0) = part.classifier_rows(self.c);
-                live::sample(&c_chunk, "dE pass: classifier rows");
-                let g = self.g(
-                    e_rows.clone(),
-                    &c_chunk,
-                    (ids, v0),
-                    rows.start,
-                    gemm,
-                    ["dE pass: logits", "dE pass: G"],
-                );
-                let product = matmul_to(
-                    g,
-                    c_chunk,
-                    DType::F32,
-                    gemm,
-                    self.params.tf32,
-                    "dE pass: product",
-                );
-                block_acc = Some(match block_acc {
-                    None => product,
-                    Some(block_acc) => {
-                        add_rows(&block_acc, product, 0);
-                        block_acc
-                    }
-                });
-            }
-            if let Some(block_acc) = block_acc {
+            let block_acc = match self.adds.get() {
+                true => self.de_block_added(&parts, rows.clone()),
+                false => None,
+            };
+            if let Some(block_acc) = block_acc.or_else(|| self.de_block(&parts, rows.clone())) {
                 add_rows(de, block_acc, rows.start);
             }
         }
+    }
+
+    /// The f32 sum `Σ G[rows] · C_chunk` over `parts` of one row block, each product added by
+    /// the Hopper GEMM into the block's accumulator; `None` where its adding store failed at
+    /// its first launch (the block is then summed again by [`Backward::de_block`]).
+    fn de_block_added(&self, parts: &[Part], rows: Range<usize>) -> Option<CubeTensor> {
+        let d = dims2(self.e)[1];
+        let e_rows = rows_of(self.e.clone(), rows.clone());
+        let block_acc = dense_zeros([rows.len(), d], DType::F32, &self.e.device);
+        live::sample(&block_acc, "dE pass: accumulator");
+        for part in parts {
+            let (c_chunk, ids, v0) = part.classifier_rows(self.c);
+            live::sample(&c_chunk, "dE pass: classifier rows");
+            let g = self.g(
+                e_rows.clone(),
+                &c_chunk,
+                (ids, v0),
+                rows.start,
+                self.params.gemm,
+                ["dE pass: logits", "dE pass: G"],
+            );
+            match epilogue::add_product(&g, &c_chunk, &block_acc) {
+                epilogue::Added::Yes => {}
+                epilogue::Added::Unsupported => {
+                    let product = self.product(g, c_chunk);
+                    add_rows(&block_acc, product, 0);
+                }
+                epilogue::Added::Failed => {
+                    self.adds.set(false);
+                    return None;
+                }
+            }
+        }
+        Some(block_acc)
+    }
+
+    /// `g · c_chunk` in f32, by the chunk GEMMs' kernel.
+    fn product(&self, g: CubeTensor, c_chunk: CubeTensor) -> CubeTensor {
+        let p = self.params;
+        matmul_to(g, c_chunk, DType::F32, p.gemm, p.tf32, "dE pass: product")
+    }
+
+    /// As [`Backward::de_block_added`], each product stored and added by its own kernel (the
+    /// first product is the accumulator); `None` for no parts.
+    fn de_block(&self, parts: &[Part], rows: Range<usize>) -> Option<CubeTensor> {
+        let e_rows = rows_of(self.e.clone(), rows.clone());
+        let mut block_acc: Option<CubeTensor> = None;
+        for part in parts {
+            let (c_chunk, ids, v0) = part.classifier_rows(self.c);
+            live::sample(&c_chunk, "dE pass: classifier rows");
+            let g = self.g(
+                e_rows.clone(),
+                &c_chunk,
+                (ids, v0),
+                rows.start,
+                self.params.gemm,
+                ["dE pass: logits", "dE pass: G"],
+            );
+            let product = self.product(g, c_chunk);
+            block_acc = Some(match block_acc {
+                None => product,
+                Some(block_acc) => {
+                    add_rows(&block_acc, product, 0);
+                    block_acc
+                }
+            });
+        }
+        block_acc
     }
 }
 
@@ -554,7 +608,15 @@ pub fn backward(
     let [vocab, _] = dims2(&c);
     let device = e.device.clone();
     let (e_dtype, c_dtype) = (e.dtype, c.dtype);
-    let blocks = BackwardBlocks::new(params, n, vocab, d, e_dtype);
+    // `G` from the Hopper GEMM's epilogue where the chunk GEMMs take that kernel.
+    let in_gemm = epilogue::applies(params.gemm, &e, &c);
+    let bias32 = in_gemm.then(|| epilogue::bias_f32(&bias)).flatten();
+    let sms = e.client.properties().hardware.num_streaming_multiprocessors;
+    let blocks = BackwardBlocks::new(params, n, vocab, d, e_dtype, in_gemm).filled(
+        n,
+        d,
+        sms.unwrap_or(0) as usize,
+    );
     let mut clock = PhaseClock::start(&device);
     let pass = Backward {
         e: &e,
@@ -564,6 +626,14 @@ pub fn backward(
         lse: &lse,
         dout: &dout,
         params,
+        in_gemm: in_gemm.then_some(epilogue::GradArgs {
+            bias: bias32.as_ref(),
+            softcap: params.softcap,
+            lse: &lse,
+            dout: &dout,
+            targets: &targets,
+        }),
+        adds: Cell::new(in_gemm),
     };
     let (plan, two_pass) = pass.plan(&blocks, n, vocab, d);
     clock.lap(&device, |p| &mut p.scoring_ms);

@@ -21,6 +21,8 @@ pub struct PlanStats {
     pub chunks: usize,
     /// Row blocks of dE's second pass (0: dE was accumulated in the vocabulary pass).
     pub de_row_blocks: usize,
+    /// The block sizes it ran with.
+    pub blocks: Option<BackwardBlocks>,
 }
 
 pub(crate) static LAST_PLAN: PerStream<PlanStats> = PerStream::new();

@@ -16,7 +16,10 @@ use burn::tensor::{DType, Shape};
 use burn_cubecl::{CubeBackend, tensor::CubeTensor};
 use burn_kernels_core::gemm::{
     GemmKernel,
-    hopper::{LogitOptions, hopper_column_scores, hopper_row_lse, unsupported},
+    hopper::{
+        GradInputs, LogitOptions, hopper_column_scores, hopper_gemm_add, hopper_grad,
+        hopper_row_lse, unsupported,
+    },
 };
 
 use crate::GemmStrategy;
@@ -33,6 +36,11 @@ pub const REDUCTION_CHUNK: usize = 32 * 1024;
 pub const HOPPER_LSE_LAUNCHES: &str = "cce-hopper-lse";
 /// See [`HOPPER_LSE_LAUNCHES`].
 pub const HOPPER_SCORE_LAUNCHES: &str = "cce-hopper-scores";
+/// Launch counter of the backward's `G` written by the Hopper GEMM ([`grad`]).
+pub const HOPPER_GRAD_LAUNCHES: &str = "cce-hopper-grad";
+/// Launch counter of dE products added into an f32 accumulator by the Hopper GEMM
+/// ([`add_product`]).
+pub const HOPPER_ADD_LAUNCHES: &str = "cce-hopper-add";
 
 /// Whether chunk GEMMs by `gemm` take the Hopper kernel and it takes `e · c_chunkᵀ`.
 pub fn applies(gemm: GemmStrategy, e: &CubeTensor, c: &CubeTensor) -> bool {
@@ -56,7 +64,7 @@ fn ran(name: &str, out: Result<CubeTensor, String>) -> Option<CubeTensor> {
 }
 
 /// The bias in f32, as the reductions read it.
-fn bias_f32(bias: &Option<CubeTensor>) -> Option<CubeTensor> {
+pub(crate) fn bias_f32(bias: &Option<CubeTensor>) -> Option<CubeTensor> {
     bias.clone().map(|b| cast(b, DType::F32))
 }
 
@@ -122,4 +130,71 @@ pub fn scores(
         ));
     }
     Some(Cb::float_cat(parts, 0))
+}
+
+/// The per-token inputs and options of [`grad`], fixed for one backward.
+pub(crate) struct GradArgs<'a> {
+    /// `[V]` f32 ([`bias_f32`]).
+    pub bias: Option<&'a CubeTensor>,
+    pub softcap: Option<f32>,
+    pub lse: &'a CubeTensor,
+    pub dout: &'a CubeTensor,
+    pub targets: &'a CubeTensor,
+}
+
+/// `G` of one chunk written by the Hopper GEMM from the logits `e_rows · c_chunkᵀ` (rows from
+/// token `row0`; columns ids `ids`, or from `v0`), in `e_rows`' dtype with rows padded to 16
+/// bytes (as [`crate::kernels::grad::row_stride`]); `None`, logged, where it cannot run.
+pub(crate) fn grad(
+    e_rows: &CubeTensor,
+    c_chunk: &CubeTensor,
+    args: &GradArgs,
+    (ids, v0): (Option<&CubeTensor>, usize),
+    row0: usize,
+) -> Option<CubeTensor> {
+    let options = LogitOptions {
+        bias: args.bias,
+        v0,
+        softcap: args.softcap,
+    };
+    let inputs = GradInputs {
+        lse: args.lse,
+        dout: args.dout,
+        targets: args.targets,
+        ids,
+        row0,
+    };
+    let c_t = Cb::float_transpose(c_chunk.clone());
+    let g = ran("G", hopper_grad(e_rows, &c_t, options, inputs))?;
+    burn_kernels_core::route::count_launch(HOPPER_GRAD_LAUNCHES);
+    Some(g)
+}
+
+/// What became of [`add_product`].
+pub(crate) enum Added {
+    /// Added into the accumulator.
+    Yes,
+    /// The kernel does not take these operands: nothing was launched.
+    Unsupported,
+    /// The launch failed (at this kernel's first launch): the accumulator holds no valid sum.
+    Failed,
+}
+
+/// `acc += g · c_chunk` (`[rows, len] · [len, D]` into contiguous f32 `[rows, D]`) by the
+/// Hopper GEMM's adding store: no f32 product and no separate addition.
+pub(crate) fn add_product(g: &CubeTensor, c_chunk: &CubeTensor, acc: &CubeTensor) -> Added {
+    if let Some(why) = unsupported(&g.client, g, c_chunk) {
+        log::debug!("burn-cce: dE product added by its own kernel ({why})");
+        return Added::Unsupported;
+    }
+    match hopper_gemm_add(g, c_chunk, acc) {
+        Ok(()) => {
+            burn_kernels_core::route::count_launch(HOPPER_ADD_LAUNCHES);
+            Added::Yes
+        }
+        Err(why) => {
+            log::info!("burn-cce: the Hopper GEMM's adding store unavailable ({why})");
+            Added::Failed
+        }
+    }
 }

@@ -51,7 +51,10 @@ mod blocks;
 mod chunked;
 pub mod diagnostics;
 mod epilogue;
-pub use epilogue::{HOPPER_LSE_LAUNCHES, HOPPER_SCORE_LAUNCHES, REDUCTION_CHUNK};
+pub use epilogue::{
+    HOPPER_ADD_LAUNCHES, HOPPER_GRAD_LAUNCHES, HOPPER_LSE_LAUNCHES, HOPPER_SCORE_LAUNCHES,
+    REDUCTION_CHUNK,
+};
 mod error;
 #[cfg(feature = "cube")]
 mod forward;

@@ -335,22 +335,32 @@ impl LceParams {
     }
 
     /// Vocabulary entries per chunk of the backward's gradient passes for `rows` tokens,
-    /// hidden size `d` and inputs of `dtype`.
+    /// hidden size `d` and inputs of `dtype`; `in_gemm`: `G` is written by the Hopper GEMM
+    /// (see [`crate::diagnostics::BackwardBlocks::in_gemm`]), so no f32 logits are stored.
     ///
     /// With `chunk_bytes` set: [`LceParams::chunk_len`]. Automatic: the chunk whose working set
-    /// — f32 logits (`4·rows`), `G` in the input dtype (`s·rows`) and the chunk's classifier
-    /// rows (`s·d` bytes per entry, `s` the dtype's size) — is 3% of the gradients' bytes
+    /// — f32 logits (`4·rows`, unless `in_gemm`), `G` in the input dtype (`s·rows`) and the
+    /// chunk's classifier rows (`s·d` bytes per entry, `s` the dtype's size) — is 3% of the
+    /// gradients' bytes
     /// `s·(rows + vocab)·d`, rounded down to a multiple of 32, but at least 256 entries and
     /// 2²¹ logits (GEMMs that fill the GPU), at most `vocab`. For example 672 entries (22 MB
-    /// of logits) at the Gemma-2 shape (8192 tokens, V = 256000, D = 2304, bf16), and the
-    /// 2²¹-logit floor, 256 entries, at SmolLM2's (V = 49152, D = 576).
-    pub fn grad_chunk_len(&self, rows: usize, vocab: usize, d: usize, dtype: DType) -> usize {
+    /// of logits) at the Gemma-2 shape (8192 tokens, V = 256000, D = 2304, bf16), 1728 there
+    /// `in_gemm`, and the 2²¹-logit floor, 256 entries, at SmolLM2's (V = 49152, D = 576).
+    pub fn grad_chunk_len(
+        &self,
+        rows: usize,
+        vocab: usize,
+        d: usize,
+        dtype: DType,
+        in_gemm: bool,
+    ) -> usize {
         if self.chunk_bytes.is_some() {
             return self.chunk_len(rows, vocab, d, dtype);
         }
         let (rows, s) = (rows.max(1), dtype.size());
         let bound = s * (rows + vocab) * d;
-        let per_entry = (4 + s) * rows + s * d;
+        let logits = if in_gemm { 0 } else { 4 };
+        let per_entry = (logits + s) * rows + s * d;
         let share = (WORK_SHARE * bound as f64 / per_entry as f64) as usize / 32 * 32;
         let floor = MIN_CHUNK.max(MIN_BLOCK_VALUES.div_ceil(rows).next_multiple_of(32));
         share.max(floor).min(vocab.max(1))

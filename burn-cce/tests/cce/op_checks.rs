@@ -5,7 +5,7 @@ use burn::backend::Dispatch;
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use burn_cce::{
     CceKernels, FilterEps, LceParams,
-    diagnostics::{BackwardBlocks, DeAccumulation, last_backward_plan},
+    diagnostics::{DeAccumulation, last_backward_plan},
     reference,
 };
 use burn_cce::{HOPPER_LSE_LAUNCHES, REDUCTION_CHUNK};
@@ -75,8 +75,6 @@ pub(super) fn check_backward(case: &Case, filtered: bool, dtype: DType, device: 
     let (scores, lse_ref) = host_scores(&cpu, case.softcap);
     let dout = random_values(n, Dist::Uniform { lo: 0.5, hi: 1.5 }, case.seed + 9);
     let eps = filtered.then(|| eps_in_gap(&scores));
-    let chunk = params(case, eps).grad_chunk_len(n, case.v, case.d, dtype);
-    let keep = kept_entries(&scores, eps, case.sort, chunk);
     let lse_dev = Tensor::<1>::from_data(lse_ref.to_data(), (device, DType::F32));
     let dout_dev = Tensor::<1>::from_data(TensorData::new(dout.clone(), [n]), (device, DType::F32));
     poison_memory(device, n * case.v * 2, DType::F32);
@@ -84,8 +82,11 @@ pub(super) fn check_backward(case: &Case, filtered: bool, dtype: DType, device: 
     // Read back first: under Burn's fusion the op runs when its outputs are read, and records
     // its plan then.
     let (de, dc, db) = (host(de), host(dc), db.map(host));
+    let stats = last_backward_plan().expect("a plan was recorded");
+    // The chunks it ran with (wider where the Hopper GEMM writes `G`; see `BackwardBlocks`).
+    let chunk = stats.blocks.expect("the plan's blocks").chunk;
+    let keep = kept_entries(&scores, eps, case.sort, chunk);
     if eps.is_some() {
-        let stats = last_backward_plan().expect("a plan was recorded");
         assert_eq!(
             stats.entries,
             keep.iter().filter(|&&k| k).count(),
@@ -143,73 +144,76 @@ pub(super) fn blocked_backward_matches_single_pass(device: &Device) {
             if !runs(device, k, dtype) {
                 continue;
             }
-            let n = case.tokens();
-            let (scores, lse_ref) = host_scores(&op_inputs(case, dtype, device).1, case.softcap);
-            let eps = (case.filter != FilterEps::Off).then(|| eps_in_gap(&scores));
-            let dout = random_values(n, Dist::Uniform { lo: 0.5, hi: 1.5 }, case.seed + 9);
-            let name = format!("{case:?} {dtype:?} eps={eps:?}");
-            let run = |rows: usize| {
-                let (dev, _) = op_inputs(case, dtype, device);
-                let lse = Tensor::<1>::from_data(lse_ref.to_data(), (device, DType::F32));
-                let dout = Tensor::<1>::from_data(
-                    TensorData::new(dout.clone(), [n]),
-                    (device, DType::F32),
-                );
-                let p = LceParams {
-                    de_block_rows: Some(rows),
-                    ..params(case, eps)
-                };
-                poison_memory(device, n * case.v * 2, DType::F32);
-                let (de, dc, db) = backward_op(&dev, &lse, &dout, p);
-                // Read back before the plan: under fusion the op runs when read.
-                let (de, dc, db) = (host(de), host(dc), db.map(host));
-                let stats = last_backward_plan().expect("a plan was recorded");
-                let blocks = BackwardBlocks::new(&p, n, case.v, case.d, dtype);
-                (de, dc, db, stats, blocks)
-            };
-            let (de, dc, db, stats, blocks) = run(ROWS);
-            let (de_one, dc_one, db_one, stats_one, _) = run(usize::MAX);
-            assert!(stats.chunks > 2, "{name}: several vocabulary chunks");
-            if case.accum && dtype != DType::F32 {
-                assert_eq!(blocks.de, DeAccumulation::RowBlocks, "{name}");
-                assert!(
-                    blocks.pass2_chunk > blocks.chunk,
-                    "{name}: the second pass regroups chunks ({blocks:?})"
-                );
-                assert_eq!(stats.de_row_blocks, n.div_ceil(ROWS), "{name}");
-            } else {
-                assert_eq!(blocks.de, DeAccumulation::Direct, "{name}");
-                assert_eq!(stats.de_row_blocks, 0, "{name}");
-            }
-            assert_eq!(stats_one.de_row_blocks, 0, "{name}: one block");
-            assert_eq!(stats.entries, stats_one.entries, "{name}: same plan");
-            // dC and db come from the same chunk GEMMs either way.
-            assert_eq!(dc, dc_one, "dC {name}");
-            assert_eq!(db, db_one, "db {name}");
-            // dE: the same f32 sums in another order, rounded once (or once per chunk).
-            let de_extra = de_roundings(case, dtype);
-            assert_product_close(
-                &format!("dE blocked vs one block {name}"),
-                &de,
-                &de_one,
-                case.v,
-                (dtype, de_extra),
-                device,
-            );
-
-            let cpu = op_inputs(case, dtype, device).1;
-            let keep = kept_entries(&scores, eps, case.sort, blocks.chunk);
-            let masked = MaskedCheck {
-                case,
-                cpu: &cpu,
-                lse: lse_ref.clone(),
-                dout: &dout,
-                keep: &keep,
-                dtype,
-            };
-            masked.assert_matches(&name, (&de, &dc, db.as_ref()), device);
+            check_blocked(case, ROWS, dtype, device);
         }
     }
+}
+
+/// The backward of `case` in `dtype` with dE in blocks of `rows` rows against one block of all
+/// rows and the masked reference (see [`blocked_backward_matches_single_pass`]).
+pub(super) fn check_blocked(case: &Case, rows: usize, dtype: DType, device: &Device) {
+    let n = case.tokens();
+    let (scores, lse_ref) = host_scores(&op_inputs(case, dtype, device).1, case.softcap);
+    let eps = (case.filter != FilterEps::Off).then(|| eps_in_gap(&scores));
+    let dout = random_values(n, Dist::Uniform { lo: 0.5, hi: 1.5 }, case.seed + 9);
+    let name = format!("{case:?} {dtype:?} eps={eps:?}");
+    let run = |rows: usize| {
+        let (dev, _) = op_inputs(case, dtype, device);
+        let lse = Tensor::<1>::from_data(lse_ref.to_data(), (device, DType::F32));
+        let dout = Tensor::<1>::from_data(TensorData::new(dout.clone(), [n]), (device, DType::F32));
+        let p = LceParams {
+            de_block_rows: Some(rows),
+            ..params(case, eps)
+        };
+        poison_memory(device, n * case.v * 2, DType::F32);
+        let (de, dc, db) = backward_op(&dev, &lse, &dout, p);
+        // Read back before the plan: under fusion the op runs when read.
+        let (de, dc, db) = (host(de), host(dc), db.map(host));
+        let stats = last_backward_plan().expect("a plan was recorded");
+        let blocks = stats.blocks.expect("the plan's blocks");
+        (de, dc, db, stats, blocks)
+    };
+    let (de, dc, db, stats, blocks) = run(rows);
+    let (de_one, dc_one, db_one, stats_one, _) = run(usize::MAX);
+    assert!(stats.chunks > 2, "{name}: several vocabulary chunks");
+    if case.accum && dtype != DType::F32 {
+        assert_eq!(blocks.de, DeAccumulation::RowBlocks, "{name}");
+        assert!(
+            blocks.pass2_chunk > blocks.chunk,
+            "{name}: the second pass regroups chunks ({blocks:?})"
+        );
+        assert_eq!(stats.de_row_blocks, n.div_ceil(rows), "{name}");
+    } else {
+        assert_eq!(blocks.de, DeAccumulation::Direct, "{name}");
+        assert_eq!(stats.de_row_blocks, 0, "{name}");
+    }
+    assert_eq!(stats_one.de_row_blocks, 0, "{name}: one block");
+    assert_eq!(stats.entries, stats_one.entries, "{name}: same plan");
+    // dC and db come from the same chunk GEMMs either way.
+    assert_eq!(dc, dc_one, "dC {name}");
+    assert_eq!(db, db_one, "db {name}");
+    // dE: the same f32 sums in another order, rounded once (or once per chunk).
+    let de_extra = de_roundings(case, dtype);
+    assert_product_close(
+        &format!("dE blocked vs one block {name}"),
+        &de,
+        &de_one,
+        case.v,
+        (dtype, de_extra),
+        device,
+    );
+
+    let cpu = op_inputs(case, dtype, device).1;
+    let keep = kept_entries(&scores, eps, case.sort, blocks.chunk);
+    let masked = MaskedCheck {
+        case,
+        cpu: &cpu,
+        lse: lse_ref.clone(),
+        dout: &dout,
+        keep: &keep,
+        dtype,
+    };
+    masked.assert_matches(&name, (&de, &dc, db.as_ref()), device);
 }
 
 /// The live-memory peak the chunked path reports (`track_live_peak`) brackets what it must
@@ -262,7 +266,6 @@ pub(super) fn live_peak_brackets_the_working_set(device: &Device) {
         }
 
         let p = params(&case, Some(1e-4));
-        let blocks = BackwardBlocks::new(&p, n, v, d, dtype);
         let dout = Tensor::<1>::full([n], 1.0 / n as f32, (device, DType::F32));
         let lse = lse.expect("the forward ran");
         // The outputs are kept until the device has synchronized (inside `track_live_peak`),
@@ -272,6 +275,9 @@ pub(super) fn live_peak_brackets_the_working_set(device: &Device) {
         let live = burn_cce::track_live_peak(device, || _grads = Some(backward()))
             .expect("the chunked backward reads the pool");
         let peak = live.bytes as usize;
+        let blocks = last_backward_plan()
+            .and_then(|plan| plan.blocks)
+            .expect("the plan's blocks");
         let grads = s * (n + v) * d;
         let working = blocks.working_bytes(n, d, dtype, false);
         println!(

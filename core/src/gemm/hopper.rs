@@ -43,8 +43,10 @@ use cubecl::prelude::*;
 use cubecl::wgmma::{Accumulator, Major, MatrixDescriptor, Swizzle, WARPGROUP_M, WgmmaTileLayout};
 
 mod epilogue;
+mod grad;
 mod plan;
 pub use epilogue::{Epilogue, LogitOptions, hopper_column_scores, hopper_row_lse};
+pub use grad::{GradInputs, hopper_grad};
 use plan::{Plan, plan, tensor_map};
 pub use plan::{splits_for, tile_width, unsupported};
 
@@ -136,10 +138,13 @@ fn load_stage<E: Float>(
 }
 
 /// `out[z] = A[:, Kz] · B[Kz, :]` for the cube's tile, where `Kz` is split `z`'s range of K
-/// tiles (`tiles_per_split` of the `k_tiles`); `out` is `[splits, m, n]` contiguous, in vectors
-/// of 2 where `tile.pairs`. With a reducing [`Epilogue`] (one split), `reduced` receives the
-/// reduction instead, from the logits `C + bias[v0 + col]` (soft-capped by `softcap`), `lse`
-/// and `targets` (per row); `out` is not written.
+/// tiles (`tiles_per_split` of the `k_tiles`); `out` is `[splits, m, n]`, rows `out_stride`
+/// apart, in vectors of 2 where `tile.pairs` ([`Epilogue::Add`]: added to what `out` holds).
+/// With a reducing [`Epilogue`] (one split), `reduced` receives the reduction instead, from the
+/// logits `C + bias[v0 + col]` (soft-capped by `softcap`), `lse` and `targets` (per row); `out`
+/// is not written. [`Epilogue::Grad`] (one split) writes the logits' gradient into `out`, from
+/// `lse`, `dout` and `targets` of token `token0 + row` and the vocabulary ids `ids[col]` (when
+/// gathered) or `v0 + col`.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments, clippy::manual_div_ceil)]
 fn hopper_gemm_kernel<E: Float, O: Float, N2: Size, I: Numeric>(
@@ -148,13 +153,17 @@ fn hopper_gemm_kernel<E: Float, O: Float, N2: Size, I: Numeric>(
     out: &mut Tensor<Vector<O, N2>>,
     bias: &Tensor<f32>,
     lse: &Tensor<f32>,
+    dout: &Tensor<f32>,
     targets: &Tensor<I>,
+    ids: &Tensor<I>,
     reduced: &mut Tensor<f32>,
     m: u32,
     n: u32,
+    out_stride: u32,
     k_tiles: u32,
     tiles_per_split: u32,
     v0: u32,
+    token0: u32,
     softcap: f32,
     #[comptime] tile: HopperTile,
     #[define(E, O, I)] _dtypes: [ElemType; 3],
@@ -291,6 +300,27 @@ fn hopper_gemm_kernel<E: Float, O: Float, N2: Size, I: Numeric>(
                 has_bias,
                 has_softcap,
             );
+        } else if comptime![tile.epilogue.is_grad()] {
+            grad::write_grad::<O, N2, I>(
+                &acc,
+                unit,
+                rows0,
+                m,
+                token0,
+                col0,
+                n,
+                v0,
+                bias,
+                lse,
+                dout,
+                targets,
+                ids,
+                softcap,
+                out,
+                out_stride,
+                tile.epilogue,
+                bn,
+            );
         } else if comptime![tile.pairs] {
             // Two adjacent columns per store (`n` even, so a pair never straddles a row).
             #[unroll]
@@ -299,10 +329,18 @@ fn hopper_gemm_kernel<E: Float, O: Float, N2: Size, I: Numeric>(
                 let row = rows0 + r;
                 let col = col0 + col;
                 if row < m && col < n {
+                    let at = (base + row as usize * out_stride as usize + col as usize) / 2;
+                    let mut x0 = acc.get(2 * j);
+                    let mut x1 = acc.get(2 * j + 1);
+                    if comptime![tile.epilogue == Epilogue::Add] {
+                        let old = out[at];
+                        x0 += f32::cast_from(old.extract(0usize));
+                        x1 += f32::cast_from(old.extract(1usize));
+                    }
                     let mut v = Vector::<O, N2>::empty();
-                    v.insert(0usize, O::cast_from(acc.get(2 * j)));
-                    v.insert(1usize, O::cast_from(acc.get(2 * j + 1)));
-                    out[(base + row as usize * n as usize + col as usize) / 2] = v;
+                    v.insert(0usize, O::cast_from(x0));
+                    v.insert(1usize, O::cast_from(x1));
+                    out[at] = v;
                 }
             }
         } else {
@@ -312,8 +350,12 @@ fn hopper_gemm_kernel<E: Float, O: Float, N2: Size, I: Numeric>(
                 let row = rows0 + r;
                 let col = col0 + col;
                 if row < m && col < n {
-                    out[base + row as usize * n as usize + col as usize] =
-                        Vector::<O, N2>::new(O::cast_from(acc.get(nth)));
+                    let at = base + row as usize * out_stride as usize + col as usize;
+                    let mut x = acc.get(nth);
+                    if comptime![tile.epilogue == Epilogue::Add] {
+                        x += f32::cast_from(out[at].extract(0usize));
+                    }
+                    out[at] = Vector::<O, N2>::new(O::cast_from(x));
                 }
             }
         }
@@ -324,12 +366,13 @@ fn hopper_gemm_kernel<E: Float, O: Float, N2: Size, I: Numeric>(
     }
 }
 
-/// `out = Σ_z partials[z]`, rounded to `out`'s dtype.
+/// `out = Σ_z partials[z]` (`add`: `out += Σ_z partials[z]`), rounded to `out`'s dtype.
 #[cube(launch)]
 fn split_sum_kernel<O: Float>(
     partials: &Tensor<f32>,
     out: &mut Tensor<O>,
     splits: u32,
+    #[comptime] add: bool,
     #[define(O)] _dtype: ElemType,
 ) {
     let i = ABSOLUTE_POS;
@@ -338,6 +381,9 @@ fn split_sum_kernel<O: Float>(
     }
     let len = out.len();
     let mut sum = f32::new(0.0);
+    if add {
+        sum = f32::cast_from(out[i]);
+    }
     for z in 0..splits as usize {
         sum += partials[z * len + i];
     }
@@ -352,8 +398,50 @@ pub fn hopper_gemm(
     out: &CubeTensor,
     out_dtype: DType,
 ) -> Result<(), String> {
+    let plan = plan(&lhs.client, lhs, rhs)?;
+    gemm_into(lhs, rhs, &plan, (out, out_dtype), false);
+    Ok(())
+}
+
+/// Adds `lhs · rhs` (`[m, k] · [k, n]`) into `out` (contiguous `[m, n]` f32), summed in f32 in
+/// the kernel's registers: `out` takes the place of a product and its addition (an f32
+/// accumulator over chunks of K, as burn-cce's dE blocks). An error where [`unsupported`] says
+/// why not, where `out` is not contiguous f32 of that shape, and where the kernel (tile and
+/// dtype) failed to launch on this device (checked at its first launch in the process; `out`
+/// then holds no valid sum).
+pub fn hopper_gemm_add(lhs: &CubeTensor, rhs: &CubeTensor, out: &CubeTensor) -> Result<(), String> {
+    let plan = plan(&lhs.client, lhs, rhs)?;
+    let strides = out.meta.strides();
+    let contiguous = strides.len() == 2 && strides[0] == plan.n && strides[1] == 1;
+    if out.dtype != DType::F32 || out.meta.shape().dims::<2>() != [plan.m, plan.n] || !contiguous {
+        return Err(format!(
+            "an accumulator of {:?} {:?} for a [{}, {}] product (contiguous f32 only)",
+            out.dtype,
+            out.meta.shape(),
+            plan.m,
+            plan.n
+        ));
+    }
+    let tile = HopperTile {
+        epilogue: Epilogue::Add,
+        ..plan.tile
+    };
+    epilogue::verified((tile, lhs.dtype), out.clone(), || {
+        gemm_into(lhs, rhs, &plan, (out, DType::F32), true)
+    })
+    .map(|_| ())
+}
+
+/// [`hopper_gemm`] (`add`: [`hopper_gemm_add`]) of a planned problem, K split where the tiles
+/// are few.
+fn gemm_into(
+    lhs: &CubeTensor,
+    rhs: &CubeTensor,
+    plan: &Plan,
+    (out, out_dtype): (&CubeTensor, DType),
+    add: bool,
+) {
     let client = lhs.client.clone();
-    let plan = plan(&client, lhs, rhs)?;
     let (m, n, k) = (plan.m, plan.n, plan.k);
     let tiles = m.div_ceil(BM) * n.div_ceil(plan.tile.bn);
     let sms = client
@@ -377,8 +465,11 @@ pub fn hopper_gemm(
         Some(p) => (p.clone(), DType::F32),
         None => (out.clone(), out_dtype),
     };
-    let reduction = Reduction::none(lhs);
-    launch(lhs, rhs, &plan, (target, target_dtype), splits, reduction);
+    let mut reduction = Reduction::none(lhs);
+    if add && partials.is_none() {
+        reduction.epilogue = Epilogue::Add;
+    }
+    launch(lhs, rhs, plan, (target, target_dtype), splits, reduction);
     if let Some(partials) = partials {
         let len = m * n;
         let units = CubeDim::new_1d(256);
@@ -389,10 +480,10 @@ pub fn hopper_gemm(
             partials.into_tensor_arg(),
             out.clone().into_tensor_arg(),
             splits as u32,
+            add,
             dtype_to_storage_type(out_dtype),
         );
     }
-    Ok(())
 }
 
 /// The arguments of a reducing [`Epilogue`] (placeholders for [`Epilogue::Store`]).
@@ -400,13 +491,20 @@ struct Reduction {
     epilogue: Epilogue,
     /// `[V]` f32.
     bias: CubeTensor,
-    /// `[m]` f32.
+    /// `[m]` f32 (from `row0` with [`Epilogue::Grad`]).
     lse: CubeTensor,
+    /// `[m]` f32, the loss's gradient per token ([`Epilogue::Grad`]).
+    dout: CubeTensor,
     /// `[m]`, an integer dtype.
     targets: CubeTensor,
+    /// `[n]`, the vocabulary id of each column where gathered ([`Epilogue::Grad`]); the
+    /// targets' dtype.
+    ids: CubeTensor,
     /// Written by the epilogue.
     out: CubeTensor,
     v0: usize,
+    /// The token of row 0 ([`Epilogue::Grad`]).
+    row0: usize,
     softcap: f32,
 }
 
@@ -415,13 +513,17 @@ impl Reduction {
     /// one apart from the read ones: a buffer is not bound twice where one binding writes).
     fn none(like: &CubeTensor) -> Self {
         let read = placeholder(like, DType::F32);
+        let ids = placeholder(like, DType::U32);
         Reduction {
             epilogue: Epilogue::Store,
             bias: read.clone(),
-            lse: read,
-            targets: placeholder(like, DType::U32),
+            lse: read.clone(),
+            dout: read,
+            targets: ids.clone(),
+            ids,
             out: placeholder(like, DType::F32),
             v0: 0,
+            row0: 0,
             softcap: 1.0,
         }
     }
@@ -456,11 +558,21 @@ fn launch(
         b_stride,
         ..
     } = *plan;
+    let epilogue = reduction.epilogue;
     let tile = HopperTile {
-        epilogue: reduction.epilogue,
-        // A reduction stores nothing (its `target` is a placeholder).
-        pairs: plan.tile.pairs && reduction.epilogue == Epilogue::Store,
+        epilogue,
+        // A reduction stores nothing (its `target` is a placeholder); `G`'s rows are padded to
+        // an even stride.
+        pairs: match epilogue {
+            Epilogue::Store | Epilogue::Add => plan.tile.pairs,
+            Epilogue::Grad { .. } => true,
+            Epilogue::RowLse { .. } | Epilogue::ColumnScore { .. } => false,
+        },
         ..plan.tile
+    };
+    let out_stride = match epilogue {
+        Epilogue::Grad { .. } => target.meta.strides()[0],
+        _ => n,
     };
     let (a_mn, b_k, bn) = (tile.a_major == Major::MN, tile.b_major == Major::K, tile.bn);
     // The boxes: a K-major tile is one box of all its rows; an MN-major one a box per 64-row
@@ -481,7 +593,8 @@ fn launch(
     ];
     // SAFETY: TMA reads only inside the maps (zeros past their ends); the output is written only
     // at rows below `m` and columns below `n` of each split's `[m, n]` block, which `target`
-    // holds; a reduction writes only inside the shapes its entry point allocated.
+    // holds (`G`: columns below `n` rounded up to even, inside its padded rows); a reduction
+    // writes only inside the shapes its entry point allocated.
     unsafe {
         hopper_gemm_kernel::launch_unchecked(
             &client,
@@ -493,13 +606,17 @@ fn launch(
             target.into_tensor_arg(),
             reduction.bias.into_tensor_arg(),
             reduction.lse.into_tensor_arg(),
+            reduction.dout.into_tensor_arg(),
             reduction.targets.into_tensor_arg(),
+            reduction.ids.into_tensor_arg(),
             reduction.out.into_tensor_arg(),
             m as u32,
             n as u32,
+            out_stride as u32,
             k_tiles as u32,
             per_split as u32,
             reduction.v0 as u32,
+            reduction.row0 as u32,
             reduction.softcap,
             tile,
             dtypes,

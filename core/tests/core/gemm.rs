@@ -315,3 +315,57 @@ pub fn hopper_gemm_matches_host(device: &Device) {
     }
     gemm::set_default_kernel(before_default);
 }
+
+/// The Hopper kernel's adding store ([`gemm::hopper::hopper_gemm_add`]): two products added into
+/// a seeded f32 accumulator (not zeros, so a store that overwrites fails) against the f64 host
+/// sums, at tails in M, N and K, a transposed `b`, and a long K over one tile (split K: the
+/// partial sums are added by the second kernel), every element within f32's tolerance.
+#[cfg(feature = "cuda")]
+pub fn hopper_gemm_add_accumulates(device: &Device) {
+    use burn_kernels_testing::unfused::{float, read_float};
+    let cases = [
+        ([131, 64, 72], false),
+        ([200, 584, 330], true),
+        ([64, 8192, 96], true),
+    ];
+    for dtype in [DType::BF16, DType::F16] {
+        for (i, ([m, k, n], transposed)) in cases.into_iter().enumerate() {
+            let seed = 900 + 8 * i as u64;
+            let name = format!("wgmma add {dtype:?} [{m}×{k}]·[{k}×{n}] transposed b {transposed}");
+            let acc0 = random_tensor::<2>([m, n], Dist::STANDARD, seed, DType::F32, device);
+            let mut want = to_f32(acc0.to_data());
+            let acc = float(&acc0, device);
+            for p in 0..2u64 {
+                let a = random_tensor::<2>([m, k], Dist::STANDARD, seed + 1 + 2 * p, dtype, device);
+                let b = operand(k, n, transposed, seed + 2 + 2 * p, dtype, device);
+                let prod = host_product(&to_f32(a.to_data()), &to_f32(b.to_data()), m, k, n);
+                want.iter_mut().zip(prod).for_each(|(w, x)| *w += x);
+                gemm::hopper::hopper_gemm_add(&float(&a, device), &float(&b, device), &acc)
+                    .unwrap_or_else(|why| panic!("{name}: {why}"));
+            }
+            let got = to_f32(read_float(acc));
+            // Exact 16-bit inputs, f32 sums of 2K terms and the accumulator's own value.
+            let tol = burn_kernels_testing::Tolerance::for_reduction(DType::F32, 2 * k + 1);
+            burn_kernels_testing::assert_close(&name, &got, &want, tol);
+        }
+    }
+    // An accumulator of another shape or dtype is refused, not written.
+    let a = float(
+        &random_tensor::<2>([128, 64], Dist::STANDARD, 1, DType::BF16, device),
+        device,
+    );
+    let b = float(
+        &random_tensor::<2>([64, 64], Dist::STANDARD, 2, DType::BF16, device),
+        device,
+    );
+    let wrong = float(
+        &random_tensor::<2>([128, 32], Dist::STANDARD, 3, DType::F32, device),
+        device,
+    );
+    assert!(gemm::hopper::hopper_gemm_add(&a, &b, &wrong).is_err());
+    let half = float(
+        &random_tensor::<2>([128, 64], Dist::STANDARD, 3, DType::BF16, device),
+        device,
+    );
+    assert!(gemm::hopper::hopper_gemm_add(&a, &b, &half).is_err());
+}

@@ -18,7 +18,7 @@ use burn_cubecl::{ops::numeric::empty_device_contiguous_dtype, tensor::CubeTenso
 use cubecl::prelude::*;
 use cubecl::wgmma::Accumulator;
 
-use super::{BM, HopperTile, Reduction, launch, placeholder, plan};
+use super::{BM, HopperTile, Plan, Reduction, launch, placeholder, plan};
 use std::collections::HashMap;
 use std::sync::Mutex;
 
@@ -28,7 +28,7 @@ static VERIFIED: Mutex<Option<HashMap<(HopperTile, DType), bool>>> = Mutex::new(
 /// Launches a reduction into `out` by `launch_it`, whose kernel is `key`: refused at once where
 /// that kernel failed before; at its first launch, checked on the device thread (no device
 /// synchronization), its failure returned and remembered.
-fn verified(
+pub(super) fn verified(
     key: (HopperTile, DType),
     out: CubeTensor,
     launch_it: impl FnOnce(),
@@ -66,7 +66,7 @@ fn verified(
 fn reduce(
     lhs: &CubeTensor,
     rhs: &CubeTensor,
-    plan: &super::Plan,
+    plan: &Plan,
     reduction: Reduction,
     out: CubeTensor,
 ) -> Result<CubeTensor, String> {
@@ -94,7 +94,12 @@ pub struct LogitOptions<'a> {
 
 impl LogitOptions<'_> {
     /// The reduction's arguments over the placeholders.
-    fn reduction(&self, epilogue: Epilogue, lhs: &CubeTensor, out: &CubeTensor) -> Reduction {
+    pub(super) fn reduction(
+        &self,
+        epilogue: Epilogue,
+        lhs: &CubeTensor,
+        out: &CubeTensor,
+    ) -> Reduction {
         let none = Reduction::none(lhs);
         Reduction {
             epilogue,
@@ -106,7 +111,7 @@ impl LogitOptions<'_> {
         }
     }
 
-    fn check(&self) -> Result<(), String> {
+    pub(super) fn check(&self) -> Result<(), String> {
         match self.bias {
             Some(b) if b.dtype != DType::F32 => Err(format!("a {:?} bias (f32 only)", b.dtype)),
             _ => Ok(()),
@@ -192,6 +197,18 @@ pub fn hopper_column_scores(
 pub enum Epilogue {
     /// Stores the tile (in the output's dtype).
     Store,
+    /// Adds the tile to the output's values (in f32, rounded to the output's dtype).
+    Add,
+    /// Stores the logits' gradient `(exp(x − lse[t]) − [targets[t] = id]) · dout[t] · cap'(x)`
+    /// of each value ([`super::hopper_grad`]), in the output's dtype.
+    Grad {
+        /// Whether a bias is added.
+        bias: bool,
+        /// Whether the logit is soft-capped.
+        softcap: bool,
+        /// Whether column `col`'s vocabulary id is `ids[col]` (else `v0 + col`).
+        gathered: bool,
+    },
     /// Per row, `(max, Σ exp(x − max))` over the tile's columns of the logit `x`
     /// ([`logit`]), into `[2, tiles_n, m]` (the maxima, then the sums).
     RowLse {
@@ -214,17 +231,31 @@ impl Epilogue {
     /// Whether a bias is read.
     pub fn bias(&self) -> bool {
         match self {
-            Epilogue::Store => false,
-            Epilogue::RowLse { bias, .. } | Epilogue::ColumnScore { bias, .. } => *bias,
+            Epilogue::Store | Epilogue::Add => false,
+            Epilogue::RowLse { bias, .. }
+            | Epilogue::ColumnScore { bias, .. }
+            | Epilogue::Grad { bias, .. } => *bias,
         }
     }
 
     /// Whether the logits are soft-capped.
     pub fn softcap(&self) -> bool {
         match self {
-            Epilogue::Store => false,
-            Epilogue::RowLse { softcap, .. } | Epilogue::ColumnScore { softcap, .. } => *softcap,
+            Epilogue::Store | Epilogue::Add => false,
+            Epilogue::RowLse { softcap, .. }
+            | Epilogue::ColumnScore { softcap, .. }
+            | Epilogue::Grad { softcap, .. } => *softcap,
         }
+    }
+
+    /// Whether this is [`Epilogue::Grad`].
+    pub fn is_grad(&self) -> bool {
+        matches!(self, Epilogue::Grad { .. })
+    }
+
+    /// Whether column ids are read from `ids` ([`Epilogue::Grad`] of a gathered chunk).
+    pub fn gathered(&self) -> bool {
+        matches!(self, Epilogue::Grad { gathered: true, .. })
     }
 
     /// Whether this is [`Epilogue::ColumnScore`] (it needs shared memory and a cube-wide sync).
@@ -238,7 +269,7 @@ const NO_MAX: f64 = -3.0e38;
 
 /// The logit of a raw product: `raw + bias[vocab_id]`, then `softcap · tanh(x / softcap)`.
 #[cube]
-fn logit(
+pub(super) fn logit(
     raw: f32,
     bias: &Tensor<f32>,
     vocab_id: u32,
