@@ -75,6 +75,7 @@
 #            SKV_CTX K context (default 64)
 #   pcceg    Gemma-2 CCE loss + gradient with the paper's filter, automatic blocks and all
 #            blocks of 256 MiB, under CubeCL's profiler: per-kernel totals (prof_sum)
+#   pccege   the exact default at the Gemma-2 shape under CubeCL's profiler: per-kernel totals
 #   h2d      host-to-device copy bandwidth, pinned and pageable (scripts/h2d-bandwidth.py)
 #   bcceg    cce suite, Gemma-2 shape, loss + gradient: the default, 64 and 256 MiB blocks with
 #            and without the paper's filter, Burn's plain loss (70 GB budget: it needs ~50) and
@@ -210,6 +211,20 @@ pcceg() {
     cp /tmp/cubecl-prof.log "$O/pcceg-$v-profile.log"
   done
 }
+# The exact default (no filter, automatic blocks) at the Gemma-2 shape under CubeCL's profiler,
+# with the backward's pass times (the bench prints them where it times phases).
+pccege() {
+  local only=(--skip-impl 'cce (' --skip-impl plain --skip-impl torch)
+  run bench --suite cce --filter gemma --filter both --warmup-ms 0 --measure-ms 0 \
+    "${only[@]}" --out "$O/pccege-warm" | grep 'gemma.*ms'
+  rm -f /tmp/cubecl-prof.log
+  CUBECL_DEBUG_LOG=/tmp/cubecl-prof.log CUBECL_DEBUG_OPTION=profile \
+    run bench --suite cce --filter gemma --filter both --warmup-ms 0 --measure-ms 0 \
+    "${only[@]}" --out "$O/pccege" | grep 'gemma.*ms'
+  echo "-- profile, exact default, automatic blocks"
+  prof_sum /tmp/cubecl-prof.log
+  cp /tmp/cubecl-prof.log "$O/pccege-profile.log"
+}
 # The shadowkv suite's budgets for this card: SKV_BUDGETS if set, else 120 / 100 GB on a
 # card of more than 100 GiB (H200), 72 / 90 GB on an H100 (the machines have 128 GiB of host
 # memory). The suite's own defaults (40 GB device) leave the full cache at a small batch.
@@ -272,6 +287,7 @@ for s in "$@"; do
     skv64p | skv128p) ctx=${s#skv}; BURN_KERNELS_SHADOWKV_PINNED=0 \
       step "$s" run bench --suite shadowkv --filter "ctx=${ctx%p}K" $(skv_budgets) --out "$O/$s" ;;
     pcceg) step pcceg pcceg ;;
+    pccege) step pccege pccege ;;
     h2d) step h2d python3 "$(dirname "$0")/h2d-bandwidth.py" ;;
     skv2s8) BURN_KERNELS_SHADOWKV_CHUNK=4 BURN_KERNELS_SHADOWKV_CANDIDATES=8 \
       step skv2s8 run bench --suite shadowkv --filter "ctx=${SKV_CTX:-64}K" $(skv_budgets) \

@@ -178,8 +178,10 @@ pub(super) fn check_blocked(case: &Case, rows: usize, dtype: DType, device: &Dev
     assert!(stats.chunks > 2, "{name}: several vocabulary chunks");
     if case.accum && dtype != DType::F32 {
         assert_eq!(blocks.de, DeAccumulation::RowBlocks, "{name}");
+        // With stored logits the second pass's chunks are regrouped (its memory allows it
+        // here); `G` in the GEMM leaves a smaller envelope at these tiny sizes.
         assert!(
-            blocks.pass2_chunk > blocks.chunk,
+            blocks.in_gemm || blocks.pass2_chunk > blocks.chunk,
             "{name}: the second pass regroups chunks ({blocks:?})"
         );
         assert_eq!(stats.de_row_blocks, n.div_ceil(rows), "{name}");
