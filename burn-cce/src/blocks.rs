@@ -51,6 +51,9 @@ pub struct BackwardBlocks {
     /// logits and no f32 product of that pass are stored, so the chunks are wider at the same
     /// memory.
     pub in_gemm: bool,
+    /// Whether the plan's chunks are gathered (filtered and sorted by score): their classifier
+    /// rows are copies. Natural chunks' rows are views of `C`, which hold no memory.
+    pub gathered: bool,
 }
 
 /// Splits `n` rows into equal blocks of at most `max` rows, a multiple of 32 where that stays
@@ -103,6 +106,7 @@ impl BackwardBlocks {
             rows,
             pass2_chunk,
             in_gemm,
+            gathered: params.filter_eps.is_some() && params.sort_vocab,
         };
         if !params.accum_fp32 || s >= 4 {
             let rows = params
@@ -147,22 +151,28 @@ impl BackwardBlocks {
         }
     }
 
-    /// These blocks with dE's second-pass row blocks chosen for a device of `sms`
-    /// multiprocessors, where `G` is written in the Hopper GEMM ([`DeAccumulation::RowBlocks`]
-    /// and [`BackwardBlocks::in_gemm`]; otherwise unchanged): of up to 4 more blocks than the
-    /// memory allows, the count whose two GEMMs per chunk (`G`: `[rows, pass2_chunk]` over K =
-    /// `d`; the product: `[rows, d]` over K = `pass2_chunk`) take the fewest waves of the
-    /// kernel's 128-row tiles, weighted by a wave's work. Rows only shrink: the working set
-    /// stays within [`BackwardBlocks::working_bytes`] of the memory-bound blocks.
+    /// These blocks with dE's second pass shaped for a device of `sms` multiprocessors, where
+    /// `G` is written in the Hopper GEMM ([`DeAccumulation::RowBlocks`] and
+    /// [`BackwardBlocks::in_gemm`]; otherwise unchanged), within the same working set
+    /// ([`BackwardBlocks::working_bytes`] for `dtype`):
+    /// - row blocks: of up to 4 more blocks than the memory allows, the count whose two GEMMs
+    ///   per chunk (`G`: `[rows, pass2_chunk]` over K = `d`; the product: `[rows, d]` over K =
+    ///   `pass2_chunk`) take the fewest waves of the kernel's 128-row tiles, weighted by a
+    ///   wave's work;
+    /// - second-pass chunks: the widest multiple of `chunk` (up to 16) that fits: each chunk's
+    ///   product reads and writes the block's f32 accumulator once, so fewer, longer products
+    ///   move less memory and launch less.
     ///
     /// At the Gemma-2 shape on an H100 (132 SMs): 5 blocks of 1664 rows (13 row tiles, 117
-    /// tiles per GEMM, one wave each) instead of 4 of 2048 (144 tiles: two waves, the second of
-    /// 12 tiles), 0.62× the waves' work.
-    pub fn filled(self, n: usize, d: usize, sms: usize) -> Self {
+    /// tiles per product: one wave) instead of 4 of 2048 (144 tiles: two waves, the second of
+    /// 12 tiles); second-pass chunks of 5184 entries (natural chunks, the exact default) or 3456
+    /// (gathered), instead of 1728.
+    pub fn filled(self, n: usize, d: usize, dtype: DType, sms: usize) -> Self {
         use burn_kernels_core::gemm::hopper::{BM, tile_width};
         if self.de != DeAccumulation::RowBlocks || !self.in_gemm || sms == 0 || n == 0 {
             return self;
         }
+        let envelope = self.working_bytes(n, d, dtype, false);
         let c2 = self.pass2_chunk;
         let waves = |tiles: usize| tiles.div_ceil(sms);
         let cost = |rows: usize| {
@@ -177,7 +187,15 @@ impl BackwardBlocks {
             .map(|blocks| n.div_ceil(blocks).next_multiple_of(BM).min(self.rows))
             .min_by_key(|&rows| (cost(rows), usize::MAX - rows))
             .unwrap_or(self.rows);
-        Self { rows, ..self }
+        let rowed = Self { rows, ..self };
+        (1..=16)
+            .rev()
+            .map(|k| Self {
+                pass2_chunk: self.chunk * k,
+                ..rowed
+            })
+            .find(|b| b.working_bytes(n, d, dtype, false) <= envelope)
+            .unwrap_or(rowed)
     }
 
     /// The vocabulary pass's working set while a chunk's `G` is formed: `G`, the gathered
@@ -189,21 +207,25 @@ impl BackwardBlocks {
 
     /// Bytes the backward holds at its peak besides its inputs, dE and dC, and the `O(n + V)`
     /// vectors (log-sum-exp, scores, ids), for `n` tokens, hidden size `d` and inputs of
-    /// `dtype`, with or without a bias. Gathered chunks are assumed (a natural chunk's
-    /// classifier rows are a view).
+    /// `dtype`, with or without a bias. A gathered chunk's classifier rows are counted (a
+    /// natural chunk's are a view).
     pub fn working_bytes(&self, n: usize, d: usize, dtype: DType, bias: bool) -> usize {
         let s = dtype.size();
         let (c, rows) = (self.chunk, self.rows);
         let g = s * n * c;
-        let classifier = s * c * d;
-        let at_grad = Self::pass1_bytes(n, c, d, s, self.in_gemm);
+        // The dC rows of a chunk, and its classifier rows where gathered (else a view).
+        let dc_rows = s * c * d;
+        let copied = |entries: usize| if self.gathered { s * entries * d } else { 0 };
+        let classifier = copied(c);
+        let logits = if self.in_gemm { 0 } else { 4 * n * c };
+        let at_grad = logits + g + classifier;
         // After G is formed (the logits are freed): dE products (or the second pass), the dC
         // rows, and with a bias G's f32 copy for db.
         let product = match self.de {
             DeAccumulation::RowBlocks => 0,
             _ => 4 * rows * d,
         };
-        let mut after = product.max(classifier);
+        let mut after = product.max(dc_rows);
         if bias {
             after = after.max(4 * n * c);
         }
@@ -219,7 +241,7 @@ impl BackwardBlocks {
                 } else {
                     4 * rows * c2.max(d)
                 };
-                let pass2 = 4 * rows * d + s * c2 * d + s * rows * c2 + stored;
+                let pass2 = 4 * rows * d + copied(c2) + s * rows * c2 + stored;
                 pass1.max(pass2)
             }
         }

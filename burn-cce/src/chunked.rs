@@ -615,6 +615,7 @@ pub fn backward(
     let blocks = BackwardBlocks::new(params, n, vocab, d, e_dtype, in_gemm).filled(
         n,
         d,
+        e_dtype,
         sms.unwrap_or(0) as usize,
     );
     let mut clock = PhaseClock::start(&device);

@@ -39,10 +39,10 @@ fn working_set_at_bench_shapes() {
     let n = 8192;
     // (V, D, in_gemm, chunk, dE rows, second-pass chunk, working bytes)
     let shapes = [
-        (256_000, 2304, false, 672, 1184, 2016, 36_126_720),
-        (49_152, 576, false, 256, 2048, 512, 12_877_824),
-        (256_000, 2304, true, 1728, 2048, 1728, 44_236_800),
-        (49_152, 576, true, 256, 1171, 512, 4_784_128),
+        (256_000, 2304, false, 672, 1184, 2016, 33_030_144),
+        (49_152, 576, false, 256, 2048, 512, 12_582_912),
+        (256_000, 2304, true, 1728, 2048, 1728, 36_274_176),
+        (49_152, 576, true, 256, 1171, 512, 4_489_216),
     ];
     for (v, d, in_gemm, chunk, rows, pass2_chunk, working) in shapes {
         let blocks = BackwardBlocks::new(&params, n, v, d, DType::BF16, in_gemm);
@@ -55,6 +55,7 @@ fn working_set_at_bench_shapes() {
                 rows,
                 pass2_chunk,
                 in_gemm,
+                gathered: false,
             },
             "{name}"
         );
@@ -71,7 +72,7 @@ fn working_set_at_bench_shapes() {
             assert!((bound + bytes) as f64 <= 1.05 * bound as f64, "{name}");
         }
         // Filled for an H100's 132 SMs: only the in-GEMM row blocks change, to fewer rows.
-        let filled = blocks.filled(n, d, 132);
+        let filled = blocks.filled(n, d, DType::BF16, 132);
         if in_gemm {
             assert!(filled.rows <= blocks.rows, "{name}: {filled:?}");
             assert!(
@@ -85,7 +86,12 @@ fn working_set_at_bench_shapes() {
     // Gemma-2 on an H100: 5 blocks of 1664 rows (117 tiles per GEMM: one wave each) rather
     // than 4 of 2048 (144 tiles: two waves).
     let gemma = BackwardBlocks::new(&params, n, 256_000, 2304, DType::BF16, true);
-    assert_eq!(gemma.filled(n, 2304, 132).rows, 1664);
+    let filled = gemma.filled(n, 2304, DType::BF16, 132);
+    assert_eq!(
+        (filled.rows, filled.pass2_chunk),
+        (1664, 5184),
+        "{filled:?}"
+    );
 }
 
 /// The CPU reference path (Flex) runs the same checks without a GPU runtime.
