@@ -75,16 +75,17 @@ pub(crate) fn row_ranges(n: usize, rows: usize) -> impl Iterator<Item = Range<us
 impl BackwardBlocks {
     /// The blocks for `n` tokens, `vocab` entries, hidden size `d` and inputs of `dtype`.
     ///
-    /// At the benchmark shapes (8192 tokens, bf16, automatic sizes):
+    /// At the benchmark shapes (8192 tokens, bf16, automatic sizes, natural chunks):
     /// - Gemma-2 (V = 256000, D = 2304): chunks of 672 entries; dE in a second pass over 7
-    ///   blocks of 1184 rows and chunks of 2016 entries; working set 36 126 720 bytes, 2.97% of
-    ///   dE + dC (1 217 396 736 bytes): peak 1 253 523 456 bytes, 1.030×.
+    ///   blocks of 1184 rows and chunks of 2016 entries; working set 33 030 144 bytes, 2.71% of
+    ///   dE + dC (1 217 396 736 bytes): peak 1 250 426 880 bytes, 1.027×.
     /// - SmolLM2 (V = 49152, D = 576): chunks of 256 entries (the 2²¹-logit floor); second pass
-    ///   over 4 blocks of 2048 rows and chunks of 512 entries; working set 12 877 824 bytes,
-    ///   19.5% of dE + dC (66 060 288 bytes): peak 78 938 112 bytes, 1.195×.
+    ///   over 4 blocks of 2048 rows and chunks of 512 entries; working set 12 582 912 bytes,
+    ///   19.0% of dE + dC (66 060 288 bytes): peak 78 643 200 bytes, 1.190×.
     /// - Gemma-2 with `G` in the Hopper GEMM ([`BackwardBlocks::in_gemm`]): chunks of 1728
-    ///   entries; second pass over 4 blocks of 2048 rows and chunks of 1728 entries; working
-    ///   set 44 236 800 bytes (after `G`: `G`, classifier rows, dC rows), 3.63%: peak 1.036×.
+    ///   entries; second pass over 4 blocks of 2048 rows and chunks of 1728 entries (before
+    ///   [`BackwardBlocks::filled`]); working set 36 274 176 bytes (after `G`: `G` and the
+    ///   chunk's dC rows), 2.98%: peak 1.030×.
     pub fn new(
         params: &LceParams,
         n: usize,

@@ -24,8 +24,9 @@
 //!
 //! | shape | dE + dC | before (single pass, f32 dE + its product) | now |
 //! |---|---:|---:|---:|
-//! | Gemma-2, V = 256000, D = 2304 | 1 217 396 736 B | 1 352 138 752 B (1.111×) | 1 253 523 456 B (1.030×) |
-//! | SmolLM2, V = 49152, D = 576 | 66 060 288 B | 127 008 768 B (1.923×) | 78 938 112 B (1.195×) |
+//! | Gemma-2, V = 256000, D = 2304 | 1 217 396 736 B | 1 352 138 752 B (1.111×) | 1 250 426 880 B (1.027×) |
+//! | Gemma-2, `G` in the Hopper GEMM | 1 217 396 736 B | | 1 253 670 912 B (1.030×) |
+//! | SmolLM2, V = 49152, D = 576 | 66 060 288 B | 127 008 768 B (1.923×) | 78 643 200 B (1.190×) |
 //!
 //! "Before" held an f32 dE accumulator (`4·N·D`), the f32 product `G·C_chunk` added into it
 //! (`4·N·D`), and a 32 MiB chunk's logits, `G` and classifier rows. SmolLM2's working set is
@@ -40,9 +41,13 @@
 //!
 //! Where the chunk GEMMs take core's Hopper kernel (f16/bf16 on sm90, aligned operands), the
 //! forward's log-sum-exp and the scoring pass's filter scores are reduced inside that GEMM
-//! ([`crate::epilogue`]): those two passes write no logit. The backward's passes store each
-//! chunk's f32 logits and form `G` from them in a separate kernel: the logits make one round
-//! trip through memory per chunk, and filtering skips work at entry/chunk granularity.
+//! ([`crate::epilogue`]): those two passes write no logit. The backward's passes there take
+//! `G` straight from that GEMM's tile (in the inputs' dtype), and dE's second pass adds each
+//! chunk's product into its f32 block inside the GEMM ([`BackwardBlocks::in_gemm`]): no f32
+//! logits and no f32 product are stored, so the chunks are 2.6× wider at the same memory and
+//! the second pass's chunks 3× wider ([`BackwardBlocks::filled`]). Elsewhere each chunk's f32
+//! logits are stored and `G` formed from them by its own kernel. Filtering skips work at
+//! entry/chunk granularity.
 //!
 //! [`forward`] and [`backward`] take unfused `CubeTensor`s and use `CubeBackend`'s primitive
 //! ops besides the kernels ([`crate::CceKernels`]'s `CubeBackend` implementation calls them).

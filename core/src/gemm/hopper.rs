@@ -25,7 +25,8 @@
 //! Besides storing the tile, the kernel can reduce it in registers ([`Epilogue`]): the row
 //! log-sum-exp and column filter scores of a linear cross-entropy's logits, for burn-cce's forward
 //! and scoring passes ([`hopper_row_lse`], [`hopper_column_scores`]), which then never store the
-//! logits.
+//! logits; write the loss's logit gradient `G` instead of the logits, for its backward
+//! ([`hopper_grad`]); or add the tile into an f32 accumulator ([`hopper_gemm_add`]).
 //!
 //! Measured on an H200 (2026-11-29, `bench/results/2026-11-29/nvidia-h200-s38-wgmma-gemm.md`):
 //! 1.1–3.1× cubek's `SpecializedTma` and 0.34–0.70× cuBLAS at SmolLM2's training products. The

@@ -332,7 +332,10 @@ pub fn hopper_gemm_add_accumulates(device: &Device) {
         for (i, ([m, k, n], transposed)) in cases.into_iter().enumerate() {
             let seed = 900 + 8 * i as u64;
             let name = format!("wgmma add {dtype:?} [{m}×{k}]·[{k}×{n}] transposed b {transposed}");
-            let acc0 = random_tensor::<2>([m, n], Dist::STANDARD, seed, DType::F32, device);
+            // Contiguous (a new 2-D CUDA allocation has its rows pitched, which the adding
+            // store refuses; the reshape of a 1-D one is a view).
+            let acc0 = random_tensor::<1>([m * n], Dist::STANDARD, seed, DType::F32, device)
+                .reshape([m, n]);
             let mut want = to_f32(acc0.to_data());
             let acc = float(&acc0, device);
             for p in 0..2u64 {
@@ -349,7 +352,7 @@ pub fn hopper_gemm_add_accumulates(device: &Device) {
             burn_kernels_testing::assert_close(&name, &got, &want, tol);
         }
     }
-    // An accumulator of another shape or dtype is refused, not written.
+    // An accumulator of another shape or dtype, or with pitched rows, is refused, not written.
     let a = float(
         &random_tensor::<2>([128, 64], Dist::STANDARD, 1, DType::BF16, device),
         device,
@@ -368,4 +371,7 @@ pub fn hopper_gemm_add_accumulates(device: &Device) {
         device,
     );
     assert!(gemm::hopper::hopper_gemm_add(&a, &b, &half).is_err());
+    let strided =
+        random_tensor::<2>([128, 72], Dist::STANDARD, 4, DType::F32, device).slice([0..128, 0..64]);
+    assert!(gemm::hopper::hopper_gemm_add(&a, &b, &float(&strided, device)).is_err());
 }
