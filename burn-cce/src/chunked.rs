@@ -522,16 +522,7 @@ impl Backward<'_> {
         let block_acc = dense_zeros([rows.len(), d], DType::F32, &self.e.device);
         live::sample(&block_acc, "dE pass: accumulator");
         for part in parts {
-            let (c_chunk, ids, v0) = part.classifier_rows(self.c);
-            live::sample(&c_chunk, "dE pass: classifier rows");
-            let g = self.g(
-                e_rows.clone(),
-                &c_chunk,
-                (ids, v0),
-                rows.start,
-                self.params.gemm,
-                ["dE pass: logits", "dE pass: G"],
-            );
+            let (g, c_chunk) = self.block_g(part, &e_rows, rows.start);
             match epilogue::add_product(&g, &c_chunk, &block_acc) {
                 epilogue::Added::Yes => {}
                 epilogue::Added::Unsupported => {
@@ -547,6 +538,22 @@ impl Backward<'_> {
         Some(block_acc)
     }
 
+    /// `G` of `part` for the row block `e_rows` (from token `row0`), and the part's classifier
+    /// rows.
+    fn block_g(&self, part: &Part, e_rows: &CubeTensor, row0: usize) -> (CubeTensor, CubeTensor) {
+        let (c_chunk, ids, v0) = part.classifier_rows(self.c);
+        live::sample(&c_chunk, "dE pass: classifier rows");
+        let g = self.g(
+            e_rows.clone(),
+            &c_chunk,
+            (ids, v0),
+            row0,
+            self.params.gemm,
+            ["dE pass: logits", "dE pass: G"],
+        );
+        (g, c_chunk)
+    }
+
     /// `g · c_chunk` in f32, by the chunk GEMMs' kernel.
     fn product(&self, g: CubeTensor, c_chunk: CubeTensor) -> CubeTensor {
         let p = self.params;
@@ -559,16 +566,7 @@ impl Backward<'_> {
         let e_rows = rows_of(self.e.clone(), rows.clone());
         let mut block_acc: Option<CubeTensor> = None;
         for part in parts {
-            let (c_chunk, ids, v0) = part.classifier_rows(self.c);
-            live::sample(&c_chunk, "dE pass: classifier rows");
-            let g = self.g(
-                e_rows.clone(),
-                &c_chunk,
-                (ids, v0),
-                rows.start,
-                self.params.gemm,
-                ["dE pass: logits", "dE pass: G"],
-            );
+            let (g, c_chunk) = self.block_g(part, &e_rows, rows.start);
             let product = self.product(g, c_chunk);
             block_acc = Some(match block_acc {
                 None => product,

@@ -4,6 +4,11 @@
 //! write no logit. Where the chunk GEMMs take the Hopper kernel ([`GemmStrategy::Fixed`] with
 //! it as the default kernel, or [`GemmStrategy::Kernel`] naming it) and it takes the operands;
 //! elsewhere the passes store f32 logits and reduce them with [`crate::kernels`]' kernels.
+//! The backward's `G` comes from the same GEMM ([`grad`], `hopper_grad`), and dE's second pass
+//! adds its products into f32 blocks there ([`add_product`], `hopper_gemm_add`): the exact
+//! default at Gemma-2's shape went from 148.6 to 94.4 ms with the wider blocks this allows
+//! (`bench/results/2026-12-06/nvidia-h100-s55.md`). Where `G` cannot come from the GEMM the
+//! chunk's logits are stored after all, beyond the blocks' designed working set (logged).
 //!
 //! Measured (Gemma-2 shape, bf16, loss + gradient with the paper's filter at the automatic
 //! blocks, H100, 2026-12-06): before, the two reductions' own kernels took 6.3 + 3.4 ms a call
