@@ -4,7 +4,7 @@
 use burn::tensor::DType;
 use std::ops::Range;
 
-use crate::LceParams;
+use crate::{DeCarry, LceParams};
 
 /// How the backward accumulates dE; see [`BackwardBlocks`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -18,7 +18,19 @@ pub enum DeAccumulation {
     /// block's f32 accumulator rounded into dE once: one more logits GEMM over the kept
     /// entries, but only `rows·D·4` bytes of accumulator.
     RowBlocks,
+    /// In dE itself plus an i8 correction per value (`N·D` bytes, [`crate::DeCarry::Compensated`]),
+    /// both updated in the vocabulary pass as the Hopper GEMM stores each chunk's product
+    /// `G · C_chunk`: no second pass, no f32 accumulator.
+    Compensated,
 }
+
+/// Share of the gradients' bytes (`dE + dC`) that the compensated carry's corrections and its
+/// chunk's working set may take: the goal is a peak within 1.05× of `dE + dC`.
+const COMPENSATED_SHARE: f64 = 0.048;
+/// Narrowest automatic chunk of the compensated carry: each chunk's product reads and writes
+/// dE and its corrections once (`6·N·D` bytes, 113 MB at Gemma-2's shape), so narrower chunks
+/// spend more of their time moving them than multiplying.
+const MIN_COMPENSATED_CHUNK: usize = 1024;
 
 /// Block sizes of the chunked backward for `n` tokens, `V` entries, hidden size `D` and input
 /// dtype size `s` (bytes).
@@ -82,11 +94,70 @@ impl BackwardBlocks {
     /// - SmolLM2 (V = 49152, D = 576): chunks of 256 entries (the 2²¹-logit floor); second pass
     ///   over 4 blocks of 2048 rows and chunks of 512 entries; working set 12 582 912 bytes,
     ///   19.0% of dE + dC (66 060 288 bytes): peak 78 643 200 bytes, 1.190×.
-    /// - Gemma-2 with `G` in the Hopper GEMM ([`BackwardBlocks::in_gemm`]): chunks of 1728
-    ///   entries; second pass over 4 blocks of 2048 rows and chunks of 1728 entries (before
-    ///   [`BackwardBlocks::filled`]); working set 36 274 176 bytes (after `G`: `G` and the
-    ///   chunk's dC rows), 2.98%: peak 1.030×.
+    /// - Gemma-2 with `G` in the Hopper GEMM ([`BackwardBlocks::in_gemm`]): dE carried
+    ///   compensated ([`DeAccumulation::Compensated`]) in chunks of 1856 entries; working set
+    ///   57 835 520 bytes (18 874 368 of corrections, then `G` and the chunk's dC rows), 4.75%:
+    ///   peak 1.048×. With [`DeCarry::F32`]: chunks of 1728 entries, a second pass over 4
+    ///   blocks of 2048 rows and chunks of 1728 entries (before [`BackwardBlocks::filled`]);
+    ///   working set 36 274 176 bytes, 2.98%: peak 1.030×.
+    ///
+    /// The compensated carry ([`DeCarry`]) takes the largest chunk, a multiple of 32, whose
+    /// working set with the corrections is 4.8% of `dE + dC` (or the chunk of `chunk_bytes`).
     pub fn new(
+        params: &LceParams,
+        n: usize,
+        vocab: usize,
+        d: usize,
+        dtype: DType,
+        in_gemm: bool,
+    ) -> Self {
+        let f32_blocks = Self::f32_carry(params, n, vocab, d, dtype, in_gemm);
+        let usable = in_gemm && dtype == DType::BF16 && params.accum_fp32;
+        let chunk = Self::compensated_chunk(params, n, vocab, d, dtype, f32_blocks.gathered);
+        let compensated = Self {
+            chunk,
+            de: DeAccumulation::Compensated,
+            rows: n.max(1),
+            pass2_chunk: chunk,
+            ..f32_blocks
+        };
+        match params.de_carry {
+            _ if !usable || params.de_block_rows.is_some() => f32_blocks,
+            DeCarry::Compensated => compensated,
+            DeCarry::Auto
+                if f32_blocks.de == DeAccumulation::RowBlocks
+                    && chunk >= MIN_COMPENSATED_CHUNK.min(vocab) =>
+            {
+                compensated
+            }
+            DeCarry::Auto | DeCarry::F32 => f32_blocks,
+        }
+    }
+
+    /// The compensated carry's chunk: from `chunk_bytes` where set, else the widest (a
+    /// multiple of 32, at least 32, at most `vocab`) whose corrections (`n·d` bytes), `G`, dC
+    /// rows and gathered classifier rows take [`COMPENSATED_SHARE`] of `dE + dC`.
+    fn compensated_chunk(
+        params: &LceParams,
+        n: usize,
+        vocab: usize,
+        d: usize,
+        dtype: DType,
+        gathered: bool,
+    ) -> usize {
+        if params.chunk_bytes.is_some() {
+            return params.grad_chunk_len(n, vocab, d, dtype, true);
+        }
+        let (n, s) = (n.max(1), dtype.size());
+        let bound = s * (n + vocab) * d;
+        let budget = (COMPENSATED_SHARE * bound as f64) as usize;
+        let per_entry = s * n + s * d * (1 + gathered as usize);
+        let fit = budget.saturating_sub(n * d) / per_entry.max(1) / 32 * 32;
+        fit.max(32).min(vocab.max(1))
+    }
+
+    /// The blocks of an f32 carry ([`DeCarry::F32`]), and of the other accumulations.
+    fn f32_carry(
         params: &LceParams,
         n: usize,
         vocab: usize,
@@ -223,7 +294,7 @@ impl BackwardBlocks {
         // After G is formed (the logits are freed): dE products (or the second pass), the dC
         // rows, and with a bias G's f32 copy for db.
         let product = match self.de {
-            DeAccumulation::RowBlocks => 0,
+            DeAccumulation::RowBlocks | DeAccumulation::Compensated => 0,
             _ => 4 * rows * d,
         };
         let mut after = product.max(dc_rows);
@@ -233,6 +304,8 @@ impl BackwardBlocks {
         let pass1 = at_grad.max(g + classifier + after);
         match self.de {
             DeAccumulation::Direct => pass1,
+            // The i8 corrections live through the pass.
+            DeAccumulation::Compensated => n * d + pass1,
             // The accumulator lives through the pass, then beside the rounded dE.
             DeAccumulation::Whole => 4 * n * d + pass1,
             DeAccumulation::RowBlocks => {

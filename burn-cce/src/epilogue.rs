@@ -22,8 +22,8 @@ use burn_cubecl::{CubeBackend, tensor::CubeTensor};
 use burn_kernels_core::gemm::{
     GemmKernel,
     hopper::{
-        GradInputs, LogitOptions, hopper_column_scores, hopper_gemm_add, hopper_grad,
-        hopper_row_lse, unsupported,
+        GradInputs, LogitOptions, hopper_column_scores, hopper_gemm_add,
+        hopper_gemm_add_compensated, hopper_grad, hopper_row_lse, unsupported,
     },
 };
 
@@ -46,6 +46,9 @@ pub const HOPPER_GRAD_LAUNCHES: &str = "cce-hopper-grad";
 /// Launch counter of dE products added into an f32 accumulator by the Hopper GEMM
 /// ([`add_product`]).
 pub const HOPPER_ADD_LAUNCHES: &str = "cce-hopper-add";
+/// Launch counter of dE products added into dE and its corrections by the Hopper GEMM
+/// ([`add_compensated`]).
+pub const HOPPER_COMPENSATED_LAUNCHES: &str = "cce-hopper-compensated";
 
 /// Whether chunk GEMMs by `gemm` take the Hopper kernel and it takes `e · c_chunkᵀ`.
 pub fn applies(gemm: GemmStrategy, e: &CubeTensor, c: &CubeTensor) -> bool {
@@ -199,6 +202,30 @@ pub(crate) fn add_product(g: &CubeTensor, c_chunk: &CubeTensor, acc: &CubeTensor
         }
         Err(why) => {
             log::info!("burn-cce: the Hopper GEMM's adding store unavailable ({why})");
+            Added::Failed
+        }
+    }
+}
+
+/// `de += g · c_chunk` (`[rows, len] · [len, D]`) carried compensated in `de` (bf16) and its i8
+/// corrections `fix` (both contiguous `[rows, D]`), by the Hopper GEMM's compensated store.
+pub(crate) fn add_compensated(
+    g: &CubeTensor,
+    c_chunk: &CubeTensor,
+    de: &CubeTensor,
+    fix: &CubeTensor,
+) -> Added {
+    if let Some(why) = unsupported(&g.client, g, c_chunk) {
+        log::info!("burn-cce: dE not carried compensated ({why})");
+        return Added::Unsupported;
+    }
+    match hopper_gemm_add_compensated(g, c_chunk, de, fix) {
+        Ok(()) => {
+            burn_kernels_core::route::count_launch(HOPPER_COMPENSATED_LAUNCHES);
+            Added::Yes
+        }
+        Err(why) => {
+            log::info!("burn-cce: the Hopper GEMM's compensated store unavailable ({why})");
             Added::Failed
         }
     }

@@ -52,8 +52,8 @@ mod chunked;
 pub mod diagnostics;
 mod epilogue;
 pub use epilogue::{
-    HOPPER_ADD_LAUNCHES, HOPPER_GRAD_LAUNCHES, HOPPER_LSE_LAUNCHES, HOPPER_SCORE_LAUNCHES,
-    REDUCTION_CHUNK,
+    HOPPER_ADD_LAUNCHES, HOPPER_COMPENSATED_LAUNCHES, HOPPER_GRAD_LAUNCHES, HOPPER_LSE_LAUNCHES,
+    HOPPER_SCORE_LAUNCHES, REDUCTION_CHUNK,
 };
 mod error;
 #[cfg(feature = "cube")]
@@ -68,7 +68,7 @@ pub mod reference;
 pub use error::CceError;
 pub use loss::{CceOutput, LinearCrossEntropyLoss, linear_cross_entropy};
 pub use options::{
-    CceOptions, FilterEps, GemmKernel, GemmStrategy, LceParams, PassKernels, Reduction,
+    CceOptions, DeCarry, FilterEps, GemmKernel, GemmStrategy, LceParams, PassKernels, Reduction,
     TRAINING_BLOCK_BYTES,
 };
 

@@ -107,6 +107,29 @@ pub enum PassKernels {
     Fused,
 }
 
+/// How the chunked backward carries 16-bit dE from one vocabulary chunk to the next where
+/// [`CceOptions::accum_fp32`] is on (each chunk's product is summed in f32 either way).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
+pub enum DeCarry {
+    /// [`DeCarry::Compensated`] where it runs (bf16 inputs, chunk GEMMs on core's Hopper kernel),
+    /// dE would otherwise need [`DeCarry::F32`]'s second pass, and the corrections fit the
+    /// backward's memory beside chunks of at least 1024 entries
+    /// ([`crate::diagnostics::BackwardBlocks::new`]); [`DeCarry::F32`] otherwise.
+    #[default]
+    Auto,
+    /// In f32: one accumulator for all of dE where it is small, otherwise (at a large vocabulary)
+    /// one block of rows at a time in a second pass over the vocabulary, which recomputes each
+    /// chunk's logits (`N·V·D` more multiply-adds).
+    F32,
+    /// In dE itself plus an 8-bit correction per value (`N·D` bytes), both updated as each
+    /// chunk's product is stored by the Hopper GEMM
+    /// (`burn_kernels_core::gemm::hopper::hopper_gemm_add_compensated`): about 16 significant
+    /// bits carried between chunks (bf16 alone keeps 8), no second pass. bf16 inputs on the
+    /// Hopper GEMM only; elsewhere [`DeCarry::F32`], with a log line.
+    Compensated,
+}
+
 /// Options of [`crate::linear_cross_entropy`].
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct CceOptions {
@@ -148,8 +171,10 @@ pub struct CceOptions {
     /// the logits block. With `accum_fp32` and 16-bit inputs, `Some(r)` with `r ≥ N` keeps one
     /// f32 accumulator for all of dE (`N·D·4` bytes, no second pass) and a smaller `r`
     /// accumulates blocks of `r` rows in a second pass; otherwise it sets the rows of each f32
-    /// product `G·C_chunk` added into dE.
+    /// product `G·C_chunk` added into dE. Set, it implies [`DeCarry::F32`].
     pub de_block_rows: Option<usize>,
+    /// How dE is carried between vocabulary chunks with `accum_fp32` (default automatic).
+    pub de_carry: DeCarry,
     /// How the chunk GEMMs pick their kernel.
     pub gemm: GemmStrategy,
     /// For f32 inputs, run the chunk GEMMs of [`GemmStrategy::Fixed`] and
@@ -213,6 +238,7 @@ impl Default for CceOptions {
             chunk_bytes: None,
             pass_chunk_bytes: None,
             de_block_rows: None,
+            de_carry: DeCarry::Auto,
             gemm: GemmStrategy::Fixed,
             tf32: true,
             passes: PassKernels::Auto,
@@ -265,6 +291,8 @@ pub struct LceParams {
     pub pass_chunk_bytes: Option<usize>,
     /// See [`CceOptions::de_block_rows`].
     pub de_block_rows: Option<usize>,
+    /// See [`CceOptions::de_carry`].
+    pub de_carry: DeCarry,
     /// See [`CceOptions::gemm`].
     pub gemm: GemmStrategy,
     /// See [`CceOptions::tf32`].
@@ -284,6 +312,7 @@ impl CceOptions {
             chunk_bytes: self.chunk_bytes,
             pass_chunk_bytes: self.pass_chunk_bytes,
             de_block_rows: self.de_block_rows,
+            de_carry: self.de_carry,
             gemm: self.gemm,
             tf32: self.tf32,
             passes: self.passes,

@@ -25,17 +25,20 @@ use op_checks::*;
 
 use burn::tensor::{DType, Device};
 use burn_cce::{
-    CceOptions,
+    CceOptions, DeCarry, FilterEps, LceParams,
     diagnostics::{BackwardBlocks, DeAccumulation},
 };
 use burn_kernels_testing::{Tolerance, assert_close, testgen};
 
 /// The analytic working set of the backward at the benchmark shapes (8192 tokens, bf16,
-/// default options), with stored logits and with `G` written by the Hopper GEMM (`in_gemm`):
-/// the numbers documented in `burn_cce::diagnostics::BackwardBlocks`.
+/// default options but dE carried in f32), with stored logits and with `G` written by the
+/// Hopper GEMM (`in_gemm`): the numbers documented in `burn_cce::diagnostics::BackwardBlocks`.
 #[test]
 fn working_set_at_bench_shapes() {
-    let params = CceOptions::default().params(DType::BF16);
+    let params = LceParams {
+        de_carry: DeCarry::F32,
+        ..CceOptions::default().params(DType::BF16)
+    };
     let n = 8192;
     // (V, D, in_gemm, chunk, dE rows, second-pass chunk, working bytes)
     let shapes = [
@@ -92,6 +95,44 @@ fn working_set_at_bench_shapes() {
         (1664, 5184),
         "{filled:?}"
     );
+}
+
+/// The compensated carry's blocks ([`DeCarry::Auto`], the default): at Gemma-2's shape with `G`
+/// in the Hopper GEMM, dE carried in the vocabulary pass in chunks of 1856 entries (1536
+/// gathered, with the paper's filter), within 1.05× of dE + dC; elsewhere (stored logits,
+/// f16, SmolLM2's shape where the corrections would take 7% of dE + dC) the f32 carry.
+#[test]
+fn compensated_carry_at_bench_shapes() {
+    let n = 8192;
+    let (v, d) = (256_000, 2304);
+    let bound = 2 * (n + v) * d;
+    let auto = CceOptions::default().params(DType::BF16);
+    let paper = CceOptions {
+        filter_eps: FilterEps::Paper,
+        ..CceOptions::default()
+    }
+    .params(DType::BF16);
+    // (params, chunk, gathered, working bytes): corrections n·d = 18 874 368, then `G`
+    // (2·n per entry), dC rows (2·d) and gathered classifier rows (2·d).
+    let cases = [
+        (auto, 1856, false, 18_874_368 + 1856 * (2 * n + 2 * d)),
+        (paper, 1536, true, 18_874_368 + 1536 * (2 * n + 4 * d)),
+    ];
+    for (params, chunk, gathered, working) in cases {
+        let blocks = BackwardBlocks::new(&params, n, v, d, DType::BF16, true);
+        let name = format!("{params:?}");
+        assert_eq!(blocks.de, DeAccumulation::Compensated, "{name}");
+        assert_eq!((blocks.chunk, blocks.gathered), (chunk, gathered), "{name}");
+        let bytes = blocks.working_bytes(n, d, DType::BF16, false);
+        assert_eq!(bytes, working, "{name}");
+        assert!((bound + bytes) as f64 <= 1.05 * bound as f64, "{name}");
+        assert_eq!(blocks.filled(n, d, DType::BF16, 132), blocks, "{name}");
+    }
+    let f32_carry = |dtype, in_gemm, v| BackwardBlocks::new(&auto, n, v, d, dtype, in_gemm).de;
+    assert_eq!(f32_carry(DType::BF16, false, v), DeAccumulation::RowBlocks);
+    assert_eq!(f32_carry(DType::F16, true, v), DeAccumulation::RowBlocks);
+    let smollm = BackwardBlocks::new(&auto, n, 49_152, 576, DType::BF16, true);
+    assert_eq!(smollm.de, DeAccumulation::RowBlocks);
 }
 
 /// The CPU reference path (Flex) runs the same checks without a GPU runtime.

@@ -11,7 +11,7 @@
 use burn::backend::Dispatch;
 use burn::tensor::{DType, Device, Distribution, Int, Tensor, TensorData};
 use burn_cce::{
-    CceKernels, CceOptions, FilterEps, GemmKernel, GemmStrategy, LceParams, PassKernels,
+    CceKernels, CceOptions, DeCarry, FilterEps, GemmKernel, GemmStrategy, LceParams, PassKernels,
     diagnostics, linear_cross_entropy, reference,
 };
 use rand::{Rng, SeedableRng, rngs::StdRng, seq::SliceRandom};
@@ -98,6 +98,23 @@ fn variants(
             "cce (paper's grad filter)",
             CceOptions {
                 filter_eps: FilterEps::Paper,
+                ..d
+            },
+        ),
+        // dE carried in f32 (the default before the compensated carry: at Gemma-2's shape a
+        // second pass over row blocks), without and with the paper's filter.
+        (
+            "cce (f32 dE carry)",
+            CceOptions {
+                de_carry: DeCarry::F32,
+                ..d
+            },
+        ),
+        (
+            "cce (paper's grad filter, f32 dE carry)",
+            CceOptions {
+                filter_eps: FilterEps::Paper,
+                de_carry: DeCarry::F32,
                 ..d
             },
         ),

@@ -2,8 +2,8 @@
 
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use burn_cce::{
-    CceOptions, FilterEps, GemmKernel, GemmStrategy, PassKernels, Reduction, linear_cross_entropy,
-    reference,
+    CceOptions, DeCarry, FilterEps, GemmKernel, GemmStrategy, PassKernels, Reduction,
+    linear_cross_entropy, reference,
 };
 use burn_kernels_testing::{Dist, compare::to_f32, is_wgpu, poison_memory, random_values};
 
@@ -26,6 +26,8 @@ pub(super) struct Case {
     pub(super) filter: FilterEps,
     pub(super) sort: bool,
     pub(super) accum: bool,
+    /// How dE is carried between chunks (`accum`).
+    pub(super) carry: DeCarry,
     /// Vocabulary entries per chunk the case asks for (via `chunk_bytes`); `None`: automatic.
     pub(super) chunk: Option<usize>,
     /// Most cases use the fixed GEMM: autotuning compiles ~30 candidate kernels per new shape
@@ -49,6 +51,7 @@ impl Case {
             filter: FilterEps::Auto,
             sort: true,
             accum: true,
+            carry: DeCarry::Auto,
             chunk: Some(96),
             gemm: GemmStrategy::Fixed,
             passes: PassKernels::Chunked,
@@ -73,6 +76,7 @@ impl Case {
             chunk_bytes: self.chunk.map(|chunk| self.tokens() * 4 * chunk),
             pass_chunk_bytes: None,
             de_block_rows: None,
+            de_carry: self.carry,
             gemm: self.gemm,
             tf32: true,
             passes: self.passes,

@@ -1,19 +1,21 @@
 //! The forward's, the scoring pass's and the backward's work inside core's Hopper GEMM (CUDA,
 //! sm90 — the machines the CUDA tests run on): the log-sum-exp, the filtered and the exact
-//! backward (`G` written from the tile, dE's products added into f32 blocks) against the
-//! reference, with the epilogues' launches counted, so that a fallback to stored logits fails.
+//! backward (`G` written from the tile, dE's products added into f32 blocks or carried
+//! compensated) against the reference, with the epilogues' launches counted, so that a fallback
+//! to stored logits fails.
 
-use burn::tensor::{DType, Device};
+use burn::tensor::{DType, Device, Tensor, TensorData};
 use burn_cce::diagnostics::{DeAccumulation, last_backward_plan};
 use burn_cce::{
-    HOPPER_ADD_LAUNCHES, HOPPER_GRAD_LAUNCHES, HOPPER_LSE_LAUNCHES, HOPPER_SCORE_LAUNCHES,
-    REDUCTION_CHUNK,
+    DeCarry, HOPPER_ADD_LAUNCHES, HOPPER_COMPENSATED_LAUNCHES, HOPPER_GRAD_LAUNCHES,
+    HOPPER_LSE_LAUNCHES, HOPPER_SCORE_LAUNCHES, LceParams, REDUCTION_CHUNK,
 };
 use burn_kernels_core::route::stream_launches;
-use burn_kernels_testing::is_cuda;
+use burn_kernels_testing::{Dist, is_cuda, random_values};
 
 use super::case::*;
 use super::op_checks::{check_backward, check_blocked, check_forward};
+use super::ops::{backward_op, eps_in_gap, host, host_scores, op_inputs, params};
 
 pub(super) fn hopper_reductions_match_reference(device: &Device) {
     if !is_cuda(device) {
@@ -88,8 +90,78 @@ pub(super) fn hopper_reductions_match_reference(device: &Device) {
                 stream_launches(HOPPER_ADD_LAUNCHES) > adds,
                 "{name}: dE products added by the GEMM"
             );
+            // The same plans with dE carried compensated in the vocabulary pass.
+            check_compensated(case, dtype, device);
         }
     }
+}
+
+/// dE carried compensated ([`DeCarry::Compensated`]: bf16 dE and i8 corrections updated by the
+/// GEMM per chunk, here 32 chunks of 32 entries) against the reference, with one compensated
+/// store per chunk counted; and against the f32 carry on the same plan: the two are roundings
+/// to bf16 of sums within ~2⁻¹² of each other, so no value may differ by more than one bf16
+/// step (`2⁻⁷` of its size), which carrying dE in bf16 alone (about `√32 / 2` steps off on
+/// the exact plan) fails. f16 is
+/// carried in f32 (its exponent range is too narrow for the corrections).
+fn check_compensated(case: &Case, dtype: DType, device: &Device) {
+    let compensated = Case {
+        carry: DeCarry::Compensated,
+        ..case.clone()
+    };
+    let name = format!("{compensated:?} {dtype:?}");
+    let before = stream_launches(HOPPER_COMPENSATED_LAUNCHES);
+    let filtered = case.filter != burn_cce::FilterEps::Off;
+    check_backward(&compensated, filtered, dtype, device);
+    let plan = last_backward_plan().expect("a plan was recorded");
+    let blocks = plan.blocks.expect("the plan's blocks");
+    let launched = stream_launches(HOPPER_COMPENSATED_LAUNCHES) - before;
+    if dtype != DType::BF16 {
+        assert_ne!(blocks.de, DeAccumulation::Compensated, "{name}");
+        assert_eq!(launched, 0, "{name}");
+        return;
+    }
+    assert_eq!(blocks.de, DeAccumulation::Compensated, "{name}");
+    assert_eq!(plan.de_row_blocks, 0, "{name}: no second pass");
+    assert_eq!(
+        launched, plan.chunks as u64,
+        "{name}: one compensated store per chunk"
+    );
+    assert!(plan.chunks > 1, "{name}: chunks to carry dE across");
+
+    let n = case.tokens();
+    let (scores, lse_ref) = host_scores(&op_inputs(case, dtype, device).1, case.softcap);
+    let eps = filtered.then(|| eps_in_gap(&scores));
+    let dout = random_values(n, Dist::Uniform { lo: 0.5, hi: 1.5 }, case.seed + 9);
+    let run = |carry: DeCarry| {
+        let (dev, _) = op_inputs(case, dtype, device);
+        let lse = Tensor::<1>::from_data(lse_ref.to_data(), (device, DType::F32));
+        let dout = Tensor::<1>::from_data(TensorData::new(dout.clone(), [n]), (device, DType::F32));
+        let p = LceParams {
+            de_carry: carry,
+            ..params(case, eps)
+        };
+        let (de, dc, _) = backward_op(&dev, &lse, &dout, p);
+        (host(de), host(dc))
+    };
+    let (de_pair, dc_pair) = run(DeCarry::Compensated);
+    let (de_f32, dc_f32) = run(DeCarry::F32);
+    assert_eq!(dc_pair, dc_f32, "{name}: dC from the same chunk GEMMs");
+    // Values far below the typical size (sums that cancel) are measured against an eighth of
+    // the root mean square: their error is relative to the partial sums, not to themselves.
+    let rms = (de_f32.iter().map(|x| x * x).sum::<f32>() / de_f32.len() as f32).sqrt();
+    let worst = de_pair
+        .iter()
+        .zip(&de_f32)
+        .map(|(a, b)| (a - b).abs() / (a.abs().max(b.abs()).max(rms / 8.0) * 2f32.powi(-7)))
+        .fold(0f32, f32::max);
+    assert!(
+        worst <= 1.0,
+        "{name}: dE compensated vs f32 carry differs by {worst} bf16 steps"
+    );
+    assert!(
+        de_pair.iter().all(|x| x.is_finite()),
+        "{name}: every dE written"
+    );
 }
 
 /// Every `G` of the last backward came from the Hopper GEMM: at least one per plan chunk, and

@@ -26,7 +26,8 @@
 //! log-sum-exp and column filter scores of a linear cross-entropy's logits, for burn-cce's forward
 //! and scoring passes ([`hopper_row_lse`], [`hopper_column_scores`]), which then never store the
 //! logits; write the loss's logit gradient `G` instead of the logits, for its backward
-//! ([`hopper_grad`]); or add the tile into an f32 accumulator ([`hopper_gemm_add`]).
+//! ([`hopper_grad`]); or add the tile into an f32 accumulator ([`hopper_gemm_add`]) or a
+//! compensated 16-bit sum ([`hopper_gemm_add_compensated`]).
 //!
 //! Measured on an H200 (2026-11-29, `bench/results/2026-11-29/nvidia-h200-s38-wgmma-gemm.md`):
 //! 1.1–3.1× cubek's `SpecializedTma` and 0.34–0.70× cuBLAS at SmolLM2's training products. The
@@ -43,9 +44,11 @@ use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 use cubecl::wgmma::{Accumulator, Major, MatrixDescriptor, Swizzle, WARPGROUP_M, WgmmaTileLayout};
 
+mod add;
 mod epilogue;
 mod grad;
 mod plan;
+pub use add::{hopper_gemm_add, hopper_gemm_add_compensated};
 pub use epilogue::{Epilogue, LogitOptions, hopper_column_scores, hopper_row_lse};
 pub use grad::{GradInputs, hopper_grad};
 use plan::{Plan, plan, tensor_map};
@@ -145,7 +148,8 @@ fn load_stage<E: Float>(
 /// logits `C + bias[v0 + col]` (soft-capped by `softcap`), `lse` and `targets` (per row); `out`
 /// is not written. [`Epilogue::Grad`] (one split) writes the logits' gradient into `out`, from
 /// `lse`, `dout` and `targets` of token `token0 + row` and the vocabulary ids `ids[col]` (when
-/// gathered) or `v0 + col`.
+/// gathered) or `v0 + col`. [`Epilogue::AddCompensated`] (one split) adds into `out` and its
+/// corrections `fix` (`[m, n]`, rows `out_stride` apart).
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments, clippy::manual_div_ceil)]
 fn hopper_gemm_kernel<E: Float, O: Float, N2: Size, I: Numeric>(
@@ -158,6 +162,7 @@ fn hopper_gemm_kernel<E: Float, O: Float, N2: Size, I: Numeric>(
     targets: &Tensor<I>,
     ids: &Tensor<I>,
     reduced: &mut Tensor<f32>,
+    fix: &mut Tensor<i8>,
     m: u32,
     n: u32,
     out_stride: u32,
@@ -330,17 +335,27 @@ fn hopper_gemm_kernel<E: Float, O: Float, N2: Size, I: Numeric>(
                 let row = rows0 + r;
                 let col = col0 + col;
                 if row < m && col < n {
-                    let at = (base + row as usize * out_stride as usize + col as usize) / 2;
+                    let elem = base + row as usize * out_stride as usize + col as usize;
+                    let at = elem / 2;
                     let mut x0 = acc.get(2 * j);
                     let mut x1 = acc.get(2 * j + 1);
-                    if comptime![tile.epilogue == Epilogue::Add] {
-                        let old = out[at];
-                        x0 += f32::cast_from(old.extract(0usize));
-                        x1 += f32::cast_from(old.extract(1usize));
-                    }
                     let mut v = Vector::<O, N2>::empty();
-                    v.insert(0usize, O::cast_from(x0));
-                    v.insert(1usize, O::cast_from(x1));
+                    if comptime![tile.epilogue == Epilogue::AddCompensated] {
+                        let old = out[at];
+                        let y0 = epilogue::add_compensated::<O>(x0, old.extract(0usize), fix, elem);
+                        let y1 =
+                            epilogue::add_compensated::<O>(x1, old.extract(1usize), fix, elem + 1);
+                        v.insert(0usize, y0);
+                        v.insert(1usize, y1);
+                    } else {
+                        if comptime![tile.epilogue == Epilogue::Add] {
+                            let old = out[at];
+                            x0 += f32::cast_from(old.extract(0usize));
+                            x1 += f32::cast_from(old.extract(1usize));
+                        }
+                        v.insert(0usize, O::cast_from(x0));
+                        v.insert(1usize, O::cast_from(x1));
+                    }
                     out[at] = v;
                 }
             }
@@ -353,10 +368,16 @@ fn hopper_gemm_kernel<E: Float, O: Float, N2: Size, I: Numeric>(
                 if row < m && col < n {
                     let at = base + row as usize * out_stride as usize + col as usize;
                     let mut x = acc.get(nth);
-                    if comptime![tile.epilogue == Epilogue::Add] {
-                        x += f32::cast_from(out[at].extract(0usize));
+                    if comptime![tile.epilogue == Epilogue::AddCompensated] {
+                        let old = out[at].extract(0usize);
+                        out[at] =
+                            Vector::<O, N2>::new(epilogue::add_compensated::<O>(x, old, fix, at));
+                    } else {
+                        if comptime![tile.epilogue == Epilogue::Add] {
+                            x += f32::cast_from(out[at].extract(0usize));
+                        }
+                        out[at] = Vector::<O, N2>::new(O::cast_from(x));
                     }
-                    out[at] = Vector::<O, N2>::new(O::cast_from(x));
                 }
             }
         }
@@ -402,35 +423,6 @@ pub fn hopper_gemm(
     let plan = plan(&lhs.client, lhs, rhs)?;
     gemm_into(lhs, rhs, &plan, (out, out_dtype), false);
     Ok(())
-}
-
-/// Adds `lhs · rhs` (`[m, k] · [k, n]`) into `out` (contiguous `[m, n]` f32), summed in f32 in
-/// the kernel's registers: `out` takes the place of a product and its addition (an f32
-/// accumulator over chunks of K, as burn-cce's dE blocks). An error where [`unsupported`] says
-/// why not, where `out` is not contiguous f32 of that shape, and where the kernel (tile and
-/// dtype) failed to launch on this device (checked at its first launch in the process; `out`
-/// then holds no valid sum).
-pub fn hopper_gemm_add(lhs: &CubeTensor, rhs: &CubeTensor, out: &CubeTensor) -> Result<(), String> {
-    let plan = plan(&lhs.client, lhs, rhs)?;
-    let strides = out.meta.strides();
-    let contiguous = strides.len() == 2 && strides[0] == plan.n && strides[1] == 1;
-    if out.dtype != DType::F32 || out.meta.shape().dims::<2>() != [plan.m, plan.n] || !contiguous {
-        return Err(format!(
-            "an accumulator of {:?} {:?} for a [{}, {}] product (contiguous f32 only)",
-            out.dtype,
-            out.meta.shape(),
-            plan.m,
-            plan.n
-        ));
-    }
-    let tile = HopperTile {
-        epilogue: Epilogue::Add,
-        ..plan.tile
-    };
-    epilogue::verified((tile, lhs.dtype), out.clone(), || {
-        gemm_into(lhs, rhs, &plan, (out, DType::F32), true)
-    })
-    .map(|_| ())
 }
 
 /// [`hopper_gemm`] (`add`: [`hopper_gemm_add`]) of a planned problem, K split where the tiles
@@ -503,6 +495,8 @@ struct Reduction {
     ids: CubeTensor,
     /// Written by the epilogue.
     out: CubeTensor,
+    /// `[m, n]` i8, the corrections of [`Epilogue::AddCompensated`] (read and written).
+    fix: CubeTensor,
     v0: usize,
     /// The token of row 0 ([`Epilogue::Grad`]).
     row0: usize,
@@ -523,6 +517,7 @@ impl Reduction {
             targets: ids.clone(),
             ids,
             out: placeholder(like, DType::F32),
+            fix: placeholder(like, DType::I8),
             v0: 0,
             row0: 0,
             softcap: 1.0,
@@ -565,7 +560,7 @@ fn launch(
         // A reduction stores nothing (its `target` is a placeholder); `G`'s rows are padded to
         // an even stride.
         pairs: match epilogue {
-            Epilogue::Store | Epilogue::Add => plan.tile.pairs,
+            Epilogue::Store | Epilogue::Add | Epilogue::AddCompensated => plan.tile.pairs,
             Epilogue::Grad { .. } => true,
             Epilogue::RowLse { .. } | Epilogue::ColumnScore { .. } => false,
         },
@@ -611,6 +606,7 @@ fn launch(
             reduction.targets.into_tensor_arg(),
             reduction.ids.into_tensor_arg(),
             reduction.out.into_tensor_arg(),
+            reduction.fix.into_tensor_arg(),
             m as u32,
             n as u32,
             out_stride as u32,

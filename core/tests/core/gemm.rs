@@ -375,3 +375,110 @@ pub fn hopper_gemm_add_accumulates(device: &Device) {
         random_tensor::<2>([128, 72], Dist::STANDARD, 4, DType::F32, device).slice([0..128, 0..64]);
     assert!(gemm::hopper::hopper_gemm_add(&a, &b, &float(&strided, device)).is_err());
 }
+
+/// The value of a compensated pair: `hi + fix · |hi| · 2⁻¹⁵`.
+#[cfg(feature = "cuda")]
+fn decoded(hi: &[f32], fix: &[i8]) -> Vec<f64> {
+    hi.iter()
+        .zip(fix)
+        .map(|(&h, &q)| h as f64 + q as f64 * (h.abs() as f64 / 32768.0))
+        .collect()
+}
+
+/// The Hopper kernel's compensated adding store
+/// ([`gemm::hopper::hopper_gemm_add_compensated`]): a dozen products added into a 16-bit sum
+/// and its i8 corrections, both seeded (a valid pair, not zeros: a store that ignores either
+/// fails), against the f64 host sums, at tails in M, N and K, a transposed `b`, and a long K
+/// (never split). The pair's value must stay within `products · max|partial sum| · 2⁻¹⁶` of the
+/// exact sum (bf16: about 2⁻¹⁶ of the sum per addition), an eighth of what adding in bf16 alone
+/// would lose (`2⁻⁹` per addition); the 16-bit sum itself is that value rounded to its dtype.
+#[cfg(feature = "cuda")]
+pub fn hopper_gemm_add_compensated_keeps_the_bits(device: &Device) {
+    use burn::backend::ops::IntTensorOps;
+    use burn::tensor::{Shape, TensorData};
+    use burn_cubecl::CubeBackend;
+    use burn_kernels_testing::unfused::{float, read_float, read_int};
+    const PRODUCTS: u64 = 12;
+    let cases = [
+        ([131, 64, 72], false),
+        ([200, 584, 330], true),
+        ([64, 8192, 96], true),
+    ];
+    for (i, ([m, k, n], transposed)) in cases.into_iter().enumerate() {
+        let dtype = DType::BF16;
+        let seed = 950 + 32 * i as u64;
+        let name = format!("wgmma compensated add [{m}×{k}]·[{k}×{n}] transposed b {transposed}");
+        let hi0 = random_tensor::<1>([m * n], Dist::STANDARD, seed, dtype, device);
+        let fix0: Vec<i8> =
+            random_tensor::<1>([m * n], Dist::STANDARD, seed + 1, DType::F32, device)
+                .into_data()
+                .try_to_vec::<f32>()
+                .expect("f32")
+                .iter()
+                .map(|x| (x * 40.0).clamp(-127.0, 127.0) as i8)
+                .collect();
+        let mut want = decoded(&to_f32(hi0.to_data()), &fix0);
+        let sum = float(&hi0.reshape([m, n]), device);
+        let cube = burn_kernels_testing::unfused::cube_device(device);
+        let fix = CubeBackend::int_reshape(
+            CubeBackend::int_from_data(TensorData::new(fix0, [m * n]), &cube),
+            Shape::new([m, n]),
+        );
+        let mut largest = want.iter().fold(0f64, |a, w| a.max(w.abs()));
+        for p in 0..PRODUCTS {
+            let a = random_tensor::<2>([m, k], Dist::STANDARD, seed + 2 + 2 * p, dtype, device);
+            let b = operand(k, n, transposed, seed + 3 + 2 * p, dtype, device);
+            let prod = host_product(&to_f32(a.to_data()), &to_f32(b.to_data()), m, k, n);
+            want.iter_mut().zip(prod).for_each(|(w, x)| *w += x as f64);
+            largest = want.iter().fold(largest, |a, w| a.max(w.abs()));
+            gemm::hopper::hopper_gemm_add_compensated(
+                &float(&a, device),
+                &float(&b, device),
+                &sum,
+                &fix,
+            )
+            .unwrap_or_else(|why| panic!("{name}: {why}"));
+        }
+        let hi = to_f32(read_float(sum));
+        let fix = read_int(fix).try_to_vec::<i8>().expect("i8 corrections");
+        let got = decoded(&hi, &fix);
+        let pair_tol = PRODUCTS as f64 * largest / 65536.0;
+        for (j, ((g, w), h)) in got.iter().zip(&want).zip(&hi).enumerate() {
+            assert!(
+                (g - w).abs() <= pair_tol,
+                "{name}: value {j}: pair {g} vs exact {w} (tolerance {pair_tol})"
+            );
+            // bf16 keeps 8 significant bits: the sum is the pair rounded to them.
+            assert!(
+                (*h as f64 - w).abs() <= w.abs() / 256.0 + pair_tol,
+                "{name}: value {j}: sum {h} vs exact {w}"
+            );
+        }
+    }
+    // A sum of another dtype, or corrections of another shape, are refused, not written.
+    let a = float(
+        &random_tensor::<2>([128, 64], Dist::STANDARD, 1, DType::BF16, device),
+        device,
+    );
+    let b = float(
+        &random_tensor::<2>([64, 64], Dist::STANDARD, 2, DType::BF16, device),
+        device,
+    );
+    let cube = burn_kernels_testing::unfused::cube_device(device);
+    let fix = |len: usize| {
+        CubeBackend::int_reshape(
+            CubeBackend::int_from_data(TensorData::new(vec![0i8; 128 * len], [128 * len]), &cube),
+            Shape::new([128, len]),
+        )
+    };
+    let f32_sum = float(
+        &random_tensor::<1>([128 * 64], Dist::STANDARD, 3, DType::F32, device).reshape([128, 64]),
+        device,
+    );
+    assert!(gemm::hopper::hopper_gemm_add_compensated(&a, &b, &f32_sum, &fix(64)).is_err());
+    let sum = float(
+        &random_tensor::<1>([128 * 64], Dist::STANDARD, 3, DType::BF16, device).reshape([128, 64]),
+        device,
+    );
+    assert!(gemm::hopper::hopper_gemm_add_compensated(&a, &b, &sum, &fix(32)).is_err());
+}
