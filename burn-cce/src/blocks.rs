@@ -44,7 +44,9 @@ const MIN_COMPENSATED_CHUNK: usize = 1024;
 /// of `pass2_chunk` entries (the kept chunks regrouped, about `D` entries, for GEMMs that are
 /// neither narrow nor deep) with `rows` such that accumulator, `G`, classifier rows and (stored
 /// logits) the logits or product fit `S`. [`BackwardBlocks::working_bytes`] is the resulting
-/// peak beside dE and dC.
+/// peak beside dE and dC. With [`DeAccumulation::Compensated`] there is no second pass and no
+/// f32 block: the working set is dE's i8 corrections (`N·D` bytes) beside the vocabulary
+/// pass's, whose chunks are sized to fit both ([`BackwardBlocks::new`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BackwardBlocks {
     /// Vocabulary entries per chunk of the plan (see [`crate::LceParams::grad_chunk_len`]).

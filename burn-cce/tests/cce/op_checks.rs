@@ -4,7 +4,7 @@
 use burn::backend::Dispatch;
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use burn_cce::{
-    CceKernels, FilterEps, LceParams,
+    CceKernels, DeCarry, FilterEps, LceParams,
     diagnostics::{DeAccumulation, last_backward_plan},
     reference,
 };
@@ -267,32 +267,41 @@ pub(super) fn live_peak_brackets_the_working_set(device: &Device) {
             );
         }
 
-        let p = params(&case, Some(1e-4));
         let dout = Tensor::<1>::full([n], 1.0 / n as f32, (device, DType::F32));
         let lse = lse.expect("the forward ran");
-        // The outputs are kept until the device has synchronized (inside `track_live_peak`),
-        // so that the deferred op runs whatever the fusion stream does with dropped outputs.
-        let backward = || backward_op(&dev, &lse, &dout, p);
-        let mut _grads = Some(backward());
-        let live = burn_cce::track_live_peak(device, || _grads = Some(backward()))
-            .expect("the chunked backward reads the pool");
-        let peak = live.bytes as usize;
-        let blocks = last_backward_plan()
-            .and_then(|plan| plan.blocks)
-            .expect("the plan's blocks");
-        let grads = s * (n + v) * d;
-        let working = blocks.working_bytes(n, d, dtype, false);
-        println!(
-            "{name}: backward live peak {peak} B (after \"{}\") = dE + dC {grads} B + {} B \
-             (designed working set {working} B)",
-            live.step,
-            peak.saturating_sub(grads)
-        );
-        assert!(
-            (grads..grads + working + small).contains(&peak),
-            "backward {name}: live peak {peak} B, dE + dC {grads} B, working set {working} B \
-             ({blocks:?})"
-        );
+        // The automatic carry, and the compensated one (bf16 on the Hopper GEMM; elsewhere the
+        // f32 carry again), whose corrections are part of the working set.
+        for carry in [DeCarry::Auto, DeCarry::Compensated] {
+            let p = LceParams {
+                de_carry: carry,
+                ..params(&case, Some(1e-4))
+            };
+            // The outputs are kept until the device has synchronized (inside
+            // `track_live_peak`), so that the deferred op runs whatever the fusion stream does
+            // with dropped outputs.
+            let backward = || backward_op(&dev, &lse, &dout, p);
+            let mut _grads = Some(backward());
+            let live = burn_cce::track_live_peak(device, || _grads = Some(backward()))
+                .expect("the chunked backward reads the pool");
+            let peak = live.bytes as usize;
+            let blocks = last_backward_plan()
+                .and_then(|plan| plan.blocks)
+                .expect("the plan's blocks");
+            let grads = s * (n + v) * d;
+            let working = blocks.working_bytes(n, d, dtype, false);
+            println!(
+                "{name} {carry:?}: backward live peak {peak} B (after \"{}\") = dE + dC {grads} \
+                 B + {} B (designed working set {working} B, {:?})",
+                live.step,
+                peak.saturating_sub(grads),
+                blocks.de
+            );
+            assert!(
+                (grads..grads + working + small).contains(&peak),
+                "backward {name}: live peak {peak} B, dE + dC {grads} B, working set {working} \
+                 B ({blocks:?})"
+            );
+        }
     }
 }
 
