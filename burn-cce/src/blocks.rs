@@ -241,8 +241,19 @@ impl BackwardBlocks {
     /// tiles per product: one wave) instead of 4 of 2048 (144 tiles: two waves, the second of
     /// 12 tiles); second-pass chunks of 5184 entries (natural chunks, the exact default) or 3456
     /// (gathered), instead of 1728.
+    ///
+    /// With [`DeAccumulation::Compensated`], the vocabulary pass's chunk instead: of the
+    /// multiples of 64 from 1024 up to the memory's chunk, the one whose three GEMMs per chunk
+    /// (`G`: `[n, chunk]`; dC: `[chunk, d]` over K = `n`; the compensated product `[n, d]` over
+    /// K = `chunk`, its epilogue counted as 512 more of K) take the fewest waves per entry. At
+    /// Gemma-2's shape on 132 SMs: 1792 entries instead of 1856, so that dC's `[chunk, 2304]`
+    /// takes 126 tiles (one wave) rather than 135 (two), and `G` 256-column tiles (1856 takes
+    /// 64: the narrowest tile without padding).
     pub fn filled(self, n: usize, d: usize, dtype: DType, sms: usize) -> Self {
         use burn_kernels_core::gemm::hopper::{BM, tile_width};
+        if self.de == DeAccumulation::Compensated && sms > 0 && n > 0 {
+            return self.waved_chunk(n, d, sms);
+        }
         if self.de != DeAccumulation::RowBlocks || !self.in_gemm || sms == 0 || n == 0 {
             return self;
         }
@@ -270,6 +281,31 @@ impl BackwardBlocks {
             })
             .find(|b| b.working_bytes(n, d, dtype, false) <= envelope)
             .unwrap_or(rowed)
+    }
+
+    /// [`BackwardBlocks::filled`] of the compensated carry's chunk.
+    fn waved_chunk(self, n: usize, d: usize, sms: usize) -> Self {
+        use burn_kernels_core::gemm::hopper::{BM, tile_width};
+        const EPILOGUE_K: usize = 512;
+        let waves = |tiles: usize| tiles.div_ceil(sms);
+        let (row_tiles, bn_d) = (n.div_ceil(BM), tile_width(d));
+        let cost = |c: usize| {
+            let bn_g = tile_width(c);
+            let g = waves(row_tiles * c.div_ceil(bn_g)) * bn_g * d;
+            let dc = waves(c.div_ceil(BM) * d.div_ceil(bn_d)) * bn_d * n;
+            let add = waves(row_tiles * d.div_ceil(bn_d)) * bn_d * (c + EPILOGUE_K);
+            (g + dc + add) as f64 / c as f64
+        };
+        let chunk = (MIN_COMPENSATED_CHUNK..=self.chunk)
+            .step_by(64)
+            .chain([self.chunk])
+            .min_by(|&a, &b| cost(a).total_cmp(&cost(b)).then(b.cmp(&a)))
+            .unwrap_or(self.chunk);
+        Self {
+            chunk,
+            pass2_chunk: chunk,
+            ..self
+        }
     }
 
     /// The vocabulary pass's working set while a chunk's `G` is formed: `G`, the gathered

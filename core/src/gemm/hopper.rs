@@ -327,6 +327,21 @@ fn hopper_gemm_kernel<E: Float, O: Float, N2: Size, I: Numeric>(
                 tile.epilogue,
                 bn,
             );
+        } else if comptime![tile.epilogue == Epilogue::AddCompensated] {
+            let width = comptime![if tile.pairs { 2usize } else { 1usize }];
+            add::store_compensated::<O, N2>(
+                &acc,
+                unit,
+                rows0,
+                col0,
+                m,
+                n,
+                out_stride,
+                out,
+                fix,
+                width,
+                comptime![WARPGROUP_M * tile.bn / WG as usize],
+            );
         } else if comptime![tile.pairs] {
             // Two adjacent columns per store (`n` even, so a pair never straddles a row).
             #[unroll]
@@ -335,27 +350,17 @@ fn hopper_gemm_kernel<E: Float, O: Float, N2: Size, I: Numeric>(
                 let row = rows0 + r;
                 let col = col0 + col;
                 if row < m && col < n {
-                    let elem = base + row as usize * out_stride as usize + col as usize;
-                    let at = elem / 2;
+                    let at = (base + row as usize * out_stride as usize + col as usize) / 2;
                     let mut x0 = acc.get(2 * j);
                     let mut x1 = acc.get(2 * j + 1);
-                    let mut v = Vector::<O, N2>::empty();
-                    if comptime![tile.epilogue == Epilogue::AddCompensated] {
+                    if comptime![tile.epilogue == Epilogue::Add] {
                         let old = out[at];
-                        let y0 = epilogue::add_compensated::<O>(x0, old.extract(0usize), fix, elem);
-                        let y1 =
-                            epilogue::add_compensated::<O>(x1, old.extract(1usize), fix, elem + 1);
-                        v.insert(0usize, y0);
-                        v.insert(1usize, y1);
-                    } else {
-                        if comptime![tile.epilogue == Epilogue::Add] {
-                            let old = out[at];
-                            x0 += f32::cast_from(old.extract(0usize));
-                            x1 += f32::cast_from(old.extract(1usize));
-                        }
-                        v.insert(0usize, O::cast_from(x0));
-                        v.insert(1usize, O::cast_from(x1));
+                        x0 += f32::cast_from(old.extract(0usize));
+                        x1 += f32::cast_from(old.extract(1usize));
                     }
+                    let mut v = Vector::<O, N2>::empty();
+                    v.insert(0usize, O::cast_from(x0));
+                    v.insert(1usize, O::cast_from(x1));
                     out[at] = v;
                 }
             }
@@ -368,16 +373,10 @@ fn hopper_gemm_kernel<E: Float, O: Float, N2: Size, I: Numeric>(
                 if row < m && col < n {
                     let at = base + row as usize * out_stride as usize + col as usize;
                     let mut x = acc.get(nth);
-                    if comptime![tile.epilogue == Epilogue::AddCompensated] {
-                        let old = out[at].extract(0usize);
-                        out[at] =
-                            Vector::<O, N2>::new(epilogue::add_compensated::<O>(x, old, fix, at));
-                    } else {
-                        if comptime![tile.epilogue == Epilogue::Add] {
-                            x += f32::cast_from(out[at].extract(0usize));
-                        }
-                        out[at] = Vector::<O, N2>::new(O::cast_from(x));
+                    if comptime![tile.epilogue == Epilogue::Add] {
+                        x += f32::cast_from(out[at].extract(0usize));
                     }
+                    out[at] = Vector::<O, N2>::new(O::cast_from(x));
                 }
             }
         }

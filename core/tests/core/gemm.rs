@@ -332,12 +332,9 @@ pub fn hopper_gemm_add_accumulates(device: &Device) {
         for (i, ([m, k, n], transposed)) in cases.into_iter().enumerate() {
             let seed = 900 + 8 * i as u64;
             let name = format!("wgmma add {dtype:?} [{m}×{k}]·[{k}×{n}] transposed b {transposed}");
-            // Contiguous (a new 2-D CUDA allocation has its rows pitched, which the adding
-            // store refuses; the reshape of a 1-D one is a view).
-            let acc0 = random_tensor::<1>([m * n], Dist::STANDARD, seed, DType::F32, device)
-                .reshape([m, n]);
+            let acc0 = random_tensor::<1>([m * n], Dist::STANDARD, seed, DType::F32, device);
             let mut want = to_f32(acc0.to_data());
-            let acc = float(&acc0, device);
+            let acc = dense(&acc0, [m, n], device);
             for p in 0..2u64 {
                 let a = random_tensor::<2>([m, k], Dist::STANDARD, seed + 1 + 2 * p, dtype, device);
                 let b = operand(k, n, transposed, seed + 2 + 2 * p, dtype, device);
@@ -376,6 +373,22 @@ pub fn hopper_gemm_add_accumulates(device: &Device) {
     assert!(gemm::hopper::hopper_gemm_add(&a, &b, &float(&strided, device)).is_err());
 }
 
+/// `flat`'s values as an unfused `[rows, cols]` CubeCL tensor without row padding: a new 2-D
+/// CUDA allocation has its rows pitched (to 512 bytes), which the adding stores refuse; the
+/// reshape of a 1-D one is a view.
+#[cfg(feature = "cuda")]
+fn dense(
+    flat: &Tensor<1>,
+    [rows, cols]: [usize; 2],
+    device: &Device,
+) -> burn::backend::tensor::FloatTensor<burn_cubecl::CubeBackend> {
+    use burn::backend::ops::FloatTensorOps;
+    burn_cubecl::CubeBackend::float_reshape(
+        burn_kernels_testing::unfused::float(flat, device),
+        burn::tensor::Shape::new([rows, cols]),
+    )
+}
+
 /// The value of a compensated pair: `hi + fix · |hi| · 2⁻¹⁵`.
 #[cfg(feature = "cuda")]
 fn decoded(hi: &[f32], fix: &[i8]) -> Vec<f64> {
@@ -390,8 +403,9 @@ fn decoded(hi: &[f32], fix: &[i8]) -> Vec<f64> {
 /// and its i8 corrections, both seeded (a valid pair, not zeros: a store that ignores either
 /// fails), against the f64 host sums, at tails in M, N and K, a transposed `b`, and a long K
 /// (never split). The pair's value must stay within `products · max|partial sum| · 2⁻¹⁶` of the
-/// exact sum (bf16: about 2⁻¹⁶ of the sum per addition), an eighth of what adding in bf16 alone
-/// would lose (`2⁻⁹` per addition); the 16-bit sum itself is that value rounded to its dtype.
+/// exact sum (bf16: about 2⁻¹⁶ of the sum per addition), far below what adding in bf16 alone
+/// loses (`2⁻⁹` of the sum per addition); the 16-bit sum itself is that value rounded to its
+/// dtype.
 #[cfg(feature = "cuda")]
 pub fn hopper_gemm_add_compensated_keeps_the_bits(device: &Device) {
     use burn::backend::ops::IntTensorOps;
@@ -418,7 +432,7 @@ pub fn hopper_gemm_add_compensated_keeps_the_bits(device: &Device) {
                 .map(|x| (x * 40.0).clamp(-127.0, 127.0) as i8)
                 .collect();
         let mut want = decoded(&to_f32(hi0.to_data()), &fix0);
-        let sum = float(&hi0.reshape([m, n]), device);
+        let sum = dense(&hi0, [m, n], device);
         let cube = burn_kernels_testing::unfused::cube_device(device);
         let fix = CubeBackend::int_reshape(
             CubeBackend::int_from_data(TensorData::new(fix0, [m * n]), &cube),
@@ -471,14 +485,18 @@ pub fn hopper_gemm_add_compensated_keeps_the_bits(device: &Device) {
             Shape::new([128, len]),
         )
     };
-    let f32_sum = float(
-        &random_tensor::<1>([128 * 64], Dist::STANDARD, 3, DType::F32, device).reshape([128, 64]),
+    let f32_sum = dense(
+        &random_tensor::<1>([128 * 64], Dist::STANDARD, 3, DType::F32, device),
+        [128, 64],
         device,
     );
     assert!(gemm::hopper::hopper_gemm_add_compensated(&a, &b, &f32_sum, &fix(64)).is_err());
-    let sum = float(
-        &random_tensor::<1>([128 * 64], Dist::STANDARD, 3, DType::BF16, device).reshape([128, 64]),
+    let sum = dense(
+        &random_tensor::<1>([128 * 64], Dist::STANDARD, 3, DType::BF16, device),
+        [128, 64],
         device,
     );
     assert!(gemm::hopper::hopper_gemm_add_compensated(&a, &b, &sum, &fix(32)).is_err());
+    // The refusals are for the reasons above: these operands are accepted.
+    gemm::hopper::hopper_gemm_add_compensated(&a, &b, &sum, &fix(64)).expect("a valid pair");
 }

@@ -5,6 +5,8 @@
 
 use burn::tensor::DType;
 use burn_cubecl::tensor::CubeTensor;
+use cubecl::prelude::*;
+use cubecl::wgmma::Accumulator;
 
 use super::{Epilogue, HopperTile, Plan, Reduction, epilogue, gemm_into, launch, plan};
 
@@ -84,4 +86,108 @@ pub fn hopper_gemm_add_compensated(
         launch(lhs, rhs, &plan, (sum.clone(), sum.dtype), 1, reduction)
     })
     .map(|_| ())
+}
+
+/// The unit of a compensated sum's correction, relative to its value: `|hi| · 2⁻¹⁵`. A value
+/// rounded to bf16 is within `|hi| · 2⁻⁸` of the exact sum, so the correction fits an `i8`.
+const CORRECTION_UNIT: f64 = 1.0 / 32768.0;
+
+/// The value of a compensated pair plus `x`, in f32: `hi + (x + q · |hi| · 2⁻¹⁵)`.
+#[cube]
+fn compensated_value<O: Float>(x: f32, hi: O, q: i8) -> f32 {
+    let hi = f32::cast_from(hi);
+    hi + (x + f32::cast_from(q) * (f32::abs(hi) * f32::new(CORRECTION_UNIT)))
+}
+
+/// The correction of `sum` rounded to `hi`: `(sum − hi) / (|hi| · 2⁻¹⁵)`, rounded, within
+/// ±127; 0 where `hi` is zero, infinite or NaN.
+#[cube]
+fn correction<O: Float>(sum: f32, hi: O) -> i8 {
+    let hi = f32::cast_from(hi);
+    let unit = f32::abs(hi) * f32::new(CORRECTION_UNIT);
+    let mut q = f32::new(0.0);
+    if unit > 0.0 && !unit.is_inf() {
+        q = f32::clamp(f32::round((sum - hi) / unit), -127.0, 127.0);
+    }
+    if q.is_nan() {
+        q = f32::new(0.0);
+    }
+    i8::cast_from(q)
+}
+
+/// Stores (or corrections) loaded before any of them is written, per batch: a store may alias
+/// a later load, so the compiler keeps a load after every earlier store, and one batch's loads
+/// then overlap instead of each waiting for the last store.
+#[allow(clippy::manual_is_multiple_of)]
+const fn batch_of(stores: usize) -> usize {
+    if stores % 8 == 0 {
+        8
+    } else if stores % 4 == 0 {
+        4
+    } else if stores % 2 == 0 {
+        2
+    } else {
+        1
+    }
+}
+
+/// [`Epilogue::AddCompensated`] of one consumer warpgroup's tile (`rows0`, `col0`), `width`
+/// values (1 or 2 adjacent columns) per store of `out`: per value, the f32 sum of the tile's
+/// value and the pair (`out`, `fix`), rounded into `out` with its rounding error into `fix`
+/// (rows `stride` apart). A zero, infinite or NaN sum gets no correction.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn store_compensated<O: Float, N2: Size>(
+    acc: &Accumulator<f32>,
+    unit: u32,
+    rows0: u32,
+    col0: u32,
+    m: u32,
+    n: u32,
+    stride: u32,
+    out: &mut Tensor<Vector<O, N2>>,
+    fix: &mut Tensor<i8>,
+    #[comptime] width: usize,
+    #[comptime] values: usize,
+) {
+    let stores = comptime![values / width];
+    let batch = comptime![batch_of(stores)];
+    #[unroll]
+    for b in 0..comptime![stores / batch] {
+        let mut olds = Array::<Vector<O, N2>>::new(batch);
+        let mut qs = Array::<i8>::new(comptime![batch * width]);
+        #[unroll]
+        for t in 0..batch {
+            let (r, col) = acc.position_of_nth(unit, ((b * batch + t) * width) as u32);
+            let (row, col) = (rows0 + r, col0 + col);
+            if row < m && col < n {
+                let elem = row as usize * stride as usize + col as usize;
+                olds[t] = out[elem / width];
+                #[unroll]
+                for h in 0..width {
+                    qs[t * width + h] = fix[elem + h];
+                }
+            }
+        }
+        #[unroll]
+        for t in 0..batch {
+            let nth = (b * batch + t) * width;
+            let (r, col) = acc.position_of_nth(unit, nth as u32);
+            let (row, col) = (rows0 + r, col0 + col);
+            if row < m && col < n {
+                let elem = row as usize * stride as usize + col as usize;
+                let old = olds[t];
+                let mut v = Vector::<O, N2>::empty();
+                #[unroll]
+                for h in 0..width {
+                    let sum =
+                        compensated_value::<O>(acc.get(nth + h), old.extract(h), qs[t * width + h]);
+                    let hi = O::cast_from(sum);
+                    v.insert(h, hi);
+                    fix[elem + h] = correction::<O>(sum, hi);
+                }
+                out[elem / width] = v;
+            }
+        }
+    }
 }

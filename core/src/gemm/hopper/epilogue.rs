@@ -200,7 +200,7 @@ pub enum Epilogue {
     /// Adds the tile to the output's values (in f32, rounded to the output's dtype).
     Add,
     /// Adds the tile to a compensated sum: the output's 16-bit values and an 8-bit correction
-    /// of each ([`super::hopper_gemm_add_compensated`], [`add_compensated`]).
+    /// of each ([`super::hopper_gemm_add_compensated`]).
     AddCompensated,
     /// Stores the logits' gradient `(exp(x − lse[t]) − [targets[t] = id]) · dout[t] · cap'(x)`
     /// of each value ([`super::hopper_grad`]), in the output's dtype.
@@ -270,37 +270,6 @@ impl Epilogue {
     pub fn is_score(&self) -> bool {
         matches!(self, Epilogue::ColumnScore { .. })
     }
-}
-
-/// The unit of a compensated sum's correction, relative to its value: `|hi| · 2⁻¹⁵`. A value
-/// rounded to bf16 is within `|hi| · 2⁻⁸` of the exact sum, so the correction fits an `i8`.
-const CORRECTION_UNIT: f64 = 1.0 / 32768.0;
-
-/// [`Epilogue::AddCompensated`] of one value: the sum `hi + fix[at] · |hi| · 2⁻¹⁵ + x` in f32,
-/// returned rounded to `O` (the new `hi`), its rounding error written to `fix[at]` in units
-/// of the new `hi`. With bf16 the pair carries about 16 significant bits between additions
-/// (each rounds at `|sum| · 2⁻¹⁶`), against bf16's 8. A zero, infinite or NaN `hi` gets no
-/// correction.
-#[cube]
-pub(super) fn add_compensated<O: Float>(x: f32, old: O, fix: &mut Tensor<i8>, at: usize) -> O {
-    let scale = f32::new(CORRECTION_UNIT);
-    let hi = f32::cast_from(old);
-    let sum = hi + (x + f32::cast_from(fix[at]) * (f32::abs(hi) * scale));
-    let rounded = O::cast_from(sum);
-    let unit = f32::abs(f32::cast_from(rounded)) * scale;
-    let mut q = f32::new(0.0);
-    if unit > 0.0 && !unit.is_inf() {
-        q = f32::clamp(
-            f32::round((sum - f32::cast_from(rounded)) / unit),
-            -127.0,
-            127.0,
-        );
-    }
-    if q.is_nan() {
-        q = f32::new(0.0);
-    }
-    fix[at] = i8::cast_from(q);
-    rounded
 }
 
 /// Below every finite logit; a row max that stays here had no column in range.
