@@ -96,15 +96,16 @@ impl BackwardBlocks {
     /// - SmolLM2 (V = 49152, D = 576): chunks of 256 entries (the 2²¹-logit floor); second pass
     ///   over 4 blocks of 2048 rows and chunks of 512 entries; working set 12 582 912 bytes,
     ///   19.0% of dE + dC (66 060 288 bytes): peak 78 643 200 bytes, 1.190×.
-    /// - Gemma-2 with `G` in the Hopper GEMM ([`BackwardBlocks::in_gemm`]): dE carried
-    ///   compensated ([`DeAccumulation::Compensated`]) in chunks of 1856 entries; working set
-    ///   57 835 520 bytes (18 874 368 of corrections, then `G` and the chunk's dC rows), 4.75%:
-    ///   peak 1.048×. With [`DeCarry::F32`]: chunks of 1728 entries, a second pass over 4
-    ///   blocks of 2048 rows and chunks of 1728 entries (before [`BackwardBlocks::filled`]);
-    ///   working set 36 274 176 bytes, 2.98%: peak 1.030×.
+    /// - Gemma-2 with `G` in the Hopper GEMM ([`BackwardBlocks::in_gemm`]), the default f32
+    ///   carry: chunks of 1728 entries, a second pass over 4 blocks of 2048 rows and chunks of
+    ///   1728 entries (before [`BackwardBlocks::filled`]); working set 36 274 176 bytes, 2.98%:
+    ///   peak 1.030×. With [`DeCarry::Compensated`]: dE carried in the vocabulary pass
+    ///   ([`DeAccumulation::Compensated`]) in chunks of 1856 entries; working set 57 835 520
+    ///   bytes (18 874 368 of corrections, then `G` and the chunk's dC rows), 4.75%: peak 1.048×.
     ///
-    /// The compensated carry ([`DeCarry`]) takes the largest chunk, a multiple of 32, whose
-    /// working set with the corrections is 4.8% of `dE + dC` (or the chunk of `chunk_bytes`).
+    /// The compensated carry ([`DeCarry::Compensated`], opt-in) takes the largest chunk, a
+    /// multiple of 32, whose working set with the corrections is 4.8% of `dE + dC` (or the
+    /// chunk of `chunk_bytes`). [`DeCarry::Auto`] is the f32 carry (see its docs for why).
     pub fn new(
         params: &LceParams,
         n: usize,
@@ -126,12 +127,6 @@ impl BackwardBlocks {
         match params.de_carry {
             _ if !usable || params.de_block_rows.is_some() => f32_blocks,
             DeCarry::Compensated => compensated,
-            DeCarry::Auto
-                if f32_blocks.de == DeAccumulation::RowBlocks
-                    && chunk >= MIN_COMPENSATED_CHUNK.min(vocab) =>
-            {
-                compensated
-            }
             DeCarry::Auto | DeCarry::F32 => f32_blocks,
         }
     }

@@ -13,9 +13,9 @@
 //! processed chunk then recomputes its logits, forms `G` ([`crate::kernels::grad`]) and writes
 //! `Gᵀ·E` into its dC rows. dE is accumulated in place ([`DeAccumulation`]): in the same pass
 //! when it is accumulated in its own dtype or the f32 accumulator is small; where the Hopper
-//! GEMM runs the chunks (bf16), carried compensated in the same pass (dE plus an i8 correction
-//! per value, [`crate::DeCarry::Compensated`]); otherwise in a second pass over blocks of
-//! rows, each block's f32 accumulator summed over the kept chunks and rounded into dE once
+//! GEMM runs the chunks (bf16) and it is asked for, carried compensated in the same pass (dE
+//! plus an i8 correction per value, [`crate::DeCarry::Compensated`]); otherwise in a second
+//! pass over blocks of rows, each block's f32 accumulator summed over the kept chunks and rounded into dE once
 //! (the same f32 accumulation as one `N × D` accumulator).
 //!
 //! # Memory
@@ -27,8 +27,8 @@
 //! | shape | dE + dC | before (single pass, f32 dE + its product) | now |
 //! |---|---:|---:|---:|
 //! | Gemma-2, V = 256000, D = 2304 | 1 217 396 736 B | 1 352 138 752 B (1.111×) | 1 250 426 880 B (1.027×) |
-//! | Gemma-2, `G` in the Hopper GEMM, f32 carry | 1 217 396 736 B | | 1 253 670 912 B (1.030×) |
-//! | Gemma-2, `G` in the Hopper GEMM, compensated carry | 1 217 396 736 B | | 1 275 232 256 B (1.048×) |
+//! | Gemma-2, `G` in the Hopper GEMM, f32 carry (default) | 1 217 396 736 B | | 1 253 670 912 B (1.030×) |
+//! | Gemma-2, `G` in the Hopper GEMM, compensated carry (opt-in) | 1 217 396 736 B | | 1 275 232 256 B (1.048×) |
 //! | SmolLM2, V = 49152, D = 576 | 66 060 288 B | 127 008 768 B (1.923×) | 78 643 200 B (1.190×) |
 //!
 //! "Before" held an f32 dE accumulator (`4·N·D`), the f32 product `G·C_chunk` added into it
@@ -48,10 +48,11 @@
 //! `G` straight from that GEMM's tile (in the inputs' dtype), and dE's second pass adds each
 //! chunk's product into its f32 block inside the GEMM ([`BackwardBlocks::in_gemm`]): no f32
 //! logits and no f32 product are stored, so the chunks are 2.6× wider at the same memory and
-//! the second pass's chunks 3× wider ([`BackwardBlocks::filled`]). With bf16 inputs the second
-//! pass goes: dE is carried compensated in the vocabulary pass, each chunk's product added by
-//! the GEMM's compensated store into dE and its corrections (4 full-vocabulary products in all
-//! instead of 5). Elsewhere each chunk's f32
+//! the second pass's chunks 3× wider ([`BackwardBlocks::filled`]). With bf16 inputs and
+//! [`crate::DeCarry::Compensated`] the second pass goes: dE is carried compensated in the
+//! vocabulary pass, each chunk's product added by the GEMM's compensated store into dE and its
+//! corrections (4 full-vocabulary products in all instead of 5; not the default, see
+//! [`crate::DeCarry::Auto`]). Elsewhere each chunk's f32
 //! logits are stored and `G` formed from them by its own kernel. Filtering skips work at
 //! entry/chunk granularity.
 //!

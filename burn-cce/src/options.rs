@@ -112,10 +112,12 @@ pub enum PassKernels {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum DeCarry {
-    /// [`DeCarry::Compensated`] where it runs (bf16 inputs, chunk GEMMs on core's Hopper kernel),
-    /// dE would otherwise need [`DeCarry::F32`]'s second pass, and the corrections fit the
-    /// backward's memory beside chunks of at least 1024 entries
-    /// ([`crate::diagnostics::BackwardBlocks::new`]); [`DeCarry::F32`] otherwise.
+    /// [`DeCarry::F32`]: the carry measured faster. At Gemma-2's shape on an H100 (2026-12-06,
+    /// same run) loss + gradient took 93.0 ms with the f32 carry and 105.1 ms with
+    /// [`DeCarry::Compensated`], whose adding store was latency-bound (40.6 ms for the products
+    /// that the f32 carry's second pass adds in 21.3). The compensated store has since been
+    /// batched and its chunk fitted to whole waves, not yet measured on a GPU; `Auto` takes it
+    /// once it measures faster.
     #[default]
     Auto,
     /// In f32: one accumulator for all of dE where it is small, otherwise (at a large vocabulary)

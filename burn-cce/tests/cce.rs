@@ -97,26 +97,32 @@ fn working_set_at_bench_shapes() {
     );
 }
 
-/// The compensated carry's blocks ([`DeCarry::Auto`], the default): at Gemma-2's shape with `G`
-/// in the Hopper GEMM, dE carried in the vocabulary pass in chunks of 1856 entries (1536
-/// gathered, with the paper's filter), within 1.05× of dE + dC, narrowed to whole waves on an
-/// H100; elsewhere (stored logits,
-/// f16, SmolLM2's shape where the corrections would take 7% of dE + dC) the f32 carry.
+/// The compensated carry's blocks ([`DeCarry::Compensated`]): at Gemma-2's shape with `G` in the
+/// Hopper GEMM, dE carried in the vocabulary pass in chunks of 1856 entries (1536 gathered, with
+/// the paper's filter), within 1.05× of dE + dC, narrowed to whole waves on an H100; where it
+/// cannot run (stored logits, f16) the f32 carry. The default ([`DeCarry::Auto`]) is the f32
+/// carry: a second pass over row blocks at these shapes.
 #[test]
 fn compensated_carry_at_bench_shapes() {
     let n = 8192;
     let (v, d) = (256_000, 2304);
     let bound = 2 * (n + v) * d;
     let auto = CceOptions::default().params(DType::BF16);
+    let exact = CceOptions {
+        de_carry: DeCarry::Compensated,
+        ..CceOptions::default()
+    }
+    .params(DType::BF16);
     let paper = CceOptions {
         filter_eps: FilterEps::Paper,
+        de_carry: DeCarry::Compensated,
         ..CceOptions::default()
     }
     .params(DType::BF16);
     // (params, chunk, gathered, working bytes): corrections n·d = 18 874 368, then `G`
     // (2·n per entry), dC rows (2·d) and gathered classifier rows (2·d).
     let cases = [
-        (auto, 1856, false, 18_874_368 + 1856 * (2 * n + 2 * d)),
+        (exact, 1856, false, 18_874_368 + 1856 * (2 * n + 2 * d)),
         (paper, 1536, true, 18_874_368 + 1536 * (2 * n + 4 * d)),
     ];
     for (params, chunk, gathered, working) in cases {
@@ -137,11 +143,22 @@ fn compensated_carry_at_bench_shapes() {
             "{name}"
         );
     }
-    let f32_carry = |dtype, in_gemm, v| BackwardBlocks::new(&auto, n, v, d, dtype, in_gemm).de;
-    assert_eq!(f32_carry(DType::BF16, false, v), DeAccumulation::RowBlocks);
-    assert_eq!(f32_carry(DType::F16, true, v), DeAccumulation::RowBlocks);
-    let smollm = BackwardBlocks::new(&auto, n, 49_152, 576, DType::BF16, true);
-    assert_eq!(smollm.de, DeAccumulation::RowBlocks);
+    let carry = |params, dtype, in_gemm, v| BackwardBlocks::new(params, n, v, d, dtype, in_gemm).de;
+    assert_eq!(
+        carry(&exact, DType::BF16, false, v),
+        DeAccumulation::RowBlocks
+    );
+    assert_eq!(
+        carry(&exact, DType::F16, true, v),
+        DeAccumulation::RowBlocks
+    );
+    // The default carries in f32, in and out of the Hopper GEMM, at both bench shapes.
+    for (v, d) in [(v, d), (49_152, 576)] {
+        let auto_blocks = BackwardBlocks::new(&auto, n, v, d, DType::BF16, true);
+        assert_eq!(auto_blocks.de, DeAccumulation::RowBlocks, "V = {v}");
+    }
+    let smollm = BackwardBlocks::new(&exact, n, 49_152, 576, DType::BF16, true);
+    assert_eq!(smollm.de, DeAccumulation::Compensated);
 }
 
 /// The CPU reference path (Flex) runs the same checks without a GPU runtime.

@@ -101,20 +101,21 @@ fn variants(
                 ..d
             },
         ),
-        // dE carried in f32 (the default before the compensated carry: at Gemma-2's shape a
-        // second pass over row blocks), without and with the paper's filter.
+        // dE carried compensated in the vocabulary pass (opt-in; the default carries it in
+        // f32, at Gemma-2's shape in a second pass over row blocks), without and with the
+        // paper's filter.
         (
-            "cce (f32 dE carry)",
+            "cce (compensated dE carry)",
             CceOptions {
-                de_carry: DeCarry::F32,
+                de_carry: DeCarry::Compensated,
                 ..d
             },
         ),
         (
-            "cce (paper's grad filter, f32 dE carry)",
+            "cce (paper's grad filter, compensated dE carry)",
             CceOptions {
                 filter_eps: FilterEps::Paper,
-                de_carry: DeCarry::F32,
+                de_carry: DeCarry::Compensated,
                 ..d
             },
         ),

@@ -269,8 +269,8 @@ pub(super) fn live_peak_brackets_the_working_set(device: &Device) {
 
         let dout = Tensor::<1>::full([n], 1.0 / n as f32, (device, DType::F32));
         let lse = lse.expect("the forward ran");
-        // The automatic carry, and the compensated one (bf16 on the Hopper GEMM; elsewhere the
-        // f32 carry again), whose corrections are part of the working set.
+        // The automatic carry (f32), and the compensated one (bf16 on the Hopper GEMM;
+        // elsewhere the f32 carry again), whose corrections are part of the working set.
         for carry in [DeCarry::Auto, DeCarry::Compensated] {
             let p = LceParams {
                 de_carry: carry,

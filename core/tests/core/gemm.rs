@@ -323,13 +323,8 @@ pub fn hopper_gemm_matches_host(device: &Device) {
 #[cfg(feature = "cuda")]
 pub fn hopper_gemm_add_accumulates(device: &Device) {
     use burn_kernels_testing::unfused::{float, read_float};
-    let cases = [
-        ([131, 64, 72], false),
-        ([200, 584, 330], true),
-        ([64, 8192, 96], true),
-    ];
     for dtype in [DType::BF16, DType::F16] {
-        for (i, ([m, k, n], transposed)) in cases.into_iter().enumerate() {
+        for (i, ([m, k, n], transposed)) in ADD_CASES.into_iter().enumerate() {
             let seed = 900 + 8 * i as u64;
             let name = format!("wgmma add {dtype:?} [{m}×{k}]·[{k}×{n}] transposed b {transposed}");
             let acc0 = random_tensor::<1>([m * n], Dist::STANDARD, seed, DType::F32, device);
@@ -350,14 +345,7 @@ pub fn hopper_gemm_add_accumulates(device: &Device) {
         }
     }
     // An accumulator of another shape or dtype, or with pitched rows, is refused, not written.
-    let a = float(
-        &random_tensor::<2>([128, 64], Dist::STANDARD, 1, DType::BF16, device),
-        device,
-    );
-    let b = float(
-        &random_tensor::<2>([64, 64], Dist::STANDARD, 2, DType::BF16, device),
-        device,
-    );
+    let [a, b] = refusal_operands(device);
     let wrong = float(
         &random_tensor::<2>([128, 32], Dist::STANDARD, 3, DType::F32, device),
         device,
@@ -371,6 +359,30 @@ pub fn hopper_gemm_add_accumulates(device: &Device) {
     let strided =
         random_tensor::<2>([128, 72], Dist::STANDARD, 4, DType::F32, device).slice([0..128, 0..64]);
     assert!(gemm::hopper::hopper_gemm_add(&a, &b, &float(&strided, device)).is_err());
+}
+
+/// The adding GEMMs' problems `[m, k, n]` and whether `b` is transposed: tails in M, N and K, and
+/// a long K over one tile.
+#[cfg(feature = "cuda")]
+const ADD_CASES: [([usize; 3], bool); 3] = [
+    ([131, 64, 72], false),
+    ([200, 584, 330], true),
+    ([64, 8192, 96], true),
+];
+
+/// Valid bf16 operands `[128, 64]` and `[64, 64]` beside which the adding GEMMs' refused
+/// accumulators are tried.
+#[cfg(feature = "cuda")]
+fn refusal_operands(
+    device: &Device,
+) -> [burn::backend::tensor::FloatTensor<burn_cubecl::CubeBackend>; 2] {
+    use burn_kernels_testing::unfused::float;
+    [([128, 64], 1), ([64, 64], 2)].map(|(shape, seed)| {
+        float(
+            &random_tensor::<2>(shape, Dist::STANDARD, seed, DType::BF16, device),
+            device,
+        )
+    })
 }
 
 /// `flat`'s values as an unfused `[rows, cols]` CubeCL tensor without row padding: a new 2-D
@@ -413,12 +425,7 @@ pub fn hopper_gemm_add_compensated_keeps_the_bits(device: &Device) {
     use burn_cubecl::CubeBackend;
     use burn_kernels_testing::unfused::{float, read_float, read_int};
     const PRODUCTS: u64 = 12;
-    let cases = [
-        ([131, 64, 72], false),
-        ([200, 584, 330], true),
-        ([64, 8192, 96], true),
-    ];
-    for (i, ([m, k, n], transposed)) in cases.into_iter().enumerate() {
+    for (i, ([m, k, n], transposed)) in ADD_CASES.into_iter().enumerate() {
         let dtype = DType::BF16;
         let seed = 950 + 32 * i as u64;
         let name = format!("wgmma compensated add [{m}×{k}]·[{k}×{n}] transposed b {transposed}");
@@ -470,14 +477,7 @@ pub fn hopper_gemm_add_compensated_keeps_the_bits(device: &Device) {
         }
     }
     // A sum of another dtype, or corrections of another shape, are refused, not written.
-    let a = float(
-        &random_tensor::<2>([128, 64], Dist::STANDARD, 1, DType::BF16, device),
-        device,
-    );
-    let b = float(
-        &random_tensor::<2>([64, 64], Dist::STANDARD, 2, DType::BF16, device),
-        device,
-    );
+    let [a, b] = refusal_operands(device);
     let cube = burn_kernels_testing::unfused::cube_device(device);
     let fix = |len: usize| {
         CubeBackend::int_reshape(
