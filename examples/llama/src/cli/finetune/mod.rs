@@ -143,6 +143,12 @@ struct Cli {
     /// 8 × 2048 took 121 ms either way.
     #[arg(long, value_enum, default_value = "auto")]
     cce_passes: burn_cce::PassKernels,
+    /// How CCE's chunked passes carry bf16 dE from one vocabulary chunk to the next where one
+    /// f32 accumulator for all of dE does not fit the working block (large vocabularies):
+    /// auto (f32), f32 (a second pass over blocks of rows), or compensated (bf16 plus an 8-bit
+    /// correction per value, no second pass; bf16 on Hopper, else f32 with a log line).
+    #[arg(long, value_enum, default_value = "auto")]
+    cce_de_carry: burn_cce::DeCarry,
     /// Recompute activations in the backward instead of keeping them, for larger batches.
     #[arg(long, value_enum, default_value = "off")]
     checkpointing: CheckpointingArg,
@@ -340,6 +346,7 @@ fn run(cli: &Cli, devices: &[Device]) -> Result<(), String> {
                 None => burn_cce::CceOptions::for_training().chunk_bytes,
             },
             passes: cli.cce_passes,
+            de_carry: cli.cce_de_carry,
             ..burn_cce::CceOptions::for_training()
         }),
         LossArg::Plain => LossKind::Plain,
