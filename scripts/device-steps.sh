@@ -83,6 +83,11 @@
 #   bccegf   cce suite, Gemma-2 shape, loss + gradient: the exact default, and the paper's filter
 #            at automatic blocks, 256 MiB forward/scoring blocks, all blocks 256 MiB; Burn's plain
 #            loss and Apple's CCE
+#   bccegc   cce suite, Gemma-2 shape, loss + gradient, the few rows that decide DeCarry::Auto
+#            (~70 s): the default (f32 dE carry), the compensated carry, each with and without
+#            the paper's filter; Burn's plain loss and Apple's CCE
+#   tcomp    the compensated store's tests: core's adding Hopper GEMMs (bits of the pair) and
+#            cce_tests' Hopper reductions (the carry against the reference; ~2.5 min)
 #   bcces    cce suite, SmolLM2 and Gemma-2 shapes, every pass in 16, 32, 64, 128 and 256 MiB
 #            blocks: time against peak memory, to choose the automatic blocks
 #   tdp      llama_tests data_parallel (two GPUs follow one; needs a 2-GPU machine)
@@ -303,6 +308,12 @@ for s in "$@"; do
       --skip-impl sorting --skip-impl autotuned --skip-impl fused --skip-impl 'bf16 dE' \
       --skip-impl 'one f32' --skip-impl '(all blocks' --skip-impl '(pass block' --skip-impl liger \
       --skip-impl pytorch-plain --peers-dir "$peers" --out "$O/bccegf" ;;
+    bccegc) step bccegc run bench --suite cce --filter gemma --filter both --max-mem-gb 70 \
+      --skip-impl 'chunked passes' --skip-impl sorting --skip-impl autotuned --skip-impl fused \
+      --skip-impl 'bf16 dE' --skip-impl 'one f32' --skip-impl 'blocks' --skip-impl liger \
+      --skip-impl pytorch-plain --peers-dir "$peers" --out "$O/bccegc" ;;
+    tcomp) step tcomp run test core hopper_gemm_add --include-ignored
+      step tcomp-cce run test cce_tests hopper_reductions --include-ignored ;;
     bcces) step bcces run bench --suite cce --cce-chunk-bytes 16,32,64,128,256 \
       --peers-dir "$peers" --out "$O/bcces" ;;
     tdp) step tdp run test llama_tests data_parallel --include-ignored --nocapture ;;
