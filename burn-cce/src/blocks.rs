@@ -27,7 +27,8 @@ pub enum DeAccumulation {
 /// Share of the gradients' bytes (`dE + dC`) that the compensated carry's corrections and its
 /// chunk's working set may take: the goal is a peak within 1.05× of `dE + dC`.
 const COMPENSATED_SHARE: f64 = 0.048;
-/// Narrowest automatic chunk of the compensated carry: each chunk's product reads and writes
+/// Narrowest chunk that [`BackwardBlocks::filled`] narrows the compensated carry's chunk to
+/// (a chunk the memory makes narrower stays as it is): each chunk's product reads and writes
 /// dE and its corrections once (`6·N·D` bytes, 113 MB at Gemma-2's shape), so narrower chunks
 /// spend more of their time moving them than multiplying.
 const MIN_COMPENSATED_CHUNK: usize = 1024;
@@ -116,18 +117,16 @@ impl BackwardBlocks {
     ) -> Self {
         let f32_blocks = Self::f32_carry(params, n, vocab, d, dtype, in_gemm);
         let usable = in_gemm && dtype == DType::BF16 && params.accum_fp32;
+        if params.de_carry != DeCarry::Compensated || !usable || params.de_block_rows.is_some() {
+            return f32_blocks;
+        }
         let chunk = Self::compensated_chunk(params, n, vocab, d, dtype, f32_blocks.gathered);
-        let compensated = Self {
+        Self {
             chunk,
             de: DeAccumulation::Compensated,
             rows: n.max(1),
             pass2_chunk: chunk,
             ..f32_blocks
-        };
-        match params.de_carry {
-            _ if !usable || params.de_block_rows.is_some() => f32_blocks,
-            DeCarry::Compensated => compensated,
-            DeCarry::Auto | DeCarry::F32 => f32_blocks,
         }
     }
 

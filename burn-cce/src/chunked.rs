@@ -15,8 +15,8 @@
 //! when it is accumulated in its own dtype or the f32 accumulator is small; where the Hopper
 //! GEMM runs the chunks (bf16) and it is asked for, carried compensated in the same pass (dE
 //! plus an i8 correction per value, [`crate::DeCarry::Compensated`]); otherwise in a second
-//! pass over blocks of rows, each block's f32 accumulator summed over the kept chunks and rounded into dE once
-//! (the same f32 accumulation as one `N × D` accumulator).
+//! pass over blocks of rows, each block's f32 accumulator summed over the kept chunks and
+//! rounded into dE once (the same f32 accumulation as one `N × D` accumulator).
 //!
 //! # Memory
 //!

@@ -128,7 +128,10 @@ pub enum DeCarry {
     /// chunk's product is stored by the Hopper GEMM
     /// (`burn_kernels_core::gemm::hopper::hopper_gemm_add_compensated`): about 16 significant
     /// bits carried between chunks (bf16 alone keeps 8), no second pass. bf16 inputs on the
-    /// Hopper GEMM only; elsewhere [`DeCarry::F32`], with a log line.
+    /// Hopper GEMM only; elsewhere [`DeCarry::F32`], with a log line. The corrections take
+    /// their place in the working set, so where `N·D` is large beside `V·D` the chunks are
+    /// narrow (automatic blocks at SmolLM2's shape, 8192 tokens: 32 entries) and every chunk
+    /// rewrites all of dE: slow there.
     Compensated,
 }
 

@@ -134,7 +134,9 @@ const fn batch_of(stores: usize) -> usize {
 /// [`Epilogue::AddCompensated`] of one consumer warpgroup's tile (`rows0`, `col0`), `width`
 /// values (1 or 2 adjacent columns) per store of `out`: per value, the f32 sum of the tile's
 /// value and the pair (`out`, `fix`), rounded into `out` with its rounding error into `fix`
-/// (rows `stride` apart). A zero, infinite or NaN sum gets no correction.
+/// (rows `stride` apart). A zero, infinite or NaN sum gets no correction. One matrix: the
+/// offsets have no batch term, as [`hopper_gemm_add_compensated`] launches with no batch and
+/// K unsplit.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub(super) fn store_compensated<O: Float, N2: Size>(
