@@ -76,6 +76,7 @@
 #   pcceg    Gemma-2 CCE loss + gradient with the paper's filter, automatic blocks and all
 #            blocks of 256 MiB, under CubeCL's profiler: per-kernel totals (prof_sum)
 #   pccege   the exact default at the Gemma-2 shape under CubeCL's profiler: per-kernel totals
+#   pccegc   the same for the exact path with dE carried compensated (DeCarry::Compensated)
 #   h2d      host-to-device copy bandwidth, pinned and pageable (scripts/h2d-bandwidth.py)
 #   bcceg    cce suite, Gemma-2 shape, loss + gradient: the default, 64 and 256 MiB blocks with
 #            and without the paper's filter, Burn's plain loss (70 GB budget: it needs ~50) and
@@ -84,8 +85,9 @@
 #            at automatic blocks, 256 MiB forward/scoring blocks, all blocks 256 MiB; Burn's plain
 #            loss and Apple's CCE
 #   bccegc   cce suite, Gemma-2 shape, loss + gradient, the few rows that decide DeCarry::Auto
-#            (~70 s): the default (f32 dE carry), the compensated carry, each with and without
-#            the paper's filter; Burn's plain loss and Apple's CCE
+#            (~90 s): the default (f32 dE carry), the compensated carry, each with and without
+#            the paper's filter, dE summed in bf16; Burn's plain loss, Apple's CCE with its
+#            filter and without (exact)
 #   tcomp    the compensated store's tests: core's adding Hopper GEMMs (bits of the pair) and
 #            cce_tests' Hopper reductions (the carry against the reference; ~2.5 min)
 #   bcces    cce suite, SmolLM2 and Gemma-2 shapes, every pass in 16, 32, 64, 128 and 256 MiB
@@ -216,19 +218,34 @@ pcceg() {
     cp /tmp/cubecl-prof.log "$O/pcceg-$v-profile.log"
   done
 }
-# The exact default (no filter, automatic blocks) at the Gemma-2 shape under CubeCL's profiler,
-# with the backward's pass times (the bench prints them where it times phases).
-pccege() {
-  local only=(--skip-impl 'cce (' --skip-impl plain --skip-impl torch)
+# One set of rows at the Gemma-2 shape under CubeCL's profiler (a warm-up run first, so
+# autotune and compilation stay out of the profile): $1 names the output, $2 the profile's
+# heading, the rest are the bench's --skip-impl arguments that leave those rows.
+prof_gemma() {
+  local name=$1 heading=$2
+  shift 2
   run bench --suite cce --filter gemma --filter both --warmup-ms 0 --measure-ms 0 \
-    "${only[@]}" --out "$O/pccege-warm" | grep 'gemma.*ms'
+    "$@" --out "$O/$name-warm" | grep 'gemma.*ms'
   rm -f /tmp/cubecl-prof.log
   CUBECL_DEBUG_LOG=/tmp/cubecl-prof.log CUBECL_DEBUG_OPTION=profile \
     run bench --suite cce --filter gemma --filter both --warmup-ms 0 --measure-ms 0 \
-    "${only[@]}" --out "$O/pccege" | grep 'gemma.*ms'
-  echo "-- profile, exact default, automatic blocks"
+    "$@" --out "$O/$name" | grep 'gemma.*ms'
+  echo "-- profile, $heading"
   prof_sum /tmp/cubecl-prof.log
-  cp /tmp/cubecl-prof.log "$O/pccege-profile.log"
+  cp /tmp/cubecl-prof.log "$O/$name-profile.log"
+}
+# The exact default (no filter, automatic blocks) at the Gemma-2 shape under CubeCL's profiler,
+# with the backward's pass times (the bench prints them where it times phases).
+pccege() {
+  prof_gemma pccege "exact default, automatic blocks" \
+    --skip-impl 'cce (' --skip-impl plain --skip-impl torch
+}
+# The exact path with dE carried compensated (DeCarry::Compensated) under CubeCL's profiler.
+pccegc() {
+  prof_gemma pccegc "exact, compensated dE carry" --skip-impl 'cce$' --skip-impl 'grad filter' \
+    --skip-impl 'chunked passes' --skip-impl sorting --skip-impl autotuned --skip-impl fused \
+    --skip-impl 'bf16 dE' --skip-impl 'one f32' --skip-impl 'MiB' --skip-impl '(gemm' \
+    --skip-impl plain --skip-impl torch
 }
 # The shadowkv suite's budgets for this card: SKV_BUDGETS if set, else 120 / 100 GB on a
 # card of more than 100 GiB (H200), 72 / 90 GB on an H100 (the machines have 128 GiB of host
@@ -293,6 +310,7 @@ for s in "$@"; do
       step "$s" run bench --suite shadowkv --filter "ctx=${ctx%p}K" $(skv_budgets) --out "$O/$s" ;;
     pcceg) step pcceg pcceg ;;
     pccege) step pccege pccege ;;
+    pccegc) step pccegc pccegc ;;
     h2d) step h2d python3 "$(dirname "$0")/h2d-bandwidth.py" ;;
     skv2s8) BURN_KERNELS_SHADOWKV_CHUNK=4 BURN_KERNELS_SHADOWKV_CANDIDATES=8 \
       step skv2s8 run bench --suite shadowkv --filter "ctx=${SKV_CTX:-64}K" $(skv_budgets) \
@@ -310,7 +328,7 @@ for s in "$@"; do
       --skip-impl pytorch-plain --peers-dir "$peers" --out "$O/bccegf" ;;
     bccegc) step bccegc run bench --suite cce --filter gemma --filter both --max-mem-gb 70 \
       --skip-impl 'chunked passes' --skip-impl sorting --skip-impl autotuned --skip-impl fused \
-      --skip-impl 'bf16 dE' --skip-impl 'one f32' --skip-impl 'blocks' --skip-impl liger \
+      --skip-impl 'one f32' --skip-impl 'blocks' --skip-impl liger \
       --skip-impl pytorch-plain --peers-dir "$peers" --out "$O/bccegc" ;;
     tcomp) step tcomp run test core hopper_gemm_add --include-ignored
       step tcomp-cce run test cce_tests hopper_reductions --include-ignored ;;

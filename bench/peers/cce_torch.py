@@ -1,6 +1,9 @@
 """PyTorch peers for the `cce` bench suite, timed on the same GPU in the same run.
 
---impl cce    : the `cut-cross-entropy` package (25.1.1, Triton kernels), default options
+--impl cce    : the `cut-cross-entropy` package (25.1.1, Triton kernels), default options (its
+                gradient filter, filter_eps="high": eps(bf16) / 32)
+--impl cce-exact : the same package with filter_eps=None: no gradient filter, the exact
+                gradient (dE and dC summed in bf16 by its kernels), the peer of burn-cce's default
 --impl liger  : `liger-kernel` (0.8.5) LigerFusedLinearCrossEntropyLoss
 --impl torch  : plain PyTorch, logits = e @ c.T, cross_entropy on f32 logits
 
@@ -38,7 +41,7 @@ def inputs(torch, n, v, d):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--impl", required=True, choices=["cce", "liger", "torch"])
+    ap.add_argument("--impl", required=True, choices=["cce", "cce-exact", "liger", "torch"])
     ap.add_argument("--shape", required=True, choices=sorted(SHAPES))
     ap.add_argument("--mode", required=True, choices=["loss", "grad", "both"])
     ap.add_argument("--reps", type=int, default=10)
@@ -48,7 +51,7 @@ def main():
         import torch
         import torch.nn.functional as F
 
-        if args.impl == "cce":
+        if args.impl in ("cce", "cce-exact"):
             from cut_cross_entropy import linear_cross_entropy as cce_loss
         elif args.impl == "liger":
             from liger_kernel.transformers.fused_linear_cross_entropy import (
@@ -65,6 +68,9 @@ def main():
     if args.impl == "cce":
         def loss_fn():
             return cce_loss(e, c, targets)
+    elif args.impl == "cce-exact":
+        def loss_fn():
+            return cce_loss(e, c, targets, filter_eps=None)
     elif args.impl == "liger":
         lce = LigerFusedLinearCrossEntropyLoss()
 

@@ -505,6 +505,7 @@ impl Setup {
         let (shape, mode) = (self.shape, self.mode);
         [
             ("cce", "cut-cross-entropy (torch)"),
+            ("cce-exact", "cut-cross-entropy (torch, no filter)"),
             ("liger", "liger-kernel (torch)"),
             ("torch", "pytorch-plain"),
         ]
