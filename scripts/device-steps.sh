@@ -88,6 +88,9 @@
 #            (~90 s): the default (f32 dE carry), the compensated carry, each with and without
 #            the paper's filter, dE summed in bf16; Burn's plain loss, Apple's CCE with its
 #            filter and without (exact)
+#   tsw      sage's Hopper kernel (warpgroup MMA, TMA) against the reference (issue 32)
+#   bsw      sage suite at N = 8192 and 16384, D = 128, causal and not: the Hopper kernel's rows
+#            beside the mma.sync kernel, Burn's fused attention, PyTorch SDPA and sageattention
 #   tcomp    the compensated store's tests: core's adding Hopper GEMMs (bits of the pair) and
 #            cce_tests' Hopper reductions (the carry against the reference; ~2.5 min)
 #   bcces    cce suite, SmolLM2 and Gemma-2 shapes, every pass in 16, 32, 64, 128 and 256 MiB
@@ -326,6 +329,12 @@ for s in "$@"; do
       --skip-impl sorting --skip-impl autotuned --skip-impl fused --skip-impl 'bf16 dE' \
       --skip-impl 'one f32' --skip-impl '(all blocks' --skip-impl '(pass block' --skip-impl liger \
       --skip-impl pytorch-plain --peers-dir "$peers" --out "$O/bccegf" ;;
+    tsw) step tsw run test sage wgmma --include-ignored --nocapture ;;
+    bsw) for n in 8192 16384; do
+        step "bsw$n" run bench --suite sage --filter "N=$n D=128" --skip-impl reference \
+          --skip-impl int4 --skip-impl int8-fp8 --skip-impl cmma --peers-dir "$peers" \
+          --out "$O/bsw$n"
+      done ;;
     bccegc) step bccegc run bench --suite cce --filter gemma --filter both --max-mem-gb 70 \
       --skip-impl 'chunked passes' --skip-impl sorting --skip-impl autotuned --skip-impl fused \
       --skip-impl 'one f32' --skip-impl 'blocks' --skip-impl liger \

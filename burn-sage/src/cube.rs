@@ -141,6 +141,7 @@ mod cube_backend {
             KernelChoice::Unit => "sage_attention_unit",
             KernelChoice::Cmma => "sage_attention_cmma",
             KernelChoice::Mma => "sage_attention_mma",
+            KernelChoice::Wgmma => "sage_attention_wgmma",
         });
     }
 

@@ -41,7 +41,7 @@ use super::pv_grid::{RoundArgs, v_transposed};
 use super::{AttnArgs, MatrixLaunch, QuantizedInputs};
 use crate::{SagePlan, Unsupported};
 
-mod stages;
+pub(crate) mod stages;
 use stages::*;
 
 /// Keys per tile.

@@ -7,6 +7,8 @@
 //!   `P̃·V` as f16/bf16 cmma with f32 accumulation, scores staged in shared memory.
 //! - [`attn_mma`]: the same on register-resident tiles (manual `mma.sync`, FlashAttention-2
 //!   structure), for head dims 64 and 128.
+//! - [`attn_wgmma`]: the same on Hopper's warpgroup MMA with TMA loads (sm_90a, head dims 64
+//!   and 128), asked for by name until it is measured faster.
 //!
 //! [`sage_forward`] runs the kernels of the pipeline on `CubeBackend`; [`choose`] picks the register
 //! kernel where the runtime has manual i8 and f16/bf16 MMA and the head dim is 64 or 128, the
@@ -16,6 +18,7 @@
 pub mod attn_cmma;
 pub mod attn_mma;
 pub mod attn_unit;
+pub mod attn_wgmma;
 mod common;
 mod pv_grid;
 pub mod quantize;
@@ -264,6 +267,8 @@ pub enum KernelChoice {
     Cmma,
     /// The matrix-unit kernel with register-resident tiles (manual MMA).
     Mma,
+    /// The Hopper kernel: warpgroup MMA, tiles loaded by TMA (sm_90a; asked for by name).
+    Wgmma,
 }
 
 /// The kernel [`sage_forward`] would pick for `plan` on this client.
@@ -295,6 +300,8 @@ pub fn choose(client: &Client, plan: &SagePlan) -> Result<KernelChoice, Unsuppor
         Some(KernelChoice::Cmma) => {
             cmma_support(client, plan.dtype).and_then(|()| dim(cmma_dim, KernelChoice::Cmma))
         }
+        Some(KernelChoice::Wgmma) => attn_wgmma::support(client, plan.dtype, plan.head_dim)
+            .and_then(|()| dim(mma_dim, KernelChoice::Wgmma)),
         Some(KernelChoice::Unit) => unit(),
         None if mma_dim && attn_mma::support(client, plan.dtype).is_ok() => Ok(KernelChoice::Mma),
         None if cmma_dim && cmma_support(client, plan.dtype).is_ok() => Ok(KernelChoice::Cmma),
@@ -358,7 +365,7 @@ pub fn sage_forward(
         post,
     } = inputs;
     let int_dtype = match choice {
-        KernelChoice::Cmma | KernelChoice::Mma => DType::I8,
+        KernelChoice::Cmma | KernelChoice::Mma | KernelChoice::Wgmma => DType::I8,
         KernelChoice::Unit => {
             int_storage(&q.client).expect("the kernel choice checked the integer storage")
         }
@@ -388,6 +395,7 @@ pub fn sage_forward(
         KernelChoice::Unit => attn_unit::launch(x, args, plan),
         KernelChoice::Cmma => attn_cmma::launch(x, args, plan),
         KernelChoice::Mma => attn_mma::launch(x, args, plan),
+        KernelChoice::Wgmma => attn_wgmma::launch(x, args, plan),
     }
 }
 

@@ -84,6 +84,52 @@ pub(super) fn cmma_kernel_matches_reference(device: &Device) {
     check_cases(device, CASES, Some(KernelChoice::Cmma));
 }
 
+/// Problems for the Hopper kernel (head dims 64 and 128): the shared cases it takes, the long
+/// ones, and tile boundaries of its 128-query, 64-key tiles (exact tiles, one past, one short,
+/// kv_len != q_len, GQA).
+const WGMMA_CASES: &[(usize, usize, usize, usize, usize, usize, bool)] = &[
+    (1, 1, 1, 1, 1, 64, false),
+    (1, 2, 1, 1, 37, 64, true),
+    (2, 4, 2, 17, 17, 64, true),
+    (1, 3, 1, 17, 70, 128, true),
+    (1, 2, 2, 67, 131, 128, false),
+    (2, 2, 1, 129, 129, 128, true),
+    (1, 2, 1, 128, 128, 128, false),
+    (1, 2, 1, 127, 63, 64, false),
+    (1, 4, 2, 257, 320, 128, true),
+    (1, 4, 2, 1000, 1000, 64, true),
+    (1, 2, 2, 1000, 1000, 128, false),
+];
+
+/// The Hopper kernel (warpgroup MMA, TMA loads) asked for by name. Where the device has
+/// warpgroup MMA and TMA (CUDA on sm_90) it must run and match the reference on
+/// [`WGMMA_CASES`]; elsewhere (wgpu, CUDA before Hopper) the refusal is what is checked.
+pub(super) fn wgmma_kernel_matches_reference(device: &Device) {
+    let features = burn_kernels_testing::unfused::cube_device(device)
+        .client()
+        .properties()
+        .features
+        .clone();
+    let hopper = !features.matmul.wgmma.is_empty()
+        && features.tma.contains(cubecl::features::Tma::Base);
+    let opts = SageOptions {
+        kernel: Some(KernelChoice::Wgmma),
+        ..Default::default()
+    };
+    let (q, kv) = ([1, 2, 17, 64], [1, 2, 33, 64]);
+    let p = plan(&q, &kv, &kv, [DType::F16; 3], &opts).expect("valid");
+    let ran = sage_kernel(device, &p);
+    if !hopper {
+        assert!(
+            matches!(ran, Err(Unsupported::MatrixUnits(_))),
+            "no warpgroup MMA here, yet {ran:?}"
+        );
+        return;
+    }
+    assert_eq!(ran, Ok(KernelChoice::Wgmma), "a Hopper device refused the kernel");
+    check_cases(device, WGMMA_CASES, Some(KernelChoice::Wgmma));
+}
+
 /// A small plan that asks for the cmma kernel by name.
 pub(super) fn cmma_plan() -> SagePlan {
     let opts = SageOptions {
@@ -235,6 +281,7 @@ pub(super) fn check_cases(
                     (Ok(r), Some(k)) => assert_eq!(*r, k, "{k:?} asked for, {r:?} runs"),
                     (Ok(_), None) => {}
                     (Err(Unsupported::MatrixUnits(_)), Some(KernelChoice::Cmma)) => {}
+                    (Err(Unsupported::MatrixUnits(_)), Some(KernelChoice::Wgmma)) => {}
                     (Err(Unsupported::UnitKernelLength(n)), None) => assert!(*n > UNIT_MAX_KV),
                     (Err(why), _) => panic!("{kernel:?} asked for: no kernel runs: {why}"),
                 }

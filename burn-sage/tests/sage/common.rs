@@ -92,6 +92,7 @@ pub(super) fn kernel_op(kernel: KernelChoice) -> &'static str {
         KernelChoice::Unit => "sage_attention_unit",
         KernelChoice::Cmma => "sage_attention_cmma",
         KernelChoice::Mma => "sage_attention_mma",
+        KernelChoice::Wgmma => "sage_attention_wgmma",
     }
 }
 

@@ -356,9 +356,18 @@ pub fn hopper_gemm_add_accumulates(device: &Device) {
         device,
     );
     assert!(gemm::hopper::hopper_gemm_add(&a, &b, &half).is_err());
-    let strided =
-        random_tensor::<2>([128, 72], Dist::STANDARD, 4, DType::F32, device).slice([0..128, 0..64]);
-    assert!(gemm::hopper::hopper_gemm_add(&a, &b, &float(&strided, device)).is_err());
+    // A view of 64 of 72 columns: rows 72 apart (a `from_data` of a sliced tensor would copy it
+    // into a fresh allocation, which CUDA may or may not pitch).
+    let wide = random_tensor::<1>([128 * 72], Dist::STANDARD, 4, DType::F32, device);
+    let strided = {
+        use burn::backend::ops::FloatTensorOps;
+        burn_cubecl::CubeBackend::float_slice(
+            dense(&wide, [128, 72], device),
+            &[burn::tensor::Slice::from(0..128), burn::tensor::Slice::from(0..64)],
+        )
+    };
+    assert_eq!(strided.meta.strides()[0], 72, "the view keeps its parent's rows");
+    assert!(gemm::hopper::hopper_gemm_add(&a, &b, &strided).is_err());
 }
 
 /// The adding GEMMs' problems `[m, k, n]` and whether `b` is transposed: tails in M, N and K, and

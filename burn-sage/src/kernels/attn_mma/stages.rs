@@ -16,7 +16,7 @@ use super::BKV;
 /// scale times the softmax scale (0 past the end).
 #[cube]
 #[allow(clippy::too_many_arguments)]
-pub(super) fn lane_rows(
+pub(crate) fn lane_rows(
     qs: &Tensor<f32>,
     args: &AttnArgs,
     bh: usize,
@@ -382,7 +382,7 @@ pub(super) fn accumulate_pv<P: Float, N2: Size>(
 /// its pairs of its rows, divided by the row sum, times V's smoothing `post`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-pub(super) fn write_output<F: Float, N2: Size>(
+pub(crate) fn write_output<F: Float, N2: Size>(
     o: &Array<Vector<f32, N2>>,
     l: &mut Array<f32>,
     m: &Array<f32>,
@@ -431,7 +431,7 @@ pub(super) fn write_output<F: Float, N2: Size>(
 /// (rescaling where they move), and `P̃` as the A operand of `P̃·V`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-pub(super) fn online_softmax<P: Float, N2: Size>(
+pub(crate) fn online_softmax<P: Float, N2: Size>(
     s: &Array<Vector<i32, N2>>,
     sf: &mut Array<f32>,
     mx: &mut Array<f32>,
