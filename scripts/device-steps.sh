@@ -90,7 +90,8 @@
 #            filter and without (exact)
 #   tsw      sage's Hopper kernel (warpgroup MMA, TMA) against the reference (issue 32)
 #   bsw      sage suite at N = 8192 and 16384, D = 128, causal and not: the Hopper kernel's rows
-#            beside the mma.sync kernel, Burn's fused attention, PyTorch SDPA and sageattention
+#            beside the mma.sync kernel, Burn's fused attention, PyTorch SDPA and sageattention;
+#            then the Hopper rows alone with one warpgroup per cube
 #   tcomp    the compensated store's tests: core's adding Hopper GEMMs (bits of the pair) and
 #            cce_tests' Hopper reductions (the carry against the reference; ~2.5 min)
 #   bcces    cce suite, SmolLM2 and Gemma-2 shapes, every pass in 16, 32, 64, 128 and 256 MiB
@@ -329,11 +330,18 @@ for s in "$@"; do
       --skip-impl sorting --skip-impl autotuned --skip-impl fused --skip-impl 'bf16 dE' \
       --skip-impl 'one f32' --skip-impl '(all blocks' --skip-impl '(pass block' --skip-impl liger \
       --skip-impl pytorch-plain --peers-dir "$peers" --out "$O/bccegf" ;;
-    tsw) step tsw run test sage wgmma --include-ignored --nocapture ;;
+    tsw) step tsw run test sage wgmma --include-ignored --nocapture
+      BURN_SAGE_WGMMA_WARPGROUPS=1 step tsw1 run test sage wgmma --include-ignored --nocapture ;;
     bsw) for n in 8192 16384; do
         step "bsw$n" run bench --suite sage --filter "N=$n D=128" --skip-impl reference \
-          --skip-impl int4 --skip-impl int8-fp8 --skip-impl cmma --peers-dir "$peers" \
-          --out "$O/bsw$n"
+          --skip-impl int4 --skip-impl int8-fp8 --skip-impl cmma --min-reps 5 --warmup-ms 200 \
+          --measure-ms 500 --peers-dir "$peers" --out "$O/bsw$n"
+        # The Hopper kernel with one warpgroup per cube (two cubes an SM).
+        BURN_SAGE_WGMMA_WARPGROUPS=1 step "bsw$n-wg1" run bench --suite sage \
+          --filter "N=$n D=128" --skip-impl reference --skip-impl int4 --skip-impl fp8 \
+          --skip-impl cmma --skip-impl burn --skip-impl torch --skip-impl sageattention \
+          --skip-impl 'fp16$' \
+          --min-reps 5 --warmup-ms 200 --measure-ms 500 --peers-dir "$peers" --out "$O/bsw$n-wg1"
       done ;;
     bccegc) step bccegc run bench --suite cce --filter gemma --filter both --max-mem-gb 70 \
       --skip-impl 'chunked passes' --skip-impl sorting --skip-impl autotuned --skip-impl fused \

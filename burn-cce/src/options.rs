@@ -112,12 +112,11 @@ pub enum PassKernels {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum DeCarry {
-    /// [`DeCarry::F32`]: the carry measured faster. At Gemma-2's shape on an H100 (2026-12-06,
-    /// same run) loss + gradient took 93.0 ms with the f32 carry and 105.1 ms with
-    /// [`DeCarry::Compensated`], whose adding store was latency-bound (40.6 ms for the products
-    /// that the f32 carry's second pass adds in 21.3). The compensated store has since been
-    /// batched and its chunk fitted to whole waves, not yet measured on a GPU; `Auto` takes it
-    /// once it measures faster.
+    /// [`DeCarry::F32`]: as fast, in less memory. At Gemma-2's shape on an H100 (2026-12-06,
+    /// session 58, same run) loss + gradient took 92.9 ms with the f32 carry (peak 1.030× dE +
+    /// dC) and 93.1 ms with [`DeCarry::Compensated`] (1.048×): its adding products take 43 ms a
+    /// call (0.30 ms a chunk against 0.13 ms for the chunk's `G`, the same FLOPs), as much as
+    /// the f32 carry's whole second pass, because their store is latency-bound.
     #[default]
     Auto,
     /// In f32: one accumulator for all of dE where it is small, otherwise (at a large vocabulary)

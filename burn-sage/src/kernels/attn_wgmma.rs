@@ -1,8 +1,8 @@
 //! The attention kernel on Hopper's warpgroup MMA (`wgmma`), its tiles loaded by the tensor
 //! memory accelerator (TMA): the first step of issue 32's plan (`notes/hopper-plan.md`).
 //!
-//! One cube per `(batch·q_head, tile of` [`BQ`] `= 128 queries)`, two warpgroups of 128 units,
-//! each owning 64 query rows; tiles of [`BKV`] = 64 keys in a ring of [`STAGES`] stages:
+//! One cube per `(batch·q_head, tile of 64 queries per warpgroup)`, [`warpgroups`] (1 or 2)
+//! warpgroups of 128 units, each owning 64 query rows; tiles of [`BKV`] = 64 keys in a ring of [`STAGES`] stages:
 //!
 //! - Q (i8, `[128, d]`) is loaded once by TMA; K (i8, `[64, d]`) and `Vᵀ` (the PV dtype,
 //!   `[d, 64]`, keys contiguous, padded and rounded to the PV grid by `v_transposed`) by TMA into
@@ -42,8 +42,15 @@ use super::pv_grid::{RoundArgs, v_transposed};
 use super::{AttnArgs, MatrixLaunch, QuantizedInputs};
 use crate::{SagePlan, Unsupported};
 
-/// Query rows per cube: a 64-row warpgroup MMA for each of the two warpgroups.
-pub const BQ: usize = 2 * WARPGROUP_M;
+/// Warpgroups (of 64 query rows each) per cube: `BURN_SAGE_WGMMA_WARPGROUPS` (1 or 2) where set,
+/// else 2 (a K/`Vᵀ` tile feeds 128 rows). One warpgroup per cube lets two cubes share an SM, so
+/// one's softmax can overlap the other's MMAs: measured side by side to choose the default.
+pub fn warpgroups() -> usize {
+    match std::env::var("BURN_SAGE_WGMMA_WARPGROUPS").as_deref() {
+        Ok("1") => 1,
+        _ => 2,
+    }
+}
 /// Stages of the K/`Vᵀ` ring.
 pub const STAGES: usize = 2;
 /// Units of a warpgroup.
@@ -96,7 +103,11 @@ pub fn support(client: &Client, dtype: DType, dim: usize) -> Result<(), Unsuppor
             n,
             k,
         };
-        features.matmul.wgmma.iter().any(|c| c.matches(elems, shape))
+        features
+            .matmul
+            .wgmma
+            .iter()
+            .any(|c| c.matches(elems, shape))
     };
     if !has(
         ElemType::Int(IntKind::I8),
@@ -230,9 +241,11 @@ fn attn_wgmma_kernel<F: Float, P: Float, N2: Size>(
     #[comptime] has_ds: bool,
     #[comptime] write_lse: bool,
     #[comptime] native: bool,
+    #[comptime] wgs: usize,
     #[define(F, P)] _dtypes: [ElemType; 2],
 ) {
-    let q_tiles = (args.sq + BQ - 1) / BQ;
+    let bq = comptime!(wgs * WARPGROUP_M);
+    let q_tiles = (args.sq + bq - 1) / bq;
     let cube = (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize;
     // Spare cubes of a two-dimensional grid (see `grid`) have no tile.
     if cube >= (args.rows / args.sq) * q_tiles {
@@ -240,7 +253,7 @@ fn attn_wgmma_kernel<F: Float, P: Float, N2: Size>(
     }
     let bh = cube / q_tiles;
     // Longest tiles first: with a causal mask the last query tiles see the most keys.
-    let q0 = (q_tiles - 1 - cube % q_tiles) * BQ;
+    let q0 = (q_tiles - 1 - cube % q_tiles) * bq;
     let bhk = kv_head(&args, bh);
     let tid = UNIT_POS as usize;
     let (lane, plane) = (tid % 32, tid / 32);
@@ -249,7 +262,8 @@ fn attn_wgmma_kernel<F: Float, P: Float, N2: Size>(
     let offset = args.skv - args.sq;
 
     let (k_stage, v_stage) = comptime!((BKV * dim, dim * BKV));
-    let mut q_smem = Shared::<[i8]>::new_aligned_slice(comptime!(BQ * dim), 1024usize);
+    let mut q_smem =
+        Shared::<[i8]>::new_aligned_slice(comptime!(wgs * WARPGROUP_M * dim), 1024usize);
     let mut k_smem = Shared::<[i8]>::new_aligned_slice(comptime!(STAGES * BKV * dim), 1024usize);
     let mut v_smem = Shared::<[P]>::new_aligned_slice(comptime!(STAGES * dim * BKV), 1024usize);
     let mut ks_sm = Shared::<[f32]>::new_slice(BKV);
@@ -270,13 +284,13 @@ fn attn_wgmma_kernel<F: Float, P: Float, N2: Size>(
     sync_async_proxy_shared();
     sync_cube();
 
-    let kv_end = keys_end(&args, q0, BQ, causal);
+    let kv_end = keys_end(&args, q0, bq, causal);
     let tiles = (kv_end + BKV - 1) / BKV;
     let k_row0 = bhk * args.skv;
     let v_row = bhk * dim;
     if UNIT_POS == 0 {
         q_bar.tma_load_2d(q_map, &mut q_smem, (bh * args.sq + q0) as i32, 0i32);
-        q_bar.arrive_and_expect_tx(1u32, comptime!((BQ * dim) as u32));
+        q_bar.arrive_and_expect_tx(1u32, comptime!((wgs * WARPGROUP_M * dim) as u32));
         if tiles > 0 {
             load_kv::<P>(
                 k_map,
@@ -326,7 +340,7 @@ fn attn_wgmma_kernel<F: Float, P: Float, N2: Size>(
     let ds_row = (bh * args.mean_blocks + q0 / args.mean_block) * args.skv;
 
     q_bar.wait_parity(0u32);
-    let q_desc = MatrixDescriptor::new(&q_smem, comptime!(qk_layout(BQ, dim)));
+    let q_desc = MatrixDescriptor::new(&q_smem, comptime!(qk_layout(wgs * WARPGROUP_M, dim)));
     let rounds = (tiles + STAGES - 1) / STAGES;
     for round in 0..rounds {
         #[unroll]
@@ -363,7 +377,10 @@ fn attn_wgmma_kernel<F: Float, P: Float, N2: Size>(
                 let mut acc = Accumulator::<i32>::new(BKV).start();
                 #[unroll]
                 for step in 0..comptime!(dim / 32) {
-                    acc.execute(&q_desc.at(wg * 64, step * 32), &k_desc.at(0usize, step * 32));
+                    acc.execute(
+                        &q_desc.at(wg * 64, step * 32),
+                        &k_desc.at(0usize, step * 32),
+                    );
                 }
                 let acc = acc.wait();
                 score_pairs::<N2>(&acc, &mut s);
@@ -438,7 +455,9 @@ pub(crate) fn launch(
     let native = !ml.fp8;
     let i8 = ElemType::Int(IntKind::I8);
     let (qi, ki) = (into_contiguous(x.qi), into_contiguous(x.ki));
-    let q_map = tma_map(&qi, [b * hq * sq, d], [BQ, d], i8, qk_layout(BQ, d));
+    let wgs = warpgroups();
+    let bq = wgs * WARPGROUP_M;
+    let q_map = tma_map(&qi, [b * hq * sq, d], [bq, d], i8, qk_layout(bq, d));
     let k_map = tma_map(&ki, [b * hkv * skv, d], [BKV, d], i8, qk_layout(BKV, d));
     let v_map = tma_map(
         &vt,
@@ -451,10 +470,10 @@ pub(crate) fn launch(
         burn::backend::cubecl::dtype_to_storage_type(plan.dtype),
         burn::backend::cubecl::dtype_to_storage_type(ml.pv_dtype),
     ];
-    let cubes = b * hq * sq.div_ceil(BQ);
+    let cubes = b * hq * sq.div_ceil(bq);
     let mean_block = plan.q_mean_block();
     assert!(
-        mean_block.is_multiple_of(BQ) || mean_block >= sq,
+        mean_block.is_multiple_of(bq) || mean_block >= sq,
         "Q mean blocks of {mean_block} rows are not whole query tiles"
     );
     // SAFETY: TMA reads only inside the maps (zeros past their ends; rows of a neighbouring head
@@ -465,7 +484,7 @@ pub(crate) fn launch(
         attn_wgmma_kernel::launch_unchecked(
             &client,
             grid(&client, cubes),
-            CubeDim::new_1d((2 * WG) as u32),
+            CubeDim::new_1d((wgs * WG) as u32),
             2,
             q_map,
             k_map,
@@ -484,6 +503,7 @@ pub(crate) fn launch(
             ml.has_ds,
             ml.write_lse,
             native,
+            wgs,
             dtypes,
         );
     }

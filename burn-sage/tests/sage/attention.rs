@@ -110,8 +110,8 @@ pub(super) fn wgmma_kernel_matches_reference(device: &Device) {
         .properties()
         .features
         .clone();
-    let hopper = !features.matmul.wgmma.is_empty()
-        && features.tma.contains(cubecl::features::Tma::Base);
+    let hopper =
+        !features.matmul.wgmma.is_empty() && features.tma.contains(cubecl::features::Tma::Base);
     let opts = SageOptions {
         kernel: Some(KernelChoice::Wgmma),
         ..Default::default()
@@ -126,7 +126,11 @@ pub(super) fn wgmma_kernel_matches_reference(device: &Device) {
         );
         return;
     }
-    assert_eq!(ran, Ok(KernelChoice::Wgmma), "a Hopper device refused the kernel");
+    assert_eq!(
+        ran,
+        Ok(KernelChoice::Wgmma),
+        "a Hopper device refused the kernel"
+    );
     check_cases(device, WGMMA_CASES, Some(KernelChoice::Wgmma));
 }
 

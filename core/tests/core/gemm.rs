@@ -363,10 +363,17 @@ pub fn hopper_gemm_add_accumulates(device: &Device) {
         use burn::backend::ops::FloatTensorOps;
         burn_cubecl::CubeBackend::float_slice(
             dense(&wide, [128, 72], device),
-            &[burn::tensor::Slice::from(0..128), burn::tensor::Slice::from(0..64)],
+            &[
+                burn::tensor::Slice::from(0..128),
+                burn::tensor::Slice::from(0..64),
+            ],
         )
     };
-    assert_eq!(strided.meta.strides()[0], 72, "the view keeps its parent's rows");
+    assert_eq!(
+        strided.meta.strides()[0],
+        72,
+        "the view keeps its parent's rows"
+    );
     assert!(gemm::hopper::hopper_gemm_add(&a, &b, &strided).is_err());
 }
 
