@@ -181,8 +181,15 @@ fn hopper_gemm_kernel<E: Float, O: Float, N2: Size, I: Numeric>(
     let b_stage = comptime![tile.bn * BK];
     let mut a_smem = Shared::<[E]>::new_aligned_slice(comptime![STAGES * BM * BK], 1024usize);
     let mut b_smem = Shared::<[E]>::new_aligned_slice(comptime![STAGES * tile.bn * BK], 1024usize);
-    // The column scores' per-plane maxima (8 planes of consumers).
-    let score_len = comptime![if tile.epilogue.is_score() { 8 * bn } else { 1 }];
+    // The column scores' per-plane maxima (8 planes of consumers), or the wide compensated
+    // store's staging rows.
+    let score_len = comptime![if tile.epilogue.is_score() {
+        8 * bn
+    } else if tile.epilogue.is_wide_compensated() {
+        add::STAGE_LEN
+    } else {
+        1
+    }];
     let mut scores = Shared::<[f32]>::new_slice(score_len);
 
     let mut full = Sequence::<Shared<Barrier>>::new();
@@ -327,7 +334,22 @@ fn hopper_gemm_kernel<E: Float, O: Float, N2: Size, I: Numeric>(
                 tile.epilogue,
                 bn,
             );
-        } else if comptime![tile.epilogue == Epilogue::AddCompensated] {
+        } else if comptime![tile.epilogue.is_wide_compensated()] {
+            add::store_compensated_wide::<O, N2>(
+                &acc,
+                unit,
+                c as u32,
+                rows0,
+                col0,
+                m,
+                n,
+                out_stride,
+                out,
+                fix,
+                &mut scores,
+                bn,
+            );
+        } else if comptime![tile.epilogue.is_compensated()] {
             let width = comptime![if tile.pairs { 2usize } else { 1usize }];
             add::store_compensated::<O, N2>(
                 &acc,
@@ -559,7 +581,7 @@ fn launch(
         // A reduction stores nothing (its `target` is a placeholder); `G`'s rows are padded to
         // an even stride.
         pairs: match epilogue {
-            Epilogue::Store | Epilogue::Add | Epilogue::AddCompensated => plan.tile.pairs,
+            Epilogue::Store | Epilogue::Add | Epilogue::AddCompensated { .. } => plan.tile.pairs,
             Epilogue::Grad { .. } => true,
             Epilogue::RowLse { .. } | Epilogue::ColumnScore { .. } => false,
         },

@@ -73,12 +73,18 @@ pub fn hopper_gemm_add_compensated(
     if let Some(why) = why {
         return Err(why);
     }
+    // Eight values at a time where every row starts on a whole vector: 16 bytes of the sum,
+    // 8 of the corrections.
+    let offset = |t: &CubeTensor| t.handle.offset_start.unwrap_or(0);
+    let wide =
+        plan.n.is_multiple_of(8) && offset(sum).is_multiple_of(16) && offset(fix).is_multiple_of(8);
+    let epilogue = Epilogue::AddCompensated { wide };
     let tile = HopperTile {
-        epilogue: Epilogue::AddCompensated,
+        epilogue,
         ..plan.tile
     };
     let reduction = Reduction {
-        epilogue: Epilogue::AddCompensated,
+        epilogue,
         fix: fix.clone(),
         ..Reduction::none(lhs)
     };
@@ -131,7 +137,7 @@ const fn batch_of(stores: usize) -> usize {
     }
 }
 
-/// [`Epilogue::AddCompensated`] of one consumer warpgroup's tile (`rows0`, `col0`), `width`
+/// [`Epilogue::AddCompensated`] (not wide) of one consumer warpgroup's tile (`rows0`, `col0`), `width`
 /// values (1 or 2 adjacent columns) per store of `out`: per value, the f32 sum of the tile's
 /// value and the pair (`out`, `fix`), rounded into `out` with its rounding error into `fix`
 /// (rows `stride` apart). A zero, infinite or NaN sum gets no correction. One matrix: the
@@ -189,6 +195,139 @@ pub(super) fn store_compensated<O: Float, N2: Size>(
                     fix[elem + h] = correction::<O>(sum, hi);
                 }
                 out[elem / width] = v;
+            }
+        }
+    }
+}
+
+/// Columns of the tile staged per round of [`store_compensated_wide`].
+const SLICE: usize = 32;
+/// Row stride of a warp's staging rows (padded against bank conflicts).
+const STAGE_ROW: usize = SLICE + 4;
+/// Shared f32 values the wide store stages: 16 rows of [`STAGE_ROW`] for each of the 8
+/// consumer warps.
+pub(super) const STAGE_LEN: usize = 8 * 16 * STAGE_ROW;
+
+/// The sum and corrections of 8 adjacent values from `elem` (zeros where `valid` is false).
+#[cube]
+fn load_eight<O: Float, N8: Size>(
+    out8: &mut [Vector<O, N8>],
+    fix8: &mut [Vector<i8, N8>],
+    elem: usize,
+    valid: bool,
+) -> (Vector<O, N8>, Vector<i8, N8>) {
+    let mut v = Vector::<O, N8>::new(O::from_int(0));
+    let mut q = Vector::<i8, N8>::new(i8::new(0));
+    if valid {
+        v = out8[elem / 8];
+        q = fix8[elem / 8];
+    }
+    (v, q)
+}
+
+/// [`Epilogue::AddCompensated`] `{ wide: true }` of one consumer warpgroup's tile (`rows0`,
+/// `col0`; `n` and `stride` multiples of 8, the sum and corrections starting on whole vectors),
+/// one warp's 16 rows at a time through shared memory: per slice of [`SLICE`] columns the warp
+/// stages its accumulator values (a plane sync, no cube-wide one), then each lane reads 16
+/// adjacent values of one row and updates the pair with two 16-byte loads and stores of the sum
+/// and two 8-byte ones of the corrections: full sectors, 8 accesses a slice instead of 48. The
+/// next slice's sum and corrections are loaded before this slice's are written, so the loads'
+/// latency overlaps the staging and the arithmetic. Same values as [`store_compensated`].
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn store_compensated_wide<O: Float, N2: Size>(
+    acc: &Accumulator<f32>,
+    unit: u32,
+    consumer: u32,
+    rows0: u32,
+    col0: u32,
+    m: u32,
+    n: u32,
+    stride: u32,
+    out: &mut Tensor<Vector<O, N2>>,
+    fix: &mut Tensor<i8>,
+    stage: &mut Shared<[f32]>,
+    #[comptime] bn: usize,
+) {
+    let size!(N8) = 8usize;
+    let out8 = out.as_mut_slice().with_vector_size_mut::<N8>();
+    let fix8 = fix
+        .as_mut_slice()
+        .as_vectorized_mut()
+        .with_vector_size_mut::<N8>();
+    let (warp, lane) = ((unit / 32) as usize, (unit % 32) as usize);
+    let base = (consumer as usize * 4 + warp) * comptime![16 * STAGE_ROW];
+    // This lane's row of the warp's 16 and its 16 columns of each slice.
+    let (r, c0) = (lane / 2, (lane % 2) * 16);
+    let row = rows0 as usize + warp * 16 + r;
+    let row_ok = row < m as usize;
+    let row_elem = row * stride as usize;
+    let slices = comptime![bn / SLICE];
+
+    let mut cur_v = Array::<Vector<O, N8>>::new(2usize);
+    let mut cur_q = Array::<Vector<i8, N8>>::new(2usize);
+    let mut nxt_v = Array::<Vector<O, N8>>::new(2usize);
+    let mut nxt_q = Array::<Vector<i8, N8>>::new(2usize);
+    #[unroll]
+    for h in 0..2usize {
+        let col = col0 as usize + c0 + 8 * h;
+        let (v, q) = load_eight::<O, N8>(out8, fix8, row_elem + col, row_ok && col < n as usize);
+        cur_v[h] = v;
+        cur_q[h] = q;
+    }
+    #[unroll]
+    for j in 0..slices {
+        if comptime![j + 1 < slices] {
+            #[unroll]
+            for h in 0..2usize {
+                let col = col0 as usize + (j + 1) * SLICE + c0 + 8 * h;
+                let (v, q) =
+                    load_eight::<O, N8>(out8, fix8, row_elem + col, row_ok && col < n as usize);
+                nxt_v[h] = v;
+                nxt_q[h] = q;
+            }
+        }
+        // The warp's previous slice is read before this one is staged over it.
+        sync_plane();
+        #[unroll]
+        for nb in 0..comptime![SLICE / 8] {
+            #[unroll]
+            for v in 0..2usize {
+                #[unroll]
+                for e in 0..2usize {
+                    let nth = comptime![(j * (SLICE / 8) + nb) * 4 + v * 2 + e];
+                    let at = (lane / 4 + 8 * v) * STAGE_ROW + nb * 8 + 2 * (lane % 4) + e;
+                    stage[base + at] = acc.get(nth);
+                }
+            }
+        }
+        sync_plane();
+        #[unroll]
+        for h in 0..2usize {
+            let col = col0 as usize + j * SLICE + c0 + 8 * h;
+            if row_ok && col < n as usize {
+                let old = cur_v[h];
+                let qs = cur_q[h];
+                let mut hi_v = Vector::<O, N8>::empty();
+                let mut q_v = Vector::<i8, N8>::empty();
+                #[unroll]
+                for i in 0..8usize {
+                    let x = stage[base + r * STAGE_ROW + c0 + 8 * h + i];
+                    let sum = compensated_value::<O>(x, old.extract(i), qs.extract(i));
+                    let hi = O::cast_from(sum);
+                    hi_v.insert(i, hi);
+                    q_v.insert(i, correction::<O>(sum, hi));
+                }
+                let elem = row_elem + col;
+                out8[elem / 8] = hi_v;
+                fix8[elem / 8] = q_v;
+            }
+        }
+        if comptime![j + 1 < slices] {
+            #[unroll]
+            for h in 0..2usize {
+                cur_v[h] = nxt_v[h];
+                cur_q[h] = nxt_q[h];
             }
         }
     }

@@ -201,7 +201,11 @@ pub enum Epilogue {
     Add,
     /// Adds the tile to a compensated sum: the output's 16-bit values and an 8-bit correction
     /// of each ([`super::hopper_gemm_add_compensated`]).
-    AddCompensated,
+    AddCompensated {
+        /// Whether the pair is read and written eight values at a time through shared memory
+        /// (`n` a multiple of 8): see `add::store_compensated_wide`.
+        wide: bool,
+    },
     /// Stores the logits' gradient `(exp(x − lse[t]) − [targets[t] = id]) · dout[t] · cap'(x)`
     /// of each value ([`super::hopper_grad`]), in the output's dtype.
     Grad {
@@ -234,7 +238,7 @@ impl Epilogue {
     /// Whether a bias is read.
     pub fn bias(&self) -> bool {
         match self {
-            Epilogue::Store | Epilogue::Add | Epilogue::AddCompensated => false,
+            Epilogue::Store | Epilogue::Add | Epilogue::AddCompensated { .. } => false,
             Epilogue::RowLse { bias, .. }
             | Epilogue::ColumnScore { bias, .. }
             | Epilogue::Grad { bias, .. } => *bias,
@@ -244,7 +248,7 @@ impl Epilogue {
     /// Whether the logits are soft-capped.
     pub fn softcap(&self) -> bool {
         match self {
-            Epilogue::Store | Epilogue::Add | Epilogue::AddCompensated => false,
+            Epilogue::Store | Epilogue::Add | Epilogue::AddCompensated { .. } => false,
             Epilogue::RowLse { softcap, .. }
             | Epilogue::ColumnScore { softcap, .. }
             | Epilogue::Grad { softcap, .. } => *softcap,
@@ -253,7 +257,7 @@ impl Epilogue {
 
     /// Whether the tile is added to the output ([`Epilogue::Add`], [`Epilogue::AddCompensated`]).
     pub fn adds(&self) -> bool {
-        matches!(self, Epilogue::Add | Epilogue::AddCompensated)
+        matches!(self, Epilogue::Add | Epilogue::AddCompensated { .. })
     }
 
     /// Whether this is [`Epilogue::Grad`].
@@ -264,6 +268,16 @@ impl Epilogue {
     /// Whether column ids are read from `ids` ([`Epilogue::Grad`] of a gathered chunk).
     pub fn gathered(&self) -> bool {
         matches!(self, Epilogue::Grad { gathered: true, .. })
+    }
+
+    /// Whether this is [`Epilogue::AddCompensated`].
+    pub fn is_compensated(&self) -> bool {
+        matches!(self, Epilogue::AddCompensated { .. })
+    }
+
+    /// Whether this is [`Epilogue::AddCompensated`] staged through shared memory.
+    pub fn is_wide_compensated(&self) -> bool {
+        matches!(self, Epilogue::AddCompensated { wide: true })
     }
 
     /// Whether this is [`Epilogue::ColumnScore`] (it needs shared memory and a cube-wide sync).
