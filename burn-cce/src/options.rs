@@ -116,7 +116,8 @@ pub enum DeCarry {
     /// session 58, same run) loss + gradient took 92.9 ms with the f32 carry (peak 1.030× dE +
     /// dC) and 93.1 ms with [`DeCarry::Compensated`] (1.048×): its adding products take 43 ms a
     /// call (0.30 ms a chunk against 0.13 ms for the chunk's `G`, the same FLOPs), as much as
-    /// the f32 carry's whole second pass, because their store is latency-bound.
+    /// the f32 carry's whole second pass, because their store is latency-bound. A wider store
+    /// (16-byte accesses staged through shared memory) is written, not yet measured.
     #[default]
     Auto,
     /// In f32: one accumulator for all of dE where it is small, otherwise (at a large vocabulary)
