@@ -45,11 +45,15 @@ use crate::{SagePlan, Unsupported};
 /// Warpgroups (of 64 query rows each) per cube: `BURN_SAGE_WGMMA_WARPGROUPS` (1 or 2) where set,
 /// else 2 (a K/`Vᵀ` tile feeds 128 rows). One warpgroup per cube lets two cubes share an SM, so
 /// one's softmax can overlap the other's MMAs: measured side by side to choose the default.
+/// Read once per process (not on every launch).
 pub fn warpgroups() -> usize {
-    match std::env::var("BURN_SAGE_WGMMA_WARPGROUPS").as_deref() {
-        Ok("1") => 1,
-        _ => 2,
-    }
+    static WARPGROUPS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *WARPGROUPS.get_or_init(
+        || match std::env::var("BURN_SAGE_WGMMA_WARPGROUPS").as_deref() {
+            Ok("1") => 1,
+            _ => 2,
+        },
+    )
 }
 /// Stages of the K/`Vᵀ` ring.
 pub const STAGES: usize = 2;

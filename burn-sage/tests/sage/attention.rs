@@ -84,26 +84,30 @@ pub(super) fn cmma_kernel_matches_reference(device: &Device) {
     check_cases(device, CASES, Some(KernelChoice::Cmma));
 }
 
-/// Problems for the Hopper kernel (head dims 64 and 128): the shared cases it takes, the long
-/// ones, and tile boundaries of its 128-query, 64-key tiles (exact tiles, one past, one short,
-/// kv_len != q_len, GQA).
-const WGMMA_CASES: &[(usize, usize, usize, usize, usize, usize, bool)] = &[
-    (1, 1, 1, 1, 1, 64, false),
-    (1, 2, 1, 1, 37, 64, true),
-    (2, 4, 2, 17, 17, 64, true),
-    (1, 3, 1, 17, 70, 128, true),
-    (1, 2, 2, 67, 131, 128, false),
-    (2, 2, 1, 129, 129, 128, true),
+/// Tile boundaries of the Hopper kernel's 128-query, 64-key tiles that [`CASES`] and
+/// [`LONG_CASES`] miss: exact tiles, one short of a query tile with fewer keys than queries, and
+/// two query tiles plus one row over five key tiles with GQA.
+const WGMMA_TILE_CASES: &[(usize, usize, usize, usize, usize, usize, bool)] = &[
     (1, 2, 1, 128, 128, 128, false),
     (1, 2, 1, 127, 63, 64, false),
     (1, 4, 2, 257, 320, 128, true),
-    (1, 4, 2, 1000, 1000, 64, true),
-    (1, 2, 2, 1000, 1000, 128, false),
 ];
+
+/// The Hopper kernel's problems: the shared and long cases of head dims 64 and 128 (the ones it
+/// takes) below the portable kernel's length, and [`WGMMA_TILE_CASES`].
+fn wgmma_cases() -> Vec<(usize, usize, usize, usize, usize, usize, bool)> {
+    CASES
+        .iter()
+        .chain(LONG_CASES)
+        .filter(|c| matches!(c.5, 64 | 128) && c.4 < UNIT_MAX_KV)
+        .chain(WGMMA_TILE_CASES)
+        .copied()
+        .collect()
+}
 
 /// The Hopper kernel (warpgroup MMA, TMA loads) asked for by name. Where the device has
 /// warpgroup MMA and TMA (CUDA on sm_90) it must run and match the reference on
-/// [`WGMMA_CASES`]; elsewhere (wgpu, CUDA before Hopper) the refusal is what is checked.
+/// [`wgmma_cases`]; elsewhere (wgpu, CUDA before Hopper) the refusal is what is checked.
 pub(super) fn wgmma_kernel_matches_reference(device: &Device) {
     let features = burn_kernels_testing::unfused::cube_device(device)
         .client()
@@ -131,7 +135,7 @@ pub(super) fn wgmma_kernel_matches_reference(device: &Device) {
         Ok(KernelChoice::Wgmma),
         "a Hopper device refused the kernel"
     );
-    check_cases(device, WGMMA_CASES, Some(KernelChoice::Wgmma));
+    check_cases(device, &wgmma_cases(), Some(KernelChoice::Wgmma));
 }
 
 /// A small plan that asks for the cmma kernel by name.
