@@ -92,6 +92,8 @@
 #   bsw      sage suite at N = 8192 and 16384, D = 128, causal and not: the Hopper kernel's rows
 #            beside the mma.sync kernel, Burn's fused attention, PyTorch SDPA and sageattention;
 #            then the Hopper rows alone with one warpgroup per cube
+#   ncusw    ncu on the Hopper sage kernel (one launch, N = 8192, D = 128, non-causal): speed
+#            of light, instruction mix, warp stalls, occupancy (which resource holds it back)
 #   tcomp    the compensated store's tests: core's adding Hopper GEMMs (bits of the pair) and
 #            cce_tests' Hopper reductions (the carry against the reference; ~2.5 min)
 #   bcces    cce suite, SmolLM2 and Gemma-2 shapes, every pass in 16, 32, 64, 128 and 256 MiB
@@ -347,6 +349,13 @@ for s in "$@"; do
       --skip-impl 'chunked passes' --skip-impl sorting --skip-impl autotuned --skip-impl fused \
       --skip-impl 'one f32' --skip-impl 'blocks' --skip-impl liger \
       --skip-impl pytorch-plain --peers-dir "$peers" --out "$O/bccegc" ;;
+    ncusw) RUN_WRAP="ncu --clock-control none --kernel-name regex:attn_wgmma --launch-count 1 \
+      --section SpeedOfLight --section ComputeWorkloadAnalysis --section InstructionStats \
+      --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats" \
+      step ncusw run bench --suite sage --filter "N=8192 D=128" --skip-impl reference \
+      --skip-impl int4 --skip-impl fp8 --skip-impl cmma --skip-impl burn --skip-impl torch \
+      --skip-impl sageattention --skip-impl 'fp16$' --skip-impl smoothq --warmup-ms 0 \
+      --measure-ms 0 --out "$O/ncusw" ;;
     tcomp) step tcomp run test core hopper_gemm_add --include-ignored
       step tcomp-cce run test cce_tests hopper_reductions --include-ignored ;;
     bcces) step bcces run bench --suite cce --cce-chunk-bytes 16,32,64,128,256 \
