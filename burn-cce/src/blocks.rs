@@ -104,9 +104,11 @@ impl BackwardBlocks {
     ///   ([`DeAccumulation::Compensated`]) in chunks of 1856 entries; working set 57 835 520
     ///   bytes (18 874 368 of corrections, then `G` and the chunk's dC rows), 4.75%: peak 1.048×.
     ///
-    /// The compensated carry ([`DeCarry::Compensated`], opt-in) takes the largest chunk, a
-    /// multiple of 32, whose working set with the corrections is 4.8% of `dE + dC` (or the
-    /// chunk of `chunk_bytes`). [`DeCarry::Auto`] is the f32 carry (see its docs for why).
+    /// The compensated carry ([`DeCarry::Compensated`]) takes the largest chunk, a multiple of
+    /// 32, whose working set with the corrections is 4.8% of `dE + dC` (or the chunk of
+    /// `chunk_bytes`). [`DeCarry::Auto`] takes it where the f32 carry would need a second pass
+    /// and that chunk is at least [`MIN_COMPENSATED_CHUNK`] entries (or the whole vocabulary):
+    /// Gemma-2's shape, not SmolLM2's (see its docs for the measurements).
     pub fn new(
         params: &LceParams,
         n: usize,
@@ -117,10 +119,17 @@ impl BackwardBlocks {
     ) -> Self {
         let f32_blocks = Self::f32_carry(params, n, vocab, d, dtype, in_gemm);
         let usable = in_gemm && dtype == DType::BF16 && params.accum_fp32;
-        if params.de_carry != DeCarry::Compensated || !usable || params.de_block_rows.is_some() {
+        if params.de_carry == DeCarry::F32 || !usable || params.de_block_rows.is_some() {
             return f32_blocks;
         }
         let chunk = Self::compensated_chunk(params, n, vocab, d, dtype, f32_blocks.gathered);
+        // `Auto` carries compensated where the f32 carry would take a second pass and the
+        // corrections leave chunks of a useful width (see `DeCarry::Auto`).
+        let worth =
+            f32_blocks.de == DeAccumulation::RowBlocks && chunk >= MIN_COMPENSATED_CHUNK.min(vocab);
+        if params.de_carry == DeCarry::Auto && !worth {
+            return f32_blocks;
+        }
         Self {
             chunk,
             de: DeAccumulation::Compensated,

@@ -112,12 +112,14 @@ pub enum PassKernels {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum DeCarry {
-    /// [`DeCarry::F32`]: as fast, in less memory. At Gemma-2's shape on an H100 (2026-12-06,
-    /// session 58, same run) loss + gradient took 92.9 ms with the f32 carry (peak 1.030× dE +
-    /// dC) and 93.1 ms with [`DeCarry::Compensated`] (1.048×): its adding products take 43 ms a
-    /// call (0.30 ms a chunk against 0.13 ms for the chunk's `G`, the same FLOPs), as much as
-    /// the f32 carry's whole second pass, because their store is latency-bound. A wider store
-    /// (16-byte accesses staged through shared memory) is written, not yet measured.
+    /// [`DeCarry::Compensated`] where it can run and the f32 carry would take a second pass
+    /// over the vocabulary, if the corrections leave chunks of at least 1024 entries (or the
+    /// whole vocabulary); [`DeCarry::F32`] elsewhere. At Gemma-2's shape on an H200 (bf16,
+    /// N = 8192, 2026-12-06, session 59, same run) loss + gradient took 86.6 ms compensated
+    /// (peak 1.048× dE + dC) and 93.2 ms with the f32 carry (1.030×), since the compensated
+    /// store reads and writes dE and its corrections 16 bytes at a time (before that, session
+    /// 58 on an H100: 93.1 against 92.9 ms). At SmolLM2's shape the corrections leave chunks of
+    /// 32 entries, which rewrite dE too often, so the f32 carry stays there.
     #[default]
     Auto,
     /// In f32: one accumulator for all of dE where it is small, otherwise (at a large vocabulary)

@@ -100,8 +100,9 @@ fn working_set_at_bench_shapes() {
 /// The compensated carry's blocks ([`DeCarry::Compensated`]): at Gemma-2's shape with `G` in the
 /// Hopper GEMM, dE carried in the vocabulary pass in chunks of 1856 entries (1536 gathered, with
 /// the paper's filter), within 1.05× of dE + dC, narrowed to whole waves on an H100; where it
-/// cannot run (stored logits, f16) the f32 carry. The default ([`DeCarry::Auto`]) is the f32
-/// carry: a second pass over row blocks at these shapes.
+/// cannot run (stored logits, f16) the f32 carry. The default ([`DeCarry::Auto`]) carries
+/// compensated at Gemma-2's shape in the Hopper GEMM (the same blocks), and in f32 (a second
+/// pass over row blocks) out of it and at SmolLM2's shape, where the chunks would be narrow.
 #[test]
 fn compensated_carry_at_bench_shapes() {
     let n = 8192;
@@ -152,11 +153,22 @@ fn compensated_carry_at_bench_shapes() {
         carry(&exact, DType::F16, true, v),
         DeAccumulation::RowBlocks
     );
-    // The default carries in f32, in and out of the Hopper GEMM, at both bench shapes.
-    for (v, d) in [(v, d), (49_152, 576)] {
-        let auto_blocks = BackwardBlocks::new(&auto, n, v, d, DType::BF16, true);
-        assert_eq!(auto_blocks.de, DeAccumulation::RowBlocks, "V = {v}");
-    }
+    // The default: compensated at Gemma-2's shape in the Hopper GEMM, with the blocks asked
+    // for by name; in f32 out of it, and at SmolLM2's shape (chunks of 32 entries).
+    let auto_gemma = BackwardBlocks::new(&auto, n, v, d, DType::BF16, true);
+    let named = BackwardBlocks::new(&exact, n, v, d, DType::BF16, true);
+    assert_eq!(auto_gemma.de, DeAccumulation::Compensated);
+    assert_eq!(
+        (auto_gemma.chunk, auto_gemma.rows, auto_gemma.pass2_chunk),
+        (named.chunk, named.rows, named.pass2_chunk)
+    );
+    assert_eq!(
+        carry(&auto, DType::BF16, false, v),
+        DeAccumulation::RowBlocks
+    );
+    assert_eq!(carry(&auto, DType::F16, true, v), DeAccumulation::RowBlocks);
+    let auto_smollm = BackwardBlocks::new(&auto, n, 49_152, 576, DType::BF16, true);
+    assert_eq!(auto_smollm.de, DeAccumulation::RowBlocks);
     let smollm = BackwardBlocks::new(&exact, n, 49_152, 576, DType::BF16, true);
     assert_eq!(smollm.de, DeAccumulation::Compensated);
 }
