@@ -92,6 +92,9 @@
 #   bsw      sage suite at N = 8192 and 16384, D = 128, causal and not: the Hopper kernel's rows
 #            beside the mma.sync kernel, Burn's fused attention, PyTorch SDPA and sageattention;
 #            then the Hopper rows alone with one warpgroup per cube
+#   bswall   sage suite, every N (1K..32K) and D (64, 128), causal and not: the Hopper kernel
+#            beside the mma.sync kernel (INT8 per warp, FP16 P̃·V), PyTorch SDPA and
+#            sageattention (the sweep that decides `choose`'s default on Hopper)
 #   ncusw    ncu on the Hopper sage kernel (one launch, N = 8192, D = 128, non-causal): speed
 #            of light, instruction mix, warp stalls, occupancy (which resource holds it back)
 #   tcomp    the compensated store's tests: core's adding Hopper GEMMs (bits of the pair) and
@@ -349,9 +352,13 @@ for s in "$@"; do
       --skip-impl 'chunked passes' --skip-impl sorting --skip-impl autotuned --skip-impl fused \
       --skip-impl 'one f32' --skip-impl 'blocks' --skip-impl liger \
       --skip-impl pytorch-plain --peers-dir "$peers" --out "$O/bccegc" ;;
+    bswall) step bswall run bench --suite sage --skip-impl reference --skip-impl int4 \
+      --skip-impl fp8 --skip-impl cmma --skip-impl burn --skip-impl smoothq --min-reps 5 \
+      --warmup-ms 100 --measure-ms 300 --peers-dir "$peers" --out "$O/bswall" ;;
     ncusw) RUN_WRAP="ncu --clock-control none --kernel-name regex:attn_wgmma --launch-count 1 \
       --section SpeedOfLight --section ComputeWorkloadAnalysis --section InstructionStats \
-      --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats" \
+      --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
+      --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio" \
       step ncusw run bench --suite sage --filter "N=8192 D=128" --skip-impl reference \
       --skip-impl int4 --skip-impl fp8 --skip-impl cmma --skip-impl burn --skip-impl torch \
       --skip-impl sageattention --skip-impl 'fp16$' --skip-impl smoothq --warmup-ms 0 \
