@@ -56,10 +56,10 @@ pub fn warpgroups() -> usize {
         },
     )
 }
-/// Stages of the K/`Vᵀ` ring: four. Tile `j + 2` is loaded at the start of tile `j` (tile
-/// `j + 1`'s `Q·Kᵀ` is issued during tile `j`) into the stage of tile `j − 2`, whose `P̃·V`
-/// every unit has waited on during tile `j − 1`.
-pub const STAGES: usize = 4;
+/// Stages of the K/`Vᵀ` ring: three, so that the load of tile `j + 1`, issued at the start of
+/// tile `j`, takes the stage of tile `j − 2`, whose `P̃·V` every unit has waited on (it runs on
+/// while tile `j − 1`'s scores are computed).
+pub const STAGES: usize = 3;
 /// Units of a warpgroup.
 const WG: usize = 128;
 
