@@ -90,17 +90,19 @@ pub(crate) fn row_ranges(n: usize, rows: usize) -> impl Iterator<Item = Range<us
 impl BackwardBlocks {
     /// The blocks for `n` tokens, `vocab` entries, hidden size `d` and inputs of `dtype`.
     ///
-    /// At the benchmark shapes (8192 tokens, bf16, automatic sizes, natural chunks):
+    /// At the benchmark shapes (8192 tokens, bf16, automatic sizes, natural chunks, dE carried
+    /// in f32):
     /// - Gemma-2 (V = 256000, D = 2304): chunks of 672 entries; dE in a second pass over 7
     ///   blocks of 1184 rows and chunks of 2016 entries; working set 33 030 144 bytes, 2.71% of
     ///   dE + dC (1 217 396 736 bytes): peak 1 250 426 880 bytes, 1.027×.
     /// - SmolLM2 (V = 49152, D = 576): chunks of 256 entries (the 2²¹-logit floor); second pass
     ///   over 4 blocks of 2048 rows and chunks of 512 entries; working set 12 582 912 bytes,
     ///   19.0% of dE + dC (66 060 288 bytes): peak 78 643 200 bytes, 1.190×.
-    /// - Gemma-2 with `G` in the Hopper GEMM ([`BackwardBlocks::in_gemm`]), the default f32
-    ///   carry: chunks of 1728 entries, a second pass over 4 blocks of 2048 rows and chunks of
-    ///   1728 entries (before [`BackwardBlocks::filled`]); working set 36 274 176 bytes, 2.98%:
-    ///   peak 1.030×. With [`DeCarry::Compensated`]: dE carried in the vocabulary pass
+    /// - Gemma-2 with `G` in the Hopper GEMM ([`BackwardBlocks::in_gemm`]), the f32 carry:
+    ///   chunks of 1728 entries, a second pass over 4 blocks of 2048 rows and chunks of 1728
+    ///   entries (before [`BackwardBlocks::filled`]); working set 36 274 176 bytes, 2.98%:
+    ///   peak 1.030×. With [`DeCarry::Compensated`] (and the default, [`DeCarry::Auto`]): dE
+    ///   carried in the vocabulary pass
     ///   ([`DeAccumulation::Compensated`]) in chunks of 1856 entries; working set 57 835 520
     ///   bytes (18 874 368 of corrections, then `G` and the chunk's dC rows), 4.75%: peak 1.048×.
     ///
