@@ -11,7 +11,7 @@ use super::super::attn_mma::BKV;
 use super::super::attn_mma::stages::{lane_rows, write_output};
 use super::super::common::{keys_end, kv_head};
 use super::super::pv_grid::RoundArgs;
-use super::softmax::{probabilities, rescale, scores};
+use super::softmax::{output_pair, probabilities, rescale, scores};
 use super::{STAGES, WG, qk_layout, v_layout};
 
 /// Loads the K and `Vᵀ` tiles of keys from `kv0` (K's rows from `k_row`, `Vᵀ`'s from `v_row`)
@@ -316,10 +316,7 @@ pub(super) fn attn_wgmma_kernel<F: Float, P: Float, N2: Size>(
     let acc = pv.downcast::<f32>().wait();
     #[unroll]
     for i in 0..comptime!(dim / 4) {
-        let mut x = Vector::<f32, N2>::empty();
-        x.insert(0usize, acc.get(2 * i));
-        x.insert(1usize, acc.get(2 * i + 1));
-        o[i] += x;
+        o[i] += output_pair::<N2>(&acc, i);
     }
     write_output::<F, N2>(
         &o, &mut l, &m, out, lse, post, &args, &rows, &own, bh, bhk, t, dim, write_lse,

@@ -124,12 +124,20 @@ pub(super) fn rescale<N2: Size>(
         for i in 0..comptime!(dim / 4) {
             // Pair `i` belongs to row `i mod 2`; where that row's α is 1 this leaves `o`.
             let a = alpha[i % 2];
-            let mut x = Vector::<f32, N2>::empty();
-            x.insert(0usize, acc.get(2 * i));
-            x.insert(1usize, acc.get(2 * i + 1));
+            let x = output_pair::<N2>(acc, i);
             o[i] = o[i] * Vector::<f32, N2>::new(a) + x * Vector::<f32, N2>::new(a - 1.0);
         }
     }
+}
+
+/// Pair `i` of the lane's output values in the `P̃·V` accumulator (the layout of `o`: row
+/// `i mod 2` of the lane's two, columns `8·(i / 2) + 2·(lane mod 4)` and `+1`).
+#[cube]
+pub(super) fn output_pair<N2: Size>(acc: &Accumulator<f32>, i: usize) -> Vector<f32, N2> {
+    let mut x = Vector::<f32, N2>::empty();
+    x.insert(0usize, acc.get(2 * i));
+    x.insert(1usize, acc.get(2 * i + 1));
+    x
 }
 
 /// `P̃ = exp(logit − m)·p_scale`, rounded to the PV grid unless `native`, as A-operand pairs
