@@ -88,7 +88,9 @@
 #            (~90 s): the default (f32 dE carry), the compensated carry, each with and without
 #            the paper's filter, dE summed in bf16; Burn's plain loss, Apple's CCE with its
 #            filter and without (exact)
-#   tsw      sage's Hopper kernel (warpgroup MMA, TMA) against the reference (issue 32)
+#   tsw      sage's Hopper kernel (warpgroup MMA, TMA) against the reference (issue 32): two
+#            warpgroups a cube, one, and the scores converted by the float-bits trick
+#            (BURN_SAGE_WGMMA_CONVERT=magic)
 #   bsw      sage suite at N = 8192 and 16384, D = 128, causal and not: the Hopper kernel's rows
 #            beside the mma.sync kernel, Burn's fused attention, PyTorch SDPA and sageattention;
 #            then the Hopper rows alone with one warpgroup per cube
@@ -97,8 +99,11 @@
 #   bswall   sage suite, every N (1K..32K) and D (64, 128), causal and not: the Hopper kernel
 #            beside the mma.sync kernel (INT8 per warp, FP16 P̃·V), PyTorch SDPA and
 #            sageattention (the sweep that decides `choose`'s default on Hopper)
+#   bswm     the Hopper kernel's rows at N = 16384, D = 128, with BURN_SAGE_WGMMA_CONVERT=magic
+#            (compare with bsw16k's in the same call)
 #   ncusw    ncu on the Hopper sage kernel (one launch, N = 8192, D = 128, non-causal): speed
-#            of light, instruction mix, warp stalls, occupancy (which resource holds it back)
+#            of light, instruction mix, warp stalls, pipe use, local-memory bytes (spills),
+#            occupancy (which resource holds it back)
 #   tcomp    the compensated store's tests: core's adding Hopper GEMMs (bits of the pair) and
 #            cce_tests' Hopper reductions (the carry against the reference; ~2.5 min)
 #   bcces    cce suite, SmolLM2 and Gemma-2 shapes, every pass in 16, 32, 64, 128 and 256 MiB
@@ -338,7 +343,12 @@ for s in "$@"; do
       --skip-impl 'one f32' --skip-impl '(all blocks' --skip-impl '(pass block' --skip-impl liger \
       --skip-impl pytorch-plain --peers-dir "$peers" --out "$O/bccegf" ;;
     tsw) step tsw run test sage wgmma --include-ignored --nocapture
-      BURN_SAGE_WGMMA_WARPGROUPS=1 step tsw1 run test sage wgmma --include-ignored --nocapture ;;
+      BURN_SAGE_WGMMA_WARPGROUPS=1 step tsw1 run test sage wgmma --include-ignored --nocapture
+      BURN_SAGE_WGMMA_CONVERT=magic step tswm run test sage wgmma --include-ignored --nocapture ;;
+    bswm) BURN_SAGE_WGMMA_CONVERT=magic step bswm run bench --suite sage --filter "N=16384 D=128" \
+      --skip-impl reference --skip-impl int4 --skip-impl fp8 \
+      --skip-impl cmma --skip-impl burn --skip-impl torch --skip-impl sageattention \
+      --skip-impl smoothq --min-reps 5 --warmup-ms 100 --measure-ms 300 --out "$O/bswm" ;;
     bsw) for n in 8192 16384; do
         step "bsw$n" run bench --suite sage --filter "N=$n D=128" --skip-impl reference \
           --skip-impl int4 --skip-impl int8-fp8 --skip-impl cmma --min-reps 5 --warmup-ms 200 \
@@ -363,7 +373,9 @@ for s in "$@"; do
     ncusw) RUN_WRAP="ncu --clock-control none --kernel-name regex:attn_wgmma --launch-count 1 \
       --section SpeedOfLight --section ComputeWorkloadAnalysis --section InstructionStats \
       --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
-      --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio" \
+      --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio,\
+l1tex__t_bytes_pipe_lsu_mem_local_op_ld.sum,l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum,\
+regex:sm__inst_executed_pipe_.*\\.avg\\.pct_of_peak_sustained_active" \
       step ncusw run bench --suite sage --filter "N=8192 D=128" --skip-impl reference \
       --skip-impl int4 --skip-impl fp8 --skip-impl cmma --skip-impl burn --skip-impl torch \
       --skip-impl sageattention --skip-impl 'fp16$' --skip-impl smoothq --warmup-ms 0 \

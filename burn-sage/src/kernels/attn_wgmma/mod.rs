@@ -56,10 +56,17 @@ pub fn warpgroups() -> usize {
         },
     )
 }
-/// Stages of the K/`Vᵀ` ring: three, so that the load of tile `j + 1`, issued at the start of
-/// tile `j`, takes the stage of tile `j − 2`, whose `P̃·V` every unit has waited on (it runs on
-/// while tile `j − 1`'s scores are computed).
-pub const STAGES: usize = 3;
+/// Whether the kernel converts its `Q·Kᵀ` dot products to f32 by the float-bits trick of
+/// `kernel::keep_scores` (`BURN_SAGE_WGMMA_CONVERT=magic`) instead of a conversion instruction
+/// (`cvt`, the default): measured side by side to choose the default. Read once per process.
+pub fn magic_convert() -> bool {
+    static MAGIC: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *MAGIC.get_or_init(|| std::env::var("BURN_SAGE_WGMMA_CONVERT").as_deref() == Ok("magic"))
+}
+/// Stages of the K/`Vᵀ` ring: four. Tile `j + 2` is loaded at the start of tile `j` (tile
+/// `j + 1`'s `Q·Kᵀ` is issued during tile `j`) into the stage of tile `j − 2`, whose `P̃·V`
+/// every unit has waited on during tile `j − 1`.
+pub const STAGES: usize = 4;
 /// Units of a warpgroup.
 const WG: usize = 128;
 
@@ -227,6 +234,7 @@ pub(crate) fn launch(
             ml.write_lse,
             native,
             wgs,
+            magic_convert(),
             dtypes,
         );
     }
