@@ -7,24 +7,27 @@
 //!
 //! - Q (i8, `[128, d]`) is loaded once by TMA; K (i8, `[64, d]`) and `Vᵀ` (the PV dtype,
 //!   `[d, 64]`, keys contiguous, padded and rounded to the PV grid by `v_transposed`) by TMA into
-//!   the stage, one tile ahead of the one computed, each stage guarded by a barrier the TMA
-//!   bytes complete. Unit 0 issues the loads. The K scales and `ΔS` of the next tile go to the
-//!   other of two shared slots, so one cube sync a tile orders everything.
+//!   the stage, two tiles ahead of the one whose softmax runs, each stage guarded by a barrier
+//!   the TMA bytes complete. Unit 0 issues the loads. The K scales and `ΔS` of a tile are read
+//!   into registers two tiles ahead and stored one tile ahead into the other of two shared
+//!   slots, so one cube sync a tile orders everything.
 //! - `S = Q·Kᵀ`: `wgmma m64n64k32` i8·i8→i32, both operands in shared memory (K-major,
-//!   swizzled). The accumulator's layout is the `mma.sync` one per 16 rows, so the online
-//!   softmax reads it as `attn_mma`'s does (the folded scales, `ΔS`, the masks, the lazy
-//!   rescale by `tau`, `P̃` rounded to the PV grid), with fewer instructions a score.
+//!   swizzled), issued for tile `j + 1` before tile `j`'s exponentials, so the tensor cores
+//!   run it under them; its values are copied to f32 registers once it is waited on. The
+//!   accumulator's layout is the `mma.sync` one per 16 rows, so the online softmax reads it as
+//!   `attn_mma`'s does (the folded scales, `ΔS`, the masks, the lazy rescale by `tau`, `P̃`
+//!   rounded to the PV grid), with fewer instructions a score.
 //! - `A += P̃·V`: `wgmma m64n{d}k16` f16/bf16→f32 with `P̃` in registers (the S accumulator of
 //!   two 8-key blocks is the A fragment of one 16-key step) and `Vᵀ` from shared memory, into
-//!   one accumulator for the whole row tile. It is not waited on: it runs while the next
-//!   tile's sync, loads and `Q·Kᵀ` are issued. A warpgroup accumulator cannot be rescaled in
-//!   place, so a row whose maximum moves rescales the f32 registers `o` beside it instead
-//!   (the output is `o + A`, see [`softmax`]).
+//!   one accumulator for the whole row tile. It is not waited on until the next tile's
+//!   exponentials are done. A warpgroup accumulator cannot be rescaled in place, so a row
+//!   whose maximum moves rescales f32 values `o` kept in shared memory instead (the output is
+//!   `o + A`, see [`softmax`]).
 //!
-//! What this kernel leaves out (the plan's later steps): a producer warp, the softmax of one
-//! tile overlapped with the next tile's `Q·Kᵀ`, FP8 `P̃·V` on the tensor cores, register
-//! reallocation between warpgroups. It is asked for by name ([`crate::SageOptions::kernel`]);
-//! [`super::choose`] does not pick it until it measures faster than [`super::attn_mma`].
+//! What this kernel leaves out (the plan's later steps): a producer warp, FP8 `P̃·V` on the
+//! tensor cores, register reallocation between warpgroups. It is asked for by name
+//! ([`crate::SageOptions::kernel`]); [`super::choose`] does not pick it until it measures
+//! faster than [`super::attn_mma`].
 
 mod kernel;
 mod softmax;
