@@ -142,6 +142,7 @@ mod cube_backend {
             KernelChoice::Cmma => "sage_attention_cmma",
             KernelChoice::Mma => "sage_attention_mma",
             KernelChoice::Wgmma => "sage_attention_wgmma",
+            KernelChoice::Tuned => "sage_attention_tuned",
         });
     }
 

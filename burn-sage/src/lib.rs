@@ -69,6 +69,13 @@ pub fn sage_kernel(device: &Device, plan: &SagePlan) -> Result<KernelChoice, Uns
     kernels::choose(&cube.client(), plan)
 }
 
+/// The kernel [`KernelChoice::Tuned`] runs for `plan`'s shape key on `device`: `None` until a
+/// launch of that key was timed (in this process, or read back from CubeCL's autotune cache by
+/// one), and where `device` runs no kernel. For reports: the op itself needs no call to this.
+pub fn tuned_kernel(device: &Device, plan: &SagePlan) -> Option<KernelChoice> {
+    kernels::tune::tuned_kernel(&cube_device(device)?, plan)
+}
+
 /// The quantization stage alone (for tests and inspection): `x − mean` quantized per group.
 /// Its kernel runs on CubeCL devices; elsewhere the tensor-op reference.
 ///

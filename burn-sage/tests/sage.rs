@@ -39,6 +39,7 @@ testgen! {
         attention_matches_reference_long,
         cmma_kernel_matches_reference,
         wgmma_kernel_matches_reference,
+        tuned_kernel_matches_reference,
         accuracy_vs_exact,
         large_magnitudes_stay_finite,
         unfused_matches_dispatch,

@@ -22,6 +22,7 @@ pub mod attn_wgmma;
 mod common;
 mod pv_grid;
 pub mod quantize;
+pub mod tune;
 
 use burn::backend::cubecl::dtype_to_storage_type;
 use burn::backend::ops::FloatTensorOps;
@@ -125,6 +126,7 @@ pub(crate) fn dummy(like: &CubeTensor) -> CubeTensor {
 
 /// What every attention kernel reads: Q and K quantized with their group scales, ΔS when Q is
 /// smoothed, V as the PV product reads it and V's smoothing `post`.
+#[derive(Clone)]
 pub(crate) struct QuantizedInputs {
     /// `[b, hq, sq, d]` integers.
     pub qi: CubeTensor,
@@ -267,8 +269,24 @@ pub enum KernelChoice {
     Cmma,
     /// The matrix-unit kernel with register-resident tiles (manual MMA).
     Mma,
-    /// The Hopper kernel: warpgroup MMA, tiles loaded by TMA (sm_90a; asked for by name).
+    /// The Hopper kernel: warpgroup MMA, tiles loaded by TMA (sm_90a).
     Wgmma,
+    /// The fastest of [`tune::candidates`], timed at the first launch of each shape key
+    /// ([`tune::SageTuneKey`]) by CubeCL's autotune: what [`choose`] picks where more than one
+    /// kernel takes the plan.
+    Tuned,
+}
+
+impl std::fmt::Display for KernelChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            KernelChoice::Unit => "unit",
+            KernelChoice::Cmma => "cmma",
+            KernelChoice::Mma => "mma",
+            KernelChoice::Wgmma => "wgmma",
+            KernelChoice::Tuned => "tuned",
+        })
+    }
 }
 
 /// The kernel [`sage_forward`] would pick for `plan` on this client.
@@ -303,9 +321,15 @@ pub fn choose(client: &Client, plan: &SagePlan) -> Result<KernelChoice, Unsuppor
         Some(KernelChoice::Wgmma) => attn_wgmma::support(client, plan.dtype, plan.head_dim)
             .and_then(|()| dim(mma_dim, KernelChoice::Wgmma)),
         Some(KernelChoice::Unit) => unit(),
-        None if mma_dim && attn_mma::support(client, plan.dtype).is_ok() => Ok(KernelChoice::Mma),
-        None if cmma_dim && cmma_support(client, plan.dtype).is_ok() => Ok(KernelChoice::Cmma),
-        None => unit(),
+        Some(KernelChoice::Tuned) => match tune::candidates(client, plan).is_empty() {
+            true => unit(),
+            false => Ok(KernelChoice::Tuned),
+        },
+        None => match tune::candidates(client, plan).as_slice() {
+            [] => unit(),
+            [one] => Ok(*one),
+            _ => Ok(KernelChoice::Tuned),
+        },
     }
 }
 
@@ -364,11 +388,16 @@ pub fn sage_forward(
         v,
         post,
     } = inputs;
-    let int_dtype = match choice {
-        KernelChoice::Cmma | KernelChoice::Mma | KernelChoice::Wgmma => DType::I8,
-        KernelChoice::Unit => {
-            int_storage(&q.client).expect("the kernel choice checked the integer storage")
-        }
+    // The tuner's candidates are all matrix-unit kernels, or the portable kernel alone.
+    let unit = match choice {
+        KernelChoice::Unit => true,
+        KernelChoice::Tuned => tune::candidates(&q.client, plan) == [KernelChoice::Unit],
+        _ => false,
+    };
+    let int_dtype = if unit {
+        int_storage(&q.client).expect("the kernel choice checked the integer storage")
+    } else {
+        DType::I8
     };
     let mean_blocks = q_mean.meta.shape().dims::<4>()[2];
     let qk = plan.opts.qk;
@@ -391,12 +420,7 @@ pub fn sage_forward(
         v,
         post,
     };
-    match choice {
-        KernelChoice::Unit => attn_unit::launch(x, args, plan),
-        KernelChoice::Cmma => attn_cmma::launch(x, args, plan),
-        KernelChoice::Mma => attn_mma::launch(x, args, plan),
-        KernelChoice::Wgmma => attn_wgmma::launch(x, args, plan),
-    }
+    tune::launch(choice, x, args, plan)
 }
 
 /// The shape of the log-sum-exp of attention with `q` of shape `[b, h, sq, d]`: `[b, h, sq]`.

@@ -84,6 +84,38 @@ pub(super) fn cmma_kernel_matches_reference(device: &Device) {
     check_cases(device, CASES, Some(KernelChoice::Cmma));
 }
 
+/// Problems for the kernel tuner: one row, GQA with a causal tail, and keys past one tile.
+const TUNED_CASES: &[(usize, usize, usize, usize, usize, usize, bool)] = &[
+    (1, 1, 1, 1, 1, 64, false),
+    (2, 4, 2, 17, 17, 64, true),
+    (1, 2, 2, 67, 131, 128, false),
+];
+
+/// The kernel picked by measurement (`KernelChoice::Tuned`, CubeCL's autotune over
+/// `tune::candidates`: the matrix-unit kernels on CUDA, the portable kernel alone on wgpu)
+/// against the reference on [`TUNED_CASES`]; then, for one shape, the tuner must report the
+/// kernel it picked, one of the candidates.
+pub(super) fn tuned_kernel_matches_reference(device: &Device) {
+    check_cases(device, TUNED_CASES, Some(KernelChoice::Tuned));
+    let opts = SageOptions {
+        kernel: Some(KernelChoice::Tuned),
+        ..Default::default()
+    };
+    let (q, k, v) = qkv((1, 4, 2, 40, 75, 64), DType::F32, 77, device);
+    let p = plan(&q.dims(), &k.dims(), &v.dims(), [DType::F32; 3], &opts).expect("valid");
+    assert_eq!(sage_kernel(device, &p), Ok(KernelChoice::Tuned));
+    let client = burn_kernels_testing::unfused::cube_device(device).client();
+    let candidates = burn_sage::kernels::tune::candidates(&client, &p);
+    assert!(!candidates.is_empty(), "the tuner has no kernel to run");
+    let out = require_kernels(|| sage_attention(q, k, v, &opts)).expect("valid");
+    values(out.out);
+    let picked = burn_sage::tuned_kernel(device, &p);
+    assert!(
+        picked.is_some_and(|k| candidates.contains(&k)),
+        "the tuner picked {picked:?}, candidates {candidates:?}"
+    );
+}
+
 /// Tile boundaries of the Hopper kernel's 128-query, 64-key tiles that [`CASES`] and
 /// [`LONG_CASES`] miss: exact tiles, one short of a query tile with fewer keys than queries, and
 /// two query tiles plus one row over five key tiles with GQA.

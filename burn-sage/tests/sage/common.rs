@@ -93,6 +93,7 @@ pub(super) fn kernel_op(kernel: KernelChoice) -> &'static str {
         KernelChoice::Cmma => "sage_attention_cmma",
         KernelChoice::Mma => "sage_attention_mma",
         KernelChoice::Wgmma => "sage_attention_wgmma",
+        KernelChoice::Tuned => "sage_attention_tuned",
     }
 }
 
