@@ -99,6 +99,8 @@
 #   bswall   sage suite, every N (1K..32K) and D (64, 128), causal and not: the Hopper kernel
 #            beside the mma.sync kernel (INT8 per warp, FP16 P̃·V), PyTorch SDPA and
 #            sageattention (the sweep that decides `choose`'s default on Hopper)
+#   tst      sage's kernel tuner (KernelChoice::Tuned: the default on CUDA) against the reference,
+#            and the default kernel's shared and long cases
 #   bswm     the Hopper kernel's rows at N = 16384, D = 128, with BURN_SAGE_WGMMA_CONVERT=magic
 #            (compare with bsw16k's in the same call)
 #   ncusw    ncu on the Hopper sage kernel (one launch, N = 8192, D = 128, non-causal): speed
@@ -345,6 +347,7 @@ for s in "$@"; do
     tsw) step tsw run test sage wgmma --include-ignored --nocapture
       BURN_SAGE_WGMMA_WARPGROUPS=1 step tsw1 run test sage wgmma --include-ignored --nocapture
       BURN_SAGE_WGMMA_CONVERT=magic step tswm run test sage wgmma --include-ignored --nocapture ;;
+    tst) step tst run test sage tuned attention_matches_reference --include-ignored --nocapture ;;
     bswm) BURN_SAGE_WGMMA_CONVERT=magic step bswm run bench --suite sage --filter "N=16384 D=128" \
       --skip-impl reference --skip-impl int4 --skip-impl fp8 \
       --skip-impl cmma --skip-impl burn --skip-impl torch --skip-impl sageattention \

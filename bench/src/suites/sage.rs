@@ -63,8 +63,9 @@ fn head_sample(out: &Tensor<4>) -> Result<Vec<f32>, String> {
 const REFERENCE_MAX_N: usize = 2048;
 
 /// `(name, QK quantization, Q smoothing, PV precision, kernel)`; `None` is the kernel the op
-/// picks (on CUDA the register-tile `Mma` kernel); the `-cmma` row keeps the
-/// shared-memory-staged kernel measured beside it, the `-wgmma` rows the Hopper kernel.
+/// picks (on CUDA the fastest of the matrix-unit kernels, timed at each shape's first run: the
+/// row's note names it); the `-cmma` row keeps the shared-memory-staged kernel measured beside
+/// it, the `-wgmma` rows the Hopper kernel.
 type Variant = (
     &'static str,
     QkQuant,
@@ -262,6 +263,8 @@ fn problem(n: usize, d: usize, causal: bool, opts: &SuiteOptions, peers: Rc<Peer
                     out.push(Candidate::skipped(name, why));
                     continue;
                 }
+                let device = q.device();
+                let p = burn_sage::plan(&q.dims(), &k.dims(), &v.dims(), [DType::F16; 3], &o);
                 let run = move || sage_attention(q.clone(), k.clone(), v.clone(), &o);
                 let checked = match (&want, run()) {
                     (Ok(want), Ok(got)) => {
@@ -270,13 +273,20 @@ fn problem(n: usize, d: usize, causal: bool, opts: &SuiteOptions, peers: Rc<Peer
                     (Err(e), _) => Err(format!("Burn's output unreadable: {e}")),
                     (_, Err(e)) => Err(e.to_string()),
                 };
+                // Where the op picks its kernel by measurement, the first run above timed the
+                // candidates: say which one the row times.
+                let tuned = p
+                    .ok()
+                    .and_then(|p| burn_sage::tuned_kernel(&device, &p))
+                    .map(|k| format!("; tuned: {k}"))
+                    .unwrap_or_default();
                 out.push(match checked {
                     Ok(cos) if cos >= MIN_COSINE => Candidate::timed_here(name, move || {
                         keep(run());
                     })
                     .with_extra(move || Extra {
                         params: params([("cosine_vs_burn", json!(cos))]),
-                        note: Some(format!("cos sim vs Burn {cos:.5}")),
+                        note: Some(format!("cos sim vs Burn {cos:.5}{tuned}")),
                     }),
                     Ok(cos) => Candidate::skipped(name, format!("wrong output: cos sim {cos:.4}")),
                     Err(e) => Candidate::skipped(name, format!("output unreadable: {e}")),
