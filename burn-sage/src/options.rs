@@ -158,8 +158,9 @@ pub struct SageOptions {
     /// Also return the log-sum-exp of each query row's scaled scores (natural log).
     pub return_lse: bool,
     /// The attention kernel to run on a `CubeBackend`; `None` picks the fastest the runtime
-    /// has (see [`crate::kernels::choose`]). A kernel the runtime or the configuration does not
-    /// allow runs the reference instead, with a log line.
+    /// has for the plan, timed at each shape's first launch where there are several (see
+    /// [`crate::kernels::choose`]). A kernel the runtime or the configuration does not allow
+    /// runs the reference instead, with a log line.
     pub kernel: Option<crate::kernels::KernelChoice>,
 }
 

@@ -8,12 +8,16 @@
 //! - [`attn_mma`]: the same on register-resident tiles (manual `mma.sync`, FlashAttention-2
 //!   structure), for head dims 64 and 128.
 //! - [`attn_wgmma`]: the same on Hopper's warpgroup MMA with TMA loads (sm_90a, head dims 64
-//!   and 128), asked for by name until it is measured faster.
+//!   and 128).
+//! - [`tune`]: the choice among them by measurement (CubeCL's autotune).
 //!
-//! [`sage_forward`] runs the kernels of the pipeline on `CubeBackend`; [`choose`] picks the register
-//! kernel where the runtime has manual i8 and f16/bf16 MMA and the head dim is 64 or 128, the
-//! cmma kernel where it has i8 and f16/bf16 cmma and the head dim is 64, 128 or 256, and the
-//! portable kernel otherwise; [`crate::SageOptions::kernel`] can ask for one.
+//! [`sage_forward`] runs the kernels of the pipeline on `CubeBackend`. [`choose`] picks, among
+//! the kernels that take a plan on this runtime ([`tune::candidates`]: the Hopper kernel where
+//! the runtime has warpgroup MMA and TMA, the register kernel where it has manual i8 and
+//! f16/bf16 MMA, both for head dims 64 and 128, the cmma kernel where it has i8 and f16/bf16
+//! cmma, for head dims 64, 128 and 256), the fastest by measurement ([`KernelChoice::Tuned`])
+//! where there are several, the one where there is one, and the portable kernel where there are
+//! none; [`crate::SageOptions::kernel`] can ask for one.
 
 pub mod attn_cmma;
 pub mod attn_mma;
