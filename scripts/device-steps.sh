@@ -89,8 +89,7 @@
 #            the paper's filter, dE summed in bf16; Burn's plain loss, Apple's CCE with its
 #            filter and without (exact)
 #   tsw      sage's Hopper kernel (warpgroup MMA, TMA) against the reference (issue 32): two
-#            warpgroups a cube, one, and the scores converted by the float-bits trick
-#            (BURN_SAGE_WGMMA_CONVERT=magic)
+#            warpgroups a cube, then one
 #   bsw      sage suite at N = 8192 and 16384, D = 128, causal and not: the Hopper kernel's rows
 #            beside the mma.sync kernel, Burn's fused attention, PyTorch SDPA and sageattention;
 #            then the Hopper rows alone with one warpgroup per cube
@@ -101,8 +100,6 @@
 #            sageattention (the sweep that decides `choose`'s default on Hopper)
 #   tst      sage's kernel tuner (KernelChoice::Tuned: the default on CUDA) against the reference,
 #            and the default kernel's shared and long cases
-#   bswm     the Hopper kernel's rows at N = 16384, D = 128, with BURN_SAGE_WGMMA_CONVERT=magic
-#            (compare with bsw16k's in the same call)
 #   ncusw    ncu on the Hopper sage kernel (one launch, N = 8192, D = 128, non-causal): speed
 #            of light, instruction mix, warp stalls, pipe use, local-memory bytes (spills),
 #            occupancy (which resource holds it back)
@@ -345,13 +342,8 @@ for s in "$@"; do
       --skip-impl 'one f32' --skip-impl '(all blocks' --skip-impl '(pass block' --skip-impl liger \
       --skip-impl pytorch-plain --peers-dir "$peers" --out "$O/bccegf" ;;
     tsw) step tsw run test sage wgmma --include-ignored --nocapture
-      BURN_SAGE_WGMMA_WARPGROUPS=1 step tsw1 run test sage wgmma --include-ignored --nocapture
-      BURN_SAGE_WGMMA_CONVERT=magic step tswm run test sage wgmma --include-ignored --nocapture ;;
+      BURN_SAGE_WGMMA_WARPGROUPS=1 step tsw1 run test sage wgmma --include-ignored --nocapture ;;
     tst) step tst run test sage tuned attention_matches_reference --include-ignored --nocapture ;;
-    bswm) BURN_SAGE_WGMMA_CONVERT=magic step bswm run bench --suite sage --filter "N=16384 D=128" \
-      --skip-impl reference --skip-impl int4 --skip-impl fp8 \
-      --skip-impl cmma --skip-impl burn --skip-impl torch --skip-impl sageattention \
-      --skip-impl smoothq --min-reps 5 --warmup-ms 100 --measure-ms 300 --out "$O/bswm" ;;
     bsw) for n in 8192 16384; do
         step "bsw$n" run bench --suite sage --filter "N=$n D=128" --skip-impl reference \
           --skip-impl int4 --skip-impl int8-fp8 --skip-impl cmma --min-reps 5 --warmup-ms 200 \

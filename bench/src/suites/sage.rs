@@ -277,6 +277,7 @@ fn problem(n: usize, d: usize, causal: bool, opts: &SuiteOptions, peers: Rc<Peer
                 // candidates: say which one the row times.
                 let tuned = p
                     .ok()
+                    .filter(|_| kernel.is_none())
                     .and_then(|p| burn_sage::tuned_kernel(&device, &p))
                     .map(|k| format!("; tuned: {k}"))
                     .unwrap_or_default();

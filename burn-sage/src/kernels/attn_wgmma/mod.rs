@@ -7,27 +7,26 @@
 //!
 //! - Q (i8, `[128, d]`) is loaded once by TMA; K (i8, `[64, d]`) and `Vᵀ` (the PV dtype,
 //!   `[d, 64]`, keys contiguous, padded and rounded to the PV grid by `v_transposed`) by TMA into
-//!   the stage, two tiles ahead of the one whose softmax runs, each stage guarded by a barrier
-//!   the TMA bytes complete. Unit 0 issues the loads. The K scales and `ΔS` of a tile are read
-//!   into registers two tiles ahead and stored one tile ahead into the other of two shared
-//!   slots, so one cube sync a tile orders everything.
+//!   the stage, one tile ahead of the one computed, each stage guarded by a barrier the TMA
+//!   bytes complete. Unit 0 issues the loads. The K scales and `ΔS` of the next tile go to the
+//!   other of two shared slots, so one cube sync a tile orders everything.
 //! - `S = Q·Kᵀ`: `wgmma m64n64k32` i8·i8→i32, both operands in shared memory (K-major,
-//!   swizzled), issued for tile `j + 1` before tile `j`'s exponentials, so the tensor cores
-//!   run it under them; its values are copied to f32 registers once it is waited on. The
-//!   accumulator's layout is the `mma.sync` one per 16 rows, so the online softmax reads it as
-//!   `attn_mma`'s does (the folded scales, `ΔS`, the masks, the lazy rescale by `tau`, `P̃`
-//!   rounded to the PV grid), with fewer instructions a score.
+//!   swizzled). The accumulator's layout is the `mma.sync` one per 16 rows, so the online
+//!   softmax reads it as `attn_mma`'s does (the folded scales, `ΔS`, the masks, the lazy
+//!   rescale by `tau`, `P̃` rounded to the PV grid), with fewer instructions a score.
 //! - `A += P̃·V`: `wgmma m64n{d}k16` f16/bf16→f32 with `P̃` in registers (the S accumulator of
 //!   two 8-key blocks is the A fragment of one 16-key step) and `Vᵀ` from shared memory, into
-//!   one accumulator for the whole row tile. It is not waited on until the next tile's
-//!   exponentials are done. A warpgroup accumulator cannot be rescaled in place, so a row
-//!   whose maximum moves rescales f32 values `o` kept in shared memory instead (the output is
-//!   `o + A`, see [`softmax`]).
+//!   one accumulator for the whole row tile. It is not waited on: it runs while the next
+//!   tile's sync, loads and `Q·Kᵀ` are issued. A warpgroup accumulator cannot be rescaled in
+//!   place, so a row whose maximum moves rescales the f32 registers `o` beside it instead
+//!   (the output is `o + A`, see [`softmax`]).
 //!
-//! What this kernel leaves out (the plan's later steps): a producer warp, FP8 `P̃·V` on the
-//! tensor cores, register reallocation between warpgroups. It is asked for by name
-//! ([`crate::SageOptions::kernel`]); [`super::choose`] does not pick it until it measures
-//! faster than [`super::attn_mma`].
+//! What this kernel leaves out (the plan's later steps): a producer warp and barriers per
+//! stage instead of a cube sync per tile, FP8 `P̃·V` on the tensor cores, register
+//! reallocation between warpgroups. (A version that issued the next tile's `Q·Kᵀ` under this
+//! tile's exponentials, branch `wgmma-v3`, ran 10% more instructions and was no faster.) It is
+//! one of the kernels [`super::tune`] times, and can be asked for by name
+//! ([`crate::SageOptions::kernel`]).
 
 mod kernel;
 mod softmax;
@@ -59,17 +58,10 @@ pub fn warpgroups() -> usize {
         },
     )
 }
-/// Whether the kernel converts its `Q·Kᵀ` dot products to f32 by the float-bits trick of
-/// `kernel::keep_scores` (`BURN_SAGE_WGMMA_CONVERT=magic`) instead of a conversion instruction
-/// (`cvt`, the default): measured side by side to choose the default. Read once per process.
-pub fn magic_convert() -> bool {
-    static MAGIC: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *MAGIC.get_or_init(|| std::env::var("BURN_SAGE_WGMMA_CONVERT").as_deref() == Ok("magic"))
-}
-/// Stages of the K/`Vᵀ` ring: four. Tile `j + 2` is loaded at the start of tile `j` (tile
-/// `j + 1`'s `Q·Kᵀ` is issued during tile `j`) into the stage of tile `j − 2`, whose `P̃·V`
-/// every unit has waited on during tile `j − 1`.
-pub const STAGES: usize = 4;
+/// Stages of the K/`Vᵀ` ring: three, so that the load of tile `j + 1`, issued at the start of
+/// tile `j`, takes the stage of tile `j − 2`, whose `P̃·V` every unit has waited on (it runs on
+/// while tile `j − 1`'s scores are computed).
+pub const STAGES: usize = 3;
 /// Units of a warpgroup.
 const WG: usize = 128;
 
@@ -237,7 +229,6 @@ pub(crate) fn launch(
             ml.write_lse,
             native,
             wgs,
-            magic_convert(),
             dtypes,
         );
     }

@@ -1,4 +1,4 @@
-//! The online softmax of the Hopper kernel: the arithmetic of
+//! The online softmax of the Hopper kernel, on the lane's registers: the arithmetic of
 //! `attn_mma`'s stages with fewer instructions a score, and a rescale written for a `P̃·V`
 //! accumulator that is never reset.
 //!
@@ -9,12 +9,9 @@
 //! - Where `P̃·V` is FP16 (`native`: `p_scale` is 1 and the conversion rounds `P̃`), `P̃` is the
 //!   exponential itself, with no multiply.
 //! - The output is `o + A`: `A` is the warpgroup accumulator every tile's `P̃·V` adds into, `o`
-//!   f32 values in shared memory (the lane's own slots) that start at zero. When a row's
-//!   maximum moves and its values scale by `α`, the true output `o + A` must become
-//!   `α·(o + A)`; `A` cannot be written, so `o` becomes `α·o + (α − 1)·A` (see
-//!   [`rescale_output`]). A row whose maximum holds costs nothing, and with FP16 `P̃·V` (`tau`
-//!   = 8) maxima move on few tiles after the first, so `o` lives in shared memory, leaving
-//!   its registers to the next tile's scores.
+//!   f32 registers that start at zero. When a row's maximum moves and its values scale by
+//!   `α`, the true output `o + A` must become `α·(o + A)`; `A` cannot be written, so `o`
+//!   becomes `α·o + (α − 1)·A` (see [`rescale`]). A row whose maximum holds costs nothing.
 //!
 //! Index `n·4 + v·2 + e` of a tile's scores is 8-key block `n`, row `v` of the lane's two, key
 //! `2·(lane mod 4) + e` of the block (the accumulator's layout, as in `attn_mma`).
@@ -26,14 +23,13 @@ use super::super::AttnArgs;
 use super::super::attn_mma::BKV;
 use super::super::pv_grid::{RoundArgs, round_bits};
 
-/// The lane's scores of one tile from its f32 copy `s` of the S accumulator (element `i` is
-/// the accumulator's; see the module docs for what each score holds), masked where `masked`
-/// (past the keys' end, the causal diagonal, rows past the end), and the lane's per-row maxima
-/// of them in `mx`.
+/// The lane's scores of one tile from the S accumulator (see the module docs for what each
+/// holds), masked where `masked` (past the keys' end, the causal diagonal, rows past the end),
+/// and the lane's per-row maxima of them in `mx`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub(super) fn scores(
-    s: &Array<f32>,
+    acc: &Accumulator<i32>,
     sf: &mut Array<f32>,
     mx: &mut Array<f32>,
     ks_sm: &Shared<[f32]>,
@@ -67,7 +63,7 @@ pub(super) fn scores(
             #[unroll]
             for v in 0..2usize {
                 // Accumulator element `4n + 2v + e`: block `n`, row `v`, key `e` of the pair.
-                let mut x = s[n * 4 + v * 2 + e] * ksc;
+                let mut x = f32::cast_from(acc.get(n * 4 + v * 2 + e)) * ksc;
                 if has_ds {
                     x = x * qsc[v] + dsc;
                 }
@@ -88,20 +84,22 @@ pub(super) fn scores(
 
 /// The running maxima: each row's tile maximum over the 4 lanes of its quad (in logits: times
 /// the row's Q scale where the scores do not hold it); where it exceeds the running maximum by
-/// more than `tau`, the maximum moves and the row's sum scales by `α = exp(m_old − m_new)`.
-/// Writes each row's `α` (1 where the maximum holds) and returns whether any moved; the
-/// output's rescale by the same `α` is [`rescale_output`]'s, once the last `P̃·V` is done.
+/// more than `tau`, the maximum moves, the row's sum scales by `α = exp(m_old − m_new)` and the
+/// row's output `o + A` by the same, through `o ← α·o + (α − 1)·A`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-pub(super) fn maxima(
+pub(super) fn rescale<N2: Size>(
     mx: &Array<f32>,
     m: &mut Array<f32>,
     l: &mut Array<f32>,
-    alpha: &mut Array<f32>,
+    o: &mut Array<Vector<f32, N2>>,
+    acc: &Accumulator<f32>,
     qsc: &Array<f32>,
     tau: f32,
     #[comptime] has_ds: bool,
-) -> bool {
+    #[comptime] dim: usize,
+) {
+    let mut alpha = Array::<f32>::new(2usize);
     let mut need = false;
     #[unroll]
     for v in 0..2usize {
@@ -121,29 +119,14 @@ pub(super) fn maxima(
         alpha[v] = a;
         l[v] *= a;
     }
-    need
-}
-
-/// The output `o + A` of the lane's rows scaled by their `α`: `o ← α·o + (α − 1)·A`, with `o`
-/// in the lane's slots of shared memory (pair `i` at `i·units + tid`) and `A` the `P̃·V`
-/// accumulator as the tiles so far left it. Pair `i` belongs to row `i mod 2`; a row whose `α`
-/// is 1 keeps its `o`.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-pub(super) fn rescale_output<N2: Size>(
-    o_sm: &mut Shared<[Vector<f32, N2>]>,
-    acc: &Accumulator<f32>,
-    alpha: &Array<f32>,
-    tid: usize,
-    #[comptime] units: usize,
-    #[comptime] dim: usize,
-) {
-    #[unroll]
-    for i in 0..comptime!(dim / 4) {
-        let a = alpha[i % 2];
-        let x = output_pair::<N2>(acc, i);
-        let at = i * units + tid;
-        o_sm[at] = o_sm[at] * Vector::<f32, N2>::new(a) + x * Vector::<f32, N2>::new(a - 1.0);
+    if need {
+        #[unroll]
+        for i in 0..comptime!(dim / 4) {
+            // Pair `i` belongs to row `i mod 2`; where that row's α is 1 this leaves `o`.
+            let a = alpha[i % 2];
+            let x = output_pair::<N2>(acc, i);
+            o[i] = o[i] * Vector::<f32, N2>::new(a) + x * Vector::<f32, N2>::new(a - 1.0);
+        }
     }
 }
 
