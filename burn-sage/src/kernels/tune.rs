@@ -25,22 +25,36 @@ use crate::{SageOptions, SagePlan};
 const MATRIX_KERNELS: [KernelChoice; 3] =
     [KernelChoice::Wgmma, KernelChoice::Mma, KernelChoice::Cmma];
 
+/// Whether `kernel`, asked for by name, takes `plan` on this client.
+fn takes(client: &Client, plan: &SagePlan, kernel: KernelChoice) -> bool {
+    let opts = SageOptions {
+        kernel: Some(kernel),
+        ..plan.opts
+    };
+    choose(client, &SagePlan { opts, ..*plan }).is_ok()
+}
+
 /// The kernels the tuner times for `plan` on this client: each matrix-unit kernel that takes
 /// the plan when asked for by name, else the portable kernel where it takes it; empty when none
 /// does.
 pub fn candidates(client: &Client, plan: &SagePlan) -> Vec<KernelChoice> {
-    let named = |kernel| {
-        let opts = SageOptions {
-            kernel: Some(kernel),
-            ..plan.opts
-        };
-        choose(client, &SagePlan { opts, ..*plan }).is_ok()
-    };
-    let matrix: Vec<_> = MATRIX_KERNELS.into_iter().filter(|&k| named(k)).collect();
-    if matrix.is_empty() && named(KernelChoice::Unit) {
+    let matrix: Vec<_> = MATRIX_KERNELS
+        .into_iter()
+        .filter(|&k| takes(client, plan, k))
+        .collect();
+    if matrix.is_empty() && takes(client, plan, KernelChoice::Unit) {
         vec![KernelChoice::Unit]
     } else {
         matrix
+    }
+}
+
+/// Whether `kernel` is one of [`candidates`] for `plan`, asking only about it where it is a
+/// matrix-unit kernel (every launch of a tuned plan checks its kernel).
+fn is_candidate(client: &Client, plan: &SagePlan, kernel: KernelChoice) -> bool {
+    match kernel {
+        KernelChoice::Unit => candidates(client, plan) == [KernelChoice::Unit],
+        _ => takes(client, plan, kernel),
     }
 }
 
@@ -113,7 +127,7 @@ fn tunables(
         for kernel in MATRIX_KERNELS.into_iter().chain([KernelChoice::Unit]) {
             let client = client.clone();
             let run = move |(x, args, plan): Inputs| {
-                if !candidates(&client, &plan).contains(&kernel) {
+                if !is_candidate(&client, &plan, kernel) {
                     return Err(format!("{kernel} does not take this plan"));
                 }
                 let (out, lse) = launch(kernel, x, args, &plan);
