@@ -93,8 +93,9 @@
 #   bsw      sage suite at N = 8192 and 16384, D = 128, causal and not: the Hopper kernel's rows
 #            beside the mma.sync kernel, Burn's fused attention, PyTorch SDPA and sageattention;
 #            then the Hopper rows alone with one warpgroup per cube
-#   bsw16k   sage suite at N = 16384, D = 128: the Hopper and mma.sync kernels (INT8 per warp,
-#            FP16 P̃·V), PyTorch SDPA and sageattention only (~40 s)
+#   bsw16k   sage suite at N = 16384, D = 128: the default (tuned) and Hopper kernels (INT8 per warp,
+#            FP16 P̃·V), Burn's fused attention (the baseline), PyTorch SDPA and sageattention
+#            (~60 s)
 #   bswall   sage suite, every N (1K..32K) and D (64, 128), causal and not: the Hopper kernel
 #            beside the mma.sync kernel (INT8 per warp, FP16 P̃·V), PyTorch SDPA and
 #            sageattention (the sweep that decides `choose`'s default on Hopper)
@@ -360,7 +361,7 @@ for s in "$@"; do
       --skip-impl 'one f32' --skip-impl 'blocks' --skip-impl liger \
       --skip-impl pytorch-plain --peers-dir "$peers" --out "$O/bccegc" ;;
     bsw16k) step bsw16k run bench --suite sage --filter "N=16384 D=128" --skip-impl reference \
-      --skip-impl int4 --skip-impl fp8 --skip-impl cmma --skip-impl burn --skip-impl smoothq \
+      --skip-impl int4 --skip-impl fp8 --skip-impl cmma --skip-impl smoothq \
       --min-reps 5 --warmup-ms 100 --measure-ms 300 --peers-dir "$peers" --out "$O/bsw16k" ;;
     bswall) step bswall run bench --suite sage --skip-impl reference --skip-impl int4 \
       --skip-impl fp8 --skip-impl cmma --skip-impl burn --skip-impl smoothq --min-reps 5 \

@@ -14,6 +14,8 @@ mod accuracy;
 mod attention;
 #[path = "sage/common.rs"]
 mod common;
+#[path = "sage/fast_exp.rs"]
+mod fast_exp;
 #[path = "sage/quantize.rs"]
 mod quantize;
 #[path = "sage/routing.rs"]
@@ -22,6 +24,7 @@ mod routing;
 use accuracy::*;
 use attention::*;
 use common::*;
+use fast_exp::*;
 use quantize::*;
 use routing::*;
 
@@ -34,6 +37,7 @@ use burn_sage::{
 testgen! {
     backend: [
         quantize_matches_reference,
+        exp2_poly_matches_exp2,
         shared_stages_match_reference,
         attention_matches_reference,
         attention_matches_reference_long,

@@ -24,6 +24,7 @@ pub mod attn_mma;
 pub mod attn_unit;
 pub mod attn_wgmma;
 mod common;
+pub mod fast_exp;
 mod pv_grid;
 pub mod quantize;
 pub mod tune;

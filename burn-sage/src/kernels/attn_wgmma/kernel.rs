@@ -4,6 +4,7 @@
 use cubecl::ir::{ElemType, FastMath};
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
+use core::f64::consts::{LN_2, LOG2_E as LOG2E};
 use cubecl::wgmma::{Accumulator, Fragment, MatrixDescriptor, WARPGROUP_M};
 
 use super::super::AttnArgs;
@@ -51,6 +52,7 @@ fn load_scales(
     kv0: usize,
     tid: usize,
     #[comptime] has_ds: bool,
+    #[comptime] poly: bool,
 ) {
     if tid < BKV {
         let key = kv0 + tid;
@@ -61,6 +63,9 @@ fn load_scales(
             x = ks[bhk * args.k_groups + kg];
             if has_ds {
                 y = ds[ds_row + key] * args.scale;
+                if poly {
+                    y *= f32::new(LOG2E);
+                }
             }
         }
         ks_sm[slot + tid] = x;
@@ -111,6 +116,7 @@ pub(super) fn attn_wgmma_kernel<F: Float, P: Float, N2: Size>(
     #[comptime] write_lse: bool,
     #[comptime] native: bool,
     #[comptime] wgs: usize,
+    #[comptime] poly: bool,
     #[define(F, P)] _dtypes: [ElemType; 2],
 ) {
     let bq = comptime!(wgs * WARPGROUP_M);
@@ -181,6 +187,7 @@ pub(super) fn attn_wgmma_kernel<F: Float, P: Float, N2: Size>(
     // Tile 0's scales; the loop's first cube sync publishes them.
     load_scales(
         ks, ds, &mut ks_sm, &mut ds_sm, 0usize, &args, bhk, ds_row, 0usize, tid, has_ds,
+        poly,
     );
 
     // The lane's two rows: `lane / 4` and `lane / 4 + 8` of its plane's 16.
@@ -196,6 +203,15 @@ pub(super) fn attn_wgmma_kernel<F: Float, P: Float, N2: Size>(
         &mut own,
         &mut qsc,
     );
+    // In base 2 where `poly` (see `softmax`): the Q scales (and `ΔS`, `τ`) carry `log₂e`.
+    let mut tau = tau;
+    if poly {
+        #[unroll]
+        for v in 0..2usize {
+            qsc[v] *= f32::new(LOG2E);
+        }
+        tau *= f32::new(LOG2E);
+    }
     let mut m = Array::<f32>::new(2usize);
     let mut l = Array::<f32>::new(2usize);
     let mut mx = Array::<f32>::new(2usize);
@@ -255,6 +271,7 @@ pub(super) fn attn_wgmma_kernel<F: Float, P: Float, N2: Size>(
                         kv0 + BKV,
                         tid,
                         has_ds,
+                        poly,
                     );
                 }
                 full.index(st).wait_parity(round as u32 & 1);
@@ -293,14 +310,14 @@ pub(super) fn attn_wgmma_kernel<F: Float, P: Float, N2: Size>(
                     );
                 }
                 let acc = pv.downcast::<f32>().wait();
-                rescale::<N2>(&mx, &mut m, &mut l, &mut o, &acc, &qsc, tau, has_ds, dim);
+                rescale::<N2>(&mx, &mut m, &mut l, &mut o, &acc, &qsc, tau, has_ds, dim, poly);
                 if full_tile {
                     probabilities::<P, N2>(
-                        &sf, &mut p, &m, &mut l, &qsc, &args, &g, false, has_ds, native,
+                        &sf, &mut p, &m, &mut l, &qsc, &args, &g, false, has_ds, native, poly,
                     );
                 } else {
                     probabilities::<P, N2>(
-                        &sf, &mut p, &m, &mut l, &qsc, &args, &g, true, has_ds, native,
+                        &sf, &mut p, &m, &mut l, &qsc, &args, &g, true, has_ds, native, poly,
                     );
                 }
                 let mut next = acc.start();
@@ -317,6 +334,13 @@ pub(super) fn attn_wgmma_kernel<F: Float, P: Float, N2: Size>(
     #[unroll]
     for i in 0..comptime!(dim / 4) {
         o[i] += output_pair::<N2>(&acc, i);
+    }
+    if poly {
+        // The log-sum-exp is written in base e.
+        #[unroll]
+        for v in 0..2usize {
+            m[v] *= f32::new(LN_2);
+        }
     }
     write_output::<F, N2>(
         &o, &mut l, &m, out, lse, post, &args, &rows, &own, bh, bhk, t, dim, write_lse,

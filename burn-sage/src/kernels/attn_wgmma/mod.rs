@@ -58,6 +58,13 @@ pub fn warpgroups() -> usize {
         },
     )
 }
+/// Whether the softmax takes its exponentials in base 2 by a polynomial on the FMA pipe
+/// ([`super::fast_exp::exp2_poly`]): `BURN_SAGE_WGMMA_EXP=libdevice` asks for `f32::exp` (libdevice's
+/// `expf`) instead, to measure the two side by side. Read once per process.
+pub fn poly_exp() -> bool {
+    static POLY: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *POLY.get_or_init(|| std::env::var("BURN_SAGE_WGMMA_EXP").as_deref() != Ok("libdevice"))
+}
 /// Stages of the K/`Vᵀ` ring: three, so that the load of tile `j + 1`, issued at the start of
 /// tile `j`, takes the stage of tile `j − 2`, whose `P̃·V` every unit has waited on (it runs on
 /// while tile `j − 1`'s scores are computed).
@@ -229,6 +236,7 @@ pub(crate) fn launch(
             ml.write_lse,
             native,
             wgs,
+            poly_exp(),
             dtypes,
         );
     }

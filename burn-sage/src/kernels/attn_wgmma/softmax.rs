@@ -13,6 +13,11 @@
 //!   `α`, the true output `o + A` must become `α·(o + A)`; `A` cannot be written, so `o`
 //!   becomes `α·o + (α − 1)·A` (see [`rescale`]). A row whose maximum holds costs nothing.
 //!
+//! - With `poly` (the default, [`super::poly_exp`]) every logit, maximum and `τ` is in base 2
+//!   (the Q scales and `ΔS` carry `log₂e`), and `exp` is
+//!   [`exp2_poly`](super::super::fast_exp::exp2_poly) on the FMA pipe: eight instructions
+//!   where libdevice's `expf`, which CubeCL's LLVM path calls, takes about eleven. The log-sum-exp is written in base e.
+//!
 //! Index `n·4 + v·2 + e` of a tile's scores is 8-key block `n`, row `v` of the lane's two, key
 //! `2·(lane mod 4) + e` of the block (the accumulator's layout, as in `attn_mma`).
 
@@ -21,7 +26,14 @@ use cubecl::wgmma::Accumulator;
 
 use super::super::AttnArgs;
 use super::super::attn_mma::BKV;
+use super::super::fast_exp::exp2_poly;
 use super::super::pv_grid::{RoundArgs, round_bits};
+
+/// `e^x`, or `2^x` where `poly` (the arguments are then in base 2).
+#[cube]
+pub(super) fn exp_of(x: f32, #[comptime] poly: bool) -> f32 {
+    if poly { exp2_poly(x) } else { f32::exp(x) }
+}
 
 /// The lane's scores of one tile from the S accumulator (see the module docs for what each
 /// holds), masked where `masked` (past the keys' end, the causal diagonal, rows past the end),
@@ -98,6 +110,7 @@ pub(super) fn rescale<N2: Size>(
     tau: f32,
     #[comptime] has_ds: bool,
     #[comptime] dim: usize,
+    #[comptime] poly: bool,
 ) {
     let mut alpha = Array::<f32>::new(2usize);
     let mut need = false;
@@ -112,7 +125,7 @@ pub(super) fn rescale<N2: Size>(
         let m_new = f32::max(m[v], tm);
         let mut a = f32::new(1.0);
         if m_new > m[v] + tau {
-            a = f32::exp(m[v] - m_new);
+            a = exp_of(m[v] - m_new, poly);
             m[v] = m_new;
             need = true;
         }
@@ -155,6 +168,7 @@ pub(super) fn probabilities<P: Float, N2: Size>(
     #[comptime] masked: bool,
     #[comptime] has_ds: bool,
     #[comptime] native: bool,
+    #[comptime] poly: bool,
 ) {
     #[unroll]
     for v in 0..2usize {
@@ -172,9 +186,9 @@ pub(super) fn probabilities<P: Float, N2: Size>(
                 let x = sf[n * 4 + v * 2 + e];
                 // With ΔS the score is the logit (`mul` is 1 and left out).
                 let mut pe = if has_ds {
-                    f32::exp(x + neg_m)
+                    exp_of(x + neg_m, poly)
                 } else {
-                    f32::exp(x * mul + neg_m)
+                    exp_of(x * mul + neg_m, poly)
                 };
                 if masked {
                     // Masked scores sit at -1e30: exp(0) when the whole row is masked so far.
