@@ -1,4 +1,4 @@
-//! `2^y` on the FMA and integer pipes, for the softmax of the Hopper kernel.
+//! `2^y` by a polynomial on the FMA pipe, for the softmax of the Hopper kernel.
 //!
 //! CubeCL's CUDA path (LLVM) lowers `f32::exp` to libdevice's `expf`, about eleven instructions
 //! with its `MUFU.EX2` and the range reduction that makes it exact to 2 ulp; CubeCL has no
@@ -6,8 +6,8 @@
 //! [`exp2_poly`] takes eight, with the logits in base 2 (`log₂e` folded into their scales).
 
 use burn::tensor::DType;
-use burn_cubecl::{kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype};
 use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::{kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype};
 use cubecl::prelude::*;
 
 use super::common::grid;
@@ -19,8 +19,8 @@ const C0: f64 = 0.999_928_07;
 const C1: f64 = 0.693_260_99;
 const C2: f64 = 0.242_611_12;
 const C3: f64 = 0.055_171_67;
-/// `1.5·2²³`: adding it to an f32 of magnitude below 2²² rounds it to an integer, which lands in
-/// the low bits of the sum's mantissa.
+/// `1.5·2²³`: adding it to an integer-valued f32 of magnitude below 2²² puts the integer, two's
+/// complement, in the low bits of the sum's mantissa.
 const ROUND_MAGIC: f64 = 12_582_912.0;
 /// The relative error bound of [`exp2_poly`] over `[−125, 127]`: the polynomial's, plus f32
 /// rounding in its evaluation.
@@ -28,18 +28,22 @@ pub const EXP2_POLY_REL_ERR: f32 = 1.0e-4;
 /// Below this, [`exp2_poly`] returns `2^EXP2_POLY_MIN` (about 2.4·10⁻³⁸), not a smaller value.
 pub const EXP2_POLY_MIN: f32 = -125.0;
 
-/// `2^y`: `y = r + f` with `r` an integer and `f ∈ [−½, ½]`, `2^f` by the polynomial
+/// `2^y`: `y = r + f` with `r = round(y)` and `f ∈ [−½, ½]`, `2^f` by the polynomial
 /// [`C0`]..[`C3`], `r` added to the result's exponent bits. `y` is clamped below at
 /// [`EXP2_POLY_MIN`] (callers that need exact zeros for masked scores select them) and must stay
 /// below 127.5.
+///
+/// `r` comes from `round`, not from adding and subtracting a magic constant (one instruction
+/// fewer on CUDA): compilers that may reassociate floats (lavapipe) fold that to `f = 0`.
 #[cube]
 pub fn exp2_poly(y: f32) -> f32 {
     let y = f32::max(y, f32::new(EXP2_POLY_MIN as f64));
-    let t = y + f32::new(ROUND_MAGIC);
-    let f = y - (t - f32::new(ROUND_MAGIC));
+    let r = f32::round(y);
+    let f = y - r;
     let p = ((f32::new(C3) * f + f32::new(C2)) * f + f32::new(C1)) * f + f32::new(C0);
-    // The low bits of `t` hold `r` (two's complement): shifted into the exponent field, the
+    // `r + magic` is exact and holds `r` in its low bits: shifted into the exponent field, the
     // magic's own bits fall off the top.
+    let t = r + f32::new(ROUND_MAGIC);
     f32::reinterpret((u32::reinterpret(t) << 23u32) + u32::reinterpret(p))
 }
 

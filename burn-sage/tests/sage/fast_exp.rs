@@ -24,7 +24,7 @@ pub(super) fn exp2_poly_matches_exp2(device: &Device) {
     let out = exp2_poly_map(burn_kernels_testing::unfused::float(&x, device));
     let got = burn_kernels_testing::unfused::read_float(out)
         .convert::<f32>()
-        .into_vec::<f32>()
+        .try_into_vec::<f32>()
         .expect("f32");
     let floor = (EXP2_POLY_MIN as f64).exp2();
     for (i, (&y, &g)) in ys.iter().zip(&got).enumerate() {
