@@ -1,10 +1,10 @@
 //! The Hopper kernel's body: the loads by TMA, the K scales a tile ahead, and the tile loop (see
 //! the module docs of [`super`] for its structure).
 
+use core::f64::consts::{LN_2, LOG2_E as LOG2E};
 use cubecl::ir::{ElemType, FastMath};
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
-use core::f64::consts::{LN_2, LOG2_E as LOG2E};
 use cubecl::wgmma::{Accumulator, Fragment, MatrixDescriptor, WARPGROUP_M};
 
 use super::super::AttnArgs;
@@ -186,8 +186,7 @@ pub(super) fn attn_wgmma_kernel<F: Float, P: Float, N2: Size>(
     }
     // Tile 0's scales; the loop's first cube sync publishes them.
     load_scales(
-        ks, ds, &mut ks_sm, &mut ds_sm, 0usize, &args, bhk, ds_row, 0usize, tid, has_ds,
-        poly,
+        ks, ds, &mut ks_sm, &mut ds_sm, 0usize, &args, bhk, ds_row, 0usize, tid, has_ds, poly,
     );
 
     // The lane's two rows: `lane / 4` and `lane / 4 + 8` of its plane's 16.
@@ -310,7 +309,9 @@ pub(super) fn attn_wgmma_kernel<F: Float, P: Float, N2: Size>(
                     );
                 }
                 let acc = pv.downcast::<f32>().wait();
-                rescale::<N2>(&mx, &mut m, &mut l, &mut o, &acc, &qsc, tau, has_ds, dim, poly);
+                rescale::<N2>(
+                    &mx, &mut m, &mut l, &mut o, &acc, &qsc, tau, has_ds, dim, poly,
+                );
                 if full_tile {
                     probabilities::<P, N2>(
                         &sf, &mut p, &m, &mut l, &qsc, &args, &g, false, has_ds, native, poly,

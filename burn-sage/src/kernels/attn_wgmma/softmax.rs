@@ -15,7 +15,7 @@
 //!
 //! - With `poly` (the default, [`super::poly_exp`]) every logit, maximum and `τ` is in base 2
 //!   (the Q scales and `ΔS` carry `log₂e`), and `exp` is
-//!   [`exp2_poly`](super::super::fast_exp::exp2_poly) on the FMA pipe: eight instructions
+//!   [`exp2_poly`](super::super::fast_exp::exp2_poly) on the FMA pipe: nine instructions
 //!   where libdevice's `expf`, which CubeCL's LLVM path calls, takes about eleven. The log-sum-exp is written in base e.
 //!
 //! Index `n·4 + v·2 + e` of a tile's scores is 8-key block `n`, row `v` of the lane's two, key
