@@ -13,7 +13,7 @@
 //!   `α`, the true output `o + A` must become `α·(o + A)`; `A` cannot be written, so `o`
 //!   becomes `α·o + (α − 1)·A` (see [`rescale`]). A row whose maximum holds costs nothing.
 //!
-//! - With `poly` (the default, [`super::poly_exp`]) every logit, maximum and `τ` is in base 2
+//! - With `poly` (opt-in for now, [`super::poly_exp`]) every logit, maximum and `τ` is in base 2
 //!   (the Q scales and `ΔS` carry `log₂e`), and `exp` is
 //!   [`exp2_poly`](super::super::fast_exp::exp2_poly) on the FMA pipe: nine instructions
 //!   where libdevice's `expf`, which CubeCL's LLVM path calls, takes about eleven. The log-sum-exp is written in base e.
