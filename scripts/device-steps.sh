@@ -99,6 +99,9 @@
 #   bswall   sage suite, every N (1K..32K) and D (64, 128), causal and not: the Hopper kernel
 #            beside the mma.sync kernel (INT8 per warp, FP16 P̃·V), PyTorch SDPA and
 #            sageattention (the sweep that decides `choose`'s default on Hopper)
+#   tswp     sage's Hopper kernel with the polynomial exp (BURN_SAGE_WGMMA_EXP=poly): the
+#            exp2_poly test, wgmma_kernel_matches_reference, then bsw16k with it (run bsw16k
+#            in the same call for the libdevice rows)
 #   tst      sage's kernel tuner (KernelChoice::Tuned: the default on CUDA) against the reference,
 #            and the default kernel's shared and long cases
 #   ncusw    ncu on the Hopper sage kernel (one launch, N = 8192, D = 128, non-causal): speed
@@ -344,6 +347,11 @@ for s in "$@"; do
       --skip-impl pytorch-plain --peers-dir "$peers" --out "$O/bccegf" ;;
     tsw) step tsw run test sage wgmma --include-ignored --nocapture
       BURN_SAGE_WGMMA_WARPGROUPS=1 step tsw1 run test sage wgmma --include-ignored --nocapture ;;
+    tswp) step tswp-exp run test sage exp2 --nocapture
+      BURN_SAGE_WGMMA_EXP=poly step tswp run test sage wgmma --include-ignored --nocapture
+      BURN_SAGE_WGMMA_EXP=poly step bsw16kp run bench --suite sage --filter "N=16384 D=128" \
+        --skip-impl reference --skip-impl int4 --skip-impl fp8 --skip-impl cmma --skip-impl smoothq \
+        --min-reps 5 --warmup-ms 100 --measure-ms 300 --peers-dir "$peers" --out "$O/bsw16kp" ;;
     tst) step tst run test sage tuned attention_matches_reference --include-ignored --nocapture ;;
     bsw) for n in 8192 16384; do
         step "bsw$n" run bench --suite sage --filter "N=$n D=128" --skip-impl reference \
