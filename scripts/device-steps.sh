@@ -73,6 +73,9 @@
 #            full cache's 48.3 on the RULER-style table; compare with skv64 in the same call
 #   skv2s8   skv2s with 8x candidates (46.7 against 48.3 at 4K: within the issue's 2 points), at
 #            SKV_CTX K context (default 64)
+#   psw      sage's default (INT8 per warp, FP16 P̃·V, causal and not) at N = 1K (D = 64, 128), 4K
+#            (D = 128) under CubeCL's profiler: per-kernel device times against the bench's
+#            median (what does not scale with the work at short lengths)
 #   pcceg    Gemma-2 CCE loss + gradient with the paper's filter, automatic blocks and all
 #            blocks of 256 MiB, under CubeCL's profiler: per-kernel totals (prof_sum)
 #   pccege   the exact default at the Gemma-2 shape under CubeCL's profiler: per-kernel totals
@@ -218,6 +221,25 @@ prof_sum() {
 # profiler: the automatic blocks (1.03x memory) and all blocks of 256 MiB (1.39x, 1.1x Apple's
 # speed), to see where the automatic blocks lose their time. Each runs once unprofiled first
 # (autotune and compilation out of the profile).
+# Sage's default at short lengths under CubeCL's profiler: per-kernel device times of one call
+# (after a warm run that fills the autotune cache), against the bench's median of the same
+# call: the difference is what the host and the gaps between launches cost.
+psw() {
+  local n
+  for n in "N=1024 D=64" "N=1024 D=128" "N=4096 D=128"; do
+    local sel=(--suite sage --filter "$n" --skip-impl reference --skip-impl int4 --skip-impl fp8
+      --skip-impl cmma --skip-impl smoothq --skip-impl burn --skip-impl torch
+      --skip-impl sageattention --skip-impl wgmma)
+    run bench "${sel[@]}" --min-reps 20 --warmup-ms 100 --measure-ms 200 --out "$O/psw-warm" |
+      grep -E '^ *N=.*ms'
+    rm -f /tmp/cubecl-prof.log
+    CUBECL_DEBUG_LOG=/tmp/cubecl-prof.log CUBECL_DEBUG_OPTION=profile \
+      run bench "${sel[@]}" --warmup-ms 0 --measure-ms 0 --out "$O/psw" | grep -E '^ *N=.*ms'
+    echo "-- profile, $n (every launch of the profiled run)"
+    prof_sum /tmp/cubecl-prof.log
+  done
+}
+
 pcceg() {
   local common=(--skip-impl 'cce$' --skip-impl 'chunked passes' --skip-impl sorting
     --skip-impl autotuned --skip-impl fused --skip-impl 'bf16 dE' --skip-impl 'one f32'
@@ -328,6 +350,7 @@ for s in "$@"; do
     skv64p | skv128p) ctx=${s#skv}; BURN_KERNELS_SHADOWKV_PINNED=0 \
       step "$s" run bench --suite shadowkv --filter "ctx=${ctx%p}K" $(skv_budgets) --out "$O/$s" ;;
     pcceg) step pcceg pcceg ;;
+    psw) step psw psw ;;
     pccege) step pccege pccege ;;
     pccegc) step pccegc pccegc ;;
     h2d) step h2d python3 "$(dirname "$0")/h2d-bandwidth.py" ;;
