@@ -58,12 +58,17 @@ pub(super) fn oracle(
 }
 
 /// `(batch, rows, rank, heads, d, k, chunk, positions)`: prime and odd sizes, a chunk id past
-/// the rows (zero output), tables shorter than the rows.
+/// the rows (zero output), tables shorter than the rows; the tiled kernel's tiles (64 tokens at
+/// ShadowKV's rank 160, 56 at rank 200) with tails, two blocks of 32 pairs with a tail of one,
+/// and a rank whose rows do not fit its shared memory (the plain kernel).
 pub(super) const GATHER_CASES: &[[usize; 8]] = &[
     [1, 37, 13, 3, 64, 5, 7, 37],
     [2, 41, 160, 2, 34, 3, 8, 41],
     [3, 23, 5, 1, 2, 4, 3, 20],
     [2, 64, 31, 4, 128, 6, 8, 64],
+    [2, 300, 160, 2, 128, 11, 8, 300],
+    [1, 90, 200, 3, 66, 9, 7, 85],
+    [1, 20, 1601, 1, 16, 2, 4, 20],
 ];
 
 pub(super) fn gather_rope_matches_reference(device: &Device) {
