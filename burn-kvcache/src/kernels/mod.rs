@@ -5,7 +5,8 @@
 //! - [`restore`]: one unit per output element;
 //! - [`quantize`]: one unit per group (min/max, codes, its packed words);
 //! - [`dequantize`]: one unit per output element;
-//! - [`gather_rope`]: ShadowKV's key rebuild, one unit per rotated pair of output elements;
+//! - [`gather_rope`]: ShadowKV's key rebuild, a cube per tile of tokens and 32 rotated pairs
+//!   (the tile's low-rank rows gathered into shared memory once), or one unit per pair;
 //! - [`top_k`]: ShadowKV's selection, one cube per row (a bitwise search for the `k`-th
 //!   largest key, then a scan of the units' counts for ordered output);
 //! - [`decode_attention`]: split-K attention over full-precision keys, one cube of planes per
