@@ -42,8 +42,7 @@ fn gather_rope_kernel<F: Float, I: Int>(
     let heads = wt.shape(1);
     let d = wt.shape(3);
     let half = d / 2;
-    let k = chunks.shape(2);
-    let n = k * chunk;
+    let n = chunks.shape(2) * chunk;
     let positions = cos.shape(0);
 
     let j = idx % half;
@@ -51,31 +50,49 @@ fn gather_rope_kernel<F: Float, I: Int>(
     let tok = rest % n;
     let bh = rest / n;
     let bi = bh / heads;
-    let slot = tok / chunk;
-    let t = tok % chunk;
-    // Indices are never negative (chunk ids); out-of-range positions give zeros.
-    let c = usize::cast_from(chunks[bh * k + slot]);
-    let pos = c * chunk + t;
+    let (pos, valid) = token_position(chunks, bh, tok, chunk, rows, positions);
     let o = (bh * n + tok) * d + j;
-    if pos >= rows || pos >= positions {
-        out[o] = F::cast_from(0.0f32);
-        out[o + half] = F::cast_from(0.0f32);
-        terminate!();
-    }
-    let arow = (bi * rows + pos) * rank;
-    let wbase = bh * rank * d + j;
     let mut x1 = f32::new(0.0);
     let mut x2 = f32::new(0.0);
-    for r in 0..rank {
-        let av = f32::cast_from(a[arow + r]);
-        let w = wbase + r * d;
-        x1 += av * f32::cast_from(wt[w]);
-        x2 += av * f32::cast_from(wt[w + half]);
+    if valid {
+        let arow = (bi * rows + pos) * rank;
+        let wbase = bh * rank * d + j;
+        for r in 0..rank {
+            let av = f32::cast_from(a[arow + r]);
+            let w = wbase + r * d;
+            x1 += av * f32::cast_from(wt[w]);
+            x2 += av * f32::cast_from(wt[w + half]);
+        }
     }
-    let cs = cos[pos * half + j];
-    let sn = sin[pos * half + j];
-    out[o] = F::cast_from(x1 * cs - x2 * sn);
-    out[o + half] = F::cast_from(x2 * cs + x1 * sn);
+    store_rotated(out, cos, sin, o, pos, j, half, x1, x2, valid);
+}
+
+/// Writes the pair `(x1, x2)` of output `o` (channels `j` and `j + half`) rotated by RoPE at
+/// `pos`, or zeros where the token has no row (`!valid`).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn store_rotated<F: Float>(
+    out: &mut Tensor<F>,
+    cos: &Tensor<f32>,
+    sin: &Tensor<f32>,
+    o: usize,
+    pos: usize,
+    j: usize,
+    half: usize,
+    x1: f32,
+    x2: f32,
+    valid: bool,
+) {
+    let mut y1 = f32::new(0.0);
+    let mut y2 = f32::new(0.0);
+    if valid {
+        let cs = cos[pos * half + j];
+        let sn = sin[pos * half + j];
+        y1 = x1 * cs - x2 * sn;
+        y2 = x2 * cs + x1 * sn;
+    }
+    out[o] = F::cast_from(y1);
+    out[o + half] = F::cast_from(y2);
 }
 
 /// Warps of the tiled kernel's cubes; a tile's tokens are spread over them.
@@ -188,16 +205,7 @@ fn gather_rope_tiled_kernel<F: Float, I: Int>(
         if tok < n {
             let (pos, valid) = token_position(chunks, bh, tok, chunk, rows, positions);
             let o = (bh * n + tok) * d + j;
-            let mut y1 = f32::new(0.0);
-            let mut y2 = f32::new(0.0);
-            if valid {
-                let cs = cos[pos * half + j];
-                let sn = sin[pos * half + j];
-                y1 = x1[i] * cs - x2[i] * sn;
-                y2 = x2[i] * cs + x1[i] * sn;
-            }
-            out[o] = F::cast_from(y1);
-            out[o + half] = F::cast_from(y2);
+            store_rotated(out, cos, sin, o, pos, j, half, x1[i], x2[i], valid);
         }
     }
 }
