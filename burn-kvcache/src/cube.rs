@@ -207,6 +207,22 @@ pub trait KvKernels: Backend {
         chunk: usize,
     ) -> FloatTensor<Self>;
 
+    /// ShadowKV's landmark scoring: per (sequence, KV head) row, the maximum over the group's
+    /// query heads of the sum over their positions of `softmax(q·lᵀ·scale)` over the row's
+    /// first `n` landmarks (the rest masked).
+    ///
+    /// # Shapes
+    /// - `q`: `[b, hq, sq, dd]` f32; `landmarks`: `[b, h, t, dd]`; `sizes`: `[b·h, 2]` int, `n`
+    ///   first
+    /// - returns `[b·h, t]` f32
+    #[fusion(dtype = q, shape = crate::shapes::landmark_scores_shape(landmarks))]
+    fn shadowkv_landmark_scores(
+        q: FloatTensor<Self>,
+        landmarks: FloatTensor<Self>,
+        sizes: IntTensor<Self>,
+        scale: f32,
+    ) -> FloatTensor<Self>;
+
     /// ShadowKV's selection: per row, the positions of the `k` largest of its first `n`
     /// scores, ascending (ties to the lowest positions), then the first of them repeated.
     ///
@@ -388,6 +404,16 @@ mod cube_backend {
         ) -> FloatTensor<Self> {
             count_launch("shadowkv_gather_reconstruct_rope");
             kernels::gather_rope::gather_reconstruct_rope(a, wt, chunks, cos, sin, chunk)
+        }
+
+        fn shadowkv_landmark_scores(
+            q: FloatTensor<Self>,
+            landmarks: FloatTensor<Self>,
+            sizes: IntTensor<Self>,
+            scale: f32,
+        ) -> FloatTensor<Self> {
+            count_launch("shadowkv_landmark_scores");
+            kernels::landmark_scores::landmark_scores(q, landmarks, sizes, scale)
         }
 
         fn shadowkv_top_k(

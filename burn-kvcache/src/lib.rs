@@ -184,6 +184,48 @@ pub fn gather_reconstruct_rope(
     ))
 }
 
+/// ShadowKV's landmark scoring: for each (sequence, KV head) row with `n = sizes[row][0]`
+/// landmarks, the maximum over the KV head's group of query heads of the sum over their query
+/// positions of `softmax(q·lᵀ·scale)` over the row's landmarks (those past `n` masked: they
+/// score 0 unless the row has none). Two launches that read the landmarks once in their own
+/// dtype; groups of more than 16 query rows (`hq / h · sq`) take the reference.
+///
+/// # Shapes
+/// - `q`: `[b, hq, sq, dd]` f32; `landmarks`: `[b, h, t, dd]`, `h` dividing `hq`; `sizes`:
+///   `[b·h, 2]` int
+/// - returns `[b·h, t]` f32
+///
+/// # Errors
+/// [`KvCacheError::ShapeMismatch`] when the shapes disagree; [`KvCacheError::NotF32`] when `q`
+/// is not f32.
+pub fn landmark_scores(
+    q: Tensor<4>,
+    landmarks: Tensor<4>,
+    sizes: Tensor<2, Int>,
+    scale: f32,
+) -> Result<Tensor<2>, KvCacheError> {
+    let [b, hq, sq, dd] = q.dims();
+    let [lb, h, _, ldd] = landmarks.dims();
+    if lb != b || ldd != dd || h == 0 || !hq.is_multiple_of(h) || sizes.dims() != [b * h, 2] {
+        return Err(KvCacheError::ShapeMismatch {
+            left: q.dims().to_vec(),
+            right: landmarks.dims().to_vec(),
+        });
+    }
+    if q.dtype() != DType::F32 {
+        return Err(KvCacheError::NotF32("landmark-scoring queries"));
+    }
+    if hq / h * sq > 16 || !kernel("shadowkv_landmark_scores", &q.device(), None) {
+        return Ok(reference::landmark_scores(q, landmarks, sizes, scale));
+    }
+    Ok(Tensor::from_dispatch(Dispatch::shadowkv_landmark_scores(
+        q.into_dispatch(),
+        landmarks.into_dispatch(),
+        sizes.into_dispatch(),
+        scale,
+    )))
+}
+
 /// ShadowKV's selection: for each row `r` with `(n, k) = sizes[r]`, the positions of the `k`
 /// largest of the row's first `n` scores in ascending order (ties go to the lowest
 /// positions), then the first of them repeated up to `kk` slots (`k` is capped by `n` and

@@ -281,6 +281,41 @@ pub fn quant_attention(q: Tensor<4>, view: &QuantAttnView, opts: &AttnOptions) -
     ReferenceAttention.attend(0, q, k, v, opts)
 }
 
+/// ShadowKV's landmark scoring as tensor ops (see [`crate::landmark_scores`]): the row's
+/// landmarks past its count masked with −10³⁰ before the softmax.
+///
+/// # Shapes
+/// - `q`: `[b, hq, sq, dd]` f32; `landmarks`: `[b, h, t, dd]`; `sizes`: `[b·h, 2]` int
+/// - returns `[b·h, t]` f32
+pub fn landmark_scores(
+    q: Tensor<4>,
+    landmarks: Tensor<4>,
+    sizes: Tensor<2, Int>,
+    scale: f32,
+) -> Tensor<2> {
+    let [b, hq, sq, dd] = q.dims();
+    let [_, h, t, _] = landmarks.dims();
+    let g = hq / h;
+    let device = q.device();
+    let n = sizes
+        .slice([0..b * h, 0..1])
+        .cast(IntDType::I64)
+        .reshape([b, h, 1, 1]);
+    let pos = Tensor::<1, Int>::arange(0..t as i64, &device)
+        .cast(IntDType::I64)
+        .reshape([1, 1, 1, t]);
+    let hidden = pos.greater_equal(n).expand([b, h, g * sq, t]);
+    let scores = q
+        .reshape([b, h, g * sq, dd])
+        .matmul(landmarks.cast(DType::F32).swap_dims(2, 3))
+        * scale;
+    burn::tensor::activation::softmax(scores.mask_fill(hidden, -1.0e30), 3)
+        .reshape([b, h, g, sq, t])
+        .sum_dim(3)
+        .max_dim(2)
+        .reshape([b * h, t])
+}
+
 /// ShadowKV's selection as tensor ops (see [`crate::top_k_rows`]): each row sorted descending
 /// with the positions past its `n` hidden, the first `k` of those positions sorted ascending,
 /// the remaining of the `kk` slots the first of them (zeros where `k = 0`).

@@ -34,6 +34,12 @@ pub fn gather_rope_shape(wt: &Shape, chunks: &Shape, chunk: &usize) -> Shape {
     Shape::new([b, h, chunks[2] * chunk, d])
 }
 
+/// The landmark scores for `landmarks` `[b, h, t, dd]`: `[b·h, t]`.
+pub fn landmark_scores_shape(landmarks: &Shape) -> Shape {
+    let [b, h, t, _] = landmarks.dims::<4>();
+    Shape::new([b * h, t])
+}
+
 /// The selection for `scores` `[rows, cols]` keeping `kk` slots per row: `[rows, kk]`.
 pub fn top_k_shape(scores: &Shape, kk: &usize) -> Shape {
     Shape::new([scores[0], *kk])

@@ -1,5 +1,5 @@
 //! ShadowKV: the gather-reconstruct-rope kernel against the tensor-op reference and a scalar
-//! oracle; the selection (top-k) kernel and reference against a host oracle; decoding through
+//! oracle; the landmark scoring against its reference; the selection (top-k) kernel and reference against a host oracle; decoding through
 //! the cache against the full cache (budget ≥ context at full rank, batches of different
 //! lengths, truncation); retrieval of a planted chunk at a small budget;
 //! low-rank error against rank; exact host round trips of values; typed config errors.
@@ -11,12 +11,14 @@ mod common;
 mod compression;
 mod decode;
 mod gather;
+mod scores;
 mod top_k;
 
 use common::*;
 use compression::*;
 use decode::*;
 use gather::*;
+use scores::*;
 use top_k::*;
 
 use burn::tensor::{Device, Int, Tensor};
@@ -29,6 +31,7 @@ use burn_kvcache::{
 
 on_all!(
     gather_rope_matches_reference,
+    landmark_scores_match_reference,
     top_k_matches_oracle,
     top_k_with_ties,
     budget_covers_context_matches_full,

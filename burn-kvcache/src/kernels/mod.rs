@@ -7,6 +7,8 @@
 //! - [`dequantize`]: one unit per output element;
 //! - [`gather_rope`]: ShadowKV's key rebuild, a cube per tile of tokens and 32 rotated pairs
 //!   (the tile's low-rank rows gathered into shared memory once), or one unit per pair;
+//! - [`landmark_scores`]: ShadowKV's scoring, a cube per 256 landmarks of a KV head (logits
+//!   and a partial log-sum-exp), then the group's softmax sums and maximum;
 //! - [`top_k`]: ShadowKV's selection, one cube per row (a bitwise search for the `k`-th
 //!   largest key, then a scan of the units' counts for ordered output);
 //! - [`decode_attention`]: split-K attention over full-precision keys, one cube of planes per
@@ -21,6 +23,7 @@
 pub mod decode_attention;
 pub mod dequantize;
 pub mod gather_rope;
+pub mod landmark_scores;
 pub mod merge;
 pub mod quant_attention;
 pub mod quantize;

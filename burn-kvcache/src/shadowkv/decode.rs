@@ -203,10 +203,23 @@ pub(super) fn device_top_k(
     sizes: &[[usize; 2]],
     kk: usize,
 ) -> (Tensor<2, Int>, Vec<Vec<usize>>) {
-    let rows = sizes.len();
     let device = scores.device();
+    top_k_ids(scores, sizes_tensor(sizes, &device), kk)
+}
+
+/// The `(n, k)` of each row as a `[rows, 2]` i32 tensor on `device`.
+fn sizes_tensor(sizes: &[[usize; 2]], device: &burn::tensor::Device) -> Tensor<2, Int> {
     let flat: Vec<i32> = sizes.iter().flatten().map(|&x| x as i32).collect();
-    let sizes = i32_tensor::<2>(flat, [rows, 2], &device);
+    i32_tensor::<2>(flat, [sizes.len(), 2], device)
+}
+
+/// [`device_top_k`] with the sizes already on the device.
+fn top_k_ids(
+    scores: Tensor<2>,
+    sizes: Tensor<2, Int>,
+    kk: usize,
+) -> (Tensor<2, Int>, Vec<Vec<usize>>) {
+    let rows = sizes.dims()[0];
     let ids = crate::top_k_rows(scores, sizes, kk).expect("f32 scores, [rows, 2] sizes, kk ≤ t");
     let host: Vec<i64> = ids
         .to_data()
@@ -239,15 +252,18 @@ fn select_chunks(
         ChunkScoring::Mean => q,
         ChunkScoring::Bounds => Tensor::cat(vec![q.clone().clamp_min(0.0), q.clamp_max(0.0)], 3),
     };
-    let scores = group_scores(q, sp.landmarks.clone(), sp.land_pad.clone(), h, scale);
     let kk = select.min(sp.n_land.iter().max().copied().unwrap_or(0));
     let valid: Vec<usize> = sp.n_land.iter().map(|&n| kk.min(n)).collect();
     // Top-k per (sequence, KV head) on the device: a step reads back `kk` ids a row instead
     // of every landmark's score (at batch 8 and 128K a layer has 64 rows of 16K landmarks).
+    // The row's landmark count also bounds its scoring (the landmarks past it are padding).
     let sizes: Vec<[usize; 2]> = (0..b * h)
         .map(|ih| [sp.n_land[ih / h], valid[ih / h]])
         .collect();
-    let (_, ids) = device_top_k(scores, &sizes, kk);
+    let sizes = sizes_tensor(&sizes, &q.device());
+    let scores = crate::landmark_scores(q, sp.landmarks.clone(), sizes.clone(), scale)
+        .expect("f32 queries, landmarks of their head dim and the cache's KV heads");
+    let (_, ids) = top_k_ids(scores, sizes, kk);
     let land_chunk = &sp.land_chunk;
     let flat: Vec<Vec<usize>> = ids
         .into_iter()
