@@ -215,7 +215,9 @@ pub fn landmark_scores(
     if q.dtype() != DType::F32 {
         return Err(KvCacheError::NotF32("landmark-scoring queries"));
     }
-    if hq / h * sq > 16 || !kernel("shadowkv_landmark_scores", &q.device(), None) {
+    let rows = hq / h * sq;
+    let unsupported = (rows > 16).then(|| format!("{rows} query rows a KV head (at most 16)"));
+    if !kernel("shadowkv_landmark_scores", &q.device(), unsupported) {
         return Ok(reference::landmark_scores(q, landmarks, sizes, scale));
     }
     Ok(Tensor::from_dispatch(Dispatch::shadowkv_landmark_scores(

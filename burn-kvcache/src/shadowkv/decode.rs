@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use burn::tensor::{Bool, DType, Int, Tensor, TensorData, activation};
+use burn::tensor::{Bool, DType, Int, Tensor, TensorData};
 use burn_kernels_core::{AttentionImpl, AttnOptions, append_kv};
 
 use super::host::upload_rows;
@@ -166,55 +166,17 @@ pub(super) struct Selection {
     pub(super) kk: usize,
 }
 
-/// How much the queries `q` `[b, hq, sq, dd]` (f32) want each of `keys` `[b, h, t, dd]`:
-/// `softmax(q·kᵀ·scale)` over the `t` keys (those `hidden` `[b, 1, 1, t]` masked out), summed
-/// over the `sq` queries and maxed over each KV head's `hq / h` query heads (as ShadowKV's
-/// official code). Returns `[b·h, t]` f32 on the device.
-pub(super) fn group_scores(
-    q: Tensor<4>,
-    keys: Tensor<4>,
-    hidden: Option<Tensor<4, Bool>>,
-    h: usize,
-    scale: f32,
-) -> Tensor<2> {
-    let [b, hq, sq, dd] = q.dims();
-    let (g, t) = (hq / h, keys.dims()[2]);
-    let scores = q
-        .reshape([b, h, g * sq, dd])
-        .matmul(keys.cast(DType::F32).swap_dims(2, 3))
-        * scale;
-    let scores = match hidden {
-        Some(m) => scores.mask_fill(m.expand([b, h, g * sq, t]), -1.0e30),
-        None => scores,
-    };
-    activation::softmax(scores, 3)
-        .reshape([b, h, g, sq, t])
-        .sum_dim(3)
-        .max_dim(2)
-        .reshape([b * h, t])
+/// The `(n, k)` of each row as a `[rows, 2]` i32 tensor on `device`.
+pub(super) fn sizes_tensor(sizes: &[[usize; 2]], device: &burn::tensor::Device) -> Tensor<2, Int> {
+    let flat: Vec<i32> = sizes.iter().flatten().map(|&x| x as i32).collect();
+    i32_tensor::<2>(flat, [sizes.len(), 2], device)
 }
 
 /// Per row of `scores` `[rows, t]` (f32) with `(n, k) = sizes[row]`: the positions of the `k`
 /// highest of its first `n` scores, ascending, then the first repeated up to `kk` (on the
 /// device, [`crate::top_k_rows`]). Returns them on the device (`[rows, kk]` i32) and on the
 /// host, one `Vec` per row.
-pub(super) fn device_top_k(
-    scores: Tensor<2>,
-    sizes: &[[usize; 2]],
-    kk: usize,
-) -> (Tensor<2, Int>, Vec<Vec<usize>>) {
-    let device = scores.device();
-    top_k_ids(scores, sizes_tensor(sizes, &device), kk)
-}
-
-/// The `(n, k)` of each row as a `[rows, 2]` i32 tensor on `device`.
-fn sizes_tensor(sizes: &[[usize; 2]], device: &burn::tensor::Device) -> Tensor<2, Int> {
-    let flat: Vec<i32> = sizes.iter().flatten().map(|&x| x as i32).collect();
-    i32_tensor::<2>(flat, [sizes.len(), 2], device)
-}
-
-/// [`device_top_k`] with the sizes already on the device.
-fn top_k_ids(
+pub(super) fn top_k_ids(
     scores: Tensor<2>,
     sizes: Tensor<2, Int>,
     kk: usize,

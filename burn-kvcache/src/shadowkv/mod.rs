@@ -67,7 +67,7 @@ pub use lowrank::{LowRank, RopeParams, low_rank, rope_tables, unrope};
 
 use std::time::Duration;
 
-use burn::tensor::{Bool, DType, Device, Int, Tensor, TensorCreationOptions, TensorData};
+use burn::tensor::{DType, Device, Int, Tensor, TensorCreationOptions, TensorData};
 use burn_kernels_core::{AttentionImpl, AttnOptions, CacheError, KvCache, append_kv};
 
 use crate::{KvCacheError, bytes_of};
@@ -250,8 +250,6 @@ struct Sparse {
     wt: Tensor<4>,
     /// `[b, h, C, d]`, zero rows past a sequence's landmark count.
     landmarks: Tensor<4>,
-    /// `[b, 1, 1, C]`, `true` past a sequence's landmark count; `None` when all are valid.
-    land_pad: Option<Tensor<4, Bool>>,
     /// Landmarks per sequence (`chunks − outliers`).
     n_land: Vec<usize>,
     /// `[b][h][landmark]` → chunk id.

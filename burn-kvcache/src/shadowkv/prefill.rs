@@ -1,7 +1,7 @@
 //! The prefill side of [`ShadowKvCache`]: the prompt's keys factored to low rank, its values
 //! moved to host memory, landmarks and outlier chunks chosen (see the module docs).
 
-use burn::tensor::{Bool, DType, Device, Tensor, TensorData};
+use burn::tensor::{Bool, DType, Device, Tensor};
 
 use crate::KvCacheError;
 
@@ -144,7 +144,6 @@ impl ShadowKvCache {
             a: Tensor::zeros([1, 1, 1], (&device, dtype)),
             wt: Tensor::zeros([1, 1, 1, 1], (&device, dtype)),
             landmarks: Tensor::zeros([1, 1, 1, 1], (&device, dtype)),
-            land_pad: None,
             n_land: Vec::new(),
             land_chunk: Vec::new(),
             local: (
@@ -238,7 +237,6 @@ impl ShadowKvCache {
             x.unsqueeze_dim::<4>(0)
         };
         sp.landmarks = Tensor::cat(lms.into_iter().map(|x| pad_to(x, cmax, false)).collect(), 0);
-        sp.land_pad = landmark_padding(&sp.n_land, cmax, &device);
         let wmax = sp.local_len.iter().max().copied().unwrap_or(0);
         let (lk, lv): (Vec<_>, Vec<_>) = locals
             .into_iter()
@@ -341,21 +339,4 @@ fn stack_rows(parts: Vec<Tensor<2>>, rows: usize) -> Tensor<3> {
         })
         .collect();
     Tensor::cat(a, 0)
-}
-
-/// Which of the `cmax` landmark slots are padding (`[batch, 1, 1, cmax]`, true = hidden), for
-/// sequences with `n_land[i]` landmarks; `None` when every sequence fills them all.
-fn landmark_padding(n_land: &[usize], cmax: usize, device: &Device) -> Option<Tensor<4, Bool>> {
-    if n_land.iter().all(|&n| n >= cmax) {
-        return None;
-    }
-    let mask: Vec<bool> = n_land
-        .iter()
-        .flat_map(|&n| (0..cmax).map(move |c| c >= n))
-        .collect();
-    let b = n_land.len();
-    Some(
-        Tensor::<1, Bool>::from_data(TensorData::new(mask, [b * cmax]), device)
-            .reshape([b, 1, 1, cmax]),
-    )
 }

@@ -10,9 +10,9 @@
 
 use std::time::Instant;
 
-use burn::tensor::{Bool, DType, Tensor, TensorData};
+use burn::tensor::{DType, Tensor};
 
-use super::decode::{Selection, device_top_k, group_scores};
+use super::decode::{Selection, sizes_tensor, top_k_ids};
 use super::host::upload_rows;
 use super::{DecodeTimings, Sparse, sync};
 
@@ -38,25 +38,21 @@ pub(super) fn pick_tokens(
 ) -> Picked {
     let [b, _, _, d] = q.dims();
     let h = cand_k.dims()[1];
-    let t = cand.kk * cs;
     let device = q.device();
-    let hidden = cand.valid.iter().any(|&n| n < cand.kk).then(|| {
-        let pad: Vec<bool> = (0..b)
-            .flat_map(|i| (0..t).map(move |j| j / cs >= cand.valid[i]))
-            .collect();
-        Tensor::<1, Bool>::from_data(TensorData::new(pad, [b * t]), &device).reshape([b, 1, 1, t])
-    });
     let q = q.clone().cast(DType::F32);
-    let scores = group_scores(q, cand_k.clone(), hidden, h, scale);
     let kk = select.min(cand.kk);
     let valid: Vec<usize> = cand.valid.iter().map(|&n| n.min(kk)).collect();
     let n_tok = kk * cs;
-    // Per (sequence, KV head): the candidates' tokens it has, and the ones it keeps; padding
-    // tokens (masked by the attention) repeat a valid one.
+    // Per (sequence, KV head): the candidates' tokens it has (the rest are padding, which the
+    // scoring masks), and the ones it keeps; padding tokens (masked by the attention) repeat
+    // a valid one.
     let sizes: Vec<[usize; 2]> = (0..b * h)
         .map(|ih| [cand.valid[ih / h] * cs, valid[ih / h] * cs])
         .collect();
-    let (idx, picks) = device_top_k(scores, &sizes, n_tok);
+    let sizes = sizes_tensor(&sizes, &device);
+    let scores = crate::landmark_scores(q, cand_k.clone(), sizes.clone(), scale)
+        .expect("f32 queries, candidate keys of their head dim and the cache's KV heads");
+    let (idx, picks) = top_k_ids(scores, sizes, n_tok);
     let idx = idx
         .reshape([b, h, n_tok])
         .unsqueeze_dim::<4>(3)
