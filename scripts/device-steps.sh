@@ -76,6 +76,8 @@
 #   psw      sage's default (INT8 per warp, FP16 P̃·V, causal and not) at N = 1K (D = 64, 128), 4K
 #            (D = 128) under CubeCL's profiler: per-kernel device times against the bench's
 #            median (what does not scale with the work at short lengths)
+#   pskv128  the ShadowKV rows of skv128 under CubeCL's profiler: per-kernel totals (prefill,
+#            the timed steps and the profiled step together)
 #   pcceg    Gemma-2 CCE loss + gradient with the paper's filter, automatic blocks and all
 #            blocks of 256 MiB, under CubeCL's profiler: per-kernel totals (prof_sum)
 #   pccege   the exact default at the Gemma-2 shape under CubeCL's profiler: per-kernel totals
@@ -103,8 +105,9 @@
 #            beside the mma.sync kernel (INT8 per warp, FP16 P̃·V), PyTorch SDPA and
 #            sageattention (the sweep that decides `choose`'s default on Hopper)
 #   tswp     sage's Hopper kernel with the polynomial exp (BURN_SAGE_WGMMA_EXP=poly): the
-#            exp2_poly test, wgmma_kernel_matches_reference, then bsw16k with it (run bsw16k
-#            in the same call for the libdevice rows)
+#            exp2_poly test, then wgmma_kernel_matches_reference with it
+#   bsw16kp  bsw16k with the polynomial exp (run bsw16k in the same call for the libdevice
+#            rows)
 #   tst      sage's kernel tuner (KernelChoice::Tuned: the default on CUDA) against the reference,
 #            and the default kernel's shared and long cases
 #   ncusw    ncu on the Hopper sage kernel (one launch, N = 8192, D = 128, non-causal): speed
@@ -351,6 +354,10 @@ for s in "$@"; do
       step "$s" run bench --suite shadowkv --filter "ctx=${ctx%p}K" $(skv_budgets) --out "$O/$s" ;;
     pcceg) step pcceg pcceg ;;
     psw) step psw psw ;;
+    pskv128) rm -f /tmp/cubecl-prof.log
+      CUBECL_DEBUG_LOG=/tmp/cubecl-prof.log CUBECL_DEBUG_OPTION=profile step pskv128 run bench \
+        --suite shadowkv --filter ctx=128K --skip-impl full $(skv_budgets) --out "$O/pskv128"
+      prof_sum /tmp/cubecl-prof.log ;;
     pccege) step pccege pccege ;;
     pccegc) step pccegc pccegc ;;
     h2d) step h2d python3 "$(dirname "$0")/h2d-bandwidth.py" ;;
@@ -371,8 +378,8 @@ for s in "$@"; do
     tsw) step tsw run test sage wgmma --include-ignored --nocapture
       BURN_SAGE_WGMMA_WARPGROUPS=1 step tsw1 run test sage wgmma --include-ignored --nocapture ;;
     tswp) step tswp-exp run test sage exp2 --nocapture
-      BURN_SAGE_WGMMA_EXP=poly step tswp run test sage wgmma --include-ignored --nocapture
-      BURN_SAGE_WGMMA_EXP=poly step bsw16kp run bench --suite sage --filter "N=16384 D=128" \
+      BURN_SAGE_WGMMA_EXP=poly step tswp run test sage wgmma --include-ignored --nocapture ;;
+    bsw16kp) BURN_SAGE_WGMMA_EXP=poly step bsw16kp run bench --suite sage --filter "N=16384 D=128" \
         --skip-impl reference --skip-impl int4 --skip-impl fp8 --skip-impl cmma --skip-impl smoothq \
         --min-reps 5 --warmup-ms 100 --measure-ms 300 --peers-dir "$peers" --out "$O/bsw16kp" ;;
     tst) step tst run test sage tuned attention_matches_reference --include-ignored --nocapture ;;

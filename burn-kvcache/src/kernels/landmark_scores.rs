@@ -3,9 +3,13 @@
 //! `softmax(q·lᵀ·scale)` over the row's landmarks.
 //!
 //! 1. [`landmark_logits_kernel`]: a cube per 256 landmarks of one (sequence, KV head). The
-//!    group's query rows go to shared memory; each unit reads its landmark once (in its own
-//!    dtype, no f32 copy of the landmarks) and writes its logit against every query row, then
-//!    the cube's maximum and sum of exponentials per row (a partial log-sum-exp).
+//!    group's query rows go to shared memory; the cube's landmarks are read once, in their own
+//!    dtype (no f32 copy of the landmarks), 16 columns at a time: consecutive units load
+//!    consecutive columns of a row into shared memory, then each unit takes its landmark's
+//!    columns from there. Each unit writes its logit against every query row, then the cube's
+//!    maximum and sum of exponentials per row (a partial log-sum-exp). (Session 61's version
+//!    had each unit read its own row from global memory, a warp touching 32 rows a load: 0.73
+//!    ms a layer at 128K, batch 10, H100, for 0.34 GB.)
 //! 2. [`landmark_group_max_kernel`]: the same grid. A unit a query row combines the row's
 //!    partials into its log-sum-exp; then each unit writes its landmark's score.
 //!
@@ -22,6 +26,14 @@ use crate::shapes::landmark_scores_shape;
 
 /// Landmarks (units) per cube.
 const UNITS: usize = 256;
+/// Landmark columns staged in shared memory at a time.
+const COLS: usize = 16;
+/// The staging's stride between columns: two rows of a warp's load land in distinct banks.
+const STRIDE: usize = UNITS + 2;
+/// Most query rows a KV head the kernel takes (the reductions' shared memory is the staging's).
+pub const MAX_QUERY_ROWS: usize = COLS * STRIDE / UNITS;
+/// Most query values (`rows · dd`) a KV head the kernel keeps in shared memory (32 KiB).
+pub const MAX_QUERY_VALUES: usize = 8192;
 /// The logit of a landmark past the row's count (the reference's mask value).
 const MASKED: f32 = -1.0e30;
 /// The value of a unit past the end of the landmarks: below every logit, masked ones included.
@@ -89,11 +101,18 @@ fn landmark_logits_kernel<F: Float, I: Int>(
     // Query row `i` of the group is head `hh·g + i / sq`, position `i mod sq`: rows
     // `(b·hq + hh·g)·sq ..` of the contiguous queries, `qrows = g·sq` of them.
     let q0 = ((bh / h) * hq + (bh % h) * (hq / h)) * sq * dd;
-    let mut q_sm = Shared::<[f32]>::new_slice(comptime!(qrows * dd));
-    for step in 0..comptime!((qrows * dd).div_ceil(UNITS)) {
+    // The group's query rows, each padded with zeros to `ddp` columns (whole column blocks).
+    let ddp = comptime!(dd.div_ceil(COLS) * COLS);
+    let mut q_sm = Shared::<[f32]>::new_slice(comptime!(qrows * dd.div_ceil(COLS) * COLS));
+    for step in 0..comptime!((qrows * dd.div_ceil(COLS) * COLS).div_ceil(UNITS)) {
         let idx = step * UNITS + tid;
-        if idx < comptime!(qrows * dd) {
-            q_sm[idx] = q[q0 + idx];
+        if idx < comptime!(qrows * dd.div_ceil(COLS) * COLS) {
+            let (i, c) = (idx / ddp, idx % ddp);
+            let mut x = f32::new(0.0);
+            if c < dd {
+                x = q[q0 + i * dd + c];
+            }
+            q_sm[idx] = x;
         }
     }
     sync_cube();
@@ -105,15 +124,35 @@ fn landmark_logits_kernel<F: Float, I: Int>(
     for i in 0..qrows {
         vals[i] = f32::new(0.0);
     }
-    if t < n && t < t_len {
-        let base = (bh * t_len + t) * dd;
-        for c in 0..dd {
-            let l = f32::cast_from(landmarks[base + c]);
+    // The cube's landmarks, `COLS` columns at a time, staged column-major in shared memory:
+    // consecutive units load consecutive columns of a row (whole sectors of it), then each unit
+    // reads its own landmark's column with its neighbours (no bank conflicts at `STRIDE`).
+    // Rows past the row's count, columns past `dd` stage as zeros.
+    let mut sm = Shared::<[f32]>::new_slice(comptime!(COLS * STRIDE));
+    let row_base = bh * t_len + blk * UNITS;
+    for cb in 0..comptime!(dd.div_ceil(COLS)) {
+        #[unroll]
+        for step in 0..COLS {
+            let idx = step * UNITS + tid;
+            let (row, col) = (idx / COLS, idx % COLS);
+            let (lt, c) = (blk * UNITS + row, cb * COLS + col);
+            let mut x = f32::new(0.0);
+            if lt < n && lt < t_len && c < dd {
+                x = f32::cast_from(landmarks[(row_base + row) * dd + c]);
+            }
+            sm[col * STRIDE + row] = x;
+        }
+        sync_cube();
+        #[unroll]
+        for col in 0..COLS {
+            let l = sm[col * STRIDE + tid];
+            let c = cb * COLS + col;
             #[unroll]
             for i in 0..qrows {
-                vals[i] += q_sm[i * dd + c] * l;
+                vals[i] += q_sm[i * ddp + c] * l;
             }
         }
+        sync_cube();
     }
     #[unroll]
     for i in 0..qrows {
@@ -130,7 +169,7 @@ fn landmark_logits_kernel<F: Float, I: Int>(
     for i in 0..qrows {
         part[i] = vals[i];
     }
-    let mut sm = Shared::<[f32]>::new_slice(comptime!(qrows * UNITS));
+    // The reductions reuse the staging memory (`qrows · UNITS ≤ COLS · STRIDE`).
     reduce_rows(&mut part, &mut sm, tid, qrows, true);
     let mut sums = Array::<f32>::new(qrows);
     #[unroll]

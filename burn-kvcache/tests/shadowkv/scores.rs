@@ -11,7 +11,8 @@ use crate::{assert_launched, cpu, launch_counts, on_kernels, tensor};
 
 /// `(b, hq, h, sq, t, dd)` and each row's landmark count (cycled): one landmark, two cubes of
 /// 256 with a tail, a row with no landmarks (the reference's uniform softmax), several query
-/// positions a head, and a head dim of 256 (the bound scoring's `[max | min]`). Groups of more
+/// positions a head, a head dim of 256 (the bound scoring's `[max | min]`), and one of 40 (a
+/// tail of the 16-column staging) with 10 query rows a KV head. Groups of more
 /// than 16 query rows take the reference with a log line, which the kernel tests refuse.
 /// `(b, hq, h, sq, t, dd)`.
 type Shape6 = (usize, usize, usize, usize, usize, usize);
@@ -21,6 +22,7 @@ const CASES: &[(Shape6, &[usize])] = &[
     ((2, 8, 2, 1, 300, 128), &[300, 257, 1, 0]),
     ((1, 6, 3, 3, 600, 64), &[513, 600, 77]),
     ((2, 4, 2, 2, 33, 256), &[33, 5]),
+    ((1, 2, 1, 5, 259, 40), &[259]),
 ];
 
 pub(super) fn landmark_scores_match_reference(device: &Device) {
