@@ -37,6 +37,8 @@ impl ShadowKvCache {
         let dtype = v.dtype();
         append_kv(&mut sp.generated, k, v);
 
+        // Profiling: the work queued before the step (the layer's projections) is not scoring.
+        sync(profile, &device);
         let t0 = Instant::now();
         let candidates = self.cfg.candidates.max(1);
         let selection = select_chunks(
@@ -46,6 +48,7 @@ impl ShadowKvCache {
             select * candidates,
             self.kv_heads,
             self.cfg.scoring,
+            &mut timings.scoring_issue,
         );
         timings.scoring += t0.elapsed();
 
@@ -90,6 +93,7 @@ impl ShadowKvCache {
 
         let t3 = Instant::now();
         let out = sparse_attention(layer, sp, q, sel_k, values, &selection, cs, attention, opts);
+        timings.attention_issue += t3.elapsed();
         sync(profile, &device);
         timings.attention += t3.elapsed();
         timings.layer_steps += 1;
@@ -176,13 +180,19 @@ pub(super) fn sizes_tensor(sizes: &[[usize; 2]], device: &burn::tensor::Device) 
 /// highest of its first `n` scores, ascending, then the first repeated up to `kk` (on the
 /// device, [`crate::top_k_rows`]). Returns them on the device (`[rows, kk]` i32) and on the
 /// host, one `Vec` per row.
+/// With `issue = Some((start, total))`, the time from `start` to the read-back is added to
+/// `total`.
 pub(super) fn top_k_ids(
     scores: Tensor<2>,
     sizes: Tensor<2, Int>,
     kk: usize,
+    issue: Option<(Instant, &mut std::time::Duration)>,
 ) -> (Tensor<2, Int>, Vec<Vec<usize>>) {
     let rows = sizes.dims()[0];
     let ids = crate::top_k_rows(scores, sizes, kk).expect("f32 scores, [rows, 2] sizes, kk ≤ t");
+    if let Some((start, total)) = issue {
+        *total += start.elapsed();
+    }
     let host: Vec<i64> = ids
         .to_data()
         .convert::<i64>()
@@ -207,7 +217,9 @@ fn select_chunks(
     select: usize,
     h: usize,
     scoring: ChunkScoring,
+    issue: &mut std::time::Duration,
 ) -> Selection {
+    let t0 = Instant::now();
     let b = q.dims()[0];
     let q = q.clone().cast(DType::F32);
     let q = match scoring {
@@ -225,7 +237,7 @@ fn select_chunks(
     let sizes = sizes_tensor(&sizes, &q.device());
     let scores = crate::landmark_scores(q, sp.landmarks.clone(), sizes.clone(), scale)
         .expect("f32 queries, landmarks of their head dim and the cache's KV heads");
-    let (_, ids) = top_k_ids(scores, sizes, kk);
+    let (_, ids) = top_k_ids(scores, sizes, kk, Some((t0, issue)));
     let land_chunk = &sp.land_chunk;
     let flat: Vec<Vec<usize>> = ids
         .into_iter()

@@ -196,8 +196,13 @@ impl ShadowKvConfig {
 pub struct DecodeTimings {
     /// Sparse layer-steps decoded.
     pub layer_steps: usize,
-    /// Landmark scores, the top-k on the device and the read-back of the chosen ids.
+    /// Landmark scores, the top-k on the device and the read-back of the chosen ids. When
+    /// profiling, the work queued before the step (the layer's projections) is waited for
+    /// first and not counted here.
     pub scoring: Duration,
+    /// Part of `scoring`: the host's time until the read-back's wait starts (issuing the
+    /// scoring's launches).
+    pub scoring_issue: Duration,
     /// Host→device value upload and the reuse gather (the three parts below and the rest).
     pub transfer: Duration,
     /// Part of `transfer`: picking reused slots and listing the chunks to fetch.
@@ -212,6 +217,8 @@ pub struct DecodeTimings {
     pub reconstruct: Duration,
     /// Concatenation, mask and attention.
     pub attention: Duration,
+    /// Part of `attention`: the host's time to issue it (before the profile's wait).
+    pub attention_issue: Duration,
     /// `(sequence, head, chunk)` values uploaded.
     pub chunks_fetched: usize,
     /// `(sequence, head, chunk)` values reused from the previous step.

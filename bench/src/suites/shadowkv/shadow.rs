@@ -207,12 +207,14 @@ fn reused(t: burn_kvcache::DecodeTimings) -> f64 {
 struct Profile {
     step: f64,
     scoring: f64,
+    scoring_issue: f64,
     transfer: f64,
     transfer_host: f64,
     transfer_upload: f64,
     transfer_assemble: f64,
     reconstruct: f64,
     attention: f64,
+    attention_issue: f64,
     /// The step less the cache's phases: the rest of the model.
     rest: f64,
     reused: f64,
@@ -234,12 +236,14 @@ impl Profile {
         Profile {
             step,
             scoring,
+            scoring_issue: ms(t.scoring_issue),
             transfer,
             transfer_host: ms(t.transfer_host),
             transfer_upload: ms(t.transfer_upload),
             transfer_assemble: ms(t.transfer_assemble),
             reconstruct,
             attention,
+            attention_issue: ms(t.attention_issue),
             rest: step - scoring - transfer - reconstruct - attention,
             reused: reused(t),
         }
@@ -247,17 +251,19 @@ impl Profile {
 
     fn line(&self) -> String {
         format!(
-            "profiled step {:.1} ms = scoring {:.1} + transfer {:.1} (host staging {:.1}, upload \
-             {:.1}, device assembly {:.1}) + reconstruct {:.1} + attention {:.1} + rest of the \
-             model {:.1} ms; {:.0}% of the chunks reused",
+            "profiled step {:.1} ms = scoring {:.1} (issue {:.1}) + transfer {:.1} (host staging \
+             {:.1}, upload {:.1}, device assembly {:.1}) + reconstruct {:.1} + attention {:.1} \
+             (issue {:.1}) + rest of the model {:.1} ms; {:.0}% of the chunks reused",
             self.step,
             self.scoring,
+            self.scoring_issue,
             self.transfer,
             self.transfer_host,
             self.transfer_upload,
             self.transfer_assemble,
             self.reconstruct,
             self.attention,
+            self.attention_issue,
             self.rest,
             100.0 * self.reused
         )
@@ -267,6 +273,7 @@ impl Profile {
         params([
             ("profile_step_ms", json!(self.step)),
             ("profile_scoring_ms", json!(self.scoring)),
+            ("profile_scoring_issue_ms", json!(self.scoring_issue)),
             ("profile_transfer_ms", json!(self.transfer)),
             ("profile_transfer_host_ms", json!(self.transfer_host)),
             ("profile_transfer_upload_ms", json!(self.transfer_upload)),
@@ -276,6 +283,7 @@ impl Profile {
             ),
             ("profile_reconstruct_ms", json!(self.reconstruct)),
             ("profile_attention_ms", json!(self.attention)),
+            ("profile_attention_issue_ms", json!(self.attention_issue)),
             ("profile_rest_ms", json!(self.rest)),
         ])
     }
