@@ -1,6 +1,6 @@
 //! Values offloaded to host memory, chunk-major.
 
-use burn::tensor::{DType, Device, Tensor, TensorCreationOptions, TensorData};
+use burn::tensor::{DType, Device, StreamId, Tensor, TensorCreationOptions, TensorData};
 use cubecl::bytes::{AccessError, AccessPolicy, AllocationController, AllocationProperty, Bytes};
 use rayon::prelude::*;
 use std::mem::MaybeUninit;
@@ -234,10 +234,9 @@ impl AllocationController for Unfilled {
 }
 
 /// Uploads `rows` of raw bytes as a `[rows, row_len]` tensor of `dtype` (`rows ≥ 1`),
-/// gathered into pieces of whole rows of at most [`UPLOAD_PIECE_BYTES`] (each on every core,
-/// straight into pinned host memory when `pinned`, see
-/// [`super::ShadowKvConfig::pinned_uploads`]; a piece's copy overlaps the next one's gather)
-/// joined on the device.
+/// gathered into pieces of whole rows of at most [`UPLOAD_PIECE_BYTES`] (each piece on its
+/// own core, and moved into pinned host memory there when `pinned`, see
+/// [`super::ShadowKvConfig::pinned_uploads`]) joined on the device.
 pub(crate) fn upload_rows(
     rows: &[&[u8]],
     row_len: usize,
@@ -262,30 +261,34 @@ fn upload_rows_in(
         TensorData::from_bytes_vec(gather_piece(p, row_bytes), [p.len(), row_len], dtype)
     };
     let upload = |data: TensorData| Tensor::<2>::from_data(data, options(dtype, device));
-    // One piece after another, each gathered on every core and its copy issued at once: the
-    // copy of a piece (asynchronous, on the caller's stream) runs while the next is gathered.
-    let mut pieces: Vec<Tensor<2>> = rows
-        .chunks(per_piece)
-        .map(|p| {
-            if !pinned {
-                // The runtime copies the piece into its own staging buffer.
-                return upload(piece(p));
-            }
-            // Pinned memory of the piece's size from the stream's pool without copying into it
-            // (`Unfilled`), the rows gathered straight into it: one host copy.
-            let len = p.len() * row_bytes;
-            let mut data = TensorData::from_bytes(Unfilled::bytes(len), [p.len(), row_len], dtype);
-            device.staging(std::iter::once(&mut data));
-            TensorData::with_bytes_mut(std::iter::once(&mut data), |mut bytes| {
-                let dst: &mut [u8] = bytes[0];
-                // SAFETY: the same memory seen as possibly uninitialized; `fill_rows` only
-                // writes initialized bytes into it.
-                let dst = unsafe { &mut *(dst as *mut [u8] as *mut [MaybeUninit<u8>]) };
-                fill_rows(dst, p, row_bytes);
-            });
-            upload(data)
-        })
-        .collect();
+    let mut pieces: Vec<Tensor<2>> = if pinned {
+        // Every piece staged and gathered on its own core: staging reserves pinned memory from
+        // the calling stream's pool (so each task runs on the caller's stream) without copying
+        // into it (`Unfilled`), and the rows are gathered straight into it: one host copy.
+        let stream = StreamId::current();
+        let staged: Vec<TensorData> = rows
+            .par_chunks(per_piece)
+            .map(|p| {
+                let len = p.len() * row_bytes;
+                let mut data =
+                    TensorData::from_bytes(Unfilled::bytes(len), [p.len(), row_len], dtype);
+                stream.executes(|| device.staging(std::iter::once(&mut data)));
+                TensorData::with_bytes_mut(std::iter::once(&mut data), |mut bytes| {
+                    let dst: &mut [u8] = bytes[0];
+                    // SAFETY: the same memory seen as possibly uninitialized; `fill_rows` only
+                    // writes initialized bytes into it.
+                    let dst = unsafe { &mut *(dst as *mut [u8] as *mut [MaybeUninit<u8>]) };
+                    fill_rows(dst, p, row_bytes);
+                });
+                data
+            })
+            .collect();
+        staged.into_iter().map(upload).collect()
+    } else {
+        // One piece after another (each gathered on every core), the runtime copying each
+        // into its own staging buffer while the next is gathered.
+        rows.chunks(per_piece).map(|p| upload(piece(p))).collect()
+    };
     if pieces.len() == 1 {
         pieces.pop().expect("one piece")
     } else {
