@@ -66,6 +66,10 @@
 #            the full cache, each with Burn's attention op and the decode attention kernel, and
 #            ShadowKV's step profile (transfer share), then the same ShadowKV cache with the
 #            other upload path (pinned staging off: ShadowKvCache::set_pinned_uploads)
+#   skv64o skv128o  the ShadowKV rows of skv64 / skv128 with each pinned piece's copy issued as
+#            soon as it is gathered (BURN_KERNELS_SHADOWKV_OVERLAP=1); run right after skv64 /
+#            skv128 in the same call (the upload varies between machines: 80.6 and 97.0 ms a
+#            step at 128K with the same code on two H100s)
 #   skv64p skv128p  skv64 / skv128 with BURN_KERNELS_SHADOWKV_PINNED=0: the values uploaded
 #            without pinned staging first (skv64 / skv128 already time both paths)
 #   skv2s    shadowkv suite at 64K with two-stage selection (chunks of 4, 4x candidates:
@@ -349,6 +353,9 @@ for s in "$@"; do
       --skip-impl 'sorting' --skip-impl "paper's" --skip-impl 'autotuned' --skip-impl 'bf16 dE' \
       --skip-impl 'one f32' --peers-dir "$peers" --out "$O/bccef" ;;
     skv64 | skv128) step "$s" run bench --suite shadowkv --filter "ctx=${s#skv}K" \
+      $(skv_budgets) --out "$O/$s" ;;
+    skv64o | skv128o) ctx=${s#skv}; BURN_KERNELS_SHADOWKV_OVERLAP=1 \
+      step "$s" run bench --suite shadowkv --filter "ctx=${ctx%o}K" --skip-impl full \
       $(skv_budgets) --out "$O/$s" ;;
     skv64p | skv128p) ctx=${s#skv}; BURN_KERNELS_SHADOWKV_PINNED=0 \
       step "$s" run bench --suite shadowkv --filter "ctx=${ctx%p}K" $(skv_budgets) --out "$O/$s" ;;

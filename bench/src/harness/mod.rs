@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 mod run;
-pub use run::{median, run_suite};
+pub use run::{median, quantile, run_suite};
 
 /// How a candidate runs.
 pub enum Runner<'a> {

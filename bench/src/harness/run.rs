@@ -85,6 +85,16 @@ pub fn median(values: &[f64]) -> f64 {
     percentile(&sorted, 0.5)
 }
 
+/// The `p` quantile of `values` (interpolated as [`median`] is); NaN when empty.
+pub fn quantile(values: &[f64], p: f64) -> f64 {
+    if values.is_empty() {
+        return f64::NAN;
+    }
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    percentile(&sorted, p)
+}
+
 /// Panics anywhere in the process since [`count_panics`] was installed.
 static PANICS: AtomicUsize = AtomicUsize::new(0);
 

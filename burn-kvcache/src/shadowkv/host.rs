@@ -244,7 +244,8 @@ pub(crate) fn upload_rows(
     device: &Device,
     pinned: bool,
 ) -> Tensor<2> {
-    upload_rows_in(rows, row_len, dtype, device, UPLOAD_PIECE_BYTES, pinned)
+    let copies = (pinned, pinned && overlap_copies());
+    upload_rows_in(rows, row_len, dtype, device, UPLOAD_PIECE_BYTES, copies)
 }
 
 fn upload_rows_in(
@@ -253,7 +254,7 @@ fn upload_rows_in(
     dtype: DType,
     device: &Device,
     piece_bytes: usize,
-    pinned: bool,
+    (pinned, overlap): (bool, bool),
 ) -> Tensor<2> {
     let row_bytes = row_len * dtype.size();
     let per_piece = (piece_bytes / row_bytes.max(1)).max(1);
@@ -266,24 +267,32 @@ fn upload_rows_in(
         // the calling stream's pool (so each task runs on the caller's stream) without copying
         // into it (`Unfilled`), and the rows are gathered straight into it: one host copy.
         let stream = StreamId::current();
-        let staged: Vec<TensorData> = rows
-            .par_chunks(per_piece)
-            .map(|p| {
-                let len = p.len() * row_bytes;
-                let mut data =
-                    TensorData::from_bytes(Unfilled::bytes(len), [p.len(), row_len], dtype);
-                stream.executes(|| device.staging(std::iter::once(&mut data)));
-                TensorData::with_bytes_mut(std::iter::once(&mut data), |mut bytes| {
-                    let dst: &mut [u8] = bytes[0];
-                    // SAFETY: the same memory seen as possibly uninitialized; `fill_rows` only
-                    // writes initialized bytes into it.
-                    let dst = unsafe { &mut *(dst as *mut [u8] as *mut [MaybeUninit<u8>]) };
-                    fill_rows(dst, p, row_bytes);
-                });
-                data
-            })
-            .collect();
-        staged.into_iter().map(upload).collect()
+        let stage = |p: &[&[u8]]| {
+            let len = p.len() * row_bytes;
+            let mut data = TensorData::from_bytes(Unfilled::bytes(len), [p.len(), row_len], dtype);
+            stream.executes(|| device.staging(std::iter::once(&mut data)));
+            TensorData::with_bytes_mut(std::iter::once(&mut data), |mut bytes| {
+                let dst: &mut [u8] = bytes[0];
+                // SAFETY: the same memory seen as possibly uninitialized; `fill_rows` only
+                // writes initialized bytes into it.
+                let dst = unsafe { &mut *(dst as *mut [u8] as *mut [MaybeUninit<u8>]) };
+                fill_rows(dst, p, row_bytes);
+            });
+            data
+        };
+        if overlap {
+            // Each task issues its piece's copy (on the caller's stream) as soon as it is
+            // gathered: the copies run while the other pieces are still being gathered.
+            rows.par_chunks(per_piece)
+                .map(|p| {
+                    let data = stage(p);
+                    stream.executes(|| upload(data))
+                })
+                .collect()
+        } else {
+            let staged: Vec<TensorData> = rows.par_chunks(per_piece).map(stage).collect();
+            staged.into_iter().map(upload).collect()
+        }
     } else {
         // One piece after another (each gathered on every core), the runtime copying each
         // into its own staging buffer while the next is gathered.
@@ -296,6 +305,15 @@ fn upload_rows_in(
     }
 }
 
+/// Whether each pinned piece's copy is issued by the task that gathered it, as soon as it is
+/// gathered (`BURN_KERNELS_SHADOWKV_OVERLAP=1`), rather than all copies after every piece is
+/// gathered (the default, measured at 80–97 ms a step at 128K on H100s, 2026-12-07). Read once
+/// a process; an experiment until both have run on one machine (device step `skv128o`).
+fn overlap_copies() -> bool {
+    static OVERLAP: OnceLock<bool> = OnceLock::new();
+    *OVERLAP.get_or_init(|| std::env::var("BURN_KERNELS_SHADOWKV_OVERLAP").is_ok_and(|v| v == "1"))
+}
+
 fn options(dtype: DType, device: &Device) -> TensorCreationOptions {
     TensorCreationOptions::new(device.clone()).with_dtype(dtype)
 }
@@ -305,7 +323,7 @@ mod tests {
     use super::*;
 
     /// Rows gathered in several pieces (and a ragged last one) upload to the same tensor as
-    /// in one, in order.
+    /// in one, in order, whichever way the pieces are staged and copied.
     #[test]
     fn pieces_join_in_order() {
         let device = Default::default();
@@ -317,11 +335,14 @@ mod tests {
         let refs: Vec<&[u8]> = bytes.chunks(row_bytes).rev().collect();
         let values: Vec<f32> = values.chunks(row_len).rev().flatten().copied().collect();
         for piece_bytes in [1, row_bytes, 4 * row_bytes + 5, 70 * row_bytes, 1 << 20] {
-            for pinned in [false, true] {
-                let t = upload_rows_in(&refs, row_len, DType::F32, &device, piece_bytes, pinned);
+            for copies in [(false, false), (true, false), (true, true)] {
+                let t = upload_rows_in(&refs, row_len, DType::F32, &device, piece_bytes, copies);
                 assert_eq!(t.dims(), [rows, row_len]);
                 let got = t.into_data().try_to_vec::<f32>().unwrap();
-                assert_eq!(got, values, "piece of {piece_bytes} bytes, pinned {pinned}");
+                assert_eq!(
+                    got, values,
+                    "piece of {piece_bytes} bytes, (pinned, overlap) {copies:?}"
+                );
             }
         }
     }

@@ -350,13 +350,24 @@ fn with_decode_kernel(
     let _ = timed_steps(m, cache, b, step, 1, device, &attention);
     let times = timed_steps(m, cache, b, step + 1, steps.timed, device, &attention);
     let (median, _) = median_mean(&times);
+    let (min, p90) = (
+        crate::harness::quantile(&times, 0.0),
+        crate::harness::quantile(&times, 0.9),
+    );
     let tps = b as f64 / (median * 1e-3);
     (
         params([
             ("decode_kernel_step_median_ms", json!(median)),
+            ("decode_kernel_step_min_ms", json!(min)),
+            ("decode_kernel_step_p90_ms", json!(p90)),
+            ("decode_kernel_reps", json!(times.len())),
             ("decode_kernel_tokens_per_sec", json!(tps)),
         ]),
-        format!("decode-attention kernel: {median:.1} ms, {tps:.1} tok/s"),
+        format!(
+            "decode-attention kernel: {median:.1} ms (min {min:.1}, p90 {p90:.1}, {} reps), \
+             {tps:.1} tok/s",
+            times.len()
+        ),
     )
 }
 
