@@ -20,6 +20,8 @@ mod fast_exp;
 mod quantize;
 #[path = "sage/routing.rs"]
 mod routing;
+#[path = "sage/transpose.rs"]
+mod transpose;
 
 use accuracy::*;
 use attention::*;
@@ -27,6 +29,7 @@ use common::*;
 use fast_exp::*;
 use quantize::*;
 use routing::*;
+use transpose::*;
 
 use burn::tensor::{DType, Device, Tensor};
 use burn_kernels_testing::testgen;
@@ -38,6 +41,7 @@ testgen! {
     backend: [
         quantize_matches_reference,
         exp2_poly_matches_exp2,
+        v_transposed_matches_host,
         shared_stages_match_reference,
         attention_matches_reference,
         attention_matches_reference_long,

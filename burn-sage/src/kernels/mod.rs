@@ -29,6 +29,8 @@ mod pv_grid;
 pub mod quantize;
 pub mod tune;
 
+pub use pv_grid::v_transposed_map;
+
 use burn::backend::cubecl::dtype_to_storage_type;
 use burn::backend::ops::FloatTensorOps;
 use burn::tensor::{DType, Shape};

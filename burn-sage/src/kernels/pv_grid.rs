@@ -140,6 +140,67 @@ fn v_transposed_kernel<V: Float, P: Float>(
     }
 }
 
+/// Keys a cube of [`v_transposed_tiled_kernel`] takes.
+const VT_KEYS: usize = 32;
+/// Units a cube of [`v_transposed_tiled_kernel`].
+const VT_UNITS: usize = 256;
+
+/// [`v_transposed_kernel`] through shared memory: a cube per [`VT_KEYS`] keys of a KV head
+/// reads their rows whole (consecutive units, consecutive channels), then writes each
+/// channel's run of keys (consecutive units, consecutive keys). Both sides are coalesced; the
+/// plain kernel's reads stride by the head dim, and its index arithmetic divides at run time.
+/// Needs `skv_pad` and `VT_KEYS · dim` to be multiples of [`VT_KEYS`] and [`VT_UNITS`].
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+fn v_transposed_tiled_kernel<V: Float, P: Float>(
+    v: &Tensor<V>,
+    out: &mut Tensor<P>,
+    g: RoundArgs,
+    skv: usize,
+    skv_pad: usize,
+    heads: usize,
+    #[comptime] dim: usize,
+    #[comptime] round: bool,
+    #[define(V, P)] _dtypes: [ElemType; 2],
+) {
+    let tiles = skv_pad / VT_KEYS;
+    let cube = (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize;
+    if cube >= heads * tiles {
+        terminate!();
+    }
+    let (bhk, k0) = (cube / tiles, (cube % tiles) * VT_KEYS);
+    let unit = UNIT_POS_X as usize;
+    let stride = comptime!(dim + 1);
+    let mut tile = Shared::<[f32]>::new_slice(comptime!(VT_KEYS * (dim + 1)));
+    #[unroll]
+    for step in 0..comptime!(VT_KEYS * dim / VT_UNITS) {
+        let idx = step * VT_UNITS + unit;
+        let (k, c) = (idx / dim, idx % dim);
+        let key = k0 + k;
+        let mut x = f32::new(0.0);
+        if key < skv {
+            x = f32::cast_from(v[(bhk * skv + key) * dim + c]);
+            if round {
+                x = round_bits(x, &g);
+            }
+        }
+        tile[k * stride + c] = x;
+    }
+    sync_cube();
+    #[unroll]
+    for step in 0..comptime!(VT_KEYS * dim / VT_UNITS) {
+        let idx = step * VT_UNITS + unit;
+        let (c, k) = (idx / VT_KEYS, idx % VT_KEYS);
+        out[(bhk * dim + c) * skv_pad + k0 + k] = P::cast_from(tile[k * stride + c]);
+    }
+}
+
+/// [`v_transposed`] without rounding, for the tests: `v` `[b, h, skv, d]` to
+/// `[b·h, d, skv_pad]` in `dtype`, keys past `skv` zero.
+pub fn v_transposed_map(v: CubeTensor, dtype: DType, skv_pad: usize) -> CubeTensor {
+    v_transposed(v, dtype, RoundArgs::new(Grid::E4M3), false, skv_pad)
+}
+
 /// `Vᵀ` in the PV dtype, padded to whole tiles (see [`v_transposed_kernel`]).
 pub(super) fn v_transposed(
     v: CubeTensor,
@@ -159,6 +220,26 @@ pub(super) fn v_transposed(
     );
     let n = b * h * d * skv_pad;
     let dtypes = [dtype_to_storage_type(v.dtype), dtype_to_storage_type(dtype)];
+    if n == 0 {
+        return out;
+    }
+    if skv_pad.is_multiple_of(VT_KEYS) && (VT_KEYS * d).is_multiple_of(VT_UNITS) {
+        v_transposed_tiled_kernel::launch(
+            &client,
+            grid(&client, b * h * (skv_pad / VT_KEYS)),
+            CubeDim::new_1d(VT_UNITS as u32),
+            v.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            g.launch_arg(),
+            skv,
+            skv_pad,
+            b * h,
+            d,
+            round,
+            dtypes,
+        );
+        return out;
+    }
     // SAFETY: every index the kernel forms is below its tensor's length (guarded by `out.len()`
     // for the output; `key < skv`, `d < dim`, `bhk < b·h` for the input).
     unsafe {

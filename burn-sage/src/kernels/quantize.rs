@@ -1,5 +1,11 @@
 //! Smoothing + group quantization: one cube per `(batch·head, group)` finds the group's
 //! `max|x − mean|`, then writes `round(x − mean) / scale` clamped to `±qmax` as integers.
+//!
+//! The head dim and the layout are comptime (a kernel per head dim and layout): the element
+//! loop's divisions are by constants, its trip count is fixed and unrolled, and the mean row
+//! is found once a unit where the mean blocks cover whole layout blocks. Session 61's version
+//! took them at run time (three integer divisions an element and pass): 0.115 ms to quantize
+//! Q at N = 1K, D = 128, B = 4, H = 32 on an H100, ~7× what its 50 MB cost at the bus's speed.
 
 use burn::backend::cubecl::dtype_to_storage_type;
 use burn::tensor::DType;
@@ -15,6 +21,21 @@ use crate::GroupLayout;
 
 const UNITS: usize = 128;
 
+/// The element `e` of a group (its `e / dim`-th row, column `e mod dim`) as the group's row
+/// `r` and column `c`, and whether that row exists: `dim` and `interleave` are comptime, so the
+/// divisions are shifts or multiplications.
+#[cube]
+fn element(
+    e: usize,
+    first: usize,
+    rows: usize,
+    #[comptime] dim: usize,
+    #[comptime] interleave: usize,
+) -> (usize, usize, bool) {
+    let r = first + (e / dim) * interleave;
+    (r, e % dim, r < rows)
+}
+
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 fn quantize_kernel<F: Float, I: Int>(
@@ -23,14 +44,14 @@ fn quantize_kernel<F: Float, I: Int>(
     out: &mut Tensor<I>,
     scales: &mut Tensor<f32>,
     rows: usize,
-    dim: usize,
     mean_blocks: usize,
     mean_block: usize,
-    block: usize,
-    interleave: usize,
     groups: usize,
     qmax: f32,
-    #[comptime] units: usize,
+    #[comptime] dim: usize,
+    #[comptime] block: usize,
+    #[comptime] interleave: usize,
+    #[comptime] uniform_mean: bool,
     #[define(F, I)] _dtypes: [ElemType; 2],
 ) {
     let cube = (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize;
@@ -40,36 +61,52 @@ fn quantize_kernel<F: Float, I: Int>(
     let bh = cube / groups;
     let grp = cube % groups;
     let first = (grp / interleave) * block + grp % interleave;
-    let n = (block / interleave) * dim;
     let unit = UNIT_POS_X as usize;
+    // Every row of the group shares one mean row when the mean blocks cover whole layout
+    // blocks (the attention's layouts): one division a unit, not one an element.
+    let mean_base = (bh * mean_blocks + first / mean_block) * dim;
+    let steps = comptime!((block / interleave * dim).div_ceil(UNITS));
+    // Unrolled up to 64 steps a pass (K's 64-row warp groups at D = 128); longer groups loop.
+    let unroll = comptime!(steps <= 64);
 
     let mut amax = f32::new(0.0);
-    let mut e = unit;
-    while e < n {
-        let r = first + (e / dim) * interleave;
-        if r < rows {
-            let c = e % dim;
-            let val = f32::cast_from(x[(bh * rows + r) * dim + c])
-                - mean[(bh * mean_blocks + r / mean_block) * dim + c];
-            amax = f32::max(amax, f32::abs(val));
+    #[unroll(unroll)]
+    for k in 0..steps {
+        let e = k * UNITS + unit;
+        if e < comptime!(block / interleave * dim) {
+            let (r, c, live) = element(e, first, rows, dim, interleave);
+            if live {
+                let m = if uniform_mean {
+                    mean[mean_base + c]
+                } else {
+                    mean[(bh * mean_blocks + r / mean_block) * dim + c]
+                };
+                let val = f32::cast_from(x[(bh * rows + r) * dim + c]) - m;
+                amax = f32::max(amax, f32::abs(val));
+            }
         }
-        e += units;
     }
-    let scale = f32::max(cube_max(amax, units) / qmax, f32::new(F32_MIN_POSITIVE));
+    let scale = f32::max(cube_max(amax, UNITS) / qmax, f32::new(F32_MIN_POSITIVE));
     if unit == 0 {
         scales[cube] = scale;
     }
-    let mut e = unit;
-    while e < n {
-        let r = first + (e / dim) * interleave;
-        if r < rows {
-            let c = e % dim;
-            let idx = (bh * rows + r) * dim + c;
-            let val = f32::cast_from(x[idx]) - mean[(bh * mean_blocks + r / mean_block) * dim + c];
-            let v = f32::clamp(round_away(val / scale), -qmax, qmax);
-            out[idx] = I::cast_from(v);
+    #[unroll(unroll)]
+    for k in 0..steps {
+        let e = k * UNITS + unit;
+        if e < comptime!(block / interleave * dim) {
+            let (r, c, live) = element(e, first, rows, dim, interleave);
+            if live {
+                let m = if uniform_mean {
+                    mean[mean_base + c]
+                } else {
+                    mean[(bh * mean_blocks + r / mean_block) * dim + c]
+                };
+                let idx = (bh * rows + r) * dim + c;
+                let val = f32::cast_from(x[idx]) - m;
+                let v = f32::clamp(round_away(val / scale), -qmax, qmax);
+                out[idx] = I::cast_from(v);
+            }
         }
-        e += units;
     }
 }
 
@@ -119,14 +156,14 @@ pub fn quantize(
         out.clone().into_tensor_arg(),
         scales.clone().into_tensor_arg(),
         s,
-        d,
         nm,
         mean_block,
-        layout.block,
-        layout.interleave,
         groups,
         qmax,
-        UNITS,
+        d,
+        layout.block,
+        layout.interleave,
+        mean_block.is_multiple_of(layout.block),
         dtypes,
     );
     (out, scales)
