@@ -21,7 +21,11 @@ pub(super) fn v_transposed_matches_host(device: &Device) {
         for dtype in float_dtypes(device) {
             let v =
                 random_tensor::<4>([b, h, skv, d], Dist::STANDARD, 40 + i as u64, dtype, device);
-            let want: Vec<f32> = v.to_data().convert::<f32>().to_vec().expect("f32");
+            let want: Vec<f32> = v
+                .to_data()
+                .convert::<f32>()
+                .try_to_vec::<f32>()
+                .expect("f32");
             let poisoned = b * h * d * skv_pad;
             burn_kernels_testing::poison_memory(device, poisoned * 4, DType::F32);
             let out = v_transposed_map(
@@ -31,7 +35,7 @@ pub(super) fn v_transposed_matches_host(device: &Device) {
             );
             let got: Vec<f32> = burn_kernels_testing::unfused::read_float(out)
                 .convert::<f32>()
-                .to_vec()
+                .try_to_vec::<f32>()
                 .expect("f32");
             assert_eq!(got.len(), b * h * d * skv_pad, "case {i}");
             for bh in 0..b * h {
