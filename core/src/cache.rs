@@ -72,6 +72,13 @@ pub trait KvCache: Send {
 
     /// A short name for logs and reports.
     fn name(&self) -> String;
+
+    /// One line on the cache's work since it was built, for a run's closing report (what a
+    /// compressed cache fetched, reused or merged); `None` (the default) where there is nothing
+    /// to say.
+    fn stats(&self) -> Option<String> {
+        None
+    }
 }
 
 /// One layer of a cache allocated to its capacity, out of the cache while a kernel writes a

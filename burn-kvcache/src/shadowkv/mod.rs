@@ -548,6 +548,22 @@ impl KvCache for ShadowKvCache {
         b.device + b.host
     }
 
+    fn stats(&self) -> Option<String> {
+        let t = &self.timings;
+        let chunks = t.chunks_fetched + t.chunks_reused;
+        (t.layer_steps > 0).then(|| {
+            format!(
+                "ShadowKV: {} sparse layer-steps; {} of {} selected chunks ({:.1}%) were on the \
+                 device from the layer's previous step, {} fetched from host memory",
+                t.layer_steps,
+                t.chunks_reused,
+                chunks,
+                100.0 * t.chunks_reused as f64 / chunks.max(1) as f64,
+                t.chunks_fetched
+            )
+        })
+    }
+
     fn name(&self) -> String {
         format!(
             "shadowkv(rank={},budget={},chunk={},local={},outliers={})",

@@ -41,11 +41,20 @@ pub(super) fn budget_covers_context_matches_full(device: &Device) {
         let t = sk.timings();
         assert_eq!(t.layer_steps, LAYERS * steps.len());
         assert!(t.chunks_reused > 0, "{t:?}");
-        // The transfer's parts are timed inside it.
+        // The transfer's parts are timed inside it, as the scoring's and attention's issue.
         assert!(
             t.transfer_host + t.transfer_upload + t.transfer_assemble <= t.transfer,
             "{t:?}"
         );
+        assert!(t.scoring_issue <= t.scoring && t.attention_issue <= t.attention);
+        // The closing report counts what the timings count.
+        let stats = sk.stats().expect("decoded");
+        let counts = format!(
+            "{} of {} selected chunks",
+            t.chunks_reused,
+            t.chunks_reused + t.chunks_fetched
+        );
+        assert!(stats.contains(&counts), "{stats} ({counts})");
 
         // Truncating into the prompt rebuilds it (full rank: exactly) as a full cache.
         let mut sk =

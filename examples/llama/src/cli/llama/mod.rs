@@ -225,7 +225,7 @@ fn run_generate(
         first_token.get_or_insert_with(|| started.elapsed().as_secs_f64());
         stream.push(tok)
     };
-    let (g, cache_name, capture) = if *decode == DecodeMode::Graph && !compressed {
+    let (g, cache_name, capture, stats) = if *decode == DecodeMode::Graph && !compressed {
         let (g, info) = generate_captured(
             model,
             &[ids],
@@ -235,7 +235,7 @@ fn run_generate(
             &mut on_token,
         )
         .map_err(|e| e.to_string())?;
-        (g, "static".to_string(), Some(info))
+        (g, "static".to_string(), Some(info), None)
     } else {
         if *decode == DecodeMode::Graph {
             eprintln!("decode: eager (graph decoding needs the full KV cache)");
@@ -250,7 +250,7 @@ fn run_generate(
             &mut on_token,
         )
         .map_err(|e| e.to_string())?;
-        (g, cache.name(), None)
+        (g, cache.name(), None, cache.stats())
     };
     println!();
     if let Some(info) = capture {
@@ -264,6 +264,9 @@ fn run_generate(
         full,
         full as f64 / g.cache_bytes.max(1) as f64
     );
+    if let Some(stats) = stats {
+        eprintln!("{stats}");
+    }
     eprintln!(
         "prefill {} tokens at {:.1} tok/s, decode {} tokens at {:.1} tok/s; time to first \
          token {:.0} ms after the prompt ({:.2} s after start)",
