@@ -21,19 +21,47 @@ use crate::GroupLayout;
 
 const UNITS: usize = 128;
 
-/// The element `e` of a group (its `e / dim`-th row, column `e mod dim`) as the group's row
-/// `r` and column `c`, and whether that row exists: `dim` and `interleave` are comptime, so the
-/// divisions are shifts or multiplications.
-#[cube]
-fn element(
-    e: usize,
+/// Where a cube's group sits: its first row, the rows of a head, its head, and its mean rows
+/// (`mean_base` is the group's own when every row shares one).
+#[derive(CubeType, Clone, Copy)]
+struct Group {
     first: usize,
     rows: usize,
+    bh: usize,
+    mean_blocks: usize,
+    mean_block: usize,
+    mean_base: usize,
+}
+
+/// Element `e` of group `g` (its `e / dim`-th row, column `e mod dim`; `dim` and `interleave`
+/// are comptime, so the divisions are by constants): its index in `x`, `x − mean` there, and
+/// whether that row exists (else `(0, 0, false)`, nothing read). With `uniform_mean` every row
+/// of the group takes the mean row at `g.mean_base`.
+#[cube]
+fn centered<F: Float>(
+    x: &Tensor<F>,
+    mean: &Tensor<f32>,
+    e: usize,
+    g: &Group,
     #[comptime] dim: usize,
     #[comptime] interleave: usize,
-) -> (usize, usize, bool) {
-    let r = first + (e / dim) * interleave;
-    (r, e % dim, r < rows)
+    #[comptime] uniform_mean: bool,
+) -> (usize, f32, bool) {
+    let r = g.first + (e / dim) * interleave;
+    let c = e % dim;
+    let mut idx = 0;
+    let mut val = f32::new(0.0);
+    let live = r < g.rows;
+    if live {
+        let m = if uniform_mean {
+            mean[g.mean_base + c]
+        } else {
+            mean[(g.bh * g.mean_blocks + r / g.mean_block) * dim + c]
+        };
+        idx = (g.bh * g.rows + r) * dim + c;
+        val = f32::cast_from(x[idx]) - m;
+    }
+    (idx, val, live)
 }
 
 #[cube(launch)]
@@ -64,7 +92,14 @@ fn quantize_kernel<F: Float, I: Int>(
     let unit = UNIT_POS_X as usize;
     // Every row of the group shares one mean row when the mean blocks cover whole layout
     // blocks (the attention's layouts): one division a unit, not one an element.
-    let mean_base = (bh * mean_blocks + first / mean_block) * dim;
+    let g = Group {
+        first,
+        rows,
+        bh,
+        mean_blocks,
+        mean_block,
+        mean_base: (bh * mean_blocks + first / mean_block) * dim,
+    };
     let steps = comptime!((block / interleave * dim).div_ceil(UNITS));
     // Unrolled up to 64 steps a pass (K's 64-row warp groups at D = 128); longer groups loop.
     let unroll = comptime!(steps <= 64);
@@ -74,16 +109,8 @@ fn quantize_kernel<F: Float, I: Int>(
     for k in 0..steps {
         let e = k * UNITS + unit;
         if e < comptime!(block / interleave * dim) {
-            let (r, c, live) = element(e, first, rows, dim, interleave);
-            if live {
-                let m = if uniform_mean {
-                    mean[mean_base + c]
-                } else {
-                    mean[(bh * mean_blocks + r / mean_block) * dim + c]
-                };
-                let val = f32::cast_from(x[(bh * rows + r) * dim + c]) - m;
-                amax = f32::max(amax, f32::abs(val));
-            }
+            let (_, val, _) = centered(x, mean, e, &g, dim, interleave, uniform_mean);
+            amax = f32::max(amax, f32::abs(val));
         }
     }
     let scale = f32::max(cube_max(amax, UNITS) / qmax, f32::new(F32_MIN_POSITIVE));
@@ -94,15 +121,8 @@ fn quantize_kernel<F: Float, I: Int>(
     for k in 0..steps {
         let e = k * UNITS + unit;
         if e < comptime!(block / interleave * dim) {
-            let (r, c, live) = element(e, first, rows, dim, interleave);
+            let (idx, val, live) = centered(x, mean, e, &g, dim, interleave, uniform_mean);
             if live {
-                let m = if uniform_mean {
-                    mean[mean_base + c]
-                } else {
-                    mean[(bh * mean_blocks + r / mean_block) * dim + c]
-                };
-                let idx = (bh * rows + r) * dim + c;
-                let val = f32::cast_from(x[idx]) - m;
                 let v = f32::clamp(round_away(val / scale), -qmax, qmax);
                 out[idx] = I::cast_from(v);
             }
