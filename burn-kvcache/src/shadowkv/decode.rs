@@ -180,6 +180,7 @@ pub(super) fn sizes_tensor(sizes: &[[usize; 2]], device: &burn::tensor::Device) 
 /// highest of its first `n` scores, ascending, then the first repeated up to `kk` (on the
 /// device, [`crate::top_k_rows`]). Returns them on the device (`[rows, kk]` i32) and on the
 /// host, one `Vec` per row.
+///
 /// With `issue = Some((start, total))`, the time from `start` to the read-back is added to
 /// `total`.
 pub(super) fn top_k_ids(
