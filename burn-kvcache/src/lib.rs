@@ -188,8 +188,9 @@ pub fn gather_reconstruct_rope(
 /// landmarks, the maximum over the KV head's group of query heads of the sum over their query
 /// positions of `softmax(q·lᵀ·scale)` over the row's landmarks (those past `n` masked: they
 /// score 0 unless the row has none). Two launches that read the landmarks once in their own
-/// dtype; groups of more than 16 query rows (`hq / h · sq`), or of more than 8192 query values
-/// (`rows · dd`), take the reference with a log line.
+/// dtype; groups of more than 16 query rows (`hq / h · sq`), or whose query rows (`rows · dd`
+/// values, about 8 000 at most) do not fit the kernel's 48 KiB of shared memory, take the
+/// reference with a log line.
 ///
 /// # Shapes
 /// - `q`: `[b, hq, sq, dd]` f32; `landmarks`: `[b, h, t, dd]`, `h` dividing `hq`; `sizes`:
@@ -216,18 +217,7 @@ pub fn landmark_scores(
     if q.dtype() != DType::F32 {
         return Err(KvCacheError::NotF32("landmark-scoring queries"));
     }
-    let rows = hq / h * sq;
-    let (max_rows, max_values) = (
-        kernels::landmark_scores::MAX_QUERY_ROWS,
-        kernels::landmark_scores::MAX_QUERY_VALUES,
-    );
-    let unsupported = if rows > max_rows {
-        Some(format!("{rows} query rows a KV head (at most {max_rows})"))
-    } else {
-        (rows * dd > max_values).then(|| {
-            format!("{rows} query rows of {dd} values a KV head (at most {max_values} values)")
-        })
-    };
+    let unsupported = kernels::landmark_scores::unsupported(hq / h * sq, dd);
     if !kernel("shadowkv_landmark_scores", &q.device(), unsupported) {
         return Ok(reference::landmark_scores(q, landmarks, sizes, scale));
     }

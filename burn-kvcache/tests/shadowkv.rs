@@ -1,6 +1,6 @@
 //! ShadowKV: the gather-reconstruct-rope kernel against the tensor-op reference and a scalar
-//! oracle; the landmark scoring against its reference; the selection (top-k) kernel and reference against a host oracle; decoding through
-//! the cache against the full cache (budget ≥ context at full rank, batches of different
+//! oracle; the landmark scoring against its reference; the selection (top-k) kernel and
+//! reference against a host oracle; decoding through the cache against the full cache (budget ≥ context at full rank, batches of different
 //! lengths, truncation); retrieval of a planted chunk at a small budget;
 //! low-rank error against rank; exact host round trips of values; typed config errors.
 //!

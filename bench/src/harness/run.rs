@@ -77,15 +77,10 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 
 /// The true median of `values` (the mean of the middle two for an even count); NaN when empty.
 pub fn median(values: &[f64]) -> f64 {
-    if values.is_empty() {
-        return f64::NAN;
-    }
-    let mut sorted = values.to_vec();
-    sorted.sort_by(f64::total_cmp);
-    percentile(&sorted, 0.5)
+    quantile(values, 0.5)
 }
 
-/// The `p` quantile of `values` (interpolated as [`median`] is); NaN when empty.
+/// The `p` quantile of `values`, interpolated between the two nearest ranks; NaN when empty.
 pub fn quantile(values: &[f64], p: f64) -> f64 {
     if values.is_empty() {
         return f64::NAN;

@@ -31,9 +31,34 @@ const COLS: usize = 16;
 /// The staging's stride between columns: two rows of a warp's load land in distinct banks.
 const STRIDE: usize = UNITS + 2;
 /// Most query rows a KV head the kernel takes (the reductions' shared memory is the staging's).
-pub const MAX_QUERY_ROWS: usize = COLS * STRIDE / UNITS;
-/// Most query values (`rows · dd`) a KV head the kernel keeps in shared memory (32 KiB).
-pub const MAX_QUERY_VALUES: usize = 8192;
+const MAX_QUERY_ROWS: usize = COLS * STRIDE / UNITS;
+/// Shared memory a cube may hold, in f32 values (48 KiB, CUDA's static limit).
+const SHARED_VALUES: usize = 12_288;
+
+/// A query row's columns as the kernel keeps them: whole blocks of [`COLS`].
+const fn padded(dd: usize) -> usize {
+    dd.div_ceil(COLS) * COLS
+}
+
+/// Why the kernel cannot score a KV head's group of `rows` query rows of `dd` values, if it
+/// cannot: more rows than its reductions hold, or query rows and staging past 48 KiB of shared
+/// memory.
+pub fn unsupported(rows: usize, dd: usize) -> Option<String> {
+    let shared = rows * padded(dd) + COLS * STRIDE;
+    if rows > MAX_QUERY_ROWS {
+        Some(format!(
+            "{rows} query rows a KV head (at most {MAX_QUERY_ROWS})"
+        ))
+    } else if shared > SHARED_VALUES {
+        Some(format!(
+            "{rows} query rows of {dd} values a KV head: {} B of shared memory (at most {})",
+            4 * shared,
+            4 * SHARED_VALUES
+        ))
+    } else {
+        None
+    }
+}
 /// The logit of a landmark past the row's count (the reference's mask value).
 const MASKED: f32 = -1.0e30;
 /// The value of a unit past the end of the landmarks: below every logit, masked ones included.
@@ -102,11 +127,12 @@ fn landmark_logits_kernel<F: Float, I: Int>(
     // `(b·hq + hh·g)·sq ..` of the contiguous queries, `qrows = g·sq` of them.
     let q0 = ((bh / h) * hq + (bh % h) * (hq / h)) * sq * dd;
     // The group's query rows, each padded with zeros to `ddp` columns (whole column blocks).
-    let ddp = comptime!(dd.div_ceil(COLS) * COLS);
-    let mut q_sm = Shared::<[f32]>::new_slice(comptime!(qrows * dd.div_ceil(COLS) * COLS));
-    for step in 0..comptime!((qrows * dd.div_ceil(COLS) * COLS).div_ceil(UNITS)) {
+    let ddp = comptime!(padded(dd));
+    let q_len = comptime!(qrows * padded(dd));
+    let mut q_sm = Shared::<[f32]>::new_slice(q_len);
+    for step in 0..comptime!(q_len.div_ceil(UNITS)) {
         let idx = step * UNITS + tid;
-        if idx < comptime!(qrows * dd.div_ceil(COLS) * COLS) {
+        if idx < q_len {
             let (i, c) = (idx / ddp, idx % ddp);
             let mut x = f32::new(0.0);
             if c < dd {
@@ -296,4 +322,21 @@ pub fn landmark_scores(
         qrows,
     );
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::unsupported;
+
+    /// The kernel takes the decode step's groups, and refuses what its shared memory cannot
+    /// hold: the query rows count padded to whole 16-column blocks (16 rows of 500 values take
+    /// 512 columns each, 49.3 KiB with the staging; 496 take 47.2 KiB).
+    #[test]
+    fn shared_memory_bounds_the_groups() {
+        assert_eq!(unsupported(4, 128), None);
+        assert_eq!(unsupported(16, 256), None);
+        assert_eq!(unsupported(16, 496), None);
+        assert!(unsupported(16, 500).is_some());
+        assert!(unsupported(17, 8).is_some());
+    }
 }

@@ -179,32 +179,29 @@ pub(super) fn sizes_tensor(sizes: &[[usize; 2]], device: &burn::tensor::Device) 
 /// Per row of `scores` `[rows, t]` (f32) with `(n, k) = sizes[row]`: the positions of the `k`
 /// highest of its first `n` scores, ascending, then the first repeated up to `kk` (on the
 /// device, [`crate::top_k_rows`]). Returns them on the device (`[rows, kk]` i32) and on the
-/// host, one `Vec` per row.
-///
-/// With `issue = Some((start, total))`, the time from `start` to the read-back is added to
-/// `total`.
+/// host, one `Vec` per row ([`read_ids`]).
 pub(super) fn top_k_ids(
     scores: Tensor<2>,
     sizes: Tensor<2, Int>,
     kk: usize,
-    issue: Option<(Instant, &mut std::time::Duration)>,
 ) -> (Tensor<2, Int>, Vec<Vec<usize>>) {
     let rows = sizes.dims()[0];
     let ids = crate::top_k_rows(scores, sizes, kk).expect("f32 scores, [rows, 2] sizes, kk ≤ t");
-    if let Some((start, total)) = issue {
-        *total += start.elapsed();
-    }
+    let host = read_ids(&ids, rows, kk);
+    (ids, host)
+}
+
+/// The `[rows, kk]` ids of [`crate::top_k_rows`] read back, one `Vec` per row.
+fn read_ids(ids: &Tensor<2, Int>, rows: usize, kk: usize) -> Vec<Vec<usize>> {
     let host: Vec<i64> = ids
         .to_data()
         .convert::<i64>()
         .try_to_vec::<i64>()
         .expect("i64");
-    let host = host
-        .chunks(kk.max(1))
+    host.chunks(kk.max(1))
         .take(rows)
         .map(|r| r.iter().map(|&x| x as usize).collect())
-        .collect();
-    (ids, host)
+        .collect()
 }
 
 /// Scoring: softmax of the queries over the landmarks, summed over queries, max over the GQA
@@ -238,7 +235,9 @@ fn select_chunks(
     let sizes = sizes_tensor(&sizes, &q.device());
     let scores = crate::landmark_scores(q, sp.landmarks.clone(), sizes.clone(), scale)
         .expect("f32 queries, landmarks of their head dim and the cache's KV heads");
-    let (_, ids) = top_k_ids(scores, sizes, kk, Some((t0, issue)));
+    let ids = crate::top_k_rows(scores, sizes, kk).expect("f32 scores, [rows, 2] sizes, kk ≤ t");
+    *issue += t0.elapsed();
+    let ids = read_ids(&ids, b * h, kk);
     let land_chunk = &sp.land_chunk;
     let flat: Vec<Vec<usize>> = ids
         .into_iter()

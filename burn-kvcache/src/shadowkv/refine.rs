@@ -52,7 +52,7 @@ pub(super) fn pick_tokens(
     let sizes = sizes_tensor(&sizes, &device);
     let scores = crate::landmark_scores(q, cand_k.clone(), sizes.clone(), scale)
         .expect("f32 queries, candidate keys of their head dim and the cache's KV heads");
-    let (idx, picks) = top_k_ids(scores, sizes, n_tok, None);
+    let (idx, picks) = top_k_ids(scores, sizes, n_tok);
     let idx = idx
         .reshape([b, h, n_tok])
         .unsqueeze_dim::<4>(3)

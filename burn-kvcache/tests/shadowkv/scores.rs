@@ -12,9 +12,8 @@ use crate::{assert_launched, cpu, launch_counts, on_kernels, tensor};
 /// `(b, hq, h, sq, t, dd)` and each row's landmark count (cycled): one landmark, two cubes of
 /// 256 with a tail, a row with no landmarks (the reference's uniform softmax), several query
 /// positions a head, a head dim of 256 (the bound scoring's `[max | min]`), and one of 40 (a
-/// tail of the 16-column staging) with 10 query rows a KV head. Groups of more
-/// than 16 query rows take the reference with a log line, which the kernel tests refuse.
-/// `(b, hq, h, sq, t, dd)`.
+/// tail of the 16-column staging) with 10 query rows a KV head. Groups of more than 16 query
+/// rows take the reference with a log line, which the kernel tests refuse.
 type Shape6 = (usize, usize, usize, usize, usize, usize);
 
 const CASES: &[(Shape6, &[usize])] = &[
