@@ -77,6 +77,8 @@
 #            full cache's 48.3 on the RULER-style table; compare with skv64 in the same call
 #   skv2s8   skv2s with 8x candidates (46.7 against 48.3 at 4K: within the 2 points), at
 #            SKV_CTX K context (default 64)
+#   bccegcw  bccegc's Burn rows with the compensated carry's store capped at the wide one
+#            (BURN_KERNELS_COMPENSATED_STORE=wide): run beside bccegc to A/B the prefetched store
 #   psw      sage's default (INT8 per warp, FP16 P̃·V, causal and not) at N = 1K (D = 64, 128), 4K
 #            (D = 128) under CubeCL's profiler: per-kernel device times against the bench's
 #            median (what does not scale with the work at short lengths)
@@ -405,6 +407,10 @@ for s in "$@"; do
       --skip-impl 'chunked passes' --skip-impl sorting --skip-impl autotuned --skip-impl fused \
       --skip-impl 'one f32' --skip-impl 'blocks' --skip-impl liger \
       --skip-impl pytorch-plain --peers-dir "$peers" --out "$O/bccegc" ;;
+    bccegcw) BURN_KERNELS_COMPENSATED_STORE=wide step bccegcw run bench --suite cce --filter gemma \
+      --filter both --max-mem-gb 70 --skip-impl 'chunked passes' --skip-impl sorting \
+      --skip-impl autotuned --skip-impl fused --skip-impl 'one f32' --skip-impl 'blocks' \
+      --skip-impl liger --skip-impl pytorch-plain --skip-impl apple --out "$O/bccegcw" ;;
     bsw16k) step bsw16k run bench --suite sage --filter "N=16384 D=128" --skip-impl reference \
       --skip-impl int4 --skip-impl fp8 --skip-impl cmma --skip-impl smoothq \
       --min-reps 5 --warmup-ms 100 --measure-ms 300 --peers-dir "$peers" --out "$O/bsw16k" ;;

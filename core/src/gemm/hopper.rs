@@ -40,19 +40,24 @@ use burn::tensor::DType;
 use burn_cubecl::{ops::numeric::empty_device_contiguous_dtype, tensor::CubeTensor};
 use cubecl::calculate_cube_count_elemwise;
 use cubecl::ir::ElemType;
-use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
-use cubecl::wgmma::{Accumulator, Major, MatrixDescriptor, Swizzle, WARPGROUP_M, WgmmaTileLayout};
+use cubecl::wgmma::{Major, Swizzle, WARPGROUP_M, WgmmaTileLayout};
 
 mod add;
 mod epilogue;
 mod grad;
+mod mainloop;
 mod plan;
-pub use add::{hopper_gemm_add, hopper_gemm_add_compensated};
+mod prefetched;
+pub use add::{
+    CompensatedStore, hopper_gemm_add, hopper_gemm_add_compensated,
+    hopper_gemm_add_compensated_with,
+};
 pub use epilogue::{Epilogue, LogitOptions, hopper_column_scores, hopper_row_lse};
 pub use grad::{GradInputs, hopper_grad};
 use plan::{Plan, plan, tensor_map};
 pub use plan::{splits_for, tile_width, unsupported};
+pub use prefetched::PREFETCH_BN;
 
 /// Rows of `C` per cube: one 64-row MMA for each of the two consumer warpgroups.
 pub const BM: usize = 2 * WARPGROUP_M;
@@ -110,37 +115,6 @@ impl HopperTile {
     }
 }
 
-/// Loads one stage of an operand tile (`rows` along M or N, `BK` along K) starting at
-/// `(row0, k0)` into `dst` by TMA, signalling `bar`: one box for a K-major tile, one per
-/// 64-row panel for an MN-major one.
-#[cube]
-fn load_stage<E: Float>(
-    map: &TensorMap<E, Tiled>,
-    dst: &mut [E],
-    bar: &Shared<Barrier>,
-    row0: u32,
-    k0: u32,
-    #[comptime] major: Major,
-    #[comptime] rows: usize,
-) {
-    if comptime![major == Major::K] {
-        // The map is `[rows, K]`: y = row, x = k.
-        bar.tma_load_2d(map, dst, row0 as i32, k0 as i32);
-    } else {
-        // The map is `[K, rows]`: y = k, x = row; one box per panel of 64 rows.
-        #[unroll]
-        for p in 0..comptime![rows / 64] {
-            let start = p * PANEL;
-            bar.tma_load_2d(
-                map,
-                &mut dst[start..start + PANEL],
-                k0 as i32,
-                (row0 + p as u32 * 64) as i32,
-            );
-        }
-    }
-}
-
 /// `out[z] = A[:, Kz] · B[Kz, :]` for the cube's tile, where `Kz` is split `z`'s range of K
 /// tiles (`tiles_per_split` of the `k_tiles`); `out` is `[splits, m, n]`, rows `out_stride`
 /// apart, in vectors of 2 where `tile.pairs` ([`Epilogue::Add`]: added to what `out` holds).
@@ -175,10 +149,6 @@ fn hopper_gemm_kernel<E: Float, O: Float, N2: Size, I: Numeric>(
     #[define(E, O, I)] _dtypes: [ElemType; 3],
 ) {
     let bn = comptime![tile.bn];
-    let a_layout = comptime![tile.a_layout()];
-    let b_layout = comptime![tile.b_layout()];
-    let a_stage = comptime![BM * BK];
-    let b_stage = comptime![tile.bn * BK];
     let mut a_smem = Shared::<[E]>::new_aligned_slice(comptime![STAGES * BM * BK], 1024usize);
     let mut b_smem = Shared::<[E]>::new_aligned_slice(comptime![STAGES * tile.bn * BK], 1024usize);
     // The column scores' per-plane maxima (8 planes of consumers), or the wide compensated
@@ -192,19 +162,10 @@ fn hopper_gemm_kernel<E: Float, O: Float, N2: Size, I: Numeric>(
     }];
     let mut scores = Shared::<[f32]>::new_slice(score_len);
 
-    let mut full = Sequence::<Shared<Barrier>>::new();
-    let mut empty = Sequence::<Shared<Barrier>>::new();
-    #[unroll]
-    for _ in 0..STAGES {
-        full.push(Barrier::shared_uninit());
-        empty.push(Barrier::shared_uninit());
-    }
+    let full = mainloop::ring_barriers();
+    let empty = mainloop::ring_barriers();
     if UNIT_POS == 0 {
-        #[unroll]
-        for s in 0..STAGES {
-            full.index(s).init_manual(1u32);
-            empty.index(s).init_manual(2 * WG);
-        }
+        mainloop::init_ring(&full, &empty);
     }
     sync_async_proxy_shared();
     sync_cube();
@@ -213,7 +174,6 @@ fn hopper_gemm_kernel<E: Float, O: Float, N2: Size, I: Numeric>(
     let end = first + tiles_per_split;
     let last = select(end < k_tiles, end, k_tiles);
     let count = select(last > first, last - first, 0u32);
-    let rounds = (count + STAGES as u32 - 1) / STAGES as u32;
     let (tile_m, tile_n) = if comptime![tile.m_fast] {
         (CUBE_POS_X, CUBE_POS_Y)
     } else {
@@ -225,55 +185,23 @@ fn hopper_gemm_kernel<E: Float, O: Float, N2: Size, I: Numeric>(
 
     if wg == 0 {
         if UNIT_POS == 0 {
-            let bytes = comptime![((BM + tile.bn) * BK * ELEM_BYTES) as u32];
-            for round in 0..rounds {
-                #[unroll]
-                for s in 0..STAGES {
-                    let t = round * STAGES as u32 + s as u32;
-                    if t < count {
-                        empty.index(s).wait_parity((round & 1) ^ 1);
-                        let k0 = (first + t) * BK as u32;
-                        let bar = full.index(s);
-                        let a_dst = &mut a_smem[s * a_stage..(s + 1) * a_stage];
-                        load_stage::<E>(a, a_dst, bar, row0, k0, tile.a_major, BM);
-                        let b_dst = &mut b_smem[s * b_stage..(s + 1) * b_stage];
-                        load_stage::<E>(b, b_dst, bar, col0, k0, tile.b_major, bn);
-                        bar.arrive_and_expect_tx(1u32, bytes);
-                    }
-                }
-            }
+            mainloop::produce::<E>(
+                a,
+                b,
+                &mut a_smem,
+                &mut b_smem,
+                &full,
+                &empty,
+                first,
+                count,
+                row0,
+                col0,
+                tile,
+            );
         }
     } else {
         let c = (wg - 1) as usize;
-        let mut acc = Accumulator::<f32>::new(bn).start();
-        // One group of MMAs stays in flight: a stage is released once the next one's MMAs are
-        // issued and its own have completed.
-        let mut released = acc.commit();
-        for round in 0..rounds {
-            #[unroll]
-            for s in 0..STAGES {
-                let t = round * STAGES as u32 + s as u32;
-                if t < count {
-                    full.index(s).wait_parity(round & 1);
-                    let a_desc =
-                        MatrixDescriptor::new(&a_smem[s * a_stage..(s + 1) * a_stage], a_layout);
-                    let b_desc =
-                        MatrixDescriptor::new(&b_smem[s * b_stage..(s + 1) * b_stage], b_layout);
-                    #[unroll]
-                    for step in 0..comptime![BK / 16] {
-                        acc.execute(&a_desc.at(c * 64, step * 16), &b_desc.at(0usize, step * 16));
-                    }
-                    let read = acc.commit();
-                    released.wait();
-                    if t > 0 {
-                        empty.index(comptime![(s + STAGES - 1) % STAGES]).arrive();
-                    }
-                    released = read;
-                }
-            }
-        }
-        released.wait();
-        let acc = acc.wait();
+        let acc = mainloop::consume::<E>(&a_smem, &b_smem, &full, &empty, c, count, tile);
         let unit = UNIT_POS % WG;
         let rows0 = row0 + c as u32 * 64;
         let (has_bias, has_softcap) = comptime![(tile.epilogue.bias(), tile.epilogue.softcap())];

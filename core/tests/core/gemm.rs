@@ -380,10 +380,11 @@ pub fn hopper_gemm_add_accumulates(device: &Device) {
 /// The adding GEMMs' problems `[m, k, n]` and whether `b` is transposed: tails in M, N and K, and
 /// a long K over one tile.
 #[cfg(feature = "cuda")]
-const ADD_CASES: [([usize; 3], bool); 3] = [
+const ADD_CASES: [([usize; 3], bool); 4] = [
     ([131, 64, 72], false),
     ([200, 584, 330], true),
     ([64, 8192, 96], true),
+    ([131, 200, 144], false),
 ];
 
 /// Valid bf16 operands `[128, 64]` and `[64, 64]` beside which the adding GEMMs' refused
@@ -433,18 +434,46 @@ fn decoded(hi: &[f32], fix: &[i8]) -> Vec<f64> {
 /// (never split). The pair's value must stay within `products · max|partial sum| · 2⁻¹⁶` of the
 /// exact sum (bf16: about 2⁻¹⁶ of the sum per addition), far below what adding in bf16 alone
 /// loses (`2⁻⁹` of the sum per addition); the 16-bit sum itself is that value rounded to its
-/// dtype.
+/// dtype. Every [`gemm::hopper::CompensatedStore`] that fits a case runs it (prefetched: `n` a
+/// multiple of 16; wide: of 8), and the default's choice once more.
 #[cfg(feature = "cuda")]
 pub fn hopper_gemm_add_compensated_keeps_the_bits(device: &Device) {
+    use gemm::hopper::CompensatedStore;
+    for ([m, k, n], transposed) in ADD_CASES {
+        let fitting = [
+            (CompensatedStore::Prefetched, n % 16 == 0),
+            (CompensatedStore::Wide, n % 8 == 0),
+            (CompensatedStore::Pairwise, true),
+        ];
+        for (store, fits) in fitting {
+            compensated_case(device, [m, k, n], transposed, Some(store), fits);
+        }
+        compensated_case(device, [m, k, n], transposed, None, true);
+    }
+    compensated_refusals(device);
+}
+
+/// One case of [`hopper_gemm_add_compensated_keeps_the_bits`] with `store` (`None`: the
+/// default's choice); where it does not `fit`, the store must be refused.
+#[cfg(feature = "cuda")]
+fn compensated_case(
+    device: &Device,
+    [m, k, n]: [usize; 3],
+    transposed: bool,
+    store: Option<gemm::hopper::CompensatedStore>,
+    fits: bool,
+) {
     use burn::backend::ops::IntTensorOps;
     use burn::tensor::{Shape, TensorData};
     use burn_cubecl::CubeBackend;
     use burn_kernels_testing::unfused::{float, read_float, read_int};
     const PRODUCTS: u64 = 12;
-    for (i, ([m, k, n], transposed)) in ADD_CASES.into_iter().enumerate() {
+    {
         let dtype = DType::BF16;
-        let seed = 950 + 32 * i as u64;
-        let name = format!("wgmma compensated add [{m}×{k}]·[{k}×{n}] transposed b {transposed}");
+        let seed = 950 + (m + 3 * n) as u64;
+        let name = format!(
+            "wgmma compensated add ({store:?}) [{m}×{k}]·[{k}×{n}] transposed b {transposed}"
+        );
         let hi0 = random_tensor::<1>([m * n], Dist::STANDARD, seed, dtype, device);
         let fix0: Vec<i8> =
             random_tensor::<1>([m * n], Dist::STANDARD, seed + 1, DType::F32, device)
@@ -468,13 +497,18 @@ pub fn hopper_gemm_add_compensated_keeps_the_bits(device: &Device) {
             let prod = host_product(&to_f32(a.to_data()), &to_f32(b.to_data()), m, k, n);
             want.iter_mut().zip(prod).for_each(|(w, x)| *w += x as f64);
             largest = want.iter().fold(largest, |a, w| a.max(w.abs()));
-            gemm::hopper::hopper_gemm_add_compensated(
-                &float(&a, device),
-                &float(&b, device),
-                &sum,
-                &fix,
-            )
-            .unwrap_or_else(|why| panic!("{name}: {why}"));
+            let (a, b) = (float(&a, device), float(&b, device));
+            let added = match store {
+                Some(store) => {
+                    gemm::hopper::hopper_gemm_add_compensated_with(&a, &b, &sum, &fix, store)
+                }
+                None => gemm::hopper::hopper_gemm_add_compensated(&a, &b, &sum, &fix),
+            };
+            if !fits {
+                assert!(added.is_err(), "{name}: a store that does not fit ran");
+                return;
+            }
+            added.unwrap_or_else(|why| panic!("{name}: {why}"));
         }
         let hi = to_f32(read_float(sum));
         let fix = read_int(fix).try_to_vec::<i8>().expect("i8 corrections");
@@ -492,7 +526,15 @@ pub fn hopper_gemm_add_compensated_keeps_the_bits(device: &Device) {
             );
         }
     }
-    // A sum of another dtype, or corrections of another shape, are refused, not written.
+}
+
+/// The compensated adding store's refusals: a sum of another dtype, or corrections of another
+/// shape, are refused, not written.
+#[cfg(feature = "cuda")]
+fn compensated_refusals(device: &Device) {
+    use burn::backend::ops::IntTensorOps;
+    use burn::tensor::{Shape, TensorData};
+    use burn_cubecl::CubeBackend;
     let [a, b] = refusal_operands(device);
     let cube = burn_kernels_testing::unfused::cube_device(device);
     let fix = |len: usize| {

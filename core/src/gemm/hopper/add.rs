@@ -8,7 +8,7 @@ use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 use cubecl::wgmma::Accumulator;
 
-use super::{Epilogue, HopperTile, Plan, Reduction, epilogue, gemm_into, launch, plan};
+use super::{Epilogue, HopperTile, Plan, Reduction, epilogue, gemm_into, launch, plan, prefetched};
 
 /// Where `t` is not a contiguous `[m, n]` tensor of one of `dtypes` for `plan`'s product, why.
 fn refused(t: &CubeTensor, plan: &Plan, dtypes: &[DType], what: &str) -> Option<String> {
@@ -47,6 +47,22 @@ pub fn hopper_gemm_add(lhs: &CubeTensor, rhs: &CubeTensor, out: &CubeTensor) -> 
     .map(|_| ())
 }
 
+/// How [`hopper_gemm_add_compensated_with`] reads and writes the compensated pair.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CompensatedStore {
+    /// Each unit reads and writes its own values, two adjacent columns at a time, in the
+    /// epilogue (any `n`).
+    Pairwise,
+    /// Each warp's rows staged through shared memory in slices of 32 columns and the pair read
+    /// and written eight values at a time, in the epilogue (`n` a multiple of 8, the pair
+    /// starting on whole vectors): see `store_compensated_wide`.
+    Wide,
+    /// The pair loaded by TMA during the main loop, updated in shared memory and stored by TMA
+    /// (the sum in the operands' dtype, `n` a multiple of 16, 16-byte aligned starts; tiles of
+    /// [`prefetched::PREFETCH_BN`] columns).
+    Prefetched,
+}
+
 /// Adds `lhs · rhs` (`[m, k] · [k, n]`) into the compensated sum `sum + fix · |sum| · 2⁻¹⁵`:
 /// `sum` (contiguous `[m, n]` bf16 or f16) holds the running sum rounded to its dtype, `fix`
 /// (contiguous `[m, n]` i8) each value's rounding error in units of `|sum| · 2⁻¹⁵`. Each
@@ -58,6 +74,10 @@ pub fn hopper_gemm_add(lhs: &CubeTensor, rhs: &CubeTensor, out: &CubeTensor) -> 
 /// the pair at about `|sum| · 2⁻¹⁶` (bf16 alone: `2⁻⁹`), and `sum` is the compensated sum
 /// rounded to bf16. f16's narrow exponent range gives small values less: prefer bf16.
 ///
+/// The fastest [`CompensatedStore`] the problem allows: [`CompensatedStore::Prefetched`] unless
+/// it does not fit or failed to launch before in this process, then `Wide`, then `Pairwise`.
+/// `BURN_KERNELS_COMPENSATED_STORE=wide` (or `pairwise`) caps the choice there, for
+/// measurements side by side.
 /// One launch, K never split. An error where [`super::unsupported`] says why not, where `sum`
 /// or `fix` is not as above, and where the kernel (tile and dtype) failed to launch on this
 /// device (checked at its first launch in the process; the pair then holds no valid sum).
@@ -67,18 +87,95 @@ pub fn hopper_gemm_add_compensated(
     sum: &CubeTensor,
     fix: &CubeTensor,
 ) -> Result<(), String> {
+    let plan = checked_plan(lhs, rhs, sum, fix)?;
+    let cap = store_cap();
+    let store = if cap == CompensatedStore::Prefetched
+        && prefetched::refused(&plan, lhs, sum, fix).is_none()
+        && !prefetched::failed_before(&plan, lhs.dtype)
+    {
+        CompensatedStore::Prefetched
+    } else if cap != CompensatedStore::Pairwise && wide_fits(&plan, sum, fix) {
+        CompensatedStore::Wide
+    } else {
+        CompensatedStore::Pairwise
+    };
+    launch_compensated(lhs, rhs, &plan, sum, fix, store)
+}
+
+/// The store `BURN_KERNELS_COMPENSATED_STORE` caps the default's choice at (read once).
+fn store_cap() -> CompensatedStore {
+    static CAP: std::sync::OnceLock<CompensatedStore> = std::sync::OnceLock::new();
+    *CAP.get_or_init(
+        || match std::env::var("BURN_KERNELS_COMPENSATED_STORE").as_deref() {
+            Ok("wide") => CompensatedStore::Wide,
+            Ok("pairwise") => CompensatedStore::Pairwise,
+            _ => CompensatedStore::Prefetched,
+        },
+    )
+}
+
+/// [`hopper_gemm_add_compensated`] with the given [`CompensatedStore`]: an error also where it
+/// does not fit the problem.
+pub fn hopper_gemm_add_compensated_with(
+    lhs: &CubeTensor,
+    rhs: &CubeTensor,
+    sum: &CubeTensor,
+    fix: &CubeTensor,
+    store: CompensatedStore,
+) -> Result<(), String> {
+    let plan = checked_plan(lhs, rhs, sum, fix)?;
+    match store {
+        CompensatedStore::Prefetched => {
+            if let Some(why) = prefetched::refused(&plan, lhs, sum, fix) {
+                return Err(why);
+            }
+        }
+        CompensatedStore::Wide if !wide_fits(&plan, sum, fix) => {
+            return Err(format!(
+                "{store:?}: n = {} or the pair's start unaligned",
+                plan.n
+            ));
+        }
+        _ => {}
+    }
+    launch_compensated(lhs, rhs, &plan, sum, fix, store)
+}
+
+/// The plan of `lhs · rhs` added into the pair, or why the pair or the product is refused.
+fn checked_plan(
+    lhs: &CubeTensor,
+    rhs: &CubeTensor,
+    sum: &CubeTensor,
+    fix: &CubeTensor,
+) -> Result<Plan, String> {
     let plan = plan(&lhs.client, lhs, rhs)?;
     let why = refused(sum, &plan, &[DType::BF16, DType::F16], "a sum")
         .or_else(|| refused(fix, &plan, &[DType::I8], "corrections"));
-    if let Some(why) = why {
-        return Err(why);
+    match why {
+        Some(why) => Err(why),
+        None => Ok(plan),
     }
-    // Eight values at a time where every row starts on a whole vector: 16 bytes of the sum,
-    // 8 of the corrections.
+}
+
+/// Eight values at a time where every row starts on a whole vector: 16 bytes of the sum, 8 of
+/// the corrections.
+fn wide_fits(plan: &Plan, sum: &CubeTensor, fix: &CubeTensor) -> bool {
     let offset = |t: &CubeTensor| t.handle.offset_start.unwrap_or(0);
-    let wide =
-        plan.n.is_multiple_of(8) && offset(sum).is_multiple_of(16) && offset(fix).is_multiple_of(8);
-    let epilogue = Epilogue::AddCompensated { wide };
+    plan.n.is_multiple_of(8) && offset(sum).is_multiple_of(16) && offset(fix).is_multiple_of(8)
+}
+
+fn launch_compensated(
+    lhs: &CubeTensor,
+    rhs: &CubeTensor,
+    plan: &Plan,
+    sum: &CubeTensor,
+    fix: &CubeTensor,
+    store: CompensatedStore,
+) -> Result<(), String> {
+    if store == CompensatedStore::Prefetched {
+        return prefetched::launch(lhs, rhs, plan, sum, fix);
+    }
+    let epilogue = Epilogue::AddCompensated { store };
     let tile = HopperTile {
         epilogue,
         ..plan.tile
@@ -89,7 +186,7 @@ pub fn hopper_gemm_add_compensated(
         ..Reduction::none(lhs)
     };
     epilogue::verified((tile, lhs.dtype), sum.clone(), || {
-        launch(lhs, rhs, &plan, (sum.clone(), sum.dtype), 1, reduction)
+        launch(lhs, rhs, plan, (sum.clone(), sum.dtype), 1, reduction)
     })
     .map(|_| ())
 }
@@ -100,7 +197,7 @@ const CORRECTION_UNIT: f64 = 1.0 / 32768.0;
 
 /// The value of a compensated pair plus `x`, in f32: `hi + (x + q · |hi| · 2⁻¹⁵)`.
 #[cube]
-fn compensated_value<O: Float>(x: f32, hi: O, q: i8) -> f32 {
+pub(super) fn compensated_value<O: Float>(x: f32, hi: O, q: i8) -> f32 {
     let hi = f32::cast_from(hi);
     hi + (x + f32::cast_from(q) * (f32::abs(hi) * f32::new(CORRECTION_UNIT)))
 }
@@ -108,7 +205,7 @@ fn compensated_value<O: Float>(x: f32, hi: O, q: i8) -> f32 {
 /// The correction of `sum` rounded to `hi`: `(sum − hi) / (|hi| · 2⁻¹⁵)`, rounded, within
 /// ±127; 0 where `hi` is zero, infinite or NaN.
 #[cube]
-fn correction<O: Float>(sum: f32, hi: O) -> i8 {
+pub(super) fn correction<O: Float>(sum: f32, hi: O) -> i8 {
     let hi = f32::cast_from(hi);
     let unit = f32::abs(hi) * f32::new(CORRECTION_UNIT);
     let mut q = f32::new(0.0);

@@ -18,12 +18,18 @@ use burn_cubecl::{ops::numeric::empty_device_contiguous_dtype, tensor::CubeTenso
 use cubecl::prelude::*;
 use cubecl::wgmma::Accumulator;
 
-use super::{BM, HopperTile, Plan, Reduction, launch, placeholder, plan};
+use super::{BM, CompensatedStore, HopperTile, Plan, Reduction, launch, placeholder, plan};
 use std::collections::HashMap;
 use std::sync::Mutex;
 
 /// Whether each reducing kernel (tile, epilogue, dtype) ran at its first launch in this process.
 static VERIFIED: Mutex<Option<HashMap<(HopperTile, DType), bool>>> = Mutex::new(None);
+
+/// Whether the kernel `key` failed at its first launch in this process.
+pub(super) fn failed_before(key: &(HopperTile, DType)) -> bool {
+    let all = VERIFIED.lock().unwrap_or_else(|e| e.into_inner());
+    all.as_ref().and_then(|m| m.get(key).copied()) == Some(false)
+}
 
 /// Launches a reduction into `out` by `launch_it`, whose kernel is `key`: refused at once where
 /// that kernel failed before; at its first launch, checked on the device thread (no device
@@ -202,9 +208,8 @@ pub enum Epilogue {
     /// Adds the tile to a compensated sum: the output's 16-bit values and an 8-bit correction
     /// of each ([`super::hopper_gemm_add_compensated`]).
     AddCompensated {
-        /// Whether the pair is read and written eight values at a time through shared memory
-        /// (`n` a multiple of 8): see `add::store_compensated_wide`.
-        wide: bool,
+        /// How the pair is read and written.
+        store: CompensatedStore,
     },
     /// Stores the logits' gradient `(exp(x − lse[t]) − [targets[t] = id]) · dout[t] · cap'(x)`
     /// of each value ([`super::hopper_grad`]), in the output's dtype.
@@ -277,7 +282,12 @@ impl Epilogue {
 
     /// Whether this is [`Epilogue::AddCompensated`] staged through shared memory.
     pub fn is_wide_compensated(&self) -> bool {
-        matches!(self, Epilogue::AddCompensated { wide: true })
+        matches!(
+            self,
+            Epilogue::AddCompensated {
+                store: CompensatedStore::Wide
+            }
+        )
     }
 
     /// Whether this is [`Epilogue::ColumnScore`] (it needs shared memory and a cube-wide sync).

@@ -1,0 +1,150 @@
+//! The Hopper GEMM's main loop, shared by its kernels: the producer's TMA loads of `A` and `B`
+//! into the ring of [`STAGES`] stages and the consumers' warpgroup MMAs over them.
+
+use cubecl::prelude::barrier::Barrier;
+use cubecl::prelude::*;
+use cubecl::wgmma::{Accumulator, Major, MatrixDescriptor};
+
+use super::{BK, BM, ELEM_BYTES, HopperTile, PANEL, STAGES, WG};
+
+/// The barriers of the ring's stages: "full" (TMA bytes arrived) and "empty" (both consumers
+/// done with it), not yet initialized ([`init_ring`]).
+#[cube]
+pub(super) fn ring_barriers() -> Sequence<Shared<Barrier>> {
+    let mut bars = Sequence::<Shared<Barrier>>::new();
+    #[unroll]
+    for _ in 0..STAGES {
+        bars.push(Barrier::shared_uninit());
+    }
+    bars
+}
+
+/// Initializes the ring's barriers (unit 0 only; the caller then fences and syncs the cube).
+#[cube]
+pub(super) fn init_ring(full: &Sequence<Shared<Barrier>>, empty: &Sequence<Shared<Barrier>>) {
+    #[unroll]
+    for s in 0..STAGES {
+        full.index(s).init_manual(1u32);
+        empty.index(s).init_manual(2 * WG);
+    }
+}
+
+/// Loads one stage of an operand tile (`rows` along M or N, `BK` along K) starting at
+/// `(row0, k0)` into `dst` by TMA, signalling `bar`: one box for a K-major tile, one per
+/// 64-row panel for an MN-major one.
+#[cube]
+fn load_stage<E: Float>(
+    map: &TensorMap<E, Tiled>,
+    dst: &mut [E],
+    bar: &Shared<Barrier>,
+    row0: u32,
+    k0: u32,
+    #[comptime] major: Major,
+    #[comptime] rows: usize,
+) {
+    if comptime![major == Major::K] {
+        // The map is `[rows, K]`: y = row, x = k.
+        bar.tma_load_2d(map, dst, row0 as i32, k0 as i32);
+    } else {
+        // The map is `[K, rows]`: y = k, x = row; one box per panel of 64 rows.
+        #[unroll]
+        for p in 0..comptime![rows / 64] {
+            let start = p * PANEL;
+            bar.tma_load_2d(
+                map,
+                &mut dst[start..start + PANEL],
+                k0 as i32,
+                (row0 + p as u32 * 64) as i32,
+            );
+        }
+    }
+}
+
+/// The producer (one unit): loads K tiles `first..first + count` of the cube's tile (rows from
+/// `row0` of `A`, columns from `col0` of `B`) into the ring, each stage once both consumers
+/// released it.
+#[cube]
+#[allow(clippy::too_many_arguments, clippy::manual_div_ceil)]
+pub(super) fn produce<E: Float>(
+    a: &TensorMap<E, Tiled>,
+    b: &TensorMap<E, Tiled>,
+    a_smem: &mut Shared<[E]>,
+    b_smem: &mut Shared<[E]>,
+    full: &Sequence<Shared<Barrier>>,
+    empty: &Sequence<Shared<Barrier>>,
+    first: u32,
+    count: u32,
+    row0: u32,
+    col0: u32,
+    #[comptime] tile: HopperTile,
+) {
+    let a_stage = comptime![BM * BK];
+    let b_stage = comptime![tile.bn * BK];
+    let bytes = comptime![((BM + tile.bn) * BK * ELEM_BYTES) as u32];
+    let rounds = (count + STAGES as u32 - 1) / STAGES as u32;
+    for round in 0..rounds {
+        #[unroll]
+        for s in 0..STAGES {
+            let t = round * STAGES as u32 + s as u32;
+            if t < count {
+                empty.index(s).wait_parity((round & 1) ^ 1);
+                let k0 = (first + t) * BK as u32;
+                let bar = full.index(s);
+                let a_dst = &mut a_smem[s * a_stage..(s + 1) * a_stage];
+                load_stage::<E>(a, a_dst, bar, row0, k0, tile.a_major, BM);
+                let b_dst = &mut b_smem[s * b_stage..(s + 1) * b_stage];
+                load_stage::<E>(b, b_dst, bar, col0, k0, tile.b_major, tile.bn);
+                bar.arrive_and_expect_tx(1u32, bytes);
+            }
+        }
+    }
+}
+
+/// Consumer `c` (0 or 1, a warpgroup): the MMAs of its 64 rows of the tile over the `count`
+/// stages the producer loads, one group in flight (a stage is released once the next one's MMAs
+/// are issued and its own completed); the tile's sums once all completed.
+#[cube]
+#[allow(clippy::manual_div_ceil)]
+pub(super) fn consume<E: Float>(
+    a_smem: &Shared<[E]>,
+    b_smem: &Shared<[E]>,
+    full: &Sequence<Shared<Barrier>>,
+    empty: &Sequence<Shared<Barrier>>,
+    c: usize,
+    count: u32,
+    #[comptime] tile: HopperTile,
+) -> Accumulator<f32> {
+    let a_layout = comptime![tile.a_layout()];
+    let b_layout = comptime![tile.b_layout()];
+    let a_stage = comptime![BM * BK];
+    let b_stage = comptime![tile.bn * BK];
+    let rounds = (count + STAGES as u32 - 1) / STAGES as u32;
+    let bn = comptime![tile.bn];
+    let mut acc = Accumulator::<f32>::new(bn).start();
+    let mut released = acc.commit();
+    for round in 0..rounds {
+        #[unroll]
+        for s in 0..STAGES {
+            let t = round * STAGES as u32 + s as u32;
+            if t < count {
+                full.index(s).wait_parity(round & 1);
+                let a_desc =
+                    MatrixDescriptor::new(&a_smem[s * a_stage..(s + 1) * a_stage], a_layout);
+                let b_desc =
+                    MatrixDescriptor::new(&b_smem[s * b_stage..(s + 1) * b_stage], b_layout);
+                #[unroll]
+                for step in 0..comptime![BK / 16] {
+                    acc.execute(&a_desc.at(c * 64, step * 16), &b_desc.at(0usize, step * 16));
+                }
+                let read = acc.commit();
+                released.wait();
+                if t > 0 {
+                    empty.index(comptime![(s + STAGES - 1) % STAGES]).arrive();
+                }
+                released = read;
+            }
+        }
+    }
+    released.wait();
+    acc.wait()
+}

@@ -1,0 +1,272 @@
+//! The compensated adding GEMM with its pair loaded during the main loop
+//! ([`CompensatedStore::Prefetched`]).
+//!
+//! Why: with the pair read in the epilogue, the adding product took 0.253 ms a chunk of
+//! burn-cce's dE carry against 0.131 for `G`'s product with the same main loop (H100,
+//! 2026-12-07, Gemma-2 shape): each tile's epilogue waited on its loads. Here the producer issues
+//! the TMA loads of the tile's 16-bit sum and i8 corrections before its first stage of `A` and
+//! `B`, so they arrive while the MMAs run. The consumers update the pair in shared memory where
+//! the MMA left each value (both tiles swizzled 128 bytes, so a warp's accesses hit 32 distinct
+//! banks), and one unit stores both tiles back by TMA. The ring, the pair and the barriers take
+//! 176 KB of shared memory at `bn` = [`PREFETCH_BN`].
+
+use burn::tensor::DType;
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::ir::{ElemType, IntKind};
+use cubecl::prelude::barrier::Barrier;
+use cubecl::prelude::*;
+use cubecl::wgmma::{Major, Swizzle, WARPGROUP_M, WgmmaTileLayout};
+use cubecl::zspace::{Shape, Strides};
+
+use super::add::{compensated_value, correction};
+use super::plan::elem;
+use super::{BK, BM, CompensatedStore, Epilogue, HopperTile, Plan, STAGES, WG, epilogue, mainloop};
+
+/// Columns of the prefetched kernel's tile: the ring (4 stages of `128 × 64` and `bn × 64`)
+/// and the pair (3 bytes a value) fit 227 KB of shared memory at 128, not at 192 or 256.
+pub const PREFETCH_BN: usize = 128;
+/// Columns of one swizzled panel of the 16-bit sum (128 bytes).
+const SUM_PANEL: usize = 64;
+
+/// The layout of the pair's tile `[BM, bn]` of `elem_bytes`-byte values in shared memory:
+/// panels of 128 bytes of a row, swizzled 128 bytes (as a TMA box one panel wide writes it).
+const fn pair_layout(bn: usize) -> WgmmaTileLayout {
+    WgmmaTileLayout {
+        major: Major::K,
+        swizzle: Swizzle::B128,
+        rows: BM,
+        k: bn,
+    }
+}
+
+/// `sum, fix += A · B` for the cube's `BM × bn` tile (K never split), the pair loaded by TMA
+/// during the main loop and stored back by TMA; rows past `m` and columns past `n` are neither
+/// read (TMA fills zeros) nor written (TMA clips).
+#[cube(launch_unchecked)]
+fn compensated_prefetched_kernel<E: Float>(
+    a: &TensorMap<E, Tiled>,
+    b: &TensorMap<E, Tiled>,
+    sum: &mut TensorMap<E, Tiled>,
+    fix: &mut TensorMap<i8, Tiled>,
+    k_tiles: u32,
+    #[comptime] tile: HopperTile,
+    #[define(E)] _dtype: ElemType,
+) {
+    let size!(N2) = 2usize;
+    let bn = comptime![tile.bn];
+    let layout = comptime![pair_layout(tile.bn)];
+    // Vectors of two values: a panel of the sum is `BM × 64` values, one of the corrections
+    // `BM × 128`.
+    let sum_panel = comptime![BM * SUM_PANEL / 2];
+    let fix_panel = comptime![BM * 128 / 2];
+    let mut a_smem = Shared::<[E]>::new_aligned_slice(comptime![STAGES * BM * BK], 1024usize);
+    let mut b_smem = Shared::<[E]>::new_aligned_slice(comptime![STAGES * tile.bn * BK], 1024usize);
+    let mut sum_smem =
+        Shared::<[Vector<E, N2>]>::new_aligned_slice(comptime![BM * tile.bn / 2], 1024usize);
+    let mut fix_smem =
+        Shared::<[Vector<i8, N2>]>::new_aligned_slice(comptime![BM * tile.bn / 2], 1024usize);
+    let full = mainloop::ring_barriers();
+    let empty = mainloop::ring_barriers();
+    let pair = Barrier::shared_uninit();
+    if UNIT_POS == 0 {
+        mainloop::init_ring(&full, &empty);
+        pair.init_manual(1u32);
+    }
+    sync_async_proxy_shared();
+    sync_cube();
+
+    let (tile_m, tile_n) = if comptime![tile.m_fast] {
+        (CUBE_POS_X, CUBE_POS_Y)
+    } else {
+        (CUBE_POS_Y, CUBE_POS_X)
+    };
+    let row0 = tile_m * BM as u32;
+    let col0 = tile_n * bn as u32;
+    let wg = UNIT_POS / WG;
+    if wg == 0 {
+        if UNIT_POS == 0 {
+            // The pair first: it is needed last, and its loads overlap the whole main loop.
+            #[unroll]
+            for p in 0..comptime![tile.bn / SUM_PANEL] {
+                let at = p * sum_panel;
+                let x = col0 + comptime![p * SUM_PANEL] as u32;
+                pair.tma_load_2d(
+                    &*sum,
+                    &mut sum_smem[at..at + sum_panel],
+                    row0 as i32,
+                    x as i32,
+                );
+            }
+            #[unroll]
+            for p in 0..comptime![tile.bn / 128] {
+                let at = p * fix_panel;
+                let x = col0 + comptime![p * 128] as u32;
+                pair.tma_load_2d(
+                    &*fix,
+                    &mut fix_smem[at..at + fix_panel],
+                    row0 as i32,
+                    x as i32,
+                );
+            }
+            pair.arrive_and_expect_tx(1u32, comptime![(BM * tile.bn * 3) as u32]);
+            mainloop::produce::<E>(
+                a,
+                b,
+                &mut a_smem,
+                &mut b_smem,
+                &full,
+                &empty,
+                0u32,
+                k_tiles,
+                row0,
+                col0,
+                tile,
+            );
+        }
+    } else {
+        let c = (wg - 1) as usize;
+        let acc = mainloop::consume::<E>(&a_smem, &b_smem, &full, &empty, c, k_tiles, tile);
+        pair.wait_parity(0u32);
+        let unit = UNIT_POS % WG;
+        #[unroll]
+        for j in 0..comptime![WARPGROUP_M * tile.bn / (2 * WG as usize)] {
+            let (r, col) = acc.position_of_nth(unit, 2 * j as u32);
+            let row = c * 64 + r as usize;
+            let s_at = layout.offset(row, col as usize, 2usize) / 2;
+            let f_at = layout.offset(row, col as usize, 1usize) / 2;
+            let old = sum_smem[s_at];
+            let qs = fix_smem[f_at];
+            let mut hi_v = Vector::<E, N2>::empty();
+            let mut q_v = Vector::<i8, N2>::empty();
+            #[unroll]
+            for h in 0..2usize {
+                let total =
+                    compensated_value::<E>(acc.get(2 * j + h), old.extract(h), qs.extract(h));
+                let hi = E::cast_from(total);
+                hi_v.insert(h, hi);
+                q_v.insert(h, correction::<E>(total, hi));
+            }
+            sum_smem[s_at] = hi_v;
+            fix_smem[f_at] = q_v;
+        }
+        // The units' writes, before the TMA stores read them.
+        sync_async_proxy_shared();
+    }
+    sync_cube();
+    if UNIT_POS == 0 {
+        #[unroll]
+        for p in 0..comptime![tile.bn / SUM_PANEL] {
+            let at = p * sum_panel;
+            let x = col0 + comptime![p * SUM_PANEL] as u32;
+            tma_store_2d(&sum_smem[at..at + sum_panel], sum, row0 as i32, x as i32).wait();
+        }
+        #[unroll]
+        for p in 0..comptime![tile.bn / 128] {
+            let at = p * fix_panel;
+            let x = col0 + comptime![p * 128] as u32;
+            tma_store_2d(&fix_smem[at..at + fix_panel], fix, row0 as i32, x as i32).wait();
+        }
+    }
+}
+
+/// A tensor map over the contiguous `[m, n]` tensor `t` of `elem` (`bytes` each), in boxes of
+/// `BM` rows and 128 bytes of a row, swizzled 128 bytes.
+fn pair_map(t: &CubeTensor, elem: ElemType, bytes: usize) -> TensorMapArg<Tiled> {
+    let [rows, cols] = t.meta.shape().dims::<2>();
+    let mut binding = t.clone().binding();
+    binding.shape = Shape::new([rows, cols]);
+    binding.strides = Strides::new(&[cols, 1]);
+    TensorMapArg::new(
+        TiledArgs {
+            tile_size: Shape::new([BM, 128 / bytes]),
+        },
+        binding.into_tensor_arg(),
+        elem,
+    )
+    .with_swizzle(pair_layout(PREFETCH_BN).tensor_map_swizzle())
+}
+
+/// Why [`CompensatedStore::Prefetched`] cannot take the pair (`sum`, `fix`) of `plan`'s product
+/// of `lhs`'s dtype; `None` where it can: the sum in the operands' dtype, and rows TMA can
+/// address (16-byte multiples: `n` a multiple of 16 for the corrections) from 16-byte aligned
+/// starts.
+pub(super) fn refused(
+    plan: &Plan,
+    lhs: &CubeTensor,
+    sum: &CubeTensor,
+    fix: &CubeTensor,
+) -> Option<String> {
+    let offset = |t: &CubeTensor| t.handle.offset_start.unwrap_or(0);
+    if sum.dtype != lhs.dtype {
+        Some(format!("a {:?} sum of {:?} products", sum.dtype, lhs.dtype))
+    } else if !plan.n.is_multiple_of(16) {
+        Some(format!(
+            "rows of {} corrections (TMA: multiples of 16 bytes)",
+            plan.n
+        ))
+    } else if !offset(sum).is_multiple_of(16) || !offset(fix).is_multiple_of(16) {
+        Some("a pair starting at an address TMA cannot read".into())
+    } else {
+        None
+    }
+}
+
+/// Launches [`compensated_prefetched_kernel`] for `plan` (checked by [`refused`]) through
+/// [`epilogue::verified`].
+pub(super) fn launch(
+    lhs: &CubeTensor,
+    rhs: &CubeTensor,
+    plan: &Plan,
+    sum: &CubeTensor,
+    fix: &CubeTensor,
+) -> Result<(), String> {
+    let tile = key_tile(plan);
+    let client = lhs.client.clone();
+    let Plan { m, n, k, .. } = *plan;
+    let (a_mn, b_k) = (tile.a_major == Major::MN, tile.b_major == Major::K);
+    let a_map = super::tensor_map(lhs, a_mn, plan.a_stride, if a_mn { BK } else { BM });
+    let b_map = super::tensor_map(rhs, b_k, plan.b_stride, if b_k { tile.bn } else { BK });
+    let sum_map = pair_map(sum, elem(sum.dtype).expect("checked"), 2);
+    let fix_map = pair_map(fix, ElemType::Int(IntKind::I8), 1);
+    let (tiles_m, tiles_n) = (m.div_ceil(BM) as u32, n.div_ceil(tile.bn) as u32);
+    let count = match tile.m_fast {
+        true => CubeCount::Static(tiles_m, tiles_n, 1),
+        false => CubeCount::Static(tiles_n, tiles_m, 1),
+    };
+    let k_tiles = k.div_ceil(BK) as u32;
+    epilogue::verified((tile, lhs.dtype), sum.clone(), || {
+        // SAFETY: TMA reads and writes only inside the maps (loads fill zeros past their ends,
+        // stores clip there).
+        unsafe {
+            compensated_prefetched_kernel::launch_unchecked(
+                &client,
+                count,
+                CubeDim::new_1d(3 * WG),
+                a_map,
+                b_map,
+                sum_map,
+                fix_map,
+                k_tiles,
+                tile,
+                burn::backend::cubecl::dtype_to_storage_type(lhs.dtype),
+            );
+        }
+    })
+    .map(|_| ())
+}
+
+/// The kernel's tile for `plan` (also the key its first launch is verified under).
+pub(super) fn key_tile(plan: &Plan) -> HopperTile {
+    HopperTile {
+        bn: PREFETCH_BN,
+        epilogue: Epilogue::AddCompensated {
+            store: CompensatedStore::Prefetched,
+        },
+        ..plan.tile
+    }
+}
+
+/// Whether the kernel failed at its first launch for `plan`'s tile and `dtype` in this process.
+pub(super) fn failed_before(plan: &Plan, dtype: DType) -> bool {
+    epilogue::failed_before(&(key_tile(plan), dtype))
+}
