@@ -410,7 +410,7 @@ for s in "$@"; do
     bccegcw) BURN_KERNELS_COMPENSATED_STORE=wide step bccegcw run bench --suite cce --filter gemma \
       --filter both --max-mem-gb 70 --skip-impl 'chunked passes' --skip-impl sorting \
       --skip-impl autotuned --skip-impl fused --skip-impl 'one f32' --skip-impl 'blocks' \
-      --skip-impl liger --skip-impl pytorch-plain --skip-impl apple --out "$O/bccegcw" ;;
+      --skip-impl liger --skip-impl pytorch-plain --skip-impl cut-cross --out "$O/bccegcw" ;;
     bsw16k) step bsw16k run bench --suite sage --filter "N=16384 D=128" --skip-impl reference \
       --skip-impl int4 --skip-impl fp8 --skip-impl cmma --skip-impl smoothq \
       --min-reps 5 --warmup-ms 100 --measure-ms 300 --peers-dir "$peers" --out "$O/bsw16k" ;;
