@@ -77,6 +77,9 @@
 #            full cache's 48.3 on the RULER-style table; compare with skv64 in the same call
 #   skv2s8   skv2s with 8x candidates (46.7 against 48.3 at 4K: within the issue's 2 points), at
 #            SKV_CTX K context (default 64)
+#   ncucomp  ncu on the compensated carry's adding product (CompensatedPrefetchedKernel, its
+#            second launch) and on `G`'s product (the first Hopper GEMM after the forward's 8),
+#            Gemma-2 shape: speed of light, memory, occupancy, stalls
 #   bccegcw  bccegc's Burn rows with the compensated carry's store capped at the wide one
 #            (BURN_KERNELS_COMPENSATED_STORE=wide): run beside bccegc to A/B the prefetched store
 #   psw      sage's default (INT8 per warp, FP16 P̃·V, causal and not) at N = 1K (D = 64, 128), 4K
@@ -417,6 +420,18 @@ for s in "$@"; do
     bswall) step bswall run bench --suite sage --skip-impl reference --skip-impl int4 \
       --skip-impl fp8 --skip-impl cmma --skip-impl burn --skip-impl smoothq --min-reps 5 \
       --warmup-ms 100 --measure-ms 300 --peers-dir "$peers" --out "$O/bswall" ;;
+    ncucomp) for k in compensated_prefetched:1 hopper_gemm:8; do
+        RUN_WRAP="ncu --clock-control none --kernel-name regex:${k%%:*} --launch-skip ${k##*:} \
+          --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis \
+          --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+          --section WarpStateStats --section SchedulerStats \
+          --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio" \
+          step "ncucomp-${k%%:*}" run bench --suite cce --filter gemma --filter both \
+          --warmup-ms 0 --measure-ms 0 --skip-impl 'cce$' --skip-impl 'grad filter' \
+          --skip-impl 'chunked passes' --skip-impl sorting --skip-impl autotuned \
+          --skip-impl fused --skip-impl 'bf16 dE' --skip-impl 'one f32' --skip-impl 'MiB' \
+          --skip-impl '(gemm' --skip-impl plain --skip-impl torch --out "$O/ncucomp"
+      done ;;
     ncusw) RUN_WRAP="ncu --clock-control none --kernel-name regex:attn_wgmma --launch-count 1 \
       --section SpeedOfLight --section ComputeWorkloadAnalysis --section InstructionStats \
       --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \

@@ -174,13 +174,7 @@ fn hopper_gemm_kernel<E: Float, O: Float, N2: Size, I: Numeric>(
     let end = first + tiles_per_split;
     let last = select(end < k_tiles, end, k_tiles);
     let count = select(last > first, last - first, 0u32);
-    let (tile_m, tile_n) = if comptime![tile.m_fast] {
-        (CUBE_POS_X, CUBE_POS_Y)
-    } else {
-        (CUBE_POS_Y, CUBE_POS_X)
-    };
-    let row0 = tile_m * BM as u32;
-    let col0 = tile_n * bn as u32;
+    let (tile_m, tile_n, row0, col0) = mainloop::tile_origin(tile);
     let wg = UNIT_POS / WG;
 
     if wg == 0 {

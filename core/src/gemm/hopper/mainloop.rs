@@ -29,6 +29,18 @@ pub(super) fn init_ring(full: &Sequence<Shared<Barrier>>, empty: &Sequence<Share
     }
 }
 
+/// The cube's tile of `C`, `(tile_m, tile_n, row0, col0)`: its index along M and N and its first
+/// row and column. Consecutive cubes walk down M where `tile.m_fast`, else along N.
+#[cube]
+pub(super) fn tile_origin(#[comptime] tile: HopperTile) -> (u32, u32, u32, u32) {
+    let (tile_m, tile_n) = if comptime![tile.m_fast] {
+        (CUBE_POS_X, CUBE_POS_Y)
+    } else {
+        (CUBE_POS_Y, CUBE_POS_X)
+    };
+    (tile_m, tile_n, tile_m * BM as u32, tile_n * tile.bn as u32)
+}
+
 /// Loads one stage of an operand tile (`rows` along M or N, `BK` along K) starting at
 /// `(row0, k0)` into `dst` by TMA, signalling `bar`: one box for a K-major tile, one per
 /// 64-row panel for an MN-major one.

@@ -53,7 +53,6 @@ fn compensated_prefetched_kernel<E: Float>(
     #[define(E)] _dtype: ElemType,
 ) {
     let size!(N2) = 2usize;
-    let bn = comptime![tile.bn];
     let layout = comptime![pair_layout(tile.bn)];
     // Vectors of two values: a panel of the sum is `BM × 64` values, one of the corrections
     // `BM × 128`.
@@ -75,13 +74,7 @@ fn compensated_prefetched_kernel<E: Float>(
     sync_async_proxy_shared();
     sync_cube();
 
-    let (tile_m, tile_n) = if comptime![tile.m_fast] {
-        (CUBE_POS_X, CUBE_POS_Y)
-    } else {
-        (CUBE_POS_Y, CUBE_POS_X)
-    };
-    let row0 = tile_m * BM as u32;
-    let col0 = tile_n * bn as u32;
+    let (_, _, row0, col0) = mainloop::tile_origin(tile);
     let wg = UNIT_POS / WG;
     if wg == 0 {
         if UNIT_POS == 0 {
