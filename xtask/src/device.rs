@@ -93,11 +93,11 @@ fn build_all() -> Built {
     built
 }
 
-/// Binaries per group archive: two stripped binaries (~150 MB each, mostly the same LLVM) pack
-/// into ~40 MB with xz's 256 MiB dictionary. Three (43 MiB on 2026-11-27) grew to 54 MB by
-/// 2026-12-07 (the bench runner with core's and cce's tests), past what one call carries
-/// beside the working tree ([`CALL_BYTES`]).
-const BINARIES_PER_GROUP: usize = 2;
+/// Binaries per group archive: one. A stripped binary (~150–185 MB, mostly LLVM) packs into
+/// 30–38 MB with xz; two packed into 42–45 MB on 2026-12-07 (the bench runner with cce's tests:
+/// 42.3 MiB), past what one call carries beside the 12 MB working tree ([`CALL_BYTES`]), and
+/// three (43 MiB on 2026-11-27) had grown to 54 MB. A call carries one group.
+const BINARIES_PER_GROUP: usize = 1;
 
 /// The name a binary goes by in `--only`: a tool's file name, a test executable's without the
 /// `-<hash>` cargo appends.

@@ -40,7 +40,7 @@ enum Cmd {
         rest: Vec<String>,
     },
     /// Build the CUDA test binaries, the bench runner and burn-llama-examples' tools (release,
-    /// `--features cuda`) with libdevice and the peer wheels into `<dir>/gNN.tar.xz` groups (three binaries each) that
+    /// `--features cuda`) with libdevice and the peer wheels into `<dir>/gNN.tar.xz` groups (one binary each) that
     /// each fit one device call, with `<dir>/MANIFEST` and `<dir>/run.sh` to run them there.
     DeviceBuild {
         #[arg(long, default_value = ".device")]

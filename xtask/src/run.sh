@@ -8,7 +8,7 @@
 #   run.sh bin NAME [args]       a bundled tool: llama, finetune, spec_table, decode_profile
 #   run.sh env                   print the environment the others run in
 # RUN_WRAP (e.g. "ncu --profile-from-start off ...") prefixes the bench and bin commands.
-# Each bundle group (gNN.tar.xz: three binaries, libdevice, the peer wheels) unpacks once into $dest. Binaries run from $dest, so CubeCL keeps its
+# Each bundle group (gNN.tar.xz: one binary, libdevice, the peer wheels) unpacks once into $dest. Binaries run from $dest, so CubeCL keeps its
 # autotune and kernel caches under $XDG_CACHE_HOME/cubecl (default /tmp/burn-kernels-cache).
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
