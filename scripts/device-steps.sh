@@ -70,6 +70,9 @@
 #            soon as it is gathered (BURN_KERNELS_SHADOWKV_OVERLAP=1); run right after skv64 /
 #            skv128 in the same call (the upload varies between machines: 80.6 and 97.0 ms a
 #            step at 128K with the same code on two H100s)
+#   skv64n skv128n  the ShadowKV rows of skv64 / skv128 with the host values on 4 KB pages
+#            (BURN_KERNELS_SHADOWKV_HUGEPAGES=0; the default asks for transparent huge pages):
+#            run right after skv64 / skv128 in the same call
 #   skv64p skv128p  skv64 / skv128 with BURN_KERNELS_SHADOWKV_PINNED=0: the values uploaded
 #            without pinned staging first (skv64 / skv128 already time both paths)
 #   skv2s    shadowkv suite at 64K with two-stage selection (chunks of 4, 4x candidates:
@@ -361,6 +364,9 @@ for s in "$@"; do
       $(skv_budgets) --out "$O/$s" ;;
     skv64o | skv128o) ctx=${s#skv}; BURN_KERNELS_SHADOWKV_OVERLAP=1 \
       step "$s" run bench --suite shadowkv --filter "ctx=${ctx%o}K" --skip-impl full \
+      $(skv_budgets) --out "$O/$s" ;;
+    skv64n | skv128n) ctx=${s#skv}; BURN_KERNELS_SHADOWKV_HUGEPAGES=0 \
+      step "$s" run bench --suite shadowkv --filter "ctx=${ctx%n}K" --skip-impl full \
       $(skv_budgets) --out "$O/$s" ;;
     skv64p | skv128p) ctx=${s#skv}; BURN_KERNELS_SHADOWKV_PINNED=0 \
       step "$s" run bench --suite shadowkv --filter "ctx=${ctx%p}K" $(skv_budgets) --out "$O/$s" ;;
