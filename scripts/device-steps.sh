@@ -70,6 +70,10 @@
 #            soon as it is gathered (BURN_KERNELS_SHADOWKV_OVERLAP=1); run right after skv64 /
 #            skv128 in the same call (the upload varies between machines: 80.6 and 97.0 ms a
 #            step at 128K with the same code on two H100s)
+#   skv64r skv128r  the ShadowKV rows of skv64 / skv128 reusing whatever chunks the previous step
+#            left on the device (BURN_KERNELS_SHADOWKV_REUSE_MIN=0, the behaviour before
+#            2026-12-07; the default fetches every chunk below 20% reuse): run right after
+#            skv64 / skv128 in the same call
 #   skv64n skv128n  the ShadowKV rows of skv64 / skv128 with the host values on 4 KB pages
 #            (BURN_KERNELS_SHADOWKV_HUGEPAGES=0; the default asks for transparent huge pages):
 #            run right after skv64 / skv128 in the same call
@@ -364,6 +368,9 @@ for s in "$@"; do
       $(skv_budgets) --out "$O/$s" ;;
     skv64o | skv128o) ctx=${s#skv}; BURN_KERNELS_SHADOWKV_OVERLAP=1 \
       step "$s" run bench --suite shadowkv --filter "ctx=${ctx%o}K" --skip-impl full \
+      $(skv_budgets) --out "$O/$s" ;;
+    skv64r | skv128r) ctx=${s#skv}; BURN_KERNELS_SHADOWKV_REUSE_MIN=0 \
+      step "$s" run bench --suite shadowkv --filter "ctx=${ctx%r}K" --skip-impl full \
       $(skv_budgets) --out "$O/$s" ;;
     skv64n | skv128n) ctx=${s#skv}; BURN_KERNELS_SHADOWKV_HUGEPAGES=0 \
       step "$s" run bench --suite shadowkv --filter "ctx=${ctx%n}K" --skip-impl full \

@@ -567,6 +567,7 @@ fn greedy_answers_follow_greedy_generation() {
         scoring: Default::default(),
         candidates: 1,
         pinned_uploads: true,
+        reuse_min_percent: ShadowKvConfig::default().reuse_min_percent,
     };
     let caches = [SeededCache::Full, SeededCache::ShadowKv(shadow)];
     for piece in [16, 1000] {

@@ -86,7 +86,9 @@ impl ShadowKvCache {
             (picked.keys, values, picked.selection)
         } else {
             let t1 = Instant::now();
-            let values = fetch_values(sp, &selection, dtype, [cs, d], [profile, pinned], timings);
+            let reuse_min = self.cfg.reuse_min_percent;
+            let flags = [profile, pinned];
+            let values = fetch_values(sp, &selection, dtype, [cs, d], flags, reuse_min, timings);
             timings.transfer += t1.elapsed();
             (sel_k, values, selection)
         };
@@ -267,16 +269,16 @@ fn fetch_values(
     dtype: DType,
     [cs, d]: [usize; 2],
     [profile, pinned]: [bool; 2],
+    reuse_min_percent: u32,
     timings: &mut DecodeTimings,
 ) -> Tensor<2> {
     let Selection { sel, valid, kk } = selection;
     let (b, h, kk) = (sel.len(), sel[0].len(), *kk);
     let device = sp.a.device();
     let t1 = Instant::now();
-    let prev_rows = sp.prev.as_ref().map_or(0, |p| p.values.dims()[0]);
     let prev_ids = sp.prev.as_ref().map(|p| (&p.chunks, &p.valid));
     // Per valid slot: the previous step's row holding its chunk, if any.
-    let hits: Vec<Vec<Option<i64>>> = (0..b * h)
+    let mut hits: Vec<Vec<Option<i64>>> = (0..b * h)
         .into_par_iter()
         .map(|ih| {
             let (i, hh) = (ih / h, ih % h);
@@ -293,6 +295,16 @@ fn fetch_values(
                 .collect()
         })
         .collect();
+    let found = hits.iter().flatten().filter(|r| r.is_some()).count();
+    let slots = hits.iter().map(Vec::len).sum::<usize>();
+    let reuse = worth_reusing(found, slots, reuse_min_percent);
+    if !reuse {
+        hits.iter_mut().flatten().for_each(|r| *r = None);
+    }
+    let prev_rows = match (&sp.prev, reuse) {
+        (Some(p), true) => p.values.dims()[0],
+        _ => 0,
+    };
     let mut src = vec![0i64; b * h * kk];
     let mut rows: Vec<&[u8]> = Vec::new();
     for (ih, hit) in hits.iter().enumerate() {
@@ -318,13 +330,14 @@ fn fetch_values(
     sync(profile, &device);
     let t_asm = Instant::now();
     timings.transfer_upload += t_asm - t_up;
-    let pool = match (sp.prev.take(), fresh) {
+    let prev = sp.prev.take().filter(|_| reuse);
+    let identity = prev.is_none() && fetched == b * h * kk;
+    let pool = match (prev, fresh) {
         (Some(p), Some(f)) => Tensor::cat(vec![p.values, f], 0),
         (Some(p), None) => p.values,
         (None, Some(f)) => f,
-        (None, None) => unreachable!("k ≥ 1 slots"),
+        (None, None) => unreachable!("k ≥ 1 valid slots, each reused or fetched"),
     };
-    let identity = sp.prev.is_none() && fetched == b * h * kk;
     let values = if identity {
         pool
     } else {
@@ -338,6 +351,12 @@ fn fetch_values(
     sync(profile, &device);
     timings.transfer_assemble += t_asm.elapsed();
     values
+}
+
+/// Whether a step reuses the `found` of its `slots` chunks already on the device: `found` is at
+/// least `min_percent`% of `slots` ([`ShadowKvConfig::reuse_min_percent`]).
+fn worth_reusing(found: usize, slots: usize, min_percent: u32) -> bool {
+    found > 0 && 100 * found as u64 >= min_percent as u64 * slots as u64
 }
 
 /// Attention over the local window, the outliers, the selected chunks and the generated

@@ -107,6 +107,7 @@ pub(super) fn cfg(rank: usize, budget: usize) -> ShadowKvConfig {
         scoring: Default::default(),
         candidates: 1,
         pinned_uploads: true,
+        reuse_min_percent: ShadowKvConfig::default().reuse_min_percent,
     }
 }
 

@@ -55,6 +55,22 @@ pub(super) fn budget_covers_context_matches_full(device: &Device) {
             t.chunks_reused + t.chunks_fetched
         );
         assert!(stats.contains(&counts), "{stats} ({counts})");
+        // With reuse off every step fetches every chunk, and decodes the same values bit for
+        // bit: only where the rows come from differs.
+        let never = ShadowKvConfig {
+            reuse_min_percent: 101,
+            ..cfg(h * d, 64)
+        };
+        let mut off = ShadowKvCache::new(LAYERS, h, d, never, RopeParams::default()).unwrap();
+        let z = on_kernels(device, || {
+            drive(&mut off, dims, prompt, &pads, &steps, None, 70, device)
+        });
+        assert_eq!(z.decode, y.decode, "{name}: reuse off");
+        let u = off.timings();
+        assert!(
+            u.chunks_fetched > t.chunks_fetched,
+            "{name}: {u:?} against {t:?}"
+        );
 
         // Truncating into the prompt rebuilds it (full rank: exactly) as a full cache.
         let mut sk =
@@ -214,6 +230,7 @@ pub(super) fn retrieves_planted_chunk(device: &Device) {
         scoring: Default::default(),
         candidates: 1,
         pinned_uploads: true,
+        reuse_min_percent: ShadowKvConfig::default().reuse_min_percent,
     };
     let dir = random_values(d, Dist::STANDARD, 3);
     let planted = 17; // chunk id: positions 136..144
@@ -251,6 +268,7 @@ fn lone_key_config(d: usize, candidates: usize) -> ShadowKvConfig {
         scoring: ChunkScoring::Mean,
         candidates,
         pinned_uploads: true,
+        reuse_min_percent: ShadowKvConfig::default().reuse_min_percent,
     }
 }
 

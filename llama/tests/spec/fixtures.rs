@@ -127,6 +127,7 @@ pub(super) fn compressed_cache(model: &Llama, kind: CacheKind) -> LinearSpecCach
         scoring: Default::default(),
         candidates: 1,
         pinned_uploads: true,
+        reuse_min_percent: ShadowKvConfig::default().reuse_min_percent,
     };
     spec.quant.residual = 4;
     LinearSpecCache::new(spec.build_for(cfg).expect("valid cache config"))

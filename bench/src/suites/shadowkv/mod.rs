@@ -105,7 +105,8 @@ impl Steps {
 /// `BURN_KERNELS_SHADOWKV_CANDIDATES` (two-stage selection) override the full run's chunk length
 /// and candidates; the local window and the outliers keep their tokens.
 /// `BURN_KERNELS_SHADOWKV_PINNED=0` uploads the values without pinned staging (the comparison
-/// run of [`ShadowKvConfig::pinned_uploads`]).
+/// run of [`ShadowKvConfig::pinned_uploads`]); `BURN_KERNELS_SHADOWKV_REUSE_MIN` sets
+/// [`ShadowKvConfig::reuse_min_percent`] (0: reuse whatever is found, as before 2026-12-07).
 fn shadow_config(quick: bool) -> ShadowKvConfig {
     let env = |name: &str| {
         std::env::var(name)
@@ -131,6 +132,8 @@ fn shadow_config(quick: bool) -> ShadowKvConfig {
         outlier_chunks: (base.outlier_chunks * base.chunk).div_ceil(chunk),
         candidates: env("BURN_KERNELS_SHADOWKV_CANDIDATES").unwrap_or(base.candidates),
         pinned_uploads: env("BURN_KERNELS_SHADOWKV_PINNED").is_none_or(|p| p != 0),
+        reuse_min_percent: env("BURN_KERNELS_SHADOWKV_REUSE_MIN")
+            .map_or(base.reuse_min_percent, |p| p as u32),
         ..base
     }
 }

@@ -150,6 +150,7 @@ impl KvArgs {
                 scoring: self.kv_scoring,
                 candidates: self.kv_candidates,
                 pinned_uploads: true,
+                reuse_min_percent: ShadowKvConfig::default().reuse_min_percent,
             },
         })
     }
