@@ -140,6 +140,7 @@ fn main() {
                 scoring,
                 candidates: args.candidates,
                 pinned_uploads: true,
+                reuse_min_percent: ShadowKvConfig::default().reuse_min_percent,
             }));
         }
         let got = greedy_answers(
