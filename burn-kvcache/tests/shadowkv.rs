@@ -1,8 +1,9 @@
 //! ShadowKV: the gather-reconstruct-rope kernel against the tensor-op reference and a scalar
 //! oracle; the landmark scoring against its reference; the selection (top-k) kernel and
-//! reference against a host oracle; decoding through the cache against the full cache (budget ≥ context at full rank, batches of different
-//! lengths, truncation); retrieval of a planted chunk at a small budget;
-//! low-rank error against rank; exact host round trips of values; typed config errors.
+//! reference against a host oracle; decoding through the cache against the full cache (budget ≥
+//! context at full rank, batches of different lengths, truncation, reuse of the previous step's
+//! chunks on and off); retrieval of a planted chunk at a small budget; low-rank error against
+//! rank; exact host round trips of values; typed config errors.
 //!
 //! The checks live in the submodules below; the tests are declared here (`on_all!` and the CPU
 //! `#[test]`s), so that their names stay `shadowkv::…`.

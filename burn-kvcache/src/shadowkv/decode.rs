@@ -262,7 +262,8 @@ fn select_chunks(
 }
 
 /// Transfer: the selected chunks' values `[b·h·kk, cs·d]` on the device, reusing the rows the
-/// previous step uploaded and fetching the rest from host memory; remembered for the next step.
+/// previous step uploaded where they are at least `reuse_min_percent`% of the chunks
+/// ([`worth_reusing`]) and fetching the rest from host memory; remembered for the next step.
 fn fetch_values(
     sp: &mut Sparse,
     selection: &Selection,

@@ -478,6 +478,27 @@ fn placeholder(like: &CubeTensor, dtype: DType) -> CubeTensor {
     )
 }
 
+/// The TMA maps of `lhs` and `rhs` in `tile`'s boxes (a K-major tile one box of all its rows, an
+/// MN-major one a box per 64-row panel, `BK` lines of K each), and the cubes: one a tile of
+/// `C` and split of K, consecutive ones down M where `tile.m_fast`.
+fn operand_maps_and_grid(
+    lhs: &CubeTensor,
+    rhs: &CubeTensor,
+    plan: &Plan,
+    tile: &HopperTile,
+    splits: usize,
+) -> ([TensorMapArg<Tiled>; 2], CubeCount) {
+    let (a_mn, b_k, bn) = (tile.a_major == Major::MN, tile.b_major == Major::K, tile.bn);
+    let a_map = tensor_map(lhs, a_mn, plan.a_stride, if a_mn { BK } else { BM });
+    let b_map = tensor_map(rhs, b_k, plan.b_stride, if b_k { bn } else { BK });
+    let (tiles_m, tiles_n) = (plan.m.div_ceil(BM) as u32, plan.n.div_ceil(bn) as u32);
+    let count = match tile.m_fast {
+        true => CubeCount::Static(tiles_m, tiles_n, splits as u32),
+        false => CubeCount::Static(tiles_n, tiles_m, splits as u32),
+    };
+    ([a_map, b_map], count)
+}
+
 /// Launches the kernel for `plan` in `splits` splits of K, storing into `target` (`[splits, m,
 /// n]` of its dtype) or reducing as `reduction` says.
 fn launch(
@@ -489,14 +510,7 @@ fn launch(
     reduction: Reduction,
 ) {
     let client = lhs.client.clone();
-    let Plan {
-        m,
-        n,
-        k,
-        a_stride,
-        b_stride,
-        ..
-    } = *plan;
+    let Plan { m, n, k, .. } = *plan;
     let epilogue = reduction.epilogue;
     let tile = HopperTile {
         epilogue,
@@ -513,18 +527,9 @@ fn launch(
         Epilogue::Grad { .. } => target.meta.strides()[0],
         _ => n,
     };
-    let (a_mn, b_k, bn) = (tile.a_major == Major::MN, tile.b_major == Major::K, tile.bn);
-    // The boxes: a K-major tile is one box of all its rows; an MN-major one a box per 64-row
-    // panel, `BK` lines of K each.
-    let a_map = tensor_map(lhs, a_mn, a_stride, if a_mn { BK } else { BM });
-    let b_map = tensor_map(rhs, b_k, b_stride, if b_k { bn } else { BK });
+    let ([a_map, b_map], count) = operand_maps_and_grid(lhs, rhs, plan, &tile, splits);
     let k_tiles = k.div_ceil(BK);
     let per_split = k_tiles.div_ceil(splits);
-    let (tiles_m, tiles_n) = (m.div_ceil(BM) as u32, n.div_ceil(bn) as u32);
-    let count = match tile.m_fast {
-        true => CubeCount::Static(tiles_m, tiles_n, splits as u32),
-        false => CubeCount::Static(tiles_n, tiles_m, splits as u32),
-    };
     let dtypes = [
         dtype_to_storage_type(lhs.dtype),
         dtype_to_storage_type(target_dtype),

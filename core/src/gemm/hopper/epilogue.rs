@@ -25,10 +25,15 @@ use std::sync::Mutex;
 /// Whether each reducing kernel (tile, epilogue, dtype) ran at its first launch in this process.
 static VERIFIED: Mutex<Option<HashMap<(HopperTile, DType), bool>>> = Mutex::new(None);
 
+/// Whether the kernel `key` ran at its first launch in this process (`None`: not launched yet).
+fn known(key: &(HopperTile, DType)) -> Option<bool> {
+    let all = VERIFIED.lock().unwrap_or_else(|e| e.into_inner());
+    all.as_ref().and_then(|m| m.get(key).copied())
+}
+
 /// Whether the kernel `key` failed at its first launch in this process.
 pub(super) fn failed_before(key: &(HopperTile, DType)) -> bool {
-    let all = VERIFIED.lock().unwrap_or_else(|e| e.into_inner());
-    all.as_ref().and_then(|m| m.get(key).copied()) == Some(false)
+    known(key) == Some(false)
 }
 
 /// Launches a reduction into `out` by `launch_it`, whose kernel is `key`: refused at once where
@@ -39,10 +44,7 @@ pub(super) fn verified(
     out: CubeTensor,
     launch_it: impl FnOnce(),
 ) -> Result<CubeTensor, String> {
-    let known = {
-        let all = VERIFIED.lock().unwrap_or_else(|e| e.into_inner());
-        all.as_ref().and_then(|m| m.get(&key).copied())
-    };
+    let known = known(&key);
     if known == Some(false) {
         return Err(format!("{:?} failed to launch before", key.0.epilogue));
     }

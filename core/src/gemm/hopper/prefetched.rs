@@ -220,18 +220,10 @@ pub(super) fn launch(
 ) -> Result<(), String> {
     let tile = key_tile(plan);
     let client = lhs.client.clone();
-    let Plan { m, n, k, .. } = *plan;
-    let (a_mn, b_k) = (tile.a_major == Major::MN, tile.b_major == Major::K);
-    let a_map = super::tensor_map(lhs, a_mn, plan.a_stride, if a_mn { BK } else { BM });
-    let b_map = super::tensor_map(rhs, b_k, plan.b_stride, if b_k { tile.bn } else { BK });
+    let ([a_map, b_map], count) = super::operand_maps_and_grid(lhs, rhs, plan, &tile, 1);
     let sum_map = pair_map(sum, elem(sum.dtype).expect("checked"), 2);
     let fix_map = pair_map(fix, ElemType::Int(IntKind::I8), 1);
-    let (tiles_m, tiles_n) = (m.div_ceil(BM) as u32, n.div_ceil(tile.bn) as u32);
-    let count = match tile.m_fast {
-        true => CubeCount::Static(tiles_m, tiles_n, 1),
-        false => CubeCount::Static(tiles_n, tiles_m, 1),
-    };
-    let k_tiles = k.div_ceil(BK) as u32;
+    let k_tiles = plan.k.div_ceil(BK) as u32;
     epilogue::verified((tile, lhs.dtype), sum.clone(), || {
         // SAFETY: TMA reads and writes only inside the maps (loads fill zeros past their ends,
         // stores clip there).
