@@ -84,11 +84,15 @@
 #            full cache's 48.3 on the RULER-style table; compare with skv64 in the same call
 #   skv2s8   skv2s with 8x candidates (46.7 against 48.3 at 4K: within the issue's 2 points), at
 #            SKV_CTX K context (default 64)
-#   ncucomp  ncu on the compensated carry's adding product (CompensatedPrefetchedKernel, its
-#            second launch) and on `G`'s product (the first Hopper GEMM after the forward's 8),
-#            Gemma-2 shape: speed of light, memory, occupancy, stalls
+#   ncucomp  ncu on the compensated carry's adding product (the persistent kernel and the
+#            prefetched one, their second launch) and on `G`'s product (the first Hopper GEMM
+#            after the forward's 8), Gemma-2 shape: speed of light, memory, occupancy, stalls
 #   bccegcw  bccegc's Burn rows with the compensated carry's store capped at the wide one
 #            (BURN_KERNELS_COMPENSATED_STORE=wide): run beside bccegc to A/B the prefetched store
+#   bccegcp  bccegc's Burn rows with the store capped at the prefetched one-tile kernel
+#            (BURN_KERNELS_COMPENSATED_STORE=prefetched): beside bccegc, the persistent kernel's A/B
+#   tpers    core's compensated-store tests (every store at the small cases; the persistent
+#            kernel walking several tiles a cube) and cce_tests' Hopper reductions
 #   psw      sage's default (INT8 per warp, FP16 P̃·V, causal and not) at N = 1K (D = 64, 128), 4K
 #            (D = 128) under CubeCL's profiler: per-kernel device times against the bench's
 #            median (what does not scale with the work at short lengths)
@@ -423,6 +427,13 @@ for s in "$@"; do
       --skip-impl 'chunked passes' --skip-impl sorting --skip-impl autotuned --skip-impl fused \
       --skip-impl 'one f32' --skip-impl 'blocks' --skip-impl liger \
       --skip-impl pytorch-plain --peers-dir "$peers" --out "$O/bccegc" ;;
+    bccegcp) BURN_KERNELS_COMPENSATED_STORE=prefetched step bccegcp run bench --suite cce \
+      --filter gemma --filter both --max-mem-gb 70 --skip-impl 'chunked passes' \
+      --skip-impl sorting --skip-impl autotuned --skip-impl fused --skip-impl 'one f32' \
+      --skip-impl 'blocks' --skip-impl liger --skip-impl pytorch-plain --skip-impl cut-cross \
+      --out "$O/bccegcp" ;;
+    tpers) step tpers run test core hopper_gemm_add_compensated --include-ignored
+      step tpers-cce run test cce_tests hopper_reductions --include-ignored ;;
     bccegcw) BURN_KERNELS_COMPENSATED_STORE=wide step bccegcw run bench --suite cce --filter gemma \
       --filter both --max-mem-gb 70 --skip-impl 'chunked passes' --skip-impl sorting \
       --skip-impl autotuned --skip-impl fused --skip-impl 'one f32' --skip-impl 'blocks' \
@@ -433,13 +444,16 @@ for s in "$@"; do
     bswall) step bswall run bench --suite sage --skip-impl reference --skip-impl int4 \
       --skip-impl fp8 --skip-impl cmma --skip-impl burn --skip-impl smoothq --min-reps 5 \
       --warmup-ms 100 --measure-ms 300 --peers-dir "$peers" --out "$O/bswall" ;;
-    ncucomp) for k in compensated_prefetched:1 hopper_gemm:8; do
-        RUN_WRAP="ncu --clock-control none --kernel-name regex:${k%%:*} --launch-skip ${k##*:} \
+    ncucomp) for k in compensated_persistent:1:persistent compensated_prefetched:1:prefetched \
+        hopper_gemm:8:persistent; do
+        name=${k%%:*} rest=${k#*:}
+        BURN_KERNELS_COMPENSATED_STORE=${rest#*:} \
+        RUN_WRAP="ncu --clock-control none --kernel-name regex:$name --launch-skip ${rest%%:*} \
           --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis \
           --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
           --section WarpStateStats --section SchedulerStats \
           --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio" \
-          step "ncucomp-${k%%:*}" run bench --suite cce --filter gemma --filter both \
+          step "ncucomp-$name" run bench --suite cce --filter gemma --filter both \
           --warmup-ms 0 --measure-ms 0 --skip-impl 'cce$' --skip-impl 'grad filter' \
           --skip-impl 'chunked passes' --skip-impl sorting --skip-impl autotuned \
           --skip-impl fused --skip-impl 'bf16 dE' --skip-impl 'one f32' --skip-impl 'MiB' \

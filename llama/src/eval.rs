@@ -11,8 +11,8 @@
 use burn::tensor::{Int, Tensor, TensorData, activation};
 use burn_kernels_core::{AttentionImpl, FullKvCache, KvCache, Sampler};
 use burn_kvcache::{
-    KvCacheError, MiniCacheConfig, MiniCacheKv, QuantConfig, QuantKv, RopeParams, ShadowKvCache,
-    ShadowKvConfig,
+    DecodeTimings, KvCacheError, MiniCacheConfig, MiniCacheKv, QuantConfig, QuantKv, RopeParams,
+    ShadowKvCache, ShadowKvConfig,
 };
 
 use crate::config::LlamaConfig;
@@ -289,6 +289,8 @@ pub struct Answers {
     pub decode_secs: Vec<f64>,
     /// Bytes each cache held at the end: (device, host).
     pub bytes: Vec<(usize, usize)>,
+    /// ShadowKV's counts over the decode ([`DecodeTimings`]; `None` for the full cache).
+    pub shadow: Vec<Option<DecodeTimings>>,
 }
 
 /// The greedy token after the last position of `hidden` (one row), as `generate` picks it.
@@ -342,6 +344,7 @@ pub fn greedy_answers(
         prefill_secs,
         decode_secs: Vec::new(),
         bytes: Vec::new(),
+        shadow: Vec::new(),
     };
     for spec in caches {
         let t = std::time::Instant::now();
@@ -354,11 +357,11 @@ pub fn greedy_answers(
             }
             Ok(tokens)
         };
-        let (tokens, bytes) = match spec {
+        let (tokens, bytes, shadow) = match spec {
             SeededCache::Full => {
                 let mut full = prefilled.clone();
                 let tokens = decode(&mut full)?;
-                (tokens, (full.bytes_held(), 0))
+                (tokens, (full.bytes_held(), 0), None)
             }
             SeededCache::ShadowKv(config) => {
                 let mut shadow = shadowkv_for(&model.config, *config)?;
@@ -370,11 +373,12 @@ pub fn greedy_answers(
                 }
                 let tokens = decode(&mut shadow)?;
                 let b = shadow.bytes_split();
-                (tokens, (b.device, b.host))
+                (tokens, (b.device, b.host), Some(shadow.timings()))
             }
         };
         out.decode_secs.push(t.elapsed().as_secs_f64());
         out.bytes.push(bytes);
+        out.shadow.push(shadow);
         out.tokens.push(tokens);
     }
     Ok(out)

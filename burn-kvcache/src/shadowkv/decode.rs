@@ -298,6 +298,8 @@ fn fetch_values(
         .collect();
     let found = hits.iter().flatten().filter(|r| r.is_some()).count();
     let slots = hits.iter().map(Vec::len).sum::<usize>();
+    timings.chunks_selected += slots;
+    timings.chunks_overlapping += found;
     let reuse = worth_reusing(found, slots, reuse_min_percent);
     if !reuse {
         hits.iter_mut().flatten().for_each(|r| *r = None);

@@ -233,6 +233,19 @@ pub struct DecodeTimings {
     pub chunks_fetched: usize,
     /// `(sequence, head, chunk)` values reused from the previous step.
     pub chunks_reused: usize,
+    /// Selected `(sequence, head, chunk)` slots (padding excluded).
+    pub chunks_selected: usize,
+    /// Of `chunks_selected`, those the previous step of the layer had selected too, whether or
+    /// not the step reused them ([`ShadowKvConfig::reuse_min_percent`]): how much adjacent
+    /// steps' selections overlap.
+    pub chunks_overlapping: usize,
+}
+
+impl DecodeTimings {
+    /// `chunks_overlapping / chunks_selected` (0 before any sparse step).
+    pub fn overlap(&self) -> f64 {
+        self.chunks_overlapping as f64 / self.chunks_selected.max(1) as f64
+    }
 }
 
 /// Device and host bytes of a [`ShadowKvCache`].
@@ -564,12 +577,14 @@ impl KvCache for ShadowKvCache {
         (t.layer_steps > 0).then(|| {
             format!(
                 "ShadowKV: {} sparse layer-steps; {} of {} selected chunks ({:.1}%) were on the \
-                 device from the layer's previous step, {} fetched from host memory",
+                 device from the layer's previous step, {} fetched from host memory; adjacent \
+                 steps' selections overlap {:.1}%",
                 t.layer_steps,
                 t.chunks_reused,
                 chunks,
                 100.0 * t.chunks_reused as f64 / chunks.max(1) as f64,
-                t.chunks_fetched
+                t.chunks_fetched,
+                100.0 * t.overlap()
             )
         })
     }

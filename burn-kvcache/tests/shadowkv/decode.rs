@@ -71,6 +71,21 @@ pub(super) fn budget_covers_context_matches_full(device: &Device) {
             u.chunks_fetched > t.chunks_fetched,
             "{name}: {u:?} against {t:?}"
         );
+        // The overlap of adjacent steps' selections is counted whether or not it is reused:
+        // the same selections, so the same counts; no more than the reused slots (which also
+        // count padding), and some.
+        assert_eq!(
+            (u.chunks_selected, u.chunks_overlapping),
+            (t.chunks_selected, t.chunks_overlapping),
+            "{name}"
+        );
+        assert!(
+            0 < t.chunks_overlapping
+                && t.chunks_overlapping <= t.chunks_reused
+                && t.chunks_overlapping <= t.chunks_selected,
+            "{name}: {t:?}"
+        );
+        assert_eq!(u.chunks_reused, 0, "{name}: {u:?}");
 
         // Truncating into the prompt rebuilds it (full rank: exactly) as a full cache.
         let mut sk =

@@ -70,6 +70,10 @@ struct Args {
     /// ShadowKV two-stage selection: candidate chunks per selected chunk (1: off).
     #[arg(long, default_value_t = 1)]
     candidates: usize,
+    /// ShadowKV reuses the previous step's chunks only where they are at least this percent
+    /// of a step's (`ShadowKvConfig::reuse_min_percent`; the answers do not depend on it).
+    #[arg(long, default_value_t = ShadowKvConfig::default().reuse_min_percent)]
+    reuse_min: u32,
     /// Prefill piece length.
     #[arg(long, default_value_t = 512)]
     piece: usize,
@@ -140,7 +144,7 @@ fn main() {
                 scoring,
                 candidates: args.candidates,
                 pinned_uploads: true,
-                reuse_min_percent: ShadowKvConfig::default().reuse_min_percent,
+                reuse_min_percent: args.reuse_min,
             }));
         }
         let got = greedy_answers(
@@ -176,8 +180,17 @@ fn main() {
                 text.trim().replace(['\n', '|'], " ")
             ));
         }
+        // How much adjacent decode steps' chunk selections overlap: the share of the values a
+        // step could take from the previous one instead of host memory.
+        let overlap: Vec<String> = got
+            .shadow
+            .iter()
+            .flatten()
+            .map(|t| format!("{:.1}%", 100.0 * t.overlap()))
+            .collect();
         eprintln!(
-            "{}: {n} tokens, prefill {:.1}s, per cache {:.1?} s, bytes (device, host) {:?}",
+            "{}: {n} tokens, prefill {:.1}s, per cache {:.1?} s, bytes (device, host) {:?}, \
+             ShadowKV selections overlapping the previous step's {overlap:?}",
             trial.label, got.prefill_secs, got.decode_secs, got.bytes
         );
         rows.push(row);

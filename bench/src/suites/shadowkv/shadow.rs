@@ -88,6 +88,7 @@ pub(super) fn run_shadow(
         ("cache_device_gb", json!(bytes.device as f64 / GB)),
         ("cache_host_gb", json!(bytes.host as f64 / GB)),
         ("chunks_reused_fraction", json!(reused(timed))),
+        ("chunks_overlap_fraction", json!(timed.overlap())),
         (
             "chunks_fetched_per_step",
             json!(timed.chunks_fetched as f64 / steps.timed.max(1) as f64),
@@ -96,7 +97,7 @@ pub(super) fn run_shadow(
     let pf = &profile;
     x.note = Some(format!(
         "batch {b} ({}-bound); profiled step {:.0} ms: scoring {:.0}, transfer {:.0}, \
-         reconstruct {:.0}, attention {:.0}, rest {:.0}; {:.0}% chunks reused; {kn}; \
+         reconstruct {:.0}, attention {:.0}, rest {:.0}; {:.0}% chunks reused ({:.0}% overlap); {kn}; \
          {other_name} uploads: {on}, transfer {:.0} ms",
         p.bound,
         pf.step,
@@ -106,6 +107,7 @@ pub(super) fn run_shadow(
         pf.attention,
         pf.rest,
         100.0 * reused(timed),
+        100.0 * timed.overlap(),
         other.transfer
     ));
     *info.borrow_mut() = x;
