@@ -373,6 +373,11 @@ mod cuda_training {
     }
 
     #[test]
+    fn hopper_gemm_add_compensated_walks_tiles() {
+        super::gemm::hopper_gemm_add_compensated_walks_tiles(&burn::tensor::Device::cuda(0));
+    }
+
+    #[test]
     fn gemm_runs_at_training_shapes() {
         burn_kernels_testing::runtimes::exact_f32_matmul();
         super::gemm::gemm_runs_at_training_shapes(&burn::tensor::Device::cuda(0));

@@ -47,6 +47,7 @@ mod add;
 mod epilogue;
 mod grad;
 mod mainloop;
+mod persistent;
 mod plan;
 mod prefetched;
 pub use add::{
@@ -190,12 +191,14 @@ fn hopper_gemm_kernel<E: Float, O: Float, N2: Size, I: Numeric>(
                 count,
                 row0,
                 col0,
+                0u32,
                 tile,
             );
         }
     } else {
         let c = (wg - 1) as usize;
-        let acc = mainloop::consume::<E>(&a_smem, &b_smem, &full, &empty, c, count, tile);
+        let acc =
+            mainloop::consume::<E>(&a_smem, &b_smem, &full, &empty, c, count, 0u32, tile, false);
         let unit = UNIT_POS % WG;
         let rows0 = row0 + c as u32 * 64;
         let (has_bias, has_softcap) = comptime![(tile.epilogue.bias(), tile.epilogue.softcap())];

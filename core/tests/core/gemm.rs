@@ -441,16 +441,37 @@ pub fn hopper_gemm_add_compensated_keeps_the_bits(device: &Device) {
     use gemm::hopper::CompensatedStore;
     for ([m, k, n], transposed) in ADD_CASES {
         let fitting = [
+            (CompensatedStore::Persistent, n % 16 == 0),
             (CompensatedStore::Prefetched, n % 16 == 0),
             (CompensatedStore::Wide, n % 8 == 0),
             (CompensatedStore::Pairwise, true),
         ];
         for (store, fits) in fitting {
-            compensated_case(device, [m, k, n], transposed, Some(store), fits);
+            compensated_case(device, [m, k, n], transposed, Some(store), fits, PRODUCTS);
         }
-        compensated_case(device, [m, k, n], transposed, None, true);
+        compensated_case(device, [m, k, n], transposed, None, true, PRODUCTS);
     }
     compensated_refusals(device);
+}
+
+/// Products added by each case of [`hopper_gemm_add_compensated_keeps_the_bits`].
+#[cfg(feature = "cuda")]
+const PRODUCTS: u64 = 12;
+
+/// The persistent compensated store ([`gemm::hopper::CompensatedStore::Persistent`]) where its
+/// cubes (one an SM: 132 on an H100) walk several tiles each, the ring and the
+/// pair's shared memory carried from tile to tile: 9 × 31 = 279 tiles of K = 72 (two stages,
+/// one partial, of a four-stage ring: its parities flip unevenly) and 9 × 17 = 153 tiles of
+/// K = 328 (six stages), tails in M and N, two products each (the second added into what the
+/// first left); the prefetched one-tile kernel on the same case alongside.
+#[cfg(feature = "cuda")]
+pub fn hopper_gemm_add_compensated_walks_tiles(device: &Device) {
+    use gemm::hopper::CompensatedStore;
+    for [m, k, n] in [[1031, 72, 3856], [1031, 328, 2064]] {
+        for store in [CompensatedStore::Persistent, CompensatedStore::Prefetched] {
+            compensated_case(device, [m, k, n], false, Some(store), true, 2);
+        }
+    }
 }
 
 /// One case of [`hopper_gemm_add_compensated_keeps_the_bits`] with `store` (`None`: the
@@ -462,12 +483,12 @@ fn compensated_case(
     transposed: bool,
     store: Option<gemm::hopper::CompensatedStore>,
     fits: bool,
+    products: u64,
 ) {
     use burn::backend::ops::IntTensorOps;
     use burn::tensor::{Shape, TensorData};
     use burn_cubecl::CubeBackend;
     use burn_kernels_testing::unfused::{float, read_float, read_int};
-    const PRODUCTS: u64 = 12;
     {
         let dtype = DType::BF16;
         let seed = 950 + (m + 3 * n) as u64;
@@ -491,7 +512,7 @@ fn compensated_case(
             Shape::new([m, n]),
         );
         let mut largest = want.iter().fold(0f64, |a, w| a.max(w.abs()));
-        for p in 0..PRODUCTS {
+        for p in 0..products {
             let a = random_tensor::<2>([m, k], Dist::STANDARD, seed + 2 + 2 * p, dtype, device);
             let b = operand(k, n, transposed, seed + 3 + 2 * p, dtype, device);
             let prod = host_product(&to_f32(a.to_data()), &to_f32(b.to_data()), m, k, n);
@@ -513,7 +534,7 @@ fn compensated_case(
         let hi = to_f32(read_float(sum));
         let fix = read_int(fix).try_to_vec::<i8>().expect("i8 corrections");
         let got = decoded(&hi, &fix);
-        let pair_tol = PRODUCTS as f64 * largest / 65536.0;
+        let pair_tol = products as f64 * largest / 65536.0;
         for (j, ((g, w), h)) in got.iter().zip(&want).zip(&hi).enumerate() {
             assert!(
                 (g - w).abs() <= pair_tol,

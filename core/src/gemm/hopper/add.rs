@@ -8,7 +8,10 @@ use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 use cubecl::wgmma::Accumulator;
 
-use super::{Epilogue, HopperTile, Plan, Reduction, epilogue, gemm_into, launch, plan, prefetched};
+use super::{
+    Epilogue, HopperTile, Plan, Reduction, epilogue, gemm_into, launch, persistent, plan,
+    prefetched,
+};
 
 /// Where `t` is not a contiguous `[m, n]` tensor of one of `dtypes` for `plan`'s product, why.
 fn refused(t: &CubeTensor, plan: &Plan, dtypes: &[DType], what: &str) -> Option<String> {
@@ -61,6 +64,9 @@ pub enum CompensatedStore {
     /// (the sum in the operands' dtype, `n` a multiple of 16, 16-byte aligned starts; tiles of
     /// [`prefetched::PREFETCH_BN`] columns).
     Prefetched,
+    /// As `Prefetched`, in a persistent kernel: one cube an SM walks several tiles, the next
+    /// tile's stages loaded while this tile's pair is updated and stored (see `persistent.rs`).
+    Persistent,
 }
 
 /// Adds `lhs · rhs` (`[m, k] · [k, n]`) into the compensated sum `sum + fix · |sum| · 2⁻¹⁵`:
@@ -74,10 +80,10 @@ pub enum CompensatedStore {
 /// the pair at about `|sum| · 2⁻¹⁶` (bf16 alone: `2⁻⁹`), and `sum` is the compensated sum
 /// rounded to bf16. f16's narrow exponent range gives small values less: prefer bf16.
 ///
-/// The fastest [`CompensatedStore`] the problem allows: [`CompensatedStore::Prefetched`] unless
-/// it does not fit or failed to launch before in this process, then `Wide`, then `Pairwise`.
-/// `BURN_KERNELS_COMPENSATED_STORE=wide` (or `pairwise`) caps the choice there, for
-/// measurements side by side.
+/// The fastest [`CompensatedStore`] the problem allows: [`CompensatedStore::Persistent`] unless
+/// it does not fit or failed to launch before in this process, then `Prefetched` (the same
+/// fit), `Wide`, `Pairwise`. `BURN_KERNELS_COMPENSATED_STORE=prefetched` (or `wide`,
+/// `pairwise`) caps the choice there, for measurements side by side.
 /// One launch, K never split. An error where [`super::unsupported`] says why not, where `sum`
 /// or `fix` is not as above, and where the kernel (tile and dtype) failed to launch on this
 /// device (checked at its first launch in the process; the pair then holds no valid sum).
@@ -89,8 +95,16 @@ pub fn hopper_gemm_add_compensated(
 ) -> Result<(), String> {
     let plan = checked_plan(lhs, rhs, sum, fix)?;
     let cap = store_cap();
-    let store = if cap == CompensatedStore::Prefetched
-        && prefetched::refused(&plan, lhs, sum, fix).is_none()
+    let tma = prefetched::refused(&plan, lhs, sum, fix).is_none();
+    let store = if cap == CompensatedStore::Persistent
+        && tma
+        && !epilogue::failed_before(&(persistent::key_tile(&plan), lhs.dtype))
+    {
+        CompensatedStore::Persistent
+    } else if matches!(
+        cap,
+        CompensatedStore::Persistent | CompensatedStore::Prefetched
+    ) && tma
         && !prefetched::failed_before(&plan, lhs.dtype)
     {
         CompensatedStore::Prefetched
@@ -107,9 +121,10 @@ fn store_cap() -> CompensatedStore {
     static CAP: std::sync::OnceLock<CompensatedStore> = std::sync::OnceLock::new();
     *CAP.get_or_init(
         || match std::env::var("BURN_KERNELS_COMPENSATED_STORE").as_deref() {
+            Ok("prefetched") => CompensatedStore::Prefetched,
             Ok("wide") => CompensatedStore::Wide,
             Ok("pairwise") => CompensatedStore::Pairwise,
-            _ => CompensatedStore::Prefetched,
+            _ => CompensatedStore::Persistent,
         },
     )
 }
@@ -125,7 +140,7 @@ pub fn hopper_gemm_add_compensated_with(
 ) -> Result<(), String> {
     let plan = checked_plan(lhs, rhs, sum, fix)?;
     match store {
-        CompensatedStore::Prefetched => {
+        CompensatedStore::Prefetched | CompensatedStore::Persistent => {
             if let Some(why) = prefetched::refused(&plan, lhs, sum, fix) {
                 return Err(why);
             }
@@ -172,8 +187,10 @@ fn launch_compensated(
     fix: &CubeTensor,
     store: CompensatedStore,
 ) -> Result<(), String> {
-    if store == CompensatedStore::Prefetched {
-        return prefetched::launch(lhs, rhs, plan, sum, fix);
+    match store {
+        CompensatedStore::Prefetched => return prefetched::launch(lhs, rhs, plan, sum, fix),
+        CompensatedStore::Persistent => return persistent::launch(lhs, rhs, plan, sum, fix),
+        CompensatedStore::Wide | CompensatedStore::Pairwise => {}
     }
     let epilogue = Epilogue::AddCompensated { store };
     let tile = HopperTile {

@@ -72,9 +72,30 @@ fn load_stage<E: Float>(
     }
 }
 
+/// The parity bits of the ring's stages after `count` more stages were loaded from stage 0:
+/// bit `s` flips where stage `s` was used an odd number of times. A cube that runs several
+/// tiles' main loops through one ring starts each from stage 0 with these `phases`.
+#[cube]
+#[allow(clippy::manual_div_ceil)]
+pub(super) fn next_phases(phases: u32, count: u32) -> u32 {
+    let mut flips = 0u32;
+    #[unroll]
+    for s in 0..STAGES {
+        let s = s as u32;
+        let uses = select(
+            count > s,
+            (count - s + STAGES as u32 - 1) / STAGES as u32,
+            0u32,
+        );
+        flips |= (uses & 1) << s;
+    }
+    phases ^ flips
+}
+
 /// The producer (one unit): loads K tiles `first..first + count` of the cube's tile (rows from
 /// `row0` of `A`, columns from `col0` of `B`) into the ring, each stage once both consumers
-/// released it.
+/// released it. `phases` ([`next_phases`]): the stages' parities where the ring ran earlier
+/// tiles (0 for a fresh ring).
 #[cube]
 #[allow(clippy::too_many_arguments, clippy::manual_div_ceil)]
 pub(super) fn produce<E: Float>(
@@ -88,6 +109,7 @@ pub(super) fn produce<E: Float>(
     count: u32,
     row0: u32,
     col0: u32,
+    phases: u32,
     #[comptime] tile: HopperTile,
 ) {
     let a_stage = comptime![BM * BK];
@@ -99,7 +121,9 @@ pub(super) fn produce<E: Float>(
         for s in 0..STAGES {
             let t = round * STAGES as u32 + s as u32;
             if t < count {
-                empty.index(s).wait_parity((round & 1) ^ 1);
+                empty
+                    .index(s)
+                    .wait_parity(((round + (phases >> s as u32)) & 1) ^ 1);
                 let k0 = (first + t) * BK as u32;
                 let bar = full.index(s);
                 let a_dst = &mut a_smem[s * a_stage..(s + 1) * a_stage];
@@ -114,7 +138,9 @@ pub(super) fn produce<E: Float>(
 
 /// Consumer `c` (0 or 1, a warpgroup): the MMAs of its 64 rows of the tile over the `count`
 /// stages the producer loads, one group in flight (a stage is released once the next one's MMAs
-/// are issued and its own completed); the tile's sums once all completed.
+/// are issued and its own completed); the tile's sums once all completed. `phases` as the
+/// producer's; with `release_last` the last stage is released too (where the ring goes on to
+/// another tile).
 #[cube]
 #[allow(clippy::manual_div_ceil)]
 pub(super) fn consume<E: Float>(
@@ -124,7 +150,9 @@ pub(super) fn consume<E: Float>(
     empty: &Sequence<Shared<Barrier>>,
     c: usize,
     count: u32,
+    phases: u32,
     #[comptime] tile: HopperTile,
+    #[comptime] release_last: bool,
 ) -> Accumulator<f32> {
     let a_layout = comptime![tile.a_layout()];
     let b_layout = comptime![tile.b_layout()];
@@ -139,7 +167,8 @@ pub(super) fn consume<E: Float>(
         for s in 0..STAGES {
             let t = round * STAGES as u32 + s as u32;
             if t < count {
-                full.index(s).wait_parity(round & 1);
+                full.index(s)
+                    .wait_parity((round + (phases >> s as u32)) & 1);
                 let a_desc =
                     MatrixDescriptor::new(&a_smem[s * a_stage..(s + 1) * a_stage], a_layout);
                 let b_desc =
@@ -158,5 +187,14 @@ pub(super) fn consume<E: Float>(
         }
     }
     released.wait();
+    if comptime![release_last] {
+        let last = (count + STAGES as u32 - 1) % STAGES as u32;
+        #[unroll]
+        for s in 0..STAGES {
+            if count > 0 && last == s as u32 {
+                empty.index(s).arrive();
+            }
+        }
+    }
     acc.wait()
 }

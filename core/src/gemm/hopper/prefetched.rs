@@ -19,7 +19,7 @@ use burn_cubecl::tensor::CubeTensor;
 use cubecl::ir::{ElemType, IntKind};
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
-use cubecl::wgmma::{Major, Swizzle, WARPGROUP_M, WgmmaTileLayout};
+use cubecl::wgmma::{Accumulator, Major, Swizzle, WARPGROUP_M, WgmmaTileLayout};
 use cubecl::zspace::{Shape, Strides};
 
 use super::add::{compensated_value, correction};
@@ -35,12 +35,130 @@ const SUM_PANEL: usize = 64;
 /// The layout of the pair's tile `[BM, bn]` in shared memory, for either element size (given
 /// where an offset is taken): panels of 128 bytes of a row, swizzled 128 bytes (as a TMA box
 /// one panel wide writes it).
-const fn pair_layout(bn: usize) -> WgmmaTileLayout {
+pub(super) const fn pair_layout(bn: usize) -> WgmmaTileLayout {
     WgmmaTileLayout {
         major: Major::K,
         swizzle: Swizzle::B128,
         rows: BM,
         k: bn,
+    }
+}
+
+/// A vector of two values of the pair (a sum or its corrections).
+type Two<T> = Vector<T, Const<2>>;
+
+/// The pair's tile in shared memory (`BM × bn`, 3 bytes a value, as [`pair_layout`] lays it
+/// out): the 16-bit sum and the i8 corrections, in vectors of two.
+#[cube]
+pub(super) fn pair_tile<E: Float>(#[comptime] bn: usize) -> (Shared<[Two<E>]>, Shared<[Two<i8>]>) {
+    (
+        Shared::<[Two<E>]>::new_aligned_slice(comptime![BM * bn / 2], 1024usize),
+        Shared::<[Two<i8>]>::new_aligned_slice(comptime![BM * bn / 2], 1024usize),
+    )
+}
+
+/// Issues the TMA loads of the pair's tile at `(row0, col0)` into `pair` (one unit), expected
+/// on `bar`: the sum in panels of 64 columns, the corrections in panels of 128.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn load_pair<E: Float>(
+    sum: &TensorMap<E, Tiled>,
+    fix: &TensorMap<i8, Tiled>,
+    sum_smem: &mut Shared<[Two<E>]>,
+    fix_smem: &mut Shared<[Two<i8>]>,
+    bar: &Shared<Barrier>,
+    row0: u32,
+    col0: u32,
+    #[comptime] bn: usize,
+) {
+    let sum_panel = comptime![BM * SUM_PANEL / 2];
+    let fix_panel = comptime![BM * 128 / 2];
+    #[unroll]
+    for p in 0..comptime![bn / SUM_PANEL] {
+        let at = p * sum_panel;
+        let x = col0 + comptime![p * SUM_PANEL] as u32;
+        bar.tma_load_2d(
+            sum,
+            &mut sum_smem[at..at + sum_panel],
+            row0 as i32,
+            x as i32,
+        );
+    }
+    #[unroll]
+    for p in 0..comptime![bn / 128] {
+        let at = p * fix_panel;
+        let x = col0 + comptime![p * 128] as u32;
+        bar.tma_load_2d(
+            fix,
+            &mut fix_smem[at..at + fix_panel],
+            row0 as i32,
+            x as i32,
+        );
+    }
+    bar.arrive_and_expect_tx(1u32, comptime![(BM * bn * 3) as u32]);
+}
+
+/// Consumer `c`'s update of its 64 rows of the pair's tile with its sums `acc` (`unit` of its
+/// warpgroup), where the MMA left each value; the writes are fenced for the TMA stores.
+#[cube]
+pub(super) fn update_pair<E: Float>(
+    acc: &Accumulator<f32>,
+    unit: u32,
+    c: usize,
+    sum_smem: &mut Shared<[Two<E>]>,
+    fix_smem: &mut Shared<[Two<i8>]>,
+    #[comptime] bn: usize,
+) {
+    let layout = comptime![pair_layout(bn)];
+    #[unroll]
+    for j in 0..comptime![WARPGROUP_M * bn / (2 * WG as usize)] {
+        let (r, col) = acc.position_of_nth(unit, 2 * j as u32);
+        let row = c * 64 + r as usize;
+        let s_at = layout.offset(row, col as usize, 2usize) / 2;
+        let f_at = layout.offset(row, col as usize, 1usize) / 2;
+        let old = sum_smem[s_at];
+        let qs = fix_smem[f_at];
+        let mut hi_v = Two::<E>::empty();
+        let mut q_v = Two::<i8>::empty();
+        #[unroll]
+        for h in 0..2usize {
+            let total = compensated_value::<E>(acc.get(2 * j + h), old.extract(h), qs.extract(h));
+            let hi = E::cast_from(total);
+            hi_v.insert(h, hi);
+            q_v.insert(h, correction::<E>(total, hi));
+        }
+        sum_smem[s_at] = hi_v;
+        fix_smem[f_at] = q_v;
+    }
+    // The units' writes, before the TMA stores read them.
+    sync_async_proxy_shared();
+}
+
+/// Stores the pair's tile at `(row0, col0)` by TMA (one unit) and waits until the stores read
+/// it (their writes to global memory land by the kernel's end).
+#[cube]
+pub(super) fn store_pair<E: Float>(
+    sum_smem: &Shared<[Two<E>]>,
+    fix_smem: &Shared<[Two<i8>]>,
+    sum: &mut TensorMap<E, Tiled>,
+    fix: &mut TensorMap<i8, Tiled>,
+    row0: u32,
+    col0: u32,
+    #[comptime] bn: usize,
+) {
+    let sum_panel = comptime![BM * SUM_PANEL / 2];
+    let fix_panel = comptime![BM * 128 / 2];
+    #[unroll]
+    for p in 0..comptime![bn / SUM_PANEL] {
+        let at = p * sum_panel;
+        let x = col0 + comptime![p * SUM_PANEL] as u32;
+        tma_store_2d(&sum_smem[at..at + sum_panel], sum, row0 as i32, x as i32).wait();
+    }
+    #[unroll]
+    for p in 0..comptime![bn / 128] {
+        let at = p * fix_panel;
+        let x = col0 + comptime![p * 128] as u32;
+        tma_store_2d(&fix_smem[at..at + fix_panel], fix, row0 as i32, x as i32).wait();
     }
 }
 
@@ -57,24 +175,15 @@ fn compensated_prefetched_kernel<E: Float>(
     #[comptime] tile: HopperTile,
     #[define(E)] _dtype: ElemType,
 ) {
-    let size!(N2) = 2usize;
-    let layout = comptime![pair_layout(tile.bn)];
-    // Vectors of two values: a panel of the sum is `BM × 64` values, one of the corrections
-    // `BM × 128`.
-    let sum_panel = comptime![BM * SUM_PANEL / 2];
-    let fix_panel = comptime![BM * 128 / 2];
     let mut a_smem = Shared::<[E]>::new_aligned_slice(comptime![STAGES * BM * BK], 1024usize);
     let mut b_smem = Shared::<[E]>::new_aligned_slice(comptime![STAGES * tile.bn * BK], 1024usize);
-    let mut sum_smem =
-        Shared::<[Vector<E, N2>]>::new_aligned_slice(comptime![BM * tile.bn / 2], 1024usize);
-    let mut fix_smem =
-        Shared::<[Vector<i8, N2>]>::new_aligned_slice(comptime![BM * tile.bn / 2], 1024usize);
+    let (mut sum_smem, mut fix_smem) = pair_tile::<E>(tile.bn);
     let full = mainloop::ring_barriers();
     let empty = mainloop::ring_barriers();
-    let pair = Barrier::shared_uninit();
+    let loaded = Barrier::shared_uninit();
     if UNIT_POS == 0 {
         mainloop::init_ring(&full, &empty);
-        pair.init_manual(1u32);
+        loaded.init_manual(1u32);
     }
     sync_async_proxy_shared();
     sync_cube();
@@ -84,29 +193,16 @@ fn compensated_prefetched_kernel<E: Float>(
     if wg == 0 {
         if UNIT_POS == 0 {
             // The pair first: it is needed last, and its loads overlap the whole main loop.
-            #[unroll]
-            for p in 0..comptime![tile.bn / SUM_PANEL] {
-                let at = p * sum_panel;
-                let x = col0 + comptime![p * SUM_PANEL] as u32;
-                pair.tma_load_2d(
-                    &*sum,
-                    &mut sum_smem[at..at + sum_panel],
-                    row0 as i32,
-                    x as i32,
-                );
-            }
-            #[unroll]
-            for p in 0..comptime![tile.bn / 128] {
-                let at = p * fix_panel;
-                let x = col0 + comptime![p * 128] as u32;
-                pair.tma_load_2d(
-                    &*fix,
-                    &mut fix_smem[at..at + fix_panel],
-                    row0 as i32,
-                    x as i32,
-                );
-            }
-            pair.arrive_and_expect_tx(1u32, comptime![(BM * tile.bn * 3) as u32]);
+            load_pair::<E>(
+                &*sum,
+                &*fix,
+                &mut sum_smem,
+                &mut fix_smem,
+                &loaded,
+                row0,
+                col0,
+                tile.bn,
+            );
             mainloop::produce::<E>(
                 a,
                 b,
@@ -118,58 +214,34 @@ fn compensated_prefetched_kernel<E: Float>(
                 k_tiles,
                 row0,
                 col0,
+                0u32,
                 tile,
             );
         }
     } else {
         let c = (wg - 1) as usize;
-        let acc = mainloop::consume::<E>(&a_smem, &b_smem, &full, &empty, c, k_tiles, tile);
-        pair.wait_parity(0u32);
-        let unit = UNIT_POS % WG;
-        #[unroll]
-        for j in 0..comptime![WARPGROUP_M * tile.bn / (2 * WG as usize)] {
-            let (r, col) = acc.position_of_nth(unit, 2 * j as u32);
-            let row = c * 64 + r as usize;
-            let s_at = layout.offset(row, col as usize, 2usize) / 2;
-            let f_at = layout.offset(row, col as usize, 1usize) / 2;
-            let old = sum_smem[s_at];
-            let qs = fix_smem[f_at];
-            let mut hi_v = Vector::<E, N2>::empty();
-            let mut q_v = Vector::<i8, N2>::empty();
-            #[unroll]
-            for h in 0..2usize {
-                let total =
-                    compensated_value::<E>(acc.get(2 * j + h), old.extract(h), qs.extract(h));
-                let hi = E::cast_from(total);
-                hi_v.insert(h, hi);
-                q_v.insert(h, correction::<E>(total, hi));
-            }
-            sum_smem[s_at] = hi_v;
-            fix_smem[f_at] = q_v;
-        }
-        // The units' writes, before the TMA stores read them.
-        sync_async_proxy_shared();
+        let acc = mainloop::consume::<E>(
+            &a_smem, &b_smem, &full, &empty, c, k_tiles, 0u32, tile, false,
+        );
+        loaded.wait_parity(0u32);
+        update_pair::<E>(
+            &acc,
+            UNIT_POS % WG,
+            c,
+            &mut sum_smem,
+            &mut fix_smem,
+            tile.bn,
+        );
     }
     sync_cube();
     if UNIT_POS == 0 {
-        #[unroll]
-        for p in 0..comptime![tile.bn / SUM_PANEL] {
-            let at = p * sum_panel;
-            let x = col0 + comptime![p * SUM_PANEL] as u32;
-            tma_store_2d(&sum_smem[at..at + sum_panel], sum, row0 as i32, x as i32).wait();
-        }
-        #[unroll]
-        for p in 0..comptime![tile.bn / 128] {
-            let at = p * fix_panel;
-            let x = col0 + comptime![p * 128] as u32;
-            tma_store_2d(&fix_smem[at..at + fix_panel], fix, row0 as i32, x as i32).wait();
-        }
+        store_pair::<E>(&sum_smem, &fix_smem, sum, fix, row0, col0, tile.bn);
     }
 }
 
 /// A tensor map over the contiguous `[m, n]` tensor `t` of `elem` (`bytes` each), in boxes of
 /// `BM` rows and 128 bytes of a row, swizzled 128 bytes.
-fn pair_map(t: &CubeTensor, elem: ElemType, bytes: usize) -> TensorMapArg<Tiled> {
+pub(super) fn pair_map(t: &CubeTensor, elem: ElemType, bytes: usize) -> TensorMapArg<Tiled> {
     let [rows, cols] = t.meta.shape().dims::<2>();
     let mut binding = t.clone().binding();
     binding.shape = Shape::new([rows, cols]);
