@@ -74,8 +74,8 @@
 #            left on the device (BURN_KERNELS_SHADOWKV_REUSE_MIN=0, the behaviour before
 #            2026-12-07; the default fetches every chunk below 20% reuse): run right after
 #            skv64 / skv128 in the same call
-#   skv64n skv128n  the ShadowKV rows of skv64 / skv128 with the host values on 4 KB pages
-#            (BURN_KERNELS_SHADOWKV_HUGEPAGES=0; the default asks for transparent huge pages):
+#   skv64h skv128h  the ShadowKV rows of skv64 / skv128 with the host values on transparent huge
+#            pages (BURN_KERNELS_SHADOWKV_HUGEPAGES=1; off by default since session 64):
 #            run right after skv64 / skv128 in the same call
 #   skv64p skv128p  skv64 / skv128 with BURN_KERNELS_SHADOWKV_PINNED=0: the values uploaded
 #            without pinned staging first (skv64 / skv128 already time both paths)
@@ -376,8 +376,8 @@ for s in "$@"; do
     skv64r | skv128r) ctx=${s#skv}; BURN_KERNELS_SHADOWKV_REUSE_MIN=0 \
       step "$s" run bench --suite shadowkv --filter "ctx=${ctx%r}K" --skip-impl full \
       $(skv_budgets) --out "$O/$s" ;;
-    skv64n | skv128n) ctx=${s#skv}; BURN_KERNELS_SHADOWKV_HUGEPAGES=0 \
-      step "$s" run bench --suite shadowkv --filter "ctx=${ctx%n}K" --skip-impl full \
+    skv64h | skv128h) ctx=${s#skv}; BURN_KERNELS_SHADOWKV_HUGEPAGES=1 \
+      step "$s" run bench --suite shadowkv --filter "ctx=${ctx%h}K" --skip-impl full \
       $(skv_budgets) --out "$O/$s" ;;
     skv64p | skv128p) ctx=${s#skv}; BURN_KERNELS_SHADOWKV_PINNED=0 \
       step "$s" run bench --suite shadowkv --filter "ctx=${ctx%p}K" $(skv_budgets) --out "$O/$s" ;;

@@ -30,7 +30,7 @@ impl HostValues {
         let v = v.slice([0..heads, 0..chunks * chunk, 0..d]);
         let data = v.into_data();
         Self {
-            bytes: huge_page_copy(data.as_bytes()),
+            bytes: huge_page_copy(data.as_bytes(), huge_pages_wanted()),
             dtype,
             heads,
             chunks,
@@ -94,31 +94,33 @@ impl HostValues {
     }
 }
 
-/// `bytes` copied into a new buffer whose 2 MB-aligned extents the kernel is asked to back with
-/// transparent huge pages (before any page is touched), unless
-/// `BURN_KERNELS_SHADOWKV_HUGEPAGES=0`.
+/// `bytes` copied into a new buffer, whose 2 MB-aligned extents the kernel is asked to back with
+/// transparent huge pages (before any page is touched) where `huge`.
 ///
-/// Why: a decode step gathers thousands of 2 KB chunks at random from tens of GB of values (at
+/// Why it exists: a decode step gathers thousands of 2 KB chunks at random from tens of GB of values (at
 /// 128K, batch 10: 21 504 a layer from 88 GB). With 4 KB pages each chunk costs a TLB miss whose
 /// page walk itself misses the caches (88 GB of 4 KB pages is 176 MB of page tables); a 2 MB page
 /// covers a thousand chunks. Gathering 44 MB of random 2 KB rows from 6 GB took 15.4 ms with
-/// 4 KB pages and 9.3 ms with huge pages on this project's 2-core build machine (2026-12-07). It
-/// is advice: where the kernel has no transparent huge pages (or they are off), the buffer is
-/// an ordinary one.
-fn huge_page_copy(bytes: &[u8]) -> Vec<u8> {
+/// 4 KB pages and 9.3 ms with huge pages on this project's 2-core build machine (2026-12-07).
+/// Why it is off by default: on an H100 host (16 cores) the decode step at 128K, batch 10, took
+/// 212.1 ms with huge pages and 204.4 ms without, the same machine one after the other
+/// (2026-12-07, `bench/results/2026-12-07/nvidia-h100-s64.md`): the build machine's gain did not
+/// carry over. It is advice: where the kernel has no transparent huge pages (or they are off),
+/// the buffer is an ordinary one.
+fn huge_page_copy(bytes: &[u8], huge: bool) -> Vec<u8> {
     let mut out: Vec<u8> = Vec::with_capacity(bytes.len());
-    if huge_pages_wanted() {
+    if huge {
         advise_huge_pages(out.as_mut_ptr(), out.capacity());
     }
     out.extend_from_slice(bytes);
     out
 }
 
-/// Whether [`huge_page_copy`] advises huge pages (`BURN_KERNELS_SHADOWKV_HUGEPAGES`, read once).
+/// Whether host values ask for huge pages ([`huge_page_copy`]): only with
+/// `BURN_KERNELS_SHADOWKV_HUGEPAGES=1` (read once).
 fn huge_pages_wanted() -> bool {
     static WANTED: OnceLock<bool> = OnceLock::new();
-    *WANTED
-        .get_or_init(|| std::env::var("BURN_KERNELS_SHADOWKV_HUGEPAGES").map_or(true, |v| v != "0"))
+    *WANTED.get_or_init(|| std::env::var("BURN_KERNELS_SHADOWKV_HUGEPAGES").is_ok_and(|v| v == "1"))
 }
 
 /// Asks the kernel to back the whole 2 MB extents of `len` bytes from `ptr` with transparent
@@ -376,12 +378,15 @@ fn options(dtype: DType, device: &Device) -> TensorCreationOptions {
 mod tests {
     use super::*;
 
-    /// The huge-page copy holds the same bytes, at sizes with and without whole 2 MB extents.
+    /// The copy holds the same bytes, with huge pages asked for and not, at sizes with and
+    /// without whole 2 MB extents.
     #[test]
     fn huge_page_copy_is_exact() {
         for len in [0, 1, 4095, (5 << 20) + 123] {
             let bytes: Vec<u8> = (0..len).map(|i| (i * 7 + i / 4096) as u8).collect();
-            assert_eq!(huge_page_copy(&bytes), bytes, "{len} bytes");
+            for huge in [true, false] {
+                assert_eq!(huge_page_copy(&bytes, huge), bytes, "{len} bytes, {huge}");
+            }
         }
     }
 
