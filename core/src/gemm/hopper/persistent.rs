@@ -11,6 +11,11 @@
 //! while the consumers update the pair; a third unit, the pair's, stores each tile's pair by
 //! TMA and then loads the next tile's into the same shared memory, during the next main loop.
 //!
+//! Status (2026-12-07): written and type-checked, not yet run on a GPU (no device could be
+//! started for it in session 64). Until its tests (`hopper_gemm_add_compensated_walks_tiles`,
+//! `hopper_gemm_add_compensated_keeps_the_bits`: device step `tpers`) and its A/B (`bccegc`
+//! beside `bccegcp`) have run, it is opt-in: `BURN_KERNELS_COMPENSATED_STORE=persistent`.
+//!
 //! Roles (384 units): unit 0 loads `A` and `B` stages; unit 32 loads and stores the pair;
 //! warpgroups 1 and 2 run the MMAs and update the pair. Barriers: the ring's, `loaded` (the
 //! pair's TMA bytes arrived, once a tile) and `updated` (both consumers wrote it, once a tile).
