@@ -89,8 +89,8 @@
 #            after the forward's 8), Gemma-2 shape: speed of light, memory, occupancy, stalls
 #   bccegcw  bccegc's Burn rows with the compensated carry's store capped at the wide one
 #            (BURN_KERNELS_COMPENSATED_STORE=wide): run beside bccegc to A/B the prefetched store
-#   bccegcp  bccegc's Burn rows with the persistent store (BURN_KERNELS_COMPENSATED_STORE=
-#            persistent, opt-in until measured): beside bccegc (the prefetched default), its A/B
+#   bccegcp  bccegc's Burn rows with the store capped at the prefetched one-tile kernel
+#            (BURN_KERNELS_COMPENSATED_STORE=prefetched): beside bccegc, the persistent kernel's A/B
 #   tpers    core's compensated-store tests (every store at the small cases; the persistent
 #            kernel walking several tiles a cube) and cce_tests' Hopper reductions
 #   psw      sage's default (INT8 per warp, FP16 P̃·V, causal and not) at N = 1K (D = 64, 128), 4K
@@ -427,7 +427,7 @@ for s in "$@"; do
       --skip-impl 'chunked passes' --skip-impl sorting --skip-impl autotuned --skip-impl fused \
       --skip-impl 'one f32' --skip-impl 'blocks' --skip-impl liger \
       --skip-impl pytorch-plain --peers-dir "$peers" --out "$O/bccegc" ;;
-    bccegcp) BURN_KERNELS_COMPENSATED_STORE=persistent step bccegcp run bench --suite cce \
+    bccegcp) BURN_KERNELS_COMPENSATED_STORE=prefetched step bccegcp run bench --suite cce \
       --filter gemma --filter both --max-mem-gb 70 --skip-impl 'chunked passes' \
       --skip-impl sorting --skip-impl autotuned --skip-impl fused --skip-impl 'one f32' \
       --skip-impl 'blocks' --skip-impl liger --skip-impl pytorch-plain --skip-impl cut-cross \
