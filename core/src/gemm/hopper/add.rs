@@ -100,14 +100,14 @@ pub fn hopper_gemm_add_compensated(
     let tma = prefetched::refused(&plan, lhs, sum, fix).is_none();
     let store = if cap == CompensatedStore::Persistent
         && tma
-        && !epilogue::failed_before(&(persistent::key_tile(&plan), lhs.dtype))
+        && !prefetched::failed_before(&plan, CompensatedStore::Persistent, lhs.dtype)
     {
         CompensatedStore::Persistent
     } else if matches!(
         cap,
         CompensatedStore::Persistent | CompensatedStore::Prefetched
     ) && tma
-        && !prefetched::failed_before(&plan, lhs.dtype)
+        && !prefetched::failed_before(&plan, CompensatedStore::Prefetched, lhs.dtype)
     {
         CompensatedStore::Prefetched
     } else if cap != CompensatedStore::Pairwise && wide_fits(&plan, sum, fix) {

@@ -23,13 +23,12 @@
 //! pair's TMA bytes arrived, once a tile) and `updated` (both consumers wrote it, once a tile).
 
 use burn_cubecl::tensor::CubeTensor;
-use cubecl::ir::{ElemType, IntKind};
+use cubecl::ir::ElemType;
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
-use super::plan::elem;
-use super::prefetched::{load_pair, pair_map, pair_tile, store_pair, update_pair};
-use super::{BK, BM, CompensatedStore, Epilogue, HopperTile, Plan, STAGES, WG, epilogue, mainloop};
+use super::prefetched::{PairLaunch, load_pair, pair_launch, pair_tile, store_pair, update_pair};
+use super::{BK, BM, CompensatedStore, HopperTile, Plan, STAGES, WG, epilogue, mainloop};
 
 /// Row and column of tile `t` of `tiles_m × tiles_n`, in the order the grid of the
 /// one-tile kernels walks them (down M first where `tile.m_fast`).
@@ -150,12 +149,13 @@ pub(super) fn launch(
     sum: &CubeTensor,
     fix: &CubeTensor,
 ) -> Result<(), String> {
-    let tile = key_tile(plan);
+    let PairLaunch {
+        tile,
+        maps: [a_map, b_map, sum_map, fix_map],
+        k_tiles,
+        ..
+    } = pair_launch(lhs, rhs, plan, [sum, fix], CompensatedStore::Persistent);
     let client = lhs.client.clone();
-    let ([a_map, b_map], _) = super::operand_maps_and_grid(lhs, rhs, plan, &tile, 1);
-    let sum_map = pair_map(sum, elem(sum.dtype).expect("checked"), 2);
-    let fix_map = pair_map(fix, ElemType::Int(IntKind::I8), 1);
-    let k_tiles = plan.k.div_ceil(BK) as u32;
     let (tiles_m, tiles_n) = (plan.m.div_ceil(BM) as u32, plan.n.div_ceil(tile.bn) as u32);
     // One cube an SM (an H100's 132 where the runtime does not say).
     let sms = client
@@ -185,15 +185,4 @@ pub(super) fn launch(
         }
     })
     .map(|_| ())
-}
-
-/// The kernel's tile for `plan` (also the key its first launch is verified under).
-pub(super) fn key_tile(plan: &Plan) -> HopperTile {
-    HopperTile {
-        bn: super::PREFETCH_BN,
-        epilogue: Epilogue::AddCompensated {
-            store: CompensatedStore::Persistent,
-        },
-        ..plan.tile
-    }
 }

@@ -35,7 +35,7 @@ const SUM_PANEL: usize = 64;
 /// The layout of the pair's tile `[BM, bn]` in shared memory, for either element size (given
 /// where an offset is taken): panels of 128 bytes of a row, swizzled 128 bytes (as a TMA box
 /// one panel wide writes it).
-pub(super) const fn pair_layout(bn: usize) -> WgmmaTileLayout {
+const fn pair_layout(bn: usize) -> WgmmaTileLayout {
     WgmmaTileLayout {
         major: Major::K,
         swizzle: Swizzle::B128,
@@ -46,19 +46,21 @@ pub(super) const fn pair_layout(bn: usize) -> WgmmaTileLayout {
 
 /// A vector of two values of the pair (a sum or its corrections).
 type Two<T> = Vector<T, Const<2>>;
+/// The pair's tile in shared memory: the sum and the corrections ([`pair_tile`]).
+type PairSmem<E> = (Shared<[Two<E>]>, Shared<[Two<i8>]>);
 
 /// The pair's tile in shared memory (`BM × bn`, 3 bytes a value, as [`pair_layout`] lays it
 /// out): the 16-bit sum and the i8 corrections, in vectors of two.
 #[cube]
-pub(super) fn pair_tile<E: Float>(#[comptime] bn: usize) -> (Shared<[Two<E>]>, Shared<[Two<i8>]>) {
+pub(super) fn pair_tile<E: Float>(#[comptime] bn: usize) -> PairSmem<E> {
     (
         Shared::<[Two<E>]>::new_aligned_slice(comptime![BM * bn / 2], 1024usize),
         Shared::<[Two<i8>]>::new_aligned_slice(comptime![BM * bn / 2], 1024usize),
     )
 }
 
-/// Issues the TMA loads of the pair's tile at `(row0, col0)` into `pair` (one unit), expected
-/// on `bar`: the sum in panels of 64 columns, the corrections in panels of 128.
+/// Issues the TMA loads of the pair's tile at `(row0, col0)` into shared memory (one unit),
+/// expected on `bar`: the sum in panels of 64 columns, the corrections in panels of 128.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub(super) fn load_pair<E: Float>(
@@ -241,7 +243,7 @@ fn compensated_prefetched_kernel<E: Float>(
 
 /// A tensor map over the contiguous `[m, n]` tensor `t` of `elem` (`bytes` each), in boxes of
 /// `BM` rows and 128 bytes of a row, swizzled 128 bytes.
-pub(super) fn pair_map(t: &CubeTensor, elem: ElemType, bytes: usize) -> TensorMapArg<Tiled> {
+fn pair_map(t: &CubeTensor, elem: ElemType, bytes: usize) -> TensorMapArg<Tiled> {
     let [rows, cols] = t.meta.shape().dims::<2>();
     let mut binding = t.clone().binding();
     binding.shape = Shape::new([rows, cols]);
@@ -281,6 +283,36 @@ pub(super) fn refused(
     }
 }
 
+/// What a pair kernel's launch takes: its tile, the maps of `A`, `B`, the sum and the
+/// corrections, the grid of one cube a tile, and K's stages.
+pub(super) struct PairLaunch {
+    pub(super) tile: HopperTile,
+    pub(super) maps: [TensorMapArg<Tiled>; 4],
+    pub(super) count: CubeCount,
+    pub(super) k_tiles: u32,
+}
+
+/// [`PairLaunch`] of `store`'s kernel (`Prefetched` or `Persistent`) for `plan` (checked by
+/// [`refused`]).
+pub(super) fn pair_launch(
+    lhs: &CubeTensor,
+    rhs: &CubeTensor,
+    plan: &Plan,
+    [sum, fix]: [&CubeTensor; 2],
+    store: CompensatedStore,
+) -> PairLaunch {
+    let tile = key_tile(plan, store);
+    let ([a_map, b_map], count) = super::operand_maps_and_grid(lhs, rhs, plan, &tile, 1);
+    let sum_map = pair_map(sum, elem(sum.dtype).expect("checked"), 2);
+    let fix_map = pair_map(fix, ElemType::Int(IntKind::I8), 1);
+    PairLaunch {
+        tile,
+        maps: [a_map, b_map, sum_map, fix_map],
+        count,
+        k_tiles: plan.k.div_ceil(BK) as u32,
+    }
+}
+
 /// Launches [`compensated_prefetched_kernel`] for `plan` (checked by [`refused`]) through
 /// [`epilogue::verified`].
 pub(super) fn launch(
@@ -290,12 +322,13 @@ pub(super) fn launch(
     sum: &CubeTensor,
     fix: &CubeTensor,
 ) -> Result<(), String> {
-    let tile = key_tile(plan);
+    let PairLaunch {
+        tile,
+        maps: [a_map, b_map, sum_map, fix_map],
+        count,
+        k_tiles,
+    } = pair_launch(lhs, rhs, plan, [sum, fix], CompensatedStore::Prefetched);
     let client = lhs.client.clone();
-    let ([a_map, b_map], count) = super::operand_maps_and_grid(lhs, rhs, plan, &tile, 1);
-    let sum_map = pair_map(sum, elem(sum.dtype).expect("checked"), 2);
-    let fix_map = pair_map(fix, ElemType::Int(IntKind::I8), 1);
-    let k_tiles = plan.k.div_ceil(BK) as u32;
     epilogue::verified((tile, lhs.dtype), sum.clone(), || {
         // SAFETY: TMA reads and writes only inside the maps (loads fill zeros past their ends,
         // stores clip there).
@@ -317,18 +350,18 @@ pub(super) fn launch(
     .map(|_| ())
 }
 
-/// The kernel's tile for `plan` (also the key its first launch is verified under).
-pub(super) fn key_tile(plan: &Plan) -> HopperTile {
+/// The tile of `store`'s kernel (`Prefetched` or `Persistent`) for `plan`, also the key its first
+/// launch is verified under.
+pub(super) fn key_tile(plan: &Plan, store: CompensatedStore) -> HopperTile {
     HopperTile {
         bn: PREFETCH_BN,
-        epilogue: Epilogue::AddCompensated {
-            store: CompensatedStore::Prefetched,
-        },
+        epilogue: Epilogue::AddCompensated { store },
         ..plan.tile
     }
 }
 
-/// Whether the kernel failed at its first launch for `plan`'s tile and `dtype` in this process.
-pub(super) fn failed_before(plan: &Plan, dtype: DType) -> bool {
-    epilogue::failed_before(&(key_tile(plan), dtype))
+/// Whether `store`'s kernel failed at its first launch for `plan`'s tile and `dtype` in this
+/// process.
+pub(super) fn failed_before(plan: &Plan, store: CompensatedStore, dtype: DType) -> bool {
+    epilogue::failed_before(&(key_tile(plan, store), dtype))
 }
