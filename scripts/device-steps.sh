@@ -86,7 +86,8 @@
 #            SKV_CTX K context (default 64)
 #   ncucomp  ncu on the compensated carry's adding product (the persistent kernel and the
 #            prefetched one, their second launch) and on `G`'s product (the first Hopper GEMM
-#            after the forward's 8), Gemma-2 shape: speed of light, memory, occupancy, stalls
+#            after the forward's 8), Gemma-2 shape: speed of light, memory, occupancy, stalls,
+#            local-memory bytes (register spills)
 #   bccegcw  bccegc's Burn rows with the compensated carry's store capped at the wide one
 #            (BURN_KERNELS_COMPENSATED_STORE=wide): run beside bccegc to A/B the prefetched store
 #   bccegcp  bccegc's Burn rows with the store capped at the prefetched one-tile kernel
@@ -452,7 +453,8 @@ for s in "$@"; do
           --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis \
           --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
           --section WarpStateStats --section SchedulerStats \
-          --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio" \
+          --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio,\
+l1tex__t_bytes_pipe_lsu_mem_local_op_ld.sum,l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum" \
           step "ncucomp-$name" run bench --suite cce --filter gemma --filter both \
           --warmup-ms 0 --measure-ms 0 --skip-impl 'cce$' --skip-impl 'grad filter' \
           --skip-impl 'chunked passes' --skip-impl sorting --skip-impl autotuned \
