@@ -72,12 +72,12 @@ fn load_stage<E: Float>(
     }
 }
 
-/// The parity bits of the ring's stages after `count` more stages were loaded from stage 0:
-/// bit `s` flips where stage `s` was used an odd number of times. A cube that runs several
-/// tiles' main loops through one ring starts each from stage 0 with these `phases`.
+/// The ring's parity flips of one main loop of `count` stages from stage 0: bit `s` set where
+/// stage `s` is used an odd number of times. A cube that runs several tiles' main loops through
+/// one ring XORs them into the `phases` each next loop starts from.
 #[cube]
 #[allow(clippy::manual_div_ceil)]
-pub(super) fn next_phases(phases: u32, count: u32) -> u32 {
+pub(super) fn stage_flips(count: u32) -> u32 {
     let mut flips = 0u32;
     #[unroll]
     for s in 0..STAGES {
@@ -89,12 +89,12 @@ pub(super) fn next_phases(phases: u32, count: u32) -> u32 {
         );
         flips |= (uses & 1) << s;
     }
-    phases ^ flips
+    flips
 }
 
 /// The producer (one unit): loads K tiles `first..first + count` of the cube's tile (rows from
 /// `row0` of `A`, columns from `col0` of `B`) into the ring, each stage once both consumers
-/// released it. `phases` ([`next_phases`]): the stages' parities where the ring ran earlier
+/// released it. `phases` (XORed [`stage_flips`]): the stages' parities where the ring ran earlier
 /// tiles (0 for a fresh ring).
 #[cube]
 #[allow(clippy::too_many_arguments, clippy::manual_div_ceil)]

@@ -7,7 +7,7 @@
 //! memory: one cube an SM) spends each tile's start filling the ring and its end storing the
 //! pair while the tensor cores wait: 0.212 ms a chunk against 0.133 for `G`'s product of the
 //! same FLOPs (H100, 2026-12-07). Here the ring runs on from tile to tile (its stages' parities
-//! carried, [`mainloop::next_phases`]), so the producer fills it with the next tile's stages
+//! carried, [`mainloop::stage_flips`]), so the producer fills it with the next tile's stages
 //! while the consumers update the pair; a third unit, the pair's, stores each tile's pair by
 //! TMA and then loads the next tile's into the same shared memory, during the next main loop.
 //!
@@ -78,7 +78,7 @@ fn compensated_persistent_kernel<E: Float>(
     // This cube's tiles: first, first + step, ...
     let mine = select(tiles > first, (tiles - first + step - 1) / step, 0u32);
     // How a tile's main loop turns the ring's parities.
-    let flips = mainloop::next_phases(0u32, k_tiles);
+    let flips = mainloop::stage_flips(k_tiles);
     let wg = UNIT_POS / WG;
     if wg == 0 {
         if UNIT_POS == 0 {
