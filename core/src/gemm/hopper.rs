@@ -47,6 +47,8 @@ mod add;
 mod epilogue;
 mod grad;
 mod mainloop;
+#[cfg(feature = "ptx-dump")]
+pub mod offline;
 mod persistent;
 mod plan;
 mod prefetched;
@@ -127,7 +129,7 @@ impl HopperTile {
 /// corrections `fix` (`[m, n]`, rows `out_stride` apart).
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments, clippy::manual_div_ceil)]
-fn hopper_gemm_kernel<E: Float, O: Float, N2: Size, I: Numeric>(
+pub(super) fn hopper_gemm_kernel<E: Float, O: Float, N2: Size, I: Numeric>(
     a: &TensorMap<E, Tiled>,
     b: &TensorMap<E, Tiled>,
     out: &mut Tensor<Vector<O, N2>>,

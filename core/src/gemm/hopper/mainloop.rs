@@ -136,11 +136,50 @@ pub(super) fn produce<E: Float>(
     }
 }
 
+/// Consumer `c`'s MMAs of stage `s` (K tile `t`, in round `round`) once its bytes arrived.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn issue_stage<E: Float>(
+    acc: &mut Pending<Accumulator<f32>>,
+    a_smem: &Shared<[E]>,
+    b_smem: &Shared<[E]>,
+    full: &Sequence<Shared<Barrier>>,
+    c: usize,
+    round: u32,
+    phases: u32,
+    #[comptime] s: usize,
+    #[comptime] tile: HopperTile,
+) {
+    let a_stage = comptime![BM * BK];
+    let b_stage = comptime![tile.bn * BK];
+    full.index(s)
+        .wait_parity((round + (phases >> s as u32)) & 1);
+    let a_desc = MatrixDescriptor::new(
+        &a_smem[s * a_stage..(s + 1) * a_stage],
+        comptime![tile.a_layout()],
+    );
+    let b_desc = MatrixDescriptor::new(
+        &b_smem[s * b_stage..(s + 1) * b_stage],
+        comptime![tile.b_layout()],
+    );
+    #[unroll]
+    for step in 0..comptime![BK / 16] {
+        acc.execute(&a_desc.at(c * 64, step * 16), &b_desc.at(0usize, step * 16));
+    }
+}
+
 /// Consumer `c` (0 or 1, a warpgroup): the MMAs of its 64 rows of the tile over the `count`
 /// stages the producer loads, one group in flight (a stage is released once the next one's MMAs
 /// are issued and its own completed); the tile's sums once all completed. `phases` as the
 /// producer's; with `release_last` the last stage is released too (where the ring goes on to
 /// another tile).
+///
+/// The whole rounds of [`STAGES`] stages run without a condition on the stage and the last
+/// partial round's stages are nested, so every wait keeps one group in flight: CubeCL resolves
+/// a wait on a group's token to the fewest groups committed after it on any path, and each
+/// stage under its own `if t < count` made those waits wait for every group
+/// (`wgmma.wait_group 0`), draining the tensor cores at three stages of four (seen in the PTX
+/// and `ptxas`'s machine code, 2026-12-07: `examples/hopper_ptx.rs`).
 #[cube]
 #[allow(clippy::manual_div_ceil)]
 pub(super) fn consume<E: Float>(
@@ -154,34 +193,51 @@ pub(super) fn consume<E: Float>(
     #[comptime] tile: HopperTile,
     #[comptime] release_last: bool,
 ) -> Accumulator<f32> {
-    let a_layout = comptime![tile.a_layout()];
-    let b_layout = comptime![tile.b_layout()];
-    let a_stage = comptime![BM * BK];
-    let b_stage = comptime![tile.bn * BK];
-    let rounds = (count + STAGES as u32 - 1) / STAGES as u32;
+    let whole = count / STAGES as u32;
     let bn = comptime![tile.bn];
     let mut acc = Accumulator::<f32>::new(bn).start();
     let mut released = acc.commit();
-    for round in 0..rounds {
+    for round in 0..whole {
         #[unroll]
         for s in 0..STAGES {
-            let t = round * STAGES as u32 + s as u32;
-            if t < count {
-                full.index(s)
-                    .wait_parity((round + (phases >> s as u32)) & 1);
-                let a_desc =
-                    MatrixDescriptor::new(&a_smem[s * a_stage..(s + 1) * a_stage], a_layout);
-                let b_desc =
-                    MatrixDescriptor::new(&b_smem[s * b_stage..(s + 1) * b_stage], b_layout);
-                #[unroll]
-                for step in 0..comptime![BK / 16] {
-                    acc.execute(&a_desc.at(c * 64, step * 16), &b_desc.at(0usize, step * 16));
-                }
+            issue_stage::<E>(&mut acc, a_smem, b_smem, full, c, round, phases, s, tile);
+            let read = acc.commit();
+            released.wait();
+            if comptime![s > 0] || round > 0 {
+                empty.index(comptime![(s + STAGES - 1) % STAGES]).arrive();
+            }
+            released = read;
+        }
+    }
+    // The last partial round (at most 3 stages), nested so that every stage's wait follows the
+    // previous stage's commit on every path.
+    let rest = count - whole * STAGES as u32;
+    let first = whole > 0;
+    if rest > 0 {
+        issue_stage::<E>(
+            &mut acc, a_smem, b_smem, full, c, whole, phases, 0usize, tile,
+        );
+        let read = acc.commit();
+        released.wait();
+        if first {
+            empty.index(STAGES - 1).arrive();
+        }
+        released = read;
+        if rest > 1 {
+            issue_stage::<E>(
+                &mut acc, a_smem, b_smem, full, c, whole, phases, 1usize, tile,
+            );
+            let read = acc.commit();
+            released.wait();
+            empty.index(0usize).arrive();
+            released = read;
+            if rest > 2 {
+                issue_stage::<E>(
+                    &mut acc, a_smem, b_smem, full, c, whole, phases, 2usize, tile,
+                );
                 let read = acc.commit();
                 released.wait();
-                if t > 0 {
-                    empty.index(comptime![(s + STAGES - 1) % STAGES]).arrive();
-                }
+                empty.index(1usize).arrive();
                 released = read;
             }
         }

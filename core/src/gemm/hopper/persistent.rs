@@ -46,7 +46,7 @@ fn tile_at(t: u32, tiles_m: u32, tiles_n: u32, #[comptime] tile: HopperTile) -> 
 /// `tiles_m × tiles_n` (K never split), as [`super::prefetched`]'s kernel does for one tile.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments, clippy::manual_div_ceil)]
-fn compensated_persistent_kernel<E: Float>(
+pub(super) fn compensated_persistent_kernel<E: Float>(
     a: &TensorMap<E, Tiled>,
     b: &TensorMap<E, Tiled>,
     sum: &mut TensorMap<E, Tiled>,
