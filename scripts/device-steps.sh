@@ -92,6 +92,8 @@
 #            (BURN_KERNELS_COMPENSATED_STORE=wide): run beside bccegc to A/B the prefetched store
 #   bccegcp  bccegc's Burn rows with the store capped at the prefetched one-tile kernel
 #            (BURN_KERNELS_COMPENSATED_STORE=prefetched): beside bccegc, the persistent kernel's A/B
+#   thop     every core Hopper GEMM test (products against the host, the adding and compensated
+#            stores, the persistent kernel's tile walk) and cce_tests' Hopper reductions
 #   tpers    core's compensated-store tests (every store at the small cases; the persistent
 #            kernel walking several tiles a cube) and cce_tests' Hopper reductions
 #   psw      sage's default (INT8 per warp, FP16 P̃·V, causal and not) at N = 1K (D = 64, 128), 4K
@@ -433,6 +435,8 @@ for s in "$@"; do
       --skip-impl sorting --skip-impl autotuned --skip-impl fused --skip-impl 'one f32' \
       --skip-impl 'blocks' --skip-impl liger --skip-impl pytorch-plain --skip-impl cut-cross \
       --out "$O/bccegcp" ;;
+    thop) step thop run test core hopper --include-ignored
+      step thop-cce run test cce_tests hopper_reductions --include-ignored ;;
     tpers) step tpers run test core hopper_gemm_add_compensated --include-ignored
       step tpers-cce run test cce_tests hopper_reductions --include-ignored ;;
     bccegcw) BURN_KERNELS_COMPENSATED_STORE=wide step bccegcw run bench --suite cce --filter gemma \

@@ -111,8 +111,8 @@ fn carry_tile(store: CompensatedStore) -> HopperTile {
         bn: super::PREFETCH_BN,
         a_major: Major::K,
         b_major: Major::MN,
-        pairs: false,
-        m_fast: true,
+        pairs: true,
+        m_fast: false,
         epilogue: Epilogue::AddCompensated { store },
     }
 }
@@ -123,33 +123,21 @@ pub fn hopper_ptx() -> Vec<(String, Result<String, String>)> {
     let target = Arc::new(TargetProperties::default());
     let bf16 = ElemType::Float(FloatKind::BF16);
     let mut out = Vec::new();
-    for a_major in [Major::K, Major::MN] {
-        for (pairs, m_fast) in [(true, false), (false, false), (true, true), (false, true)] {
-            let tile = HopperTile {
-                a_major,
-                pairs,
-                m_fast,
-                ..carry_tile(CompensatedStore::Persistent)
-            };
-            let kernel =
-                super::persistent::compensated_persistent_kernel::CompensatedPersistentKernel::new(
-                    settings(),
-                    props.clone(),
-                    target.clone(),
-                    (),
-                    (),
-                    (),
-                    (),
-                    (),
-                    (),
-                    (),
-                    tile,
-                    bf16,
-                );
-            let name = format!("compensated_persistent_{a_major:?}_{pairs}_{m_fast}");
-            out.push((name, ptx_of(kernel)));
-        }
-    }
+    let kernel = super::persistent::compensated_persistent_kernel::CompensatedPersistentKernel::new(
+        settings(),
+        props.clone(),
+        target.clone(),
+        (),
+        (),
+        (),
+        (),
+        (),
+        (),
+        (),
+        carry_tile(CompensatedStore::Persistent),
+        bf16,
+    );
+    out.push(("compensated_persistent".to_string(), ptx_of(kernel)));
     // `G`: the logits' gradient (burn-cce's backward), a 256-column tile.
     let grad = HopperTile {
         bn: 256,
