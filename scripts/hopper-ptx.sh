@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The Hopper GEMM kernels' PTX, compiled here without a GPU (core's `hopper_ptx` example), through
+# The Hopper kernels' PTX (core's GEMMs: `hopper_ptx`; burn-sage's attention: `sage_ptx`),
+# compiled here without a GPU, through
 # NVIDIA's `ptxas` for sm_90a: registers, spills, and the warpgroup-MMA waits of each kernel.
 #   scripts/hopper-ptx.sh [OUT_DIR]      (default target/hopper-ptx)
 # A wait of 0 groups in the main loop drains the tensor cores at that stage; the consumers' main
@@ -19,9 +20,12 @@ if [ ! -x "$tools/nvidia/cu13/bin/ptxas" ] || [ ! -f "$tools/nvidia/cu13/nvvm/li
 fi
 # CUDA_PATH only for the run (libdevice): set for the build, it would rebuild the CUDA crates.
 target=${CARGO_TARGET_DIR:-/work/target-cuda}
-CARGO_TARGET_DIR=$target cargo build --quiet -p burn-kernels-core --features ptx-dump \
-  --example hopper_ptx
-CUDA_PATH=$PWD/$tools/nvidia/cu13 "$target/debug/examples/hopper_ptx" "$out" >/dev/null
+rm -f "$out"/*.ptx "$out"/*.cubin
+CARGO_TARGET_DIR=$target cargo build --quiet -p burn-kernels-core -p burn-sage --features ptx-dump \
+  --example hopper_ptx --example sage_ptx
+for tool in hopper_ptx sage_ptx; do
+  CUDA_PATH=$PWD/$tools/nvidia/cu13 "$target/debug/examples/$tool" "$out" >/dev/null
+done
 for ptx in "$out"/*.ptx; do
   name=$(basename "$ptx" .ptx)
   info=$("$tools/nvidia/cu13/bin/ptxas" -arch=sm_90a -v -o "$out/$name.cubin" "$ptx" 2>&1 \

@@ -29,6 +29,8 @@
 //! ([`crate::SageOptions::kernel`]).
 
 mod kernel;
+#[cfg(feature = "ptx-dump")]
+pub mod offline;
 mod softmax;
 
 use burn::tensor::DType;

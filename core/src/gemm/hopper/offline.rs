@@ -22,8 +22,8 @@ use cubecl_llvm::{PlironArtifact, PlironCompiler, PlironOptions};
 
 use super::{CompensatedStore, Epilogue, HopperTile, WG};
 
-/// An H100's properties as far as these kernels read them.
-fn sm90_properties() -> Arc<DeviceProperties> {
+/// An H100's properties as far as the Hopper kernels read them (also burn-sage's).
+pub fn sm90_properties() -> Arc<DeviceProperties> {
     let hardware = HardwareProperties {
         load_width: 128,
         vector_register_count: None,
@@ -74,7 +74,7 @@ fn arch() -> SmArch {
 }
 
 /// The PTX of `kernel` for sm_90a, as CubeCL's CUDA runtime compiles it (driver 13.0's PTX).
-fn ptx_of(kernel: impl CubeKernel) -> Result<String, String> {
+pub fn ptx_of(kernel: impl CubeKernel) -> Result<String, String> {
     let mut compiler = PlironCompiler {
         target: cubecl_llvm::LlvmTarget::Nvptx,
     };
@@ -96,9 +96,10 @@ fn ptx_of(kernel: impl CubeKernel) -> Result<String, String> {
     }
 }
 
-fn settings() -> KernelSettings {
+/// A launch of `units` units a cube, unchecked, 64-bit addresses.
+pub fn settings_of(units: u32) -> KernelSettings {
     KernelSettings::new(
-        *CubeDim::new_1d(3 * WG),
+        *CubeDim::new_1d(units),
         ExecutionMode::Unchecked,
         AddressType::U64,
     )
@@ -124,7 +125,7 @@ pub fn hopper_ptx() -> Vec<(String, Result<String, String>)> {
     let bf16 = ElemType::Float(FloatKind::BF16);
     let mut out = Vec::new();
     let kernel = super::persistent::compensated_persistent_kernel::CompensatedPersistentKernel::new(
-        settings(),
+        settings_of(3 * WG),
         props.clone(),
         target.clone(),
         (),
@@ -157,7 +158,7 @@ pub fn hopper_ptx() -> Vec<(String, Result<String, String>)> {
     };
     let i32_ = ElemType::Int(cubecl::ir::IntKind::I32);
     let kernel = super::hopper_gemm_kernel::HopperGemmKernel::new(
-        settings(),
+        settings_of(3 * WG),
         props.clone(),
         target.clone(),
         (),
