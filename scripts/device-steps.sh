@@ -93,7 +93,8 @@
 #   bccegcp  bccegc's Burn rows with the store capped at the prefetched one-tile kernel
 #            (BURN_KERNELS_COMPENSATED_STORE=prefetched): beside bccegc, the persistent kernel's A/B
 #   thop     every core Hopper GEMM test (products against the host, the adding and compensated
-#            stores, the persistent kernel's tile walk) and cce_tests' Hopper reductions
+#            stores, the persistent kernel's tile walk)
+#   thopcce  cce_tests' Hopper reductions (the loss's reductions inside core's Hopper GEMM)
 #   tpers    core's compensated-store tests (every store at the small cases; the persistent
 #            kernel walking several tiles a cube) and cce_tests' Hopper reductions
 #   psw      sage's default (INT8 per warp, FP16 P̃·V, causal and not) at N = 1K (D = 64, 128), 4K
@@ -435,8 +436,8 @@ for s in "$@"; do
       --skip-impl sorting --skip-impl autotuned --skip-impl fused --skip-impl 'one f32' \
       --skip-impl 'blocks' --skip-impl liger --skip-impl pytorch-plain --skip-impl cut-cross \
       --out "$O/bccegcp" ;;
-    thop) step thop run test core hopper --include-ignored
-      step thop-cce run test cce_tests hopper_reductions --include-ignored ;;
+    thop) step thop run test core hopper --include-ignored ;;
+    thopcce) step thopcce run test cce_tests hopper_reductions --include-ignored ;;
     tpers) step tpers run test core hopper_gemm_add_compensated --include-ignored
       step tpers-cce run test cce_tests hopper_reductions --include-ignored ;;
     bccegcw) BURN_KERNELS_COMPENSATED_STORE=wide step bccegcw run bench --suite cce --filter gemma \
