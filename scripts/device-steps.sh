@@ -95,6 +95,10 @@
 #   thop     every core Hopper GEMM test (products against the host, the adding and compensated
 #            stores, the persistent kernel's tile walk)
 #   thopcce  cce_tests' Hopper reductions (the loss's reductions inside core's Hopper GEMM)
+#   thopo thopcceo  thop and thopcce with the main loop that keeps one MMA group in flight at
+#            every stage (BURN_KERNELS_HOPPER_OVERLAP=1, session 65; not yet the default)
+#   bccego   bccegc's Burn rows with the default main loop, then all of bccegc's rows (Apple's
+#            too) with BURN_KERNELS_HOPPER_OVERLAP=1: the loop's A/B on one machine
 #   tpers    core's compensated-store tests (every store at the small cases; the persistent
 #            kernel walking several tiles a cube) and cce_tests' Hopper reductions
 #   psw      sage's default (INT8 per warp, FP16 P̃·V, causal and not) at N = 1K (D = 64, 128), 4K
@@ -437,6 +441,17 @@ for s in "$@"; do
       --skip-impl 'blocks' --skip-impl liger --skip-impl pytorch-plain --skip-impl cut-cross \
       --out "$O/bccegcp" ;;
     thop) step thop run test core hopper --include-ignored ;;
+    thopo) BURN_KERNELS_HOPPER_OVERLAP=1 step thopo run test core hopper --include-ignored ;;
+    thopcceo) BURN_KERNELS_HOPPER_OVERLAP=1 step thopcceo run test cce_tests hopper_reductions \
+      --include-ignored ;;
+    bccego) step bccegb run bench --suite cce --filter gemma --filter both --max-mem-gb 70 \
+      --skip-impl 'chunked passes' --skip-impl sorting --skip-impl autotuned --skip-impl fused \
+      --skip-impl 'one f32' --skip-impl 'blocks' --skip-impl liger --skip-impl pytorch-plain \
+      --skip-impl cut-cross --out "$O/bccegb"
+      BURN_KERNELS_HOPPER_OVERLAP=1 step bccego run bench --suite cce --filter gemma \
+        --filter both --max-mem-gb 70 --skip-impl 'chunked passes' --skip-impl sorting \
+        --skip-impl autotuned --skip-impl fused --skip-impl 'one f32' --skip-impl 'blocks' \
+        --skip-impl liger --skip-impl pytorch-plain --peers-dir "$peers" --out "$O/bccego" ;;
     thopcce) step thopcce run test cce_tests hopper_reductions --include-ignored ;;
     tpers) step tpers run test core hopper_gemm_add_compensated --include-ignored
       step tpers-cce run test cce_tests hopper_reductions --include-ignored ;;

@@ -95,6 +95,18 @@ pub struct HopperTile {
     pub m_fast: bool,
     /// What becomes of the tile: stored, or reduced in registers ([`Epilogue`]).
     pub epilogue: Epilogue,
+    /// Whether the consumers' main loop keeps one MMA group in flight at every stage
+    /// ([`overlapped_main_loop`]); else three stages in four wait for their own MMAs.
+    pub overlap: bool,
+}
+
+/// Whether the Hopper kernels run the main loop that keeps one MMA group in flight at every
+/// stage (`mainloop::consume_rounds`): `BURN_KERNELS_HOPPER_OVERLAP=1`. Off by default until
+/// its tests have passed on a GPU: written in session 65 from the PTX (the older loop's waits
+/// drain the tensor cores at three stages of four), not yet run on a device. Read once.
+pub fn overlapped_main_loop() -> bool {
+    static OVERLAP: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *OVERLAP.get_or_init(|| std::env::var("BURN_KERNELS_HOPPER_OVERLAP").as_deref() == Ok("1"))
 }
 
 impl HopperTile {

@@ -169,10 +169,109 @@ fn issue_stage<E: Float>(
 }
 
 /// Consumer `c` (0 or 1, a warpgroup): the MMAs of its 64 rows of the tile over the `count`
-/// stages the producer loads, one group in flight (a stage is released once the next one's MMAs
-/// are issued and its own completed); the tile's sums once all completed. `phases` as the
-/// producer's; with `release_last` the last stage is released too (where the ring goes on to
-/// another tile).
+/// stages the producer loads; the tile's sums once all completed. `phases` as the producer's;
+/// with `release_last` the last stage is released too (where the ring goes on to another
+/// tile). [`consume_rounds`] where `tile.overlap`, else [`consume_stages`].
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn consume<E: Float>(
+    a_smem: &Shared<[E]>,
+    b_smem: &Shared<[E]>,
+    full: &Sequence<Shared<Barrier>>,
+    empty: &Sequence<Shared<Barrier>>,
+    c: usize,
+    count: u32,
+    phases: u32,
+    #[comptime] tile: HopperTile,
+    #[comptime] release_last: bool,
+) -> Accumulator<f32> {
+    if comptime![tile.overlap] {
+        consume_rounds::<E>(
+            a_smem,
+            b_smem,
+            full,
+            empty,
+            c,
+            count,
+            phases,
+            tile,
+            release_last,
+        )
+    } else {
+        consume_stages::<E>(
+            a_smem,
+            b_smem,
+            full,
+            empty,
+            c,
+            count,
+            phases,
+            tile,
+            release_last,
+        )
+    }
+}
+
+/// [`consume`] as it ran before session 65, each stage under its own `if t < count`: CubeCL
+/// resolves three of the four stages' waits to `wgmma.wait_group 0` (every group), so the
+/// tensor cores drain at those stages (read in the PTX and `ptxas`'s machine code).
+#[cube]
+#[allow(clippy::manual_div_ceil, clippy::too_many_arguments)]
+fn consume_stages<E: Float>(
+    a_smem: &Shared<[E]>,
+    b_smem: &Shared<[E]>,
+    full: &Sequence<Shared<Barrier>>,
+    empty: &Sequence<Shared<Barrier>>,
+    c: usize,
+    count: u32,
+    phases: u32,
+    #[comptime] tile: HopperTile,
+    #[comptime] release_last: bool,
+) -> Accumulator<f32> {
+    let rounds = (count + STAGES as u32 - 1) / STAGES as u32;
+    let bn = comptime![tile.bn];
+    let mut acc = Accumulator::<f32>::new(bn).start();
+    let mut released = acc.commit();
+    for round in 0..rounds {
+        #[unroll]
+        for s in 0..STAGES {
+            let t = round * STAGES as u32 + s as u32;
+            if t < count {
+                issue_stage::<E>(&mut acc, a_smem, b_smem, full, c, round, phases, s, tile);
+                let read = acc.commit();
+                released.wait();
+                if t > 0 {
+                    empty.index(comptime![(s + STAGES - 1) % STAGES]).arrive();
+                }
+                released = read;
+            }
+        }
+    }
+    released.wait();
+    release_last_stage(empty, count, release_last);
+    acc.wait()
+}
+
+/// Releases the stage of the last of `count` K tiles where `release_last`.
+#[cube]
+fn release_last_stage(
+    empty: &Sequence<Shared<Barrier>>,
+    count: u32,
+    #[comptime] release_last: bool,
+) {
+    if comptime![release_last] {
+        let last = (count + STAGES as u32 - 1) % STAGES as u32;
+        #[unroll]
+        for s in 0..STAGES {
+            if count > 0 && last == s as u32 {
+                empty.index(s).arrive();
+            }
+        }
+    }
+}
+
+/// [`consume`] with one group in flight at every stage (a stage is released once the next
+/// one's MMAs are issued and its own completed).
 ///
 /// The whole rounds of [`STAGES`] stages run without a condition on the stage and the last
 /// partial round's stages are nested, so every wait keeps one group in flight: CubeCL resolves
@@ -181,8 +280,8 @@ fn issue_stage<E: Float>(
 /// (`wgmma.wait_group 0`), draining the tensor cores at three stages of four (seen in the PTX
 /// and `ptxas`'s machine code, 2026-12-07: `examples/hopper_ptx.rs`).
 #[cube]
-#[allow(clippy::manual_div_ceil)]
-pub(super) fn consume<E: Float>(
+#[allow(clippy::too_many_arguments)]
+fn consume_rounds<E: Float>(
     a_smem: &Shared<[E]>,
     b_smem: &Shared<[E]>,
     full: &Sequence<Shared<Barrier>>,
@@ -243,14 +342,6 @@ pub(super) fn consume<E: Float>(
         }
     }
     released.wait();
-    if comptime![release_last] {
-        let last = (count + STAGES as u32 - 1) % STAGES as u32;
-        #[unroll]
-        for s in 0..STAGES {
-            if count > 0 && last == s as u32 {
-                empty.index(s).arrive();
-            }
-        }
-    }
+    release_last_stage(empty, count, release_last);
     acc.wait()
 }

@@ -115,6 +115,7 @@ fn carry_tile(store: CompensatedStore) -> HopperTile {
         pairs: true,
         m_fast: false,
         epilogue: Epilogue::AddCompensated { store },
+        overlap: true,
     }
 }
 
@@ -124,21 +125,29 @@ pub fn hopper_ptx() -> Vec<(String, Result<String, String>)> {
     let target = Arc::new(TargetProperties::default());
     let bf16 = ElemType::Float(FloatKind::BF16);
     let mut out = Vec::new();
-    let kernel = super::persistent::compensated_persistent_kernel::CompensatedPersistentKernel::new(
-        settings_of(3 * WG),
-        props.clone(),
-        target.clone(),
-        (),
-        (),
-        (),
-        (),
-        (),
-        (),
-        (),
-        carry_tile(CompensatedStore::Persistent),
-        bf16,
-    );
-    out.push(("compensated_persistent".to_string(), ptx_of(kernel)));
+    for overlap in [true, false] {
+        let tile = HopperTile {
+            overlap,
+            ..carry_tile(CompensatedStore::Persistent)
+        };
+        let kernel =
+            super::persistent::compensated_persistent_kernel::CompensatedPersistentKernel::new(
+                settings_of(3 * WG),
+                props.clone(),
+                target.clone(),
+                (),
+                (),
+                (),
+                (),
+                (),
+                (),
+                (),
+                tile,
+                bf16,
+            );
+        let name = if overlap { "" } else { "_stages" };
+        out.push((format!("compensated_persistent{name}"), ptx_of(kernel)));
+    }
     // `G`: the logits' gradient (burn-cce's backward), a 256-column tile.
     let grad = HopperTile {
         bn: 256,
@@ -151,6 +160,7 @@ pub fn hopper_ptx() -> Vec<(String, Result<String, String>)> {
             softcap: true,
             gathered: false,
         },
+        overlap: true,
     };
     let tensor = || TensorCompilationArg {
         meta: TensorMetaCompilationArg { len: (), rank: () },

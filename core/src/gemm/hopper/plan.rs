@@ -120,6 +120,7 @@ pub(super) fn plan(client: &Client, lhs: &CubeTensor, rhs: &CubeTensor) -> Resul
         pairs: n.is_multiple_of(2),
         m_fast: m * k < k * n,
         epilogue: Epilogue::Store,
+        overlap: super::overlapped_main_loop(),
     };
     Ok(Plan {
         m,
