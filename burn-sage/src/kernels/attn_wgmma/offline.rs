@@ -1,7 +1,7 @@
 //! The Hopper attention kernel compiled to PTX without a device (feature `ptx-dump`), for
 //! `ptxas -v` (`scripts/hopper-ptx.sh`), through core's offline compiler.
 
-use burn_kernels_core::gemm::hopper::offline::{ptx_of, settings_of, sm90_properties};
+use burn_kernels_core::gemm::hopper::offline::{ptx_of, settings_of, sm90_properties, tensor};
 use cubecl::ir::{ElemType, FloatKind};
 use cubecl::prelude::*;
 
@@ -9,13 +9,6 @@ use super::super::AttnArgsCompilationArg;
 use super::super::pv_grid::RoundArgsCompilationArg;
 use super::kernel::attn_wgmma_kernel::AttnWgmmaKernel;
 use super::{WG, warpgroups};
-
-fn tensor() -> TensorCompilationArg {
-    TensorCompilationArg {
-        meta: TensorMetaCompilationArg { len: (), rank: () },
-        buffer: BufferCompilationArg { inplace: None },
-    }
-}
 
 /// `(name, PTX or the compiler's error)` of the default variant (bf16 output, f16 `P̃·V`,
 /// D = 128) causal and not, at the default warpgroups a cube.

@@ -96,6 +96,59 @@ pub fn ptx_of(kernel: impl CubeKernel) -> Result<String, String> {
     }
 }
 
+/// A tensor argument's compilation form (no aliasing).
+pub fn tensor() -> TensorCompilationArg {
+    TensorCompilationArg {
+        meta: TensorMetaCompilationArg { len: (), rank: () },
+        buffer: BufferCompilationArg { inplace: None },
+    }
+}
+
+/// How many of `ptx`'s warpgroup-MMA waits keep one group in flight (`wgmma.wait_group 1`).
+pub fn waits_in_flight(ptx: &str) -> usize {
+    ptx.lines()
+        .filter(|l| {
+            let mut words = l.split_whitespace();
+            words
+                .next()
+                .is_some_and(|w| w.starts_with("wgmma.wait_group"))
+                && words.next() == Some("1;")
+        })
+        .count()
+}
+
+/// Writes each `(name, PTX)` of `kernels` to `dir/<name>.ptx` (printing the paths), and fails
+/// (after writing the rest) where one did not compile or `check` finds fault with its PTX.
+pub fn write_all(
+    dir: &std::path::Path,
+    kernels: Vec<(String, Result<String, String>)>,
+    check: impl Fn(&str, &str) -> Option<String>,
+) -> Result<(), String> {
+    std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
+    let mut failed = 0;
+    for (name, ptx) in kernels {
+        match ptx {
+            Ok(ptx) => {
+                if let Some(why) = check(&name, &ptx) {
+                    eprintln!("{name}: {why}");
+                    failed += 1;
+                }
+                let path = dir.join(format!("{name}.ptx"));
+                std::fs::write(&path, ptx).map_err(|e| e.to_string())?;
+                println!("{}", path.display());
+            }
+            Err(err) => {
+                eprintln!("{name}: {err}");
+                failed += 1;
+            }
+        }
+    }
+    match failed {
+        0 => Ok(()),
+        n => Err(format!("{n} kernels failed to compile or their check")),
+    }
+}
+
 /// A launch of `units` units a cube, unchecked, 64-bit addresses.
 pub fn settings_of(units: u32) -> KernelSettings {
     KernelSettings::new(
@@ -161,10 +214,6 @@ pub fn hopper_ptx() -> Vec<(String, Result<String, String>)> {
             gathered: false,
         },
         overlap: true,
-    };
-    let tensor = || TensorCompilationArg {
-        meta: TensorMetaCompilationArg { len: (), rank: () },
-        buffer: BufferCompilationArg { inplace: None },
     };
     let i32_ = ElemType::Int(cubecl::ir::IntKind::I32);
     let kernel = super::hopper_gemm_kernel::HopperGemmKernel::new(
