@@ -168,6 +168,34 @@ fn issue_stage<E: Float>(
     }
 }
 
+/// One stage of a consumer's main loop: stage `s`'s MMAs issued and committed, then the wait
+/// for the previous stage's group `released`, whose stage is released where
+/// `release_previous`. Returns this stage's group.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn run_stage<E: Float>(
+    acc: &mut Pending<Accumulator<f32>>,
+    released: Pending<()>,
+    a_smem: &Shared<[E]>,
+    b_smem: &Shared<[E]>,
+    full: &Sequence<Shared<Barrier>>,
+    empty: &Sequence<Shared<Barrier>>,
+    c: usize,
+    round: u32,
+    phases: u32,
+    release_previous: bool,
+    #[comptime] s: usize,
+    #[comptime] tile: HopperTile,
+) -> Pending<()> {
+    issue_stage::<E>(acc, a_smem, b_smem, full, c, round, phases, s, tile);
+    let read = acc.commit();
+    released.wait();
+    if release_previous {
+        empty.index(comptime![(s + STAGES - 1) % STAGES]).arrive();
+    }
+    read
+}
+
 /// Consumer `c` (0 or 1, a warpgroup): the MMAs of its 64 rows of the tile over the `count`
 /// stages the producer loads; the tile's sums once all completed. `phases` as the producer's;
 /// with `release_last` the last stage is released too (where the ring goes on to another
@@ -237,13 +265,20 @@ fn consume_stages<E: Float>(
         for s in 0..STAGES {
             let t = round * STAGES as u32 + s as u32;
             if t < count {
-                issue_stage::<E>(&mut acc, a_smem, b_smem, full, c, round, phases, s, tile);
-                let read = acc.commit();
-                released.wait();
-                if t > 0 {
-                    empty.index(comptime![(s + STAGES - 1) % STAGES]).arrive();
-                }
-                released = read;
+                released = run_stage::<E>(
+                    &mut acc,
+                    released,
+                    a_smem,
+                    b_smem,
+                    full,
+                    empty,
+                    c,
+                    round,
+                    phases,
+                    t > 0,
+                    s,
+                    tile,
+                );
             }
         }
     }
@@ -299,45 +334,40 @@ fn consume_rounds<E: Float>(
     for round in 0..whole {
         #[unroll]
         for s in 0..STAGES {
-            issue_stage::<E>(&mut acc, a_smem, b_smem, full, c, round, phases, s, tile);
-            let read = acc.commit();
-            released.wait();
-            if comptime![s > 0] || round > 0 {
-                empty.index(comptime![(s + STAGES - 1) % STAGES]).arrive();
-            }
-            released = read;
+            released = run_stage::<E>(
+                &mut acc,
+                released,
+                a_smem,
+                b_smem,
+                full,
+                empty,
+                c,
+                round,
+                phases,
+                comptime![s > 0] || round > 0,
+                s,
+                tile,
+            );
         }
     }
-    // The last partial round (at most 3 stages), nested so that every stage's wait follows the
+    // The last partial round (at most 3 stages: `STAGES` is 4, asserted below), nested so that every stage's wait follows the
     // previous stage's commit on every path.
     let rest = count - whole * STAGES as u32;
     let first = whole > 0;
     if rest > 0 {
-        issue_stage::<E>(
-            &mut acc, a_smem, b_smem, full, c, whole, phases, 0usize, tile,
+        released = run_stage::<E>(
+            &mut acc, released, a_smem, b_smem, full, empty, c, whole, phases, first, 0usize, tile,
         );
-        let read = acc.commit();
-        released.wait();
-        if first {
-            empty.index(STAGES - 1).arrive();
-        }
-        released = read;
         if rest > 1 {
-            issue_stage::<E>(
-                &mut acc, a_smem, b_smem, full, c, whole, phases, 1usize, tile,
+            released = run_stage::<E>(
+                &mut acc, released, a_smem, b_smem, full, empty, c, whole, phases, true, 1usize,
+                tile,
             );
-            let read = acc.commit();
-            released.wait();
-            empty.index(0usize).arrive();
-            released = read;
             if rest > 2 {
-                issue_stage::<E>(
-                    &mut acc, a_smem, b_smem, full, c, whole, phases, 2usize, tile,
+                released = run_stage::<E>(
+                    &mut acc, released, a_smem, b_smem, full, empty, c, whole, phases, true,
+                    2usize, tile,
                 );
-                let read = acc.commit();
-                released.wait();
-                empty.index(1usize).arrive();
-                released = read;
             }
         }
     }
@@ -345,3 +375,6 @@ fn consume_rounds<E: Float>(
     release_last_stage(empty, count, release_last);
     acc.wait()
 }
+
+// `consume_rounds` writes out the last partial round's (at most three) stages.
+const _: () = assert!(STAGES == 4);
